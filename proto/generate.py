@@ -1,0 +1,36 @@
+"""Regenerate the committed Python code for every .proto under proto/.
+
+Run from anywhere: ``python proto/generate.py``. The output mirrors the proto paths
+(proto/federation/api/v1/x.proto -> federation/api/v1/x_pb2.py) with .pyi types.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from grpc_tools import protoc
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_DIR = ROOT / "proto"
+
+
+def main() -> int:
+    """Run protoc with the Python, gRPC and mypy plugins."""
+    sources = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
+    include = Path(protoc.__file__).parent / "_proto"
+    args = [
+        "grpc_tools.protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={ROOT}",
+        f"--grpc_python_out={ROOT}",
+        f"--mypy_out={ROOT}",
+        f"--mypy_grpc_out={ROOT}",
+        *sources,
+    ]
+    return protoc.main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
