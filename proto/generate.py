@@ -6,6 +6,7 @@ Run from anywhere: ``python proto/generate.py``. The output mirrors the proto pa
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +20,9 @@ def main() -> int:
     """Run protoc with the Python, gRPC and mypy plugins."""
     sources = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
+    # The mypy plugins are console scripts installed beside this interpreter.
+    bin_dir = str(Path(sys.executable).parent)
+    os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
     args = [
         "grpc_tools.protoc",
         f"-I{PROTO_DIR}",

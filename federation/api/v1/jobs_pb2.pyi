@@ -394,12 +394,15 @@ class Job(_message.Message):
     UPDATED_AT_FIELD_NUMBER: _builtins.int
     SUBMITTED_BY_FIELD_NUMBER: _builtins.int
     CANCEL_REQUESTED_FIELD_NUMBER: _builtins.int
+    LAST_EVENT_SEQUENCE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
     submitted_by: _builtins.str
     """Identity that submitted the job."""
     cancel_requested: _builtins.bool
+    last_event_sequence: _builtins.int
+    """Sequence number of the job's newest event."""
     @_builtins.property
     def spec(self) -> Global___JobSpec: ...
     @_builtins.property
@@ -420,10 +423,11 @@ class Job(_message.Message):
         updated_at: _timestamp_pb2.Timestamp | None = ...,
         submitted_by: _builtins.str = ...,
         cancel_requested: _builtins.bool = ...,
+        last_event_sequence: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "spec", b"spec", "updated_at", b"updated_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "created_at", b"created_at", "id", b"id", "reason", b"reason", "spec", b"spec", "state", b"state", "submitted_by", b"submitted_by", "tasks", b"tasks", "updated_at", b"updated_at"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel_requested", b"cancel_requested", "created_at", b"created_at", "id", b"id", "last_event_sequence", b"last_event_sequence", "reason", b"reason", "spec", b"spec", "state", b"state", "submitted_by", b"submitted_by", "tasks", b"tasks", "updated_at", b"updated_at"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,97 @@
+"""The error tree: each error knows its gRPC status, a stable reason and its facts.
+
+Code raises these; ``federation.security.interceptors`` translates them once, at the edge.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+
+DOMAIN = "federation"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldViolation:
+    """One bad field of a request, as ``google.rpc.BadRequest`` reports it."""
+
+    field: str
+    """Path such as ``spec.tasks[0].command``."""
+    description: str
+
+
+class FederationError(Exception):
+    """Base of every error that reaches a client as a status."""
+
+    status: grpc.StatusCode = grpc.StatusCode.INTERNAL
+    reason: str = "INTERNAL"
+
+    def __init__(self, message: str, **metadata: str) -> None:
+        super().__init__(message)
+        self.metadata = metadata
+
+
+class InvalidArgumentError(FederationError):
+    """A request is malformed; ``violations`` names each bad field."""
+
+    status = grpc.StatusCode.INVALID_ARGUMENT
+    reason = "INVALID_ARGUMENT"
+
+    def __init__(self, violations: Sequence[FieldViolation]) -> None:
+        self.violations = tuple(violations)
+        summary = "; ".join(f"{v.field}: {v.description}" for v in self.violations[:5])
+        more = len(self.violations) - 5
+        super().__init__(f"invalid request: {summary}" + (f" (and {more} more)" if more > 0 else ""))
+
+
+class NotFoundError(FederationError):
+    status = grpc.StatusCode.NOT_FOUND
+    reason = "NOT_FOUND"
+
+
+class JobNotFoundError(NotFoundError):
+    reason = "JOB_NOT_FOUND"
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"no job {job_id!r}. To fix: list jobs with 'fedctl jobs list'", job=job_id)
+
+
+class SiteNotFoundError(NotFoundError):
+    reason = "SITE_NOT_FOUND"
+
+    def __init__(self, site: str) -> None:
+        super().__init__(f"no site {site!r}. To fix: list sites with 'fedctl sites'", site=site)
+
+
+class AlreadyExistsError(FederationError):
+    status = grpc.StatusCode.ALREADY_EXISTS
+    reason = "ALREADY_EXISTS"
+
+
+class UnauthenticatedError(FederationError):
+    status = grpc.StatusCode.UNAUTHENTICATED
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDeniedError(FederationError):
+    status = grpc.StatusCode.PERMISSION_DENIED
+    reason = "PERMISSION_DENIED"
+
+
+class FailedPreconditionError(FederationError):
+    status = grpc.StatusCode.FAILED_PRECONDITION
+    reason = "FAILED_PRECONDITION"
+
+
+class ConflictError(FederationError):
+    """A compare-and-swap lost a race; the caller may retry."""
+
+    status = grpc.StatusCode.ABORTED
+    reason = "CONFLICT"
+
+
+class UnavailableError(FederationError):
+    status = grpc.StatusCode.UNAVAILABLE
+    reason = "UNAVAILABLE"
