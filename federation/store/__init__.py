@@ -1,1 +1,35 @@
+"""The coordinator's durable, etcd-like key-value store."""
 
+from __future__ import annotations
+
+from federation.store.base import (
+    CasConflictError,
+    CompactedError,
+    Delete,
+    KeyValue,
+    LeaseNotFoundError,
+    Op,
+    Put,
+    Store,
+    StoreError,
+    WatchEvent,
+    WatchEventType,
+    check_ops,
+)
+from federation.store.sqlite import SqliteStore
+
+__all__ = [
+    "CasConflictError",
+    "CompactedError",
+    "Delete",
+    "KeyValue",
+    "LeaseNotFoundError",
+    "Op",
+    "Put",
+    "SqliteStore",
+    "Store",
+    "StoreError",
+    "WatchEvent",
+    "WatchEventType",
+    "check_ops",
+]

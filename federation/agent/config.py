@@ -1,0 +1,37 @@
+"""Site agent settings: a TOML file, overridden by flags."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    site: str
+    """The site's name; it must match the name its join token was minted for."""
+    domain: str
+    """edge, datacenter or cloud."""
+    coordinator: str
+    """mTLS address of the coordinator, host:port."""
+    ca: Path
+    """The federation CA certificate (public), to verify the coordinator."""
+    state_dir: Path
+    """Holds the site key and certificate (0600) and the task work folders."""
+    join_address: str = ""
+    """Server-TLS address for Join; only needed until the site has its certificate."""
+    token: str = ""
+    """One-time join token (prefer token_file: tokens in command lines leak)."""
+    token_file: Path | None = None
+    region: str = ""
+    inventory: Path | None = None
+    """Declared nodes and devices (hardware this machine lacks), YAML or TOML."""
+    discover_host: bool = True
+    """Publish this machine (CPU, memory, NVIDIA GPUs via NVML) as a node."""
+    host_node_name: str = ""
+    price_per_device_hour: float = 0.0
+    labels: dict[str, str] = field(default_factory=dict)
+    server_name: str = ""
+    """Name to verify in the coordinator's certificate when it differs from the address."""
+    kill_grace_s: float = 5.0
+    """Time between SIGTERM and SIGKILL when a task is cancelled."""

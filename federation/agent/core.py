@@ -1,0 +1,68 @@
+"""The contract between a site agent's session layer and its local scheduler core.
+
+The session layer speaks to the coordinator; a core decides what fits on the site and runs it.
+The embedded core runs tasks as processes on the agent's own machine; a Slurm core hands them to
+Slurm. Both satisfy ``LocalCore``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
+
+from federation.api.v1 import resources_pb2, site_link_service_pb2
+
+StatusCallback = Callable[[site_link_service_pb2.TaskReport], None]
+"""Called with a task's report each time its state changes (RUNNING, then a final state)."""
+
+ChangeCallback = Callable[[], None]
+"""Called whenever allocations or the queue change, so the agent can publish a view delta."""
+
+
+class LocalCore(Protocol):
+    """A site's local scheduler, as the session layer drives it."""
+
+    name: str
+    """Scheduler name published in the site view, e.g. ``"embedded"`` or ``"slurm"``."""
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        """Nodes with free cpu/memory and ``Device.allocated`` reflecting all held capacity."""
+        ...
+
+    def queue(self) -> resources_pb2.QueueState:
+        """Pending (reserved, uncommitted) and running work."""
+        ...
+
+    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
+        """Reserves capacity for every replica of a task, or declines with a reason."""
+        ...
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        """Starts a reserved task."""
+        ...
+
+    async def release(self, reservation_id: str) -> None:
+        """Frees an uncommitted reservation; a no-op for an unknown one."""
+        ...
+
+    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
+        """Stops a task (epoch 0 means any epoch); a no-op for an unknown task."""
+        ...
+
+    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
+        """Every task not yet forgotten: running ones and finished ones."""
+        ...
+
+    def forget(self, job_id: str, task: str, epoch: int) -> None:
+        """Drops a finished task once the coordinator has recorded its final status."""
+        ...
+
+    async def close(self) -> None:
+        """Lets go of the core without stopping running tasks (the session may restart)."""
+        ...
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stops every running task (SIGTERM, SIGKILL after ``grace_s``), for agent exit."""
+        ...

@@ -1,0 +1,433 @@
+"""The embedded local scheduler core: reserves room for tasks on the agent's nodes and runs them.
+
+Held capacity is never tracked incrementally: it is recomputed from the reservations and the
+unfinished tasks whenever it is needed, so it cannot drift from them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import os
+import signal
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeAlias
+
+import structlog
+
+from federation.agent.core import ChangeCallback, StatusCallback
+from federation.agent.packing import Slot, Usage, device_labels, place, visibility_env
+from federation.agent.process import ReplicaProcess, ReplicaStartError
+from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+
+log = structlog.get_logger()
+
+TaskKey = tuple[str, str, int]  # job id, task name, epoch
+State: TypeAlias = jobs_pb2.JobState.ValueType
+
+_DEFAULT_LEASE_S = 10.0
+_OUTPUT_TAIL_CHARS = 2000
+_FINAL = frozenset(
+    {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Capacity held for every replica of a task until it is committed or its lease lapses."""
+
+    id: str
+    key: TaskKey
+    spec: jobs_pb2.TaskSpec
+    slots: tuple[Slot, ...]
+    lease_s: float
+
+
+@dataclass(slots=True, eq=False)
+class _Task:
+    """A committed task: its replicas and, once it has ended, its outcome."""
+
+    key: TaskKey
+    reservation_id: str
+    spec: jobs_pb2.TaskSpec
+    slots: tuple[Slot, ...]
+    devices: list[str]
+    grace_s: float
+    state: State = jobs_pb2.JOB_STATE_DELEGATED  # until every replica has started
+    exit_code: int = 0
+    reason: str = ""
+    output_tail: str = ""
+    replicas: list[ReplicaProcess] = field(default_factory=list)
+    cancel_reason: str | None = None
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+    supervisor: asyncio.Task[None] | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.state not in _FINAL
+
+    def report(self) -> site_link_service_pb2.TaskReport:
+        job_id, task, epoch = self.key
+        return site_link_service_pb2.TaskReport(
+            job_id=job_id,
+            task=task,
+            epoch=epoch,
+            state=self.state,
+            exit_code=self.exit_code,
+            output_tail=self.output_tail,
+            reason=self.reason,
+            devices=self.devices,
+        )
+
+
+def _exit_reason(replica: int, returncode: int) -> str:
+    if returncode >= 0:
+        return f"replica {replica} exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"replica {replica} was killed by {name}"
+
+
+def _bad_path_component(value: str) -> bool:
+    return not value or "/" in value or "\0" in value or value in (".", "..")
+
+
+class EmbeddedCore:
+    """Runs tasks as processes on the agent's own nodes; satisfies ``LocalCore``.
+
+    Args:
+        nodes: The site's nodes. Their free capacity and ``Device.allocated`` are ignored: this
+            core owns allocation.
+        site: Site name, given to tasks as ``FEDERATION_SITE``.
+        work_dir: Each replica runs in ``work_dir/<job>/<task>/<epoch>/<replica>/``.
+        on_status: Called with a task's report when it starts running and when it ends.
+        on_change: Called whenever allocations or the queue change.
+        kill_grace_s: Time between SIGTERM and SIGKILL when a task is stopped.
+    """
+
+    name = "embedded"
+
+    def __init__(
+        self,
+        nodes: list[resources_pb2.Node],
+        *,
+        site: str,
+        work_dir: Path,
+        on_status: StatusCallback,
+        on_change: ChangeCallback,
+        kill_grace_s: float = 5.0,
+    ) -> None:
+        self._nodes: dict[str, resources_pb2.Node] = {}
+        for node in nodes:
+            if node.name in self._nodes:
+                raise ValueError(f"duplicate node name {node.name!r}")
+            self._nodes[node.name] = resources_pb2.Node()
+            self._nodes[node.name].CopyFrom(node)
+        self._site = site
+        self._work_dir = work_dir
+        self._on_status = on_status
+        self._on_change = on_change
+        self._kill_grace_s = kill_grace_s
+        self._reservations: dict[str, Reservation] = {}
+        self._lease_timers: dict[str, asyncio.TimerHandle] = {}
+        self._tasks: dict[TaskKey, _Task] = {}
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        """Nodes with free cpu/memory and ``Device.allocated`` reflecting all held capacity."""
+        usage = self._usage()
+        views = []
+        for name, base in self._nodes.items():
+            node = resources_pb2.Node()
+            node.CopyFrom(base)
+            node.cpu_free = max(0.0, node.cpu_cores - usage.cpu[name])
+            node.memory_free_mib = max(0, node.memory_mib - usage.memory_mib[name])
+            for pos, device in enumerate(node.devices):
+                device.allocated = (name, pos) in usage.devices
+            views.append(node)
+        return views
+
+    def queue(self) -> resources_pb2.QueueState:
+        """Reservations not yet committed, and tasks starting or running."""
+        running = sum(1 for t in self._tasks.values() if t.active)
+        return resources_pb2.QueueState(
+            pending_tasks=len(self._reservations), running_tasks=running, estimated_wait_s=0.0
+        )
+
+    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
+        """A report for every task not yet forgotten, running or finished."""
+        return [t.report() for t in self._tasks.values()]
+
+    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
+        """Reserves room for every replica of the task at once, or declines with a reason."""
+        key: TaskKey = (offer.job_id, offer.task, offer.epoch)
+        lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
+        held = next((r for r in self._reservations.values() if r.key == key), None)
+        if held is not None:
+            # A repeated offer: the same reservation, its lease renewed from now.
+            held = dataclasses.replace(held, lease_s=lease_s)
+        else:
+            problem = self._offer_problem(offer)
+            placed = place(self._nodes.values(), offer.spec, self._usage()) if not problem else ""
+            if problem or isinstance(placed, str):
+                reason = problem or str(placed)
+                log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
+                return site_link_service_pb2.OfferAnswer(accepted=False, reason=reason)
+            spec = jobs_pb2.TaskSpec()
+            spec.CopyFrom(offer.spec)
+            held = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s)
+            log.info(
+                "offer_accepted",
+                job_id=key[0],
+                task=key[1],
+                epoch=key[2],
+                reservation_id=held.id,
+                nodes=[slot.node for slot in placed],
+            )
+        self._reservations[held.id] = held
+        self._arm_lease(held)
+        self._changed()
+        return site_link_service_pb2.OfferAnswer(
+            accepted=True, reservation_id=held.id, expected_start_s=0.0, lease_s=lease_s
+        )
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        """Starts every replica of a reserved task.
+
+        A replica that cannot be started (a missing program, say) does not refuse the commit:
+        the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
+        """
+        key: TaskKey = (commit.job_id, commit.task, commit.epoch)
+        known = self._tasks.get(key)
+        if known is not None and known.reservation_id == commit.reservation_id:
+            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
+        reservation = self._reservations.get(commit.reservation_id)
+        if reservation is None or reservation.key != key:
+            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
+            if reservation is not None:
+                job_id, name, epoch = reservation.key
+                reason = (
+                    f"reservation {commit.reservation_id!r} is for {job_id}/{name} epoch {epoch}, "
+                    f"not {key[0]}/{key[1]} epoch {key[2]}"
+                )
+            log.info("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
+            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        self._drop_reservation(reservation.id)
+        devices = [
+            label
+            for slot in reservation.slots
+            for label in device_labels(self._nodes[slot.node], slot)
+        ]
+        task = _Task(key, reservation.id, reservation.spec, reservation.slots, devices, 0.0)
+        task.grace_s = self._kill_grace_s
+        self._tasks[key] = task
+        self._changed()
+        try:
+            await self._start_replicas(task)
+        except ReplicaStartError as exc:
+            await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+            if task.cancel_reason is not None:
+                self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
+            else:
+                self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
+            return site_link_service_pb2.CommitAnswer(started=True)
+        task.state = jobs_pb2.JOB_STATE_RUNNING
+        log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
+        self._report(task)
+        task.supervisor = asyncio.create_task(self._supervise(task))
+        return site_link_service_pb2.CommitAnswer(started=True)
+
+    async def release(self, reservation_id: str) -> None:
+        """Frees an uncommitted reservation; a no-op when it is unknown."""
+        if self._drop_reservation(reservation_id) is not None:
+            log.info("reservation_released", reservation_id=reservation_id)
+            self._changed()
+
+    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
+        """Stops the task and waits until it has ended CANCELLED.
+
+        Epoch 0 means any epoch; an unknown, finished or other-epoch task is left alone. A
+        reservation for the task is dropped too, so it can no longer be committed.
+        """
+
+        def targeted(key: TaskKey) -> bool:
+            return key[:2] == (job_id, task) and epoch in (0, key[2])
+
+        dropped = [r.id for r in self._reservations.values() if targeted(r.key)]
+        for reservation_id in dropped:
+            self._drop_reservation(reservation_id)
+        if dropped:
+            self._changed()
+        victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
+        if not victims and not dropped:
+            log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
+        await self._stop(victims, reason, self._kill_grace_s)
+
+    def forget(self, job_id: str, task: str, epoch: int) -> None:
+        """Drops a finished task's record; a running task is kept."""
+        known = self._tasks.get((job_id, task, epoch))
+        if known is not None and known.active:
+            log.warning("forget_ignored", job_id=job_id, task=task, epoch=epoch, state="running")
+        elif known is not None:
+            del self._tasks[known.key]
+
+    async def close(self) -> None:
+        """Drops reservations and their timers; running tasks go on and are still reported."""
+        for reservation_id in list(self._reservations):
+            self._drop_reservation(reservation_id)
+        log.info("core_closed", running_tasks=self.queue().running_tasks)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Stops every running task (SIGTERM, SIGKILL after ``grace_s``), then closes."""
+        victims = [t for t in self._tasks.values() if t.active]
+        await self._stop(victims, "agent shutting down", grace_s)
+        await self.close()
+
+    def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
+        """Why an offer is declined before placement is even tried, or ""."""
+        if _bad_path_component(offer.job_id) or _bad_path_component(offer.task):
+            return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
+        if not offer.spec.command:
+            return "task has no command"
+        cpu = offer.spec.resources.cpu
+        if not math.isfinite(cpu) or cpu < 0:
+            return f"invalid cpu request {cpu}"
+        keys = [*self._tasks, *(r.key for r in self._reservations.values())]
+        epochs = [k[2] for k in keys if k[:2] == (offer.job_id, offer.task)]
+        if epochs and max(epochs) > offer.epoch:
+            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
+        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
+            return f"epoch {offer.epoch} of the task was already committed here"
+        return ""
+
+    def _usage(self) -> Usage:
+        held = [slot for r in self._reservations.values() for slot in r.slots]
+        held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
+        return Usage.of(held)
+
+    def _arm_lease(self, reservation: Reservation) -> None:
+        if (timer := self._lease_timers.pop(reservation.id, None)) is not None:
+            timer.cancel()
+        self._lease_timers[reservation.id] = asyncio.get_running_loop().call_later(
+            reservation.lease_s, self._lapse, reservation.id
+        )
+
+    def _lapse(self, reservation_id: str) -> None:
+        if self._drop_reservation(reservation_id) is not None:
+            log.info("reservation_lapsed", reservation_id=reservation_id)
+            self._changed()
+
+    def _drop_reservation(self, reservation_id: str) -> Reservation | None:
+        if (timer := self._lease_timers.pop(reservation_id, None)) is not None:
+            timer.cancel()
+        return self._reservations.pop(reservation_id, None)
+
+    def _replica_env(self, task: _Task, replica: int) -> dict[str, str]:
+        slot = task.slots[replica]
+        node = self._nodes[slot.node]
+        env = dict(os.environ)
+        env.update(task.spec.env)
+        # Set last: a task's own env must not widen what it was given.
+        env.update(
+            FEDERATION_JOB_ID=task.key[0],
+            FEDERATION_TASK=task.key[1],
+            FEDERATION_EPOCH=str(task.key[2]),
+            FEDERATION_SITE=self._site,
+            FEDERATION_REPLICA=str(replica),
+            FEDERATION_REPLICAS=str(len(task.slots)),
+            FEDERATION_DEVICES=",".join(device_labels(node, slot)),
+        )
+        env.update(visibility_env(node, slot))
+        return env
+
+    async def _start_replicas(self, task: _Task) -> None:
+        job_id, name, epoch = task.key
+        base = self._work_dir / job_id / name / str(epoch)
+        dirs = [base / str(replica) for replica in range(len(task.slots))]
+
+        def make_dirs() -> None:
+            for directory in dirs:
+                directory.mkdir(parents=True, exist_ok=True)
+
+        await asyncio.to_thread(make_dirs)
+        for replica, cwd in enumerate(dirs):
+            env = self._replica_env(task, replica)
+            task.replicas.append(await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env))
+
+    async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
+        """Asks each task's supervisor to stop it and waits until all have ended."""
+        for victim in victims:
+            victim.cancel_reason, victim.grace_s = reason, grace_s
+            victim.cancelled.set()
+        await asyncio.gather(*(victim.finished.wait() for victim in victims))
+
+    async def _supervise(self, task: _Task) -> None:
+        """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
+        loop = asyncio.get_running_loop()
+        waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
+        cancelled = asyncio.ensure_future(task.cancelled.wait())
+        timeout_s = task.spec.timeout_s
+        deadline = loop.time() + timeout_s if timeout_s > 0 else None
+        state: State = jobs_pb2.JOB_STATE_SUCCEEDED
+        exit_code, reason, tail_of = 0, "", 0
+        try:
+            while waits:
+                remaining = None if deadline is None else max(0.0, deadline - loop.time())
+                done, _ = await asyncio.wait(
+                    {*waits, cancelled}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
+                )
+                if cancelled in done:
+                    state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or "cancelled"
+                    break
+                if not done:
+                    state, reason = jobs_pb2.JOB_STATE_FAILED, f"timed out after {timeout_s:g}s"
+                    break
+                exits = sorted((waits.pop(future), future.result()) for future in done)
+                failures = [(replica, code) for replica, code in exits if code != 0]
+                if failures:
+                    tail_of, exit_code = failures[0]
+                    state, reason = jobs_pb2.JOB_STATE_FAILED, _exit_reason(tail_of, exit_code)
+                    break
+        finally:
+            for future in [*waits, cancelled]:
+                future.cancel()
+        await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+        self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
+
+    def _finish(
+        self, task: _Task, state: State, exit_code: int, reason: str, output_tail: str
+    ) -> None:
+        task.state, task.exit_code, task.reason = state, exit_code, reason
+        task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
+        task.finished.set()
+        log.info(
+            "task_finished",
+            job_id=task.key[0],
+            task=task.key[1],
+            epoch=task.key[2],
+            state=jobs_pb2.JobState.Name(state),
+            exit_code=exit_code,
+            reason=reason,
+        )
+        self._report(task)
+        self._changed()
+
+    def _report(self, task: _Task) -> None:
+        # A failing callback must not stop the core from tracking its tasks.
+        try:
+            self._on_status(task.report())
+        except Exception:
+            log.exception("status_callback_failed")
+
+    def _changed(self) -> None:
+        try:
+            self._on_change()
+        except Exception:
+            log.exception("change_callback_failed")

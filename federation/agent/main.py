@@ -1,0 +1,122 @@
+"""The command line shared by ``fed-edge-agent`` and ``fed-datacenter-agent``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from federation.agent.config import AgentConfig
+from federation.agent.core import LocalCore
+from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
+from federation.agent.embedded_core import EmbeddedCore
+from federation.agent.enroll import EnrollmentError, ensure_enrolled
+from federation.agent.runtime import AgentRejectedError, AgentRuntime
+from federation.api.v1 import resources_pb2
+from federation.config import ConfigError, build, read_toml
+from federation.logging import configure_logging
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=prog, description=f"Run a {domain} site agent.")
+    p.add_argument("--config", type=Path, help="TOML config file")
+    p.add_argument("--site", help="site name")
+    p.add_argument("--domain", choices=["edge", "datacenter", "cloud"], help=f"default {domain}")
+    p.add_argument("--region")
+    p.add_argument("--coordinator", help="coordinator mTLS address host:port")
+    p.add_argument("--join-address", help="coordinator join address host:port")
+    p.add_argument("--ca", type=Path, help="federation CA certificate")
+    p.add_argument("--token-file", type=Path, help="file holding a one-time join token")
+    p.add_argument("--state-dir", type=Path, help="where the site key, cert and work live")
+    p.add_argument("--inventory", type=Path, help="declared nodes and devices (YAML/TOML)")
+    p.add_argument("--price-per-device-hour", type=float)
+    p.add_argument("--no-host", action="store_true", help="do not publish this machine as a node")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-json", action="store_true", default=None)
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
+    values: dict[str, Any] = {"domain": domain}
+    if args.config:
+        values |= read_toml(args.config)
+    flags = {
+        "site": args.site,
+        "domain": args.domain,
+        "region": args.region,
+        "coordinator": args.coordinator,
+        "join_address": args.join_address,
+        "ca": args.ca,
+        "token_file": args.token_file,
+        "state_dir": args.state_dir,
+        "inventory": args.inventory,
+        "price_per_device_hour": args.price_per_device_hour,
+        "discover_host": False if args.no_host else None,
+    }
+    values |= {k: v for k, v in flags.items() if v is not None}
+    missing = {"site", "coordinator", "ca", "state_dir"} - values.keys()
+    if missing:
+        raise ConfigError(
+            f"missing settings: {', '.join(sorted(missing))}. To fix: pass them as flags "
+            "(--site, --coordinator, --ca, --state-dir) or set them in --config"
+        )
+    return build(AgentConfig, values, source=str(args.config) if args.config else "flags")
+
+
+def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
+    nodes = [discover_host_node(config.host_node_name or None)] if config.discover_host else []
+    if config.inventory:
+        nodes += load_inventory(config.inventory)
+    if not nodes:
+        raise ConfigError("the site has no nodes: enable discover_host or give an inventory")
+    return nodes
+
+
+async def run(config: AgentConfig) -> int:
+    creds = await ensure_enrolled(config)
+    runtime_ref: list[AgentRuntime] = []
+    core: LocalCore = EmbeddedCore(
+        site_nodes(config),
+        site=config.site,
+        work_dir=config.state_dir / "work",
+        on_status=lambda report: runtime_ref[0].on_status(report),
+        on_change=lambda: runtime_ref[0].on_change(),
+        kill_grace_s=config.kill_grace_s,
+    )
+    runtime = AgentRuntime(config, creds, core)
+    runtime_ref.append(runtime)
+    session = asyncio.create_task(runtime.run())
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if session.done() and (err := session.exception()) is not None:
+        log.error("agent_rejected", error=str(err))
+        code = 1
+    session.cancel()
+    stopper.cancel()
+    await runtime.close()
+    await core.shutdown(config.kill_grace_s)
+    await core.close()
+    return code
+
+
+def run_agent(argv: list[str] | None, *, prog: str, domain: str) -> None:
+    args = parse_args(argv, prog, domain)
+    configure_logging(json=args.log_json, level=args.log_level)
+    try:
+        config = load_config(args, domain)
+        sys.exit(asyncio.run(run(config)))
+    except (ConfigError, InventoryError, EnrollmentError, AgentRejectedError) as err:
+        print(f"{prog}: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -1,0 +1,156 @@
+"""One replica of a task, run as a real child process in its own process group."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import structlog
+
+log = structlog.get_logger()
+
+TAIL_BYTES = 4096
+_READ_CHUNK = 64 * 1024
+# After the leader exits, how long to let the reader drain what is left in the pipe.
+_DRAIN_S = 1.0
+
+
+class ReplicaStartError(Exception):
+    """The replica's program could not be started; ``exit_code`` follows shell conventions."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class ReplicaProcess:
+    """A running replica: its exit code, the tail of its output, and a way to stop it.
+
+    The replica is the leader of a new session, so signals reach everything it started. Its
+    lifetime is its process group's: when the leader exits, stragglers it left behind are killed
+    (as a batch scheduler does), which also closes the output pipe they would hold open.
+    """
+
+    def __init__(self, proc: asyncio.subprocess.Process, argv: Sequence[str]) -> None:
+        self._proc = proc
+        self._argv = tuple(argv)
+        self._tail = bytearray()
+        self._reader = asyncio.create_task(self._read_output())
+        self._pidfd: int | None = None
+        self._watch_leader()
+        self._done = asyncio.create_task(self._run())
+
+    @classmethod
+    async def start(
+        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]
+    ) -> ReplicaProcess:
+        """Starts ``argv`` in ``cwd`` with exactly ``env``.
+
+        Raises:
+            ReplicaStartError: The program is missing, not executable, or cannot be started.
+        """
+        if not argv or not argv[0]:
+            raise ReplicaStartError("empty command", 127)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                cwd=cwd,
+                env=dict(env),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
+            )
+        except FileNotFoundError as exc:
+            raise ReplicaStartError(f"command not found: {argv[0]}", 127) from exc
+        except PermissionError as exc:
+            raise ReplicaStartError(f"permission denied: {argv[0]}", 126) from exc
+        except OSError as exc:
+            raise ReplicaStartError(f"cannot start {argv[0]}: {exc.strerror or exc}", 126) from exc
+        log.debug("replica_started", pid=proc.pid, argv=list(argv), cwd=str(cwd))
+        return cls(proc, argv)
+
+    @property
+    def pid(self) -> int:
+        """Process id of the leader, which is also its process group id."""
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        """Exit code once the leader has exited (negative: killed by that signal)."""
+        return self._proc.returncode
+
+    @property
+    def output_tail(self) -> str:
+        """The last 4 KiB of stdout and stderr together, decoded leniently."""
+        return self._tail.decode("utf-8", errors="replace")
+
+    async def wait(self) -> int:
+        """Waits for the replica to exit; returns its exit code (negative: killed by signal)."""
+        return await asyncio.shield(self._done)
+
+    async def terminate(self, grace_s: float) -> None:
+        """Sends SIGTERM to the process group, then SIGKILL if it outlives ``grace_s``."""
+        if self._done.done():
+            return
+        self._signal_group(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._done), timeout=grace_s)
+        except TimeoutError:
+            log.info("replica_killed", pid=self.pid, grace_s=grace_s)
+            self._signal_group(signal.SIGKILL)
+            await asyncio.shield(self._done)
+
+    def _signal_group(self, sig: signal.Signals) -> None:
+        # The group may already be gone; that is the outcome we wanted.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._proc.pid, sig)
+
+    def _watch_leader(self) -> None:
+        """Kills stragglers as soon as the leader exits.
+
+        ``Process.wait()`` also waits for the output pipe to close, which a straggler keeps open,
+        so the leader's exit is watched on a pidfd (Linux). Elsewhere stragglers are killed only
+        when the pipe closes or the replica is terminated.
+        """
+        try:
+            self._pidfd = os.pidfd_open(self._proc.pid)
+        except ProcessLookupError:  # already exited
+            self._signal_group(signal.SIGKILL)
+            return
+        except (AttributeError, OSError):
+            return
+        asyncio.get_running_loop().add_reader(self._pidfd, self._leader_exited)
+
+    def _leader_exited(self) -> None:
+        self._unwatch_leader()
+        self._signal_group(signal.SIGKILL)
+
+    def _unwatch_leader(self) -> None:
+        if self._pidfd is not None:
+            asyncio.get_running_loop().remove_reader(self._pidfd)
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    async def _read_output(self) -> None:
+        stream = self._proc.stdout
+        assert stream is not None  # stdout=PIPE
+        while chunk := await stream.read(_READ_CHUNK):
+            self._tail += chunk
+            del self._tail[:-TAIL_BYTES]
+
+    async def _run(self) -> int:
+        returncode = await self._proc.wait()
+        self._unwatch_leader()
+        self._signal_group(signal.SIGKILL)
+        try:
+            await asyncio.wait_for(asyncio.shield(self._reader), timeout=_DRAIN_S)
+        except TimeoutError:
+            # A straggler in another session still holds the pipe; stop reading from it.
+            self._reader.cancel()
+        log.debug("replica_exited", pid=self.pid, returncode=returncode)
+        return returncode

@@ -1,0 +1,221 @@
+"""The site agent's session with the coordinator: one Connect stream, kept alive.
+
+The agent opens the stream (so it works behind NAT), says hello with its full view and every
+task it holds, then sends view deltas, heartbeats, answers and task reports. When the stream
+breaks it reconnects with jittered backoff; tasks keep running meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+from collections.abc import AsyncIterator
+
+import grpc
+import structlog
+
+from federation.agent.config import AgentConfig
+from federation.agent.core import LocalCore
+from federation.agent.enroll import SiteCredentials, channel_options
+from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
+from federation.api.v1 import site_link_service_pb2 as pb
+from federation.jobspec import parse_domain
+from federation.security.tls import channel_credentials
+
+log = structlog.get_logger()
+
+AGENT_VERSION = "0.1.0"
+FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+MIN_BACKOFF_S = 0.2
+MAX_BACKOFF_S = 10.0
+
+
+class AgentRejectedError(RuntimeError):
+    """The coordinator refused this agent's identity; retrying cannot help."""
+
+
+class AgentRuntime:
+    """Owns the local core and keeps one session to the coordinator alive."""
+
+    def __init__(self, config: AgentConfig, creds: SiteCredentials, core: LocalCore) -> None:
+        self._config = config
+        self._creds = creds
+        self.core = core
+        self._domain = parse_domain(config.domain)
+        self._generation = 0
+        self._sent_nodes: dict[str, bytes] = {}
+        self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
+        self._view_dirty = asyncio.Event()
+        self._heartbeat_s = 3.0
+        self._handlers: set[asyncio.Task[None]] = set()
+        self.connected = asyncio.Event()
+
+    # Called by the core ----------------------------------------------------------------
+
+    def on_status(self, report: pb.TaskReport) -> None:
+        """Forward a task status now; if offline, the next hello carries it (core keeps it)."""
+        if self._outbox is not None:
+            self._outbox.put_nowait(pb.ConnectRequest(task_status=report))
+
+    def on_change(self) -> None:
+        self._view_dirty.set()
+
+    # The view ----------------------------------------------------------------------------
+
+    def full_view(self) -> resources_pb2.SiteView:
+        c = self._config
+        return resources_pb2.SiteView(
+            site=c.site,
+            domain=self._domain,
+            region=c.region,
+            nodes=self.core.nodes(),
+            queue=self.core.queue(),
+            price_per_device_hour=c.price_per_device_hour,
+            labels=c.labels,
+            scheduler=self.core.name,
+            agent_version=AGENT_VERSION,
+        )
+
+    def _mark_sent(self, view: resources_pb2.SiteView) -> None:
+        self._sent_nodes = {n.name: n.SerializeToString(deterministic=True) for n in view.nodes}
+
+    def _delta(self) -> pb.ViewUpdate | None:
+        nodes = {n.name: n for n in self.core.nodes()}
+        encoded = {name: n.SerializeToString(deterministic=True) for name, n in nodes.items()}
+        upserted = [
+            nodes[name] for name, data in encoded.items() if self._sent_nodes.get(name) != data
+        ]
+        removed = [name for name in self._sent_nodes if name not in nodes]
+        self._sent_nodes = encoded
+        self._generation += 1
+        return pb.ViewUpdate(
+            generation=self._generation,
+            delta=resources_pb2.SiteViewDelta(
+                upserted_nodes=upserted,
+                removed_nodes=removed,
+                queue=self.core.queue(),
+                has_queue=True,
+            ),
+        )
+
+    # The session -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a session up until cancelled; raise ``AgentRejectedError`` if refused."""
+        backoff = MIN_BACKOFF_S
+        while True:
+            try:
+                await self._session()
+            except grpc.aio.AioRpcError as err:
+                if err.code() in FATAL_CODES:
+                    raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
+                log.warning("session_lost", code=err.code().name, details=err.details())
+            finally:
+                self._outbox = None
+            if self.connected.is_set():
+                backoff = MIN_BACKOFF_S  # it worked until now: come back quickly
+                self.connected.clear()
+            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
+            backoff = min(backoff * 2, MAX_BACKOFF_S)
+
+    async def _session(self) -> None:
+        outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        view = self.full_view()
+        self._generation += 1
+        self._mark_sent(view)
+        hello = pb.Hello(view=view, generation=self._generation, tasks=self.core.tasks())
+        outbox.put_nowait(pb.ConnectRequest(hello=hello))
+        async with grpc.aio.secure_channel(
+            self._config.coordinator,
+            channel_credentials(self._creds.tls),
+            options=channel_options(self._config),
+        ) as channel:
+            stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+            call = stub.Connect(_drain(outbox))
+            self._outbox = outbox
+            helpers = [
+                asyncio.create_task(self._heartbeats(outbox)),
+                asyncio.create_task(self._views(outbox)),
+            ]
+            try:
+                async for message in call:
+                    if not self.connected.is_set():
+                        self.connected.set()
+                        log.info("session_established", coordinator=self._config.coordinator)
+                    self._dispatch(message, outbox)
+            finally:
+                for task in helpers:
+                    task.cancel()
+                call.cancel()
+
+    async def _heartbeats(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
+        while True:
+            await asyncio.sleep(self._heartbeat_s)
+            outbox.put_nowait(
+                pb.ConnectRequest(heartbeat=pb.Heartbeat(generation=self._generation))
+            )
+
+    async def _views(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
+        while True:
+            await self._view_dirty.wait()
+            await asyncio.sleep(0.02)  # coalesce a burst of changes into one delta
+            self._view_dirty.clear()
+            update = self._delta()
+            if update is not None:
+                outbox.put_nowait(pb.ConnectRequest(view=update))
+
+    def _dispatch(
+        self, message: pb.ConnectResponse, outbox: asyncio.Queue[pb.ConnectRequest]
+    ) -> None:
+        body = message.WhichOneof("body")
+        if body == "welcome":
+            self._heartbeat_s = message.welcome.heartbeat_interval_s or self._heartbeat_s
+        elif body == "resync":
+            view = self.full_view()
+            self._generation += 1
+            self._mark_sent(view)
+            outbox.put_nowait(
+                pb.ConnectRequest(view=pb.ViewUpdate(generation=self._generation, full=view))
+            )
+        elif body == "ack":
+            self.core.forget(message.ack.job_id, message.ack.task, message.ack.epoch)
+        else:
+            # Offers, commits, releases and cancels may be slow (a real scheduler answers
+            # them): handle each in its own task so the stream keeps flowing.
+            task = asyncio.create_task(self._answer(message, outbox))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _answer(
+        self, message: pb.ConnectResponse, outbox: asyncio.Queue[pb.ConnectRequest]
+    ) -> None:
+        body = message.WhichOneof("body")
+        cid = message.correlation_id
+        try:
+            if body == "offer":
+                answer = await self.core.offer(message.offer)
+                outbox.put_nowait(pb.ConnectRequest(correlation_id=cid, offer_answer=answer))
+            elif body == "commit":
+                started = await self.core.commit(message.commit)
+                outbox.put_nowait(pb.ConnectRequest(correlation_id=cid, commit_answer=started))
+            elif body == "release":
+                await self.core.release(message.release.reservation_id)
+            elif body == "cancel":
+                c = message.cancel
+                await self.core.cancel(c.job_id, c.task, c.epoch, c.reason)
+            else:
+                log.warning("unknown_message_ignored", body=body)
+        except Exception:
+            log.exception("request_failed", body=body)
+
+    async def close(self) -> None:
+        for task in list(self._handlers):
+            task.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._handlers, return_exceptions=True)
+
+
+async def _drain(outbox: asyncio.Queue[pb.ConnectRequest]) -> AsyncIterator[pb.ConnectRequest]:
+    while True:
+        yield await outbox.get()

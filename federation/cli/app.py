@@ -1,0 +1,54 @@
+"""``fedctl``: the operator and client command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import inspect
+import sys
+from pathlib import Path
+
+import grpc
+
+from federation.cli import demo, pki, remote
+from federation.cli.connection import CliError, describe_rpc_error, resolve_connection
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fedctl", description=__doc__)
+    parser.add_argument("--coordinator", help="host:port (env FEDCTL_COORDINATOR)")
+    parser.add_argument("--pki-dir", type=Path, help="folder from 'fedctl pki init' "
+                        "(env FEDCTL_PKI_DIR); uses its operator certificate")
+    parser.add_argument("--ca", type=Path, help="CA certificate (env FEDCTL_CA)")
+    parser.add_argument("--cert", type=Path, help="client certificate (env FEDCTL_CERT)")
+    parser.add_argument("--key", type=Path, help="client key (env FEDCTL_KEY)")
+    parser.add_argument("--json", action="store_true", help="JSON output for scripts")
+    sub = parser.add_subparsers(dest="command", required=True)
+    pki.add_parser(sub)
+    remote.add_parsers(sub)
+    demo.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(run(args))
+    except CliError as err:
+        print(f"fedctl: {err}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def run(args: argparse.Namespace) -> int:
+    func = args.func
+    params = inspect.signature(func).parameters
+    if "conn" not in params:
+        result = func(args)
+        return int(asyncio.run(result) if inspect.isawaitable(result) else result)
+    conn = resolve_connection(args.coordinator, args.pki_dir, args.ca, args.cert, args.key)
+    try:
+        return int(asyncio.run(func(args, conn)))
+    except grpc.aio.AioRpcError as err:
+        raise CliError(describe_rpc_error(err)) from None

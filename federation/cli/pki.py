@@ -1,0 +1,56 @@
+"""``fedctl pki``: make the federation CA and certificates offline."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from federation.cli.connection import CliError
+from federation.cli.render import console
+from federation.security.identity import Identity, InvalidIdentityError, Role
+from federation.security.pki import PkiLayout, fingerprint, init_pki, issue_client_files
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    pki = sub.add_parser("pki", help="federation CA and certificates")
+    pki_sub = pki.add_subparsers(dest="pki_command", required=True)
+    init = pki_sub.add_parser("init", help="create a CA, a coordinator cert and an operator cert")
+    init.add_argument("--dir", type=Path, required=True, help="folder to write (0700)")
+    init.add_argument("--san", action="append", default=[],
+                      help="coordinator DNS name or IP (repeatable; default localhost, 127.0.0.1)")
+    init.add_argument("--operator", default="admin", help="name of the first operator")
+    init.add_argument("--force", action="store_true", help="replace an existing CA")
+    init.set_defaults(func=cmd_init)
+    issue = pki_sub.add_parser("issue", help="issue a client certificate (tenant or operator)")
+    issue.add_argument("--dir", type=Path, required=True)
+    role = issue.add_mutually_exclusive_group(required=True)
+    role.add_argument("--tenant")
+    role.add_argument("--operator")
+    issue.set_defaults(func=cmd_issue)
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    sans = args.san or ["localhost", "127.0.0.1"]
+    try:
+        layout = init_pki(args.dir, server_sans=sans, operator=args.operator, force=args.force)
+    except (FileExistsError, InvalidIdentityError, ValueError) as err:
+        raise CliError(f"{err}") from None
+    console.print(f"CA            {layout.ca_cert}  ({fingerprint(layout.ca_cert.read_bytes())})")
+    console.print(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}")
+    console.print(f"operator      {layout.client_cert('operator-' + args.operator)}")
+    console.print(f"[dim]keep {layout.ca_key} secret: it signs every site certificate[/dim]")
+    return 0
+
+
+def cmd_issue(args: argparse.Namespace) -> int:
+    try:
+        identity = (
+            Identity(Role.TENANT, args.tenant)
+            if args.tenant
+            else Identity(Role.OPERATOR, args.operator)
+        )
+        cert, key = issue_client_files(PkiLayout(args.dir), identity)
+    except (InvalidIdentityError, OSError, ValueError) as err:
+        raise CliError(str(err)) from None
+    console.print(f"{identity}: {cert} (key {key})")
+    return 0

@@ -1,0 +1,237 @@
+"""``fedctl`` commands that talk to the coordinator: status, sites, token, jobs."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from rich.table import Table
+
+from federation.api.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    jobs_pb2,
+)
+from federation.cli.connection import CliError, Connection
+from federation.cli.render import (
+    console,
+    event_line,
+    jobs_table,
+    print_json,
+    sites_table,
+)
+from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
+
+
+def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    status = sub.add_parser("status", help="federation status: sites and job counts")
+    status.set_defaults(func=cmd_status)
+
+    sites = sub.add_parser("sites", help="list, cordon and uncordon sites")
+    sites.set_defaults(func=cmd_sites)
+    sites_sub = sites.add_subparsers(dest="sites_command")
+    sites_sub.add_parser("list").set_defaults(func=cmd_sites)
+    for name, func in (("cordon", cmd_cordon), ("uncordon", cmd_uncordon)):
+        p = sites_sub.add_parser(name, help=f"{name} a site")
+        p.add_argument("site")
+        p.set_defaults(func=func)
+
+    token = sub.add_parser("token", help="join tokens")
+    token_sub = token.add_subparsers(dest="token_command", required=True)
+    create = token_sub.add_parser("create", help="mint a one-time join token for a site")
+    create.add_argument("--site", required=True)
+    create.add_argument("--domain", required=True, choices=["edge", "datacenter", "cloud"])
+    create.add_argument("--ttl", type=float, default=3600.0, help="seconds (default 3600)")
+    create.add_argument("--out", type=Path, help="write the token to this file (0600)")
+    create.set_defaults(func=cmd_token_create)
+
+    jobs = sub.add_parser("jobs", help="submit, list, get, cancel and watch jobs")
+    jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
+    submit = jobs_sub.add_parser("submit", help="submit the job(s) in a YAML or JSON file")
+    submit.add_argument("file", type=Path)
+    submit.set_defaults(func=cmd_submit)
+    ls = jobs_sub.add_parser("list", help="list jobs")
+    ls.add_argument("--state", action="append", default=[], help="e.g. RUNNING (repeatable)")
+    ls.add_argument("--tenant", default="")
+    ls.add_argument("--site", default="")
+    ls.add_argument("--limit", type=int, default=100)
+    ls.set_defaults(func=cmd_list)
+    get = jobs_sub.add_parser("get", help="one job with its tasks and events")
+    get.add_argument("job_id")
+    get.set_defaults(func=cmd_get)
+    cancel = jobs_sub.add_parser("cancel", help="cancel a job")
+    cancel.add_argument("job_id")
+    cancel.add_argument("--reason", default="")
+    cancel.set_defaults(func=cmd_cancel)
+    watch = jobs_sub.add_parser("watch", help="stream job events (Ctrl-C to stop)")
+    watch.add_argument("job_ids", nargs="*")
+    watch.set_defaults(func=cmd_watch)
+
+
+async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.GetFederationStatus(admin_service_pb2.GetFederationStatusRequest())
+    if args.json:
+        print_json(reply)
+        return 0
+    console.print(sites_table(reply.sites))
+    counts = Table(title=f"Jobs (coordinator {reply.coordinator_version})")
+    counts.add_column("state")
+    counts.add_column("jobs", justify="right")
+    for name, count in sorted(reply.jobs_by_state.items()):
+        counts.add_row(name.removeprefix("JOB_STATE_"), str(count))
+    console.print(counts)
+    return 0
+
+
+async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
+    if args.json:
+        print_json(list(reply.sites))
+    else:
+        console.print(sites_table(reply.sites))
+    return 0
+
+
+async def _cordon(args: argparse.Namespace, conn: Connection, cordoned: bool) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        if cordoned:
+            site = (await admin.CordonSite(admin_service_pb2.CordonSiteRequest(site=args.site))).site
+        else:
+            site = (
+                await admin.UncordonSite(admin_service_pb2.UncordonSiteRequest(site=args.site))
+            ).site
+    if args.json:
+        print_json(site)
+    else:
+        console.print(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}")
+    return 0
+
+
+async def cmd_cordon(args: argparse.Namespace, conn: Connection) -> int:
+    return await _cordon(args, conn, True)
+
+
+async def cmd_uncordon(args: argparse.Namespace, conn: Connection) -> int:
+    return await _cordon(args, conn, False)
+
+
+async def cmd_token_create(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.CreateJoinToken(
+            admin_service_pb2.CreateJoinTokenRequest(
+                site=args.site, domain=parse_domain(args.domain), ttl_s=args.ttl
+            )
+        )
+    if args.out:
+        from federation.security.pki import write_private_file
+
+        write_private_file(args.out, reply.token.encode() + b"\n")
+    if args.json:
+        print_json(reply)
+    elif args.out:
+        console.print(f"token for {args.site} written to {args.out} "
+                      f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)")
+    else:
+        print(reply.token)
+    return 0
+
+
+async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
+    try:
+        specs = load_job_specs(args.file)
+    except JobSpecFileError as err:
+        raise CliError(str(err)) from None
+    async with conn.channel() as channel:
+        jobs = job_service_pb2_grpc.JobServiceStub(channel)
+        if len(specs) == 1:
+            submitted = [(await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=specs[0]))).job]
+        else:
+            reply = await jobs.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+            submitted = list(reply.jobs)
+    if args.json:
+        print_json(submitted)
+    else:
+        for job in submitted:
+            console.print(f"submitted {job.id} ({job.spec.name})")
+    return 0
+
+
+async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
+    states = []
+    for name in args.state:
+        full = "JOB_STATE_" + name.upper().removeprefix("JOB_STATE_")
+        if full not in jobs_pb2.JobState.keys():
+            raise CliError(f"unknown state {name!r}; one of PENDING, SCHEDULING, DELEGATED, "
+                           "RUNNING, SUCCEEDED, FAILED, CANCELLED")
+        states.append(jobs_pb2.JobState.Value(full))
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        found: list[jobs_pb2.Job] = []
+        token = ""
+        while len(found) < args.limit:
+            reply = await stub.ListJobs(job_service_pb2.ListJobsRequest(
+                states=states, tenant=args.tenant, site=args.site,
+                page_size=min(args.limit - len(found), 1000), page_token=token))
+            found += reply.jobs
+            token = reply.next_page_token
+            if not token:
+                break
+    if args.json:
+        print_json(found)
+    else:
+        console.print(jobs_table(found))
+    return 0
+
+
+async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=args.job_id))).job
+    if args.json:
+        print_json(job)
+        return 0
+    console.print(jobs_table([job], title=f"Job {job.id}"))
+    for task in job.tasks:
+        console.print(f"[bold]{task.name}[/bold] {state_name(task.state)} at {task.site or '-'} "
+                      f"epoch {task.epoch}: {task.reason}")
+        if task.devices:
+            console.print(f"  devices: {', '.join(task.devices)}")
+        for verdict in task.verdicts:
+            console.print(f"  {verdict.site}: [{verdict.stage}] {verdict.reason}")
+        if task.output_tail:
+            console.print("  output tail:", markup=False)
+            console.print("    " + task.output_tail.rstrip().replace("\n", "\n    "),
+                          markup=False)
+    return 0
+
+
+async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        job = (await stub.CancelJob(job_service_pb2.CancelJobRequest(
+            job_id=args.job_id, reason=args.reason))).job
+    if args.json:
+        print_json(job)
+    else:
+        console.print(f"{job.id}: {state_name(job.state)} ({job.reason})")
+    return 0
+
+
+async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        request = job_service_pb2.WatchJobsRequest(job_ids=args.job_ids, include_current=True)
+        async for reply in stub.WatchJobs(request):
+            if args.json:
+                print_json(reply.event)
+            else:
+                console.print(event_line(reply.event), markup=False)
+    return 0

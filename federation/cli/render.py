@@ -1,0 +1,109 @@
+"""Tables for people and JSON for scripts, from API messages."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterable, Sequence
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+from rich.console import Console
+from rich.table import Table
+
+from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
+from federation.jobspec import domain_name, kind_name, state_name
+
+console = Console()
+
+
+def print_json(messages: Message | Sequence[Message]) -> None:
+    def as_dict(m: Message) -> object:
+        return json_format.MessageToDict(m, preserving_proto_field_name=True)
+
+    doc = [as_dict(m) for m in messages] if isinstance(messages, Sequence) else as_dict(messages)
+    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
+def site_state_name(value: int) -> str:
+    return admin_service_pb2.SiteState.Name(value).removeprefix("SITE_STATE_")  # type: ignore[arg-type]
+
+
+def device_summary(nodes: Iterable[resources_pb2.Node]) -> str:
+    """``GPU 6/8 (declared), NPU 2/2`` — free/total per kind, with provenance."""
+    totals: dict[str, list[int]] = {}
+    declared: set[str] = set()
+    for node in nodes:
+        for dev in node.devices:
+            kind = kind_name(dev.kind)
+            free_total = totals.setdefault(kind, [0, 0])
+            free_total[1] += 1
+            if not dev.allocated and dev.health == resources_pb2.DEVICE_HEALTH_HEALTHY:
+                free_total[0] += 1
+            if dev.provenance == resources_pb2.PROVENANCE_DECLARED:
+                declared.add(kind)
+    parts = []
+    for kind, (free, total) in sorted(totals.items()):
+        models = ""
+        parts.append(f"{kind} {free}/{total}{' (declared)' if kind in declared else ''}{models}")
+    return ", ".join(parts) or "-"
+
+
+def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
+    table = Table(title="Sites")
+    for column in ("site", "domain", "state", "nodes", "cpu free/total", "devices free/total",
+                   "heartbeat", "source"):
+        table.add_column(column)
+    for site in sites:
+        view = site.view
+        cpu_free = sum(n.cpu_free for n in view.nodes)
+        cpu_total = sum(n.cpu_cores for n in view.nodes)
+        provenances = {n.provenance for n in view.nodes} | {
+            d.provenance for n in view.nodes for d in n.devices
+        }
+        source = "/".join(
+            name
+            for value, name in (
+                (resources_pb2.PROVENANCE_DISCOVERED, "discovered"),
+                (resources_pb2.PROVENANCE_DECLARED, "declared"),
+            )
+            if value in provenances
+        )
+        state = site_state_name(site.state) + (" cordoned" if site.cordoned else "")
+        age = f"{site.heartbeat_age_s:.1f}s" if site.heartbeat_age_s >= 0 else "never"
+        table.add_row(
+            site.name,
+            domain_name(site.domain),
+            state,
+            str(len(view.nodes)),
+            f"{cpu_free:g}/{cpu_total:g}",
+            device_summary(view.nodes),
+            age,
+            source or "-",
+        )
+    return table
+
+
+def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
+    table = Table(title=title)
+    for column in ("job", "name", "tenant", "state", "tasks (site, state)", "reason"):
+        table.add_column(column, overflow="fold")
+    for job in jobs:
+        tasks = "\n".join(
+            f"{t.name}: {t.site or '-'} {state_name(t.state)}"
+            + (f" exit {t.exit_code}" if t.state == jobs_pb2.JOB_STATE_FAILED else "")
+            for t in job.tasks
+        )
+        table.add_row(job.id, job.spec.name, job.spec.tenant, state_name(job.state), tasks,
+                      job.reason)
+    return table
+
+
+def event_line(event: jobs_pb2.JobEvent) -> str:
+    where = f" at {event.site}" if event.site else ""
+    task = f" task {event.task}" if event.task else ""
+    return (
+        f"{event.time.ToDatetime():%H:%M:%S} {event.job_id}{task} -> {state_name(event.state)}"
+        f"{where}: {event.reason} (job {state_name(event.job_state)})"
+    )

@@ -1,0 +1,86 @@
+"""``fed-coordinator``: run the federation coordinator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from federation.config import ConfigError, build, read_toml
+from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.server import start_coordinator
+from federation.logging import configure_logging
+from federation.security.pki import PkiLayout
+
+log = structlog.get_logger()
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="fed-coordinator", description=__doc__)
+    p.add_argument("--config", type=Path, help="TOML config file")
+    p.add_argument("--pki-dir", type=Path, help="folder made by 'fedctl pki init'")
+    p.add_argument("--data-dir", type=Path, help="where the embedded store lives")
+    p.add_argument("--listen", help="mTLS address, e.g. 0.0.0.0:7070 (port 0: any free)")
+    p.add_argument("--join-listen", help="join (server-TLS only) address")
+    p.add_argument("--ready-file", type=Path, help="write the bound ports here as JSON")
+    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-json", action="store_true", default=None, help="JSON logs")
+    return p.parse_args(argv)
+
+
+def load_config(args: argparse.Namespace) -> CoordinatorConfig:
+    values: dict[str, Any] = read_toml(args.config) if args.config else {}
+    source = str(args.config) if args.config else "flags"
+    if args.pki_dir:
+        layout = PkiLayout(args.pki_dir)
+        values |= {
+            "ca_cert": layout.ca_cert,
+            "ca_key": layout.ca_key,
+            "cert": layout.server_cert,
+            "key": layout.server_key,
+        }
+    overrides = {"data_dir": args.data_dir, "listen": args.listen, "join_listen": args.join_listen}
+    values |= {k: v for k, v in overrides.items() if v is not None}
+    missing = {"data_dir", "ca_cert", "ca_key", "cert", "key"} - values.keys()
+    if missing:
+        raise ConfigError(
+            f"missing settings: {', '.join(sorted(missing))}. To fix: pass --pki-dir and "
+            "--data-dir, or set them in --config"
+        )
+    return build(CoordinatorConfig, values, source=source)
+
+
+async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
+    coordinator = await start_coordinator(config)
+    if ready_file:
+        tmp = ready_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"port": coordinator.port, "join_port": coordinator.join_port}))
+        tmp.replace(ready_file)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("coordinator_stopping")
+    await coordinator.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    configure_logging(json=args.log_json, level=args.log_level)
+    try:
+        config = load_config(args)
+    except ConfigError as err:
+        print(f"fed-coordinator: {err}", file=sys.stderr)
+        sys.exit(2)
+    asyncio.run(serve(config, args.ready_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Operator views and actions over the whole federation."""
+
+from __future__ import annotations
+
+from federation.api.v1 import admin_service_pb2
+from federation.coordinator.jobs import JobRepository
+from federation.coordinator.sites import SiteRegistry
+from federation.errors import FieldViolation, InvalidArgumentError
+
+VERSION = "0.1.0"
+
+
+class Admin:
+    def __init__(self, sites: SiteRegistry, jobs: JobRepository) -> None:
+        self._sites = sites
+        self._jobs = jobs
+
+    def sites(self) -> list[admin_service_pb2.Site]:
+        return [self._sites.describe(name) for name in self._sites.names()]
+
+    async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
+        return admin_service_pb2.GetFederationStatusResponse(
+            coordinator_version=VERSION,
+            sites=self.sites(),
+            jobs_by_state=await self._jobs.count_by_state(),
+        )
+
+    async def cordon(self, site: str, cordoned: bool) -> admin_service_pb2.Site:
+        if not site:
+            raise InvalidArgumentError([FieldViolation("site", "is required")])
+        return await self._sites.set_cordoned(site, cordoned)

@@ -1,0 +1,62 @@
+"""In-process fan-out of job events to ``WatchJobs`` streams."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from federation.api.v1 import jobs_pb2
+
+JobFilter = Callable[[jobs_pb2.Job], bool]
+
+
+class WatchOverflowError(Exception):
+    """A watcher fell too far behind and was dropped."""
+
+
+@dataclass(eq=False)
+class Subscription:
+    """One watcher: a bounded queue of events and which jobs it may see."""
+
+    accepts: JobFilter
+    queue: asyncio.Queue[jobs_pb2.JobEvent | None] = field(
+        default_factory=lambda: asyncio.Queue(maxsize=10_000)
+    )
+    overflowed: bool = False
+
+    async def next(self) -> jobs_pb2.JobEvent:
+        """The next event; raises ``WatchOverflowError`` once the watcher was dropped."""
+        event = await self.queue.get()
+        if event is None:
+            raise WatchOverflowError("watch fell behind; watch again with include_current")
+        return event
+
+
+class EventHub:
+    """Delivers each committed job event to every subscription that may see the job."""
+
+    def __init__(self) -> None:
+        self._subscriptions: set[Subscription] = set()
+
+    def subscribe(self, accepts: JobFilter) -> Subscription:
+        sub = Subscription(accepts)
+        self._subscriptions.add(sub)
+        return sub
+
+    def unsubscribe(self, sub: Subscription) -> None:
+        self._subscriptions.discard(sub)
+
+    def publish(self, job: jobs_pb2.Job, events: list[jobs_pb2.JobEvent]) -> None:
+        """Called after the events are durable, never before."""
+        for sub in list(self._subscriptions):
+            if sub.overflowed or not sub.accepts(job):
+                continue
+            for event in events:
+                if sub.queue.qsize() >= sub.queue.maxsize - 1:
+                    # Keep one slot for the end marker so the watcher learns it was dropped.
+                    sub.overflowed = True
+                    sub.queue.put_nowait(None)
+                    self._subscriptions.discard(sub)
+                    break
+                sub.queue.put_nowait(event)

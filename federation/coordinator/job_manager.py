@@ -1,0 +1,344 @@
+"""Job operations for clients and agents: submit, read, cancel, watch, and task reports."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import structlog
+
+from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.coordinator import job_state
+from federation.coordinator.events import EventHub
+from federation.coordinator.jobs import (
+    Change,
+    JobRepository,
+    find_task,
+    new_job_id,
+    now_timestamp,
+    transition,
+)
+from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.validation import spec_violations
+from federation.errors import (
+    FieldViolation,
+    InvalidArgumentError,
+    JobNotFoundError,
+    PermissionDeniedError,
+)
+from federation.security.identity import Identity, Role
+
+log = structlog.get_logger()
+
+DEFAULT_TENANT = "default"
+MAX_BATCH = 10_000
+MAX_PAGE = 1000
+
+
+def visible_to(caller: Identity) -> Callable[[jobs_pb2.Job], bool]:
+    """Operators see every job; a tenant sees only its own."""
+    if caller.role is Role.OPERATOR:
+        return lambda job: True
+    return lambda job: job.spec.tenant == caller.name
+
+
+class JobManager:
+    def __init__(
+        self, jobs: JobRepository, sites: SiteRegistry, hub: EventHub, wake: Callable[[], None]
+    ) -> None:
+        self._jobs = jobs
+        self._sites = sites
+        self._hub = hub
+        self._wake = wake
+
+    # Clients -----------------------------------------------------------------------------
+
+    async def submit(
+        self, caller: Identity, specs: Sequence[jobs_pb2.JobSpec], *, batch: bool
+    ) -> list[jobs_pb2.Job]:
+        """Validate every spec, then store all jobs in one commit (all or nothing)."""
+        if len(specs) > MAX_BATCH:
+            raise InvalidArgumentError(
+                [FieldViolation("specs", f"at most {MAX_BATCH} jobs per batch, got {len(specs)}")]
+            )
+        if batch and not specs:
+            raise InvalidArgumentError([FieldViolation("specs", "the batch is empty")])
+        violations: list[FieldViolation] = []
+        ids: dict[str, int] = {}
+        for i, spec in enumerate(specs):
+            path = f"specs[{i}]" if batch else "spec"
+            violations += spec_violations(spec, path)
+            if caller.role is Role.TENANT and spec.tenant not in ("", caller.name):
+                raise PermissionDeniedError(
+                    f"{caller} may not submit jobs for tenant {spec.tenant!r}"
+                )
+            if spec.id:
+                if spec.id in ids:
+                    violations.append(
+                        FieldViolation(f"{path}.id", f"duplicate id {spec.id!r} in this batch")
+                    )
+                ids[spec.id] = i
+        if violations:
+            raise InvalidArgumentError(violations)
+        jobs = [self._new_job(caller, spec) for spec in specs]
+        await self._jobs.create(jobs)
+        log.info("jobs_submitted", count=len(jobs), by=str(caller))
+        self._wake()
+        return jobs
+
+    def _new_job(self, caller: Identity, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
+        job = jobs_pb2.Job(id=spec.id or new_job_id(), submitted_by=str(caller))
+        job.spec.CopyFrom(spec)
+        job.spec.id = job.id
+        if caller.role is Role.TENANT:
+            job.spec.tenant = caller.name
+        elif not job.spec.tenant:
+            job.spec.tenant = DEFAULT_TENANT
+        job.state = job_state.PENDING
+        job.reason = "submitted"
+        job.created_at.CopyFrom(now_timestamp())
+        job.updated_at.CopyFrom(job.created_at)
+        for task in spec.tasks:
+            job.tasks.add(name=task.name, state=job_state.PENDING, reason="submitted")
+        return job
+
+    async def get(self, caller: Identity, job_id: str) -> jobs_pb2.Job:
+        job = await self._jobs.get(job_id)
+        if not visible_to(caller)(job):
+            raise JobNotFoundError(job_id)  # do not reveal other tenants' jobs
+        return job
+
+    async def list(
+        self, caller: Identity, request: job_service_pb2.ListJobsRequest
+    ) -> job_service_pb2.ListJobsResponse:
+        if request.page_size > MAX_PAGE:
+            raise InvalidArgumentError(
+                [FieldViolation("page_size", f"at most {MAX_PAGE}, got {request.page_size}")]
+            )
+        visible = visible_to(caller)
+        states = set(request.states)
+
+        def accepts(job: jobs_pb2.Job) -> bool:
+            return (
+                visible(job)
+                and (not states or job.state in states)
+                and (not request.tenant or job.spec.tenant == request.tenant)
+                and (not request.site or any(t.site == request.site for t in job.tasks))
+            )
+
+        jobs, token = await self._jobs.list_page(
+            accepts, request.page_size or 100, request.page_token
+        )
+        return job_service_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
+
+    async def cancel(self, caller: Identity, job_id: str, reason: str) -> jobs_pb2.Job:
+        await self.get(caller, job_id)  # visibility check
+        why = reason or f"cancelled by {caller}"
+        to_stop: list[tuple[str, str, int]] = []
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            if job_state.is_terminal(job.state):
+                return []
+            job.cancel_requested = True
+            to_stop.clear()
+            return self._stop_tasks(job, why, to_stop)
+
+        job = await self._jobs.update(job_id, mutate)
+        self._send_cancels(job_id, to_stop, why)
+        return job
+
+    def _stop_tasks(
+        self, job: jobs_pb2.Job, reason: str, to_stop: list[tuple[str, str, int]]
+    ) -> list[Change]:
+        """Cancel every unfinished task: at once if no site runs it, else through its site."""
+        changes = []
+        for task in job.tasks:
+            if job_state.is_terminal(task.state):
+                continue
+            if task.state in job_state.AT_SITE and self._sites.session(task.site) is not None:
+                to_stop.append((task.site, task.name, task.epoch))
+                continue
+            # Not at a connected site: fencing stops any stale copy when its site returns.
+            changes.append(transition(job, task.name, job_state.CANCELLED, reason))
+        return changes
+
+    def _send_cancels(self, job_id: str, to_stop: list[tuple[str, str, int]], reason: str) -> None:
+        for site, task, epoch in to_stop:
+            self.tell_site(
+                site,
+                site_link_service_pb2.ConnectResponse(
+                    cancel=site_link_service_pb2.CancelTask(
+                        job_id=job_id, task=task, epoch=epoch, reason=reason
+                    )
+                ),
+            )
+
+    def tell_site(self, site: str, message: site_link_service_pb2.ConnectResponse) -> None:
+        session = self._sites.session(site)
+        if session is not None:
+            with contextlib.suppress(SessionClosedError):
+                session.send(message)
+
+    async def watch(
+        self, caller: Identity, request: job_service_pb2.WatchJobsRequest
+    ) -> AsyncIterator[jobs_pb2.JobEvent]:
+        wanted = set(request.job_ids)
+        visible = visible_to(caller)
+
+        def accepts(job: jobs_pb2.Job) -> bool:
+            return visible(job) and (not wanted or job.id in wanted)
+
+        subscription = self._hub.subscribe(accepts)
+        try:
+            if request.include_current:
+                for job_id in sorted(wanted) if wanted else []:
+                    with contextlib.suppress(JobNotFoundError):
+                        job = await self.get(caller, job_id)
+                        yield current_event(job)
+                if not wanted:
+                    for job in self._jobs.active():
+                        if accepts(job):
+                            yield current_event(job)
+            while True:
+                yield await subscription.next()
+        finally:
+            self._hub.unsubscribe(subscription)
+
+    # Agents ------------------------------------------------------------------------------
+
+    async def recover(self) -> None:
+        """After a restart: offers that were never committed are void; place those again."""
+        for job in self._jobs.active():
+            for task in job.tasks:
+                if task.state == job_state.SCHEDULING:
+                    await self._requeue(job.id, task.name, task.epoch, task.site)
+
+    async def apply_report(self, site: str, report: site_link_service_pb2.TaskReport) -> None:
+        """Record a task status from ``site``; stale or foreign reports are fenced off."""
+        final = job_state.is_terminal(report.state)
+        try:
+            job = await self._jobs.get(report.job_id)
+            task = find_task(job, report.task)
+        except JobNotFoundError:
+            job, task = None, None
+        if (
+            task is None
+            or task.site != site
+            or task.epoch != report.epoch
+            or task.state not in job_state.AT_SITE
+        ):
+            self._fence(site, report, final)
+            return
+        siblings: list[tuple[str, str, int]] = []
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            current = find_task(job, report.task)
+            if current.epoch != report.epoch or current.state not in job_state.AT_SITE:
+                return []
+            if report.devices:
+                del current.devices[:]
+                current.devices.extend(report.devices)
+            if report.state == job_state.RUNNING:
+                if current.state == job_state.RUNNING:
+                    return []
+                return [transition(job, report.task, job_state.RUNNING, f"running at {site}")]
+            if not final:
+                return []
+            current.exit_code = report.exit_code
+            current.output_tail = report.output_tail
+            reason = report.reason or _default_reason(report)
+            changes = [transition(job, report.task, report.state, reason)]
+            if report.state == job_state.FAILED:
+                siblings.clear()
+                changes += self._stop_tasks(job, f"task {report.task} failed", siblings)
+            return changes
+
+        updated = await self._jobs.update(report.job_id, mutate)
+        if final:
+            self.tell_site(site, _ack(report))
+        if updated.cancel_requested and report.state == job_state.RUNNING:
+            self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
+        self._send_cancels(report.job_id, siblings, f"task {report.task} failed")
+        if final:
+            self._wake()
+
+    def _fence(self, site: str, report: site_link_service_pb2.TaskReport, final: bool) -> None:
+        """A report for a delegation that is no longer current: stop it, never accept it."""
+        log.warning(
+            "stale_task_report_fenced",
+            site=site,
+            job=report.job_id,
+            task=report.task,
+            epoch=report.epoch,
+        )
+        if final:
+            self.tell_site(site, _ack(report))
+        else:
+            self.tell_site(
+                site,
+                site_link_service_pb2.ConnectResponse(
+                    cancel=site_link_service_pb2.CancelTask(
+                        job_id=report.job_id,
+                        task=report.task,
+                        epoch=report.epoch,
+                        reason="superseded: this delegation is no longer current",
+                    )
+                ),
+            )
+
+    async def reconcile(self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]) -> None:
+        """After a (re)connect: apply what the site has, and requeue what it lost."""
+        held = {(r.job_id, r.task, r.epoch) for r in reports}
+        for report in reports:
+            await self.apply_report(site, report)
+        for job in self._jobs.active():
+            for task in job.tasks:
+                if (
+                    task.site == site
+                    and task.state in job_state.AT_SITE
+                    and (job.id, task.name, task.epoch) not in held
+                ):
+                    await self._requeue(job.id, task.name, task.epoch, site)
+        self._wake()
+
+    async def _requeue(self, job_id: str, task_name: str, epoch: int, site: str) -> None:
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            task = find_task(job, task_name)
+            if task.epoch != epoch or task.state not in (*job_state.AT_SITE, job_state.SCHEDULING):
+                return []
+            task.site = ""
+            task.reservation_id = ""
+            reason = f"{site} no longer has the task; placing it again"
+            if job.cancel_requested:
+                return [transition(job, task_name, job_state.CANCELLED, "cancelled")]
+            return [transition(job, task_name, job_state.PENDING, reason)]
+
+        await self._jobs.update(job_id, mutate)
+
+
+def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.ConnectResponse:
+    return site_link_service_pb2.ConnectResponse(
+        ack=site_link_service_pb2.TaskStatusAck(
+            job_id=report.job_id, task=report.task, epoch=report.epoch
+        )
+    )
+
+
+def _default_reason(report: site_link_service_pb2.TaskReport) -> str:
+    if report.state == job_state.SUCCEEDED:
+        return "exited 0"
+    if report.state == job_state.FAILED:
+        return f"exited with {report.exit_code}"
+    return "cancelled"
+
+
+def current_event(job: jobs_pb2.Job) -> jobs_pb2.JobEvent:
+    """A synthetic event carrying a job's present state (sequence 0)."""
+    return jobs_pb2.JobEvent(
+        job_id=job.id,
+        sequence=0,
+        time=job.updated_at,
+        state=job.state,
+        reason=job.reason,
+        job_state=job.state,
+    )

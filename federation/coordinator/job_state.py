@@ -1,0 +1,67 @@
+"""The task and job state machine: which transitions are legal and what a job's state is.
+
+A job's state is derived from its tasks', so it can never disagree with them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from federation.api.v1 import jobs_pb2
+
+S = jobs_pb2.JobState
+PENDING = jobs_pb2.JOB_STATE_PENDING
+SCHEDULING = jobs_pb2.JOB_STATE_SCHEDULING
+DELEGATED = jobs_pb2.JOB_STATE_DELEGATED
+RUNNING = jobs_pb2.JOB_STATE_RUNNING
+SUCCEEDED = jobs_pb2.JOB_STATE_SUCCEEDED
+FAILED = jobs_pb2.JOB_STATE_FAILED
+CANCELLED = jobs_pb2.JOB_STATE_CANCELLED
+
+TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
+AT_SITE = frozenset({DELEGATED, RUNNING})
+
+# A task returns to PENDING when every site declined it, a commit failed, or its site lost it.
+TRANSITIONS: dict[int, frozenset[int]] = {
+    PENDING: frozenset({PENDING, SCHEDULING, CANCELLED}),
+    SCHEDULING: frozenset({PENDING, SCHEDULING, DELEGATED, CANCELLED}),
+    DELEGATED: frozenset({PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED}),
+    RUNNING: frozenset({PENDING, SUCCEEDED, FAILED, CANCELLED}),
+    SUCCEEDED: frozenset(),
+    FAILED: frozenset(),
+    CANCELLED: frozenset(),
+}
+
+
+class IllegalTransitionError(RuntimeError):
+    """A bug: code tried a transition the state machine forbids."""
+
+
+def check_transition(current: int, new: int) -> None:
+    """Raise ``IllegalTransitionError`` unless ``current -> new`` is allowed."""
+    if new not in TRANSITIONS[current]:
+        raise IllegalTransitionError(f"task cannot go from {S.Name(current)} to {S.Name(new)}")  # type: ignore[arg-type]
+
+
+def job_state(task_states: Iterable[int]) -> jobs_pb2.JobState.ValueType:
+    """The job's state given its tasks' states.
+
+    A job is terminal only when every task is; a failure wins over a cancellation, which wins
+    over success. Otherwise the most advanced active task decides.
+    """
+    states = list(task_states)
+    if not states:
+        return PENDING
+    if all(s in TERMINAL for s in states):
+        if FAILED in states:
+            return FAILED
+        return CANCELLED if CANCELLED in states else SUCCEEDED
+    for candidate in (RUNNING, DELEGATED, SCHEDULING):
+        if candidate in states:
+            return candidate
+    return PENDING
+
+
+def is_terminal(state: int) -> bool:
+    """Whether nothing more will happen to a task or job in ``state``."""
+    return state in TERMINAL

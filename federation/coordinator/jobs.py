@@ -1,0 +1,253 @@
+"""Durable jobs: every transition is written to the store before anyone is told."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import structlog
+from google.protobuf import timestamp_pb2
+
+from federation.api.v1 import jobs_pb2
+from federation.coordinator import job_state
+from federation.coordinator.events import EventHub
+from federation.errors import ConflictError, FieldViolation, InvalidArgumentError, JobNotFoundError
+from federation.store import CasConflictError, Put, Store
+
+log = structlog.get_logger()
+
+JOBS = "/jobs/"
+EVENTS = "/events/"
+
+
+def job_key(job_id: str) -> str:
+    return f"{JOBS}{job_id}"
+
+
+def event_key(job_id: str, sequence: int) -> str:
+    return f"{EVENTS}{job_id}/{sequence:010d}"
+
+
+def now_timestamp() -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.GetCurrentTime()
+    return ts
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """A task's transition, before it gets a sequence number."""
+
+    task: str
+    state: jobs_pb2.JobState.ValueType
+    reason: str
+    site: str = ""
+
+
+def find_task(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskStatus:
+    for task in job.tasks:
+        if task.name == name:
+            return task
+    raise JobNotFoundError(f"{job.id}/{name}")
+
+
+def transition(
+    job: jobs_pb2.Job,
+    task_name: str,
+    state: jobs_pb2.JobState.ValueType,
+    reason: str,
+) -> Change:
+    """Move one task of ``job`` (in place) to ``state``; returns the change to record."""
+    task = find_task(job, task_name)
+    job_state.check_transition(task.state, state)
+    task.state = state
+    task.reason = reason
+    if state == job_state.RUNNING and not task.HasField("started_at"):
+        task.started_at.CopyFrom(now_timestamp())
+    if job_state.is_terminal(state):
+        task.finished_at.CopyFrom(now_timestamp())
+    return Change(task_name, state, reason, task.site)
+
+
+Mutation = Callable[[jobs_pb2.Job], list[Change]]
+
+
+class JobRepository:
+    """Jobs in the store, with active jobs cached and one writer per job at a time."""
+
+    def __init__(self, store: Store, hub: EventHub) -> None:
+        self._store = store
+        self._hub = hub
+        self._active: dict[str, tuple[jobs_pb2.Job, int]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    async def load(self) -> list[jobs_pb2.Job]:
+        """Cache every unfinished job from the store; returns them (for recovery)."""
+        start = ""
+        while True:
+            page = await self._store.range(JOBS, start_after=start, limit=1000)
+            for kv in page:
+                job = jobs_pb2.Job.FromString(kv.value)
+                if not job_state.is_terminal(job.state):
+                    self._active[job.id] = (job, kv.mod_revision)
+            if len(page) < 1000:
+                break
+            start = page[-1].key
+        return [job for job, _ in self._active.values()]
+
+    def active(self) -> list[jobs_pb2.Job]:
+        """Copies of the cached unfinished jobs."""
+        return [_copy(job) for job, _ in self._active.values()]
+
+    async def get(self, job_id: str) -> jobs_pb2.Job:
+        if cached := self._active.get(job_id):
+            return _copy(cached[0])
+        kv = await self._store.get(job_key(job_id))
+        if kv is None:
+            raise JobNotFoundError(job_id)
+        return jobs_pb2.Job.FromString(kv.value)
+
+    async def list_page(
+        self, accepts: Callable[[jobs_pb2.Job], bool], page_size: int, page_token: str
+    ) -> tuple[list[jobs_pb2.Job], str]:
+        """Jobs in id order after ``page_token`` that ``accepts``; returns the next token."""
+        out: list[jobs_pb2.Job] = []
+        start = page_token
+        while len(out) < page_size:
+            page = await self._store.range(JOBS, start_after=job_key(start) if start else "",
+                                           limit=max(page_size * 2, 100))
+            for kv in page:
+                job = jobs_pb2.Job.FromString(kv.value)
+                start = job.id
+                if accepts(job):
+                    out.append(job)
+                    if len(out) == page_size:
+                        last = await self._store.range(JOBS, start_after=kv.key, limit=1)
+                        return out, (job.id if last else "")
+            if len(page) < max(page_size * 2, 100):
+                return out, ""
+        return out, ""
+
+    async def create(self, jobs: list[jobs_pb2.Job]) -> None:
+        """Store new jobs and their first events in one atomic commit."""
+        ops: list[Put] = []
+        events_by_job: list[tuple[jobs_pb2.Job, list[jobs_pb2.JobEvent]]] = []
+        for job in jobs:
+            events = [
+                _event(job, 1, Change("", job_state.PENDING, "submitted"))
+            ]
+            job.last_event_sequence = 1
+            ops.append(Put(job_key(job.id), job.SerializeToString(), expect_revision=0))
+            ops.append(Put(event_key(job.id, 1), events[0].SerializeToString()))
+            events_by_job.append((job, events))
+        try:
+            revision = await self._store.commit(ops)
+        except CasConflictError as err:
+            job_id = err.key.removeprefix(JOBS)
+            index = next(i for i, j in enumerate(jobs) if j.id == job_id)
+            field = "spec.id" if len(jobs) == 1 else f"specs[{index}].id"
+            raise InvalidArgumentError(
+                [FieldViolation(field, f"a job with id {job_id!r} already exists")]
+            ) from None
+        for job, events in events_by_job:
+            self._active[job.id] = (_copy(job), revision)
+            self._hub.publish(job, events)
+
+    @asynccontextmanager
+    async def _locked(self, job_id: str) -> AsyncIterator[None]:
+        lock = self._locks.setdefault(job_id, asyncio.Lock())
+        async with lock:
+            yield
+
+    async def update(self, job_id: str, mutate: Mutation) -> jobs_pb2.Job:
+        """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
+
+        ``mutate`` changes the job in place and returns the task changes to record; when it
+        returns none and changes nothing, nothing is written.
+        """
+        async with self._locked(job_id):
+            cached = self._active.get(job_id)
+            if cached is None:
+                job = await self.get(job_id)
+                revision = -1
+            else:
+                job, revision = _copy(cached[0]), cached[1]
+            before = job.SerializeToString(deterministic=True)
+            changes = mutate(job)
+            if not changes and job.SerializeToString(deterministic=True) == before:
+                return job
+            if revision < 0:
+                # Terminal jobs are not cached; they only take changes that record nothing.
+                kv = await self._store.get(job_key(job_id))
+                revision = kv.mod_revision if kv else 0
+            previous_state = job.state
+            job.state = job_state.job_state(t.state for t in job.tasks)
+            events: list[jobs_pb2.JobEvent] = []
+            for change in changes:
+                job.last_event_sequence += 1
+                events.append(_event(job, job.last_event_sequence, change))
+            if events:
+                job.reason = events[-1].reason
+            job.updated_at.CopyFrom(now_timestamp())
+            ops = [Put(job_key(job_id), job.SerializeToString(), expect_revision=revision)]
+            ops += [Put(event_key(job_id, e.sequence), e.SerializeToString()) for e in events]
+            try:
+                new_revision = await self._store.commit(ops)
+            except CasConflictError:
+                self._active.pop(job_id, None)
+                raise ConflictError(f"job {job_id} changed concurrently; retry") from None
+            if job_state.is_terminal(job.state):
+                self._active.pop(job_id, None)
+                self._locks.pop(job_id, None)
+            else:
+                self._active[job_id] = (_copy(job), new_revision)
+            if job.state != previous_state:
+                log.info("job_state_changed", job=job_id, state=jobs_pb2.JobState.Name(job.state))
+            self._hub.publish(job, events)
+            return job
+
+    async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
+        """Every recorded event of a job, oldest first."""
+        kvs = await self._store.range(f"{EVENTS}{job_id}/")
+        return [jobs_pb2.JobEvent.FromString(kv.value) for kv in kvs]
+
+    async def count_by_state(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        start = ""
+        while True:
+            page = await self._store.range(JOBS, start_after=start, limit=5000)
+            for kv in page:
+                name = jobs_pb2.JobState.Name(jobs_pb2.Job.FromString(kv.value).state)
+                counts[name] = counts.get(name, 0) + 1
+            if len(page) < 5000:
+                return counts
+            start = page[-1].key
+
+
+def _copy(job: jobs_pb2.Job) -> jobs_pb2.Job:
+    out = jobs_pb2.Job()
+    out.CopyFrom(job)
+    return out
+
+
+def _event(job: jobs_pb2.Job, sequence: int, change: Change) -> jobs_pb2.JobEvent:
+    return jobs_pb2.JobEvent(
+        job_id=job.id,
+        sequence=sequence,
+        time=now_timestamp(),
+        state=change.state,
+        task=change.task,
+        site=change.site,
+        reason=change.reason,
+        job_state=job.state,
+    )
+
+
+def new_job_id() -> str:
+    """Time-ordered, so listing by key lists jobs in submission order."""
+    import secrets
+
+    return f"j-{int(time.time() * 1000):011x}-{secrets.token_hex(3)}"

@@ -1,0 +1,136 @@
+"""One agent's Connect stream: hello, then views, heartbeats, answers and task reports."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+
+import structlog
+
+from federation.api.v1 import site_link_service_pb2 as pb
+from federation.coordinator.job_manager import JobManager
+from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.errors import (
+    FailedPreconditionError,
+    FederationError,
+    FieldViolation,
+    InvalidArgumentError,
+    PermissionDeniedError,
+)
+from federation.security.identity import Identity
+
+log = structlog.get_logger()
+
+HELLO_TIMEOUT_S = 30.0
+
+
+class SiteLink:
+    def __init__(self, sites: SiteRegistry, jobs: JobManager, heartbeat_interval_s: float) -> None:
+        self._sites = sites
+        self._jobs = jobs
+        self._heartbeat_interval_s = heartbeat_interval_s
+
+    async def connect(
+        self, caller: Identity, requests: AsyncIterator[pb.ConnectRequest]
+    ) -> AsyncIterator[pb.ConnectResponse]:
+        """Serve one agent until it goes away or breaks the protocol (then raise)."""
+        try:
+            first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("body") != "hello":
+            raise InvalidArgumentError(
+                [FieldViolation("body", "the first message on Connect must be a hello")]
+            )
+        hello = first.hello
+        _check_site(caller, hello.view.site, "hello.view.site")
+        entry = self._sites.get(caller.name)
+        hello.view.domain = entry.record.domain  # the domain is the one the site joined with
+        session = SiteSession(caller.name)
+        previous = self._sites.attach(session, hello)
+        if previous is not None:
+            previous.close()
+        log.info("site_connected", site=caller.name, generation=hello.generation)
+        session.send(pb.ConnectResponse(welcome=pb.Welcome(
+            heartbeat_interval_s=self._heartbeat_interval_s)))
+        failure: list[FederationError] = []
+        reader = asyncio.create_task(self._read(session, requests, failure))
+        try:
+            await self._jobs.reconcile(caller.name, hello.tasks)
+            while True:
+                message = await session.outbox.get()
+                if message is None:
+                    break
+                yield message
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            session.close()
+            self._sites.detach(session)
+            log.info("site_disconnected", site=caller.name)
+        if failure:
+            raise failure[0]
+
+    async def _read(
+        self,
+        session: SiteSession,
+        requests: AsyncIterator[pb.ConnectRequest],
+        failure: list[FederationError],
+    ) -> None:
+        site = session.site
+        try:
+            async for request in requests:
+                self._sites.seen(site)
+                await self._handle(session, request)
+        except FederationError as err:
+            log.warning("site_stream_refused", site=site, error=str(err))
+            failure.append(err)
+        except Exception:
+            # A broken stream (the agent vanished) ends the session; nothing to tell anyone.
+            log.debug("site_stream_broken", site=site, exc_info=True)
+        finally:
+            session.close()
+
+    async def _handle(self, session: SiteSession, request: pb.ConnectRequest) -> None:
+        site = session.site
+        body = request.WhichOneof("body")
+        if body == "heartbeat":
+            return
+        if body == "view":
+            update = request.view
+            if update.HasField("full"):
+                _check_site_named(site, update.full.site, "view.full.site")
+                update.full.domain = self._sites.get(site).record.domain
+            try:
+                self._sites.apply_view(site, update)
+            except FailedPreconditionError as err:
+                session.send(pb.ConnectResponse(resync=pb.ResyncRequest(reason=str(err))))
+            return
+        if body in ("offer_answer", "commit_answer"):
+            if not session.resolve(request):
+                log.info("late_answer_dropped", site=site, correlation=request.correlation_id)
+            return
+        if body == "task_status":
+            report = request.task_status
+            if not report.job_id or not report.task:
+                raise InvalidArgumentError(
+                    [FieldViolation("task_status", "job_id and task are required")]
+                )
+            await self._jobs.apply_report(site, report)
+            return
+        if body == "hello":
+            raise InvalidArgumentError([FieldViolation("hello", "hello may be sent only once")])
+        raise InvalidArgumentError([FieldViolation("body", "empty or unknown message")])
+
+
+def _check_site(caller: Identity, claimed: str, field: str) -> None:
+    _check_site_named(caller.name, claimed, field)
+
+
+def _check_site_named(site: str, claimed: str, field: str) -> None:
+    if claimed != site:
+        raise PermissionDeniedError(
+            f"{field}: site {site!r} may speak only for itself, not for {claimed!r}"
+        )

@@ -1,0 +1,216 @@
+"""Every site the federation knows: its record, its latest view and its live session."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import structlog
+
+from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
+from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
+from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
+from federation.store import Put, Store
+
+log = structlog.get_logger()
+
+SITES = "/sites/"
+
+
+class SessionClosedError(UnavailableError):
+    reason = "SITE_DISCONNECTED"
+
+
+@dataclass(eq=False)
+class SiteSession:
+    """One agent's open Connect stream: an outbox and the requests awaiting answers."""
+
+    site: str
+    outbox: asyncio.Queue[site_link_service_pb2.ConnectResponse | None] = field(
+        default_factory=asyncio.Queue
+    )
+    pending: dict[str, asyncio.Future[site_link_service_pb2.ConnectRequest]] = field(
+        default_factory=dict
+    )
+    closed: bool = False
+    _ids: itertools.count[int] = field(default_factory=itertools.count)
+
+    def send(self, message: site_link_service_pb2.ConnectResponse) -> None:
+        if self.closed:
+            raise SessionClosedError(f"site {self.site} is not connected")
+        self.outbox.put_nowait(message)
+
+    async def request(
+        self, message: site_link_service_pb2.ConnectResponse, timeout_s: float
+    ) -> site_link_service_pb2.ConnectRequest:
+        """Send a request and wait for the agent's answer with the same correlation id."""
+        correlation_id = f"{self.site}-{next(self._ids)}"
+        message.correlation_id = correlation_id
+        future: asyncio.Future[site_link_service_pb2.ConnectRequest] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.pending[correlation_id] = future
+        try:
+            self.send(message)
+            return await asyncio.wait_for(future, timeout_s)
+        finally:
+            self.pending.pop(correlation_id, None)
+
+    def resolve(self, reply: site_link_service_pb2.ConnectRequest) -> bool:
+        """Hand an answer to its waiting request; False when nobody waits for it."""
+        future = self.pending.get(reply.correlation_id)
+        if future is None or future.done():
+            return False
+        future.set_result(reply)
+        return True
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.outbox.put_nowait(None)
+        for future in self.pending.values():
+            if not future.done():
+                future.set_exception(SessionClosedError(f"site {self.site} disconnected"))
+
+
+@dataclass
+class SiteEntry:
+    record: admin_service_pb2.Site
+    view: resources_pb2.SiteView | None = None
+    generation: int = 0
+    last_seen: float = 0.0
+    session: SiteSession | None = None
+
+
+class SiteRegistry:
+    """Site records in the store plus live views in memory, with a cached snapshot."""
+
+    def __init__(self, store: Store, on_change: Callable[[], None]) -> None:
+        self._store = store
+        self._on_change = on_change
+        self._sites: dict[str, SiteEntry] = {}
+        self._version = 0
+        self._snapshot: tuple[int, Snapshot] | None = None
+
+    async def load(self) -> None:
+        for kv in await self._store.range(SITES):
+            record = admin_service_pb2.Site.FromString(kv.value)
+            self._sites[record.name] = SiteEntry(record)
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._on_change()
+
+    def get(self, name: str) -> SiteEntry:
+        entry = self._sites.get(name)
+        if entry is None:
+            raise SiteNotFoundError(name)
+        return entry
+
+    def session(self, name: str) -> SiteSession | None:
+        entry = self._sites.get(name)
+        return entry.session if entry else None
+
+    def record_put(self, record: admin_service_pb2.Site) -> Put:
+        """The store write for a site record (done by the caller inside its commit)."""
+        return Put(f"{SITES}{record.name}", record.SerializeToString())
+
+    def registered(self, record: admin_service_pb2.Site) -> None:
+        """Call after a record written with ``record_put`` is committed."""
+        entry = self._sites.get(record.name)
+        if entry is None:
+            self._sites[record.name] = SiteEntry(record)
+        else:
+            entry.record = record
+        self._changed()
+
+    async def set_cordoned(self, name: str, cordoned: bool) -> admin_service_pb2.Site:
+        entry = self.get(name)
+        record = admin_service_pb2.Site()
+        record.CopyFrom(entry.record)
+        record.cordoned = cordoned
+        await self._store.commit([self.record_put(record)])
+        entry.record = record
+        self._changed()
+        log.info("site_cordoned" if cordoned else "site_uncordoned", site=name)
+        return self.describe(name)
+
+    def attach(self, session: SiteSession, hello: site_link_service_pb2.Hello) -> SiteSession | None:
+        """Make ``session`` the site's live session; returns the one it replaces, if any."""
+        entry = self.get(session.site)
+        previous = entry.session
+        entry.session = session
+        entry.view = hello.view
+        entry.generation = hello.generation
+        entry.last_seen = time.monotonic()
+        self._changed()
+        return previous
+
+    def detach(self, session: SiteSession) -> None:
+        entry = self._sites.get(session.site)
+        if entry is not None and entry.session is session:
+            entry.session = None
+            self._changed()
+
+    def seen(self, site: str) -> None:
+        self.get(site).last_seen = time.monotonic()
+
+    def apply_view(self, site: str, update: site_link_service_pb2.ViewUpdate) -> None:
+        """Apply a full view or the next delta; a gap in generations needs a resync."""
+        entry = self.get(site)
+        if update.HasField("full"):
+            entry.view = update.full
+        else:
+            if entry.view is None or update.generation != entry.generation + 1:
+                raise FailedPreconditionError(
+                    f"view delta {update.generation} does not follow {entry.generation}"
+                )
+            apply_delta(entry.view, update.delta)
+        entry.generation = update.generation
+        entry.last_seen = time.monotonic()
+        self._changed()
+
+    def snapshot(self) -> Snapshot:
+        """The placement snapshot, rebuilt only when some view or state changed."""
+        if self._snapshot is None or self._snapshot[0] != self._version:
+            inputs = [
+                SiteInput(e.view, e.session is not None, e.record.cordoned)
+                for e in self._sites.values()
+                if e.view is not None
+            ]
+            self._snapshot = (self._version, build_snapshot(inputs))
+        return self._snapshot[1]
+
+    def describe(self, name: str, *, with_view: bool = True) -> admin_service_pb2.Site:
+        entry = self.get(name)
+        site = admin_service_pb2.Site()
+        site.CopyFrom(entry.record)
+        site.state = (
+            admin_service_pb2.SITE_STATE_CONNECTED
+            if entry.session
+            else admin_service_pb2.SITE_STATE_DISCONNECTED
+        )
+        site.heartbeat_age_s = time.monotonic() - entry.last_seen if entry.last_seen else -1.0
+        site.generation = entry.generation
+        if with_view and entry.view is not None:
+            site.view.CopyFrom(entry.view)
+        return site
+
+    def names(self) -> list[str]:
+        return sorted(self._sites)
+
+
+def apply_delta(view: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta) -> None:
+    """Replace upserted nodes whole, drop removed ones, take the new queue state."""
+    removed = set(delta.removed_nodes)
+    upserted = {node.name: node for node in delta.upserted_nodes}
+    kept = [n for n in view.nodes if n.name not in removed and n.name not in upserted]
+    merged = {n.name: n for n in kept} | upserted
+    del view.nodes[:]
+    view.nodes.extend(sorted(merged.values(), key=lambda n: n.name))
+    if delta.has_queue:
+        view.queue.CopyFrom(delta.queue)

@@ -1,0 +1,201 @@
+"""A federation of real processes on loopback: the demo and the end-to-end tests use it.
+
+It makes a PKI, starts the coordinator, mints a join token per site, starts each agent as its
+own process, and stops everything it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
+from federation.cli.connection import Connection
+from federation.jobspec import parse_domain
+from federation.security.pki import PkiLayout, init_pki, write_private_file
+from federation.security.tls import TlsFiles
+
+READY_TIMEOUT_S = 30.0
+
+
+class LocalFederationError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSpec:
+    """One site of a local federation."""
+
+    name: str
+    domain: str
+    nodes: list[dict[str, Any]] = field(default_factory=list)
+    """Inventory nodes (declared hardware), in the inventory file's format."""
+    discover_host: bool = False
+    region: str = ""
+    price_per_device_hour: float = 0.0
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return json.dumps(str(value))
+
+
+@dataclass
+class LocalFederation:
+    root: Path
+    sites: list[SiteSpec]
+    coordinator_args: list[str] = field(default_factory=list)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    port: int = 0
+    join_port: int = 0
+
+    @property
+    def pki(self) -> PkiLayout:
+        return PkiLayout(self.root / "pki")
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def operator(self) -> Connection:
+        tls = TlsFiles(
+            ca=self.pki.ca_cert,
+            cert=self.pki.client_cert("operator-admin"),
+            key=self.pki.client_key("operator-admin"),
+        )
+        return Connection(self.address, tls)
+
+    def log_path(self, name: str) -> Path:
+        return self.root / "logs" / f"{name}.log"
+
+    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+        self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path(name).open("ab")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+            start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop them in order
+        )
+        self.processes[name] = proc
+        return proc
+
+    def _fail(self, name: str, what: str) -> LocalFederationError:
+        tail = self.log_path(name).read_text(errors="replace")[-2000:]
+        return LocalFederationError(f"{name} {what}; its log ends:\n{tail}")
+
+    async def start_coordinator(self, *, port: int = 0, join_port: int = 0) -> None:
+        """Start (or restart) the coordinator; waits until it has bound its ports."""
+        if not self.pki.ca_cert.exists():
+            init_pki(self.pki.dir, server_sans=["localhost", "127.0.0.1"])
+        ready = self.root / "coordinator.ready"
+        ready.unlink(missing_ok=True)
+        proc = self._spawn("coordinator", [
+            "federation.coordinator", "--pki-dir", str(self.pki.dir),
+            "--data-dir", str(self.root / "coordinator"), "--listen", f"127.0.0.1:{port}",
+            "--join-listen", f"127.0.0.1:{join_port}", "--ready-file", str(ready),
+            "--log-json", *self.coordinator_args,
+        ])
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not ready.exists():
+            if proc.poll() is not None:
+                raise self._fail("coordinator", f"exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise self._fail("coordinator", "did not become ready")
+            await asyncio.sleep(0.05)
+        ports = json.loads(ready.read_text())
+        self.port, self.join_port = ports["port"], ports["join_port"]
+
+    async def create_token(self, site: str, domain: str) -> str:
+        async with self.operator().channel() as channel:
+            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+            reply = await admin.CreateJoinToken(admin_service_pb2.CreateJoinTokenRequest(
+                site=site, domain=parse_domain(domain), ttl_s=600))
+        return reply.token
+
+    async def start_site(self, site: SiteSpec) -> None:
+        """Write the site's inventory and config, join it with a fresh token, start it."""
+        home = self.root / "sites" / site.name
+        home.mkdir(parents=True, exist_ok=True)
+        token_file = home / "join-token"
+        if not (home / "state" / "site.pem").exists():
+            write_private_file(token_file, (await self.create_token(site.name, site.domain)).encode())
+        settings: dict[str, object] = {
+            "site": site.name, "domain": site.domain, "region": site.region,
+            "coordinator": self.address, "join_address": f"127.0.0.1:{self.join_port}",
+            "ca": self.pki.ca_cert, "state_dir": home / "state", "token_file": token_file,
+            "discover_host": site.discover_host, "kill_grace_s": 2.0,
+            "price_per_device_hour": site.price_per_device_hour,
+        }
+        if site.nodes:
+            inventory = home / "inventory.yaml"
+            inventory.write_text(yaml.safe_dump({"nodes": site.nodes}, sort_keys=False))
+            settings["inventory"] = inventory
+        config = home / "agent.toml"
+        config.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
+        module = "edge_agent" if site.domain == "edge" else "datacenter_agent"
+        self._spawn(site.name, [module, "--config", str(config), "--log-json"])
+
+    async def wait_connected(self, names: list[str] | None = None, timeout_s: float = 30.0) -> (
+        None
+    ):
+        """Wait until every named site (default: all) has a live session."""
+        wanted = set(names if names is not None else [s.name for s in self.sites])
+        deadline = time.monotonic() + timeout_s
+        async with self.operator().channel() as channel:
+            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+            while True:
+                reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
+                up = {s.name for s in reply.sites
+                      if s.state == admin_service_pb2.SITE_STATE_CONNECTED}
+                if wanted <= up:
+                    return
+                for name in wanted:
+                    proc = self.processes.get(name)
+                    if proc is not None and proc.poll() is not None:
+                        raise self._fail(name, f"exited with {proc.returncode}")
+                if time.monotonic() > deadline:
+                    raise LocalFederationError(f"sites not connected: {sorted(wanted - up)}")
+                await asyncio.sleep(0.1)
+
+    async def start(self) -> None:
+        await self.start_coordinator()
+        for site in self.sites:
+            await self.start_site(site)
+        await self.wait_connected()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one process (a crash, as tests need)."""
+        proc = self.processes.pop(name)
+        proc.kill()
+        proc.wait()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """SIGTERM every process (agents first), then SIGKILL what is left."""
+        order = [n for n in self.processes if n != "coordinator"] + ["coordinator"]
+        for name in order:
+            proc = self.processes.get(name)
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for name in order:
+            proc = self.processes.pop(name, None)
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()

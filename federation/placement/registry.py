@@ -1,0 +1,41 @@
+"""Plugin names to plugins, and the profile that says which run with what weight."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
+from federation.placement.plugins.capacity_fit import CapacityFit
+from federation.placement.plugins.constraints import Constraints
+from federation.placement.plugins.free_capacity import FreeCapacity
+from federation.placement.plugins.site_state import SiteState
+
+FILTERS: Mapping[str, type[FilterPlugin]] = {
+    p.name: p for p in (SiteState, Constraints, CapacityFit)
+}
+SCORERS: Mapping[str, type[ScorePlugin]] = {p.name: p for p in (FreeCapacity,)}
+
+DEFAULT_FILTERS: tuple[str, ...] = ("SiteState", "Constraints", "CapacityFit")
+DEFAULT_SCORERS: Mapping[str, float] = {"FreeCapacity": 1.0}
+
+
+class UnknownPluginError(ValueError):
+    pass
+
+
+def build_framework(
+    filters: Sequence[str] = DEFAULT_FILTERS, scorers: Mapping[str, float] = DEFAULT_SCORERS
+) -> Framework:
+    """A framework for a profile; unknown names or negative weights raise."""
+    for name in filters:
+        if name not in FILTERS:
+            raise UnknownPluginError(f"unknown filter plugin {name!r}; known: {sorted(FILTERS)}")
+    for name, weight in scorers.items():
+        if name not in SCORERS:
+            raise UnknownPluginError(f"unknown score plugin {name!r}; known: {sorted(SCORERS)}")
+        if weight < 0:
+            raise UnknownPluginError(f"score plugin {name!r} has a negative weight")
+    return Framework(
+        [FILTERS[name]() for name in filters],
+        [(SCORERS[name](), weight) for name, weight in scorers.items()],
+    )

@@ -1,0 +1,205 @@
+"""ReplicaProcess against real child processes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError
+
+
+class Beacon:
+    """A local TCP listener children report to, so tests wait on events instead of sleeping."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self._arrived = asyncio.Event()
+        self._server: asyncio.Server | None = None
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        async for line in reader:
+            self.lines.append(line.decode().strip())
+            self._arrived.set()
+        writer.close()
+
+    async def expect(self, prefix: str, timeout_s: float = 10.0) -> str:
+        """Waits for a line starting with ``prefix`` and returns it."""
+        async with asyncio.timeout(timeout_s):
+            while True:
+                for line in self.lines:
+                    if line.startswith(prefix):
+                        return line
+                self._arrived.clear()
+                await self._arrived.wait()
+
+    def send_code(self) -> str:
+        """Python source defining ``send(msg)`` for a child to report to this beacon."""
+        return (
+            "import socket\n"
+            "def send(msg):\n"
+            f"    with socket.create_connection(('127.0.0.1', {self.port})) as s:\n"
+            "        s.sendall(msg.encode() + b'\\n')\n"
+        )
+
+
+@pytest.fixture
+async def beacon() -> AsyncIterator[Beacon]:
+    """A started beacon, stopped after the test."""
+    b = Beacon()
+    await b.start()
+    yield b
+    await b.stop()
+
+
+def _exited(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+async def gone(pid: int, timeout_s: float = 5.0) -> bool:
+    """Whether ``pid`` exits within ``timeout_s`` (a zombie awaiting its reaper has exited).
+
+    Polls: a process that is not our child gives no exit event, and it closes its files (which
+    is what the code under test waits for) just before it turns into a zombie.
+    """
+    deadline = time.monotonic() + timeout_s
+    while not _exited(pid):
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.01)
+    return True
+
+
+async def start(code: str, tmp_path: Path, **env: str) -> ReplicaProcess:
+    return await ReplicaProcess.start(
+        [sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, **env}
+    )
+
+
+async def test_exit_code_output_cwd_and_env(tmp_path: Path) -> None:
+    """The exit code, combined output, working directory and environment are the child's."""
+    code = (
+        "import os, sys\n"
+        "print('out', os.getcwd(), os.environ['GREETING'])\n"
+        "print('err', file=sys.stderr)\n"
+        "sys.exit(3)\n"
+    )
+    proc = await start(code, tmp_path, GREETING="hi")
+    assert await asyncio.wait_for(proc.wait(), 10) == 3
+    assert proc.returncode == 3
+    assert f"out {tmp_path} hi" in proc.output_tail
+    assert "err" in proc.output_tail
+
+
+async def test_output_tail_keeps_last_4_kib(tmp_path: Path) -> None:
+    """Only the last 4 KiB of output is kept, undecodable bytes replaced."""
+    code = (
+        "import sys\n"
+        "sys.stdout.buffer.write(b'\\xff' + b'x' * 100000 + b'\\xc3')\n"
+        "sys.stdout.buffer.write(b'END')\n"
+    )
+    proc = await start(code, tmp_path)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    tail = proc.output_tail
+    assert tail.endswith("\ufffdEND")
+    assert len(tail) == TAIL_BYTES  # each invalid byte decodes to one replacement char
+    assert tail.startswith("x")
+
+
+async def test_terminate_signals_the_whole_group(tmp_path: Path, beacon: Beacon) -> None:
+    """SIGTERM reaches the replica and the processes it started."""
+    code = beacon.send_code() + (
+        "import signal, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "def on_term(*_):\n"
+        "    send('term')\n"
+        "    sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, on_term)\n"
+        "send(f'ready {child.pid}')\n"
+        "time.sleep(60)\n"
+    )
+    proc = await start(code, tmp_path)
+    grandchild = int((await beacon.expect("ready")).split()[1])
+    await asyncio.wait_for(proc.terminate(grace_s=10), 20)
+    assert proc.returncode == 0
+    assert "term" in beacon.lines
+    assert await gone(grandchild)
+
+
+async def test_terminate_escalates_to_sigkill(tmp_path: Path, beacon: Beacon) -> None:
+    """A replica that ignores SIGTERM is SIGKILLed once the grace period is over."""
+    code = beacon.send_code() + (
+        "import signal, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "send('ready')\n"
+        "time.sleep(60)\n"
+    )
+    proc = await start(code, tmp_path)
+    await beacon.expect("ready")
+    started = time.monotonic()
+    await asyncio.wait_for(proc.terminate(grace_s=0.3), 20)
+    assert time.monotonic() - started >= 0.3
+    assert await proc.wait() == -9
+
+
+async def test_terminate_after_exit_is_a_noop(tmp_path: Path) -> None:
+    """Terminating a replica that already exited keeps its exit code."""
+    proc = await start("pass", tmp_path)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    await proc.terminate(grace_s=0.1)
+    assert proc.returncode == 0
+
+
+async def test_stragglers_die_with_the_leader(tmp_path: Path) -> None:
+    """A background process left behind is killed when the replica exits, so wait() returns."""
+    code = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+    )
+    proc = await start(code, tmp_path)
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    assert await gone(int(proc.output_tail.split()[0]))
+
+
+@pytest.mark.parametrize(
+    ("argv", "message", "exit_code"),
+    [
+        (["definitely-not-a-program-xyz", "-v"], "command not found: definitely-not-a-program-xyz", 127),
+        ([], "empty command", 127),
+    ],
+)
+async def test_unstartable_program_raises_start_error(
+    tmp_path: Path, argv: list[str], message: str, exit_code: int
+) -> None:
+    """A missing program is a ReplicaStartError with a shell-style exit code, not an OSError."""
+    with pytest.raises(ReplicaStartError, match=message) as caught:
+        await ReplicaProcess.start(argv, cwd=tmp_path, env=dict(os.environ))
+    assert caught.value.exit_code == exit_code
+
+
+async def test_not_executable_raises_start_error(tmp_path: Path) -> None:
+    """A file without execute permission is reported as permission denied."""
+    script = tmp_path / "script.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    with pytest.raises(ReplicaStartError, match="permission denied") as caught:
+        await ReplicaProcess.start([str(script)], cwd=tmp_path, env=dict(os.environ))
+    assert caught.value.exit_code == 126
