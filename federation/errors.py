@@ -43,7 +43,9 @@ class InvalidArgumentError(FederationError):
         self.violations = tuple(violations)
         summary = "; ".join(f"{v.field}: {v.description}" for v in self.violations[:5])
         more = len(self.violations) - 5
-        super().__init__(f"invalid request: {summary}" + (f" (and {more} more)" if more > 0 else ""))
+        super().__init__(
+            f"invalid request: {summary}" + (f" (and {more} more)" if more > 0 else "")
+        )
 
 
 class NotFoundError(FederationError):
@@ -55,7 +57,9 @@ class JobNotFoundError(NotFoundError):
     reason = "JOB_NOT_FOUND"
 
     def __init__(self, job_id: str) -> None:
-        super().__init__(f"no job {job_id!r}. To fix: list jobs with 'fedctl jobs list'", job=job_id)
+        super().__init__(
+            f"no job {job_id!r}. To fix: list jobs with 'fedctl jobs list'", job=job_id
+        )
 
 
 class SiteNotFoundError(NotFoundError):

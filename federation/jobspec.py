@@ -37,7 +37,8 @@ def parse_domain(text: str) -> resources_pb2.Domain.ValueType:
     name = text.upper()
     if not name.startswith("DOMAIN_"):
         name = "DOMAIN_" + name
-    if name not in resources_pb2.Domain.keys() or name == "DOMAIN_UNSPECIFIED":
+    known = set(resources_pb2.Domain.keys()) - {"DOMAIN_UNSPECIFIED"}
+    if name not in known:
         raise ValueError(f"unknown domain {text!r} (expected edge, datacenter or cloud)")
     return resources_pb2.Domain.Value(name)
 
@@ -90,7 +91,8 @@ def load_job_specs(path: Path) -> list[jobs_pb2.JobSpec]:
     try:
         doc = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (ValueError, yaml.YAMLError) as err:
-        raise JobSpecFileError(f"{path}: not valid {path.suffix.lstrip('.') or 'YAML'}: {err}")
+        kind = "JSON" if path.suffix == ".json" else "YAML"
+        raise JobSpecFileError(f"{path}: not valid {kind}: {err}") from None
     if isinstance(doc, Mapping) and "jobs" in doc:
         doc = doc["jobs"]
     docs = doc if isinstance(doc, list) else [doc]

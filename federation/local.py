@@ -86,7 +86,10 @@ class LocalFederation:
         log = self.log_path(name).open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", *argv], stdout=log, stderr=subprocess.STDOUT, env=env,
+            [sys.executable, "-m", *argv],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
             start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop them in order
         )
         self.processes[name] = proc
@@ -102,12 +105,24 @@ class LocalFederation:
             init_pki(self.pki.dir, server_sans=["localhost", "127.0.0.1"])
         ready = self.root / "coordinator.ready"
         ready.unlink(missing_ok=True)
-        proc = self._spawn("coordinator", [
-            "federation.coordinator", "--pki-dir", str(self.pki.dir),
-            "--data-dir", str(self.root / "coordinator"), "--listen", f"127.0.0.1:{port}",
-            "--join-listen", f"127.0.0.1:{join_port}", "--ready-file", str(ready),
-            "--log-json", *self.coordinator_args,
-        ])
+        proc = self._spawn(
+            "coordinator",
+            [
+                "federation.coordinator",
+                "--pki-dir",
+                str(self.pki.dir),
+                "--data-dir",
+                str(self.root / "coordinator"),
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--join-listen",
+                f"127.0.0.1:{join_port}",
+                "--ready-file",
+                str(ready),
+                "--log-json",
+                *self.coordinator_args,
+            ],
+        )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None:
@@ -121,8 +136,11 @@ class LocalFederation:
     async def create_token(self, site: str, domain: str) -> str:
         async with self.operator().channel() as channel:
             admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-            reply = await admin.CreateJoinToken(admin_service_pb2.CreateJoinTokenRequest(
-                site=site, domain=parse_domain(domain), ttl_s=600))
+            reply = await admin.CreateJoinToken(
+                admin_service_pb2.CreateJoinTokenRequest(
+                    site=site, domain=parse_domain(domain), ttl_s=600
+                )
+            )
         return reply.token
 
     async def start_site(self, site: SiteSpec) -> None:
@@ -131,12 +149,20 @@ class LocalFederation:
         home.mkdir(parents=True, exist_ok=True)
         token_file = home / "join-token"
         if not (home / "state" / "site.pem").exists():
-            write_private_file(token_file, (await self.create_token(site.name, site.domain)).encode())
+            write_private_file(
+                token_file, (await self.create_token(site.name, site.domain)).encode()
+            )
         settings: dict[str, object] = {
-            "site": site.name, "domain": site.domain, "region": site.region,
-            "coordinator": self.address, "join_address": f"127.0.0.1:{self.join_port}",
-            "ca": self.pki.ca_cert, "state_dir": home / "state", "token_file": token_file,
-            "discover_host": site.discover_host, "kill_grace_s": 2.0,
+            "site": site.name,
+            "domain": site.domain,
+            "region": site.region,
+            "coordinator": self.address,
+            "join_address": f"127.0.0.1:{self.join_port}",
+            "ca": self.pki.ca_cert,
+            "state_dir": home / "state",
+            "token_file": token_file,
+            "discover_host": site.discover_host,
+            "kill_grace_s": 2.0,
             "price_per_device_hour": site.price_per_device_hour,
         }
         if site.nodes:
@@ -148,9 +174,7 @@ class LocalFederation:
         module = "edge_agent" if site.domain == "edge" else "datacenter_agent"
         self._spawn(site.name, [module, "--config", str(config), "--log-json"])
 
-    async def wait_connected(self, names: list[str] | None = None, timeout_s: float = 30.0) -> (
-        None
-    ):
+    async def wait_connected(self, names: list[str] | None = None, timeout_s: float = 30.0) -> None:
         """Wait until every named site (default: all) has a live session."""
         wanted = set(names if names is not None else [s.name for s in self.sites])
         deadline = time.monotonic() + timeout_s
@@ -158,8 +182,9 @@ class LocalFederation:
             admin = admin_service_pb2_grpc.AdminServiceStub(channel)
             while True:
                 reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
-                up = {s.name for s in reply.sites
-                      if s.state == admin_service_pb2.SITE_STATE_CONNECTED}
+                up = {
+                    s.name for s in reply.sites if s.state == admin_service_pb2.SITE_STATE_CONNECTED
+                }
                 if wanted <= up:
                     return
                 for name in wanted:

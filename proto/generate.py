@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PROTO_DIR = ROOT / "proto"
 
 
-def main() -> int:
-    """Run protoc with the Python, gRPC and mypy plugins."""
+def generate(out: Path) -> int:
+    """Run protoc with the Python, gRPC and mypy plugins, writing under ``out``."""
     sources = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
     # The mypy plugins are console scripts installed beside this interpreter.
@@ -27,14 +27,14 @@ def main() -> int:
         "grpc_tools.protoc",
         f"-I{PROTO_DIR}",
         f"-I{include}",
-        f"--python_out={ROOT}",
-        f"--grpc_python_out={ROOT}",
-        f"--mypy_out={ROOT}",
-        f"--mypy_grpc_out={ROOT}",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"--mypy_out={out}",
+        f"--mypy_grpc_out={out}",
         *sources,
     ]
     return protoc.main(args)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(generate(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT))

@@ -17,8 +17,11 @@ from federation.cli.connection import CliError, describe_rpc_error, resolve_conn
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedctl", description=__doc__)
     parser.add_argument("--coordinator", help="host:port (env FEDCTL_COORDINATOR)")
-    parser.add_argument("--pki-dir", type=Path, help="folder from 'fedctl pki init' "
-                        "(env FEDCTL_PKI_DIR); uses its operator certificate")
+    parser.add_argument(
+        "--pki-dir",
+        type=Path,
+        help="folder from 'fedctl pki init' (env FEDCTL_PKI_DIR); uses its operator certificate",
+    )
     parser.add_argument("--ca", type=Path, help="CA certificate (env FEDCTL_CA)")
     parser.add_argument("--cert", type=Path, help="client certificate (env FEDCTL_CERT)")
     parser.add_argument("--key", type=Path, help="client key (env FEDCTL_KEY)")
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     params = inspect.signature(func).parameters
     if "conn" not in params:
         result = func(args)
-        return int(asyncio.run(result) if inspect.isawaitable(result) else result)
+        return int(asyncio.run(result) if inspect.iscoroutine(result) else result)
     conn = resolve_connection(args.coordinator, args.pki_dir, args.ca, args.cert, args.key)
     try:
         return int(asyncio.run(func(args, conn)))

@@ -22,29 +22,83 @@ from federation.coordinator.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
 from federation.local import LocalFederation, SiteSpec
 
-NPU = {"kind": "NPU", "vendor": "huawei", "model": "Ascend-910B", "memory_mib": 65536,
-       "tflops_fp16": 320, "power_tdp_watts": 310, "attributes": {"cann": "8.0.0"}}
-A100 = {"kind": "GPU", "vendor": "nvidia", "model": "A100-80GB", "memory_mib": 81920,
-        "tflops_fp16": 312, "power_tdp_watts": 400, "attributes": {"cuda": "12.4"}}
-H100 = {"kind": "GPU", "vendor": "nvidia", "model": "H100-80GB", "memory_mib": 81920,
-        "tflops_fp16": 989, "power_tdp_watts": 700, "attributes": {"cuda": "12.4"}}
+NPU = {
+    "kind": "NPU",
+    "vendor": "huawei",
+    "model": "Ascend-910B",
+    "memory_mib": 65536,
+    "tflops_fp16": 320,
+    "power_tdp_watts": 310,
+    "attributes": {"cann": "8.0.0"},
+}
+A100 = {
+    "kind": "GPU",
+    "vendor": "nvidia",
+    "model": "A100-80GB",
+    "memory_mib": 81920,
+    "tflops_fp16": 312,
+    "power_tdp_watts": 400,
+    "attributes": {"cuda": "12.4"},
+}
+H100 = {
+    "kind": "GPU",
+    "vendor": "nvidia",
+    "model": "H100-80GB",
+    "memory_mib": 81920,
+    "tflops_fp16": 989,
+    "power_tdp_watts": 700,
+    "attributes": {"cuda": "12.4"},
+}
 
 DEMO_SITES = [
-    SiteSpec("edge-shanghai", "edge", region="cn-east", nodes=[
-        {"name": "edge-box-1", "arch": "aarch64", "cpu_cores": 16, "memory_mib": 32768,
-         "labels": {"cann": "8.0.0"}, "devices": [{**NPU, "count": 2, "interconnect_group": "hccs-0"}]},
-    ]),
-    SiteSpec("dc-frankfurt", "datacenter", region="eu-central", discover_host=True, nodes=[
-        {"name": f"dgx-{i}", "arch": "x86_64", "cpu_cores": 128, "memory_mib": 1048576,
-         "labels": {"cuda": "12.4", "driver": "550.54"},
-         "devices": [{**A100, "count": 4, "interconnect_group": f"nvlink-{i}"}]}
-        for i in (1, 2)
-    ]),
-    SiteSpec("cloud-us-east", "cloud", region="us-east-1", price_per_device_hour=2.9, nodes=[
-        {"name": "p5-1", "arch": "x86_64", "cpu_cores": 192, "memory_mib": 2097152,
-         "labels": {"cuda": "12.4", "driver": "550.90"},
-         "devices": [{**H100, "count": 8, "interconnect_group": "nvswitch-0"}]},
-    ]),
+    SiteSpec(
+        "edge-shanghai",
+        "edge",
+        region="cn-east",
+        nodes=[
+            {
+                "name": "edge-box-1",
+                "arch": "aarch64",
+                "cpu_cores": 16,
+                "memory_mib": 32768,
+                "labels": {"cann": "8.0.0"},
+                "devices": [{**NPU, "count": 2, "interconnect_group": "hccs-0"}],
+            },
+        ],
+    ),
+    SiteSpec(
+        "dc-frankfurt",
+        "datacenter",
+        region="eu-central",
+        discover_host=True,
+        nodes=[
+            {
+                "name": f"dgx-{i}",
+                "arch": "x86_64",
+                "cpu_cores": 128,
+                "memory_mib": 1048576,
+                "labels": {"cuda": "12.4", "driver": "550.54"},
+                "devices": [{**A100, "count": 4, "interconnect_group": f"nvlink-{i}"}],
+            }
+            for i in (1, 2)
+        ],
+    ),
+    SiteSpec(
+        "cloud-us-east",
+        "cloud",
+        region="us-east-1",
+        price_per_device_hour=2.9,
+        nodes=[
+            {
+                "name": "p5-1",
+                "arch": "x86_64",
+                "cpu_cores": 192,
+                "memory_mib": 2097152,
+                "labels": {"cuda": "12.4", "driver": "550.90"},
+                "devices": [{**H100, "count": 8, "interconnect_group": "nvswitch-0"}],
+            },
+        ],
+    ),
 ]
 
 SHOW_DEVICES = (
@@ -56,34 +110,96 @@ SHOW_DEVICES = (
 )
 
 
-def _task(name: str, seconds: float, resources: dict[str, object], *, exit_code: int = 0,
-          replicas: int = 1) -> dict[str, object]:
+def _task(
+    name: str,
+    seconds: float,
+    resources: dict[str, object],
+    *,
+    exit_code: int = 0,
+    replicas: int = 1,
+) -> dict[str, object]:
     code = SHOW_DEVICES.format(seconds=seconds)
     if exit_code:
         code += f"; print('step failed: bad input shard'); raise SystemExit({exit_code})"
-    return {"name": name, "command": [sys.executable, "-c", code], "replicas": replicas,
-            "resources": resources}
+    return {
+        "name": name,
+        "command": [sys.executable, "-c", code],
+        "replicas": replicas,
+        "resources": resources,
+    }
 
 
 def demo_jobs() -> list[jobs_pb2.JobSpec]:
     docs: list[dict[str, object]] = [
-        {"name": "npu-inference", "tasks": [_task("serve", 1.5, {
-            "cpu": 2, "memory_mib": 4096, "accelerator": {"kind": "NPU", "count": 1}})]},
-        {"name": "edge-etl", "constraints": {"domains": ["edge"]},
-         "tasks": [_task("extract", 1.0, {"cpu": 1, "memory_mib": 1024})]},
-        {"name": "a100-train", "tasks": [_task("train", 2.0, {
-            "cpu": 16, "memory_mib": 65536,
-            "accelerator": {"kind": "GPU", "count": 4, "models": ["A100-80GB"]}})]},
-        {"name": "h100-finetune", "tasks": [_task("finetune", 2.0, {
-            "cpu": 32, "memory_mib": 131072,
-            "accelerator": {"kind": "GPU", "count": 2, "models": ["H100-80GB"]}})]},
-        {"name": "gang-2x2-gpu", "tasks": [_task("worker", 1.5, {
-            "cpu": 8, "memory_mib": 16384, "accelerator": {"kind": "GPU", "count": 2}},
-            replicas=2)]},
-        {"name": "flaky-step", "constraints": {"domains": ["datacenter"]},
-         "tasks": [_task("step", 0.5, {"cpu": 1, "memory_mib": 512}, exit_code=3)]},
-        {"name": "too-big", "tasks": [_task("train", 1.0, {
-            "cpu": 8, "memory_mib": 8192, "accelerator": {"kind": "GPU", "count": 16}})]},
+        {
+            "name": "npu-inference",
+            "tasks": [
+                _task(
+                    "serve",
+                    1.5,
+                    {"cpu": 2, "memory_mib": 4096, "accelerator": {"kind": "NPU", "count": 1}},
+                )
+            ],
+        },
+        {
+            "name": "edge-etl",
+            "constraints": {"domains": ["edge"]},
+            "tasks": [_task("extract", 1.0, {"cpu": 1, "memory_mib": 1024})],
+        },
+        {
+            "name": "a100-train",
+            "tasks": [
+                _task(
+                    "train",
+                    2.0,
+                    {
+                        "cpu": 16,
+                        "memory_mib": 65536,
+                        "accelerator": {"kind": "GPU", "count": 4, "models": ["A100-80GB"]},
+                    },
+                )
+            ],
+        },
+        {
+            "name": "h100-finetune",
+            "tasks": [
+                _task(
+                    "finetune",
+                    2.0,
+                    {
+                        "cpu": 32,
+                        "memory_mib": 131072,
+                        "accelerator": {"kind": "GPU", "count": 2, "models": ["H100-80GB"]},
+                    },
+                )
+            ],
+        },
+        {
+            "name": "gang-2x2-gpu",
+            "tasks": [
+                _task(
+                    "worker",
+                    1.5,
+                    {"cpu": 8, "memory_mib": 16384, "accelerator": {"kind": "GPU", "count": 2}},
+                    replicas=2,
+                )
+            ],
+        },
+        {
+            "name": "flaky-step",
+            "constraints": {"domains": ["datacenter"]},
+            "tasks": [_task("step", 0.5, {"cpu": 1, "memory_mib": 512}, exit_code=3)],
+        },
+        {
+            "name": "too-big",
+            "tasks": [
+                _task(
+                    "train",
+                    1.0,
+                    {"cpu": 8, "memory_mib": 8192, "accelerator": {"kind": "GPU", "count": 16}},
+                )
+            ],
+        },
     ]
     return [job_spec_from_dict(doc, source=str(doc["name"])) for doc in docs]
 
@@ -134,10 +250,14 @@ async def run_demo(fed: LocalFederation) -> int:
                 done.add(event.job_id)
             if not cancel_sent and done >= set(ids) - {big}:
                 cancel_sent = True
-                console.print("every job that fits has ended; cancelling too-big, which fits "
-                              "nowhere")
-                await stub.CancelJob(job_service_pb2.CancelJobRequest(
-                    job_id=big, reason="demo over: no site has 16 GPUs on one node"))
+                console.print(
+                    "every job that fits has ended; cancelling too-big, which fits nowhere"
+                )
+                await stub.CancelJob(
+                    job_service_pb2.CancelJobRequest(
+                        job_id=big, reason="demo over: no site has 16 GPUs on one node"
+                    )
+                )
             if done == set(ids):
                 break
         watch.cancel()
@@ -161,7 +281,13 @@ def results_table(jobs: list[jobs_pb2.Job]) -> Table:
         for task in job.tasks:
             output = task.output_tail.strip().splitlines()
             detail = task.reason if not output else f"{task.reason}\n{output[-1]}"
-            table.add_row(job.spec.name, task.name, task.site or "-",
-                          "\n".join(task.devices) or "-", state_name(task.state),
-                          str(task.exit_code) if is_terminal(task.state) else "-", detail)
+            table.add_row(
+                job.spec.name,
+                task.name,
+                task.site or "-",
+                "\n".join(task.devices) or "-",
+                state_name(task.state),
+                str(task.exit_code) if is_terminal(task.state) else "-",
+                detail,
+            )
     return table

@@ -16,8 +16,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     pki_sub = pki.add_subparsers(dest="pki_command", required=True)
     init = pki_sub.add_parser("init", help="create a CA, a coordinator cert and an operator cert")
     init.add_argument("--dir", type=Path, required=True, help="folder to write (0700)")
-    init.add_argument("--san", action="append", default=[],
-                      help="coordinator DNS name or IP (repeatable; default localhost, 127.0.0.1)")
+    init.add_argument(
+        "--san",
+        action="append",
+        default=[],
+        help="coordinator DNS name or IP (repeatable; default localhost, 127.0.0.1)",
+    )
     init.add_argument("--operator", default="admin", help="name of the first operator")
     init.add_argument("--force", action="store_true", help="replace an existing CA")
     init.set_defaults(func=cmd_init)

@@ -102,7 +102,9 @@ async def _cordon(args: argparse.Namespace, conn: Connection, cordoned: bool) ->
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         if cordoned:
-            site = (await admin.CordonSite(admin_service_pb2.CordonSiteRequest(site=args.site))).site
+            site = (
+                await admin.CordonSite(admin_service_pb2.CordonSiteRequest(site=args.site))
+            ).site
         else:
             site = (
                 await admin.UncordonSite(admin_service_pb2.UncordonSiteRequest(site=args.site))
@@ -137,8 +139,10 @@ async def cmd_token_create(args: argparse.Namespace, conn: Connection) -> int:
     if args.json:
         print_json(reply)
     elif args.out:
-        console.print(f"token for {args.site} written to {args.out} "
-                      f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)")
+        console.print(
+            f"token for {args.site} written to {args.out} "
+            f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)"
+        )
     else:
         print(reply.token)
     return 0
@@ -152,7 +156,9 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
         if len(specs) == 1:
-            submitted = [(await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=specs[0]))).job]
+            submitted = [
+                (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=specs[0]))).job
+            ]
         else:
             reply = await jobs.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
             submitted = list(reply.jobs)
@@ -168,18 +174,26 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
     states = []
     for name in args.state:
         full = "JOB_STATE_" + name.upper().removeprefix("JOB_STATE_")
-        if full not in jobs_pb2.JobState.keys():
-            raise CliError(f"unknown state {name!r}; one of PENDING, SCHEDULING, DELEGATED, "
-                           "RUNNING, SUCCEEDED, FAILED, CANCELLED")
+        if full not in set(jobs_pb2.JobState.keys()):
+            raise CliError(
+                f"unknown state {name!r}; one of PENDING, SCHEDULING, DELEGATED, "
+                "RUNNING, SUCCEEDED, FAILED, CANCELLED"
+            )
         states.append(jobs_pb2.JobState.Value(full))
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         found: list[jobs_pb2.Job] = []
         token = ""
         while len(found) < args.limit:
-            reply = await stub.ListJobs(job_service_pb2.ListJobsRequest(
-                states=states, tenant=args.tenant, site=args.site,
-                page_size=min(args.limit - len(found), 1000), page_token=token))
+            reply = await stub.ListJobs(
+                job_service_pb2.ListJobsRequest(
+                    states=states,
+                    tenant=args.tenant,
+                    site=args.site,
+                    page_size=min(args.limit - len(found), 1000),
+                    page_token=token,
+                )
+            )
             found += reply.jobs
             token = reply.next_page_token
             if not token:
@@ -200,24 +214,28 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         return 0
     console.print(jobs_table([job], title=f"Job {job.id}"))
     for task in job.tasks:
-        console.print(f"[bold]{task.name}[/bold] {state_name(task.state)} at {task.site or '-'} "
-                      f"epoch {task.epoch}: {task.reason}")
+        console.print(
+            f"[bold]{task.name}[/bold] {state_name(task.state)} at {task.site or '-'} "
+            f"epoch {task.epoch}: {task.reason}"
+        )
         if task.devices:
             console.print(f"  devices: {', '.join(task.devices)}")
         for verdict in task.verdicts:
             console.print(f"  {verdict.site}: [{verdict.stage}] {verdict.reason}")
         if task.output_tail:
             console.print("  output tail:", markup=False)
-            console.print("    " + task.output_tail.rstrip().replace("\n", "\n    "),
-                          markup=False)
+            console.print("    " + task.output_tail.rstrip().replace("\n", "\n    "), markup=False)
     return 0
 
 
 async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
-        job = (await stub.CancelJob(job_service_pb2.CancelJobRequest(
-            job_id=args.job_id, reason=args.reason))).job
+        job = (
+            await stub.CancelJob(
+                job_service_pb2.CancelJobRequest(job_id=args.job_id, reason=args.reason)
+            )
+        ).job
     if args.json:
         print_json(job)
     else:

@@ -52,8 +52,16 @@ def device_summary(nodes: Iterable[resources_pb2.Node]) -> str:
 
 def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
     table = Table(title="Sites")
-    for column in ("site", "domain", "state", "nodes", "cpu free/total", "devices free/total",
-                   "heartbeat", "source"):
+    for column in (
+        "site",
+        "domain",
+        "state",
+        "nodes",
+        "cpu free/total",
+        "devices free/total",
+        "heartbeat",
+        "source",
+    ):
         table.add_column(column)
     for site in sites:
         view = site.view
@@ -95,8 +103,9 @@ def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
             + (f" exit {t.exit_code}" if t.state == jobs_pb2.JOB_STATE_FAILED else "")
             for t in job.tasks
         )
-        table.add_row(job.id, job.spec.name, job.spec.tenant, state_name(job.state), tasks,
-                      job.reason)
+        table.add_row(
+            job.id, job.spec.name, job.spec.tenant, state_name(job.state), tasks, job.reason
+        )
     return table
 
 

@@ -71,12 +71,14 @@ class Enrollment:
         log.info("join_token_created", site=site, by=created_by, ttl_s=ttl_s)
         return admin_service_pb2.CreateJoinTokenResponse(token=token, expires_at=record.expires_at)
 
-    async def join(self, request: site_link_service_pb2.JoinRequest) -> (
-        site_link_service_pb2.JoinResponse
-    ):
+    async def join(
+        self, request: site_link_service_pb2.JoinRequest
+    ) -> site_link_service_pb2.JoinResponse:
         """Redeem a token: sign the CSR, register the site, and burn the token, atomically."""
-        refused = UnauthenticatedError("join token is unknown, already used or expired. "
-                                       "To fix: create a new one with 'fedctl token create'")
+        refused = UnauthenticatedError(
+            "join token is unknown, already used or expired. "
+            "To fix: create a new one with 'fedctl token create'"
+        )
         kv = await self._store.get(_token_key(request.token)) if request.token else None
         if kv is None:
             raise refused
@@ -123,4 +125,3 @@ class Enrollment:
             certificate_pem=cert_pem,
             ca_bundle_pem=self._ca.cert_pem,
         )
-

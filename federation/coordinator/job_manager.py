@@ -108,7 +108,7 @@ class JobManager:
             raise JobNotFoundError(job_id)  # do not reveal other tenants' jobs
         return job
 
-    async def list(
+    async def list_jobs(
         self, caller: Identity, request: job_service_pb2.ListJobsRequest
     ) -> job_service_pb2.ListJobsResponse:
         if request.page_size > MAX_PAGE:
@@ -286,7 +286,9 @@ class JobManager:
                 ),
             )
 
-    async def reconcile(self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]) -> None:
+    async def reconcile(
+        self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]
+    ) -> None:
         """After a (re)connect: apply what the site has, and requeue what it lost."""
         held = {(r.job_id, r.task, r.epoch) for r in reports}
         for report in reports:

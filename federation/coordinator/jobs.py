@@ -117,8 +117,9 @@ class JobRepository:
         out: list[jobs_pb2.Job] = []
         start = page_token
         while len(out) < page_size:
-            page = await self._store.range(JOBS, start_after=job_key(start) if start else "",
-                                           limit=max(page_size * 2, 100))
+            page = await self._store.range(
+                JOBS, start_after=job_key(start) if start else "", limit=max(page_size * 2, 100)
+            )
             for kv in page:
                 job = jobs_pb2.Job.FromString(kv.value)
                 start = job.id
@@ -136,9 +137,7 @@ class JobRepository:
         ops: list[Put] = []
         events_by_job: list[tuple[jobs_pb2.Job, list[jobs_pb2.JobEvent]]] = []
         for job in jobs:
-            events = [
-                _event(job, 1, Change("", job_state.PENDING, "submitted"))
-            ]
+            events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
             job.last_event_sequence = 1
             ops.append(Put(job_key(job.id), job.SerializeToString(), expect_revision=0))
             ops.append(Put(event_key(job.id, 1), events[0].SerializeToString()))

@@ -16,7 +16,7 @@ import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
-from federation.coordinator.jobs import Change, JobRepository, find_task, transition
+from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.errors import FederationError
 from federation.placement.framework import Framework
@@ -244,7 +244,7 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _mark_scheduling(task_name: str, site: str) -> object:
+def _mark_scheduling(task_name: str, site: str) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
         if task.state not in (job_state.PENDING, job_state.SCHEDULING):
@@ -257,7 +257,7 @@ def _mark_scheduling(task_name: str, site: str) -> object:
     return mutate
 
 
-def _mark_delegated(task_name: str, site: str, epoch: int, reservation_id: str) -> object:
+def _mark_delegated(task_name: str, site: str, epoch: int, reservation_id: str) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
         if task.state != job_state.SCHEDULING or task.epoch != epoch:
@@ -269,7 +269,7 @@ def _mark_delegated(task_name: str, site: str, epoch: int, reservation_id: str) 
     return mutate
 
 
-def _back_from_site(task_name: str, epoch: int, reason: str) -> object:
+def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
         if task.state != job_state.DELEGATED or task.epoch != epoch:

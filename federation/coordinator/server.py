@@ -115,8 +115,10 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
     tls = TlsFiles(ca=config.ca_cert, cert=config.cert, key=config.key)
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(METHOD_ROLES, open_methods=OPEN_METHODS)],
-        options=[("grpc.keepalive_permit_without_calls", 1),
-                 ("grpc.http2.min_ping_interval_without_data_ms", 5000)],
+        options=[
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ],
     )
     job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(manager), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(

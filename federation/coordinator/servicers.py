@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from typing import Any, TypeAlias
 
 import grpc
 
@@ -31,7 +32,7 @@ from federation.coordinator.site_link import SiteLink
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 
-Context = grpc.aio.ServicerContext
+Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
 
 _JOBS = "/federation.api.v1.JobService/"
 _ADMIN = "/federation.api.v1.AdminService/"
@@ -72,35 +73,35 @@ class JobServicer(job_grpc.JobServiceServicer):
     def __init__(self, jobs: JobManager) -> None:
         self._jobs = jobs
 
-    async def SubmitJob(self, request: job_pb.SubmitJobRequest, context: Context) -> (  # noqa: N802
-        job_pb.SubmitJobResponse
-    ):
+    async def SubmitJob(
+        self, request: job_pb.SubmitJobRequest, context: Context
+    ) -> job_pb.SubmitJobResponse:
         (job,) = await self._jobs.submit(current_caller(), [request.spec], batch=False)
         return job_pb.SubmitJobResponse(job=job)
 
-    async def SubmitJobs(self, request: job_pb.SubmitJobsRequest, context: Context) -> (  # noqa: N802
-        job_pb.SubmitJobsResponse
-    ):
+    async def SubmitJobs(
+        self, request: job_pb.SubmitJobsRequest, context: Context
+    ) -> job_pb.SubmitJobsResponse:
         jobs = await self._jobs.submit(current_caller(), request.specs, batch=True)
         return job_pb.SubmitJobsResponse(jobs=jobs)
 
-    async def GetJob(self, request: job_pb.GetJobRequest, context: Context) -> (  # noqa: N802
-        job_pb.GetJobResponse
-    ):
+    async def GetJob(
+        self, request: job_pb.GetJobRequest, context: Context
+    ) -> job_pb.GetJobResponse:
         return job_pb.GetJobResponse(job=await self._jobs.get(current_caller(), request.job_id))
 
-    async def ListJobs(self, request: job_pb.ListJobsRequest, context: Context) -> (  # noqa: N802
-        job_pb.ListJobsResponse
-    ):
-        return await self._jobs.list(current_caller(), request)
+    async def ListJobs(
+        self, request: job_pb.ListJobsRequest, context: Context
+    ) -> job_pb.ListJobsResponse:
+        return await self._jobs.list_jobs(current_caller(), request)
 
-    async def CancelJob(self, request: job_pb.CancelJobRequest, context: Context) -> (  # noqa: N802
-        job_pb.CancelJobResponse
-    ):
+    async def CancelJob(
+        self, request: job_pb.CancelJobRequest, context: Context
+    ) -> job_pb.CancelJobResponse:
         job = await self._jobs.cancel(current_caller(), request.job_id, request.reason)
         return job_pb.CancelJobResponse(job=job)
 
-    async def WatchJobs(  # noqa: N802
+    async def WatchJobs(
         self, request: job_pb.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
         async for event in self._jobs.watch(current_caller(), request):
@@ -112,27 +113,27 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
         self._admin = admin
         self._enrollment = enrollment
 
-    async def GetFederationStatus(  # noqa: N802
+    async def GetFederationStatus(
         self, request: admin_pb.GetFederationStatusRequest, context: Context
     ) -> admin_pb.GetFederationStatusResponse:
         return await self._admin.status()
 
-    async def ListSites(self, request: admin_pb.ListSitesRequest, context: Context) -> (  # noqa: N802
-        admin_pb.ListSitesResponse
-    ):
+    async def ListSites(
+        self, request: admin_pb.ListSitesRequest, context: Context
+    ) -> admin_pb.ListSitesResponse:
         return admin_pb.ListSitesResponse(sites=self._admin.sites())
 
-    async def CordonSite(self, request: admin_pb.CordonSiteRequest, context: Context) -> (  # noqa: N802
-        admin_pb.CordonSiteResponse
-    ):
+    async def CordonSite(
+        self, request: admin_pb.CordonSiteRequest, context: Context
+    ) -> admin_pb.CordonSiteResponse:
         return admin_pb.CordonSiteResponse(site=await self._admin.cordon(request.site, True))
 
-    async def UncordonSite(  # noqa: N802
+    async def UncordonSite(
         self, request: admin_pb.UncordonSiteRequest, context: Context
     ) -> admin_pb.UncordonSiteResponse:
         return admin_pb.UncordonSiteResponse(site=await self._admin.cordon(request.site, False))
 
-    async def CreateJoinToken(  # noqa: N802
+    async def CreateJoinToken(
         self, request: admin_pb.CreateJoinTokenRequest, context: Context
     ) -> admin_pb.CreateJoinTokenResponse:
         return await self._enrollment.create_token(
@@ -145,10 +146,10 @@ class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):
         self._enrollment = enrollment
         self._link = link
 
-    async def Join(self, request: link_pb.JoinRequest, context: Context) -> link_pb.JoinResponse:  # noqa: N802
+    async def Join(self, request: link_pb.JoinRequest, context: Context) -> link_pb.JoinResponse:
         return await self._enrollment.join(request)
 
-    async def Connect(  # noqa: N802
+    async def Connect(
         self, request_iterator: AsyncIterator[link_pb.ConnectRequest], context: Context
     ) -> AsyncIterator[link_pb.ConnectResponse]:
         assert self._link is not None, "Connect is served only on the mTLS port"

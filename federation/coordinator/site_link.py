@@ -52,8 +52,9 @@ class SiteLink:
         if previous is not None:
             previous.close()
         log.info("site_connected", site=caller.name, generation=hello.generation)
-        session.send(pb.ConnectResponse(welcome=pb.Welcome(
-            heartbeat_interval_s=self._heartbeat_interval_s)))
+        session.send(
+            pb.ConnectResponse(welcome=pb.Welcome(heartbeat_interval_s=self._heartbeat_interval_s))
+        )
         failure: list[FederationError] = []
         reader = asyncio.create_task(self._read(session, requests, failure))
         try:

@@ -139,7 +139,9 @@ class SiteRegistry:
         log.info("site_cordoned" if cordoned else "site_uncordoned", site=name)
         return self.describe(name)
 
-    def attach(self, session: SiteSession, hello: site_link_service_pb2.Hello) -> SiteSession | None:
+    def attach(
+        self, session: SiteSession, hello: site_link_service_pb2.Hello
+    ) -> SiteSession | None:
         """Make ``session`` the site's live session; returns the one it replaces, if any."""
         entry = self.get(session.site)
         previous = entry.session

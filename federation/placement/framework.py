@@ -36,9 +36,9 @@ class FilterPlugin(Protocol):
 class ScorePlugin(Protocol):
     name: ClassVar[str]
 
-    def score(self, req: Request, snap: Snapshot, feasible: npt.NDArray[np.int64]) -> (
-        npt.NDArray[np.float64]
-    ):
+    def score(
+        self, req: Request, snap: Snapshot, feasible: npt.NDArray[np.int64]
+    ) -> npt.NDArray[np.float64]:
         """Scores in [0, 100] for the feasible site indices, higher is better."""
         ...
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 import structlog
@@ -29,6 +29,7 @@ from federation.security.tls import peer_identity
 
 log = structlog.get_logger()
 
+Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
 _CALLER: contextvars.ContextVar[Identity] = contextvars.ContextVar("caller")
 
 
@@ -46,7 +47,9 @@ def to_status(err: FederationError) -> grpc.Status:
     if isinstance(err, InvalidArgumentError):
         bad = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                error_details_pb2.BadRequest.FieldViolation(
+                    field=v.field, description=v.description
+                )
                 for v in err.violations
             ]
         )
@@ -62,7 +65,9 @@ INTERNAL = rpc_status.to_status(status_pb2.Status(code=code_pb2.INTERNAL, messag
 
 
 @asynccontextmanager
-async def translate_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+async def translate_errors(
+    context: grpc.aio.ServicerContext[Any, Any], method: str
+) -> AsyncIterator[None]:
     """Answer federation errors with their status and anything else with a bare INTERNAL."""
     try:
         yield
@@ -94,7 +99,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._roles = roles
         self._open = frozenset(open_methods)
 
-    def _authorize(self, method: str, context: grpc.aio.ServicerContext) -> Identity | None:
+    def _authorize(
+        self, method: str, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Identity | None:
         if method in self._open:
             return _peer(context) if self._roles is not None else None
         if self._roles is None:
@@ -103,23 +110,21 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if identity is None:
             raise UnauthenticatedError("a client certificate from the federation CA is required")
         if identity.role not in self._roles.get(method, ()):
-            raise PermissionDeniedError(
-                f"{identity} may not call {method.rsplit('/', 1)[-1]}"
-            )
+            raise PermissionDeniedError(f"{identity} may not call {method.rsplit('/', 1)[-1]}")
         return identity
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler | None:
         handler = await continuation(handler_call_details)
         if handler is None:
-            return handler
+            return None
         method: str = handler_call_details.method
         authorize = self._authorize
 
-        def enter(context: grpc.aio.ServicerContext) -> None:
+        def enter(context: grpc.aio.ServicerContext[Any, Any]) -> None:
             identity = authorize(method, context)
             if identity is not None:
                 _CALLER.set(identity)
@@ -128,9 +133,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             )
 
         if handler.unary_unary:
-            inner_uu = handler.unary_unary
+            inner_uu: Any = handler.unary_unary
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
                     enter(context)
                     return await inner_uu(request, context)
@@ -140,25 +145,30 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 unary_unary, handler.request_deserializer, handler.response_serializer
             )
         if handler.unary_stream or handler.stream_stream:
-            inner_s = handler.unary_stream or handler.stream_stream
+            inner_s: Any = handler.unary_stream or handler.stream_stream
 
-            async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
                     enter(context)
                     async for response in inner_s(request, context):
                         yield response
 
-            factory = (
+            factory: Any = (
                 grpc.unary_stream_rpc_method_handler
                 if handler.unary_stream
                 else grpc.stream_stream_rpc_method_handler
             )
-            return factory(streaming, handler.request_deserializer, handler.response_serializer)
+            wrapped: Handler = factory(
+                streaming, handler.request_deserializer, handler.response_serializer
+            )
+            return wrapped
         return handler  # stream-unary: none in our API
 
 
-def _peer(context: grpc.aio.ServicerContext) -> Identity | None:
+def _peer(context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
     try:
         return peer_identity(context)
     except InvalidIdentityError as err:
-        raise UnauthenticatedError(f"client certificate carries no federation identity: {err}")
+        raise UnauthenticatedError(
+            f"client certificate carries no federation identity: {err}"
+        ) from None

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import grpc  # type: ignore[import-untyped]
-import grpc.aio  # type: ignore[import-untyped]
+import grpc
+import grpc.aio
 
 from federation.security.identity import Identity, identity_from_certificate
 
@@ -69,15 +70,14 @@ def server_only_channel_credentials(ca: Path) -> grpc.ChannelCredentials:
     return grpc.ssl_channel_credentials(root_certificates=ca.read_bytes())
 
 
-def peer_certificate(context: grpc.aio.ServicerContext) -> bytes | None:
+def peer_certificate(context: grpc.aio.ServicerContext[Any, Any]) -> bytes | None:
     """The PEM certificate the peer presented, or None (plaintext or no client cert)."""
     values = context.auth_context().get(_PEER_CERT_KEY)
-    if not values:
-        return None
-    return bytes(values[0])
+    first = next(iter(values), None) if values else None
+    return None if first is None else bytes(first)
 
 
-def peer_identity(context: grpc.aio.ServicerContext) -> Identity | None:
+def peer_identity(context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
     """The identity in the peer's certificate, or None if it presented none.
 
     Raises:

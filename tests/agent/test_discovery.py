@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import re
 import socket
 
 import psutil
@@ -79,9 +80,8 @@ def test_nvidia_gpus_match_nvml() -> None:
         assert device.health == resources_pb2.DEVICE_HEALTH_HEALTHY
         assert device.provenance == resources_pb2.PROVENANCE_DISCOVERED
         assert device.attributes["driver"] == driver
-        major, _, minor = device.attributes["cuda"].partition(".")
-        assert major.isdigit() and minor.isdigit()
-        assert device.attributes["compute_capability"][0].isdigit()
+        assert re.fullmatch(r"\d+\.\d+", device.attributes["cuda"])
+        assert re.fullmatch(r"\d+\.\d+", device.attributes["compute_capability"])
         assert device.power_tdp_watts > 0
     node = discover_host_node()
     assert len(node.devices) == count

@@ -121,7 +121,8 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
     [
         (
             "nodes:\n  - name: a\n  - name: b\n    devices:\n      - kind: TPU\n",
-            "nodes[1].devices[0].kind: unknown kind 'TPU' (expected one of GPU, NPU, MLU, FPGA, DPU)",
+            "nodes[1].devices[0].kind: unknown kind 'TPU' "
+            "(expected one of GPU, NPU, MLU, FPGA, DPU)",
         ),
         (
             "nodes:\n  - name: a\n    devices:\n      - vendor: nvidia\n",
@@ -142,7 +143,10 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
             "nodes:\n  - name: a\n  - name: b\n  - name: a\n",
             "nodes[2].name: duplicate node name 'a' (also nodes[0])",
         ),
-        ("nodes:\n  - name: a\n    cpu_cores: -2\n", "nodes[0].cpu_cores: must be non-negative, got -2"),
+        (
+            "nodes:\n  - name: a\n    cpu_cores: -2\n",
+            "nodes[0].cpu_cores: must be non-negative, got -2",
+        ),
         (
             "nodes:\n  - name: a\n    memory_mib: lots\n",
             "nodes[0].memory_mib: expected a non-negative integer, got 'lots'",

@@ -183,7 +183,11 @@ async def test_stragglers_die_with_the_leader(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("argv", "message", "exit_code"),
     [
-        (["definitely-not-a-program-xyz", "-v"], "command not found: definitely-not-a-program-xyz", 127),
+        (
+            ["definitely-not-a-program-xyz", "-v"],
+            "command not found: definitely-not-a-program-xyz",
+            127,
+        ),
         ([], "empty command", 127),
     ],
 )

@@ -19,7 +19,7 @@ from federation.placement.snapshot import Snapshot
 
 def matching_devices(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     """Mask over devices: free, healthy and of the kind, vendor, model and memory asked for."""
-    mask = snap.device_available & (snap.device_kind == req.accelerator_kind)
+    mask: npt.NDArray[np.bool_] = snap.device_available & (snap.device_kind == req.accelerator_kind)
     mask &= snap.device_memory_mib >= req.accelerator_min_memory_mib
     if req.accelerator_vendor:
         mask &= snap.device_vendor == req.accelerator_vendor
@@ -30,7 +30,7 @@ def matching_devices(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
 
 def node_label_mask(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     if not req.node_labels:
-        return np.ones(snap.n_nodes, dtype=bool)
+        return np.ones(snap.n_nodes, dtype=np.bool_)
     return np.array(
         [all(labels.get(k) == v for k, v in req.node_labels) for labels in snap.node_labels],
         dtype=bool,
@@ -52,7 +52,7 @@ def replicas_per_node(
         ).astype(np.float64)
         fit = np.minimum(fit, np.floor(per_node / req.accelerator_count))
     fit[~(snap.node_schedulable & node_label_mask(req, snap))] = 0
-    return np.minimum(fit, req.replicas if cap is None else cap)
+    return np.asarray(np.minimum(fit, req.replicas if cap is None else cap), dtype=np.float64)
 
 
 def describe_demand(req: Request) -> str:
@@ -78,12 +78,14 @@ class CapacityFit:
         reasons: dict[int, str] = {}
         failing = np.flatnonzero(~mask)
         if len(failing):
-            devices = np.zeros(snap.n_sites)
+            devices = np.zeros(snap.n_sites, dtype=np.float64)
             if req.accelerator_count:
                 free = np.bincount(
                     snap.device_node[matching_devices(req, snap)], minlength=snap.n_nodes
                 )
-                devices = np.bincount(snap.node_site, weights=free, minlength=snap.n_sites)
+                devices = np.bincount(snap.node_site, weights=free, minlength=snap.n_sites).astype(
+                    np.float64
+                )
             demand = describe_demand(req)
             for i in failing:
                 room = f"room for {int(per_site[i])}"

@@ -22,7 +22,9 @@ class Constraints:
             ok = np.isin(snap.domain, list(req.domains))
             wanted = ", ".join(sorted(domain_name(d) for d in req.domains))
             for i in np.flatnonzero(mask & ~ok):
-                reasons[int(i)] = f"job wants domain {wanted}, site is {domain_name(snap.domain[i])}"
+                reasons[int(i)] = (
+                    f"job wants domain {wanted}, site is {domain_name(snap.domain[i])}"
+                )
             mask &= ok
         if req.regions:
             ok = np.isin(snap.region, list(req.regions))
