@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import signal
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,7 +19,7 @@ import structlog
 
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.packing import Slot, Usage, device_labels, place, visibility_env
-from federation.agent.process import ReplicaProcess, ReplicaStartError
+from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
 log = structlog.get_logger()
@@ -82,16 +81,6 @@ class _Task:
             reason=self.reason,
             devices=self.devices,
         )
-
-
-def _exit_reason(replica: int, returncode: int) -> str:
-    if returncode >= 0:
-        return f"replica {replica} exited with {returncode}"
-    try:
-        name = signal.Signals(-returncode).name
-    except ValueError:
-        name = f"signal {-returncode}"
-    return f"replica {replica} was killed by {name}"
 
 
 def _bad_path_component(value: str) -> bool:
@@ -171,30 +160,29 @@ class EmbeddedCore:
         if held is not None:
             # A repeated offer: the same reservation, its lease renewed from now.
             held = dataclasses.replace(held, lease_s=lease_s)
-        else:
-            problem = self._offer_problem(offer)
-            placed = place(self._nodes.values(), offer.spec, self._usage()) if not problem else ""
-            if problem or isinstance(placed, str):
-                reason = problem or str(placed)
-                log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
-                return site_link_service_pb2.OfferAnswer(accepted=False, reason=reason)
-            spec = jobs_pb2.TaskSpec()
-            spec.CopyFrom(offer.spec)
-            held = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s)
-            log.info(
-                "offer_accepted",
-                job_id=key[0],
-                task=key[1],
-                epoch=key[2],
-                reservation_id=held.id,
-                nodes=[slot.node for slot in placed],
-            )
-        self._reservations[held.id] = held
-        self._arm_lease(held)
-        self._changed()
-        return site_link_service_pb2.OfferAnswer(
-            accepted=True, reservation_id=held.id, expected_start_s=0.0, lease_s=lease_s
+            self._reservations[held.id] = held
+            self._arm_lease(held)
+            return self._accepted(held)
+        problem = self._offer_problem(offer)
+        placed = problem or place(self._nodes.values(), offer.spec, self._usage())
+        if isinstance(placed, str):
+            log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
+            return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
+        spec = jobs_pb2.TaskSpec()
+        spec.CopyFrom(offer.spec)
+        reservation = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s)
+        self._reservations[reservation.id] = reservation
+        self._arm_lease(reservation)
+        log.info(
+            "offer_accepted",
+            job_id=key[0],
+            task=key[1],
+            epoch=key[2],
+            reservation_id=reservation.id,
+            nodes=[slot.node for slot in placed],
         )
+        self._changed()
+        return self._accepted(reservation)
 
     async def commit(
         self, commit: site_link_service_pb2.Commit
@@ -225,8 +213,9 @@ class EmbeddedCore:
             for slot in reservation.slots
             for label in device_labels(self._nodes[slot.node], slot)
         ]
-        task = _Task(key, reservation.id, reservation.spec, reservation.slots, devices, 0.0)
-        task.grace_s = self._kill_grace_s
+        task = _Task(
+            key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
+        )
         self._tasks[key] = task
         self._changed()
         try:
@@ -241,6 +230,7 @@ class EmbeddedCore:
         task.state = jobs_pb2.JOB_STATE_RUNNING
         log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
         self._report(task)
+        # Held so the supervisor is not garbage-collected while it runs.
         task.supervisor = asyncio.create_task(self._supervise(task))
         return site_link_service_pb2.CommitAnswer(started=True)
 
@@ -312,6 +302,15 @@ class EmbeddedCore:
         held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
         return Usage.of(held)
 
+    @staticmethod
+    def _accepted(reservation: Reservation) -> site_link_service_pb2.OfferAnswer:
+        return site_link_service_pb2.OfferAnswer(
+            accepted=True,
+            reservation_id=reservation.id,
+            expected_start_s=0.0,
+            lease_s=reservation.lease_s,
+        )
+
     def _arm_lease(self, reservation: Reservation) -> None:
         if (timer := self._lease_timers.pop(reservation.id, None)) is not None:
             timer.cancel()
@@ -356,7 +355,11 @@ class EmbeddedCore:
             for directory in dirs:
                 directory.mkdir(parents=True, exist_ok=True)
 
-        await asyncio.to_thread(make_dirs)
+        try:
+            await asyncio.to_thread(make_dirs)
+        except OSError as exc:
+            # No replica ran, so there is no exit code to report.
+            raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
         for replica, cwd in enumerate(dirs):
             env = self._replica_env(task, replica)
             task.replicas.append(await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env))
@@ -369,6 +372,17 @@ class EmbeddedCore:
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
     async def _supervise(self, task: _Task) -> None:
+        """Runs the task to its end; a bug here must not leave it (and cancel) hanging."""
+        try:
+            await self._watch(task)
+        except Exception as exc:
+            log.exception("task_supervision_failed", job_id=task.key[0], task=task.key[1])
+            await asyncio.gather(
+                *(p.terminate(task.grace_s) for p in task.replicas), return_exceptions=True
+            )
+            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
+
+    async def _watch(self, task: _Task) -> None:
         """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
         loop = asyncio.get_running_loop()
         waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
@@ -393,7 +407,8 @@ class EmbeddedCore:
                 failures = [(replica, code) for replica, code in exits if code != 0]
                 if failures:
                     tail_of, exit_code = failures[0]
-                    state, reason = jobs_pb2.JOB_STATE_FAILED, _exit_reason(tail_of, exit_code)
+                    reason = f"replica {tail_of} {describe_exit(exit_code)}"
+                    state = jobs_pb2.JOB_STATE_FAILED
                     break
         finally:
             for future in [*waits, cancelled]:

@@ -19,6 +19,17 @@ _READ_CHUNK = 64 * 1024
 _DRAIN_S = 1.0
 
 
+def describe_exit(returncode: int) -> str:
+    """E.g. ``"exited with 3"`` or ``"was killed by SIGKILL"``."""
+    if returncode >= 0:
+        return f"exited with {returncode}"
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    return f"was killed by {name}"
+
+
 class ReplicaStartError(Exception):
     """The replica's program could not be started; ``exit_code`` follows shell conventions."""
 
@@ -35,9 +46,9 @@ class ReplicaProcess:
     (as a batch scheduler does), which also closes the output pipe they would hold open.
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process, argv: Sequence[str]) -> None:
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        """Watches an already started process; use ``start`` to create one."""
         self._proc = proc
-        self._argv = tuple(argv)
         self._tail = bytearray()
         self._reader = asyncio.create_task(self._read_output())
         self._pidfd: int | None = None
@@ -66,13 +77,16 @@ class ReplicaProcess:
                 start_new_session=True,
             )
         except FileNotFoundError as exc:
+            if exc.filename is not None and Path(exc.filename) == cwd:
+                raise ReplicaStartError(f"working directory not found: {cwd}", 126) from exc
             raise ReplicaStartError(f"command not found: {argv[0]}", 127) from exc
         except PermissionError as exc:
             raise ReplicaStartError(f"permission denied: {argv[0]}", 126) from exc
-        except OSError as exc:
-            raise ReplicaStartError(f"cannot start {argv[0]}: {exc.strerror or exc}", 126) from exc
+        except (OSError, ValueError) as exc:  # ValueError: a NUL byte or '=' in a name
+            message = getattr(exc, "strerror", None) or exc
+            raise ReplicaStartError(f"cannot start {argv[0]}: {message}", 126) from exc
         log.debug("replica_started", pid=proc.pid, argv=list(argv), cwd=str(cwd))
-        return cls(proc, argv)
+        return cls(proc)
 
     @property
     def pid(self) -> int:

@@ -32,7 +32,7 @@ from federation.coordinator.site_link import SiteLink
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 
-Context: TypeAlias = grpc.aio.ServicerContext[Any, Any]
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 _JOBS = "/federation.api.v1.JobService/"
 _ADMIN = "/federation.api.v1.AdminService/"

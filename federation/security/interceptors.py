@@ -29,7 +29,7 @@ from federation.security.tls import peer_identity
 
 log = structlog.get_logger()
 
-Handler: TypeAlias = grpc.RpcMethodHandler[Any, Any]
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 _CALLER: contextvars.ContextVar[Identity] = contextvars.ContextVar("caller")
 
 

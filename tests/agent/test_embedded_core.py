@@ -606,6 +606,19 @@ async def test_missing_program_fails_the_task(
     assert allocated(core) == {"dc-gpu-1": []}
 
 
+async def test_unusable_work_dir_fails_the_task(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """A working directory that cannot be created fails the task instead of the commit."""
+    (tmp_path / "work").write_text("a file where the work directory should be")
+    core = make_core([node("n")])
+    await run(core, offer())
+    report = await recorder.final()
+    assert report.state == FAILED
+    assert report.reason.startswith("cannot create working directory:")
+    assert core.queue() == resources_pb2.QueueState()
+
+
 async def test_close_keeps_tasks_and_shutdown_stops_them(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder, beacon: Beacon
 ) -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError
+from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError, describe_exit
 
 
 class Beacon:
@@ -207,3 +207,22 @@ async def test_not_executable_raises_start_error(tmp_path: Path) -> None:
     with pytest.raises(ReplicaStartError, match="permission denied") as caught:
         await ReplicaProcess.start([str(script)], cwd=tmp_path, env=dict(os.environ))
     assert caught.value.exit_code == 126
+
+
+async def test_bad_environment_or_directory_raises_start_error(tmp_path: Path) -> None:
+    """An invalid variable name or a missing working directory is a ReplicaStartError."""
+    argv = [sys.executable, "-c", "pass"]
+    with pytest.raises(ReplicaStartError, match="cannot start"):
+        await ReplicaProcess.start(argv, cwd=tmp_path, env={"BAD=NAME": "x"})
+    missing = tmp_path / "missing"
+    with pytest.raises(ReplicaStartError, match=f"working directory not found: {missing}"):
+        await ReplicaProcess.start(argv, cwd=missing, env=dict(os.environ))
+
+
+@pytest.mark.parametrize(
+    ("returncode", "text"),
+    [(0, "exited with 0"), (3, "exited with 3"), (-9, "was killed by SIGKILL"), (-99, "signal 99")],
+)
+def test_describe_exit(returncode: int, text: str) -> None:
+    """Exit codes read as exits, negative ones as the signal that killed the process."""
+    assert text in describe_exit(returncode)

@@ -1,0 +1,166 @@
+"""A real federation for end-to-end tests: coordinator and agents as processes, real mTLS."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from federation.api.v1 import (
+    admin_service_pb2_grpc,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    jobs_pb2,
+)
+from federation.coordinator.job_state import is_terminal
+from federation.jobspec import job_spec_from_dict
+from federation.local import LocalFederation, SiteSpec
+from federation.security.identity import Identity, Role
+from federation.security.pki import issue_client_files
+from federation.security.tls import TlsFiles, channel_credentials
+
+SITES = [
+    SiteSpec(
+        "edge-a",
+        "edge",
+        nodes=[
+            {
+                "name": "edge-box",
+                "cpu_cores": 8,
+                "memory_mib": 16384,
+                "devices": [
+                    {
+                        "kind": "NPU",
+                        "vendor": "huawei",
+                        "model": "Ascend-910B",
+                        "memory_mib": 65536,
+                        "count": 2,
+                    }
+                ],
+            }
+        ],
+    ),
+    SiteSpec(
+        "dc-a",
+        "datacenter",
+        nodes=[
+            {
+                "name": "dgx",
+                "cpu_cores": 64,
+                "memory_mib": 524288,
+                "devices": [
+                    {
+                        "kind": "GPU",
+                        "vendor": "nvidia",
+                        "model": "A100-80GB",
+                        "memory_mib": 81920,
+                        "count": 4,
+                    }
+                ],
+            }
+        ],
+    ),
+    SiteSpec(
+        "cloud-a",
+        "cloud",
+        price_per_device_hour=3.0,
+        nodes=[
+            {
+                "name": "p5",
+                "cpu_cores": 96,
+                "memory_mib": 1048576,
+                "devices": [
+                    {
+                        "kind": "GPU",
+                        "vendor": "nvidia",
+                        "model": "H100-80GB",
+                        "memory_mib": 81920,
+                        "count": 2,
+                    }
+                ],
+            }
+        ],
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """One federation shared by a test module (tests use unique jobs and small demands)."""
+    fed = LocalFederation(tmp_path_factory.mktemp("fed"), SITES)
+    try:
+        asyncio.run(fed.start())
+        yield fed
+    finally:
+        fed.stop()
+
+
+def tls_for(fed: LocalFederation, identity: Identity) -> TlsFiles:
+    cert, key = issue_client_files(fed.pki, identity)
+    return TlsFiles(ca=fed.pki.ca_cert, cert=cert, key=key)
+
+
+def site_tls(fed: LocalFederation, site: str) -> TlsFiles:
+    """The certificate the site's agent got at Join."""
+    state = fed.root / "sites" / site / "state"
+    return TlsFiles(ca=state / "ca.pem", cert=state / "site.pem", key=state / "site-key.pem")
+
+
+@pytest_asyncio.fixture
+async def operator(federation: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
+    async with federation.operator().channel() as channel:
+        yield channel
+
+
+def channel_as(fed: LocalFederation, tls: TlsFiles) -> grpc.aio.Channel:
+    return grpc.aio.secure_channel(fed.address, channel_credentials(tls))
+
+
+def jobs(channel: grpc.aio.Channel) -> job_service_pb2_grpc.JobServiceStub:
+    return job_service_pb2_grpc.JobServiceStub(channel)
+
+
+def admin(channel: grpc.aio.Channel) -> admin_service_pb2_grpc.AdminServiceStub:
+    return admin_service_pb2_grpc.AdminServiceStub(channel)
+
+
+def python_task(name: str, code: str, **extra: object) -> dict[str, object]:
+    """A task that runs ``python -c code``."""
+    return {"name": name, "command": [sys.executable, "-c", code], **extra}
+
+
+def spec(name: str, tasks: Sequence[dict[str, object]], **extra: object) -> jobs_pb2.JobSpec:
+    return job_spec_from_dict({"name": name, "tasks": list(tasks), **extra})
+
+
+async def wait_for_job(
+    channel: grpc.aio.Channel,
+    job_id: str,
+    until: frozenset[int] | None = None,
+    timeout_s: float = 60.0,
+) -> jobs_pb2.Job:
+    """Follow WatchJobs until the job reaches one of ``until`` (default: any final state)."""
+    stub = jobs(channel)
+
+    async def follow() -> jobs_pb2.Job:
+        request = job_service_pb2.WatchJobsRequest(job_ids=[job_id], include_current=True)
+        async for reply in stub.WatchJobs(request):
+            state = reply.event.job_state
+            if (until is None and is_terminal(state)) or (until is not None and state in until):
+                break
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    return await asyncio.wait_for(follow(), timeout_s)
+
+
+def tenant_tls(fed: LocalFederation, name: str) -> TlsFiles:
+    return tls_for(fed, Identity(Role.TENANT, name))
+
+
+def read_marker(path: Path) -> list[str]:
+    return path.read_text().split() if path.exists() else []

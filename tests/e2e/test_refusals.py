@@ -1,0 +1,278 @@
+"""What the coordinator refuses, how it says so, and that a refusal stores nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+
+from federation.api.v1 import (
+    admin_service_pb2,
+    job_service_pb2,
+    jobs_pb2,
+    site_link_service_pb2,
+    site_link_service_pb2_grpc,
+)
+from federation.local import LocalFederation
+from federation.security.identity import Identity, Role
+from federation.security.pki import init_pki, issue_client_files, make_csr
+from federation.security.tls import TlsFiles, server_only_channel_credentials
+
+from .conftest import admin, channel_as, jobs, python_task, site_tls, spec, tenant_tls
+
+pytestmark = pytest.mark.xdist_group("e2e-refusals")
+
+
+def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    """Field -> description from the status's BadRequest detail."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    assert status is not None, "the error carries no rich status"
+    out = {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out |= {v.field: v.description for v in bad.field_violations}
+    return out
+
+
+async def job_count(channel: grpc.aio.Channel) -> int:
+    reply = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest(page_size=1000))
+    return len(reply.jobs)
+
+
+GOOD = {"cpu": 1, "memory_mib": 128}
+BAD_SPECS = [
+    (
+        "negative-ish cpu",
+        spec("x", [python_task("t", "", resources={"cpu": -1})]),
+        "spec.tasks[0].resources.cpu",
+    ),
+    (
+        "absurd replicas",
+        spec("x", [python_task("t", "", replicas=100000)]),
+        "spec.tasks[0].replicas",
+    ),
+    (
+        "absurd device count",
+        spec(
+            "x", [python_task("t", "", resources={"accelerator": {"kind": "GPU", "count": 1000}})]
+        ),
+        "spec.tasks[0].resources.accelerator.count",
+    ),
+    ("empty command", spec("x", [{"name": "t", "command": []}]), "spec.tasks[0].command"),
+    ("name too long", spec("x" * 200, [python_task("t", "")]), "spec.name"),
+    ("no tasks", spec("x", []), "spec.tasks"),
+    ("bad id", spec("x", [python_task("t", "")], id="Not Valid!"), "spec.id"),
+]
+
+
+@pytest.mark.parametrize(("case", "job", "field"), BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
+async def test_bad_spec_is_refused_field_by_field(
+    operator: grpc.aio.Channel, case: str, job: jobs_pb2.JobSpec, field: str
+) -> None:
+    """A malformed spec gets INVALID_ARGUMENT naming the field, and nothing is stored."""
+    before = await job_count(operator)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in violations(caught.value)
+    assert "Traceback" not in (caught.value.details() or "")
+    assert await job_count(operator) == before
+
+
+async def test_unknown_accelerator_kind_is_refused(operator: grpc.aio.Channel) -> None:
+    """An accelerator kind outside the enum (as a raw number on the wire) is refused."""
+    job = spec("x", [python_task("t", "", resources={"accelerator": {"count": 1}})])
+    job.tasks[0].resources.accelerator.kind = 42  # type: ignore[assignment]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.tasks[0].resources.accelerator.kind" in violations(caught.value)
+
+
+async def test_duplicate_id_is_refused_and_the_original_kept(operator: grpc.aio.Channel) -> None:
+    """Reusing a job id is INVALID_ARGUMENT on spec.id; the first job is untouched."""
+    first = spec("dup", [python_task("t", "print('first')")], id="dup-id-1")
+    stub = jobs(operator)
+    await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=first))
+    again = spec("other", [python_task("t", "print('second')")], id="dup-id-1")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=again))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "already exists" in violations(caught.value)["spec.id"]
+    kept = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id="dup-id-1"))).job
+    assert kept.spec.name == "dup"
+
+
+async def test_batch_with_one_bad_spec_stores_nothing(operator: grpc.aio.Channel) -> None:
+    """SubmitJobs is all or nothing: one bad spec rejects the batch, naming its index."""
+    before = await job_count(operator)
+    good = spec("ok", [python_task("t", "")])
+    bad = spec("bad", [{"name": "t", "command": [""]}])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=[good, bad]))
+    assert "specs[1].tasks[0].command" in violations(caught.value)
+    assert await job_count(operator) == before
+
+
+async def test_tenants_see_and_cancel_only_their_own_jobs(federation: LocalFederation) -> None:
+    """Tenant B cannot get, list or cancel tenant A's job, nor submit as A."""
+    async with (
+        channel_as(federation, tenant_tls(federation, "team-a")) as a,
+        channel_as(federation, tenant_tls(federation, "team-b")) as b,
+    ):
+        job = (
+            await jobs(a).SubmitJob(
+                job_service_pb2.SubmitJobRequest(
+                    spec=spec("mine", [python_task("t", "import time; time.sleep(30)")])
+                )
+            )
+        ).job
+        assert job.spec.tenant == "team-a"
+        for call in (
+            jobs(b).GetJob(job_service_pb2.GetJobRequest(job_id=job.id)),
+            jobs(b).CancelJob(job_service_pb2.CancelJobRequest(job_id=job.id)),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        listed = await jobs(b).ListJobs(job_service_pb2.ListJobsRequest(page_size=1000))
+        assert job.id not in {j.id for j in listed.jobs}
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(b).SubmitJob(
+                job_service_pb2.SubmitJobRequest(
+                    spec=spec("spoof", [python_task("t", "")], tenant="team-a")
+                )
+            )
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        cancelled = await jobs(a).CancelJob(job_service_pb2.CancelJobRequest(job_id=job.id))
+        assert cancelled.job.cancel_requested
+
+
+async def test_roles_are_enforced_per_service(federation: LocalFederation) -> None:
+    """A tenant may not use AdminService and a site may not use JobService."""
+    async with channel_as(federation, tenant_tls(federation, "team-c")) as tenant:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await admin(tenant).ListSites(admin_service_pb2.ListSitesRequest())
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    async with channel_as(federation, site_tls(federation, "dc-a")) as site:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(site).ListJobs(job_service_pb2.ListJobsRequest())
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+async def test_clients_without_a_federation_certificate_are_refused(
+    federation: LocalFederation,
+    operator: grpc.aio.Channel,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """No client certificate, or one from another CA, is refused in the TLS handshake."""
+    other = init_pki(tmp_path_factory.mktemp("other") / "pki", server_sans=["localhost"])
+    cert, key = issue_client_files(other, Identity(Role.OPERATOR, "admin"))
+    foreign = TlsFiles(ca=federation.pki.ca_cert, cert=cert, key=key)
+    before = await job_count(operator)
+    bare = grpc.aio.secure_channel(
+        federation.address, server_only_channel_credentials(federation.pki.ca_cert)
+    )
+    for channel in (bare, channel_as(federation, foreign)):
+        async with channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await jobs(channel).SubmitJob(
+                    job_service_pb2.SubmitJobRequest(spec=spec("x", [python_task("t", "")])),
+                    timeout=10,
+                )
+            # gRPC Python can only require client certificates at the handshake, so the
+            # refusal surfaces as UNAVAILABLE before any RPC reaches the coordinator.
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert await job_count(operator) == before
+
+
+async def join(
+    fed: LocalFederation, token: str, csr: bytes | None = None
+) -> site_link_service_pb2.JoinResponse:
+    creds = server_only_channel_credentials(fed.pki.ca_cert)
+    async with grpc.aio.secure_channel(f"127.0.0.1:{fed.join_port}", creds) as channel:
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        csr_pem = csr if csr is not None else make_csr("x")[1]
+        return await stub.Join(site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem))
+
+
+async def test_join_tokens_work_once(federation: LocalFederation) -> None:
+    """A token signs one CSR; a second use, an expired or a made-up token is UNAUTHENTICATED."""
+    token = await federation.create_token("late-site", "edge")
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await join(federation, token, csr=b"not a csr")
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # token not burned by this
+    reply = await join(federation, token)
+    assert reply.site == "late-site"
+    assert b"BEGIN CERTIFICATE" in reply.certificate_pem
+    async with federation.operator().channel() as channel:
+        short = await admin(channel).CreateJoinToken(
+            admin_service_pb2.CreateJoinTokenRequest(site="short-lived", domain=1, ttl_s=0.001)
+        )
+    await asyncio.sleep(1.1)  # let the token's whole-second expiry pass
+    for bad in (token, short.token, "fedjoin.made-up"):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await join(federation, bad)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+async def test_join_port_serves_nothing_else(federation: LocalFederation) -> None:
+    """The join port (no client certificates) refuses every RPC but Join."""
+    creds = server_only_channel_credentials(federation.pki.ca_cert)
+    async with grpc.aio.secure_channel(f"127.0.0.1:{federation.join_port}", creds) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
+    assert caught.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+def test_agent_keys_are_private(federation: LocalFederation) -> None:
+    """The site key and certificate an agent stores after Join are readable by it alone."""
+    tls = site_tls(federation, "edge-a")
+    for path in (tls.key, tls.cert):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+async def hello_from(site: str) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+    yield site_link_service_pb2.ConnectRequest(
+        hello=site_link_service_pb2.Hello(view={"site": site}, generation=1)
+    )
+    await asyncio.sleep(30)
+
+
+async def test_site_may_not_speak_for_another(
+    federation: LocalFederation, operator: grpc.aio.Channel
+) -> None:
+    """A stream whose hello claims another site ends PERMISSION_DENIED; others keep working."""
+    async with channel_as(federation, site_tls(federation, "dc-a")) as channel:
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Connect(hello_from("cloud-a")):
+                pass
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    sites = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
+    states = {s.name: s.state for s in sites.sites}
+    assert states["cloud-a"] == admin_service_pb2.SITE_STATE_CONNECTED
+    assert states["dc-a"] == admin_service_pb2.SITE_STATE_CONNECTED
+
+
+async def test_stream_must_start_with_hello(federation: LocalFederation) -> None:
+    """A Connect stream that opens with anything but hello ends INVALID_ARGUMENT."""
+
+    async def heartbeat_first() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+        yield site_link_service_pb2.ConnectRequest(heartbeat=site_link_service_pb2.Heartbeat())
+        await asyncio.sleep(30)
+
+    async with channel_as(federation, site_tls(federation, "cloud-a")) as channel:
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Connect(heartbeat_first()):
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello" in (caught.value.details() or "")

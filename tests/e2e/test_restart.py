@@ -1,0 +1,60 @@
+"""Killing the coordinator with SIGKILL mid-run loses no accepted job and runs none twice."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.local import LocalFederation
+
+from .conftest import SITES, jobs, python_task, read_marker, spec, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-restart")
+
+
+@pytest.fixture
+def fed(tmp_path: Path) -> Iterator[LocalFederation]:
+    federation = LocalFederation(tmp_path / "fed", SITES)
+    try:
+        yield federation
+    finally:
+        federation.stop()
+
+
+async def test_coordinator_sigkill_mid_run(fed: LocalFederation, tmp_path: Path) -> None:
+    """Jobs accepted before a SIGKILL all finish after the restart, each exactly once."""
+    await fed.start()
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    # Each run appends its job name to its own marker file: two lines would mean two runs.
+    code = (
+        "import os, sys, time; time.sleep(float(sys.argv[1])); "
+        f"open(os.path.join({str(markers)!r}, sys.argv[2]), 'a').write(sys.argv[2] + '\\n')"
+    )
+    specs = []
+    for i in range(6):
+        task = python_task("t", code, resources={"cpu": 1, "memory_mib": 64})
+        task["command"] = [*task["command"], "3" if i % 2 else "0.2", f"job{i}"]  # type: ignore[misc]
+        specs.append(spec(f"job{i}", [task]))
+    async with fed.operator().channel() as channel:
+        reply = await jobs(channel).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+        ids = [j.id for j in reply.jobs]
+        # Wait until the long jobs run, so the kill lands while they are in flight.
+        for job_id in ids[1::2]:
+            await wait_for_job(channel, job_id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
+    fed.kill("coordinator")
+    await fed.start_coordinator(port=fed.port, join_port=fed.join_port)
+    await fed.wait_connected()
+    async with fed.operator().channel() as channel:
+        for job_id in ids:
+            done = await wait_for_job(channel, job_id)
+            assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, (job_id, done.reason)
+        listed = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest(page_size=100))
+    assert {j.id for j in listed.jobs} == set(ids)
+    for i in range(6):
+        assert read_marker(markers / f"job{i}") == [f"job{i}"], (
+            f"job{i} ran a wrong number of times"
+        )
