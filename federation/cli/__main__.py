@@ -1,0 +1,7 @@
+"""``python -m federation.cli`` is ``fedctl``."""
+
+from __future__ import annotations
+
+from federation.cli.app import main
+
+main()

@@ -1,0 +1,109 @@
+"""fedctl against a real federation: tables, JSON, and one-line errors without tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from federation.local import LocalFederation
+
+pytestmark = pytest.mark.xdist_group("e2e-cli")
+
+
+def fedctl(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "FEDCTL_PKI_DIR": str(fed.pki.dir),
+        "FEDCTL_COORDINATOR": fed.address,
+        "COLUMNS": "200",
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_status_json_lists_sites(federation: LocalFederation) -> None:
+    """`fedctl --json status` prints the sites and marks declared devices."""
+    result = fedctl(federation, "--json", "status")
+    assert result.returncode == 0, result.stderr
+    status = json.loads(result.stdout)
+    names = {s["name"] for s in status["sites"]}
+    assert names == {"edge-a", "dc-a", "cloud-a"}
+    table = fedctl(federation, "status")
+    assert "(declared)" in table.stdout
+    assert "CONNECTED" in table.stdout
+
+
+def test_submit_get_from_yaml(federation: LocalFederation, tmp_path: Path) -> None:
+    """A YAML spec submitted with fedctl runs; `jobs get` shows where and how it ended."""
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        "name: from-cli\n"
+        "tasks:\n"
+        f"  - name: t\n    command: [{sys.executable}, -c, \"print('cli ok')\"]\n"
+        "    resources: {accelerator: {kind: NPU, count: 1}}\n"
+    )
+    submitted = fedctl(federation, "--json", "jobs", "submit", str(spec))
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = json.loads(submitted.stdout)[0]["id"]
+    deadline = time.monotonic() + 30
+    while True:  # poll the job through the CLI until it ends
+        got = json.loads(fedctl(federation, "--json", "jobs", "get", job_id).stdout)
+        if got["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED") or (
+            time.monotonic() > deadline
+        ):
+            break
+        time.sleep(0.1)
+    assert got["state"] == "JOB_STATE_SUCCEEDED"
+    assert got["tasks"][0]["site"] == "edge-a"
+    assert "cli ok" in got["tasks"][0]["output_tail"]
+
+
+def test_bad_spec_is_one_clear_error(federation: LocalFederation, tmp_path: Path) -> None:
+    """An invalid spec gives exit 1 and a message naming the field, no traceback."""
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("name: bad\ntasks:\n  - name: t\n    command: []\n")
+    result = fedctl(federation, "jobs", "submit", str(spec))
+    assert result.returncode == 1
+    assert "spec.tasks[0].command" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unknown_kind_in_file_is_caught_locally(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    """An unknown accelerator kind in a spec file is reported with the file name."""
+    spec = tmp_path / "tpu.yaml"
+    spec.write_text(
+        "name: x\ntasks:\n  - {name: t, command: [a], "
+        "resources: {accelerator: {kind: TPU, count: 1}}}\n"
+    )
+    result = fedctl(federation, "jobs", "submit", str(spec))
+    assert result.returncode == 1
+    assert "tpu.yaml" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_unreachable_coordinator_says_how_to_fix(tmp_path: Path) -> None:
+    """With no credentials, fedctl explains what to pass instead of failing obscurely."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FEDCTL_")}
+    result = subprocess.run(
+        [sys.executable, "-m", "federation.cli", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 1
+    assert "To fix" in result.stderr

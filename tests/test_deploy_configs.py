@@ -1,0 +1,56 @@
+"""The example configs in deploy/ load into the daemons' settings as documented."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from federation.agent.main import load_config as load_agent_config
+from federation.config import ConfigError, build, read_toml
+from federation.coordinator.config import CoordinatorConfig
+
+DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def agent_args(config: Path) -> argparse.Namespace:
+    names = (
+        "site",
+        "domain",
+        "region",
+        "coordinator",
+        "join_address",
+        "ca",
+        "token_file",
+        "state_dir",
+        "inventory",
+        "price_per_device_hour",
+    )
+    return argparse.Namespace(config=config, no_host=False, **dict.fromkeys(names))
+
+
+def test_coordinator_example_loads() -> None:
+    """deploy/coordinator.toml gives a complete coordinator config."""
+    path = DEPLOY / "coordinator.toml"
+    config = build(CoordinatorConfig, read_toml(path), source=str(path))
+    assert config.listen == "0.0.0.0:7070"
+    assert config.ca_key == Path("/etc/federation/pki/ca-key.pem")
+
+
+@pytest.mark.parametrize(
+    ("name", "domain"), [("datacenter-agent.toml", "datacenter"), ("edge-agent.toml", "edge")]
+)
+def test_agent_examples_load(name: str, domain: str) -> None:
+    """The agent examples load, keep their domain and their label table."""
+    config = load_agent_config(agent_args(DEPLOY / name), domain="datacenter")
+    assert config.domain == domain
+    assert config.inventory == Path("/etc/federation/inventory.yaml")
+
+
+def test_unknown_setting_is_named(tmp_path: Path) -> None:
+    """A misspelt key is refused with the file and the key in the message."""
+    path = tmp_path / "c.toml"
+    path.write_text('data_dir = "x"\nlisten_adress = "a"\n')
+    with pytest.raises(ConfigError, match="listen_adress"):
+        build(CoordinatorConfig, read_toml(path), source=str(path))
