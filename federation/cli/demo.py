@@ -17,6 +17,7 @@ from pathlib import Path
 from rich.table import Table
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
+from federation.cli.remote import cmd_status
 from federation.cli.render import console, event_line
 from federation.coordinator.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
@@ -228,8 +229,6 @@ async def run_demo(fed: LocalFederation) -> int:
     console.rule("Federation demo")
     console.print("starting a coordinator and 3 site agents as separate processes (mTLS)...")
     await fed.start()
-    from federation.cli.remote import cmd_status
-
     await cmd_status(argparse.Namespace(json=False), fed.operator())
     specs = demo_jobs()
     async with fed.operator().channel() as channel:

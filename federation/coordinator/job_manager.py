@@ -286,21 +286,30 @@ class JobManager:
                 ),
             )
 
+    def delegated_to(self, site: str) -> set[tuple[str, str, int]]:
+        """(job, task, epoch) of every task the coordinator believes ``site`` holds."""
+        return {
+            (job.id, task.name, task.epoch)
+            for job in self._jobs.active()
+            for task in job.tasks
+            if task.site == site and task.state in job_state.AT_SITE
+        }
+
     async def reconcile(
-        self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]
+        self,
+        site: str,
+        reports: Sequence[site_link_service_pb2.TaskReport],
+        delegated: set[tuple[str, str, int]],
     ) -> None:
-        """After a (re)connect: apply what the site has, and requeue what it lost."""
+        """After a (re)connect: apply what the site has, requeue what it lost.
+
+        ``delegated`` is ``delegated_to(site)`` taken when the site said hello.
+        """
         held = {(r.job_id, r.task, r.epoch) for r in reports}
         for report in reports:
             await self.apply_report(site, report)
-        for job in self._jobs.active():
-            for task in job.tasks:
-                if (
-                    task.site == site
-                    and task.state in job_state.AT_SITE
-                    and (job.id, task.name, task.epoch) not in held
-                ):
-                    await self._requeue(job.id, task.name, task.epoch, site)
+        for job_id, task, epoch in sorted(delegated - held):
+            await self._requeue(job_id, task, epoch, site)
         self._wake()
 
     async def _requeue(self, job_id: str, task_name: str, epoch: int, site: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -113,24 +114,24 @@ class JobRepository:
     async def list_page(
         self, accepts: Callable[[jobs_pb2.Job], bool], page_size: int, page_token: str
     ) -> tuple[list[jobs_pb2.Job], str]:
-        """Jobs in id order after ``page_token`` that ``accepts``; returns the next token."""
+        """Up to ``page_size`` jobs after ``page_token`` that ``accepts``, in id order.
+
+        The next token is set only when another matching job exists.
+        """
         out: list[jobs_pb2.Job] = []
-        start = page_token
-        while len(out) < page_size:
-            page = await self._store.range(
-                JOBS, start_after=job_key(start) if start else "", limit=max(page_size * 2, 100)
-            )
+        start = job_key(page_token) if page_token else ""
+        batch = max(page_size, 100)
+        while True:
+            page = await self._store.range(JOBS, start_after=start, limit=batch)
             for kv in page:
                 job = jobs_pb2.Job.FromString(kv.value)
-                start = job.id
                 if accepts(job):
-                    out.append(job)
                     if len(out) == page_size:
-                        last = await self._store.range(JOBS, start_after=kv.key, limit=1)
-                        return out, (job.id if last else "")
-            if len(page) < max(page_size * 2, 100):
+                        return out, out[-1].id
+                    out.append(job)
+            if len(page) < batch:
                 return out, ""
-        return out, ""
+            start = page[-1].key
 
     async def create(self, jobs: list[jobs_pb2.Job]) -> None:
         """Store new jobs and their first events in one atomic commit."""
@@ -247,6 +248,4 @@ def _event(job: jobs_pb2.Job, sequence: int, change: Change) -> jobs_pb2.JobEven
 
 def new_job_id() -> str:
     """Time-ordered, so listing by key lists jobs in submission order."""
-    import secrets
-
     return f"j-{int(time.time() * 1000):011x}-{secrets.token_hex(3)}"

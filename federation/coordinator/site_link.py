@@ -44,10 +44,13 @@ class SiteLink:
                 [FieldViolation("body", "the first message on Connect must be a hello")]
             )
         hello = first.hello
-        _check_site(caller, hello.view.site, "hello.view.site")
+        _check_site(caller.name, hello.view.site, "hello.view.site")
         entry = self._sites.get(caller.name)
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
         session = SiteSession(caller.name)
+        # Taken before the session is attached (no await in between), so a delegation made
+        # over the new session is never mistaken for one the site lost.
+        delegated = self._jobs.delegated_to(caller.name)
         previous = self._sites.attach(session, hello)
         if previous is not None:
             previous.close()
@@ -58,7 +61,7 @@ class SiteLink:
         failure: list[FederationError] = []
         reader = asyncio.create_task(self._read(session, requests, failure))
         try:
-            await self._jobs.reconcile(caller.name, hello.tasks)
+            await self._jobs.reconcile(caller.name, hello.tasks, delegated)
             while True:
                 message = await session.outbox.get()
                 if message is None:
@@ -102,7 +105,7 @@ class SiteLink:
         if body == "view":
             update = request.view
             if update.HasField("full"):
-                _check_site_named(site, update.full.site, "view.full.site")
+                _check_site(site, update.full.site, "view.full.site")
                 update.full.domain = self._sites.get(site).record.domain
             try:
                 self._sites.apply_view(site, update)
@@ -126,11 +129,7 @@ class SiteLink:
         raise InvalidArgumentError([FieldViolation("body", "empty or unknown message")])
 
 
-def _check_site(caller: Identity, claimed: str, field: str) -> None:
-    _check_site_named(caller.name, claimed, field)
-
-
-def _check_site_named(site: str, claimed: str, field: str) -> None:
+def _check_site(site: str, claimed: str, field: str) -> None:
     if claimed != site:
         raise PermissionDeniedError(
             f"{field}: site {site!r} may speak only for itself, not for {claimed!r}"
