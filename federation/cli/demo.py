@@ -274,19 +274,23 @@ async def run_demo(fed: LocalFederation) -> int:
 
 def results_table(jobs: list[jobs_pb2.Job]) -> Table:
     table = Table(title="Where each job ran and how it ended")
-    for column in ("job", "task", "site", "devices", "state", "exit", "reason / output"):
+    for column in ("job", "task", "site", "devices", "state", "exit", "note"):
         table.add_column(column, overflow="fold")
     for job in jobs:
         for task in job.tasks:
-            output = task.output_tail.strip().splitlines()
-            detail = task.reason if not output else f"{task.reason}\n{output[-1]}"
+            note = ""
+            if task.state == jobs_pb2.JOB_STATE_FAILED:
+                lines = task.output_tail.strip().splitlines()
+                note = f"{task.reason}: {lines[-1]}" if lines else task.reason
+            elif task.state != jobs_pb2.JOB_STATE_SUCCEEDED:
+                note = task.reason
             table.add_row(
                 job.spec.name,
                 task.name,
                 task.site or "-",
-                "\n".join(task.devices) or "-",
+                " ".join(task.devices) or "-",
                 state_name(task.state),
                 str(task.exit_code) if is_terminal(task.state) else "-",
-                detail,
+                note,
             )
     return table
