@@ -61,6 +61,7 @@ class LocalFederation:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
     join_port: int = 0
+    metrics_port: int = 0
 
     @property
     def pki(self) -> PkiLayout:
@@ -132,6 +133,7 @@ class LocalFederation:
             await asyncio.sleep(0.05)
         ports = json.loads(ready.read_text())
         self.port, self.join_port = ports["port"], ports["join_port"]
+        self.metrics_port = ports.get("metrics_port", 0)
 
     async def create_token(self, site: str, domain: str) -> str:
         async with self.operator().channel() as channel:

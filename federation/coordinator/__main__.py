@@ -16,6 +16,7 @@ from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.server import start_coordinator
 from federation.logging import configure_logging
+from federation.metrics import serve_metrics
 from federation.security.pki import PkiLayout
 
 log = structlog.get_logger()
@@ -28,6 +29,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--data-dir", type=Path, help="where the embedded store lives")
     p.add_argument("--listen", help="mTLS address, e.g. 0.0.0.0:7070 (port 0: any free)")
     p.add_argument("--join-listen", help="join (server-TLS only) address")
+    p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9464")
     p.add_argument("--ready-file", type=Path, help="write the bound ports here as JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs")
@@ -45,7 +47,12 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
             "cert": layout.server_cert,
             "key": layout.server_key,
         }
-    overrides = {"data_dir": args.data_dir, "listen": args.listen, "join_listen": args.join_listen}
+    overrides = {
+        "data_dir": args.data_dir,
+        "listen": args.listen,
+        "join_listen": args.join_listen,
+        "metrics_listen": args.metrics_listen,
+    }
     values |= {k: v for k, v in overrides.items() if v is not None}
     missing = {"data_dir", "ca_cert", "ca_key", "cert", "key"} - values.keys()
     if missing:
@@ -58,9 +65,12 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
     coordinator = await start_coordinator(config)
+    ports = {"port": coordinator.port, "join_port": coordinator.join_port}
+    if config.metrics_listen:
+        ports["metrics_port"] = serve_metrics(config.metrics_listen)
     if ready_file:
         tmp = ready_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"port": coordinator.port, "join_port": coordinator.join_port}))
+        tmp.write_text(json.dumps(ports))
         tmp.replace(ready_file)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

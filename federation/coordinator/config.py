@@ -21,6 +21,8 @@ class CoordinatorConfig:
     """mTLS address for agents, clients and operators."""
     join_listen: str = "127.0.0.1:7071"
     """Server-only TLS address where agents redeem join tokens."""
+    metrics_listen: str = ""
+    """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9464; empty serves none."""
     heartbeat_interval_s: float = 3.0
     offer_timeout_s: float = 5.0
     reservation_lease_s: float = 10.0

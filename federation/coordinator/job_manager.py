@@ -26,6 +26,7 @@ from federation.errors import (
     JobNotFoundError,
     PermissionDeniedError,
 )
+from federation.metrics import JOBS_SUBMITTED
 from federation.security.identity import Identity, Role
 
 log = structlog.get_logger()
@@ -82,6 +83,7 @@ class JobManager:
             raise InvalidArgumentError(violations)
         jobs = [self._new_job(caller, spec) for spec in specs]
         await self._jobs.create(jobs)
+        JOBS_SUBMITTED.inc(len(jobs))
         log.info("jobs_submitted", count=len(jobs), by=str(caller))
         self._wake()
         return jobs

@@ -16,6 +16,7 @@ from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
 from federation.errors import ConflictError, FieldViolation, InvalidArgumentError, JobNotFoundError
+from federation.metrics import TASK_TRANSITIONS
 from federation.store import CasConflictError, Put, Store
 
 log = structlog.get_logger()
@@ -187,6 +188,7 @@ class JobRepository:
             job.state = job_state.job_state(t.state for t in job.tasks)
             events: list[jobs_pb2.JobEvent] = []
             for change in changes:
+                TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(change.state)).inc()
                 job.last_event_sequence += 1
                 events.append(_event(job, job.last_event_sequence, change))
             if events:

@@ -19,6 +19,7 @@ from federation.coordinator import job_state
 from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.errors import FederationError
+from federation.metrics import OFFERS
 from federation.placement.framework import Framework
 from federation.placement.request import Request
 
@@ -147,6 +148,7 @@ class Scheduler:
         try:
             for site in ranked[: self._config.max_offers_per_round]:
                 outcome = await self._try_site(job_id, task_name, site)
+                OFFERS.labels("delegated" if outcome is None else "refused").inc()
                 if outcome is None:
                     self._forget(key)
                     return

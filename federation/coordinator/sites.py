@@ -12,6 +12,7 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
+from federation.metrics import SITES_CONNECTED
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.store import Put, Store
 
@@ -146,6 +147,7 @@ class SiteRegistry:
         entry = self.get(session.site)
         previous = entry.session
         entry.session = session
+        SITES_CONNECTED.set(sum(e.session is not None for e in self._sites.values()))
         entry.view = hello.view
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
@@ -156,6 +158,7 @@ class SiteRegistry:
         entry = self._sites.get(session.site)
         if entry is not None and entry.session is session:
             entry.session = None
+            SITES_CONNECTED.set(sum(e.session is not None for e in self._sites.values()))
             self._changed()
 
     def seen(self, site: str) -> None:

@@ -92,7 +92,9 @@ SITES = [
 @pytest.fixture(scope="module")
 def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     """One federation shared by a test module (tests use unique jobs and small demands)."""
-    fed = LocalFederation(tmp_path_factory.mktemp("fed"), SITES)
+    fed = LocalFederation(
+        tmp_path_factory.mktemp("fed"), SITES, coordinator_args=["--metrics-listen", "127.0.0.1:0"]
+    )
     try:
         asyncio.run(fed.start())
         yield fed

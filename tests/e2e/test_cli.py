@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,24 @@ def test_unreachable_coordinator_says_how_to_fix(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "To fix" in result.stderr
+
+
+def metric(text: str, name: str) -> float:
+    """The value of an unlabelled sample in Prometheus text format."""
+    for line in text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"{name} not exported")
+
+
+def test_metrics_count_sites_and_jobs(federation: LocalFederation, tmp_path: Path) -> None:
+    """/metrics reports the connected sites and counts a submitted job."""
+    url = f"http://127.0.0.1:{federation.metrics_port}/metrics"
+    before = urllib.request.urlopen(url, timeout=10).read().decode()
+    assert metric(before, "federation_sites_connected") == 3
+    spec = tmp_path / "job.yaml"
+    spec.write_text(f"name: counted\ntasks:\n  - {{name: t, command: [{sys.executable}, -V]}}\n")
+    assert fedctl(federation, "jobs", "submit", str(spec)).returncode == 0
+    after = urllib.request.urlopen(url, timeout=10).read().decode()
+    submitted = "federation_jobs_submitted_total"
+    assert metric(after, submitted) == metric(before, submitted) + 1

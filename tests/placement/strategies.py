@@ -42,7 +42,7 @@ def devices(draw: st.DrawFn) -> resources_pb2.Device:
         vendor=draw(st.sampled_from(VENDORS)),
         model=draw(st.sampled_from(MODELS)),
         memory_total_mib=draw(st.sampled_from(DEVICE_MEMORY_MIB)),
-        allocated=draw(st.booleans()),
+        allocated=draw(st.sampled_from((False, False, True))),
         health=draw(st.sampled_from(HEALTHS)),
     )
 
@@ -57,17 +57,17 @@ def node_labels(draw: st.DrawFn) -> dict[str, str]:
 def nodes(draw: st.DrawFn, name: str) -> resources_pb2.Node:
     return resources_pb2.Node(
         name=name,
-        cpu_free=draw(halves(0, 16)),
-        memory_free_mib=draw(st.integers(0, 16).map(lambda n: n * 2048)),
+        cpu_free=draw(st.sampled_from((0.0, 2.0, 4.0, 8.0, 16.0)) | halves(0, 16)),
+        memory_free_mib=draw(st.sampled_from((0, 8192, 16384, 65536))),
         schedulable=draw(st.sampled_from((True, True, True, False))),
         labels=draw(node_labels()),
-        devices=draw(st.lists(devices(), max_size=6)),
+        devices=draw(st.lists(devices(), max_size=8)),
     )
 
 
 @st.composite
 def site_views(draw: st.DrawFn, name: str) -> resources_pb2.SiteView:
-    n_nodes = draw(st.integers(0, 3))
+    n_nodes = draw(st.sampled_from((0, 1, 1, 2, 2, 3)))
     return resources_pb2.SiteView(
         site=name,
         domain=draw(st.sampled_from(DOMAINS)),
@@ -83,8 +83,8 @@ def site_inputs(draw: st.DrawFn, min_size: int = 0, max_size: int = 6) -> list[S
     return [
         SiteInput(
             view=draw(site_views(name)),
-            is_connected=draw(st.sampled_from((True, True, True, False))),
-            is_cordoned=draw(st.sampled_from((False, False, False, True))),
+            is_connected=draw(st.sampled_from((True,) * 7 + (False,))),
+            is_cordoned=draw(st.sampled_from((False,) * 7 + (True,))),
         )
         for name in names
     ]
@@ -94,25 +94,25 @@ def site_inputs(draw: st.DrawFn, min_size: int = 0, max_size: int = 6) -> list[S
 def accelerator_requests(draw: st.DrawFn) -> jobs_pb2.AcceleratorRequest:
     return jobs_pb2.AcceleratorRequest(
         kind=draw(st.sampled_from(KINDS)),
-        count=draw(st.integers(1, 4)),
-        models=draw(st.lists(st.sampled_from(MODELS), max_size=2, unique=True)),
-        vendor=draw(st.sampled_from(("", "", *VENDORS))),
-        min_memory_mib=draw(st.sampled_from((0, 0, *DEVICE_MEMORY_MIB))),
+        count=draw(st.sampled_from((1, 1, 2, 4))),
+        models=draw(st.just([]) | st.lists(st.sampled_from(MODELS), max_size=2, unique=True)),
+        vendor=draw(st.sampled_from(("", "", "", *VENDORS))),
+        min_memory_mib=draw(st.sampled_from((0, 0, 0, *DEVICE_MEMORY_MIB))),
     )
 
 
 @st.composite
 def task_specs(draw: st.DrawFn, name: str = "main") -> jobs_pb2.TaskSpec:
     resources = jobs_pb2.ResourceRequest(
-        cpu=draw(halves(0, 8)),
-        memory_mib=draw(st.integers(0, 8).map(lambda n: n * 1024)),
+        cpu=draw(st.sampled_from((0.0, 0.5, 1.0, 2.0, 4.0))),
+        memory_mib=draw(st.sampled_from((0, 512, 1024, 4096))),
     )
     if draw(st.booleans()):
         resources.accelerator.CopyFrom(draw(accelerator_requests()))
     return jobs_pb2.TaskSpec(
         name=name,
         command=["python", "train.py"],
-        replicas=draw(st.integers(0, 4)),
+        replicas=draw(st.sampled_from((0, 1, 1, 2, 4))),
         resources=resources,
     )
 
@@ -122,8 +122,8 @@ def job_specs(draw: st.DrawFn, site_names: tuple[str, ...] = ()) -> jobs_pb2.Job
     """A job with one to three tasks and optional constraints (sites from ``site_names``)."""
     n_tasks = draw(st.integers(1, 3))
     constraints = jobs_pb2.Constraints(
-        domains=draw(st.lists(st.sampled_from(DOMAINS), max_size=2, unique=True)),
-        regions=draw(st.lists(st.sampled_from(REGIONS), max_size=2, unique=True)),
+        domains=draw(st.just([]) | st.lists(st.sampled_from(DOMAINS), max_size=2, unique=True)),
+        regions=draw(st.just([]) | st.lists(st.sampled_from(REGIONS), max_size=2, unique=True)),
         node_labels=draw(st.one_of(st.just({}), node_labels())),
     )
     if site_names and draw(st.integers(0, 3)) == 0:
@@ -148,7 +148,17 @@ class PlacementCase:
 
 @st.composite
 def placement_cases(draw: st.DrawFn, max_sites: int = 6) -> PlacementCase:
+    """Sites and a task; an accelerator demand often copies a device that some site has."""
     sites = draw(site_inputs(min_size=1, max_size=max_sites))
     job = draw(job_specs(tuple(s.view.site for s in sites)))
-    task = draw(st.sampled_from(list(job.tasks)))
+    task = job.tasks[draw(st.integers(0, len(job.tasks) - 1))]
+    existing = [d for s in sites for n in s.view.nodes for d in n.devices]
+    acc = task.resources.accelerator
+    if acc.count and existing and draw(st.booleans()):
+        like = draw(st.sampled_from(existing))
+        acc.kind = like.kind
+        acc.vendor = draw(st.sampled_from(("", like.vendor)))
+        del acc.models[:]
+        acc.models.extend(draw(st.sampled_from(([], [like.model]))))
+        acc.min_memory_mib = draw(st.sampled_from((0, like.memory_total_mib)))
     return PlacementCase(sites, job, task)

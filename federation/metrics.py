@@ -1,0 +1,20 @@
+"""Prometheus metrics: defined once here, served by each daemon on its own port."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, start_http_server
+
+JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
+TASK_TRANSITIONS = Counter(
+    "federation_task_transitions_total", "Task state transitions written", ["state"]
+)
+OFFERS = Counter("federation_offers_total", "Delegation offers by outcome", ["outcome"])
+SITES_CONNECTED = Gauge("federation_sites_connected", "Sites with a live Connect stream")
+AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
+
+
+def serve_metrics(listen: str) -> int:
+    """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound port."""
+    host, _, port = listen.rpartition(":")
+    server, _ = start_http_server(int(port), addr=host or "127.0.0.1")
+    return int(server.server_port)
