@@ -33,5 +33,7 @@ class AgentConfig:
     labels: dict[str, str] = field(default_factory=dict)
     server_name: str = ""
     """Name to verify in the coordinator's certificate when it differs from the address."""
+    metrics_listen: str = ""
+    """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9465; empty serves none."""
     kill_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when a task is cancelled."""

@@ -20,6 +20,7 @@ from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
 from federation.logging import configure_logging
+from federation.metrics import serve_metrics
 
 log = structlog.get_logger()
 
@@ -38,6 +39,7 @@ def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Names
     p.add_argument("--inventory", type=Path, help="declared nodes and devices (YAML/TOML)")
     p.add_argument("--price-per-device-hour", type=float)
     p.add_argument("--no-host", action="store_true", help="do not publish this machine as a node")
+    p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9465")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true", default=None)
     return p.parse_args(argv)
@@ -59,6 +61,7 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
         "inventory": args.inventory,
         "price_per_device_hour": args.price_per_device_hour,
         "discover_host": False if args.no_host else None,
+        "metrics_listen": args.metrics_listen,
     }
     values |= {k: v for k, v in flags.items() if v is not None}
     missing = {"site", "coordinator", "ca", "state_dir"} - values.keys()
@@ -81,6 +84,8 @@ def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
 
 async def run(config: AgentConfig) -> int:
     creds = await ensure_enrolled(config)
+    if config.metrics_listen:
+        serve_metrics(config.metrics_listen)
     runtime_ref: list[AgentRuntime] = []
     core: LocalCore = EmbeddedCore(
         site_nodes(config),

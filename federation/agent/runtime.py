@@ -21,6 +21,7 @@ from federation.agent.enroll import SiteCredentials, channel_options
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.jobspec import parse_domain
+from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.tls import channel_credentials
 
 log = structlog.get_logger()
@@ -59,6 +60,7 @@ class AgentRuntime:
             self._outbox.put_nowait(pb.ConnectRequest(task_status=report))
 
     def on_change(self) -> None:
+        AGENT_TASKS_RUNNING.set(self.core.queue().running_tasks)
         self._view_dirty.set()
 
     # The view ----------------------------------------------------------------------------
