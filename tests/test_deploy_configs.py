@@ -26,6 +26,7 @@ def agent_args(config: Path) -> argparse.Namespace:
         "state_dir",
         "inventory",
         "price_per_device_hour",
+        "metrics_listen",
     )
     return argparse.Namespace(config=config, no_host=False, **dict.fromkeys(names))
 
