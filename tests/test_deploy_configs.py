@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from federation.agent.main import load_config as load_agent_config
+from federation.agent.main import parse_args
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig
 
@@ -15,20 +16,7 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def agent_args(config: Path) -> argparse.Namespace:
-    names = (
-        "site",
-        "domain",
-        "region",
-        "coordinator",
-        "join_address",
-        "ca",
-        "token_file",
-        "state_dir",
-        "inventory",
-        "price_per_device_hour",
-        "metrics_listen",
-    )
-    return argparse.Namespace(config=config, no_host=False, **dict.fromkeys(names))
+    return parse_args(["--config", str(config)], "fed-datacenter-agent", "datacenter")
 
 
 def test_coordinator_example_loads() -> None:
