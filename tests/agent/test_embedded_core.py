@@ -17,6 +17,8 @@ from federation.agent.core import LocalCore
 from federation.agent.embedded_core import EmbeddedCore
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
+from .beacon import Beacon
+
 GPU = resources_pb2.DEVICE_KIND_GPU
 NPU = resources_pb2.DEVICE_KIND_NPU
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
@@ -136,57 +138,6 @@ class Recorder:
 
     def states(self, job_id: str = "job-1") -> list[int]:
         return [r.state for r in self.reports if r.job_id == job_id]
-
-
-class Beacon:
-    """A local TCP listener children report to, so tests wait on events instead of sleeping."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._arrived = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async for line in reader:
-            self.lines.append(line.decode().strip())
-            self._arrived.set()
-        writer.close()
-
-    async def expect(self, prefix: str, timeout_s: float = 10.0) -> str:
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                self._arrived.clear()
-                await self._arrived.wait()
-
-    def child(self, body: str) -> str:
-        """Python source for a child: ``body`` with ``send(msg)`` reporting to this beacon."""
-        return (
-            "import socket\n"
-            "def send(msg):\n"
-            f"    with socket.create_connection(('127.0.0.1', {self.port})) as s:\n"
-            "        s.sendall(msg.encode() + b'\\n')\n"
-        ) + body
-
-
-@pytest.fixture
-async def beacon() -> AsyncIterator[Beacon]:
-    """A listening beacon, closed after the test."""
-    b = Beacon()
-    await b.start()
-    yield b
-    await b.stop()
 
 
 @pytest.fixture

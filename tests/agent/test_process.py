@@ -6,7 +6,6 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import psutil
@@ -14,57 +13,7 @@ import pytest
 
 from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError, describe_exit
 
-
-class Beacon:
-    """A local TCP listener children report to, so tests wait on events instead of sleeping."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self._arrived = asyncio.Event()
-        self._server: asyncio.Server | None = None
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        async for line in reader:
-            self.lines.append(line.decode().strip())
-            self._arrived.set()
-        writer.close()
-
-    async def expect(self, prefix: str, timeout_s: float = 10.0) -> str:
-        """Waits for a line starting with ``prefix`` and returns it."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for line in self.lines:
-                    if line.startswith(prefix):
-                        return line
-                self._arrived.clear()
-                await self._arrived.wait()
-
-    def send_code(self) -> str:
-        """Python source defining ``send(msg)`` for a child to report to this beacon."""
-        return (
-            "import socket\n"
-            "def send(msg):\n"
-            f"    with socket.create_connection(('127.0.0.1', {self.port})) as s:\n"
-            "        s.sendall(msg.encode() + b'\\n')\n"
-        )
-
-
-@pytest.fixture
-async def beacon() -> AsyncIterator[Beacon]:
-    """A started beacon, stopped after the test."""
-    b = Beacon()
-    await b.start()
-    yield b
-    await b.stop()
+from .beacon import Beacon
 
 
 def _exited(pid: int) -> bool:
@@ -126,7 +75,7 @@ async def test_output_tail_keeps_last_4_kib(tmp_path: Path) -> None:
 
 async def test_terminate_signals_the_whole_group(tmp_path: Path, beacon: Beacon) -> None:
     """SIGTERM reaches the replica and the processes it started."""
-    code = beacon.send_code() + (
+    code = beacon.child(
         "import signal, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
         "def on_term(*_):\n"
@@ -146,7 +95,7 @@ async def test_terminate_signals_the_whole_group(tmp_path: Path, beacon: Beacon)
 
 async def test_terminate_escalates_to_sigkill(tmp_path: Path, beacon: Beacon) -> None:
     """A replica that ignores SIGTERM is SIGKILLed once the grace period is over."""
-    code = beacon.send_code() + (
+    code = beacon.child(
         "import signal, time\n"
         "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
         "send('ready')\n"
