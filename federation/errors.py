@@ -69,11 +69,6 @@ class SiteNotFoundError(NotFoundError):
         super().__init__(f"no site {site!r}. To fix: list sites with 'fedctl sites'", site=site)
 
 
-class AlreadyExistsError(FederationError):
-    status = grpc.StatusCode.ALREADY_EXISTS
-    reason = "ALREADY_EXISTS"
-
-
 class UnauthenticatedError(FederationError):
     status = grpc.StatusCode.UNAUTHENTICATED
     reason = "UNAUTHENTICATED"
