@@ -65,7 +65,7 @@ class BadMaskDtype:
     name: ClassVar[str] = "BadMaskDtype"
 
     def filter(self, req: Request, snap: Snapshot) -> Verdict:
-        return Verdict(mask=np.ones(snap.n_sites, dtype=np.int64))  # type: ignore[arg-type]
+        return Verdict(mask=np.ones(snap.n_sites, dtype=np.int64))
 
 
 class Fixed:

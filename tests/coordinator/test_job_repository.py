@@ -1,0 +1,322 @@
+"""JobRepository over a real SQLite store: atomic writes, event sequences, cache and recovery."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from federation.api.v1 import jobs_pb2
+from federation.coordinator import job_state
+from federation.coordinator.events import EventHub, Subscription
+from federation.coordinator.job_state import IllegalTransitionError
+from federation.coordinator.jobs import (
+    Change,
+    JobRepository,
+    Mutation,
+    event_key,
+    job_key,
+    transition,
+)
+from federation.errors import ConflictError, InvalidArgumentError, JobNotFoundError
+from federation.store import SqliteStore
+
+P = job_state.PENDING
+SCH = job_state.SCHEDULING
+DEL = job_state.DELEGATED
+RUN = job_state.RUNNING
+OK = job_state.SUCCEEDED
+FAIL = job_state.FAILED
+
+
+def new_job(job_id: str, *tasks: str) -> jobs_pb2.Job:
+    """A freshly submitted job, shaped as the job manager builds one."""
+    task_names = tasks or ("main",)
+    job = jobs_pb2.Job(id=job_id, state=P, reason="submitted", submitted_by="admin:test")
+    job.spec.id = job_id
+    job.spec.name = job_id
+    for name in task_names:
+        job.spec.tasks.add(name=name, command=["run"])
+        job.tasks.add(name=name, state=P, reason="submitted")
+    return job
+
+
+def move(*steps: tuple[str, jobs_pb2.JobState.ValueType, str]) -> Mutation:
+    """A mutation moving tasks through ``(task, state, reason)`` steps in order."""
+
+    def mutate(job: jobs_pb2.Job) -> list[Change]:
+        return [transition(job, task, state, reason) for task, state, reason in steps]
+
+    return mutate
+
+
+def drain(sub: Subscription) -> list[jobs_pb2.JobEvent]:
+    """Every event queued for ``sub`` so far."""
+    out = []
+    while not sub.queue.empty():
+        event = sub.queue.get_nowait()
+        assert event is not None
+        out.append(event)
+    return out
+
+
+@pytest_asyncio.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    store = await SqliteStore.open(tmp_path / "db")
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def hub() -> EventHub:
+    return EventHub()
+
+
+@pytest.fixture
+def repo(store: SqliteStore, hub: EventHub) -> JobRepository:
+    return JobRepository(store, hub)
+
+
+async def test_create_stores_job_and_first_event_in_one_commit(
+    store: SqliteStore, repo: JobRepository, hub: EventHub
+) -> None:
+    """A new job and its 'submitted' event are written by the same commit, then published."""
+    sub = hub.subscribe(lambda job: True)
+    before = await store.revision()
+    await repo.create([new_job("j1", "a", "b")])
+    job_kv = await store.get(job_key("j1"))
+    event_kv = await store.get(event_key("j1", 1))
+    assert job_kv is not None
+    assert event_kv is not None
+    assert job_kv.mod_revision == event_kv.mod_revision == before + 1
+    stored = jobs_pb2.Job.FromString(job_kv.value)
+    assert stored.last_event_sequence == 1
+    event = jobs_pb2.JobEvent.FromString(event_kv.value)
+    assert (event.job_id, event.sequence, event.state, event.task, event.reason) == (
+        "j1",
+        1,
+        P,
+        "",
+        "submitted",
+    )
+    assert event.job_state == P
+    assert drain(sub) == [event]
+    assert [j.id for j in repo.active()] == ["j1"]
+
+
+async def test_create_writes_a_batch_in_one_commit(store: SqliteStore, repo: JobRepository) -> None:
+    """Every job of a batch, with its first event, lands in the same store revision."""
+    revision = await store.revision()
+    await repo.create([new_job("a"), new_job("b"), new_job("c")])
+    kvs = await store.range("/")
+    assert len(kvs) == 6
+    assert {kv.mod_revision for kv in kvs} == {revision + 1}
+
+
+async def test_duplicate_id_is_an_invalid_argument_on_spec_id(
+    store: SqliteStore, repo: JobRepository
+) -> None:
+    """Creating a job whose id exists fails on spec.id and leaves the store unchanged."""
+    await repo.create([new_job("j1")])
+    revision = await store.revision()
+    with pytest.raises(InvalidArgumentError) as caught:
+        await repo.create([new_job("j1", "other")])
+    (violation,) = caught.value.violations
+    assert violation.field == "spec.id"
+    assert "'j1' already exists" in violation.description
+    assert await store.revision() == revision
+    assert [t.name for t in (await repo.get("j1")).tasks] == ["main"]
+
+
+async def test_duplicate_in_a_batch_stores_nothing_of_the_batch(
+    store: SqliteStore, repo: JobRepository, hub: EventHub
+) -> None:
+    """One existing id in a batch fails the whole batch, naming that job's index."""
+    await repo.create([new_job("old")])
+    sub = hub.subscribe(lambda job: True)
+    revision = await store.revision()
+    with pytest.raises(InvalidArgumentError) as caught:
+        await repo.create([new_job("fresh"), new_job("old"), new_job("fresh-2")])
+    assert [v.field for v in caught.value.violations] == ["specs[1].id"]
+    assert await store.revision() == revision
+    assert await store.get(job_key("fresh")) is None
+    assert await store.get(event_key("fresh", 1)) is None
+    assert await store.get(job_key("fresh-2")) is None
+    assert [j.id for j in repo.active()] == ["old"]
+    assert drain(sub) == []
+    with pytest.raises(JobNotFoundError):
+        await repo.get("fresh")
+
+
+async def test_update_writes_events_with_increasing_sequence_and_job_state(
+    repo: JobRepository,
+) -> None:
+    """Each recorded change becomes the next event, carrying the job state it produced."""
+    await repo.create([new_job("j", "a", "b")])
+    await repo.update("j", move(("a", SCH, "placing")))
+    await repo.update("j", move(("a", DEL, "offered to s1")))
+    job = await repo.update("j", move(("a", RUN, "started")))
+    events = await repo.events("j")
+    assert [e.sequence for e in events] == [1, 2, 3, 4]
+    assert [(e.task, e.state) for e in events[1:]] == [("a", SCH), ("a", DEL), ("a", RUN)]
+    assert [e.job_state for e in events] == [P, SCH, DEL, RUN]
+    assert job.state == RUN
+    assert job.last_event_sequence == 4
+    assert job.reason == "started"
+    assert (await repo.get("j")) == job
+
+
+async def test_one_update_may_record_several_changes(
+    store: SqliteStore, repo: JobRepository, hub: EventHub
+) -> None:
+    """Changes returned together get consecutive sequences and are committed once."""
+    await repo.create([new_job("j", "a", "b")])
+    sub = hub.subscribe(lambda job: job.id == "j")
+    revision = await store.revision()
+    job = await repo.update("j", move(("a", SCH, "one"), ("b", SCH, "two")))
+    assert await store.revision() == revision + 1
+    published = drain(sub)
+    assert [(e.sequence, e.task, e.reason) for e in published] == [
+        (2, "a", "one"),
+        (3, "b", "two"),
+    ]
+    assert published == (await repo.events("j"))[1:]
+    assert job.reason == "two"
+
+
+async def test_update_without_changes_writes_nothing(
+    store: SqliteStore, repo: JobRepository
+) -> None:
+    """A mutation that changes nothing and records nothing does not touch the store."""
+    await repo.create([new_job("j")])
+    revision = await store.revision()
+    job = await repo.update("j", lambda job: [])
+    assert await store.revision() == revision
+    assert job.last_event_sequence == 1
+
+
+async def test_update_changing_fields_without_events_is_written(
+    store: SqliteStore, repo: JobRepository
+) -> None:
+    """A mutation that edits the job but records no change is stored with no new event."""
+    await repo.create([new_job("j")])
+
+    def request_cancel(job: jobs_pb2.Job) -> list[Change]:
+        job.cancel_requested = True
+        return []
+
+    await repo.update("j", request_cancel)
+    kv = await store.get(job_key("j"))
+    assert kv is not None
+    assert jobs_pb2.Job.FromString(kv.value).cancel_requested
+    assert len(await repo.events("j")) == 1
+
+
+async def test_illegal_transition_writes_nothing(store: SqliteStore, repo: JobRepository) -> None:
+    """A mutation attempting an illegal transition raises and leaves job and cache as they were."""
+    await repo.create([new_job("j")])
+    revision = await store.revision()
+    with pytest.raises(IllegalTransitionError):
+        await repo.update("j", move(("main", RUN, "skipped ahead")))
+    assert await store.revision() == revision
+    assert (await repo.get("j")).tasks[0].state == P
+
+
+async def test_update_of_unknown_job_is_not_found(repo: JobRepository) -> None:
+    """Updating a job that does not exist raises JobNotFoundError."""
+    with pytest.raises(JobNotFoundError):
+        await repo.update("nope", lambda job: [])
+
+
+async def test_terminal_job_leaves_the_active_cache(
+    store: SqliteStore, repo: JobRepository
+) -> None:
+    """Once every task is terminal the job is dropped from active() but still readable."""
+    await repo.create([new_job("done", "a", "b"), new_job("live")])
+    for task in ("a", "b"):
+        await repo.update("done", move((task, SCH, "p"), (task, DEL, "d")))
+    job = await repo.update("done", move(("a", OK, "exit 0")))
+    assert job.state == DEL
+    assert {j.id for j in repo.active()} == {"done", "live"}
+    job = await repo.update("done", move(("b", FAIL, "exit 1")))
+    assert job.state == FAIL
+    assert [j.id for j in repo.active()] == ["live"]
+    stored = await repo.get("done")
+    assert stored.state == FAIL
+    assert stored.tasks[1].HasField("finished_at")
+    assert (await repo.events("done"))[-1].job_state == FAIL
+
+
+async def test_active_returns_copies(repo: JobRepository) -> None:
+    """Editing a job returned by active() or get() does not change the cached job."""
+    await repo.create([new_job("j")])
+    repo.active()[0].reason = "tampered"
+    (await repo.get("j")).reason = "tampered too"
+    assert (await repo.get("j")).reason == "submitted"
+
+
+async def test_reopened_store_loads_only_unfinished_jobs(tmp_path: Path) -> None:
+    """After close and reopen, load() returns the unfinished jobs as last written."""
+    path = tmp_path / "db"
+    store = await SqliteStore.open(path)
+    repo = JobRepository(store, EventHub())
+    await repo.create([new_job("finished"), new_job("running"), new_job("waiting")])
+    await repo.update("finished", move(("main", SCH, "p"), ("main", DEL, "d")))
+    await repo.update("finished", move(("main", OK, "exit 0")))
+    running = await repo.update(
+        "running", move(("main", SCH, "p"), ("main", DEL, "d"), ("main", RUN, "r"))
+    )
+    await store.close()
+
+    store = await SqliteStore.open(path)
+    try:
+        reopened = JobRepository(store, EventHub())
+        loaded = await reopened.load()
+        assert sorted(j.id for j in loaded) == ["running", "waiting"]
+        assert next(j for j in loaded if j.id == "running") == running
+        assert sorted(j.id for j in reopened.active()) == ["running", "waiting"]
+        job = await reopened.update("running", move(("main", OK, "exit 0")))
+        assert job.last_event_sequence == 5
+        assert [e.sequence for e in await reopened.events("running")] == [1, 2, 3, 4, 5]
+        assert (await reopened.get("finished")).state == OK
+    finally:
+        await store.close()
+
+
+async def test_concurrent_writer_is_a_conflict_and_a_retry_sees_its_change(
+    store: SqliteStore,
+) -> None:
+    """A stale cached job fails with ConflictError; the retry reads the newer job."""
+    first = JobRepository(store, EventHub())
+    second = JobRepository(store, EventHub())
+    await first.create([new_job("j", "a", "b")])
+    await second.load()
+    await first.update("j", move(("a", SCH, "first")))
+    with pytest.raises(ConflictError):
+        await second.update("j", move(("b", SCH, "second")))
+    job = await second.update("j", move(("b", SCH, "second")))
+    assert [t.state for t in job.tasks] == [SCH, SCH]
+    assert [e.sequence for e in await second.events("j")] == [1, 2, 3]
+
+
+async def test_updates_of_one_job_are_serialised(repo: JobRepository) -> None:
+    """Concurrent updates of one job each see the previous one and never conflict."""
+    await repo.create([new_job("j", *(f"t{i}" for i in range(8)))])
+    await asyncio.gather(*(repo.update("j", move((f"t{i}", SCH, str(i)))) for i in range(8)))
+    events = await repo.events("j")
+    assert [e.sequence for e in events] == list(range(1, 10))
+    assert {e.task for e in events[1:]} == {f"t{i}" for i in range(8)}
+    assert all(t.state == SCH for t in (await repo.get("j")).tasks)
+
+
+async def test_hub_only_delivers_to_subscribers_that_accept_the_job(
+    repo: JobRepository, hub: EventHub
+) -> None:
+    """Events are published only to subscriptions whose filter accepts the job."""
+    mine = hub.subscribe(lambda job: job.id == "mine")
+    await repo.create([new_job("mine"), new_job("theirs")])
+    await repo.update("theirs", move(("main", SCH, "p")))
+    assert [e.job_id for e in drain(mine)] == ["mine"]
