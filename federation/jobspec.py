@@ -21,15 +21,16 @@ class JobSpecFileError(ValueError):
     """A spec file cannot be read as a job spec."""
 
 
-def short_name(enum_value_name: str, prefix: str) -> str:
-    """``DEVICE_KIND_GPU`` -> ``GPU``; ``DOMAIN_EDGE`` -> ``edge`` (domains are lower case)."""
-    name = enum_value_name.removeprefix(prefix)
-    return name.lower() if prefix == "DOMAIN_" else name
+def short_name(enum: Any, value: int, prefix: str) -> str:
+    """``DEVICE_KIND_GPU`` -> ``GPU``; a value outside the enum -> ``unknown(9)``."""
+    if value not in enum.values():
+        return f"unknown({value})"
+    return str(enum.Name(value)).removeprefix(prefix)
 
 
 def domain_name(value: int) -> str:
-    """Short lower-case name of a ``Domain`` value."""
-    return short_name(resources_pb2.Domain.Name(value), "DOMAIN_")  # type: ignore[arg-type]
+    """Short lower-case name of a ``Domain`` value, e.g. ``edge``."""
+    return short_name(resources_pb2.Domain, value, "DOMAIN_").lower()
 
 
 def parse_domain(text: str) -> resources_pb2.Domain.ValueType:
@@ -45,31 +46,45 @@ def parse_domain(text: str) -> resources_pb2.Domain.ValueType:
 
 def kind_name(value: int) -> str:
     """Short upper-case name of a ``DeviceKind`` value."""
-    return short_name(resources_pb2.DeviceKind.Name(value), "DEVICE_KIND_")  # type: ignore[arg-type]
+    return short_name(resources_pb2.DeviceKind, value, "DEVICE_KIND_")
 
 
 def state_name(value: int) -> str:
     """Short upper-case name of a ``JobState`` value, e.g. ``RUNNING``."""
-    return short_name(jobs_pb2.JobState.Name(value), "JOB_STATE_")  # type: ignore[arg-type]
+    return short_name(jobs_pb2.JobState, value, "JOB_STATE_")
 
 
-def _expand_enums(doc: Any) -> Any:
-    """Rewrite short enum names in a spec document into their full protobuf names."""
-    if isinstance(doc, list):
-        return [_expand_enums(item) for item in doc]
-    if not isinstance(doc, Mapping):
-        return doc
-    out: dict[str, Any] = {}
-    for key, value in doc.items():
-        if key == "kind" and isinstance(value, str) and not value.startswith("DEVICE_KIND_"):
-            value = "DEVICE_KIND_" + value.upper()
-        elif key == "domains" and isinstance(value, list):
-            value = [
-                "DOMAIN_" + v.upper() if isinstance(v, str) and not v.startswith("DOMAIN_") else v
-                for v in value
-            ]
-        out[key] = _expand_enums(value)
+def _full_name(value: Any, prefix: str) -> Any:
+    if isinstance(value, str) and not value.upper().startswith(prefix):
+        return prefix + value.upper()
+    return value.upper() if isinstance(value, str) else value
+
+
+def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """Rewrite short enum names where the spec has enums: accelerator kinds and domains.
+
+    Only those two places: a user's own maps (labels, env) may well have a key named "kind".
+    """
+    out = dict(doc)
+    tasks = out.get("tasks")
+    if isinstance(tasks, list):
+        out["tasks"] = [_expand_task(task) for task in tasks]
+    constraints = out.get("constraints")
+    if isinstance(constraints, Mapping) and isinstance(constraints.get("domains"), list):
+        domains = [_full_name(d, "DOMAIN_") for d in constraints["domains"]]
+        out["constraints"] = {**constraints, "domains": domains}
     return out
+
+
+def _expand_task(task: Any) -> Any:
+    if not isinstance(task, Mapping) or not isinstance(task.get("resources"), Mapping):
+        return task
+    resources = task["resources"]
+    accelerator = resources.get("accelerator")
+    if not isinstance(accelerator, Mapping) or "kind" not in accelerator:
+        return task
+    kind = _full_name(accelerator["kind"], "DEVICE_KIND_")
+    return {**task, "resources": {**resources, "accelerator": {**accelerator, "kind": kind}}}
 
 
 def job_spec_from_dict(doc: Any, *, source: str = "spec") -> jobs_pb2.JobSpec:

@@ -39,8 +39,12 @@ class IllegalTransitionError(RuntimeError):
 
 def check_transition(current: int, new: int) -> None:
     """Raise ``IllegalTransitionError`` unless ``current -> new`` is allowed."""
-    if new not in TRANSITIONS[current]:
-        raise IllegalTransitionError(f"task cannot go from {S.Name(current)} to {S.Name(new)}")  # type: ignore[arg-type]
+    if new not in TRANSITIONS.get(current, frozenset()):
+        raise IllegalTransitionError(f"task cannot go from {_name(current)} to {_name(new)}")
+
+
+def _name(state: int) -> str:
+    return S.Name(state) if state in S.values() else f"unknown state {state}"  # type: ignore[arg-type]
 
 
 def job_state(task_states: Iterable[int]) -> jobs_pb2.JobState.ValueType:

@@ -28,7 +28,7 @@ def name_problem(value: str) -> str | None:
     """Why ``value`` is not a valid object name, or None."""
     if len(value) > MAX_NAME:
         return f"is {len(value)} characters long; at most {MAX_NAME} allowed"
-    if not NAME_RE.match(value):
+    if not NAME_RE.fullmatch(value):
         return (
             f"{value!r} is not a valid name: use lower-case letters, digits, '.', '_' and '-', "
             "starting and ending with a letter or digit"
@@ -36,9 +36,16 @@ def name_problem(value: str) -> str | None:
     return None
 
 
+def _show(value: float) -> str:
+    """Exact for whole numbers (no 1.67772e+07), plain otherwise."""
+    return str(int(value)) if math.isfinite(value) and float(value).is_integer() else str(value)
+
+
 def _number(field: str, value: float, low: float, high: float) -> Iterator[FieldViolation]:
     if not math.isfinite(value) or value < low or value > high:
-        yield FieldViolation(field, f"must be between {low:g} and {high:g}, got {value:g}")
+        yield FieldViolation(
+            field, f"must be between {_show(low)} and {_show(high)}, got {_show(value)}"
+        )
 
 
 def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
@@ -51,7 +58,7 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
     elif sum(len(arg.encode()) for arg in task.command) > MAX_COMMAND_BYTES:
         yield FieldViolation(f"{path}.command", f"is longer than {MAX_COMMAND_BYTES} bytes")
     for key in task.env:
-        if not ENV_KEY_RE.match(key):
+        if not ENV_KEY_RE.fullmatch(key):
             yield FieldViolation(f"{path}.env", f"{key!r} is not a valid environment variable")
     yield from _number(f"{path}.replicas", task.replicas, 0, MAX_REPLICAS)
     res = task.resources

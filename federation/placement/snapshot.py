@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -57,6 +58,17 @@ class Snapshot:
         return len(self.node_site)
 
 
+# The same rule as the agents' packer: a device with no health report counts as usable.
+USABLE_HEALTH = frozenset(
+    {resources_pb2.DEVICE_HEALTH_HEALTHY, resources_pb2.DEVICE_HEALTH_UNSPECIFIED}
+)
+
+
+def _capacity(value: float) -> float:
+    """A reported free amount as placement may use it: NaN, infinite or negative count as 0."""
+    return value if math.isfinite(value) and value > 0 else 0.0
+
+
 def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
     """Flatten site views into arrays, sites sorted by name so order never matters."""
     ordered = sorted(sites, key=lambda s: s.view.site)
@@ -75,19 +87,17 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         for node in site.view.nodes:
             node_index = len(node_site)
             node_site.append(site_index)
-            cpu_free.append(node.cpu_free)
-            mem_free.append(float(node.memory_free_mib))
+            cpu_free.append(_capacity(node.cpu_free))
+            mem_free.append(_capacity(float(node.memory_free_mib)))
             schedulable.append(node.schedulable)
             labels.append(dict(node.labels))
             for dev in node.devices:
                 dev_node.append(node_index)
                 kind.append(dev.kind)
-                vendor.append(dev.vendor)
+                vendor.append(dev.vendor.lower())
                 model.append(dev.model)
                 dev_mem.append(float(dev.memory_total_mib))
-                available.append(
-                    not dev.allocated and dev.health == resources_pb2.DEVICE_HEALTH_HEALTHY
-                )
+                available.append(not dev.allocated and dev.health in USABLE_HEALTH)
     return Snapshot(
         site_ids=tuple(s.view.site for s in ordered),
         domain=np.array([s.view.domain for s in ordered], dtype=np.int64),

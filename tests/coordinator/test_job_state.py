@@ -103,11 +103,6 @@ def test_job_state_accepts_a_generator() -> None:
     assert job_state(s for s in (OK, FAIL)) == FAIL
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: an UNSPECIFIED current state raises KeyError and an unknown new state "
-    "raises ValueError (from JobState.Name) instead of IllegalTransitionError",
-)
 @pytest.mark.parametrize(("current", "new"), [(0, P), (P, 42)], ids=["from-unspecified", "to-42"])
 def test_unknown_states_raise_illegal_transition(current: int, new: int) -> None:
     """A transition from or to a state outside the lifecycle is an IllegalTransitionError."""

@@ -231,11 +231,6 @@ def test_enum_short_names_for_people() -> None:
     assert state_name(jobs_pb2.JOB_STATE_CANCELLED) == "CANCELLED"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _expand_enums rewrites the value of any key named 'kind', including keys of "
-    "the labels, env and node_labels maps",
-)
 def test_map_entries_named_kind_are_left_alone() -> None:
     """A label, env variable or node label whose key is ``kind`` keeps its value verbatim."""
     spec = job_spec_from_dict(
@@ -251,11 +246,6 @@ def test_map_entries_named_kind_are_left_alone() -> None:
     assert spec.constraints.node_labels["kind"] == "gpu-box"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: _expand_enums checks the DOMAIN_ prefix case-sensitively, so 'domain_edge' "
-    "becomes DOMAIN_DOMAIN_EDGE although parse_domain accepts it",
-)
 def test_lower_case_full_domain_name_in_a_spec() -> None:
     """A spec may spell a domain as parse_domain accepts it, e.g. ``domain_edge``."""
     spec = job_spec_from_dict(spec_doc(constraints={"domains": ["domain_edge"]}))

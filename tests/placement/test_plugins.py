@@ -355,37 +355,21 @@ def test_free_capacity_scores_stay_within_0_and_100(req: Request) -> None:
     assert scores.max() == 100.0
 
 
-# Known bugs, kept as strict xfails so they flip to failures once fixed.
+# Regressions of bugs found by these tests.
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: replicas_per_node floors cpu_free / cpu with no tolerance; 0.3 / 0.1 is "
-    "2.9999999999999996, so room for 3 replicas counts as 2 (the agent's packer uses an epsilon)",
-)
 def test_capacity_fit_counts_fractional_cpu_exactly() -> None:
     """A node with 0.3 free CPU holds three 0.1-CPU replicas."""
     snap = snapshot(site("s", node(cpu=0.3)))
     assert CapacityFit().filter(request(cpu=0.1, replicas=3), snap).mask.tolist() == [True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: matching_devices compares vendor case-sensitively, while the agent's packer "
-    "(federation/agent/packing.py _matches) compares it case-insensitively",
-)
 def test_capacity_fit_vendor_match_ignores_case() -> None:
     """A request for vendor 'NVIDIA' matches devices reported with vendor 'nvidia'."""
     snap = snapshot(site("s", node(devices=[H100])))
     assert CapacityFit().filter(request(kind=GPU, count=1, vendor="NVIDIA"), snap).mask[0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ValueError,
-    reason="bug: a node with NaN cpu_free makes CapacityFit.filter raise ValueError "
-    "(int(nan) while writing the reason), failing placement for every site",
-)
 def test_capacity_fit_rejects_a_site_with_nan_cpu_instead_of_raising() -> None:
     """One site reporting NaN free CPU is rejected; other sites are still judged."""
     snap = snapshot(site("bad", node(cpu=float("nan"))), site("good", node(cpu=4)))

@@ -16,13 +16,15 @@ from federation.placement.framework import Verdict
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
+EPSILON = 1e-9
+
 
 def matching_devices(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     """Mask over devices: free, healthy and of the kind, vendor, model and memory asked for."""
     mask: npt.NDArray[np.bool_] = snap.device_available & (snap.device_kind == req.accelerator_kind)
     mask &= snap.device_memory_mib >= req.accelerator_min_memory_mib
     if req.accelerator_vendor:
-        mask &= snap.device_vendor == req.accelerator_vendor
+        mask &= snap.device_vendor == req.accelerator_vendor.lower()
     if req.accelerator_models:
         mask &= np.isin(snap.device_model, list(req.accelerator_models))
     return mask
@@ -42,10 +44,11 @@ def replicas_per_node(
 ) -> npt.NDArray[np.float64]:
     """How many replicas of ``req`` each node can hold now, at most ``cap`` (default: all)."""
     fit = np.full(snap.n_nodes, np.inf)
+    # The tolerance keeps 0.3 / 0.1 (2.9999999999999996) at 3, as the agent's packer counts.
     if req.cpu > 0:
-        fit = np.minimum(fit, np.floor(snap.node_cpu_free / req.cpu))
+        fit = np.minimum(fit, np.floor(snap.node_cpu_free / req.cpu + EPSILON))
     if req.memory_mib > 0:
-        fit = np.minimum(fit, np.floor(snap.node_memory_free_mib / req.memory_mib))
+        fit = np.minimum(fit, np.floor(snap.node_memory_free_mib / req.memory_mib + EPSILON))
     if req.accelerator_count > 0:
         per_node = np.bincount(
             snap.device_node[matching_devices(req, snap)], minlength=snap.n_nodes
@@ -59,6 +62,8 @@ def describe_demand(req: Request) -> str:
     parts = [f"{req.cpu:g} CPU", f"{req.memory_mib:g} MiB"]
     if req.accelerator_count:
         acc = f"{req.accelerator_count}x{kind_name(req.accelerator_kind)}"
+        if req.accelerator_vendor:
+            acc += f" from {req.accelerator_vendor}"
         if req.accelerator_models:
             acc += f" ({'|'.join(sorted(req.accelerator_models))})"
         if req.accelerator_min_memory_mib:

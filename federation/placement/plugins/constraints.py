@@ -23,7 +23,7 @@ class Constraints:
             wanted = ", ".join(sorted(domain_name(d) for d in req.domains))
             for i in np.flatnonzero(mask & ~ok):
                 reasons[int(i)] = (
-                    f"job wants domain {wanted}, site is {domain_name(snap.domain[i])}"
+                    f"job wants domain {wanted}, site is {domain_name(int(snap.domain[i]))}"
                 )
             mask &= ok
         if req.regions:
