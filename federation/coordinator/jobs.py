@@ -145,7 +145,7 @@ class JobRepository:
             ops.append(Put(event_key(job.id, 1), events[0].SerializeToString()))
             events_by_job.append((job, events))
         try:
-            revision = await self._store.commit(ops)
+            revision = await asyncio.shield(self._commit_new(ops, events_by_job))
         except CasConflictError as err:
             job_id = err.key.removeprefix(JOBS)
             index = next(i for i, j in enumerate(jobs) if j.id == job_id)
@@ -153,9 +153,17 @@ class JobRepository:
             raise InvalidArgumentError(
                 [FieldViolation(field, f"a job with id {job_id!r} already exists")]
             ) from None
+        log.debug("jobs_created", count=len(jobs), revision=revision)
+
+    async def _commit_new(
+        self, ops: list[Put], events_by_job: list[tuple[jobs_pb2.Job, list[jobs_pb2.JobEvent]]]
+    ) -> int:
+        """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
+        revision = await self._store.commit(ops)
         for job, events in events_by_job:
             self._active[job.id] = (_copy(job), revision)
             self._hub.publish(job, events)
+        return revision
 
     @asynccontextmanager
     async def _locked(self, job_id: str) -> AsyncIterator[None]:
@@ -163,53 +171,64 @@ class JobRepository:
         async with lock:
             yield
 
+    async def _current(self, job_id: str) -> tuple[jobs_pb2.Job, int]:
+        """A copy of the job and its store revision: from the cache, else from the store."""
+        cached = self._active.get(job_id)
+        if cached is not None:
+            return _copy(cached[0]), cached[1]
+        kv = await self._store.get(job_key(job_id))
+        if kv is None:
+            raise JobNotFoundError(job_id)
+        return jobs_pb2.Job.FromString(kv.value), kv.mod_revision
+
     async def update(self, job_id: str, mutate: Mutation) -> jobs_pb2.Job:
         """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
 
         ``mutate`` changes the job in place and returns the task changes to record; when it
-        returns none and changes nothing, nothing is written.
+        returns none and changes nothing, nothing is written. Mutations are pure functions of
+        the job, so after a lost compare-and-swap the job is re-read and the mutation re-run.
         """
         async with self._locked(job_id):
-            cached = self._active.get(job_id)
-            if cached is None:
-                job = await self.get(job_id)
-                revision = -1
-            else:
-                job, revision = _copy(cached[0]), cached[1]
-            before = job.SerializeToString(deterministic=True)
-            changes = mutate(job)
-            if not changes and job.SerializeToString(deterministic=True) == before:
-                return job
-            if revision < 0:
-                # Terminal jobs are not cached; they only take changes that record nothing.
-                kv = await self._store.get(job_key(job_id))
-                revision = kv.mod_revision if kv else 0
-            previous_state = job.state
-            job.state = job_state.job_state(t.state for t in job.tasks)
-            events: list[jobs_pb2.JobEvent] = []
-            for change in changes:
-                TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(change.state)).inc()
-                job.last_event_sequence += 1
-                events.append(_event(job, job.last_event_sequence, change))
-            if events:
-                job.reason = events[-1].reason
-            job.updated_at.CopyFrom(now_timestamp())
-            ops = [Put(job_key(job_id), job.SerializeToString(), expect_revision=revision)]
-            ops += [Put(event_key(job_id, e.sequence), e.SerializeToString()) for e in events]
-            try:
-                new_revision = await self._store.commit(ops)
-            except CasConflictError:
-                self._active.pop(job_id, None)
-                raise ConflictError(f"job {job_id} changed concurrently; retry") from None
-            if job_state.is_terminal(job.state):
-                self._active.pop(job_id, None)
-                self._locks.pop(job_id, None)
-            else:
-                self._active[job_id] = (_copy(job), new_revision)
-            if job.state != previous_state:
-                log.info("job_state_changed", job=job_id, state=jobs_pb2.JobState.Name(job.state))
-            self._hub.publish(job, events)
-            return job
+            for attempt in range(2):
+                job, revision = await self._current(job_id)
+                before = job.SerializeToString(deterministic=True)
+                changes = mutate(job)
+                if not changes and job.SerializeToString(deterministic=True) == before:
+                    return job
+                try:
+                    # Shielded: once the commit is under way, the cache and the watchers must
+                    # hear of it even if the caller is cancelled meanwhile.
+                    return await asyncio.shield(self._write(job, revision, changes))
+                except CasConflictError:
+                    self._active.pop(job_id, None)
+                    if attempt:
+                        raise ConflictError(f"job {job_id} changed concurrently; retry") from None
+        raise AssertionError("unreachable")
+
+    async def _write(self, job: jobs_pb2.Job, revision: int, changes: list[Change]) -> jobs_pb2.Job:
+        previous_state = job.state
+        job.state = job_state.job_state(t.state for t in job.tasks)
+        events: list[jobs_pb2.JobEvent] = []
+        for change in changes:
+            job.last_event_sequence += 1
+            events.append(_event(job, job.last_event_sequence, change))
+        if events:
+            job.reason = events[-1].reason
+        job.updated_at.CopyFrom(now_timestamp())
+        ops = [Put(job_key(job.id), job.SerializeToString(), expect_revision=revision)]
+        ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in events]
+        new_revision = await self._store.commit(ops)
+        for change in changes:
+            TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(change.state)).inc()
+        if job_state.is_terminal(job.state):
+            self._active.pop(job.id, None)
+            self._locks.pop(job.id, None)
+        else:
+            self._active[job.id] = (_copy(job), new_revision)
+        if job.state != previous_state:
+            log.info("job_state_changed", job=job.id, state=jobs_pb2.JobState.Name(job.state))
+        self._hub.publish(job, events)
+        return job
 
     async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
         """Every recorded event of a job, oldest first."""

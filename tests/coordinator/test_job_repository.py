@@ -21,7 +21,7 @@ from federation.coordinator.jobs import (
     job_key,
     transition,
 )
-from federation.errors import ConflictError, InvalidArgumentError, JobNotFoundError
+from federation.errors import InvalidArgumentError, JobNotFoundError
 from federation.store import SqliteStore
 
 P = job_state.PENDING
@@ -286,17 +286,15 @@ async def test_reopened_store_loads_only_unfinished_jobs(tmp_path: Path) -> None
         await store.close()
 
 
-async def test_concurrent_writer_is_a_conflict_and_a_retry_sees_its_change(
+async def test_stale_cache_rereads_and_reapplies_after_a_lost_cas(
     store: SqliteStore,
 ) -> None:
-    """A stale cached job fails with ConflictError; the retry reads the newer job."""
+    """A writer whose cached job is stale loses the CAS, re-reads, and re-applies its change."""
     first = JobRepository(store, EventHub())
     second = JobRepository(store, EventHub())
     await first.create([new_job("j", "a", "b")])
     await second.load()
     await first.update("j", move(("a", SCH, "first")))
-    with pytest.raises(ConflictError):
-        await second.update("j", move(("b", SCH, "second")))
     job = await second.update("j", move(("b", SCH, "second")))
     assert [t.state for t in job.tasks] == [SCH, SCH]
     assert [e.sequence for e in await second.events("j")] == [1, 2, 3]
@@ -320,3 +318,20 @@ async def test_hub_only_delivers_to_subscribers_that_accept_the_job(
     await repo.create([new_job("mine"), new_job("theirs")])
     await repo.update("theirs", move(("main", SCH, "p")))
     assert [e.job_id for e in drain(mine)] == ["mine"]
+
+
+async def test_cancelled_update_still_lands_in_cache_and_watchers(
+    repo: JobRepository, hub: EventHub
+) -> None:
+    """An update cancelled during its commit is still cached and published, not lost."""
+    await repo.create([new_job("j", "a")])
+    sub = hub.subscribe(lambda job: True)
+    writer = asyncio.create_task(repo.update("j", move(("a", SCH, "offered"))))
+    await asyncio.sleep(0)  # the writer is now inside its commit
+    writer.cancel()
+    event = await asyncio.wait_for(sub.next(), 5)
+    assert (event.task, event.state) == ("a", SCH)
+    (cached,) = repo.active()
+    assert cached.tasks[0].state == SCH
+    again = await repo.update("j", move(("a", P, "back")))
+    assert again.last_event_sequence == 3
