@@ -8,7 +8,11 @@ JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by th
 TASK_TRANSITIONS = Counter(
     "federation_task_transitions_total", "Task state transitions written", ["state"]
 )
-OFFERS = Counter("federation_offers_total", "Delegation offers by outcome", ["outcome"])
+OFFERS = Counter(
+    "federation_offers_total",
+    "Negotiation rounds with a site: settled (delegated, or moot after a cancel) or refused",
+    ["outcome"],
+)
 SITES_CONNECTED = Gauge("federation_sites_connected", "Sites with a live Connect stream")
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 

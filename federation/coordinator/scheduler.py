@@ -71,16 +71,24 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self._next_wait_s())
             self._wake.clear()
-            await self._cycle()
+            try:
+                await self._cycle()
+            except Exception:
+                # One bad cycle (a store error, a plugin bug) must not stop scheduling for good.
+                log.exception("scheduling_cycle_failed")
+                await asyncio.sleep(self._config.retry_interval_s)
 
     def _next_wait_s(self) -> float:
+        """Until the soonest backed-off task is due (due ones were handled this cycle)."""
         now = time.monotonic()
-        soonest = min(self._not_before.values(), default=now + self._config.retry_interval_s)
+        future = [t for t in self._not_before.values() if t > now]
+        soonest = min(future, default=now + self._config.retry_interval_s)
         return max(0.01, min(soonest - now, self._config.retry_interval_s))
 
     async def _cycle(self) -> None:
         now = time.monotonic()
         snapshot = self._sites.snapshot()
+        pending: set[TaskKey] = set()
         for job in self._jobs.active():
             if job.cancel_requested:
                 continue
@@ -88,6 +96,7 @@ class Scheduler:
                 key = (job.id, task.name)
                 if task.state != job_state.PENDING or key in self._inflight:
                     continue
+                pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
                     continue
                 spec = next(t for t in job.spec.tasks if t.name == task.name)
@@ -106,6 +115,9 @@ class Scheduler:
                 )
                 self._tasks.add(runner)
                 runner.add_done_callback(self._tasks.discard)
+        # Forget the backoff of tasks that are no longer waiting (placed, cancelled, failed).
+        for key in set(self._not_before) - pending - self._inflight:
+            self._forget(key)
 
     async def _stay_pending(
         self, job_id: str, task_name: str, verdicts: list[jobs_pb2.SiteVerdict]
@@ -148,19 +160,22 @@ class Scheduler:
         try:
             for site in ranked[: self._config.max_offers_per_round]:
                 outcome = await self._try_site(job_id, task_name, site)
-                OFFERS.labels("delegated" if outcome is None else "refused").inc()
+                OFFERS.labels("settled" if outcome is None else "refused").inc()
                 if outcome is None:
                     self._forget(key)
                     return
                 verdicts.append(jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=outcome))
             self._backoff(key)
             await self._back_to_pending(job_id, task_name, verdicts)
-        except FederationError as err:
-            log.warning("negotiation_failed", job=job_id, task=task_name, error=str(err))
+        except Exception as err:
+            if isinstance(err, FederationError):
+                log.warning("negotiation_failed", job=job_id, task=task_name, error=str(err))
+            else:
+                log.exception("negotiation_crashed", job=job_id, task=task_name)
             self._backoff(key)
-        except Exception:
-            log.exception("negotiation_crashed", job=job_id, task=task_name)
-            self._backoff(key)
+            # Never leave the task in SCHEDULING: only PENDING tasks are picked up again.
+            with contextlib.suppress(Exception):
+                await self._back_to_pending(job_id, task_name, verdicts)
         finally:
             self._inflight.discard(key)
             self._slots.release()
@@ -211,20 +226,38 @@ class Scheduler:
         commit = site_link_service_pb2.Commit(
             reservation_id=answer.reservation_id, job_id=job_id, task=task_name, epoch=task.epoch
         )
-        try:
-            reply = await session.request(
-                site_link_service_pb2.ConnectResponse(commit=commit), self._config.offer_timeout_s
-            )
-        except (TimeoutError, SessionClosedError):
-            # The site may have started it: its next Hello or status report settles that.
+        committed = await self._commit(site, commit)
+        if committed is None:
+            # Nobody knows whether the site started it; bumping the epoch by placing it again
+            # fences off a copy that did start.
+            reason = "no answer to the commit"
             log.warning("commit_unanswered", job=job_id, task=task_name, site=site)
-            return None
-        if reply.commit_answer.started:
+            await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, reason))
+            return reason
+        if committed.commit_answer.started:
             log.info("task_delegated", job=job_id, task=task_name, site=site, epoch=task.epoch)
             return None
-        reason = f"commit refused: {reply.commit_answer.reason}"
+        reason = f"commit refused: {committed.commit_answer.reason}"
         await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, reason))
         return reason
+
+    async def _commit(
+        self, site: str, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.ConnectRequest | None:
+        """Send the commit, once more over a new session if the first try got no answer.
+
+        A site treats a repeated commit of the same reservation as a no-op.
+        """
+        for _ in range(2):
+            session = self._sites.session(site)
+            if session is None:
+                return None
+            request = site_link_service_pb2.ConnectResponse(commit=commit)
+            try:
+                return await session.request(request, self._config.offer_timeout_s)
+            except (TimeoutError, SessionClosedError):
+                continue
+        return None
 
     async def _back_to_pending(
         self, job_id: str, task_name: str, verdicts: list[jobs_pb2.SiteVerdict]
