@@ -91,6 +91,16 @@ class ConflictError(FederationError):
     reason = "CONFLICT"
 
 
+class ResourceExhaustedError(FederationError):
+    status = grpc.StatusCode.RESOURCE_EXHAUSTED
+    reason = "RESOURCE_EXHAUSTED"
+
+
+class DeadlineExceededError(FederationError):
+    status = grpc.StatusCode.DEADLINE_EXCEEDED
+    reason = "DEADLINE_EXCEEDED"
+
+
 class UnavailableError(FederationError):
     status = grpc.StatusCode.UNAVAILABLE
     reason = "UNAVAILABLE"

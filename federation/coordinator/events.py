@@ -7,12 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from federation.api.v1 import jobs_pb2
+from federation.errors import ResourceExhaustedError
 
 JobFilter = Callable[[jobs_pb2.Job], bool]
 
 
-class WatchOverflowError(Exception):
+class WatchOverflowError(ResourceExhaustedError):
     """A watcher fell too far behind and was dropped."""
+
+    reason = "WATCH_OVERFLOW"
 
 
 @dataclass(eq=False)

@@ -232,10 +232,12 @@ class JobManager:
             self._fence(site, report, final)
             return
         siblings: list[tuple[str, str, int]] = []
+        superseded: list[bool] = []
 
         def mutate(job: jobs_pb2.Job) -> list[Change]:
             current = find_task(job, report.task)
             if current.epoch != report.epoch or current.state not in job_state.AT_SITE:
+                superseded.append(True)  # moved on since the check above
                 return []
             if report.devices:
                 del current.devices[:]
@@ -256,6 +258,9 @@ class JobManager:
             return changes
 
         updated = await self._jobs.update(report.job_id, mutate)
+        if superseded:
+            self._fence(site, report, final)
+            return
         if final:
             self.tell_site(site, _ack(report))
         if updated.cancel_requested and report.state == job_state.RUNNING:

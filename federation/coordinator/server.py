@@ -81,7 +81,7 @@ def _health(server: grpc.aio.Server) -> health_aio.HealthServicer:
 
 async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
     """Open the store, recover state, and serve on both ports (port 0 picks a free one)."""
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     store = await SqliteStore.open(config.data_dir / "federation.db")
     ca = CertificateAuthority.load(config.ca_cert, config.ca_key)
     hub = EventHub()
@@ -116,6 +116,9 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(METHOD_ROLES, open_methods=OPEN_METHODS)],
         options=[
+            # Ping idle peers so a connection that vanished without a FIN is noticed.
+            ("grpc.keepalive_time_ms", 20_000),
+            ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],

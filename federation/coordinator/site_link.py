@@ -4,25 +4,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import math
+import time
+from collections.abc import AsyncIterator, Iterable
 
 import structlog
 
+from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.sites import SiteRegistry, SiteSession
 from federation.errors import (
+    DeadlineExceededError,
     FailedPreconditionError,
     FederationError,
     FieldViolation,
     InvalidArgumentError,
     PermissionDeniedError,
+    UnavailableError,
 )
 from federation.security.identity import Identity
 
 log = structlog.get_logger()
 
 HELLO_TIMEOUT_S = 30.0
+MISSED_HEARTBEATS = 3
 
 
 class SiteLink:
@@ -39,12 +45,15 @@ class SiteLink:
             first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
         except StopAsyncIteration:
             return
+        except TimeoutError:
+            raise DeadlineExceededError(f"no hello within {HELLO_TIMEOUT_S:g}s") from None
         if first.WhichOneof("body") != "hello":
             raise InvalidArgumentError(
                 [FieldViolation("body", "the first message on Connect must be a hello")]
             )
         hello = first.hello
         _check_site(caller.name, hello.view.site, "hello.view.site")
+        check_view(hello.view.nodes, "hello.view.nodes")
         entry = self._sites.get(caller.name)
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
         session = SiteSession(caller.name)
@@ -63,7 +72,18 @@ class SiteLink:
         try:
             await self._jobs.reconcile(caller.name, hello.tasks, delegated)
             while True:
-                message = await session.outbox.get()
+                try:
+                    message = await asyncio.wait_for(
+                        session.outbox.get(), self._heartbeat_interval_s
+                    )
+                except TimeoutError:
+                    silent_s = time.monotonic() - self._sites.get(caller.name).last_seen
+                    if silent_s > MISSED_HEARTBEATS * self._heartbeat_interval_s:
+                        # A peer gone without closing the connection; free the site's tasks
+                        # for fencing and its offers for other sites.
+                        failure.append(UnavailableError(f"no heartbeat for {silent_s:.1f}s"))
+                        break
+                    continue
                 if message is None:
                     break
                 yield message
@@ -106,7 +126,10 @@ class SiteLink:
             update = request.view
             if update.HasField("full"):
                 _check_site(site, update.full.site, "view.full.site")
+                check_view(update.full.nodes, "view.full.nodes")
                 update.full.domain = self._sites.get(site).record.domain
+            else:
+                check_view(update.delta.upserted_nodes, "view.delta.upserted_nodes")
             try:
                 self._sites.apply_view(site, update)
             except FailedPreconditionError as err:
@@ -115,6 +138,12 @@ class SiteLink:
         if body in ("offer_answer", "commit_answer"):
             if not session.resolve(request):
                 log.info("late_answer_dropped", site=site, correlation=request.correlation_id)
+                answer = request.offer_answer
+                if body == "offer_answer" and answer.accepted:
+                    # Nobody waits for this reservation any more: give the capacity back.
+                    session.send(
+                        pb.ConnectResponse(release=pb.Release(reservation_id=answer.reservation_id))
+                    )
             return
         if body == "task_status":
             report = request.task_status
@@ -127,6 +156,18 @@ class SiteLink:
         if body == "hello":
             raise InvalidArgumentError([FieldViolation("hello", "hello may be sent only once")])
         raise InvalidArgumentError([FieldViolation("body", "empty or unknown message")])
+
+
+def check_view(nodes: Iterable[resources_pb2.Node], field: str) -> None:
+    """Refuse numbers placement cannot use: NaN, infinities, negative amounts."""
+    violations = []
+    for i, node in enumerate(nodes):
+        for name in ("cpu_cores", "cpu_free"):
+            value = getattr(node, name)
+            if not math.isfinite(value) or value < 0:
+                violations.append(FieldViolation(f"{field}[{i}].{name}", f"invalid {value}"))
+    if violations:
+        raise InvalidArgumentError(violations)
 
 
 def _check_site(site: str, claimed: str, field: str) -> None:
