@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -38,6 +40,48 @@ class ReplicaStartError(Exception):
         self.exit_code = exit_code
 
 
+# Runs in the child before the task's program: ask Linux for SIGKILL when the agent dies
+# (PR_SET_PDEATHSIG survives exec), then become the program. A crashed agent must leave no task
+# behind: the coordinator places a restarted agent's tasks again, and a leftover copy would run
+# them twice. A preexec_fn cannot do this: forking a process that runs gRPC threads aborts.
+_LAUNCHER = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
+if os.getppid() != int(sys.argv[1]):
+    os._exit(137)
+try:
+    os.execv(sys.argv[2], sys.argv[3:])
+except OSError as err:
+    print(f"cannot start {sys.argv[3]}: {err.strerror}", file=sys.stderr)
+    os._exit(126)
+"""
+
+
+def _resolve(program: str, cwd: Path, env: Mapping[str, str]) -> str:
+    """The file ``program`` names, as exec would find it; ReplicaStartError when it cannot."""
+    if "/" in program:
+        path = cwd / program
+        if not path.is_file():
+            raise ReplicaStartError(f"command not found: {program}", 127)
+    else:
+        found = shutil.which(program, mode=os.F_OK, path=env.get("PATH", os.defpath))
+        if found is None:
+            raise ReplicaStartError(f"command not found: {program}", 127)
+        path = Path(found)
+    if not os.access(path, os.X_OK):
+        raise ReplicaStartError(f"permission denied: {program}", 126)
+    return str(path)
+
+
+def _launch_argv(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> list[str]:
+    if not cwd.is_dir():
+        raise ReplicaStartError(f"working directory not found: {cwd}", 126)
+    if sys.platform != "linux":
+        return list(argv)
+    program = _resolve(argv[0], cwd, env)
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), program, *argv]
+
+
 class ReplicaProcess:
     """A running replica: its exit code, the tail of its output, and a way to stop it.
 
@@ -66,9 +110,10 @@ class ReplicaProcess:
         """
         if not argv or not argv[0]:
             raise ReplicaStartError("empty command", 127)
+        launch = _launch_argv(argv, cwd, env)
         try:
             proc = await asyncio.create_subprocess_exec(
-                *argv,
+                *launch,
                 cwd=cwd,
                 env=dict(env),
                 stdin=asyncio.subprocess.DEVNULL,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
@@ -58,3 +60,47 @@ async def test_coordinator_sigkill_mid_run(fed: LocalFederation, tmp_path: Path)
         assert read_marker(markers / f"job{i}") == [f"job{i}"], (
             f"job{i} ran a wrong number of times"
         )
+
+
+async def test_agent_sigkill_takes_its_tasks_and_they_run_again(
+    fed: LocalFederation, tmp_path: Path
+) -> None:
+    """A SIGKILLed agent's task processes die with it; the task reruns once, at a new epoch."""
+    await fed.start()
+    pid_file, marker = tmp_path / "pid", tmp_path / "marker"
+    code = (
+        "import os, sys, time\n"
+        f"pid_file = {str(pid_file)!r}\n"
+        "if not os.path.exists(pid_file): open(pid_file, 'w').write(str(os.getpid()))\n"
+        "time.sleep(float(sys.argv[1]))\n"
+        f"open({str(marker)!r}, 'a').write('done\\n')\n"
+    )
+    task = python_task("t", code, resources={"accelerator": {"kind": "NPU", "count": 1}})
+    task["command"] = [*task["command"], "2"]  # type: ignore[misc]
+    async with fed.operator().channel() as channel:
+        job = (
+            await jobs(channel).SubmitJob(
+                job_service_pb2.SubmitJobRequest(spec=spec("survivor", [task]))
+            )
+        ).job
+        await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
+        for _ in range(200):
+            if pid_file.exists() and pid_file.read_text():
+                break
+            await asyncio.sleep(0.05)
+        else:
+            got = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job.id))
+            raise AssertionError(f"the task never started: {got.job}")
+        first_pid = int(pid_file.read_text())
+        fed.kill("edge-a")
+        for _ in range(200):  # the kernel delivers the parent-death signal at once
+            if not psutil.pid_exists(first_pid) or psutil.Process(first_pid).status() == "zombie":
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the task outlived its agent")
+        await fed.start_site(SITES[0])
+        done = await wait_for_job(channel, job.id)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+    assert done.tasks[0].epoch >= 2
+    assert read_marker(marker) == ["done"]
