@@ -233,9 +233,12 @@ async def run_demo(fed: LocalFederation) -> int:
     specs = demo_jobs()
     async with fed.operator().channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
-        watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
         submitted = (await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))).jobs
         ids = {job.id: job.spec.name for job in submitted}
+        # include_current: the stream starts with each job's state now, so nothing is missed.
+        watch = stub.WatchJobs(
+            job_service_pb2.WatchJobsRequest(job_ids=list(ids), include_current=True)
+        )
         console.print(f"submitted {len(ids)} jobs; events as they happen:")
         big = next(job.id for job in submitted if job.spec.name == "too-big")
         done: set[str] = set()

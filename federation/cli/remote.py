@@ -208,9 +208,12 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
 async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
-        job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=args.job_id))).job
+        reply = await stub.GetJob(
+            job_service_pb2.GetJobRequest(job_id=args.job_id, include_events=True)
+        )
+    job = reply.job
     if args.json:
-        print_json(job)
+        print_json(reply)
         return 0
     console.print(jobs_table([job], title=f"Job {job.id}"))
     for task in job.tasks:
@@ -225,6 +228,9 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         if task.output_tail:
             console.print("  output tail:", markup=False)
             console.print("    " + task.output_tail.rstrip().replace("\n", "\n    "), markup=False)
+    console.print("[bold]events[/bold]")
+    for event in reply.events:
+        console.print("  " + event_line(event), markup=False)
     return 0
 
 

@@ -110,6 +110,10 @@ class JobManager:
             raise JobNotFoundError(job_id)  # do not reveal other tenants' jobs
         return job
 
+    async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
+        """A job's recorded events (call ``get`` first: it checks visibility)."""
+        return await self._jobs.events(job_id)
+
     async def list_jobs(
         self, caller: Identity, request: job_service_pb2.ListJobsRequest
     ) -> job_service_pb2.ListJobsResponse:

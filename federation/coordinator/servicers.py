@@ -88,7 +88,9 @@ class JobServicer(job_grpc.JobServiceServicer):
     async def GetJob(
         self, request: job_pb.GetJobRequest, context: Context
     ) -> job_pb.GetJobResponse:
-        return job_pb.GetJobResponse(job=await self._jobs.get(current_caller(), request.job_id))
+        job = await self._jobs.get(current_caller(), request.job_id)
+        events = await self._jobs.events(job.id) if request.include_events else []
+        return job_pb.GetJobResponse(job=job, events=events)
 
     async def ListJobs(
         self, request: job_pb.ListJobsRequest, context: Context

@@ -59,7 +59,8 @@ def test_submit_get_from_yaml(federation: LocalFederation, tmp_path: Path) -> No
     job_id = json.loads(submitted.stdout)[0]["id"]
     deadline = time.monotonic() + 30
     while True:  # poll the job through the CLI until it ends
-        got = json.loads(fedctl(federation, "--json", "jobs", "get", job_id).stdout)
+        reply = json.loads(fedctl(federation, "--json", "jobs", "get", job_id).stdout)
+        got = reply["job"]
         if got["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED") or (
             time.monotonic() > deadline
         ):
@@ -68,6 +69,9 @@ def test_submit_get_from_yaml(federation: LocalFederation, tmp_path: Path) -> No
     assert got["state"] == "JOB_STATE_SUCCEEDED"
     assert got["tasks"][0]["site"] == "edge-a"
     assert "cli ok" in got["tasks"][0]["output_tail"]
+    states = [e["job_state"] for e in reply["events"]]
+    assert states[0] == "JOB_STATE_PENDING"
+    assert states[-1] == "JOB_STATE_SUCCEEDED"
 
 
 def test_bad_spec_is_one_clear_error(federation: LocalFederation, tmp_path: Path) -> None:

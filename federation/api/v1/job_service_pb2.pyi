@@ -104,15 +104,19 @@ class GetJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_ID_FIELD_NUMBER: _builtins.int
+    INCLUDE_EVENTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
+    include_events: _builtins.bool
+    """Also return every recorded event of the job, oldest first."""
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
+        include_events: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_events", b"include_events", "job_id", b"job_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -123,16 +127,20 @@ class GetJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def job(self) -> _jobs_pb2.Job: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.JobEvent]: ...
     def __init__(
         self,
         *,
         job: _jobs_pb2.Job | None = ...,
+        events: _abc.Iterable[_jobs_pb2.JobEvent] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "job", b"job"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
