@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import stat
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -15,6 +17,7 @@ from federation.api.v1 import (
     admin_service_pb2,
     job_service_pb2,
     jobs_pb2,
+    resources_pb2,
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
@@ -276,3 +279,62 @@ async def test_stream_must_start_with_hello(federation: LocalFederation) -> None
                 pass
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "hello" in (caught.value.details() or "")
+
+
+async def enrol_ghost(fed: LocalFederation, name: str, folder: Path) -> TlsFiles:
+    """Join a site that runs no agent, so a test can speak the agent protocol by hand."""
+    key_pem, csr_pem = make_csr(name)
+    reply = await join(fed, await fed.create_token(name, "edge"), csr_pem)
+    (folder / "key.pem").write_bytes(key_pem)
+    (folder / "cert.pem").write_bytes(reply.certificate_pem)
+    return TlsFiles(ca=fed.pki.ca_cert, cert=folder / "cert.pem", key=folder / "key.pem")
+
+
+async def test_view_with_nan_is_refused(federation: LocalFederation, tmp_path: Path) -> None:
+    """A hello whose view has a NaN CPU figure ends the stream INVALID_ARGUMENT, naming it."""
+    tls = await enrol_ghost(federation, "ghost-nan", tmp_path)
+
+    async def bad_hello() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+        view = resources_pb2.SiteView(site="ghost-nan")
+        view.nodes.add(name="n", cpu_cores=4, cpu_free=math.nan)
+        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        await asyncio.sleep(30)
+
+    async with channel_as(federation, tls) as channel:
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in stub.Connect(bad_hello()):
+                pass
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "hello.view.nodes[0].cpu_free" in violations(caught.value)
+
+
+async def test_silent_site_is_dropped(
+    federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """A site that stops sending heartbeats loses its session with UNAVAILABLE."""
+    tls = await enrol_ghost(federation, "ghost-quiet", tmp_path)
+
+    async def hello_then_silence() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+        view = resources_pb2.SiteView(site="ghost-quiet")
+        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        await asyncio.sleep(60)
+
+    async with channel_as(federation, tls) as channel:
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        call = stub.Connect(hello_then_silence())
+        first = await call.read()
+        assert first.HasField("welcome")
+        connected = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
+        assert {s.name: s.state for s in connected.sites}["ghost-quiet"] == (
+            admin_service_pb2.SITE_STATE_CONNECTED
+        )
+        limit_s = 4 * first.welcome.heartbeat_interval_s + 5
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await asyncio.wait_for(call.read(), limit_s)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "no heartbeat" in (caught.value.details() or "")
+    after = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
+    assert {s.name: s.state for s in after.sites}["ghost-quiet"] == (
+        admin_service_pb2.SITE_STATE_DISCONNECTED
+    )
