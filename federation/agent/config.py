@@ -35,5 +35,11 @@ class AgentConfig:
     """Name to verify in the coordinator's certificate when it differs from the address."""
     metrics_listen: str = ""
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9465; empty serves none."""
+    task_user: str = ""
+    """Run tasks as this account (the agent must run as root). Tasks then cannot read the
+    site key; without it they run as the agent's own user and can."""
+    work_dir: Path | None = None
+    """Task work folders; default state_dir/work. With task_user, put it outside state_dir
+    (which is private to the agent) and the agent creates the folders owned by task_user."""
     kill_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when a task is cancelled."""

@@ -10,6 +10,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,26 @@ def _bad_path_component(value: str) -> bool:
     return not value or "/" in value or "\0" in value or value in (".", "..")
 
 
+INHERITED_ENV = frozenset(
+    {
+        "PATH",
+        "HOME",
+        "USER",
+        "LOGNAME",
+        "SHELL",
+        "LANG",
+        "LC_ALL",
+        "LC_CTYPE",
+        "TZ",
+        "TMPDIR",
+        "LD_LIBRARY_PATH",
+        "CUDA_HOME",
+        "ASCEND_HOME_PATH",
+        "NEURON_RT_ROOT",
+    }
+)
+
+
 class EmbeddedCore:
     """Runs tasks as processes on the agent's own nodes; satisfies ``LocalCore``.
 
@@ -111,6 +132,7 @@ class EmbeddedCore:
         on_status: StatusCallback,
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
+        task_user: str = "",
     ) -> None:
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -123,6 +145,7 @@ class EmbeddedCore:
         self._on_status = on_status
         self._on_change = on_change
         self._kill_grace_s = kill_grace_s
+        self._task_user = task_user or None
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[TaskKey, _Task] = {}
@@ -331,7 +354,8 @@ class EmbeddedCore:
     def _replica_env(self, task: _Task, replica: int) -> dict[str, str]:
         slot = task.slots[replica]
         node = self._nodes[slot.node]
-        env = dict(os.environ)
+        # Only the basics of the agent's own environment: it may hold the agent's secrets.
+        env = {k: v for k, v in os.environ.items() if k in INHERITED_ENV}
         env.update(task.spec.env)
         # Set last: a task's own env must not widen what it was given.
         env.update(
@@ -354,6 +378,8 @@ class EmbeddedCore:
         def make_dirs() -> None:
             for directory in dirs:
                 directory.mkdir(parents=True, exist_ok=True)
+                if self._task_user:
+                    shutil.chown(directory, user=self._task_user)
 
         try:
             await asyncio.to_thread(make_dirs)
@@ -362,7 +388,11 @@ class EmbeddedCore:
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
         for replica, cwd in enumerate(dirs):
             env = self._replica_env(task, replica)
-            task.replicas.append(await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env))
+            task.replicas.append(
+                await ReplicaProcess.start(
+                    task.spec.command, cwd=cwd, env=env, user=self._task_user
+                )
+            )
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""

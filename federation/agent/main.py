@@ -90,10 +90,11 @@ async def run(config: AgentConfig) -> int:
     core: LocalCore = EmbeddedCore(
         site_nodes(config),
         site=config.site,
-        work_dir=config.state_dir / "work",
+        work_dir=config.work_dir or config.state_dir / "work",
         on_status=lambda report: runtime_ref[0].on_status(report),
         on_change=lambda: runtime_ref[0].on_change(),
         kill_grace_s=config.kill_grace_s,
+        task_user=config.task_user,
     )
     runtime = AgentRuntime(config, creds, core)
     runtime_ref.append(runtime)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import pwd
 import shutil
 import signal
 import sys
@@ -73,6 +74,13 @@ def _resolve(program: str, cwd: Path, env: Mapping[str, str]) -> str:
     return str(path)
 
 
+def _account(user: str) -> pwd.struct_passwd:
+    try:
+        return pwd.getpwnam(user)
+    except KeyError:
+        raise ReplicaStartError(f"no such user for tasks: {user}", 126) from None
+
+
 def _launch_argv(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> list[str]:
     if not cwd.is_dir():
         raise ReplicaStartError(f"working directory not found: {cwd}", 126)
@@ -101,15 +109,23 @@ class ReplicaProcess:
 
     @classmethod
     async def start(
-        cls, argv: Sequence[str], *, cwd: Path, env: Mapping[str, str]
+        cls,
+        argv: Sequence[str],
+        *,
+        cwd: Path,
+        env: Mapping[str, str],
+        user: str | None = None,
     ) -> ReplicaProcess:
-        """Starts ``argv`` in ``cwd`` with exactly ``env``.
+        """Starts ``argv`` in ``cwd`` with exactly ``env``, as ``user`` when given.
 
         Raises:
             ReplicaStartError: The program is missing, not executable, or cannot be started.
         """
         if not argv or not argv[0]:
             raise ReplicaStartError("empty command", 127)
+        account = _account(user) if user else None
+        if account is not None:
+            env = {**env, "HOME": account.pw_dir, "USER": user or "", "LOGNAME": user or ""}
         launch = _launch_argv(argv, cwd, env)
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -120,6 +136,11 @@ class ReplicaProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
+                # The account's own group and no supplementary groups: keeping the agent's
+                # (root's) groups would let the task read what those groups may read.
+                user=account.pw_uid if account else None,
+                group=account.pw_gid if account else None,
+                extra_groups=[] if account else None,
             )
         except FileNotFoundError as exc:
             if exc.filename is not None and Path(exc.filename) == cwd:
