@@ -35,6 +35,9 @@ def test_agent_examples_load(name: str, domain: str) -> None:
     config = load_agent_config(agent_args(DEPLOY / name), domain="datacenter")
     assert config.domain == domain
     assert config.inventory == Path("/etc/federation/inventory.yaml")
+    if domain == "datacenter":
+        assert config.labels == {"rack": "r12"}
+        assert config.task_user == "fedtask"
 
 
 def test_unknown_setting_is_named(tmp_path: Path) -> None:

@@ -82,7 +82,7 @@ class AgentRuntime:
     def _mark_sent(self, view: resources_pb2.SiteView) -> None:
         self._sent_nodes = {n.name: n.SerializeToString(deterministic=True) for n in view.nodes}
 
-    def _delta(self) -> pb.ViewUpdate | None:
+    def _delta(self) -> pb.ViewUpdate:
         nodes = {n.name: n for n in self.core.nodes()}
         encoded = {name: n.SerializeToString(deterministic=True) for name, n in nodes.items()}
         upserted = [
@@ -163,9 +163,7 @@ class AgentRuntime:
             await self._view_dirty.wait()
             await asyncio.sleep(0.02)  # coalesce a burst of changes into one delta
             self._view_dirty.clear()
-            update = self._delta()
-            if update is not None:
-                outbox.put_nowait(pb.ConnectRequest(view=update))
+            outbox.put_nowait(pb.ConnectRequest(view=self._delta()))
 
     def _dispatch(
         self, message: pb.ConnectResponse, outbox: asyncio.Queue[pb.ConnectRequest]

@@ -59,19 +59,18 @@ def _env_path(name: str) -> Path | None:
 
 
 def describe_rpc_error(err: grpc.aio.AioRpcError) -> str:
-    """``CODE: message`` plus one line per bad field, from the status details."""
-    lines = [f"{err.code().name}: {err.details()}"]
+    """One line: ``CODE: message``, or every bad field from the status details."""
+    message = f"{err.code().name}: {err.details()}"
     status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    if status is not None:
-        for detail in status.details:
-            if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-                bad = error_details_pb2.BadRequest()
-                detail.Unpack(bad)
-                lines = [f"{err.code().name}: invalid request"]
-                lines += [f"  {v.field}: {v.description}" for v in bad.field_violations]
+    for detail in status.details if status is not None else []:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            fields = "; ".join(f"{v.field}: {v.description}" for v in bad.field_violations)
+            message = f"{err.code().name}: {fields}"
     if err.code() == grpc.StatusCode.UNAVAILABLE:
-        lines.append(
-            "  the coordinator is not reachable, or refused this client's certificate in "
-            "the TLS handshake. To fix: check --coordinator and the certificate's CA"
+        message += (
+            " (the coordinator is unreachable, or refused this certificate in the TLS "
+            "handshake. To fix: check --coordinator and that the certificate is from its CA)"
         )
-    return "\n".join(lines)
+    return message

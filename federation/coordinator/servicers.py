@@ -31,6 +31,8 @@ from federation.coordinator.job_manager import JobManager
 from federation.coordinator.site_link import SiteLink
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
+from federation.security.pki import fingerprint
+from federation.security.tls import peer_certificate
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
@@ -155,5 +157,8 @@ class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):
         self, request_iterator: AsyncIterator[link_pb.ConnectRequest], context: Context
     ) -> AsyncIterator[link_pb.ConnectResponse]:
         assert self._link is not None, "Connect is served only on the mTLS port"
-        async for response in self._link.connect(current_caller(), request_iterator):
+        certificate = peer_certificate(context) or b""
+        async for response in self._link.connect(
+            current_caller(), fingerprint(certificate), request_iterator
+        ):
             yield response

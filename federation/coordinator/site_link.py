@@ -38,9 +38,13 @@ class SiteLink:
         self._heartbeat_interval_s = heartbeat_interval_s
 
     async def connect(
-        self, caller: Identity, requests: AsyncIterator[pb.ConnectRequest]
+        self, caller: Identity, certificate: str, requests: AsyncIterator[pb.ConnectRequest]
     ) -> AsyncIterator[pb.ConnectResponse]:
-        """Serve one agent until it goes away or breaks the protocol (then raise)."""
+        """Serve one agent until it goes away or breaks the protocol (then raise).
+
+        ``certificate`` is the fingerprint of the agent's certificate: only the one the site
+        got at its latest Join is accepted, so re-joining retires the old one.
+        """
         try:
             first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
         except StopAsyncIteration:
@@ -55,6 +59,11 @@ class SiteLink:
         _check_site(caller.name, hello.view.site, "hello.view.site")
         check_view(hello.view.nodes, "hello.view.nodes")
         entry = self._sites.get(caller.name)
+        if entry.record.certificate_fingerprint not in ("", certificate):
+            raise PermissionDeniedError(
+                f"site {caller.name} has joined again since this certificate was issued. "
+                "To fix: use the newest certificate (restart the agent with its state_dir)"
+            )
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
         session = SiteSession(caller.name)
         # Taken before the session is attached (no await in between), so a delegation made

@@ -40,8 +40,11 @@ class SiteSession:
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def send(self, message: site_link_service_pb2.ConnectResponse) -> None:
+        """Queue a message; every message gets a correlation id, for the agent's logs."""
         if self.closed:
             raise SessionClosedError(f"site {self.site} is not connected")
+        if not message.correlation_id:
+            message.correlation_id = f"{self.site}-{next(self._ids)}"
         self.outbox.put_nowait(message)
 
     async def request(

@@ -338,3 +338,29 @@ async def test_silent_site_is_dropped(
     assert {s.name: s.state for s in after.sites}["ghost-quiet"] == (
         admin_service_pb2.SITE_STATE_DISCONNECTED
     )
+
+
+async def test_rejoining_retires_the_old_certificate(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    """After a site joins again, its previous certificate can no longer open a session."""
+    (tmp_path / "old").mkdir()
+    (tmp_path / "new").mkdir()
+    old = await enrol_ghost(federation, "ghost-twice", tmp_path / "old")
+    new = await enrol_ghost(federation, "ghost-twice", tmp_path / "new")
+
+    async def hello() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+        view = resources_pb2.SiteView(site="ghost-twice")
+        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        await asyncio.sleep(30)
+
+    async with channel_as(federation, old) as channel:
+        call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello())
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call.read()
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "joined again" in (caught.value.details() or "")
+    async with channel_as(federation, new) as channel:
+        call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello())
+        assert (await call.read()).HasField("welcome")
+        call.cancel()
