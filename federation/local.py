@@ -209,6 +209,18 @@ class LocalFederation:
         proc.kill()
         proc.wait()
 
+    def terminate(self, name: str, timeout_s: float = 10.0) -> bool:
+        """SIGTERM one process; True if it exited in time (else it is SIGKILLed)."""
+        proc = self.processes.pop(name)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+            return True
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            return False
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every process (agents first), then SIGKILL what is left."""
         order = [n for n in self.processes if n != "coordinator"] + ["coordinator"]

@@ -68,8 +68,11 @@ class Scheduler:
 
     async def run(self) -> None:
         while True:
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a
+            # cancellation that races with the event being set, and stop() would hang.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), self._next_wait_s())
+                async with asyncio.timeout(self._next_wait_s()):
+                    await self._wake.wait()
             self._wake.clear()
             try:
                 await self._cycle()

@@ -82,9 +82,8 @@ class SiteLink:
             await self._jobs.reconcile(caller.name, hello.tasks, delegated)
             while True:
                 try:
-                    message = await asyncio.wait_for(
-                        session.outbox.get(), self._heartbeat_interval_s
-                    )
+                    async with asyncio.timeout(self._heartbeat_interval_s):
+                        message = await session.outbox.get()
                 except TimeoutError:
                     silent_s = time.monotonic() - self._sites.get(caller.name).last_seen
                     if silent_s > MISSED_HEARTBEATS * self._heartbeat_interval_s:

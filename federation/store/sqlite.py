@@ -536,8 +536,11 @@ class SqliteStore:
                 log.exception("lease_sweep_failed", path=str(self._path))
                 next_expiry = _now() + _SWEEP_RETRY_S
             delay = None if next_expiry is None else max(0.0, next_expiry - _now())
+            # asyncio.timeout, not wait_for: in Python 3.11 wait_for can swallow a
+            # cancellation that races with the wait finishing, and this loop would never end.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._lease_granted.wait(), delay)
+                async with asyncio.timeout(delay):
+                    await self._lease_granted.wait()
 
 
 if TYPE_CHECKING:

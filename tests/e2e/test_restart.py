@@ -60,6 +60,7 @@ async def test_coordinator_sigkill_mid_run(fed: LocalFederation, tmp_path: Path)
         assert read_marker(markers / f"job{i}") == [f"job{i}"], (
             f"job{i} ran a wrong number of times"
         )
+    assert fed.terminate("coordinator", 5.0), "the restarted coordinator ignored SIGTERM"
 
 
 async def test_agent_sigkill_takes_its_tasks_and_they_run_again(
