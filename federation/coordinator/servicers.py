@@ -46,7 +46,15 @@ SITES = frozenset({Role.SITE})
 METHOD_ROLES: dict[str, frozenset[Role]] = {
     **{
         _JOBS + m: CLIENTS
-        for m in ("SubmitJob", "SubmitJobs", "GetJob", "ListJobs", "CancelJob", "WatchJobs")
+        for m in (
+            "SubmitJob",
+            "SubmitJobs",
+            "GetJob",
+            "ListJobs",
+            "CancelJob",
+            "WatchJobs",
+            "ExplainJob",
+        )
     },
     **{
         _ADMIN + m: OPERATORS

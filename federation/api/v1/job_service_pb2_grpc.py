@@ -65,6 +65,11 @@ class JobServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsResponse.FromString,
                 _registered_method=True)
+        self.ExplainJob = channel.unary_unary(
+                '/federation.api.v1.JobService/ExplainJob',
+                request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -109,6 +114,13 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExplainJob(self, request, context):
+        """Why a job's tasks are (or would be) placed where they are: every site, filter or score.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +153,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.WatchJobs,
                     request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsResponse.SerializeToString,
+            ),
+            'ExplainJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExplainJob,
+                    request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +323,33 @@ class JobService:
             '/federation.api.v1.JobService/WatchJobs',
             federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_job__service__pb2.WatchJobsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExplainJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.JobService/ExplainJob',
+            federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.FromString,
             options,
             channel_credentials,
             insecure,

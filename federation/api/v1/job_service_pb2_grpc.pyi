@@ -41,6 +41,8 @@ class JobServiceStub:
     CancelJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]
     WatchJobs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]
     """Events of the caller's jobs as they happen."""
+    ExplainJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ExplainJobRequest, _job_service_pb2.ExplainJobResponse]
+    """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -55,6 +57,8 @@ class JobServiceAsyncStub(JobServiceStub):
     CancelJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.CancelJobRequest, _job_service_pb2.CancelJobResponse]  # type: ignore[assignment]
     WatchJobs: _aio.UnaryStreamMultiCallable[_job_service_pb2.WatchJobsRequest, _job_service_pb2.WatchJobsResponse]  # type: ignore[assignment]
     """Events of the caller's jobs as they happen."""
+    ExplainJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ExplainJobRequest, _job_service_pb2.ExplainJobResponse]  # type: ignore[assignment]
+    """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     """Cross-site jobs, for clients."""
@@ -102,5 +106,13 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.WatchJobsResponse], _abc.AsyncIterator[_job_service_pb2.WatchJobsResponse]]:
         """Events of the caller's jobs as they happen."""
+
+    @_abc_1.abstractmethod
+    def ExplainJob(
+        self,
+        request: _job_service_pb2.ExplainJobRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.ExplainJobResponse, _abc.Awaitable[_job_service_pb2.ExplainJobResponse]]:
+        """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

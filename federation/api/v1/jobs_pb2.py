@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from federation.api.v1 import resources_pb2 as federation_dot_api_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!federation/api/v1/resources.proto\"n\n\x0fResourceRequest\x12\x0b\n\x03\x63pu\x18\x01 \x01(\x01\x12\x12\n\nmemory_mib\x18\x02 \x01(\x04\x12:\n\x0b\x61\x63\x63\x65lerator\x18\x03 \x01(\x0b\x32%.federation.api.v1.AcceleratorRequest\"\x88\x01\n\x12\x41\x63\x63\x65leratorRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.federation.api.v1.DeviceKind\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x16\n\x0emin_memory_mib\x18\x04 \x01(\x04\x12\x0e\n\x06vendor\x18\x05 \x01(\t\"\xd1\x01\n\x0b\x43onstraints\x12*\n\x07\x64omains\x18\x01 \x03(\x0e\x32\x19.federation.api.v1.Domain\x12\x0f\n\x07regions\x18\x02 \x03(\t\x12\r\n\x05sites\x18\x03 \x03(\t\x12\x43\n\x0bnode_labels\x18\x04 \x03(\x0b\x32..federation.api.v1.Constraints.NodeLabelsEntry\x1a\x31\n\x0fNodeLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x82\x02\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x31\n\x03\x65nv\x18\x03 \x03(\x0b\x32$.federation.api.v1.TaskSpec.EnvEntry\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x35\n\tresources\x18\x05 \x01(\x0b\x32\".federation.api.v1.ResourceRequest\x12\x1c\n\x14\x65stimated_duration_s\x18\x06 \x01(\x01\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x8d\x02\n\x07JobSpec\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12*\n\x05tasks\x18\x05 \x03(\x0b\x32\x1b.federation.api.v1.TaskSpec\x12\x33\n\x0b\x63onstraints\x18\x06 \x01(\x0b\x32\x1e.federation.api.v1.Constraints\x12\x36\n\x06labels\x18\x07 \x03(\x0b\x32&.federation.api.v1.JobSpec.LabelsEntry\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0bSiteVerdict\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\xd7\x02\n\nTaskStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x06 \x01(\t\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0boutput_tail\x18\x08 \x01(\t\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x08verdicts\x18\x0b \x03(\x0b\x32\x1e.federation.api.v1.SiteVerdict\x12\x0f\n\x07\x64\x65vices\x18\x0c \x03(\t\"\xd2\x02\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x04spec\x18\x02 \x01(\x0b\x32\x1a.federation.api.v1.JobSpec\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12,\n\x05tasks\x18\x05 \x03(\x0b\x32\x1d.federation.api.v1.TaskStatus\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0csubmitted_by\x18\x08 \x01(\t\x12\x18\n\x10\x63\x61ncel_requested\x18\t \x01(\x08\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\"\xde\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x0c\n\x04site\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12.\n\tjob_state\x18\x08 \x01(\x0e\x32\x1b.federation.api.v1.JobState*\xce\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x18\n\x14JOB_STATE_SCHEDULING\x10\x02\x12\x17\n\x13JOB_STATE_DELEGATED\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a!federation/api/v1/resources.proto\"n\n\x0fResourceRequest\x12\x0b\n\x03\x63pu\x18\x01 \x01(\x01\x12\x12\n\nmemory_mib\x18\x02 \x01(\x04\x12:\n\x0b\x61\x63\x63\x65lerator\x18\x03 \x01(\x0b\x32%.federation.api.v1.AcceleratorRequest\"\xda\x01\n\x12\x41\x63\x63\x65leratorRequest\x12+\n\x04kind\x18\x01 \x01(\x0e\x32\x1d.federation.api.v1.DeviceKind\x12\r\n\x05\x63ount\x18\x02 \x01(\r\x12\x0e\n\x06models\x18\x03 \x03(\t\x12\x16\n\x0emin_memory_mib\x18\x04 \x01(\x04\x12\x0e\n\x06vendor\x18\x05 \x01(\t\x12\x10\n\x08\x66raction\x18\x06 \x01(\x01\x12\x11\n\tpartition\x18\x07 \x01(\t\x12\x10\n\x08selector\x18\x08 \x01(\t\x12\x19\n\x11same_interconnect\x18\t \x01(\x08\"9\n\tDataInput\x12\x0f\n\x07\x64\x61taset\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0c\n\x04site\x18\x03 \x01(\t\"\xd1\x01\n\x0b\x43onstraints\x12*\n\x07\x64omains\x18\x01 \x03(\x0e\x32\x19.federation.api.v1.Domain\x12\x0f\n\x07regions\x18\x02 \x03(\t\x12\r\n\x05sites\x18\x03 \x03(\t\x12\x43\n\x0bnode_labels\x18\x04 \x03(\x0b\x32..federation.api.v1.Constraints.NodeLabelsEntry\x1a\x31\n\x0fNodeLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xc5\x04\n\x08TaskSpec\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x31\n\x03\x65nv\x18\x03 \x03(\x0b\x32$.federation.api.v1.TaskSpec.EnvEntry\x12\x10\n\x08replicas\x18\x04 \x01(\r\x12\x35\n\tresources\x18\x05 \x01(\x0b\x32\".federation.api.v1.ResourceRequest\x12\x1c\n\x14\x65stimated_duration_s\x18\x06 \x01(\x01\x12\x11\n\ttimeout_s\x18\x07 \x01(\x01\x12;\n\x08requires\x18\x08 \x03(\x0b\x32).federation.api.v1.TaskSpec.RequiresEntry\x12,\n\x06inputs\x18\t \x03(\x0b\x32\x1c.federation.api.v1.DataInput\x12\x14\n\x0coutput_bytes\x18\n \x01(\x04\x12\x12\n\ndepends_on\x18\x0b \x03(\t\x12\x16\n\x0eworkload_class\x18\x0c \x01(\t\x12\x35\n\x05speed\x18\r \x03(\x0b\x32&.federation.api.v1.TaskSpec.SpeedEntry\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a/\n\rRequiresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a,\n\nSpeedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"5\n\tObjective\x12\x12\n\ndeadline_s\x18\x01 \x01(\x01\x12\x14\n\x0cmax_cost_usd\x18\x02 \x01(\x01\"\xbe\x02\n\x07JobSpec\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12*\n\x05tasks\x18\x05 \x03(\x0b\x32\x1b.federation.api.v1.TaskSpec\x12\x33\n\x0b\x63onstraints\x18\x06 \x01(\x0b\x32\x1e.federation.api.v1.Constraints\x12\x36\n\x06labels\x18\x07 \x03(\x0b\x32&.federation.api.v1.JobSpec.LabelsEntry\x12/\n\tobjective\x18\x08 \x01(\x0b\x32\x1c.federation.api.v1.Objective\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\":\n\x0bSiteVerdict\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x86\x03\n\nTaskStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06reason\x18\x03 \x01(\t\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x16\n\x0ereservation_id\x18\x06 \x01(\t\x12\x11\n\texit_code\x18\x07 \x01(\x05\x12\x13\n\x0boutput_tail\x18\x08 \x01(\t\x12.\n\nstarted_at\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x08verdicts\x18\x0b \x03(\x0b\x32\x1e.federation.api.v1.SiteVerdict\x12\x0f\n\x07\x64\x65vices\x18\x0c \x03(\t\x12-\n\x08\x65stimate\x18\r \x01(\x0b\x32\x1b.federation.api.v1.Estimate\"\x8d\x01\n\x08\x45stimate\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x12\n\ntransfer_s\x18\x02 \x01(\x01\x12\r\n\x05run_s\x18\x03 \x01(\x01\x12\x0f\n\x07total_s\x18\x04 \x01(\x01\x12\x10\n\x08\x63ost_usd\x18\x05 \x01(\x01\x12\x12\n\nenergy_kwh\x18\x06 \x01(\x01\x12\x16\n\x0etransfer_bytes\x18\x07 \x01(\x04\"\x8c\x02\n\x0fSiteExplanation\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x10\n\x08\x66\x65\x61sible\x18\x02 \x01(\x08\x12\x0e\n\x06plugin\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\r\n\x05score\x18\x05 \x01(\x01\x12>\n\x06scores\x18\x06 \x03(\x0b\x32..federation.api.v1.SiteExplanation.ScoresEntry\x12-\n\x08\x65stimate\x18\x07 \x01(\x0b\x32\x1b.federation.api.v1.Estimate\x12\x0c\n\x04rank\x18\x08 \x01(\r\x1a-\n\x0bScoresEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x9a\x01\n\x0fTaskExplanation\x12\x0c\n\x04task\x18\x01 \x01(\t\x12*\n\x05state\x18\x02 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x0c\n\x04note\x18\x04 \x01(\t\x12\x31\n\x05sites\x18\x05 \x03(\x0b\x32\".federation.api.v1.SiteExplanation\"\xd2\x02\n\x03Job\x12\n\n\x02id\x18\x01 \x01(\t\x12(\n\x04spec\x18\x02 \x01(\x0b\x32\x1a.federation.api.v1.JobSpec\x12*\n\x05state\x18\x03 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12,\n\x05tasks\x18\x05 \x03(\x0b\x32\x1d.federation.api.v1.TaskStatus\x12.\n\ncreated_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\nupdated_at\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x14\n\x0csubmitted_by\x18\x08 \x01(\t\x12\x18\n\x10\x63\x61ncel_requested\x18\t \x01(\x08\x12\x1b\n\x13last_event_sequence\x18\n \x01(\x04\"\xde\x01\n\x08JobEvent\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x10\n\x08sequence\x18\x02 \x01(\x04\x12(\n\x04time\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x0c\n\x04site\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12.\n\tjob_state\x18\x08 \x01(\x0e\x32\x1b.federation.api.v1.JobState*\xce\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x18\n\x14JOB_STATE_SCHEDULING\x10\x02\x12\x17\n\x13JOB_STATE_DELEGATED\x10\x03\x12\x15\n\x11JOB_STATE_RUNNING\x10\x04\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x05\x12\x14\n\x10JOB_STATE_FAILED\x10\x06\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x07\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,32 +37,54 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CONSTRAINTS_NODELABELSENTRY']._serialized_options = b'8\001'
   _globals['_TASKSPEC_ENVENTRY']._loaded_options = None
   _globals['_TASKSPEC_ENVENTRY']._serialized_options = b'8\001'
+  _globals['_TASKSPEC_REQUIRESENTRY']._loaded_options = None
+  _globals['_TASKSPEC_REQUIRESENTRY']._serialized_options = b'8\001'
+  _globals['_TASKSPEC_SPEEDENTRY']._loaded_options = None
+  _globals['_TASKSPEC_SPEEDENTRY']._serialized_options = b'8\001'
   _globals['_JOBSPEC_LABELSENTRY']._loaded_options = None
   _globals['_JOBSPEC_LABELSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=2088
-  _globals['_JOBSTATE']._serialized_end=2294
+  _globals['_SITEEXPLANATION_SCORESENTRY']._loaded_options = None
+  _globals['_SITEEXPLANATION_SCORESENTRY']._serialized_options = b'8\001'
+  _globals['_JOBSTATE']._serialized_start=3275
+  _globals['_JOBSTATE']._serialized_end=3481
   _globals['_RESOURCEREQUEST']._serialized_start=119
   _globals['_RESOURCEREQUEST']._serialized_end=229
   _globals['_ACCELERATORREQUEST']._serialized_start=232
-  _globals['_ACCELERATORREQUEST']._serialized_end=368
-  _globals['_CONSTRAINTS']._serialized_start=371
-  _globals['_CONSTRAINTS']._serialized_end=580
-  _globals['_CONSTRAINTS_NODELABELSENTRY']._serialized_start=531
-  _globals['_CONSTRAINTS_NODELABELSENTRY']._serialized_end=580
-  _globals['_TASKSPEC']._serialized_start=583
-  _globals['_TASKSPEC']._serialized_end=841
-  _globals['_TASKSPEC_ENVENTRY']._serialized_start=799
-  _globals['_TASKSPEC_ENVENTRY']._serialized_end=841
-  _globals['_JOBSPEC']._serialized_start=844
-  _globals['_JOBSPEC']._serialized_end=1113
-  _globals['_JOBSPEC_LABELSENTRY']._serialized_start=1068
-  _globals['_JOBSPEC_LABELSENTRY']._serialized_end=1113
-  _globals['_SITEVERDICT']._serialized_start=1115
-  _globals['_SITEVERDICT']._serialized_end=1173
-  _globals['_TASKSTATUS']._serialized_start=1176
-  _globals['_TASKSTATUS']._serialized_end=1519
-  _globals['_JOB']._serialized_start=1522
-  _globals['_JOB']._serialized_end=1860
-  _globals['_JOBEVENT']._serialized_start=1863
-  _globals['_JOBEVENT']._serialized_end=2085
+  _globals['_ACCELERATORREQUEST']._serialized_end=450
+  _globals['_DATAINPUT']._serialized_start=452
+  _globals['_DATAINPUT']._serialized_end=509
+  _globals['_CONSTRAINTS']._serialized_start=512
+  _globals['_CONSTRAINTS']._serialized_end=721
+  _globals['_CONSTRAINTS_NODELABELSENTRY']._serialized_start=672
+  _globals['_CONSTRAINTS_NODELABELSENTRY']._serialized_end=721
+  _globals['_TASKSPEC']._serialized_start=724
+  _globals['_TASKSPEC']._serialized_end=1305
+  _globals['_TASKSPEC_ENVENTRY']._serialized_start=1168
+  _globals['_TASKSPEC_ENVENTRY']._serialized_end=1210
+  _globals['_TASKSPEC_REQUIRESENTRY']._serialized_start=1212
+  _globals['_TASKSPEC_REQUIRESENTRY']._serialized_end=1259
+  _globals['_TASKSPEC_SPEEDENTRY']._serialized_start=1261
+  _globals['_TASKSPEC_SPEEDENTRY']._serialized_end=1305
+  _globals['_OBJECTIVE']._serialized_start=1307
+  _globals['_OBJECTIVE']._serialized_end=1360
+  _globals['_JOBSPEC']._serialized_start=1363
+  _globals['_JOBSPEC']._serialized_end=1681
+  _globals['_JOBSPEC_LABELSENTRY']._serialized_start=1636
+  _globals['_JOBSPEC_LABELSENTRY']._serialized_end=1681
+  _globals['_SITEVERDICT']._serialized_start=1683
+  _globals['_SITEVERDICT']._serialized_end=1741
+  _globals['_TASKSTATUS']._serialized_start=1744
+  _globals['_TASKSTATUS']._serialized_end=2134
+  _globals['_ESTIMATE']._serialized_start=2137
+  _globals['_ESTIMATE']._serialized_end=2278
+  _globals['_SITEEXPLANATION']._serialized_start=2281
+  _globals['_SITEEXPLANATION']._serialized_end=2549
+  _globals['_SITEEXPLANATION_SCORESENTRY']._serialized_start=2504
+  _globals['_SITEEXPLANATION_SCORESENTRY']._serialized_end=2549
+  _globals['_TASKEXPLANATION']._serialized_start=2552
+  _globals['_TASKEXPLANATION']._serialized_end=2706
+  _globals['_JOB']._serialized_start=2709
+  _globals['_JOB']._serialized_end=3047
+  _globals['_JOBEVENT']._serialized_start=3050
+  _globals['_JOBEVENT']._serialized_end=3272
 # @@protoc_insertion_point(module_scope)

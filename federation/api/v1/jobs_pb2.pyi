@@ -85,12 +85,24 @@ class AcceleratorRequest(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     MIN_MEMORY_MIB_FIELD_NUMBER: _builtins.int
     VENDOR_FIELD_NUMBER: _builtins.int
+    FRACTION_FIELD_NUMBER: _builtins.int
+    PARTITION_FIELD_NUMBER: _builtins.int
+    SELECTOR_FIELD_NUMBER: _builtins.int
+    SAME_INTERCONNECT_FIELD_NUMBER: _builtins.int
     kind: _resources_pb2.DeviceKind.ValueType
     count: _builtins.int
     """Whole devices per replica."""
     min_memory_mib: _builtins.int
     vendor: _builtins.str
     """Required vendor; empty means any."""
+    fraction: _builtins.float
+    """A share of one shareable device, in (0, 1]; excludes count and partition."""
+    partition: _builtins.str
+    """A hardware partition profile (e.g. MIG "1g.10gb"); excludes count and fraction."""
+    selector: _builtins.str
+    """CEL over `device` (vendor, model, kind, memory_gib, tflops_fp16, attributes, ...)."""
+    same_interconnect: _builtins.bool
+    """All devices of a replica must sit in one interconnect group (NVLink/HCCS domain)."""
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Acceptable models; empty means any."""
@@ -103,14 +115,48 @@ class AcceleratorRequest(_message.Message):
         models: _abc.Iterable[_builtins.str] | None = ...,
         min_memory_mib: _builtins.int = ...,
         vendor: _builtins.str = ...,
+        fraction: _builtins.float = ...,
+        partition: _builtins.str = ...,
+        selector: _builtins.str = ...,
+        same_interconnect: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "kind", b"kind", "min_memory_mib", b"min_memory_mib", "models", b"models", "vendor", b"vendor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "fraction", b"fraction", "kind", b"kind", "min_memory_mib", b"min_memory_mib", "models", b"models", "partition", b"partition", "same_interconnect", b"same_interconnect", "selector", b"selector", "vendor", b"vendor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AcceleratorRequest: _TypeAlias = AcceleratorRequest  # noqa: Y015
+
+@_typing.final
+class DataInput(_message.Message):
+    """Data a task reads."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    dataset: _builtins.str
+    """A dataset id held by some site, or "task:NAME" for the output of an earlier task."""
+    bytes: _builtins.int
+    """Size; when zero, the size the holding site reports."""
+    site: _builtins.str
+    """Where it is; when empty, every site that reports holding it."""
+    def __init__(
+        self,
+        *,
+        dataset: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        site: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DataInput: _TypeAlias = DataInput  # noqa: Y015
 
 @_typing.final
 class Constraints(_message.Message):
@@ -190,6 +236,46 @@ class TaskSpec(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class RequiresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    @_typing.final
+    class SpeedEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     NAME_FIELD_NUMBER: _builtins.int
     COMMAND_FIELD_NUMBER: _builtins.int
     ENV_FIELD_NUMBER: _builtins.int
@@ -197,11 +283,21 @@ class TaskSpec(_message.Message):
     RESOURCES_FIELD_NUMBER: _builtins.int
     ESTIMATED_DURATION_S_FIELD_NUMBER: _builtins.int
     TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    REQUIRES_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    OUTPUT_BYTES_FIELD_NUMBER: _builtins.int
+    DEPENDS_ON_FIELD_NUMBER: _builtins.int
+    WORKLOAD_CLASS_FIELD_NUMBER: _builtins.int
+    SPEED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
     timeout_s: _builtins.float
     """Zero means no limit."""
+    output_bytes: _builtins.int
+    """Bytes this task leaves for its dependants."""
+    workload_class: _builtins.str
+    """Workload class for the speed table ("training", "inference", ...); default "training"."""
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """argv of the process each replica runs."""
@@ -210,6 +306,20 @@ class TaskSpec(_message.Message):
     def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def resources(self) -> Global___ResourceRequest: ...
+    @_builtins.property
+    def requires(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Software requirements as version ranges: {"cuda": ">=12.1", "torch": "2.4.*", "arch": "x86_64"}."""
+
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___DataInput]: ...
+    @_builtins.property
+    def depends_on(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Tasks of the same job that must succeed first; their outputs become inputs."""
+
+    @_builtins.property
+    def speed(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Per-device-model speed overrides (relative to the table's reference of 1.0)."""
+
     def __init__(
         self,
         *,
@@ -220,14 +330,46 @@ class TaskSpec(_message.Message):
         resources: Global___ResourceRequest | None = ...,
         estimated_duration_s: _builtins.float = ...,
         timeout_s: _builtins.float = ...,
+        requires: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        inputs: _abc.Iterable[Global___DataInput] | None = ...,
+        output_bytes: _builtins.int = ...,
+        depends_on: _abc.Iterable[_builtins.str] | None = ...,
+        workload_class: _builtins.str = ...,
+        speed: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "name", b"name", "replicas", b"replicas", "resources", b"resources", "timeout_s", b"timeout_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class Objective(_message.Message):
+    """What the job optimises beyond finishing soonest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_S_FIELD_NUMBER: _builtins.int
+    MAX_COST_USD_FIELD_NUMBER: _builtins.int
+    deadline_s: _builtins.float
+    """Seconds from submission; placement prefers sites that finish within it."""
+    max_cost_usd: _builtins.float
+    """Upper bound on the estimated cloud cost of one run of each task, in USD."""
+    def __init__(
+        self,
+        *,
+        deadline_s: _builtins.float = ...,
+        max_cost_usd: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "max_cost_usd", b"max_cost_usd"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Objective: _TypeAlias = Objective  # noqa: Y015
 
 @_typing.final
 class JobSpec(_message.Message):
@@ -260,6 +402,7 @@ class JobSpec(_message.Message):
     TASKS_FIELD_NUMBER: _builtins.int
     CONSTRAINTS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
+    OBJECTIVE_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Client-chosen id; the coordinator assigns one when empty."""
     name: _builtins.str
@@ -272,6 +415,8 @@ class JobSpec(_message.Message):
     def constraints(self) -> Global___Constraints: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def objective(self) -> Global___Objective: ...
     def __init__(
         self,
         *,
@@ -282,10 +427,11 @@ class JobSpec(_message.Message):
         tasks: _abc.Iterable[Global___TaskSpec] | None = ...,
         constraints: Global___Constraints | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        objective: Global___Objective | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "objective", b"objective"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "id", b"id", "labels", b"labels", "name", b"name", "priority", b"priority", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "id", b"id", "labels", b"labels", "name", b"name", "objective", b"objective", "priority", b"priority", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -335,6 +481,7 @@ class TaskStatus(_message.Message):
     FINISHED_AT_FIELD_NUMBER: _builtins.int
     VERDICTS_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
+    ESTIMATE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -357,6 +504,10 @@ class TaskStatus(_message.Message):
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Devices the site allocated, per replica: "node:kind:index"."""
 
+    @_builtins.property
+    def estimate(self) -> Global___Estimate:
+        """The placement estimate for the site it was delegated to."""
+
     def __init__(
         self,
         *,
@@ -372,14 +523,154 @@ class TaskStatus(_message.Message):
         finished_at: _timestamp_pb2.Timestamp | None = ...,
         verdicts: _abc.Iterable[Global___SiteVerdict] | None = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
+        estimate: Global___Estimate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "finished_at", b"finished_at", "name", b"name", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "name", b"name", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
+
+@_typing.final
+class Estimate(_message.Message):
+    """Estimated completion time at one site, by term, in seconds; and its cost and energy."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_S_FIELD_NUMBER: _builtins.int
+    TRANSFER_S_FIELD_NUMBER: _builtins.int
+    RUN_S_FIELD_NUMBER: _builtins.int
+    TOTAL_S_FIELD_NUMBER: _builtins.int
+    COST_USD_FIELD_NUMBER: _builtins.int
+    ENERGY_KWH_FIELD_NUMBER: _builtins.int
+    TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    queue_s: _builtins.float
+    transfer_s: _builtins.float
+    run_s: _builtins.float
+    total_s: _builtins.float
+    cost_usd: _builtins.float
+    energy_kwh: _builtins.float
+    transfer_bytes: _builtins.int
+    def __init__(
+        self,
+        *,
+        queue_s: _builtins.float = ...,
+        transfer_s: _builtins.float = ...,
+        run_s: _builtins.float = ...,
+        total_s: _builtins.float = ...,
+        cost_usd: _builtins.float = ...,
+        energy_kwh: _builtins.float = ...,
+        transfer_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Estimate: _TypeAlias = Estimate  # noqa: Y015
+
+@_typing.final
+class SiteExplanation(_message.Message):
+    """How one site fared for one task: rejected by a filter, or feasible with scores by term."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class ScoresEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    SITE_FIELD_NUMBER: _builtins.int
+    FEASIBLE_FIELD_NUMBER: _builtins.int
+    PLUGIN_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    SCORE_FIELD_NUMBER: _builtins.int
+    SCORES_FIELD_NUMBER: _builtins.int
+    ESTIMATE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    feasible: _builtins.bool
+    plugin: _builtins.str
+    """For rejected sites: the plugin and its reason."""
+    reason: _builtins.str
+    score: _builtins.float
+    """For feasible sites: the weighted total and each plugin's normalised score."""
+    rank: _builtins.int
+    """Rank among feasible sites, from 1."""
+    @_builtins.property
+    def scores(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
+    @_builtins.property
+    def estimate(self) -> Global___Estimate: ...
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        feasible: _builtins.bool = ...,
+        plugin: _builtins.str = ...,
+        reason: _builtins.str = ...,
+        score: _builtins.float = ...,
+        scores: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        estimate: Global___Estimate | None = ...,
+        rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "feasible", b"feasible", "plugin", b"plugin", "rank", b"rank", "reason", b"reason", "score", b"score", "scores", b"scores", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiteExplanation: _TypeAlias = SiteExplanation  # noqa: Y015
+
+@_typing.final
+class TaskExplanation(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASK_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    NOTE_FIELD_NUMBER: _builtins.int
+    SITES_FIELD_NUMBER: _builtins.int
+    task: _builtins.str
+    state: Global___JobState.ValueType
+    site: _builtins.str
+    note: _builtins.str
+    """Why the task is not being placed now (dependencies, cancellation), if so."""
+    @_builtins.property
+    def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteExplanation]: ...
+    def __init__(
+        self,
+        *,
+        task: _builtins.str = ...,
+        state: Global___JobState.ValueType = ...,
+        site: _builtins.str = ...,
+        note: _builtins.str = ...,
+        sites: _abc.Iterable[Global___SiteExplanation] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "site", b"site", "sites", b"sites", "state", b"state", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TaskExplanation: _TypeAlias = TaskExplanation  # noqa: Y015
 
 @_typing.final
 class Job(_message.Message):

@@ -148,6 +148,9 @@ class Device(_message.Message):
     PROVENANCE_FIELD_NUMBER: _builtins.int
     ATTRIBUTES_FIELD_NUMBER: _builtins.int
     ALLOCATED_FIELD_NUMBER: _builtins.int
+    PARTITIONS_FIELD_NUMBER: _builtins.int
+    SHAREABLE_FIELD_NUMBER: _builtins.int
+    FREE_FRACTION_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Stable id within the node, e.g. "0" or a UUID."""
     index: _builtins.int
@@ -170,10 +173,18 @@ class Device(_message.Message):
     """NVLink/HCCS domain or PCIe switch the device sits in."""
     provenance: Global___Provenance.ValueType
     allocated: _builtins.bool
-    """Whether a task currently holds this device."""
+    """Whether a task currently holds this device whole."""
+    shareable: _builtins.bool
+    """Whether tasks may share it by memory/compute fraction (e.g. HAMi-style slicing)."""
+    free_fraction: _builtins.float
+    """Share of the device not handed out as fractions, in [0, 1]."""
     @_builtins.property
     def attributes(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Typed attributes such as driver, cuda, cann, compute_capability."""
+
+    @_builtins.property
+    def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionProfile]:
+        """How the device may be partitioned: MIG profiles it can be cut into."""
 
     def __init__(
         self,
@@ -197,14 +208,47 @@ class Device(_message.Message):
         provenance: Global___Provenance.ValueType = ...,
         attributes: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         allocated: _builtins.bool = ...,
+        partitions: _abc.Iterable[Global___PartitionProfile] | None = ...,
+        shareable: _builtins.bool = ...,
+        free_fraction: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "attributes", b"attributes", "health", b"health", "health_reason", b"health_reason", "id", b"id", "index", b"index", "interconnect_group", b"interconnect_group", "kind", b"kind", "memory_free_mib", b"memory_free_mib", "memory_total_mib", b"memory_total_mib", "model", b"model", "power_tdp_watts", b"power_tdp_watts", "power_watts", b"power_watts", "provenance", b"provenance", "temperature_c", b"temperature_c", "tflops_fp16", b"tflops_fp16", "tflops_fp32", b"tflops_fp32", "tflops_int8", b"tflops_int8", "vendor", b"vendor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "attributes", b"attributes", "free_fraction", b"free_fraction", "health", b"health", "health_reason", b"health_reason", "id", b"id", "index", b"index", "interconnect_group", b"interconnect_group", "kind", b"kind", "memory_free_mib", b"memory_free_mib", "memory_total_mib", b"memory_total_mib", "model", b"model", "partitions", b"partitions", "power_tdp_watts", b"power_tdp_watts", "power_watts", b"power_watts", "provenance", b"provenance", "shareable", b"shareable", "temperature_c", b"temperature_c", "tflops_fp16", b"tflops_fp16", "tflops_fp32", b"tflops_fp32", "tflops_int8", b"tflops_int8", "vendor", b"vendor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Device: _TypeAlias = Device  # noqa: Y015
+
+@_typing.final
+class PartitionProfile(_message.Message):
+    """A hardware partition profile (e.g. a MIG profile "1g.10gb") and how many are free."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PROFILE_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    profile: _builtins.str
+    total: _builtins.int
+    free: _builtins.int
+    memory_mib: _builtins.int
+    def __init__(
+        self,
+        *,
+        profile: _builtins.str = ...,
+        total: _builtins.int = ...,
+        free: _builtins.int = ...,
+        memory_mib: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free", b"free", "memory_mib", b"memory_mib", "profile", b"profile", "total", b"total"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PartitionProfile: _TypeAlias = PartitionProfile  # noqa: Y015
 
 @_typing.final
 class Node(_message.Message):
@@ -395,6 +439,7 @@ class SiteView(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     SCHEDULER_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -404,6 +449,8 @@ class SiteView(_message.Message):
     scheduler: _builtins.str
     """Name of the local scheduler core ("embedded", "slurm")."""
     agent_version: _builtins.str
+    probe_endpoint: _builtins.str
+    """host:port where peers may measure their link to this site; empty when none."""
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]: ...
     @_builtins.property
@@ -431,10 +478,11 @@ class SiteView(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         scheduler: _builtins.str = ...,
         agent_version: _builtins.str = ...,
+        probe_endpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -450,7 +498,10 @@ class SiteViewDelta(_message.Message):
     REMOVED_NODES_FIELD_NUMBER: _builtins.int
     QUEUE_FIELD_NUMBER: _builtins.int
     HAS_QUEUE_FIELD_NUMBER: _builtins.int
+    LINKS_FIELD_NUMBER: _builtins.int
+    HAS_LINKS_FIELD_NUMBER: _builtins.int
     has_queue: _builtins.bool
+    has_links: _builtins.bool
     @_builtins.property
     def upserted_nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]:
         """Nodes added or replaced whole."""
@@ -459,6 +510,10 @@ class SiteViewDelta(_message.Message):
     def removed_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def queue(self) -> Global___QueueState: ...
+    @_builtins.property
+    def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___Link]:
+        """When set, replaces the site's links whole."""
+
     def __init__(
         self,
         *,
@@ -466,10 +521,12 @@ class SiteViewDelta(_message.Message):
         removed_nodes: _abc.Iterable[_builtins.str] | None = ...,
         queue: Global___QueueState | None = ...,
         has_queue: _builtins.bool = ...,
+        links: _abc.Iterable[Global___Link] | None = ...,
+        has_links: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_queue", b"has_queue", "queue", b"queue", "removed_nodes", b"removed_nodes", "upserted_nodes", b"upserted_nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_links", b"has_links", "has_queue", b"has_queue", "links", b"links", "queue", b"queue", "removed_nodes", b"removed_nodes", "upserted_nodes", b"upserted_nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -469,6 +469,48 @@ class ResyncRequest(_message.Message):
 Global___ResyncRequest: _TypeAlias = ResyncRequest  # noqa: Y015
 
 @_typing.final
+class ProbePeers(_message.Message):
+    """Peers whose probe endpoints the agent should measure its links to."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class Peer(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        SITE_FIELD_NUMBER: _builtins.int
+        ENDPOINT_FIELD_NUMBER: _builtins.int
+        site: _builtins.str
+        endpoint: _builtins.str
+        def __init__(
+            self,
+            *,
+            site: _builtins.str = ...,
+            endpoint: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["endpoint", b"endpoint", "site", b"site"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___ProbePeers.Peer]: ...
+    def __init__(
+        self,
+        *,
+        peers: _abc.Iterable[Global___ProbePeers.Peer] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ProbePeers: _TypeAlias = ProbePeers  # noqa: Y015
+
+@_typing.final
 class ConnectResponse(_message.Message):
     """Messages from the coordinator."""
 
@@ -482,6 +524,7 @@ class ConnectResponse(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     ACK_FIELD_NUMBER: _builtins.int
     RESYNC_FIELD_NUMBER: _builtins.int
+    PROBE_PEERS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -498,6 +541,8 @@ class ConnectResponse(_message.Message):
     def ack(self) -> Global___TaskStatusAck: ...
     @_builtins.property
     def resync(self) -> Global___ResyncRequest: ...
+    @_builtins.property
+    def probe_peers(self) -> Global___ProbePeers: ...
     def __init__(
         self,
         *,
@@ -509,12 +554,13 @@ class ConnectResponse(_message.Message):
         cancel: Global___CancelTask | None = ...,
         ack: Global___TaskStatusAck | None = ...,
         resync: Global___ResyncRequest | None = ...,
+        probe_peers: Global___ProbePeers | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "offer", b"offer", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "offer", b"offer", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
