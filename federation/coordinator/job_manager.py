@@ -19,7 +19,7 @@ from federation.coordinator.jobs import (
     transition,
 )
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.validation import spec_violations
+from federation.coordinator.validation import TASK_OUTPUT, spec_violations
 from federation.errors import (
     FieldViolation,
     InvalidArgumentError,
@@ -79,6 +79,7 @@ class JobManager:
                         FieldViolation(f"{path}.id", f"duplicate id {spec.id!r} in this batch")
                     )
                 ids[spec.id] = i
+        violations += self._unknown_datasets(specs, batch)
         if violations:
             raise InvalidArgumentError(violations)
         jobs = [self._new_job(caller, spec) for spec in specs]
@@ -87,6 +88,32 @@ class JobManager:
         log.info("jobs_submitted", count=len(jobs), by=str(caller))
         self._wake()
         return jobs
+
+    def _unknown_datasets(
+        self, specs: Sequence[jobs_pb2.JobSpec], batch: bool
+    ) -> list[FieldViolation]:
+        """Inputs that name no site and that no site reports holding."""
+        known = self._sites.known_datasets()
+        out = []
+        for i, spec in enumerate(specs):
+            path = f"specs[{i}]" if batch else "spec"
+            for t, task in enumerate(spec.tasks):
+                for n, item in enumerate(task.inputs):
+                    dataset = item.dataset
+                    if (
+                        dataset
+                        and not item.site
+                        and not dataset.startswith(TASK_OUTPUT)
+                        and (dataset not in known)
+                    ):
+                        out.append(
+                            FieldViolation(
+                                f"{path}.tasks[{t}].inputs[{n}].dataset",
+                                f"unknown dataset {dataset!r}: no site reports holding it. To fix: "
+                                "name the site that has it in inputs[].site",
+                            )
+                        )
+        return out
 
     def _new_job(self, caller: Identity, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
         job = jobs_pb2.Job(id=spec.id or new_job_id(), submitted_by=str(caller))

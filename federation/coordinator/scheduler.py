@@ -17,11 +17,13 @@ import structlog
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.sites import SessionClosedError, SiteRegistry, SiteSession
+from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
 from federation.metrics import OFFERS
+from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Framework
-from federation.placement.request import Request
+from federation.placement.request import Input, Request
 
 log = structlog.get_logger()
 
@@ -37,6 +39,8 @@ class SchedulerConfig:
     """How long a site holds a reservation that no commit follows."""
     max_offers_per_round: int = 5
     """Sites tried, best first, before a task goes back to PENDING."""
+    offers_at_once: int = 3
+    """Sites offered a task at the same time; the best one that accepts gets the commit."""
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
     max_concurrent_negotiations: int = 256
@@ -99,11 +103,13 @@ class Scheduler:
                 key = (job.id, task.name)
                 if task.state != job_state.PENDING or key in self._inflight:
                     continue
+                request = request_for(job, task.name)
+                if request is None:
+                    continue  # waits for its dependencies; a report of theirs wakes us
                 pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
                     continue
-                spec = next(t for t in job.spec.tasks if t.name == task.name)
-                decision = self._framework.place(Request.from_spec(job.spec, spec), snapshot)
+                decision = self._framework.place(request, snapshot)
                 verdicts = [
                     jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason)
                     for r in decision.rejections
@@ -111,10 +117,15 @@ class Scheduler:
                 if not decision.ranked:
                     await self._stay_pending(job.id, task.name, verdicts)
                     continue
+                estimates = estimate(request, snapshot)
+                by_site = {
+                    site: estimate_proto(estimates, snapshot.site_index(site) or 0)
+                    for site in decision.ranked[: self._config.max_offers_per_round]
+                }
                 self._inflight.add(key)
                 await self._slots.acquire()
                 runner = asyncio.create_task(
-                    self._negotiate(job.id, task.name, decision.ranked, verdicts)
+                    self._negotiate(job.id, task.name, decision.ranked, verdicts, by_site)
                 )
                 self._tasks.add(runner)
                 runner.add_done_callback(self._tasks.discard)
@@ -158,16 +169,23 @@ class Scheduler:
         task_name: str,
         ranked: tuple[str, ...],
         verdicts: list[jobs_pb2.SiteVerdict],
+        estimates: dict[str, jobs_pb2.Estimate],
     ) -> None:
         key = (job_id, task_name)
+        candidates = list(ranked[: self._config.max_offers_per_round])
+        step = max(1, self._config.offers_at_once)
         try:
-            for site in ranked[: self._config.max_offers_per_round]:
-                outcome = await self._try_site(job_id, task_name, site)
-                OFFERS.labels("settled" if outcome is None else "refused").inc()
-                if outcome is None:
+            for first in range(0, len(candidates), step):
+                batch = candidates[first : first + step]
+                refusals = await self._round(job_id, task_name, batch, estimates)
+                OFFERS.labels("settled" if refusals is None else "refused").inc()
+                if refusals is None:
                     self._forget(key)
                     return
-                verdicts.append(jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=outcome))
+                verdicts.extend(
+                    jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=why)
+                    for site, why in refusals.items()
+                )
             self._backoff(key)
             await self._back_to_pending(job_id, task_name, verdicts)
         except Exception as err:
@@ -183,14 +201,27 @@ class Scheduler:
             self._inflight.discard(key)
             self._slots.release()
 
-    async def _try_site(self, job_id: str, task_name: str, site: str) -> str | None:
-        """One offer/commit round with ``site``; None when delegated (or moot), else why not."""
-        session = self._sites.session(site)
-        if session is None:
-            return "site disconnected before the offer"
-        offered = await self._jobs.update(job_id, _mark_scheduling(task_name, site))
+    async def _round(
+        self,
+        job_id: str,
+        task_name: str,
+        sites: list[str],
+        estimates: dict[str, jobs_pb2.Estimate],
+    ) -> dict[str, str] | None:
+        """Offer to ``sites`` at once, commit the best acceptance, release the others.
+
+        Returns None when the task was delegated (or the question became moot), else why
+        each site did not take it. All offers of a round share one epoch: only the site that
+        gets the commit may ever run it.
+        """
+        sessions = {site: self._sites.session(site) for site in sites}
+        refusals = {s: "site disconnected before the offer" for s, v in sessions.items() if not v}
+        live = [site for site in sites if sessions[site] is not None]
+        if not live:
+            return refusals
+        offered = await self._jobs.update(job_id, _mark_scheduling(task_name, live))
         task = find_task(offered, task_name)
-        if task.state != job_state.SCHEDULING or task.site != site:
+        if task.state != job_state.SCHEDULING:
             return None  # cancelled meanwhile
         spec = next(t for t in offered.spec.tasks if t.name == task_name)
         offer = site_link_service_pb2.Offer(
@@ -201,48 +232,112 @@ class Scheduler:
             tenant=offered.spec.tenant,
             lease_s=self._config.reservation_lease_s,
         )
-        try:
-            reply = await session.request(
-                site_link_service_pb2.ConnectResponse(offer=offer), self._config.offer_timeout_s
-            )
-        except TimeoutError:
-            return f"no answer to the offer within {self._config.offer_timeout_s:g}s"
-        except SessionClosedError:
-            return "site disconnected during the offer"
-        answer = reply.offer_answer
-        if not reply.HasField("offer_answer"):
-            return "site answered the offer with the wrong message"
-        if not answer.accepted:
-            return f"declined: {answer.reason}"
+        answers = await asyncio.gather(*(self._offer(sessions[s], offer) for s in live))
+        accepted: list[tuple[str, str]] = []
+        for site, (reservation, why) in zip(live, answers, strict=True):
+            if reservation:
+                accepted.append((site, reservation))
+            else:
+                refusals[site] = why
+        if not accepted:
+            return refusals
+        chosen, reservation = accepted[0]  # ``live`` is in rank order: the best acceptance
+        for site, other in accepted[1:]:
+            self._release(site, other)
+            refusals[site] = f"accepted, but {chosen} ranked higher"
         delegated = await self._jobs.update(
-            job_id, _mark_delegated(task_name, site, task.epoch, answer.reservation_id)
+            job_id,
+            _mark_delegated(task_name, chosen, task.epoch, reservation, estimates.get(chosen)),
         )
         held = find_task(delegated, task_name)
         if held.state != job_state.DELEGATED or held.epoch != task.epoch:
+            self._release(chosen, reservation)
+            return None
+        commit = site_link_service_pb2.Commit(
+            reservation_id=reservation, job_id=job_id, task=task_name, epoch=task.epoch
+        )
+        committed = await self._commit(chosen, commit)
+        if committed is not None and committed.commit_answer.started:
+            log.info("task_delegated", job=job_id, task=task_name, site=chosen, epoch=task.epoch)
+            return None
+        # No answer: nobody knows whether the site started it; placing it again bumps the
+        # epoch, which fences off a copy that did start.
+        why = "no answer to the commit"
+        if committed is not None:
+            why = f"commit refused: {committed.commit_answer.reason}"
+        log.warning("commit_failed", job=job_id, task=task_name, site=chosen, reason=why)
+        await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, why))
+        refusals[chosen] = why
+        return refusals
+
+    async def _offer(
+        self, session: SiteSession | None, offer: site_link_service_pb2.Offer
+    ) -> tuple[str, str]:
+        """(reservation id, "") when the site accepts, else ("", why not)."""
+        assert session is not None
+        request = site_link_service_pb2.ConnectResponse()
+        request.offer.CopyFrom(offer)
+        try:
+            reply = await session.request(request, self._config.offer_timeout_s)
+        except TimeoutError:
+            return "", f"no answer to the offer within {self._config.offer_timeout_s:g}s"
+        except SessionClosedError:
+            return "", "site disconnected during the offer"
+        if not reply.HasField("offer_answer"):
+            return "", "site answered the offer with the wrong message"
+        answer = reply.offer_answer
+        if not answer.accepted:
+            return "", f"declined: {answer.reason}"
+        return answer.reservation_id, ""
+
+    def _release(self, site: str, reservation_id: str) -> None:
+        session = self._sites.session(site)
+        if session is not None:
             with contextlib.suppress(SessionClosedError):
                 session.send(
                     site_link_service_pb2.ConnectResponse(
-                        release=site_link_service_pb2.Release(reservation_id=answer.reservation_id)
+                        release=site_link_service_pb2.Release(reservation_id=reservation_id)
                     )
                 )
-            return None
-        commit = site_link_service_pb2.Commit(
-            reservation_id=answer.reservation_id, job_id=job_id, task=task_name, epoch=task.epoch
-        )
-        committed = await self._commit(site, commit)
-        if committed is None:
-            # Nobody knows whether the site started it; bumping the epoch by placing it again
-            # fences off a copy that did start.
-            reason = "no answer to the commit"
-            log.warning("commit_unanswered", job=job_id, task=task_name, site=site)
-            await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, reason))
-            return reason
-        if committed.commit_answer.started:
-            log.info("task_delegated", job=job_id, task=task_name, site=site, epoch=task.epoch)
-            return None
-        reason = f"commit refused: {committed.commit_answer.reason}"
-        await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, reason))
-        return reason
+
+    def explain(self, job: jobs_pb2.Job) -> list[jobs_pb2.TaskExplanation]:
+        """For each task: every site, with the filter that rejected it or its score by term."""
+        snapshot = self._sites.snapshot()
+        out = []
+        for task in job.tasks:
+            explanation = jobs_pb2.TaskExplanation(task=task.name, state=task.state, site=task.site)
+            request = request_for(job, task.name)
+            if request is None:
+                waiting = waiting_on(job, task.name)
+                explanation.note = f"waits for task(s) {', '.join(waiting)} to succeed"
+                out.append(explanation)
+                continue
+            if job_state.is_terminal(task.state):
+                explanation.note = f"ended {jobs_pb2.JobState.Name(task.state)}: {task.reason}"
+            elif task.state in job_state.AT_SITE:
+                explanation.note = "placed; the scores below are for the federation as it is now"
+            decision = self._framework.place(request, snapshot)
+            estimates = estimate(request, snapshot)
+            for rank, (site, total) in enumerate(
+                zip(decision.ranked, decision.scores, strict=True), start=1
+            ):
+                explanation.sites.add(
+                    site=site,
+                    feasible=True,
+                    score=total,
+                    scores={name: v[rank - 1] for name, v in decision.terms.items()},
+                    estimate=estimate_proto(estimates, snapshot.site_index(site) or 0),
+                    rank=rank,
+                )
+            for rejection in decision.rejections:
+                explanation.sites.add(
+                    site=rejection.site,
+                    plugin=rejection.plugin,
+                    reason=rejection.reason,
+                    estimate=estimate_proto(estimates, snapshot.site_index(rejection.site) or 0),
+                )
+            out.append(explanation)
+        return out
 
     async def _commit(
         self, site: str, commit: site_link_service_pb2.Commit
@@ -282,27 +377,37 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
-def _mark_scheduling(task_name: str, site: str) -> Mutation:
+def _mark_scheduling(task_name: str, sites: list[str]) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
         if task.state not in (job_state.PENDING, job_state.SCHEDULING):
             return []
         task.epoch += 1
-        task.site = site
+        task.site = ""
         task.reservation_id = ""
-        return [transition(job, task_name, job_state.SCHEDULING, f"offered to {site}")]
+        return [transition(job, task_name, job_state.SCHEDULING, f"offered to {', '.join(sites)}")]
 
     return mutate
 
 
-def _mark_delegated(task_name: str, site: str, epoch: int, reservation_id: str) -> Mutation:
+def _mark_delegated(
+    task_name: str,
+    site: str,
+    epoch: int,
+    reservation_id: str,
+    estimated: jobs_pb2.Estimate | None,
+) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
         if task.state != job_state.SCHEDULING or task.epoch != epoch:
             return []
+        task.site = site
         task.reservation_id = reservation_id
+        if estimated is not None:
+            task.estimate.CopyFrom(estimated)
         del task.verdicts[:]
-        return [transition(job, task_name, job_state.DELEGATED, f"{site} accepted")]
+        change = transition(job, task_name, job_state.DELEGATED, f"{site} accepted")
+        return [change]
 
     return mutate
 
@@ -326,3 +431,47 @@ def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:
     parts = [f"{v.site}: {v.reason}" for v in verdicts[:3]]
     more = f" (+{len(verdicts) - 3} more)" if len(verdicts) > 3 else ""
     return "no site can take it now: " + "; ".join(parts) + more
+
+
+def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
+    """Dependencies of a task that have not succeeded yet."""
+    spec = next(t for t in job.spec.tasks if t.name == task_name)
+    states = {t.name: t.state for t in job.tasks}
+    return [d for d in spec.depends_on if states.get(d) != job_state.SUCCEEDED]
+
+
+def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
+    """The placement request for a task, or None while it waits for its dependencies.
+
+    The outputs of the tasks it depends on become its inputs, located where those ran.
+    """
+    if waiting_on(job, task_name):
+        return None
+    specs = {t.name: t for t in job.spec.tasks}
+    status = {t.name: t for t in job.tasks}
+    spec = specs[task_name]
+    inputs = [
+        Input(i.dataset, i.bytes, i.site)
+        for i in spec.inputs
+        if not i.dataset.startswith(TASK_OUTPUT)
+    ]
+    for dep in spec.depends_on:
+        size = specs[dep].output_bytes
+        for i in spec.inputs:  # an explicit "task:NAME" input may give the size
+            if i.dataset == TASK_OUTPUT + dep and i.bytes:
+                size = i.bytes
+        if size:
+            inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
+    return Request.from_spec(job.spec, spec, inputs)
+
+
+def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
+    return jobs_pb2.Estimate(
+        queue_s=float(estimates.queue_s[site]),
+        transfer_s=float(estimates.transfer_s[site]),
+        run_s=float(estimates.run_s[site]),
+        total_s=float(estimates.total_s[site]),
+        cost_usd=float(estimates.cost_usd[site]),
+        energy_kwh=float(estimates.energy_kwh[site]),
+        transfer_bytes=int(estimates.transfer_bytes[site]),
+    )

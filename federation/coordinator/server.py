@@ -123,7 +123,7 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],
     )
-    job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(manager), server)
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(manager, scheduler), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
         AdminServicer(Admin(sites, jobs), enrollment), server
     )

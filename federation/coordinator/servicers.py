@@ -28,6 +28,7 @@ from federation.api.v1 import (
 from federation.coordinator.admin import Admin
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.job_manager import JobManager
+from federation.coordinator.scheduler import Scheduler
 from federation.coordinator.site_link import SiteLink
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
@@ -80,8 +81,15 @@ OPEN_METHODS = frozenset(
 
 
 class JobServicer(job_grpc.JobServiceServicer):
-    def __init__(self, jobs: JobManager) -> None:
+    def __init__(self, jobs: JobManager, scheduler: Scheduler) -> None:
         self._jobs = jobs
+        self._scheduler = scheduler
+
+    async def ExplainJob(
+        self, request: job_pb.ExplainJobRequest, context: Context
+    ) -> job_pb.ExplainJobResponse:
+        job = await self._jobs.get(current_caller(), request.job_id)
+        return job_pb.ExplainJobResponse(job_id=job.id, tasks=self._scheduler.explain(job))
 
     async def SubmitJob(
         self, request: job_pb.SubmitJobRequest, context: Context

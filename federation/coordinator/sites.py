@@ -208,6 +208,10 @@ class SiteRegistry:
             site.view.CopyFrom(entry.view)
         return site
 
+    def known_datasets(self) -> set[str]:
+        """Every dataset some site's latest view reports holding."""
+        return {d for e in self._sites.values() if e.view is not None for d in e.view.datasets}
+
     def names(self) -> list[str]:
         return sorted(self._sites)
 

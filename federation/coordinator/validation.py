@@ -8,6 +8,8 @@ from collections.abc import Iterator
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.errors import FieldViolation, InvalidArgumentError
+from federation.placement.compat import validate_requires
+from federation.placement.selectors import SelectorError, check_selector
 
 NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9._-]{0,61}[a-z0-9])?$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -20,6 +22,8 @@ MAX_DEVICES_PER_REPLICA = 64
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_PRIORITY = 1000
 MAX_LABELS = 64
+TASK_OUTPUT = "task:"
+"""An input dataset named ``task:NAME`` is the output of task NAME of the same job."""
 DEVICE_KINDS = set(resources_pb2.DeviceKind.values()) - {resources_pb2.DEVICE_KIND_UNSPECIFIED}
 DOMAINS = set(resources_pb2.Domain.values()) - {resources_pb2.DOMAIN_UNSPECIFIED}
 
@@ -64,20 +68,106 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
     res = task.resources
     yield from _number(f"{path}.resources.cpu", res.cpu, 0, MAX_CPU)
     yield from _number(f"{path}.resources.memory_mib", res.memory_mib, 0, MAX_MEMORY_MIB)
-    acc = res.accelerator
-    if res.HasField("accelerator") and (acc.count or acc.kind or acc.models or acc.vendor):
-        if acc.kind not in DEVICE_KINDS:
-            yield FieldViolation(
-                f"{path}.resources.accelerator.kind",
-                f"unknown accelerator kind {acc.kind}; expected GPU, NPU, MLU, FPGA or DPU",
-            )
-        if acc.count < 1 or acc.count > MAX_DEVICES_PER_REPLICA:
-            yield FieldViolation(
-                f"{path}.resources.accelerator.count",
-                f"must be between 1 and {MAX_DEVICES_PER_REPLICA}, got {acc.count}",
-            )
+    if res.HasField("accelerator"):
+        yield from _accelerator_violations(res.accelerator, f"{path}.resources.accelerator")
     yield from _number(f"{path}.estimated_duration_s", task.estimated_duration_s, 0, 1e9)
     yield from _number(f"{path}.timeout_s", task.timeout_s, 0, 1e9)
+    for key, problem in validate_requires(task.requires):
+        yield FieldViolation(f"{path}.requires[{key}]", problem)
+    for i, item in enumerate(task.inputs):
+        if not item.dataset:
+            yield FieldViolation(f"{path}.inputs[{i}].dataset", "is required")
+        elif item.site and (problem := name_problem(item.site)):
+            yield FieldViolation(f"{path}.inputs[{i}].site", problem)
+    for model, factor in task.speed.items():
+        if not math.isfinite(factor) or factor <= 0:
+            yield FieldViolation(f"{path}.speed[{model}]", f"must be positive, got {factor}")
+
+
+def _accelerator_violations(
+    acc: jobs_pb2.AcceleratorRequest, path: str
+) -> Iterator[FieldViolation]:
+    asks = [
+        name
+        for name, on in (
+            ("count", acc.count),
+            ("fraction", acc.fraction),
+            ("partition", acc.partition),
+        )
+        if on
+    ]
+    if not asks and not (acc.kind or acc.models or acc.vendor or acc.selector):
+        return
+    if acc.kind not in DEVICE_KINDS:
+        yield FieldViolation(
+            f"{path}.kind",
+            f"unknown accelerator kind {acc.kind}; expected GPU, NPU, MLU, FPGA or DPU",
+        )
+    if len(asks) > 1:
+        yield FieldViolation(
+            f"{path}.{asks[1]}",
+            f"ask for one of count, fraction or partition, not {' and '.join(asks)}",
+        )
+    if (not asks or acc.count) and (acc.count < 1 or acc.count > MAX_DEVICES_PER_REPLICA):
+        yield FieldViolation(
+            f"{path}.count", f"must be between 1 and {MAX_DEVICES_PER_REPLICA}, got {acc.count}"
+        )
+    if acc.fraction and not (0 < acc.fraction <= 1):
+        yield FieldViolation(f"{path}.fraction", f"must be in (0, 1], got {_show(acc.fraction)}")
+    if acc.selector:
+        try:
+            check_selector(acc.selector)
+        except SelectorError as err:
+            yield FieldViolation(f"{path}.selector", str(err))
+
+
+def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldViolation]:
+    """Unknown or self dependencies, task outputs read without depending on them, cycles."""
+    names = {t.name for t in spec.tasks}
+    graph: dict[str, list[str]] = {}
+    for i, task in enumerate(spec.tasks):
+        graph[task.name] = list(task.depends_on)
+        for j, dep in enumerate(task.depends_on):
+            if dep == task.name:
+                yield FieldViolation(
+                    f"{path}.tasks[{i}].depends_on[{j}]", "a task cannot depend on itself"
+                )
+            elif dep not in names:
+                yield FieldViolation(
+                    f"{path}.tasks[{i}].depends_on[{j}]", f"no task {dep!r} in this job"
+                )
+        for j, item in enumerate(task.inputs):
+            source = item.dataset.removeprefix(TASK_OUTPUT)
+            if item.dataset.startswith(TASK_OUTPUT) and source not in task.depends_on:
+                yield FieldViolation(
+                    f"{path}.tasks[{i}].inputs[{j}].dataset",
+                    f"reads the output of {source!r}; add it to depends_on",
+                )
+    if cycle := find_cycle(graph):
+        yield FieldViolation(f"{path}.tasks", f"dependency cycle: {' -> '.join(cycle)}")
+
+
+def find_cycle(graph: dict[str, list[str]]) -> list[str]:
+    """One dependency cycle as a path (first node repeated at the end), or []."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for dep in graph.get(node, []):
+            if state.get(dep) == 1:
+                return [*path[path.index(dep) :], dep]
+            if dep in graph and state.get(dep) is None and (found := visit(dep)):
+                return found
+        path.pop()
+        state[node] = 2
+        return []
+
+    for node in graph:
+        if state.get(node) is None and (found := visit(node)):
+            return found
+    return []
 
 
 def spec_violations(spec: jobs_pb2.JobSpec, path: str = "spec") -> list[FieldViolation]:
@@ -104,6 +194,12 @@ def spec_violations(spec: jobs_pb2.JobSpec, path: str = "spec") -> list[FieldVio
         if task.name in seen:
             out.append(FieldViolation(f"{path}.tasks[{i}].name", f"duplicate task {task.name!r}"))
         seen.add(task.name)
+    out.extend(_dependency_violations(spec, path))
+    for name, value in (
+        ("deadline_s", spec.objective.deadline_s),
+        ("max_cost_usd", spec.objective.max_cost_usd),
+    ):
+        out.extend(_number(f"{path}.objective.{name}", value, 0, 1e12))
     for i, domain in enumerate(spec.constraints.domains):
         if domain not in DOMAINS:
             out.append(

@@ -64,6 +64,8 @@ class Decision:
     ranked: tuple[str, ...]
     scores: tuple[float, ...]
     rejections: tuple[Rejection, ...]
+    terms: dict[str, tuple[float, ...]] = field(default_factory=dict)
+    """Plugin name -> its normalised score for each ranked site (the breakdown of ``scores``)."""
 
 
 class Framework:
@@ -89,12 +91,14 @@ class Framework:
             alive &= verdict.mask
         feasible = np.flatnonzero(alive).astype(np.int64)
         total = np.zeros(len(feasible), dtype=np.float64)
+        terms: dict[str, npt.NDArray[np.float64]] = {}
         for scorer, weight in self.scorers:
             if len(feasible) == 0:
                 break
             s = scorer.score(req, snap, feasible)
             if s.shape != total.shape or not np.all(np.isfinite(s) & (s >= 0) & (s <= 100)):
                 raise PluginContractError(scorer.name, "score outside [0, 100] or wrong shape")
+            terms[scorer.name] = s
             total += weight * s
         names = np.array([snap.site_ids[i] for i in feasible], dtype=object)
         order = np.lexsort((names, -total)) if len(feasible) else np.array([], dtype=np.int64)
@@ -102,4 +106,5 @@ class Framework:
             ranked=tuple(str(names[i]) for i in order),
             scores=tuple(float(total[i]) for i in order),
             rejections=tuple(sorted(rejections, key=lambda r: r.site)),
+            terms={name: tuple(float(v[i]) for i in order) for name, v in terms.items()},
         )

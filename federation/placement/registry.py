@@ -6,17 +6,34 @@ from collections.abc import Mapping, Sequence
 
 from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
 from federation.placement.plugins.capacity_fit import CapacityFit
+from federation.placement.plugins.compatibility import Compatibility
+from federation.placement.plugins.completion_time import CompletionTime
 from federation.placement.plugins.constraints import Constraints
+from federation.placement.plugins.cost import Cost, CostCap, Energy
 from federation.placement.plugins.free_capacity import FreeCapacity
 from federation.placement.plugins.site_state import SiteState
 
 FILTERS: Mapping[str, type[FilterPlugin]] = {
-    p.name: p for p in (SiteState, Constraints, CapacityFit)
+    p.name: p for p in (SiteState, Constraints, Compatibility, CapacityFit, CostCap)
 }
-SCORERS: Mapping[str, type[ScorePlugin]] = {p.name: p for p in (FreeCapacity,)}
+SCORERS: Mapping[str, type[ScorePlugin]] = {
+    p.name: p for p in (CompletionTime, Cost, Energy, FreeCapacity)
+}
 
-DEFAULT_FILTERS: tuple[str, ...] = ("SiteState", "Constraints", "CapacityFit")
-DEFAULT_SCORERS: Mapping[str, float] = {"FreeCapacity": 1.0}
+DEFAULT_FILTERS: tuple[str, ...] = (
+    "SiteState",
+    "Constraints",
+    "Compatibility",
+    "CapacityFit",
+    "CostCap",
+)
+# Finishing soonest dominates; cost, energy and balance break near-ties.
+DEFAULT_SCORERS: Mapping[str, float] = {
+    "CompletionTime": 1.0,
+    "Cost": 0.2,
+    "Energy": 0.05,
+    "FreeCapacity": 0.1,
+}
 
 
 class UnknownPluginError(ValueError):

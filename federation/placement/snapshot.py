@@ -1,10 +1,17 @@
-"""An immutable, array-shaped picture of every site, built once per change of the views."""
+"""An immutable, array-shaped picture of every site, built once per change of the views.
+
+Sites, nodes, devices and partition profiles are parallel arrays, so a placement decision looks
+at the whole federation in a few vectorised passes. Devices that look alike (kind, vendor,
+model, memory, attributes) share a *class*, so per-device predicates such as CEL selectors are
+evaluated once per class, not once per device.
+"""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -16,6 +23,10 @@ I64 = npt.NDArray[np.int64]
 Bool = npt.NDArray[np.bool_]
 Obj = npt.NDArray[np.object_]
 
+# Assumed for a pair of sites with no measured or declared link (shown as such in Explain).
+UNKNOWN_BANDWIDTH_MBPS = 100.0
+UNKNOWN_RTT_MS = 100.0
+
 
 @dataclass(frozen=True, slots=True)
 class SiteInput:
@@ -24,6 +35,17 @@ class SiteInput:
     view: resources_pb2.SiteView
     is_connected: bool
     is_cordoned: bool
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceClass:
+    """What the devices of one class share; ``attributes`` is what CEL selectors see."""
+
+    kind: int
+    vendor: str
+    model: str
+    memory_mib: float
+    attributes: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +70,29 @@ class Snapshot:
     device_model: Obj
     device_memory_mib: F64
     device_available: Bool
+    # Defaults keep hand-built snapshots in tests short; build_snapshot fills them all.
+    device_class: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    device_shareable: Bool = field(default_factory=lambda: np.zeros(0, bool))
+    device_free_fraction: F64 = field(default_factory=lambda: np.zeros(0))
+    device_group: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    """Interconnect group, unique across the federation; a device with none is its own."""
+    device_tflops_fp16: F64 = field(default_factory=lambda: np.zeros(0))
+    device_power_watts: F64 = field(default_factory=lambda: np.zeros(0))
+    classes: tuple[DeviceClass, ...] = ()
+    # Partition profiles: one row per (device, profile).
+    partition_device: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    partition_profile: Obj = field(default_factory=lambda: np.zeros(0, object))
+    partition_free: F64 = field(default_factory=lambda: np.zeros(0))
+    # Per site.
+    queue_wait_s: F64 = field(default_factory=lambda: np.zeros(0))
+    price_per_device_hour: F64 = field(default_factory=lambda: np.zeros(0))
+    datasets: tuple[dict[str, int], ...] = ()
+    bandwidth_mbps: F64 = field(default_factory=lambda: np.zeros((0, 0)))
+    """(from, to) matrix; pairs with no link hold UNKNOWN_BANDWIDTH_MBPS."""
+    rtt_ms: F64 = field(default_factory=lambda: np.zeros((0, 0)))
+    link_known: Bool = field(default_factory=lambda: np.zeros((0, 0), bool))
+    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    """Per-snapshot cache for plugins (estimates, selector masks): dies with the snapshot."""
 
     @property
     def n_sites(self) -> int:
@@ -56,6 +101,16 @@ class Snapshot:
     @property
     def n_nodes(self) -> int:
         return len(self.node_site)
+
+    @property
+    def device_site(self) -> I64:
+        return self.node_site[self.device_node]
+
+    def site_index(self, site: str) -> int | None:
+        position = int(np.searchsorted(np.array(self.site_ids, dtype=object), site))
+        if position < self.n_sites and self.site_ids[position] == site:
+            return position
+        return None
 
 
 # The same rule as the agents' packer: a device with no health report counts as usable.
@@ -69,20 +124,72 @@ def _capacity(value: float) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
+def _class_key(dev: resources_pb2.Device) -> tuple[object, ...]:
+    return (
+        dev.kind,
+        dev.vendor.lower(),
+        dev.model,
+        dev.memory_total_mib,
+        dev.tflops_fp32,
+        dev.tflops_fp16,
+        dev.tflops_int8,
+        dev.power_tdp_watts,
+        dev.provenance,
+        tuple(sorted(dev.attributes.items())),
+    )
+
+
+def _device_class(dev: resources_pb2.Device) -> DeviceClass:
+    kind_name = resources_pb2.DeviceKind.Name(dev.kind).removeprefix("DEVICE_KIND_")
+    memory_mib = float(dev.memory_total_mib)
+    attributes: dict[str, Any] = {
+        "kind": kind_name,
+        "vendor": dev.vendor.lower(),
+        "model": dev.model,
+        "memory_mib": memory_mib,
+        "memory_gib": memory_mib / 1024.0,
+        "tflops_fp32": dev.tflops_fp32,
+        "tflops_fp16": dev.tflops_fp16,
+        "tflops_int8": dev.tflops_int8,
+        "power_tdp_watts": dev.power_tdp_watts,
+        "declared": dev.provenance == resources_pb2.PROVENANCE_DECLARED,
+        "attributes": dict(dev.attributes),
+    }
+    return DeviceClass(dev.kind, dev.vendor.lower(), dev.model, memory_mib, attributes)
+
+
 def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
     """Flatten site views into arrays, sites sorted by name so order never matters."""
     ordered = sorted(sites, key=lambda s: s.view.site)
+    index = {s.view.site: i for i, s in enumerate(ordered)}
     node_site: list[int] = []
     cpu_free: list[float] = []
     mem_free: list[float] = []
     schedulable: list[bool] = []
     labels: list[dict[str, str]] = []
-    dev_node: list[int] = []
-    kind: list[int] = []
-    vendor: list[str] = []
-    model: list[str] = []
-    dev_mem: list[float] = []
-    available: list[bool] = []
+    dev: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "node",
+            "kind",
+            "vendor",
+            "model",
+            "memory",
+            "available",
+            "class",
+            "shareable",
+            "fraction",
+            "group",
+            "tflops",
+            "power",
+        )
+    }
+    part_device: list[int] = []
+    part_profile: list[str] = []
+    part_free: list[float] = []
+    class_ids: dict[tuple[object, ...], int] = {}
+    classes: list[DeviceClass] = []
+    groups: dict[tuple[int, str], int] = {}
     for site_index, site in enumerate(ordered):
         for node in site.view.nodes:
             node_index = len(node_site)
@@ -90,14 +197,53 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
             cpu_free.append(_capacity(node.cpu_free))
             mem_free.append(_capacity(float(node.memory_free_mib)))
             schedulable.append(node.schedulable)
-            labels.append(dict(node.labels))
-            for dev in node.devices:
-                dev_node.append(node_index)
-                kind.append(dev.kind)
-                vendor.append(dev.vendor.lower())
-                model.append(dev.model)
-                dev_mem.append(float(dev.memory_total_mib))
-                available.append(not dev.allocated and dev.health in USABLE_HEALTH)
+            labels.append({**node.labels, **({"arch": node.arch} if node.arch else {})})
+            for d in node.devices:
+                device_index = len(dev["node"])
+                key = _class_key(d)
+                if key not in class_ids:
+                    class_ids[key] = len(classes)
+                    classes.append(_device_class(d))
+                group_key = (node_index, d.interconnect_group or f"#{device_index}")
+                healthy = d.health in USABLE_HEALTH
+                dev["node"].append(node_index)
+                dev["kind"].append(d.kind)
+                dev["vendor"].append(d.vendor.lower())
+                dev["model"].append(d.model)
+                dev["memory"].append(float(d.memory_total_mib))
+                dev["available"].append(not d.allocated and healthy)
+                dev["class"].append(class_ids[key])
+                dev["shareable"].append(d.shareable and healthy and not d.allocated)
+                dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))
+                dev["group"].append(groups.setdefault(group_key, len(groups)))
+                dev["tflops"].append(_capacity(d.tflops_fp16))
+                dev["power"].append(_capacity(d.power_tdp_watts or d.power_watts))
+                for part in d.partitions:
+                    if healthy and not d.allocated:
+                        part_device.append(device_index)
+                        part_profile.append(part.profile)
+                        part_free.append(float(part.free))
+    n = len(ordered)
+    bandwidth = np.full((n, n), UNKNOWN_BANDWIDTH_MBPS)
+    rtt = np.full((n, n), UNKNOWN_RTT_MS)
+    known = np.zeros((n, n), dtype=bool)
+    for i, site in enumerate(ordered):
+        for link in site.view.links:
+            j = index.get(link.peer_site)
+            bw = _capacity(link.bandwidth_mbps)
+            if j is None or j == i or bw <= 0:
+                continue
+            bandwidth[i, j] = bw
+            rtt[i, j] = _capacity(link.rtt_ms)
+            known[i, j] = True
+    # A link measured one way stands for the other way until that is measured too.
+    fill = ~known & known.T
+    bandwidth[fill] = bandwidth.T[fill]
+    rtt[fill] = rtt.T[fill]
+    known |= fill
+    np.fill_diagonal(bandwidth, np.inf)
+    np.fill_diagonal(rtt, 0.0)
+    np.fill_diagonal(known, True)
     return Snapshot(
         site_ids=tuple(s.view.site for s in ordered),
         domain=np.array([s.view.domain for s in ordered], dtype=np.int64),
@@ -109,10 +255,26 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         node_memory_free_mib=np.array(mem_free, dtype=np.float64),
         node_schedulable=np.array(schedulable, dtype=bool),
         node_labels=tuple(labels),
-        device_node=np.array(dev_node, dtype=np.int64),
-        device_kind=np.array(kind, dtype=np.int64),
-        device_vendor=np.array(vendor, dtype=object),
-        device_model=np.array(model, dtype=object),
-        device_memory_mib=np.array(dev_mem, dtype=np.float64),
-        device_available=np.array(available, dtype=bool),
+        device_node=np.array(dev["node"], dtype=np.int64),
+        device_kind=np.array(dev["kind"], dtype=np.int64),
+        device_vendor=np.array(dev["vendor"], dtype=object),
+        device_model=np.array(dev["model"], dtype=object),
+        device_memory_mib=np.array(dev["memory"], dtype=np.float64),
+        device_available=np.array(dev["available"], dtype=bool),
+        device_class=np.array(dev["class"], dtype=np.int64),
+        device_shareable=np.array(dev["shareable"], dtype=bool),
+        device_free_fraction=np.array(dev["fraction"], dtype=np.float64),
+        device_group=np.array(dev["group"], dtype=np.int64),
+        device_tflops_fp16=np.array(dev["tflops"], dtype=np.float64),
+        device_power_watts=np.array(dev["power"], dtype=np.float64),
+        classes=tuple(classes),
+        partition_device=np.array(part_device, dtype=np.int64),
+        partition_profile=np.array(part_profile, dtype=object),
+        partition_free=np.array(part_free, dtype=np.float64),
+        queue_wait_s=np.array([_capacity(s.view.queue.estimated_wait_s) for s in ordered]),
+        price_per_device_hour=np.array([_capacity(s.view.price_per_device_hour) for s in ordered]),
+        datasets=tuple(dict(s.view.datasets) for s in ordered),
+        bandwidth_mbps=bandwidth,
+        rtt_ms=rtt,
+        link_known=known,
     )

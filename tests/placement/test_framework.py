@@ -199,7 +199,8 @@ def test_empty_snapshot_gives_an_empty_decision() -> None:
 
 
 def test_default_profile_places_on_the_roomiest_eligible_site() -> None:
-    """The default profile filters by state, constraints and capacity, then prefers room."""
+    """The default profile filters by state, constraints and capacity; with completion times,
+    costs and energy equal, the roomier site wins on balance."""
     snap = snapshot(
         site("busy", node(devices=[device(GPU)])),
         site("roomy", node(devices=[device(GPU)] * 4)),
@@ -208,7 +209,9 @@ def test_default_profile_places_on_the_roomiest_eligible_site() -> None:
     )
     decision = build_framework().place(request(cpu=1, kind=GPU, count=1), snap)
     assert decision.ranked == ("roomy", "busy")
-    assert decision.scores == (100.0, 25.0)
+    # CompletionTime 1.0, Cost 0.2 and Energy 0.05 give both 100; FreeCapacity (0.1) splits them.
+    assert decision.scores == (135.0, 127.5)
+    assert decision.terms["FreeCapacity"] == (100.0, 25.0)
     assert [(r.site, r.plugin) for r in decision.rejections] == [
         ("cpu-only", "CapacityFit"),
         ("gone", "SiteState"),

@@ -1,7 +1,9 @@
-"""Whether a site has room for every replica: CPU, memory and matching free devices.
+"""Whether a site has room for every replica: CPU, memory and matching free accelerators.
 
-Each replica must fit on one node, so the plugin counts how many replicas each node can hold
-and sums per site, all as array operations over every node and device of the federation.
+Each replica must fit on one node (and, when asked, in one interconnect group), so the plugin
+counts how many replicas each node can hold and sums per site, as array operations over every
+node and device of the federation. Accelerators are asked for as whole devices, as a fraction
+of a shareable device, or as a hardware partition profile (MIG).
 """
 
 from __future__ import annotations
@@ -14,20 +16,59 @@ import numpy.typing as npt
 from federation.jobspec import kind_name
 from federation.placement.framework import Verdict
 from federation.placement.request import Request
+from federation.placement.selectors import selector_mask
 from federation.placement.snapshot import Snapshot
 
 EPSILON = 1e-9
+F64 = npt.NDArray[np.float64]
 
 
 def matching_devices(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
-    """Mask over devices: free, healthy and of the kind, vendor, model and memory asked for."""
-    mask: npt.NDArray[np.bool_] = snap.device_available & (snap.device_kind == req.accelerator_kind)
+    """Devices of the kind, vendor, model, memory and selector asked for (free or not)."""
+    mask: npt.NDArray[np.bool_] = snap.device_kind == req.accelerator_kind
     mask &= snap.device_memory_mib >= req.accelerator_min_memory_mib
     if req.accelerator_vendor:
         mask &= snap.device_vendor == req.accelerator_vendor.lower()
     if req.accelerator_models:
         mask &= np.isin(snap.device_model, list(req.accelerator_models))
+    if req.selector:
+        mask &= selector_mask(req.selector, snap)
     return mask
+
+
+def replicas_per_device(req: Request, snap: Snapshot) -> F64:
+    """For fractions and partitions: how many replicas each device can take."""
+    matching = matching_devices(req, snap)
+    if req.fraction:
+        shares = np.floor(snap.device_free_fraction / req.fraction + EPSILON)
+        return np.asarray(np.where(matching & snap.device_shareable, shares, 0.0), np.float64)
+    free = np.zeros(len(snap.device_node))
+    rows = snap.partition_profile == req.partition
+    np.add.at(free, snap.partition_device[rows], snap.partition_free[rows])
+    return np.asarray(np.where(matching, free, 0.0), dtype=np.float64)
+
+
+def accelerator_room(req: Request, snap: Snapshot) -> F64:
+    """Per node: replicas its free matching accelerators can hold (inf when none are asked)."""
+    if not req.wants_accelerator:
+        return np.full(snap.n_nodes, np.inf)
+    if not req.accelerator_count:
+        per_device = replicas_per_device(req, snap)
+        return np.bincount(snap.device_node, weights=per_device, minlength=snap.n_nodes).astype(
+            np.float64
+        )
+    free = matching_devices(req, snap) & snap.device_available
+    if req.same_interconnect:
+        # Replicas per group, then per node: a replica's devices never span two groups.
+        per_group = np.bincount(snap.device_group[free], minlength=len(snap.device_group) + 1)
+        group_room = np.floor(per_group / req.accelerator_count)
+        group_node = np.zeros(len(per_group), dtype=np.int64)
+        group_node[snap.device_group] = snap.device_node
+        return np.bincount(group_node, weights=group_room, minlength=snap.n_nodes).astype(
+            np.float64
+        )
+    per_node = np.bincount(snap.device_node[free], minlength=snap.n_nodes).astype(np.float64)
+    return np.floor(per_node / req.accelerator_count)
 
 
 def node_label_mask(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
@@ -39,9 +80,7 @@ def node_label_mask(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     )
 
 
-def replicas_per_node(
-    req: Request, snap: Snapshot, *, cap: float | None = None
-) -> npt.NDArray[np.float64]:
+def replicas_per_node(req: Request, snap: Snapshot, *, cap: float | None = None) -> F64:
     """How many replicas of ``req`` each node can hold now, at most ``cap`` (default: all)."""
     fit = np.full(snap.n_nodes, np.inf)
     # The tolerance keeps 0.3 / 0.1 (2.9999999999999996) at 3, as the agent's packer counts.
@@ -49,25 +88,31 @@ def replicas_per_node(
         fit = np.minimum(fit, np.floor(snap.node_cpu_free / req.cpu + EPSILON))
     if req.memory_mib > 0:
         fit = np.minimum(fit, np.floor(snap.node_memory_free_mib / req.memory_mib + EPSILON))
-    if req.accelerator_count > 0:
-        per_node = np.bincount(
-            snap.device_node[matching_devices(req, snap)], minlength=snap.n_nodes
-        ).astype(np.float64)
-        fit = np.minimum(fit, np.floor(per_node / req.accelerator_count))
+    fit = np.minimum(fit, accelerator_room(req, snap))
     fit[~(snap.node_schedulable & node_label_mask(req, snap))] = 0
     return np.asarray(np.minimum(fit, req.replicas if cap is None else cap), dtype=np.float64)
 
 
 def describe_demand(req: Request) -> str:
     parts = [f"{req.cpu:g} CPU", f"{req.memory_mib:g} MiB"]
-    if req.accelerator_count:
-        acc = f"{req.accelerator_count}x{kind_name(req.accelerator_kind)}"
+    if req.wants_accelerator:
+        kind = kind_name(req.accelerator_kind)
+        if req.accelerator_count:
+            acc = f"{req.accelerator_count}x{kind}"
+        elif req.fraction:
+            acc = f"{req.fraction:g} of a shareable {kind}"
+        else:
+            acc = f"a {kind} partition {req.partition}"
         if req.accelerator_vendor:
             acc += f" from {req.accelerator_vendor}"
         if req.accelerator_models:
             acc += f" ({'|'.join(sorted(req.accelerator_models))})"
         if req.accelerator_min_memory_mib:
             acc += f" with >= {req.accelerator_min_memory_mib:g} MiB"
+        if req.selector:
+            acc += f" matching {req.selector!r}"
+        if req.same_interconnect:
+            acc += " in one interconnect group"
         parts.append(acc)
     return f"{req.replicas} replica(s) of {', '.join(parts)}"
 
@@ -84,17 +129,17 @@ class CapacityFit:
         failing = np.flatnonzero(~mask)
         if len(failing):
             devices = np.zeros(snap.n_sites, dtype=np.float64)
-            if req.accelerator_count:
-                free = np.bincount(
-                    snap.device_node[matching_devices(req, snap)], minlength=snap.n_nodes
-                )
-                devices = np.bincount(snap.node_site, weights=free, minlength=snap.n_sites).astype(
+            if req.wants_accelerator:
+                free = matching_devices(req, snap) & snap.device_available
+                if not req.accelerator_count:
+                    free = replicas_per_device(req, snap) > 0
+                devices = np.bincount(snap.device_site[free], minlength=snap.n_sites).astype(
                     np.float64
                 )
             demand = describe_demand(req)
             for i in failing:
                 room = f"room for {int(per_site[i])}"
-                if req.accelerator_count:
+                if req.wants_accelerator:
                     room += f"; {int(devices[i])} matching free device(s)"
                 reasons[int(i)] = f"needs {demand}; site has {room}"
         return Verdict(mask=mask, reasons=reasons)
