@@ -44,7 +44,11 @@ def build(cls: type[T], values: Mapping[str, Any], *, source: str) -> T:
             value = base / Path(str(value)).expanduser()
         elif "float" in kind and isinstance(value, int | float) and not isinstance(value, bool):
             value = float(value)
-        elif "dict" in kind and not isinstance(value, dict):
+        elif kind.startswith("list") and not isinstance(value, list):
+            raise ConfigError(f"{source}: {key} must be an array")
+        elif kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{source}: {key} must be an integer")
+        elif "dict" in kind and not kind.startswith("list") and not isinstance(value, dict):
             raise ConfigError(f"{source}: {key} must be a table")
         elif kind in ("str", "str | None") and not isinstance(value, str):
             raise ConfigError(f"{source}: {key} must be a string")

@@ -43,3 +43,15 @@ class AgentConfig:
     (which is private to the agent) and the agent creates the folders owned by task_user."""
     kill_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when a task is cancelled."""
+    probe_listen: str = "127.0.0.1:0"
+    """Where the link probe server listens, host:port; port 0 picks a free one."""
+    probe_advertise: str = ""
+    """The probe endpoint peers should dial when it differs from the bound address (NAT,
+    a wildcard listen address); empty advertises the bound address."""
+    probe_interval_s: float = 60.0
+    """Time between two rounds of link measurements to every peer."""
+    probe_payload_bytes: int = 4 * 1024 * 1024
+    """Bytes sent by one throughput probe; more is more accurate and costs more traffic."""
+    links: list[dict[str, object]] = field(default_factory=list)
+    """Declared links, ``[[links]]`` tables with peer, bandwidth_mbps and rtt_ms: for peers
+    the agent cannot measure. A declared link replaces a measurement of the same peer."""

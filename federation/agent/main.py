@@ -16,6 +16,7 @@ from federation.agent.core import LocalCore
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
+from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
@@ -70,7 +71,10 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
             f"missing settings: {', '.join(sorted(missing))}. To fix: pass them as flags "
             "(--site, --coordinator, --ca, --state-dir) or set them in --config"
         )
-    return build(AgentConfig, values, source=str(args.config) if args.config else "flags")
+    source = str(args.config) if args.config else "flags"
+    config = build(AgentConfig, values, source=source)
+    link_settings(config, source=source)  # refuse bad probe settings or declared links now
+    return config
 
 
 def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
@@ -86,6 +90,11 @@ async def run(config: AgentConfig) -> int:
     creds = await ensure_enrolled(config)
     if config.metrics_listen:
         serve_metrics(config.metrics_listen)
+    probe = ProbeServer(config.probe_listen)
+    try:
+        bound = await probe.start()
+    except OSError as exc:
+        raise ConfigError(f"probe_listen {config.probe_listen}: {exc.strerror or exc}") from None
     runtime_ref: list[AgentRuntime] = []
     core: LocalCore = EmbeddedCore(
         site_nodes(config),
@@ -96,8 +105,18 @@ async def run(config: AgentConfig) -> int:
         kill_grace_s=config.kill_grace_s,
         task_user=config.task_user,
     )
-    runtime = AgentRuntime(config, creds, core)
+    links = LinkMonitor(
+        site=config.site,
+        declared=link_settings(config, source="config"),
+        on_change=lambda: runtime_ref[0].on_links_change(),
+        interval_s=config.probe_interval_s,
+        payload_bytes=config.probe_payload_bytes,
+    )
+    endpoint = config.probe_advertise or bound
+    log.info("probe_server_started", listen=bound, endpoint=endpoint)
+    runtime = AgentRuntime(config, creds, core, links=links, probe_endpoint=endpoint)
     runtime_ref.append(runtime)
+    links.start()
     session = asyncio.create_task(runtime.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -112,6 +131,8 @@ async def run(config: AgentConfig) -> int:
     session.cancel()
     stopper.cancel()
     await runtime.close()
+    await links.close()
+    await probe.close()
     await core.shutdown(config.kill_grace_s)
     await core.close()
     return code

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import structlog
@@ -18,6 +18,7 @@ import structlog
 from federation.agent.config import AgentConfig
 from federation.agent.core import LocalCore
 from federation.agent.enroll import SiteCredentials, channel_options
+from federation.agent.links import LinkMonitor
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.jobspec import parse_domain
@@ -39,13 +40,33 @@ class AgentRejectedError(RuntimeError):
 class AgentRuntime:
     """Owns the local core and keeps one session to the coordinator alive."""
 
-    def __init__(self, config: AgentConfig, creds: SiteCredentials, core: LocalCore) -> None:
+    def __init__(
+        self,
+        config: AgentConfig,
+        creds: SiteCredentials,
+        core: LocalCore,
+        *,
+        links: LinkMonitor | None = None,
+        probe_endpoint: str = "",
+    ) -> None:
+        """Prepare a session; ``run`` opens it.
+
+        Args:
+            config: The agent's settings.
+            creds: The site's certificate and key.
+            core: The local scheduler core that runs the work.
+            links: Measures and declares this site's links; without it none are published.
+            probe_endpoint: Where peers may measure their link to this site; empty for none.
+        """
         self._config = config
         self._creds = creds
         self.core = core
+        self._links = links
+        self._probe_endpoint = probe_endpoint
         self._domain = parse_domain(config.domain)
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
+        self._sent_links: list[bytes] = []
         self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
         self._view_dirty = asyncio.Event()
         self._heartbeat_s = 3.0
@@ -63,6 +84,10 @@ class AgentRuntime:
         AGENT_TASKS_RUNNING.set(self.core.queue().running_tasks)
         self._view_dirty.set()
 
+    def on_links_change(self) -> None:
+        """The published links changed: the next delta carries them."""
+        self._view_dirty.set()
+
     # The view ----------------------------------------------------------------------------
 
     def full_view(self) -> resources_pb2.SiteView:
@@ -77,10 +102,16 @@ class AgentRuntime:
             labels=c.labels,
             scheduler=self.core.name,
             agent_version=AGENT_VERSION,
+            links=self._current_links(),
+            probe_endpoint=self._probe_endpoint,
         )
+
+    def _current_links(self) -> list[resources_pb2.Link]:
+        return self._links.links() if self._links is not None else []
 
     def _mark_sent(self, view: resources_pb2.SiteView) -> None:
         self._sent_nodes = {n.name: n.SerializeToString(deterministic=True) for n in view.nodes}
+        self._sent_links = _encode_links(view.links)
 
     def _delta(self) -> pb.ViewUpdate:
         nodes = {n.name: n for n in self.core.nodes()}
@@ -90,16 +121,20 @@ class AgentRuntime:
         ]
         removed = [name for name in self._sent_nodes if name not in nodes]
         self._sent_nodes = encoded
-        self._generation += 1
-        return pb.ViewUpdate(
-            generation=self._generation,
-            delta=resources_pb2.SiteViewDelta(
-                upserted_nodes=upserted,
-                removed_nodes=removed,
-                queue=self.core.queue(),
-                has_queue=True,
-            ),
+        delta = resources_pb2.SiteViewDelta(
+            upserted_nodes=upserted,
+            removed_nodes=removed,
+            queue=self.core.queue(),
+            has_queue=True,
         )
+        links = self._current_links()
+        encoded_links = _encode_links(links)
+        if encoded_links != self._sent_links:  # links travel whole, and only when changed
+            delta.links.extend(links)
+            delta.has_links = True
+            self._sent_links = encoded_links
+        self._generation += 1
+        return pb.ViewUpdate(generation=self._generation, delta=delta)
 
     # The session -------------------------------------------------------------------------
 
@@ -180,6 +215,11 @@ class AgentRuntime:
             )
         elif body == "ack":
             self.core.forget(message.ack.job_id, message.ack.task, message.ack.epoch)
+        elif body == "probe_peers":
+            if self._links is not None:
+                self._links.set_peers(message.probe_peers.peers)
+            else:
+                log.warning("probe_peers_ignored", reason="no link monitor")
         else:
             # Offers, commits, releases and cancels may be slow (a real scheduler answers
             # them): handle each in its own task so the stream keeps flowing.
@@ -214,6 +254,10 @@ class AgentRuntime:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._handlers, return_exceptions=True)
+
+
+def _encode_links(links: Iterable[resources_pb2.Link]) -> list[bytes]:
+    return [link.SerializeToString(deterministic=True) for link in links]
 
 
 async def _drain(outbox: asyncio.Queue[pb.ConnectRequest]) -> AsyncIterator[pb.ConnectRequest]:

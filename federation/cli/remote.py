@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import time
 from pathlib import Path
 
 from rich.table import Table
@@ -14,11 +15,15 @@ from federation.api.v1 import (
     job_service_pb2_grpc,
     jobs_pb2,
 )
+from federation.cli import explain
 from federation.cli.connection import CliError, Connection
 from federation.cli.render import (
     console,
     event_line,
     jobs_table,
+    link_records,
+    links_matrix,
+    print_data,
     print_json,
     sites_table,
 )
@@ -33,6 +38,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     sites.set_defaults(func=cmd_sites)
     sites_sub = sites.add_subparsers(dest="sites_command")
     sites_sub.add_parser("list").set_defaults(func=cmd_sites)
+    sites_sub.add_parser(
+        "links", help="bandwidth and RTT between sites: measured, with their age, or declared"
+    ).set_defaults(func=cmd_site_links)
     for name, func in (("cordon", cmd_cordon), ("uncordon", cmd_uncordon)):
         p = sites_sub.add_parser(name, help=f"{name} a site")
         p.add_argument("site")
@@ -68,6 +76,7 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     watch = jobs_sub.add_parser("watch", help="stream job events (Ctrl-C to stop)")
     watch.add_argument("job_ids", nargs="*")
     watch.set_defaults(func=cmd_watch)
+    explain.add_parser(jobs_sub)
 
 
 async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
@@ -95,6 +104,18 @@ async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
         print_json(list(reply.sites))
     else:
         console.print(sites_table(reply.sites))
+    return 0
+
+
+async def cmd_site_links(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
+    now = time.time()
+    if args.json:
+        print_data(link_records(reply.sites, now=now))
+    else:
+        console.print(links_matrix(reply.sites, now=now))
     return 0
 
 

@@ -26,6 +26,12 @@ def print_json(messages: Message | Sequence[Message]) -> None:
     sys.stdout.write("\n")
 
 
+def print_data(doc: object) -> None:
+    """Print plain data (dicts, lists, numbers) as JSON, as ``print_json`` does messages."""
+    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
+    sys.stdout.write("\n")
+
+
 def site_state_name(value: int) -> str:
     return admin_service_pb2.SiteState.Name(value).removeprefix("SITE_STATE_")  # type: ignore[arg-type]
 
@@ -91,6 +97,85 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             source or "-",
         )
     return table
+
+
+def _published_links(
+    sites: Sequence[admin_service_pb2.Site],
+) -> list[tuple[str, resources_pb2.Link]]:
+    return [
+        (site.name, link)
+        for site in sorted(sites, key=lambda s: s.name)
+        for link in sorted(site.view.links, key=lambda link: link.peer_site)
+    ]
+
+
+def _age_s(link: resources_pb2.Link, now: float) -> float | None:
+    return None if link.declared else max(now - link.measured_at, 0.0)
+
+
+def link_records(sites: Sequence[admin_service_pb2.Site], *, now: float) -> list[dict[str, object]]:
+    """Every published link as ``{from, to, bandwidth_mbps, rtt_ms, declared, age_s}``.
+
+    ``age_s`` is seconds since the measurement by ``now``, and ``None`` for a declared link,
+    which was never measured.
+    """
+    records: list[dict[str, object]] = []
+    for source, link in _published_links(sites):
+        age = _age_s(link, now)
+        records.append(
+            {
+                "from": source,
+                "to": link.peer_site,
+                "bandwidth_mbps": link.bandwidth_mbps,
+                "rtt_ms": link.rtt_ms,
+                "declared": link.declared,
+                "age_s": None if age is None else round(age, 1),
+            }
+        )
+    return records
+
+
+def links_matrix(sites: Sequence[admin_service_pb2.Site], *, now: float) -> Table:
+    """A site-by-site table (rows from, columns to) of bandwidth / RTT and each one's age."""
+    links = {(source, link.peer_site): link for source, link in _published_links(sites)}
+    names = sorted({s.name for s in sites} | {to for _, to in links})
+    table = Table(
+        title="Links: bandwidth Mbit/s / RTT ms (age)",
+        caption="rows: from, columns: to; * declared by the operator, not measured",
+    )
+    table.add_column("from \\ to")
+    for name in names:
+        table.add_column(name, justify="right")
+    for source in names:
+        cells = []
+        for target in names:
+            link = links.get((source, target))
+            if source == target:
+                cells.append("·")
+            elif link is None:
+                cells.append("-")
+            else:
+                cells.append(_link_cell(link, now))
+        table.add_row(source, *cells)
+    return table
+
+
+def _link_cell(link: resources_pb2.Link, now: float) -> str:
+    figures = f"{_figure(link.bandwidth_mbps)} / {_figure(link.rtt_ms)}"
+    age = _age_s(link, now)
+    return f"{figures}*" if age is None else f"{figures} ({format_age(age)})"
+
+
+def _figure(value: float) -> str:
+    return f"{value:.0f}" if value >= 100 else f"{value:.3g}"
+
+
+def format_age(seconds: float) -> str:
+    """``42s``, ``5m``, ``3h`` or ``2d``: the age of a measurement at a glance."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds // size:.0f}{unit}"
+    return f"{seconds:.0f}s"
 
 
 def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:

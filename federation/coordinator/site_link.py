@@ -76,6 +76,7 @@ class SiteLink:
         session.send(
             pb.ConnectResponse(welcome=pb.Welcome(heartbeat_interval_s=self._heartbeat_interval_s))
         )
+        self._sites.announce_probe_peers()
         failure: list[FederationError] = []
         reader = asyncio.create_task(self._read(session, requests, failure))
         try:

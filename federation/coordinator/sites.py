@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import time
 from collections.abc import Callable
@@ -208,6 +209,28 @@ class SiteRegistry:
             site.view.CopyFrom(entry.view)
         return site
 
+    def announce_probe_peers(self) -> None:
+        """Tell every connected site which peers it can measure its links to."""
+        endpoints = {
+            name: e.view.probe_endpoint
+            for name, e in self._sites.items()
+            if e.session is not None and e.view is not None and e.view.probe_endpoint
+        }
+        for name, entry in self._sites.items():
+            if entry.session is None:
+                continue
+            peers = [
+                site_link_service_pb2.ProbePeers.Peer(site=peer, endpoint=endpoint)
+                for peer, endpoint in sorted(endpoints.items())
+                if peer != name
+            ]
+            with contextlib.suppress(SessionClosedError):
+                entry.session.send(
+                    site_link_service_pb2.ConnectResponse(
+                        probe_peers=site_link_service_pb2.ProbePeers(peers=peers)
+                    )
+                )
+
     def known_datasets(self) -> set[str]:
         """Every dataset some site's latest view reports holding."""
         return {d for e in self._sites.values() if e.view is not None for d in e.view.datasets}
@@ -226,3 +249,6 @@ def apply_delta(view: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta
     view.nodes.extend(sorted(merged.values(), key=lambda n: n.name))
     if delta.has_queue:
         view.queue.CopyFrom(delta.queue)
+    if delta.has_links:
+        del view.links[:]
+        view.links.extend(delta.links)
