@@ -43,6 +43,8 @@ class SiteSpec:
     discover_host: bool = False
     region: str = ""
     price_per_device_hour: float = 0.0
+    settings: dict[str, Any] = field(default_factory=dict)
+    """More agent settings (datasets, declared links, ...), written into its config file."""
 
 
 def _toml_value(value: object) -> str:
@@ -50,6 +52,12 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, int | float):
         return repr(value)
+    if isinstance(value, dict):
+        return (
+            "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        )
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 
@@ -166,6 +174,7 @@ class LocalFederation:
             "discover_host": site.discover_host,
             "kill_grace_s": 2.0,
             "price_per_device_hour": site.price_per_device_hour,
+            **site.settings,
         }
         if site.nodes:
             inventory = home / "inventory.yaml"

@@ -43,6 +43,8 @@ class AgentConfig:
     (which is private to the agent) and the agent creates the folders owned by task_user."""
     kill_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when a task is cancelled."""
+    datasets: dict[str, int] = field(default_factory=dict)
+    """Datasets this site holds, id -> bytes; placement counts moving them elsewhere."""
     probe_listen: str = "127.0.0.1:0"
     """Where the link probe server listens, host:port; port 0 picks a free one."""
     probe_advertise: str = ""

@@ -104,6 +104,7 @@ class AgentRuntime:
             agent_version=AGENT_VERSION,
             links=self._current_links(),
             probe_endpoint=self._probe_endpoint,
+            datasets=c.datasets,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:
