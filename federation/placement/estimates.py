@@ -14,7 +14,11 @@ import numpy as np
 import numpy.typing as npt
 import yaml
 
-from federation.placement.plugins.capacity_fit import accelerator_room, matching_devices
+from federation.placement.plugins.capacity_fit import (
+    matching_classes,
+    matching_devices,
+    replicas_per_device,
+)
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
@@ -46,31 +50,58 @@ def speed_table() -> dict[str, dict[str, float]]:
     return doc
 
 
-def device_speed(req: Request, snap: Snapshot) -> F64:
-    """Speed of each device for the task's workload class (1.0 = A100-80GB)."""
+def class_speed(req: Request, snap: Snapshot) -> F64:
+    """Speed of each device class for the task's workload class (1.0 = A100-80GB)."""
     table = {**speed_table().get(req.workload_class, speed_table()["training"]), **dict(req.speed)}
-    by_tflops = snap.device_tflops_fp16 / REFERENCE_TFLOPS_FP16
-    known = np.array([table.get(m, np.nan) for m in snap.device_model], dtype=np.float64)
-    speed = np.where(np.isnan(known), np.where(by_tflops > 0, by_tflops, 1.0), known)
-    return np.asarray(speed, dtype=np.float64)
+    speeds = []
+    for c in snap.classes:
+        tflops = float(c.attributes.get("tflops_fp16", 0.0))
+        fallback = tflops / REFERENCE_TFLOPS_FP16 if tflops > 0 else 1.0
+        speeds.append(table.get(c.model, fallback))
+    return np.array(speeds, dtype=np.float64)
+
+
+def _groups(
+    snap: Snapshot, site_of: npt.NDArray[np.int64], name: str
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+    """Where each site's run starts in ``site_of`` (sorted), and which sites have any."""
+    key = ("groups", name)
+    cached = snap.memo.get(key)
+    if cached is None:
+        starts = np.searchsorted(site_of, np.arange(snap.n_sites))
+        present = np.bincount(site_of, minlength=snap.n_sites) > 0
+        cached = snap.memo[key] = (np.minimum(starts, max(len(site_of) - 1, 0)), present)
+    return cached  # type: ignore[return-value]
+
+
+def _site_max(values: F64, groups: tuple[npt.NDArray[np.int64], npt.NDArray[np.bool_]]) -> F64:
+    """Per-site maximum of non-negative ``values`` laid out in site order."""
+    starts, present = groups
+    out = np.zeros(len(present))
+    if len(values):
+        out[present] = np.maximum.reduceat(values, starts)[present]
+    return out
 
 
 def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64]:
     """Run time at each site on its fastest usable devices, and their power per device."""
-    if not req.wants_accelerator or not len(snap.device_node):
+    if not req.wants_accelerator or not len(snap.classes):
         return np.full(snap.n_sites, req.duration_s), np.zeros(snap.n_sites)
-    usable = matching_devices(req, snap)
+    speed = class_speed(req, snap)
+    power = np.array([float(c.attributes.get("power_tdp_watts", 0.0)) for c in snap.classes])
     if req.accelerator_count:
-        usable &= snap.device_available
+        # Per (node, class) pair: classes that match and have free devices there.
+        usable = matching_classes(req, snap)[snap.pair_class] & (snap.pair_free > 0)
+        groups = _groups(snap, snap.pair_site, "pairs")
+        classes = snap.pair_class
     else:
-        usable &= accelerator_room(req, snap)[snap.device_node] > 0
-    speed = np.where(usable, device_speed(req, snap), 0.0)
-    best = np.zeros(snap.n_sites)
-    np.maximum.at(best, snap.device_site, speed)
-    power = np.zeros(snap.n_sites)
-    np.maximum.at(power, snap.device_site, np.where(usable, snap.device_power_watts, 0.0))
+        usable = matching_devices(req, snap) & (replicas_per_device(req, snap) > 0)
+        groups = _groups(snap, snap.device_site, "devices")
+        classes = snap.device_class
+    best = _site_max(speed[classes] * usable, groups)
+    watts = _site_max(power[classes] * usable, groups)
     run = np.where(best > 0, req.duration_s / np.where(best > 0, best, 1.0), req.duration_s)
-    return run, power
+    return run, watts
 
 
 def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bool_]]:

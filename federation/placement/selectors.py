@@ -64,14 +64,7 @@ def _matches(program: Any, device_class: DeviceClass) -> bool:
         return False  # e.g. an attribute this class lacks: it does not match
 
 
-def selector_mask(source: str, snap: Snapshot) -> Bool:
-    """Mask over devices: those whose class the selector accepts."""
-    key = ("selector", source)
-    cached = snap.memo.get(key)
-    if cached is None:
-        program = compile_selector(source)
-        per_class = np.array([_matches(program, c) for c in snap.classes], dtype=bool)
-        cached = per_class[snap.device_class] if len(per_class) else np.zeros(0, dtype=bool)
-        snap.memo[key] = cached
-    mask: Bool = cached  # type: ignore[assignment]
-    return mask
+def selector_class_mask(source: str, snap: Snapshot) -> Bool:
+    """Mask over device classes: those the selector accepts (one evaluation per class)."""
+    program = compile_selector(source)
+    return np.array([_matches(program, c) for c in snap.classes], dtype=bool)

@@ -79,6 +79,11 @@ class Snapshot:
     device_tflops_fp16: F64 = field(default_factory=lambda: np.zeros(0))
     device_power_watts: F64 = field(default_factory=lambda: np.zeros(0))
     classes: tuple[DeviceClass, ...] = ()
+    # Free whole devices per (node, class) pair, grouped by node (so by site): the hot path
+    # for whole-device requests reads these instead of every device.
+    pair_node: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    pair_class: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    pair_free: F64 = field(default_factory=lambda: np.zeros(0))
     # Partition profiles: one row per (device, profile).
     partition_device: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     partition_profile: Obj = field(default_factory=lambda: np.zeros(0, object))
@@ -105,6 +110,10 @@ class Snapshot:
     @property
     def device_site(self) -> I64:
         return self.node_site[self.device_node]
+
+    @property
+    def pair_site(self) -> I64:
+        return self.node_site[self.pair_node]
 
     def site_index(self, site: str) -> int | None:
         position = int(np.searchsorted(np.array(self.site_ids, dtype=object), site))
@@ -190,9 +199,13 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
     class_ids: dict[tuple[object, ...], int] = {}
     classes: list[DeviceClass] = []
     groups: dict[tuple[int, str], int] = {}
+    pair_node: list[int] = []
+    pair_class: list[int] = []
+    pair_free: list[float] = []
     for site_index, site in enumerate(ordered):
         for node in site.view.nodes:
             node_index = len(node_site)
+            free_by_class: dict[int, int] = {}
             node_site.append(site_index)
             cpu_free.append(_capacity(node.cpu_free))
             mem_free.append(_capacity(float(node.memory_free_mib)))
@@ -213,6 +226,9 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
                 dev["memory"].append(float(d.memory_total_mib))
                 dev["available"].append(not d.allocated and healthy)
                 dev["class"].append(class_ids[key])
+                free_by_class[class_ids[key]] = free_by_class.get(class_ids[key], 0) + int(
+                    not d.allocated and healthy
+                )
                 dev["shareable"].append(d.shareable and healthy and not d.allocated)
                 dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))
                 dev["group"].append(groups.setdefault(group_key, len(groups)))
@@ -223,6 +239,10 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
                         part_device.append(device_index)
                         part_profile.append(part.profile)
                         part_free.append(float(part.free))
+            for class_id, free in sorted(free_by_class.items()):
+                pair_node.append(node_index)
+                pair_class.append(class_id)
+                pair_free.append(float(free))
     n = len(ordered)
     bandwidth = np.full((n, n), UNKNOWN_BANDWIDTH_MBPS)
     rtt = np.full((n, n), UNKNOWN_RTT_MS)
@@ -268,6 +288,9 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         device_tflops_fp16=np.array(dev["tflops"], dtype=np.float64),
         device_power_watts=np.array(dev["power"], dtype=np.float64),
         classes=tuple(classes),
+        pair_node=np.array(pair_node, dtype=np.int64),
+        pair_class=np.array(pair_class, dtype=np.int64),
+        pair_free=np.array(pair_free, dtype=np.float64),
         partition_device=np.array(part_device, dtype=np.int64),
         partition_profile=np.array(part_profile, dtype=object),
         partition_free=np.array(part_free, dtype=np.float64),

@@ -14,26 +14,51 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.jobspec import kind_name
-from federation.placement.framework import Verdict
+from federation.placement.framework import LazyReasons, Verdict
 from federation.placement.request import Request
-from federation.placement.selectors import selector_mask
+from federation.placement.selectors import selector_class_mask
 from federation.placement.snapshot import Snapshot
 
 EPSILON = 1e-9
 F64 = npt.NDArray[np.float64]
 
 
+def matching_classes(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
+    """Device classes of the kind, vendor, model, memory and selector asked for."""
+    key = (
+        "classes",
+        req.accelerator_kind,
+        req.accelerator_vendor,
+        req.accelerator_models,
+        req.accelerator_min_memory_mib,
+        req.selector,
+    )
+    cached = snap.memo.get(key)
+    if cached is None:
+        vendor = req.accelerator_vendor.lower()
+        cached = np.array(
+            [
+                c.kind == req.accelerator_kind
+                and c.memory_mib >= req.accelerator_min_memory_mib
+                and (not vendor or c.vendor == vendor)
+                and (not req.accelerator_models or c.model in req.accelerator_models)
+                for c in snap.classes
+            ],
+            dtype=bool,
+        )
+        if req.selector and len(cached):
+            cached &= selector_class_mask(req.selector, snap)
+        snap.memo[key] = cached
+    mask: npt.NDArray[np.bool_] = cached  # type: ignore[assignment]
+    return mask
+
+
 def matching_devices(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     """Devices of the kind, vendor, model, memory and selector asked for (free or not)."""
-    mask: npt.NDArray[np.bool_] = snap.device_kind == req.accelerator_kind
-    mask &= snap.device_memory_mib >= req.accelerator_min_memory_mib
-    if req.accelerator_vendor:
-        mask &= snap.device_vendor == req.accelerator_vendor.lower()
-    if req.accelerator_models:
-        mask &= np.isin(snap.device_model, list(req.accelerator_models))
-    if req.selector:
-        mask &= selector_mask(req.selector, snap)
-    return mask
+    classes = matching_classes(req, snap)
+    if not len(classes):
+        return np.zeros(len(snap.device_node), dtype=bool)
+    return classes[snap.device_class]
 
 
 def replicas_per_device(req: Request, snap: Snapshot) -> F64:
@@ -57,6 +82,14 @@ def accelerator_room(req: Request, snap: Snapshot) -> F64:
         return np.bincount(snap.device_node, weights=per_device, minlength=snap.n_nodes).astype(
             np.float64
         )
+    if not req.same_interconnect:
+        # The hot path: free whole devices per (node, class), not per device.
+        classes = matching_classes(req, snap)
+        pairs = classes[snap.pair_class] if len(classes) else np.zeros(0, dtype=bool)
+        per_node = np.bincount(
+            snap.pair_node[pairs], weights=snap.pair_free[pairs], minlength=snap.n_nodes
+        )
+        return np.floor(per_node / req.accelerator_count)
     free = matching_devices(req, snap) & snap.device_available
     if req.same_interconnect:
         # Replicas per group, then per node: a replica's devices never span two groups.
@@ -82,6 +115,16 @@ def node_label_mask(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
 
 def replicas_per_node(req: Request, snap: Snapshot, *, cap: float | None = None) -> F64:
     """How many replicas of ``req`` each node can hold now, at most ``cap`` (default: all)."""
+    key = ("node_room", req)
+    room = snap.memo.get(key)
+    if not isinstance(room, np.ndarray):
+        room = snap.memo[key] = _node_room(req, snap)
+    limit = req.replicas if cap is None else cap
+    return np.asarray(np.minimum(room, limit), dtype=np.float64)
+
+
+def _node_room(req: Request, snap: Snapshot) -> F64:
+    """Replicas each node can hold, with no upper bound."""
     fit = np.full(snap.n_nodes, np.inf)
     # The tolerance keeps 0.3 / 0.1 (2.9999999999999996) at 3, as the agent's packer counts.
     if req.cpu > 0:
@@ -90,7 +133,7 @@ def replicas_per_node(req: Request, snap: Snapshot, *, cap: float | None = None)
         fit = np.minimum(fit, np.floor(snap.node_memory_free_mib / req.memory_mib + EPSILON))
     fit = np.minimum(fit, accelerator_room(req, snap))
     fit[~(snap.node_schedulable & node_label_mask(req, snap))] = 0
-    return np.asarray(np.minimum(fit, req.replicas if cap is None else cap), dtype=np.float64)
+    return np.asarray(fit, dtype=np.float64)
 
 
 def describe_demand(req: Request) -> str:
@@ -125,21 +168,18 @@ class CapacityFit:
             snap.node_site, weights=replicas_per_node(req, snap), minlength=snap.n_sites
         )
         mask = per_site >= req.replicas
-        reasons: dict[int, str] = {}
-        failing = np.flatnonzero(~mask)
-        if len(failing):
-            devices = np.zeros(snap.n_sites, dtype=np.float64)
+        devices: list[F64] = []
+
+        def explain(site: int) -> str:
+            room = f"room for {int(per_site[site])}"
             if req.wants_accelerator:
-                free = matching_devices(req, snap) & snap.device_available
-                if not req.accelerator_count:
-                    free = replicas_per_device(req, snap) > 0
-                devices = np.bincount(snap.device_site[free], minlength=snap.n_sites).astype(
-                    np.float64
-                )
-            demand = describe_demand(req)
-            for i in failing:
-                room = f"room for {int(per_site[i])}"
-                if req.wants_accelerator:
-                    room += f"; {int(devices[i])} matching free device(s)"
-                reasons[int(i)] = f"needs {demand}; site has {room}"
-        return Verdict(mask=mask, reasons=reasons)
+                if not devices:  # counted once, for the first reason anyone reads
+                    free = matching_devices(req, snap) & snap.device_available
+                    if not req.accelerator_count:
+                        free = replicas_per_device(req, snap) > 0
+                    site_of = snap.node_site[snap.device_node[free]]
+                    devices.append(np.bincount(site_of, minlength=snap.n_sites).astype(float))
+                room += f"; {int(devices[0][site])} matching free device(s)"
+            return f"needs {describe_demand(req)}; site has {room}"
+
+        return Verdict(mask=mask, reasons=LazyReasons(np.flatnonzero(~mask), explain))

@@ -22,7 +22,7 @@ def lower_is_better(values: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
     finite = np.where(np.isfinite(values), values, np.inf)
     if best <= 0:
         return np.where(finite <= 0, 100.0, 100.0 * 1.0 / (1.0 + finite))
-    return np.asarray(100.0 * best / finite, dtype=np.float64)
+    return np.asarray(100.0 * (best / finite), dtype=np.float64)  # best / best is exactly 1
 
 
 class CompletionTime:
