@@ -114,7 +114,7 @@ def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bo
             holders = [] if source is None else [source]
             sizes = [float(item.bytes)]
         else:
-            holders = [i for i, held in enumerate(snap.datasets) if item.dataset in held]
+            holders = snap.holders(item.dataset)
             sizes = [float(item.bytes or snap.datasets[i][item.dataset]) for i in holders]
         if not holders:
             continue  # nowhere known to fetch from: the submit check refuses such inputs

@@ -9,6 +9,7 @@ evaluated once per class, not once per device.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,31 @@ Obj = npt.NDArray[np.object_]
 # Assumed for a pair of sites with no measured or declared link (shown as such in Explain).
 UNKNOWN_BANDWIDTH_MBPS = 100.0
 UNKNOWN_RTT_MS = 100.0
+
+
+class Memo(OrderedDict[object, object]):
+    """A bounded cache: per-request results (estimates, node room) are large at 10,000 sites,
+    so only the most recently used few are kept."""
+
+    def __init__(self, max_entries: int = 256) -> None:
+        super().__init__()
+        self.max_entries = max_entries
+
+    def __getitem__(self, key: object) -> object:
+        value = super().__getitem__(key)
+        self.move_to_end(key)
+        return value
+
+    def get(self, key: object, default: object = None) -> object:
+        if key not in self:
+            return default
+        return self[key]
+
+    def __setitem__(self, key: object, value: object) -> None:
+        super().__setitem__(key, value)
+        self.move_to_end(key)
+        while len(self) > self.max_entries:
+            self.popitem(last=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +122,7 @@ class Snapshot:
     """(from, to) matrix; pairs with no link hold UNKNOWN_BANDWIDTH_MBPS."""
     rtt_ms: F64 = field(default_factory=lambda: np.zeros((0, 0)))
     link_known: Bool = field(default_factory=lambda: np.zeros((0, 0), bool))
-    memo: dict[object, object] = field(default_factory=dict, compare=False, repr=False)
+    memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     """Per-snapshot cache for plugins (estimates, selector masks): dies with the snapshot."""
 
     @property
@@ -113,7 +139,22 @@ class Snapshot:
 
     @property
     def pair_site(self) -> I64:
-        return self.node_site[self.pair_node]
+        cached = self.memo.get("pair_site")
+        if not isinstance(cached, np.ndarray):
+            cached = self.memo["pair_site"] = self.node_site[self.pair_node]
+        return cached
+
+    def holders(self, dataset: str) -> list[int]:
+        """Indices of the sites that report holding ``dataset``."""
+        index = self.memo.get("dataset_holders")
+        if not isinstance(index, dict):
+            built: dict[str, list[int]] = {}
+            for i, held in enumerate(self.datasets):
+                for name in held:
+                    built.setdefault(name, []).append(i)
+            self.memo["dataset_holders"] = index = built
+        found: list[int] = index.get(dataset, [])
+        return found
 
     def site_index(self, site: str) -> int | None:
         position = int(np.searchsorted(np.array(self.site_ids, dtype=object), site))

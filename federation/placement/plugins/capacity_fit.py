@@ -85,10 +85,8 @@ def accelerator_room(req: Request, snap: Snapshot) -> F64:
     if not req.same_interconnect:
         # The hot path: free whole devices per (node, class), not per device.
         classes = matching_classes(req, snap)
-        pairs = classes[snap.pair_class] if len(classes) else np.zeros(0, dtype=bool)
-        per_node = np.bincount(
-            snap.pair_node[pairs], weights=snap.pair_free[pairs], minlength=snap.n_nodes
-        )
+        pair_free = snap.pair_free * classes[snap.pair_class] if len(classes) else snap.pair_free
+        per_node = np.bincount(snap.pair_node, weights=pair_free, minlength=snap.n_nodes)
         return np.floor(per_node / req.accelerator_count)
     free = matching_devices(req, snap) & snap.device_available
     if req.same_interconnect:
