@@ -11,6 +11,7 @@ from federation.agent.main import load_config as load_agent_config
 from federation.agent.main import parse_args
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig
+from federation.placement.registry import build_framework
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -25,6 +26,8 @@ def test_coordinator_example_loads() -> None:
     config = build(CoordinatorConfig, read_toml(path), source=str(path))
     assert config.listen == "0.0.0.0:7070"
     assert config.ca_key == Path("/etc/federation/pki/ca-key.pem")
+    assert config.placement_scores["CompletionTime"] == 1.0
+    assert build_framework(config.placement_filters, config.placement_scores).filters
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,8 @@ from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.server import start_coordinator
 from federation.logging import configure_logging
 from federation.metrics import serve_metrics
+from federation.placement.compat import CompatError
+from federation.placement.registry import UnknownPluginError, build_framework
 from federation.security.pki import PkiLayout
 
 log = structlog.get_logger()
@@ -86,7 +88,8 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(json=args.log_json, level=args.log_level)
     try:
         config = load_config(args)
-    except ConfigError as err:
+        build_framework(config.placement_filters, config.placement_scores, config.compat_table)
+    except (ConfigError, UnknownPluginError, CompatError, OSError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
     asyncio.run(serve(config, args.ready_file))

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +30,11 @@ class CoordinatorConfig:
     reservation_lease_s: float = 10.0
     retry_interval_s: float = 5.0
     max_offers_per_round: int = 5
+    offers_at_once: int = 3
+    """Sites offered a task at once; the best that accepts gets the commit, the rest a release."""
+    placement_filters: list[str] = field(default_factory=lambda: list(DEFAULT_FILTERS))
+    """Filter plugins, in order (see federation/placement/registry.py)."""
+    placement_scores: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORERS))
+    """Score plugin -> weight."""
+    compat_table: Path | None = None
+    """A YAML file merged over the shipped compatibility table (driver/runtime/framework)."""

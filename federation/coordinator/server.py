@@ -98,12 +98,13 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
     scheduler = Scheduler(
         jobs,
         sites,
-        build_framework(),
+        build_framework(config.placement_filters, config.placement_scores, config.compat_table),
         SchedulerConfig(
             offer_timeout_s=config.offer_timeout_s,
             reservation_lease_s=config.reservation_lease_s,
             retry_interval_s=config.retry_interval_s,
             max_offers_per_round=config.max_offers_per_round,
+            offers_at_once=config.offers_at_once,
         ),
     )
     scheduler_ref.append(scheduler)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
+from federation.placement.compat import load_table_files
 from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
 from federation.placement.plugins.capacity_fit import CapacityFit
 from federation.placement.plugins.compatibility import Compatibility
@@ -41,7 +43,9 @@ class UnknownPluginError(ValueError):
 
 
 def build_framework(
-    filters: Sequence[str] = DEFAULT_FILTERS, scorers: Mapping[str, float] = DEFAULT_SCORERS
+    filters: Sequence[str] = DEFAULT_FILTERS,
+    scorers: Mapping[str, float] = DEFAULT_SCORERS,
+    compat_table: Path | None = None,
 ) -> Framework:
     """A framework for a profile; unknown names or negative weights raise."""
     for name in filters:
@@ -52,7 +56,8 @@ def build_framework(
             raise UnknownPluginError(f"unknown score plugin {name!r}; known: {sorted(SCORERS)}")
         if weight < 0:
             raise UnknownPluginError(f"score plugin {name!r} has a negative weight")
+    table = load_table_files((compat_table,) if compat_table else ())
     return Framework(
-        [FILTERS[name]() for name in filters],
+        [Compatibility(table) if name == "Compatibility" else FILTERS[name]() for name in filters],
         [(SCORERS[name](), weight) for name, weight in scorers.items()],
     )
