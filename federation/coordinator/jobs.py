@@ -85,6 +85,23 @@ class JobRepository:
         self._hub = hub
         self._active: dict[str, tuple[jobs_pb2.Job, int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
+        # Jobs with a PENDING task: what the scheduler looks at, without walking every job.
+        self._pending: set[str] = set()
+
+    def _cache(self, job: jobs_pb2.Job, revision: int) -> None:
+        if job_state.is_terminal(job.state):
+            self._active.pop(job.id, None)
+            self._pending.discard(job.id)
+            return
+        self._active[job.id] = (job, revision)
+        if any(t.state == job_state.PENDING for t in job.tasks):
+            self._pending.add(job.id)
+        else:
+            self._pending.discard(job.id)
+
+    def pending(self) -> list[jobs_pb2.Job]:
+        """Copies of the jobs that have a PENDING task, oldest first."""
+        return [_copy(self._active[job_id][0]) for job_id in sorted(self._pending)]
 
     async def load(self) -> list[jobs_pb2.Job]:
         """Cache every unfinished job from the store; returns them (for recovery)."""
@@ -93,8 +110,7 @@ class JobRepository:
             page = await self._store.range(JOBS, start_after=start, limit=1000)
             for kv in page:
                 job = jobs_pb2.Job.FromString(kv.value)
-                if not job_state.is_terminal(job.state):
-                    self._active[job.id] = (job, kv.mod_revision)
+                self._cache(job, kv.mod_revision)
             if len(page) < 1000:
                 break
             start = page[-1].key
@@ -161,7 +177,7 @@ class JobRepository:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
         revision = await self._store.commit(ops)
         for job, events in events_by_job:
-            self._active[job.id] = (_copy(job), revision)
+            self._cache(_copy(job), revision)
             self._hub.publish(job, events)
         return revision
 
@@ -201,6 +217,7 @@ class JobRepository:
                     return await asyncio.shield(self._write(job, revision, changes))
                 except CasConflictError:
                     self._active.pop(job_id, None)
+                    self._pending.discard(job_id)
                     if attempt:
                         raise ConflictError(f"job {job_id} changed concurrently; retry") from None
         raise AssertionError("unreachable")
@@ -220,11 +237,9 @@ class JobRepository:
         new_revision = await self._store.commit(ops)
         for change in changes:
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(change.state)).inc()
+        self._cache(_copy(job), new_revision)
         if job_state.is_terminal(job.state):
-            self._active.pop(job.id, None)
             self._locks.pop(job.id, None)
-        else:
-            self._active[job.id] = (_copy(job), new_revision)
         if job.state != previous_state:
             log.info("job_state_changed", job=job.id, state=jobs_pb2.JobState.Name(job.state))
         self._hub.publish(job, events)

@@ -96,7 +96,7 @@ class Scheduler:
         now = time.monotonic()
         snapshot = self._sites.snapshot()
         pending: set[TaskKey] = set()
-        for job in self._jobs.active():
+        for job in self._jobs.pending():
             if job.cancel_requested:
                 continue
             for task in job.tasks:

@@ -216,6 +216,28 @@ class _Database:
         self._expire_due(_now())
         return self._transaction(lambda: self._apply(ops))
 
+    def commit_many(self, batch: Sequence[Sequence[Op]]) -> list[int | StoreError]:
+        """Group commit: each op list is its own atomic commit with its own revision, but all
+        share one SQLite transaction (one fsync). A lost compare-and-swap undoes only its own
+        commit (a savepoint); any other failure fails them all."""
+        self._expire_due(_now())
+
+        def body() -> list[int | StoreError]:
+            results: list[int | StoreError] = []
+            for ops in batch:
+                revision = self._revision
+                self._conn.execute("SAVEPOINT one_commit")
+                try:
+                    results.append(self._apply(ops))
+                except (CasConflictError, LeaseNotFoundError) as err:
+                    self._conn.execute("ROLLBACK TO one_commit")
+                    self._revision = revision
+                    results.append(err)
+                self._conn.execute("RELEASE one_commit")
+            return results
+
+        return self._transaction(body)
+
     def grant_lease(self, ttl_s: float) -> int:
         now = _now()
         self._expire_due(now)
@@ -399,6 +421,8 @@ class SqliteStore:
         self._changed = asyncio.Event()  # replaced after each set: one event per announcement
         self._lease_granted = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
+        self._queued: list[tuple[list[Op], asyncio.Future[int]]] = []
+        self._flusher: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, path: Path, *, history: int = 10_000) -> SqliteStore:
@@ -464,9 +488,36 @@ class SqliteStore:
         return await self._call(_Database.count, prefix)
 
     async def commit(self, ops: Sequence[Op]) -> int:
-        """Apply ``ops`` atomically as one revision; see ``Store.commit``."""
+        """Apply ``ops`` atomically as one revision; see ``Store.commit``.
+
+        Commits that arrive while one is being written are written together, in arrival
+        order, in one SQLite transaction: one fsync for many, each still its own revision.
+        """
         check_ops(ops)
-        return await self._call(_Database.commit, list(ops))
+        if self._db is None or self._closed:
+            raise StoreError("store is closed")
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._queued.append((list(ops), future))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        while self._queued:
+            batch, self._queued = self._queued, []
+            try:
+                results = await self._call(_Database.commit_many, [ops for ops, _ in batch])
+            except Exception as err:  # the whole transaction failed: tell every caller
+                results = [err if isinstance(err, StoreError) else StoreError(str(err))] * len(
+                    batch
+                )
+            for (_, future), result in zip(batch, results, strict=True):
+                if future.done():
+                    continue
+                if isinstance(result, BaseException):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
 
     async def revision(self) -> int:
         """The current store revision."""
@@ -516,6 +567,8 @@ class SqliteStore:
         """Stop the sweeper, end open watches with ``StoreError`` and close the file."""
         if self._closed:
             return
+        if self._flusher is not None:
+            await asyncio.wait([self._flusher])  # commits already accepted are written first
         self._closed = True
         if self._sweeper is not None:
             self._sweeper.cancel()

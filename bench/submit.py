@@ -1,0 +1,257 @@
+"""Jobs a coordinator accepts, places and commits per second, and how long that takes.
+
+A real coordinator process (embedded store, mTLS) and N sites speaking the real agent protocol
+over mTLS from a second process, whose local core accepts every offer and "runs" each task
+instantly. A client submits jobs over mTLS, one RPC per job (SubmitJob) or in batches
+(SubmitJobs), and follows them with WatchJobs: a job counts once it is committed to a site
+(DELEGATED). In the same run, a bare unary RPC (health Check) over the same mTLS channel is
+the baseline the unary rate is compared with.
+
+    python bench/submit.py [--sites 10,100] [--jobs 2000] [--batch 500] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from federation.agent.config import AgentConfig
+from federation.agent.enroll import ensure_enrolled
+from federation.agent.runtime import AgentRuntime
+from federation.api.v1 import (
+    job_service_pb2,
+    job_service_pb2_grpc,
+    jobs_pb2,
+    resources_pb2,
+    site_link_service_pb2,
+)
+from federation.local import LocalFederation
+
+COMMITTED = frozenset(
+    {jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED}
+)
+
+
+class InstantCore:
+    """A local core with room for anything, whose tasks end the moment they start."""
+
+    name = "instant"
+
+    def __init__(self) -> None:
+        self.runtime: AgentRuntime | None = None
+        self._seq = 0
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        return [
+            resources_pb2.Node(
+                name="n",
+                cpu_cores=1e6,
+                cpu_free=1e6,
+                memory_mib=1 << 40,
+                memory_free_mib=1 << 40,
+                schedulable=True,
+            )
+        ]
+
+    def queue(self) -> resources_pb2.QueueState:
+        return resources_pb2.QueueState()
+
+    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
+        self._seq += 1
+        return site_link_service_pb2.OfferAnswer(
+            accepted=True, reservation_id=str(self._seq), lease_s=offer.lease_s
+        )
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        assert self.runtime is not None
+        for state in (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED):
+            self.runtime.on_status(
+                site_link_service_pb2.TaskReport(
+                    job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
+                )
+            )
+        return site_link_service_pb2.CommitAnswer(started=True)
+
+    async def release(self, reservation_id: str) -> None: ...
+
+    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None: ...
+
+    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
+        return []
+
+    def forget(self, job_id: str, task: str, epoch: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def shutdown(self, grace_s: float) -> None: ...
+
+
+async def start_sites(fed: LocalFederation, count: int) -> list[asyncio.Task[None]]:
+    runners = []
+    for i in range(count):
+        name = f"site-{i:03d}"
+        token = await fed.create_token(name, "datacenter")
+        state = fed.root / "sites" / name
+        config = AgentConfig(
+            site=name,
+            domain="datacenter",
+            coordinator=fed.address,
+            ca=fed.pki.ca_cert,
+            state_dir=state,
+            token=token,
+            join_address=f"127.0.0.1:{fed.join_port}",
+        )
+        core = InstantCore()
+        runtime = AgentRuntime(config, await ensure_enrolled(config), core)  # type: ignore[arg-type]
+        core.runtime = runtime
+        runners.append(asyncio.create_task(runtime.run()))
+    await fed.wait_connected([f"site-{i:03d}" for i in range(count)], timeout_s=120)
+    return runners
+
+
+def spec(i: int) -> jobs_pb2.JobSpec:
+    return jobs_pb2.JobSpec(
+        name=f"bench-{i}",
+        tasks=[
+            jobs_pb2.TaskSpec(
+                name="t", command=["true"], resources=jobs_pb2.ResourceRequest(cpu=1, memory_mib=64)
+            )
+        ],
+    )
+
+
+async def echo_rate(channel: grpc.aio.Channel, calls: int, concurrency: int) -> float:
+    stub = health_pb2_grpc.HealthStub(channel)
+    request = health_pb2.HealthCheckRequest()
+    left = calls
+
+    async def worker() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await stub.Check(request)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return calls / (time.perf_counter() - start)
+
+
+async def run_jobs(
+    channel: grpc.aio.Channel, jobs: int, batch: int, concurrency: int
+) -> dict[str, float]:
+    """Submit ``jobs`` (batch 1 = SubmitJob), wait until all are committed; rate and latency."""
+    stub = job_service_pb2_grpc.JobServiceStub(channel)
+    submitted_at: dict[str, float] = {}
+    latency: list[float] = []
+    done = asyncio.Event()
+    watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
+    await asyncio.sleep(0.2)  # let the watch subscribe before the first submit
+
+    async def follow() -> None:
+        async for reply in watch:
+            event = reply.event
+            t0 = submitted_at.pop(event.job_id, None) if event.job_state in COMMITTED else None
+            if t0 is not None:
+                latency.append((time.perf_counter() - t0) * 1000)
+                if len(latency) == jobs:
+                    done.set()
+                    return
+
+    follower = asyncio.create_task(follow())
+    counter = iter(range(jobs))
+
+    async def worker() -> None:
+        while True:
+            chunk = [spec(i) for _, i in zip(range(batch), counter, strict=False)]
+            if not chunk:
+                return
+            t0 = time.perf_counter()
+            if batch == 1:
+                reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=chunk[0]))
+                ids = [reply.job.id]
+            else:
+                many = await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=chunk))
+                ids = [j.id for j in many.jobs]
+            for job_id in ids:
+                submitted_at.setdefault(job_id, t0)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await asyncio.wait_for(done.wait(), 600)
+    elapsed = time.perf_counter() - start
+    watch.cancel()
+    follower.cancel()
+    return {
+        "jobs_per_s": jobs / elapsed,
+        "p50_ms": float(np.percentile(latency, 50)),
+        "p99_ms": float(np.percentile(latency, 99)),
+    }
+
+
+async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory(prefix="bench-submit-") as root:
+        fed = LocalFederation(Path(root), [])
+        await fed.start_coordinator()
+        runners: list[asyncio.Task[None]] = []
+        try:
+            runners = await start_sites(fed, sites)
+            async with fed.operator().channel() as channel:
+                echo = await echo_rate(channel, 2000, 16)
+                unary = await run_jobs(channel, jobs // 4, 1, 16)
+                batched = await run_jobs(channel, jobs, batch, 2)
+        finally:
+            for runner in runners:
+                runner.cancel()
+            fed.stop()
+    return {
+        "echo_rpc_per_s": echo,
+        "unary_jobs_per_s": unary["jobs_per_s"],
+        "unary_vs_echo": unary["jobs_per_s"] / echo,
+        "unary_p50_ms": unary["p50_ms"],
+        "unary_p99_ms": unary["p99_ms"],
+        "batched_jobs_per_s": batched["jobs_per_s"],
+        "batched_p50_ms": batched["p50_ms"],
+        "batched_p99_ms": batched["p99_ms"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sites", default="10,100")
+    parser.add_argument("--jobs", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    results = {
+        n: asyncio.run(measure(int(n), args.jobs, args.batch)) for n in args.sites.split(",")
+    }
+    if args.json:
+        json.dump(results, sys.stdout, indent=2)
+        print()
+        return
+    print(
+        f"{'sites':>6} {'echo/s':>8} {'unary jobs/s':>13} {'x echo':>7} {'unary p50/p99 ms':>17} "
+        f"{'batched jobs/s':>15} {'batched p50/p99 ms':>19}"
+    )
+    for n, r in results.items():
+        print(
+            f"{n:>6} {r['echo_rpc_per_s']:>8.0f} {r['unary_jobs_per_s']:>13.0f} "
+            f"{r['unary_vs_echo']:>7.2f} {r['unary_p50_ms']:>8.1f}/{r['unary_p99_ms']:<8.1f} "
+            f"{r['batched_jobs_per_s']:>15.0f} {r['batched_p50_ms']:>9.1f}/"
+            f"{r['batched_p99_ms']:<9.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()
