@@ -26,7 +26,11 @@ class LocalCore(Protocol):
     """Scheduler name published in the site view, e.g. ``"embedded"`` or ``"slurm"``."""
 
     def nodes(self) -> list[resources_pb2.Node]:
-        """Nodes with free cpu/memory and ``Device.allocated`` reflecting all held capacity."""
+        """Nodes with free cpu/memory and devices reflecting all held capacity.
+
+        ``Device.allocated`` marks devices held whole; ``free_fraction`` and each partition
+        profile's ``free`` say what shares and slots are left (see ``federation.agent.usage``).
+        """
         ...
 
     def queue(self) -> resources_pb2.QueueState:

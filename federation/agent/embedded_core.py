@@ -19,8 +19,10 @@ from typing import TypeAlias
 import structlog
 
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.packing import Slot, Usage, device_labels, place, visibility_env
+from federation.agent.device_env import SHARING_VARS, device_env, device_labels
+from federation.agent.packing import place
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
 log = structlog.get_logger()
@@ -151,16 +153,17 @@ class EmbeddedCore:
         self._tasks: dict[TaskKey, _Task] = {}
 
     def nodes(self) -> list[resources_pb2.Node]:
-        """Nodes with free cpu/memory and ``Device.allocated`` reflecting all held capacity."""
+        """Nodes with free cpu/memory and devices reflecting all held capacity.
+
+        ``Device.allocated`` marks devices held whole, ``free_fraction`` what shares may still
+        take, and each partition profile's ``free`` its slots left (see ``agent.usage``).
+        """
         usage = self._usage()
         views = []
-        for name, base in self._nodes.items():
+        for base in self._nodes.values():
             node = resources_pb2.Node()
             node.CopyFrom(base)
-            node.cpu_free = max(0.0, node.cpu_cores - usage.cpu[name])
-            node.memory_free_mib = max(0, node.memory_mib - usage.memory_mib[name])
-            for pos, device in enumerate(node.devices):
-                device.allocated = (name, pos) in usage.devices
+            apply_usage(node, usage)
             views.append(node)
         return views
 
@@ -357,6 +360,8 @@ class EmbeddedCore:
         # Only the basics of the agent's own environment: it may hold the agent's secrets.
         env = {k: v for k, v in os.environ.items() if k in INHERITED_ENV}
         env.update(task.spec.env)
+        for name in SHARING_VARS:
+            env.pop(name, None)
         # Set last: a task's own env must not widen what it was given.
         env.update(
             FEDERATION_JOB_ID=task.key[0],
@@ -365,9 +370,8 @@ class EmbeddedCore:
             FEDERATION_SITE=self._site,
             FEDERATION_REPLICA=str(replica),
             FEDERATION_REPLICAS=str(len(task.slots)),
-            FEDERATION_DEVICES=",".join(device_labels(node, slot)),
         )
-        env.update(visibility_env(node, slot))
+        env.update(device_env(node, slot))
         return env
 
     async def _start_replicas(self, task: _Task) -> None:

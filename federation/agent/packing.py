@@ -1,98 +1,146 @@
 """Bin-packing of task replicas onto a site's nodes and devices, for the embedded core.
 
 Pure functions over ``Node`` protos and a ``Usage`` tally; nothing here holds state or runs.
+A replica asks for whole devices (``count``), a share of one shareable device (``fraction``) or
+one slot of a partition profile (``partition``); ``federation.agent.usage`` says how these
+modes exclude each other. Devices match as the coordinator's CapacityFit matches them: kind,
+vendor, models, memory and the CEL selector, which sees the attributes the coordinator builds
+(``federation.placement.snapshot.device_attributes``), evaluated once per distinct device.
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 from federation.agent.discovery import device_kind_name
+from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.placement.selectors import SelectorError, compile_selector
+from federation.placement.snapshot import device_attributes
+
+__all__ = ["Slot", "Usage", "describe_request", "place", "request_problem"]
 
 _EPS = 1e-9
 _USABLE_HEALTH = frozenset(
     {resources_pb2.DEVICE_HEALTH_HEALTHY, resources_pb2.DEVICE_HEALTH_UNSPECIFIED}
 )
-# Variables that confine a vendor's runtime to the replica's devices.
-_VISIBILITY_VARS = {
-    ("nvidia", resources_pb2.DEVICE_KIND_GPU): ("CUDA_VISIBLE_DEVICES",),
-    ("amd", resources_pb2.DEVICE_KIND_GPU): ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES"),
-    ("huawei", resources_pb2.DEVICE_KIND_NPU): ("ASCEND_RT_VISIBLE_DEVICES",),
-    ("cambricon", resources_pb2.DEVICE_KIND_MLU): ("MLU_VISIBLE_DEVICES",),
-}
 
-# Devices, cpu and memory left over (or missing), then the node name to break ties.
-_Rank = tuple[int, float, int, str]
+# Best fit first: how tight the chosen device is, the devices, cpu and memory left over, then
+# the node name to break ties.
+_Rank = tuple[tuple[bool, float], int, float, int, str]
+# Devices missing, cpu and memory missing, then the node name: the node that comes closest.
+_Shortfall = tuple[int, float, int, str]
+
+
+class _Fit(NamedTuple):
+    """A replica fits on a node: the lowest rank is the best fit."""
+
+    rank: _Rank
+    slot: Slot
+
+
+class _Miss(NamedTuple):
+    """A replica does not fit on a node: the lowest shortfall is the node that comes closest."""
+
+    shortfall: _Shortfall
+    why: str
 
 
 @dataclass(frozen=True, slots=True)
-class Slot:
-    """Capacity held on one node for one replica.
+class _Pick:
+    """The devices one replica would get on a node, or what the node lacks."""
 
-    Devices are named by their position in ``Node.devices``, since ids may be empty or clash.
-    """
-
-    node: str
-    cpu: float
-    memory_mib: int
-    device_positions: tuple[int, ...]
-
-
-@dataclass(slots=True)
-class Usage:
-    """Capacity held on each node."""
-
-    cpu: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
-    memory_mib: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
-    devices: set[tuple[str, int]] = field(default_factory=set)
-
-    @classmethod
-    def of(cls, slots: Iterable[Slot]) -> Usage:
-        """The tally of ``slots``."""
-        usage = cls()
-        for slot in slots:
-            usage.add(slot)
-        return usage
-
-    def copy(self) -> Usage:
-        """An independent copy, for trying placements."""
-        return Usage(
-            defaultdict(float, self.cpu), defaultdict(int, self.memory_mib), set(self.devices)
-        )
-
-    def add(self, slot: Slot) -> None:
-        """Counts ``slot`` as held."""
-        self.cpu[slot.node] += slot.cpu
-        self.memory_mib[slot.node] += slot.memory_mib
-        self.devices.update((slot.node, pos) for pos in slot.device_positions)
+    positions: tuple[int, ...] = ()
+    tightness: tuple[bool, float] = (False, 0.0)
+    """Lower is a tighter fit: (device not yet used in this mode, share the device keeps)."""
+    missing: int = 0
+    """Devices short of the request; 0 when it fits."""
+    have: str = ""
+    """What the node has, for the decline reason."""
 
 
 def _usable(device: resources_pb2.Device) -> bool:
     return device.health in _USABLE_HEALTH
 
 
-def _matches(device: resources_pb2.Device, acc: jobs_pb2.AcceleratorRequest) -> bool:
-    return (
-        _usable(device)
-        and acc.kind in (resources_pb2.DEVICE_KIND_UNSPECIFIED, device.kind)
-        and (not acc.vendor or acc.vendor.lower() == device.vendor.lower())
-        and (not acc.models or device.model in acc.models)
-        and device.memory_total_mib >= acc.min_memory_mib
+def _accepts(program: Any, attributes: dict[str, Any]) -> bool:
+    """Whether a compiled selector accepts a device, as the coordinator's selectors decide."""
+    try:
+        return program.execute({"device": attributes}) is True
+    except Exception:
+        return False  # e.g. an attribute this device lacks: it does not match
+
+
+def _attributes_key(attributes: dict[str, Any]) -> tuple[object, ...]:
+    return tuple(
+        (k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
+        for k, v in sorted(attributes.items())
     )
 
 
+class _Matcher:
+    """Which usable devices a request accepts; the selector runs once per distinct device."""
+
+    def __init__(self, acc: jobs_pb2.AcceleratorRequest) -> None:
+        self._acc = acc
+        self._program = compile_selector(acc.selector) if acc.selector else None
+        self._verdicts: dict[tuple[object, ...], bool] = {}
+
+    def __call__(self, device: resources_pb2.Device) -> bool:
+        acc = self._acc
+        if not (
+            _usable(device)
+            and acc.kind in (resources_pb2.DEVICE_KIND_UNSPECIFIED, device.kind)
+            and (not acc.vendor or acc.vendor.lower() == device.vendor.lower())
+            and (not acc.models or device.model in acc.models)
+            and device.memory_total_mib >= acc.min_memory_mib
+        ):
+            return False
+        if self._program is None:
+            return True
+        attributes = device_attributes(device)
+        key = _attributes_key(attributes)
+        if key not in self._verdicts:
+            self._verdicts[key] = _accepts(self._program, attributes)
+        return self._verdicts[key]
+
+
 def describe_request(acc: jobs_pb2.AcceleratorRequest) -> str:
-    """E.g. ``"4 NPU (huawei)"`` or ``"2 GPU (model H100 or A100, >= 40960 MiB)"``."""
+    """E.g. ``"4 NPU (huawei)"``, ``"0.5 of a shareable GPU"`` or ``"a GPU partition 1g.10gb"``."""
     kind = device_kind_name(acc.kind) if acc.kind else "device"
     qualifiers = [acc.vendor] if acc.vendor else []
     if acc.models:
         qualifiers.append("model " + " or ".join(acc.models))
     if acc.min_memory_mib:
         qualifiers.append(f">= {acc.min_memory_mib} MiB")
-    return f"{acc.count} {kind}" + (f" ({', '.join(qualifiers)})" if qualifiers else "")
+    if acc.selector:
+        qualifiers.append(f"matching {acc.selector!r}")
+    if acc.same_interconnect and acc.count > 1:
+        qualifiers.append("in one interconnect group")
+    if acc.fraction:
+        head = f"{acc.fraction:g} of a shareable {kind}"
+    elif acc.partition:
+        head = f"a {kind} partition {acc.partition}"
+    else:
+        head = f"{acc.count} {kind}"
+    return head + (f" ({', '.join(qualifiers)})" if qualifiers else "")
+
+
+def request_problem(acc: jobs_pb2.AcceleratorRequest) -> str:
+    """Why an accelerator request can never be placed (the coordinator checks this too), or ""."""
+    if sum(bool(x) for x in (acc.count, acc.fraction, acc.partition)) > 1:
+        return "asks for more than one of count, fraction and partition"
+    if acc.fraction and not 0 < acc.fraction <= 1:
+        return f"invalid fraction {acc.fraction:g}: must be in (0, 1]"
+    if acc.selector:
+        try:
+            compile_selector(acc.selector)
+        except SelectorError as err:
+            return f"invalid selector: {err}"
+    return ""
 
 
 def place(
@@ -101,7 +149,7 @@ def place(
     """Places every replica of a gang at once, or says why it does not fit.
 
     Each replica goes to the schedulable node it fits on that would be left with the least free
-    capacity (best fit), so partly used nodes fill up before empty ones are touched.
+    capacity (best fit), so partly used nodes and devices fill up before empty ones are touched.
 
     Args:
         nodes: The site's nodes.
@@ -111,66 +159,139 @@ def place(
     Returns:
         One slot per replica, or the reason the gang was declined.
     """
+    if problem := request_problem(spec.resources.accelerator):
+        return problem
     schedulable = [node for node in nodes if node.schedulable]
     if not schedulable:
         return "no schedulable nodes"
+    matches = _Matcher(spec.resources.accelerator)
     replicas = spec.replicas or 1
     tentative = usage.copy()
     slots: list[Slot] = []
     for placed in range(replicas):
-        outcomes = [_fit(node, spec.resources, tentative) for node in schedulable]
-        fits = [(rank, slot) for rank, slot, _ in outcomes if slot is not None]
+        outcomes = [_fit(node, spec.resources, tentative, matches) for node in schedulable]
+        fits = [outcome for outcome in outcomes if isinstance(outcome, _Fit)]
         if not fits:
-            reason = min((shortfall, why) for shortfall, _, why in outcomes)[1]
+            reason = min(outcome for outcome in outcomes if isinstance(outcome, _Miss)).why
             return f"only {placed} of {replicas} replicas fit; {reason}" if placed else reason
-        slot = min(fits, key=lambda fit: fit[0])[1]
+        slot = min(fits, key=lambda fit: fit.rank).slot
         tentative.add(slot)
         slots.append(slot)
     return tuple(slots)
 
 
 def _fit(
-    node: resources_pb2.Node, res: jobs_pb2.ResourceRequest, usage: Usage
-) -> tuple[_Rank, Slot | None, str]:
-    """Places one replica on ``node``.
-
-    Returns:
-        (rank, slot, "") when it fits, the lowest rank being the best fit; (shortfall, None,
-        reason) when it does not, the lowest shortfall being the node that comes closest.
-    """
+    node: resources_pb2.Node, res: jobs_pb2.ResourceRequest, usage: Usage, matches: _Matcher
+) -> _Fit | _Miss:
+    """Places one replica on ``node``, or says what it lacks."""
     acc = res.accelerator
-    free = [
+    whole_free = [
         pos
         for pos, device in enumerate(node.devices)
-        if _usable(device) and (node.name, pos) not in usage.devices
+        if _usable(device) and usage.is_whole_free((node.name, pos))
     ]
-    matching = [pos for pos in free if _matches(node.devices[pos], acc)] if acc.count else []
+    if acc.fraction:
+        pick = _pick_share(node, acc.fraction, usage, matches)
+    elif acc.partition:
+        pick = _pick_partition(node, acc.partition, usage, matches)
+    elif acc.count:
+        pick = _pick_whole(node, acc, usage, [p for p in whole_free if matches(node.devices[p])])
+    else:
+        pick = _Pick()  # no accelerator asked for
     cpu_free = node.cpu_cores - usage.cpu[node.name]
     memory_free_mib = node.memory_mib - usage.memory_mib[node.name]
-    shortfall: _Rank = (
-        max(0, acc.count - len(matching)),
+    shortfall: _Shortfall = (
+        pick.missing,
         res.cpu - cpu_free if res.cpu > cpu_free + _EPS else 0.0,
         max(0, res.memory_mib - memory_free_mib),
         node.name,
     )
     best = f"best node {node.name} has"
     if shortfall[0]:
-        why = f"needs {describe_request(acc)} per replica; {best} {len(matching)} free"
-        return shortfall, None, why
+        return _Miss(shortfall, f"needs {describe_request(acc)} per replica; {best} {pick.have}")
     if shortfall[1]:
-        return shortfall, None, f"needs {res.cpu:g} CPU per replica; {best} {cpu_free:g} free"
+        return _Miss(shortfall, f"needs {res.cpu:g} CPU per replica; {best} {cpu_free:g} free")
     if shortfall[2]:
         why = f"needs {res.memory_mib} MiB memory per replica; {best} {memory_free_mib} MiB free"
-        return shortfall, None, why
+        return _Miss(shortfall, why)
     # Fewer free devices first keeps CPU-only work off accelerator nodes.
-    rank = (
-        len(free) - acc.count,
+    rank: _Rank = (
+        pick.tightness,
+        len(whole_free) - acc.count,
         cpu_free - res.cpu,
         memory_free_mib - res.memory_mib,
         node.name,
     )
-    chosen = _choose_devices(node, matching, acc.count, usage)
-    return rank, Slot(node.name, res.cpu, res.memory_mib, chosen), ""
+    slot = Slot(
+        node.name,
+        res.cpu,
+        res.memory_mib,
+        pick.positions,
+        fraction=acc.fraction,
+        partition=acc.partition,
+    )
+    return _Fit(rank, slot)
+
+
+def _group(node: resources_pb2.Node, pos: int) -> str:
+    """A device's interconnect group; a device with none is a group of its own."""
+    return node.devices[pos].interconnect_group or f"#{pos}"
+
+
+def _pick_whole(
+    node: resources_pb2.Node, acc: jobs_pb2.AcceleratorRequest, usage: Usage, matching: list[int]
+) -> _Pick:
+    """``acc.count`` free matching devices, all in one interconnect group when asked."""
+    if acc.same_interconnect and acc.count > 1:
+        per_group = Counter(_group(node, pos) for pos in matching)
+        most = max(per_group.values(), default=0)
+        if most < acc.count:
+            return _Pick(missing=acc.count - most, have=f"at most {most} free in one group")
+        matching = [pos for pos in matching if per_group[_group(node, pos)] >= acc.count]
+    if len(matching) < acc.count:
+        return _Pick(missing=acc.count - len(matching), have=f"{len(matching)} free")
+    return _Pick(_choose_devices(node, matching, acc.count, usage))
+
+
+def _pick_share(
+    node: resources_pb2.Node, fraction: float, usage: Usage, matches: _Matcher
+) -> _Pick:
+    """The shareable matching device with the least free share that still holds ``fraction``."""
+    shared = [
+        (usage.free_fraction((node.name, pos)), device.index, pos)
+        for pos, device in enumerate(node.devices)
+        if device.shareable and matches(device)
+    ]
+    fitting = [entry for entry in shared if shares_fit(entry[0], fraction) >= 1]
+    if not fitting:
+        if not shared:
+            return _Pick(missing=1, have="no matching shareable device")
+        most = max(free for free, _, _ in shared)
+        return _Pick(missing=1, have=f"at most {most:.4g} free on one shareable device")
+    free, _, pos = min(fitting)
+    return _Pick((pos,), tightness=(False, free - fraction))
+
+
+def _pick_partition(
+    node: resources_pb2.Node, profile: str, usage: Usage, matches: _Matcher
+) -> _Pick:
+    """A free slot of ``profile`` on a matching device, one already partitioned first."""
+    offered: list[tuple[tuple[bool, float], int, int, int]] = []
+    for pos, device in enumerate(node.devices):
+        total = next((p.total for p in device.partitions if p.profile == profile), 0)
+        if not total or not matches(device):
+            continue
+        ref = (node.name, pos)
+        free = usage.partitions_free(ref, device.partitions)[profile]
+        in_use = usage.slots_held(ref) > 0
+        offered.append(((not in_use, (free - 1) / total), device.index, pos, free))
+    fitting = [entry for entry in offered if entry[3] >= 1]
+    if not fitting:
+        if not offered:
+            return _Pick(missing=1, have="no matching device with that profile")
+        return _Pick(missing=1, have="0 free")
+    tightness, _, pos, _ = min(fitting)
+    return _Pick((pos,), tightness=tightness)
 
 
 def _choose_devices(
@@ -202,26 +323,3 @@ def _choose_devices(
         )
 
     return tuple(sorted(sorted(candidates, key=preference)[:count]))
-
-
-def device_labels(node: resources_pb2.Node, slot: Slot) -> list[str]:
-    """The slot's devices as ``"node:KIND:index"``."""
-    return [
-        f"{node.name}:{device_kind_name(node.devices[pos].kind)}:{node.devices[pos].index}"
-        for pos in slot.device_positions
-    ]
-
-
-def visibility_env(node: resources_pb2.Node, slot: Slot) -> dict[str, str]:
-    """``CUDA_VISIBLE_DEVICES`` and its kin for the slot's devices.
-
-    A variable is set, possibly empty, for every runtime whose devices the node has, so a
-    replica cannot use devices it was not given just by leaving the variable out.
-    """
-    held = [node.devices[pos] for pos in slot.device_positions]
-    env: dict[str, str] = {}
-    for (vendor, kind), names in _VISIBILITY_VARS.items():
-        if any(d.vendor.lower() == vendor and d.kind == kind for d in node.devices):
-            indices = [str(d.index) for d in held if d.vendor.lower() == vendor and d.kind == kind]
-            env.update(dict.fromkeys(names, ",".join(indices)))
-    return env

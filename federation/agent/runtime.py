@@ -220,7 +220,7 @@ class AgentRuntime:
             if self._links is not None:
                 self._links.set_peers(message.probe_peers.peers)
             else:
-                log.warning("probe_peers_ignored", reason="no link monitor")
+                log.debug("probe_peers_ignored", reason="no link monitor")
         else:
             # Offers, commits, releases and cancels may be slow (a real scheduler answers
             # them): handle each in its own task so the stream keeps flowing.

@@ -174,6 +174,14 @@ def _capacity(value: float) -> float:
     return value if math.isfinite(value) and value > 0 else 0.0
 
 
+def _in_shared_use(dev: resources_pb2.Device) -> bool:
+    """Whether shares or partition slots of the device are handed out: then it cannot be
+    given whole (the agents' rule: one mode per device at a time)."""
+    shares_out = dev.shareable and dev.free_fraction < 1.0 - 1e-9
+    slots_out = any(p.free < p.total for p in dev.partitions)
+    return shares_out or slots_out
+
+
 def _class_key(dev: resources_pb2.Device) -> tuple[object, ...]:
     return (
         dev.kind,
@@ -189,10 +197,18 @@ def _class_key(dev: resources_pb2.Device) -> tuple[object, ...]:
     )
 
 
-def _device_class(dev: resources_pb2.Device) -> DeviceClass:
+def device_attributes(dev: resources_pb2.Device) -> dict[str, Any]:
+    """What a CEL selector sees as ``device``: the coordinator's and the agents' single source.
+
+    Args:
+        dev: A device as a site view publishes it.
+
+    Returns:
+        The keys of ``selectors.SAMPLE_DEVICE``; ``attributes`` is a fresh dict.
+    """
     kind_name = resources_pb2.DeviceKind.Name(dev.kind).removeprefix("DEVICE_KIND_")
     memory_mib = float(dev.memory_total_mib)
-    attributes: dict[str, Any] = {
+    return {
         "kind": kind_name,
         "vendor": dev.vendor.lower(),
         "model": dev.model,
@@ -205,7 +221,11 @@ def _device_class(dev: resources_pb2.Device) -> DeviceClass:
         "declared": dev.provenance == resources_pb2.PROVENANCE_DECLARED,
         "attributes": dict(dev.attributes),
     }
-    return DeviceClass(dev.kind, dev.vendor.lower(), dev.model, memory_mib, attributes)
+
+
+def _device_class(dev: resources_pb2.Device) -> DeviceClass:
+    memory_mib = float(dev.memory_total_mib)
+    return DeviceClass(dev.kind, dev.vendor.lower(), dev.model, memory_mib, device_attributes(dev))
 
 
 def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
@@ -260,15 +280,16 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
                     classes.append(_device_class(d))
                 group_key = (node_index, d.interconnect_group or f"#{device_index}")
                 healthy = d.health in USABLE_HEALTH
+                whole_free = not d.allocated and healthy and not _in_shared_use(d)
                 dev["node"].append(node_index)
                 dev["kind"].append(d.kind)
                 dev["vendor"].append(d.vendor.lower())
                 dev["model"].append(d.model)
                 dev["memory"].append(float(d.memory_total_mib))
-                dev["available"].append(not d.allocated and healthy)
+                dev["available"].append(whole_free)
                 dev["class"].append(class_ids[key])
                 free_by_class[class_ids[key]] = free_by_class.get(class_ids[key], 0) + int(
-                    not d.allocated and healthy
+                    whole_free
                 )
                 dev["shareable"].append(d.shareable and healthy and not d.allocated)
                 dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))

@@ -9,7 +9,7 @@ import pwd
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,167 +18,23 @@ import pytest
 
 from federation.agent.core import LocalCore
 from federation.agent.embedded_core import EmbeddedCore
-from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.api.v1 import resources_pb2, site_link_service_pb2
 
 from .beacon import Beacon
-
-GPU = resources_pb2.DEVICE_KIND_GPU
-NPU = resources_pb2.DEVICE_KIND_NPU
-RUNNING = jobs_pb2.JOB_STATE_RUNNING
-SUCCEEDED = jobs_pb2.JOB_STATE_SUCCEEDED
-FAILED = jobs_pb2.JOB_STATE_FAILED
-CANCELLED = jobs_pb2.JOB_STATE_CANCELLED
-FINAL = (SUCCEEDED, FAILED, CANCELLED)
-# Writes the child's environment to env.json in its working directory.
-DUMP_ENV = "import json, os; json.dump(dict(os.environ), open('env.json', 'w'))"
-
-
-def node(
-    name: str,
-    *,
-    devices: int = 0,
-    kind: resources_pb2.DeviceKind.ValueType = GPU,
-    vendor: str = "nvidia",
-    model: str = "H100",
-    group: str = "",
-    cpu: float = 32,
-    memory_mib: int = 65536,
-) -> resources_pb2.Node:
-    return resources_pb2.Node(
-        name=name,
-        cpu_cores=cpu,
-        memory_mib=memory_mib,
-        schedulable=True,
-        devices=[
-            resources_pb2.Device(
-                id=f"{name}-{i}",
-                index=i,
-                kind=kind,
-                vendor=vendor,
-                model=model,
-                memory_total_mib=81920,
-                interconnect_group=group,
-                health=resources_pb2.DEVICE_HEALTH_HEALTHY,
-            )
-            for i in range(devices)
-        ],
-    )
-
-
-def offer(
-    job_id: str = "job-1",
-    *,
-    task: str = "train",
-    epoch: int = 1,
-    code: str = "pass",
-    command: Sequence[str] | None = None,
-    replicas: int = 0,
-    devices: int = 0,
-    kind: resources_pb2.DeviceKind.ValueType = GPU,
-    vendor: str = "",
-    models: Sequence[str] = (),
-    cpu: float = 1,
-    memory_mib: int = 256,
-    lease_s: float = 30,
-    timeout_s: float = 0,
-    env: dict[str, str] | None = None,
-) -> site_link_service_pb2.Offer:
-    accelerator = jobs_pb2.AcceleratorRequest(
-        kind=kind, count=devices, vendor=vendor, models=models
-    )
-    spec = jobs_pb2.TaskSpec(
-        name=task,
-        command=command if command is not None else [sys.executable, "-c", code],
-        env=env or {},
-        replicas=replicas,
-        resources=jobs_pb2.ResourceRequest(cpu=cpu, memory_mib=memory_mib, accelerator=accelerator),
-        timeout_s=timeout_s,
-    )
-    return site_link_service_pb2.Offer(
-        job_id=job_id, task=task, epoch=epoch, spec=spec, lease_s=lease_s
-    )
-
-
-def commit_for(
-    o: site_link_service_pb2.Offer, answer: site_link_service_pb2.OfferAnswer
-) -> site_link_service_pb2.Commit:
-    return site_link_service_pb2.Commit(
-        reservation_id=answer.reservation_id, job_id=o.job_id, task=o.task, epoch=o.epoch
-    )
-
-
-def allocated(core: EmbeddedCore) -> dict[str, list[int]]:
-    """Allocated device indices per node."""
-    return {n.name: [d.index for d in n.devices if d.allocated] for n in core.nodes()}
-
-
-class Recorder:
-    """Collects what the core reports, and lets tests wait for it."""
-
-    def __init__(self) -> None:
-        self.reports: list[site_link_service_pb2.TaskReport] = []
-        self.changes = 0
-        self.changed = asyncio.Event()
-        self._reported = asyncio.Event()
-
-    def on_status(self, report: site_link_service_pb2.TaskReport) -> None:
-        self.reports.append(report)
-        self._reported.set()
-
-    def on_change(self) -> None:
-        self.changes += 1
-        self.changed.set()
-
-    async def final(self, job_id: str = "job-1", timeout_s: float = 15.0) -> Any:
-        """Waits for the job's final report."""
-        async with asyncio.timeout(timeout_s):
-            while True:
-                for report in self.reports:
-                    if report.job_id == job_id and report.state in FINAL:
-                        return report
-                self._reported.clear()
-                await self._reported.wait()
-
-    def states(self, job_id: str = "job-1") -> list[int]:
-        return [r.state for r in self.reports if r.job_id == job_id]
-
-
-@pytest.fixture
-def recorder() -> Recorder:
-    """A fresh recorder of reports and changes."""
-    return Recorder()
-
-
-@pytest.fixture
-async def make_core(
-    tmp_path: Path, recorder: Recorder
-) -> AsyncIterator[Callable[..., EmbeddedCore]]:
-    """Builds cores wired to the recorder; shuts them down (killing children) afterwards."""
-    cores: list[EmbeddedCore] = []
-
-    def build(nodes: list[resources_pb2.Node], kill_grace_s: float = 2.0) -> EmbeddedCore:
-        core = EmbeddedCore(
-            nodes,
-            site="site-a",
-            work_dir=tmp_path / "work",
-            on_status=recorder.on_status,
-            on_change=recorder.on_change,
-            kill_grace_s=kill_grace_s,
-        )
-        cores.append(core)
-        return core
-
-    yield build
-    for core in cores:
-        await core.shutdown(grace_s=0.5)
-
-
-async def run(core: EmbeddedCore, o: site_link_service_pb2.Offer) -> None:
-    """Offers and commits ``o``, asserting both succeed."""
-    answer = await core.offer(o)
-    assert answer.accepted, answer.reason
-    started = await core.commit(commit_for(o, answer))
-    assert started.started, started.reason
+from .cores import (
+    CANCELLED,
+    DUMP_ENV,
+    FAILED,
+    NPU,
+    RUNNING,
+    SUCCEEDED,
+    Recorder,
+    allocated,
+    commit_for,
+    node,
+    offer,
+    run,
+)
 
 
 def test_embedded_core_satisfies_local_core(make_core: Callable[..., EmbeddedCore]) -> None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from federation.agent.discovery import InventoryError, load_inventory
+from federation.agent.inventory import InventoryError, load_inventory
 from federation.api.v1 import resources_pb2
 
 EXAMPLE = """\
@@ -31,6 +31,13 @@ nodes:
     memory_mib: 8192
     schedulable: false
 """
+
+
+# A node with one 40 GiB GPU whose partitions list follows.
+GPU_WITH = (
+    "nodes:\n  - name: a\n    devices:\n      - kind: GPU\n        memory_mib: 40960\n"
+    "        partitions: "
+)
 
 
 def write(tmp_path: Path, text: str, name: str = "inventory.yaml") -> Path:
@@ -110,6 +117,36 @@ count = 3
     assert [d.index for d in node.devices] == [0, 1, 2]
 
 
+def test_shareable_devices_and_partition_profiles(tmp_path: Path) -> None:
+    """shareable and partitions carry over to every device of the entry, all of it free."""
+    text = """\
+nodes:
+  - name: dc-gpu-1
+    devices:
+      - kind: GPU
+        vendor: nvidia
+        model: A100-80GB
+        memory_mib: 81920
+        count: 2
+        shareable: true
+        partitions:
+          - {profile: 1g.10gb, count: 7, memory_mib: 9856}
+          - {profile: 3g.40gb, count: 2}
+      - {kind: GPU, vendor: nvidia, model: L4}
+"""
+    (node,) = load_inventory(write(tmp_path, text))
+    first, second, plain = node.devices
+    for device in (first, second):
+        assert device.shareable
+        assert device.free_fraction == 1.0
+        assert list(device.partitions) == [
+            resources_pb2.PartitionProfile(profile="1g.10gb", total=7, free=7, memory_mib=9856),
+            resources_pb2.PartitionProfile(profile="3g.40gb", total=2, free=2),
+        ]
+    assert not plain.shareable
+    assert not plain.partitions
+
+
 def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
     """An empty file, or an empty node list, declares no nodes."""
     assert load_inventory(write(tmp_path, "")) == []
@@ -175,6 +212,50 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
         (
             "nodes:\n  - name: a\n    schedulable: maybe\n",
             "nodes[0].schedulable: expected true or false, got 'maybe'",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, shareable: yes-please}\n",
+            "nodes[0].devices[0].shareable: expected true or false, got 'yes-please'",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, partitions: {1g.10gb: 7}}\n",
+            "nodes[0].devices[0].partitions: expected a list, got dict",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 7, slices: 1}}]\n",
+            "nodes[0].devices[0].partitions[0].slices: unknown key "
+            "(expected one of count, memory_mib, profile)",
+        ),
+        (f"{GPU_WITH}[{{count: 7}}]\n", "nodes[0].devices[0].partitions[0].profile: is required"),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb}}]\n",
+            "nodes[0].devices[0].partitions[0].count: is required",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: '', count: 7}}]\n",
+            "nodes[0].devices[0].partitions[0].profile: must not be empty",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 0}}]\n",
+            "nodes[0].devices[0].partitions[0].count: must be positive, got 0",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 2.5}}]\n",
+            "nodes[0].devices[0].partitions[0].count: expected a non-negative integer, got 2.5",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 7}}, {{profile: 1g.10gb, count: 4}}]\n",
+            "nodes[0].devices[0].partitions[1].profile: duplicate profile '1g.10gb' "
+            "(also nodes[0].devices[0].partitions[0])",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 7g.80gb, count: 1, memory_mib: 81920}}]\n",
+            "nodes[0].devices[0].partitions[0].memory_mib: 81920 exceeds the device's "
+            "memory_mib 40960",
+        ),
+        (
+            f"{GPU_WITH}[3g.40gb]\n",
+            "nodes[0].devices[0].partitions[0]: expected a mapping, got str",
         ),
         ("nodes: {a: 1}\n", "nodes: expected a list, got dict"),
         ("nodes:\n  - just-a-name\n", "nodes[0]: expected a mapping, got str"),
