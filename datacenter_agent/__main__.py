@@ -1,12 +1,48 @@
-"""``fed-datacenter-agent``: a site agent for datacenter and cloud sites."""
+"""``fed-datacenter-agent``: a site agent for datacenter and cloud sites.
+
+Besides the embedded core it offers ``scheduler = "slurm"``, which delegates to the site's Slurm.
+"""
 
 from __future__ import annotations
 
+from datacenter_agent.slurm_core import SlurmCore
+from federation.agent.config import AgentConfig
+from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.main import run_agent
+from federation.config import ConfigError
+
+
+async def start_slurm_core(
+    config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
+) -> SlurmCore:
+    """The core of a ``scheduler = "slurm"`` agent, started (Slurm read once).
+
+    Raises:
+        ConfigError: A setting that cannot apply to a Slurm site.
+    """
+    if config.task_user:
+        raise ConfigError(
+            "task_user does not apply to Slurm sites: Slurm runs jobs as the account that "
+            "submits them. To fix: run the agent as that account and drop task_user"
+        )
+    if config.inventory:
+        raise ConfigError("inventory does not apply to Slurm sites: Slurm describes the nodes")
+    core = SlurmCore(
+        config.slurm,
+        site=config.site,
+        work_dir=config.work_dir or config.state_dir / "work",
+        on_status=on_status,
+        on_change=on_change,
+        kill_grace_s=config.kill_grace_s,
+    )
+    await core.start()
+    return core
 
 
 def main(argv: list[str] | None = None) -> None:
-    run_agent(argv, prog="fed-datacenter-agent", domain="datacenter")
+    run_agent(
+        argv, prog="fed-datacenter-agent", domain="datacenter", cores={"slurm": start_slurm_core}
+    )
 
 
 if __name__ == "__main__":

@@ -2,8 +2,92 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from federation.config import ConfigError, build
+
+MANAGED_SBATCH_FLAGS = frozenset(
+    {"--hold", "--parsable", "--test-only", "--comment", "--job-name", "-J", "--export"}
+    | {"--output", "-o", "--error", "-e", "--chdir", "-D", "--wrap", "--array", "-a"}
+)
+"""sbatch flags the Slurm core sets itself; extra_sbatch_args may not override them."""
+
+
+@dataclass(frozen=True, slots=True)
+class GresModel:
+    """How the federation describes the devices of one Slurm GRES type."""
+
+    model: str = ""
+    """Device model to publish, e.g. "A100-80GB"; default: the GRES type itself."""
+    vendor: str = ""
+    """e.g. "nvidia"; default "nvidia" for the ``gpu`` GRES, else empty."""
+    memory_mib: int = 0
+    """Memory of one device (Slurm does not know it); 0 when unknown."""
+    attributes: dict[str, str] = field(default_factory=dict)
+    """Device attributes such as cuda or compute_capability."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlurmSettings:
+    """How a datacenter agent delegates to Slurm: the ``[slurm]`` table of its config."""
+
+    partition: str = ""
+    """Partition to describe and submit to; empty means the cluster's default partition."""
+    account: str = ""
+    """``sbatch --account``; empty leaves it to Slurm (the user's default account)."""
+    qos: str = ""
+    """``sbatch --qos``; empty leaves it to Slurm."""
+    extra_sbatch_args: list[str] = field(default_factory=list)
+    """More sbatch flags for every job, e.g. ``["--constraint=ib"]``."""
+    conf: Path | None = None
+    """slurm.conf given to every Slurm command as SLURM_CONF; default: the agent's own."""
+    poll_interval_s: float = 2.0
+    """Time between two readings of Slurm's nodes, partition and jobs."""
+    command_timeout_s: float = 4.0
+    """A Slurm command that takes longer fails (an offer must be answered within 5 s)."""
+    gres: dict[str, GresModel] = field(default_factory=dict)
+    """GRES type (``"a100"``, or ``"npu:910b"`` for another GRES name) → device description."""
+
+
+def slurm_settings(table: object, *, source: str) -> SlurmSettings:
+    """Reads and checks the ``[slurm]`` table of an agent config.
+
+    Raises:
+        ConfigError: naming ``source`` and the key, e.g. ``slurm.gres.a100.memory_mib``.
+    """
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{source}: slurm must be a table")
+    values: dict[str, Any] = dict(table)
+    known = [f.name for f in dataclasses.fields(SlurmSettings)]
+    if unknown := sorted(set(values) - set(known)):
+        raise ConfigError(
+            f"{source}: unknown setting slurm.{unknown[0]}; known: {', '.join(known)}"
+        )
+    raw_gres = values.pop("gres", {})
+    if not isinstance(raw_gres, dict):
+        raise ConfigError(f"{source}: slurm.gres must be a table")
+    gres = {}
+    for name, entry in raw_gres.items():
+        if not isinstance(entry, dict):
+            raise ConfigError(f"{source}: slurm.gres.{name} must be a table")
+        gres[name] = build(GresModel, entry, source=f"{source}: slurm.gres.{name}")
+    settings = build(SlurmSettings, {**values, "gres": gres}, source=source)
+    if not all(isinstance(arg, str) for arg in settings.extra_sbatch_args):
+        raise ConfigError(f"{source}: slurm.extra_sbatch_args must be strings")
+    managed = [a for a in settings.extra_sbatch_args if a.split("=", 1)[0] in MANAGED_SBATCH_FLAGS]
+    if managed:
+        raise ConfigError(
+            f"{source}: slurm.extra_sbatch_args may not set {', '.join(managed)}: the Slurm "
+            "core sets it itself"
+        )
+    for key in ("poll_interval_s", "command_timeout_s"):
+        if not getattr(settings, key) > 0:
+            raise ConfigError(f"{source}: slurm.{key} must be positive")
+    return settings
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,3 +141,8 @@ class AgentConfig:
     links: list[dict[str, object]] = field(default_factory=list)
     """Declared links, ``[[links]]`` tables with peer, bandwidth_mbps and rtt_ms: for peers
     the agent cannot measure. A declared link replaces a measurement of the same peer."""
+    scheduler: str = "embedded"
+    """Local scheduler core: "embedded" runs tasks as processes on this site's nodes; "slurm"
+    (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``."""
+    slurm: SlurmSettings = field(default_factory=SlurmSettings)
+    """How to use Slurm when ``scheduler = "slurm"``: the ``[slurm]`` table."""

@@ -6,13 +6,14 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import structlog
 
-from federation.agent.config import AgentConfig
-from federation.agent.core import LocalCore
+from federation.agent.config import AgentConfig, slurm_settings
+from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
@@ -24,6 +25,10 @@ from federation.logging import configure_logging
 from federation.metrics import serve_metrics
 
 log = structlog.get_logger()
+
+SCHEDULERS = ("embedded", "slurm")
+CoreFactory = Callable[[AgentConfig, StatusCallback, ChangeCallback], Awaitable[LocalCore]]
+"""Builds (and starts) a local scheduler core for an agent config."""
 
 
 def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Namespace:
@@ -72,7 +77,13 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
             "(--site, --coordinator, --ca, --state-dir) or set them in --config"
         )
     source = str(args.config) if args.config else "flags"
+    if "slurm" in values:
+        values["slurm"] = slurm_settings(values["slurm"], source=source)
     config = build(AgentConfig, values, source=source)
+    if config.scheduler not in SCHEDULERS:
+        raise ConfigError(
+            f"{source}: scheduler must be one of {', '.join(SCHEDULERS)}, not {config.scheduler!r}"
+        )
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
     return config
 
@@ -86,7 +97,29 @@ def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
     return nodes
 
 
-async def run(config: AgentConfig) -> int:
+async def embedded_core(
+    config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
+) -> LocalCore:
+    """The default core: tasks run as processes on the site's discovered and declared nodes."""
+    return EmbeddedCore(
+        site_nodes(config),
+        site=config.site,
+        work_dir=config.work_dir or config.state_dir / "work",
+        on_status=on_status,
+        on_change=on_change,
+        kill_grace_s=config.kill_grace_s,
+        task_user=config.task_user,
+    )
+
+
+async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = None) -> int:
+    factories: dict[str, CoreFactory] = {"embedded": embedded_core, **(cores or {})}
+    factory = factories.get(config.scheduler)
+    if factory is None:
+        raise ConfigError(
+            f"scheduler {config.scheduler!r} is not available in this agent (it offers "
+            f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
+        )
     creds = await ensure_enrolled(config)
     if config.metrics_listen:
         serve_metrics(config.metrics_listen)
@@ -96,14 +129,11 @@ async def run(config: AgentConfig) -> int:
     except OSError as exc:
         raise ConfigError(f"probe_listen {config.probe_listen}: {exc.strerror or exc}") from None
     runtime_ref: list[AgentRuntime] = []
-    core: LocalCore = EmbeddedCore(
-        site_nodes(config),
-        site=config.site,
-        work_dir=config.work_dir or config.state_dir / "work",
-        on_status=lambda report: runtime_ref[0].on_status(report),
-        on_change=lambda: runtime_ref[0].on_change(),
-        kill_grace_s=config.kill_grace_s,
-        task_user=config.task_user,
+    # A core may report while it starts, before the runtime exists: the hello carries it all.
+    core = await factory(
+        config,
+        lambda report: runtime_ref[0].on_status(report) if runtime_ref else None,
+        lambda: runtime_ref[0].on_change() if runtime_ref else None,
     )
     links = LinkMonitor(
         site=config.site,
@@ -138,12 +168,19 @@ async def run(config: AgentConfig) -> int:
     return code
 
 
-def run_agent(argv: list[str] | None, *, prog: str, domain: str) -> None:
+def run_agent(
+    argv: list[str] | None,
+    *,
+    prog: str,
+    domain: str,
+    cores: Mapping[str, CoreFactory] | None = None,
+) -> None:
+    """Runs an agent until SIGINT/SIGTERM; ``cores`` adds local cores beyond the embedded one."""
     args = parse_args(argv, prog, domain)
     configure_logging(json=args.log_json, level=args.log_level)
     try:
         config = load_config(args, domain)
-        sys.exit(asyncio.run(run(config)))
+        sys.exit(asyncio.run(run(config, cores)))
     except (ConfigError, InventoryError, EnrollmentError, AgentRejectedError) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         sys.exit(2)

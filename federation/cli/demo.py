@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shutil
 import sys
 import tempfile
@@ -16,7 +17,14 @@ from pathlib import Path
 
 from rich.table import Table
 
+from datacenter_agent.slurm_cluster import (
+    LocalNode,
+    LocalSlurmCluster,
+    SlurmClusterError,
+    missing_binaries,
+)
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
+from federation.cli.connection import CliError
 from federation.cli.remote import cmd_status
 from federation.cli.render import console, event_line
 from federation.coordinator.job_state import is_terminal
@@ -101,6 +109,9 @@ DEMO_SITES = [
         ],
     ),
 ]
+
+SLURM_NODE = LocalNode(name="dgx-1", cpus=128, memory_mib=1048576, gpus={"a100": 8})
+"""The node of ``fedctl demo --slurm``'s Slurm: this machine, declared as a DGX."""
 
 SHOW_DEVICES = (
     "import os, time; "
@@ -205,24 +216,77 @@ def demo_jobs() -> list[jobs_pb2.JobSpec]:
     return [job_spec_from_dict(doc, source=str(doc["name"])) for doc in docs]
 
 
+def slurm_site(conf: Path, partition: str) -> SiteSpec:
+    """dc-frankfurt as a Slurm site: its A100s are a local Slurm's, which runs its jobs."""
+    a100 = {key: A100[key] for key in ("model", "vendor", "memory_mib", "attributes")}
+    slurm = {"partition": partition, "conf": conf, "poll_interval_s": 0.5, "gres": {"a100": a100}}
+    return SiteSpec(
+        "dc-frankfurt",
+        "datacenter",
+        region="eu-central",
+        settings={"scheduler": "slurm", "slurm": slurm},
+    )
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser("demo", help="run a local federation and a mix of real jobs")
     demo.add_argument("--dir", type=Path, help="work folder (default: a temporary one)")
     demo.add_argument("--keep", action="store_true", help="keep the work folder afterwards")
+    demo.add_argument(
+        "--slurm",
+        action="store_true",
+        help="run the datacenter site on a real local Slurm (needs slurm-wlm, munge and root)",
+    )
     demo.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     root = args.dir or Path(tempfile.mkdtemp(prefix="federation-demo-"))
-    fed = LocalFederation(root, DEMO_SITES)
+    slurm = None
+    sites = DEMO_SITES
     try:
-        return asyncio.run(run_demo(fed))
+        if args.slurm:
+            slurm = start_slurm(root / "slurm")
+            sites = [
+                slurm_site(slurm.conf, slurm.partition) if site.domain == "datacenter" else site
+                for site in DEMO_SITES
+            ]
+        fed = LocalFederation(root, sites)
+        try:
+            return asyncio.run(run_demo(fed))
+        finally:
+            fed.stop()
     finally:
-        fed.stop()
+        if slurm is not None:
+            slurm.stop()
         if args.keep or args.dir:
             console.print(f"[dim]work folder kept: {root} (logs in {root / 'logs'})[/dim]")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def start_slurm(root: Path) -> LocalSlurmCluster:
+    """A one-node Slurm (8 A100s declared as GRES) for the datacenter site.
+
+    Raises:
+        CliError: Slurm is not installed, this is not root, or the cluster did not start.
+    """
+    if missing := missing_binaries():
+        raise CliError(
+            f"--slurm needs Slurm and munge ({', '.join(missing)} not found). "
+            "To fix: apt-get install slurm-wlm munge"
+        )
+    if os.geteuid() != 0:
+        raise CliError("--slurm needs root: slurmd starts jobs as their users")
+    root.mkdir(parents=True, exist_ok=True)
+    cluster = LocalSlurmCluster(root, node=SLURM_NODE)
+    console.print(f"starting a local Slurm (munged, slurmctld, slurmd) in {root}...")
+    try:
+        cluster.start()
+    except SlurmClusterError as err:
+        cluster.stop()
+        raise CliError(str(err)) from None
+    return cluster
 
 
 async def run_demo(fed: LocalFederation) -> int:

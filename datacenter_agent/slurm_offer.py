@@ -1,0 +1,188 @@
+"""Deciding an offer with Slurm: what is refused before asking, what Slurm foresees, the hold.
+
+``sbatch --test-only`` says whether Slurm would take the job and when it would start; the
+reservation is then the real job, submitted held (``sbatch --hold``), so Slurm has checked it
+as it checks every submission (account, QoS, partition limits) before the offer is accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+import re
+import time
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from datacenter_agent.slurm_cli import SlurmCli, SlurmError
+from datacenter_agent.slurm_job import (
+    TaskKey,
+    batch_script,
+    job_comment,
+    job_name,
+    parse_test_only,
+    resource_args,
+)
+from datacenter_agent.slurm_select import gres_options
+from datacenter_agent.slurm_view import GRES_KINDS
+from federation.agent.config import SlurmSettings
+from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def offer_problem(
+    offer: site_link_service_pb2.Offer,
+    *,
+    health: str,
+    held: Iterable[TaskKey],
+    committed: Collection[TaskKey],
+) -> str:
+    """Why an offer is declined before Slurm is even asked, or "".
+
+    Args:
+        offer: The offer.
+        health: Why the site is degraded, or "".
+        held: Tasks with a held job here.
+        committed: Tasks committed here.
+    """
+    if health:
+        return f"site degraded: {health}"
+    spec = offer.spec
+    acc = spec.resources.accelerator
+    if not (_NAME_RE.match(offer.job_id) and _NAME_RE.match(offer.task)):
+        return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
+    if not spec.command:
+        return "task has no command"
+    if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
+        return f"invalid cpu request {spec.resources.cpu}"
+    if bad := sorted(k for k in spec.env if not _ENV_KEY_RE.match(k)):
+        return f"invalid environment variable names: {', '.join(bad)}"
+    if acc.fraction or acc.partition:
+        return "this Slurm site gives whole devices only (no fractions or MIG partitions)"
+    if acc.same_interconnect and acc.count > 1:
+        return "this Slurm site does not know its interconnect groups"
+    if acc.count and acc.kind not in (resources_pb2.DEVICE_KIND_UNSPECIFIED, *GRES_KINDS.values()):
+        return "Slurm has no generic resource for this device kind"
+    if acc.count and (spec.replicas or 1) > 1 and acc.kind != resources_pb2.DEVICE_KIND_GPU:
+        return "Slurm gives each of several replicas their own devices for GPUs only"
+    same_task = [k[2] for k in [*committed, *held] if k[:2] == (offer.job_id, offer.task)]
+    if same_task and max(same_task) > offer.epoch:
+        return f"stale epoch {offer.epoch}: this site holds epoch {max(same_task)} of the task"
+    if (offer.job_id, offer.task, offer.epoch) in committed:
+        return f"epoch {offer.epoch} of the task was already committed here"
+    return ""
+
+
+@dataclass(frozen=True, slots=True)
+class Foresight:
+    """The sbatch flags Slurm accepted and when it would start the job (Unix time)."""
+
+    args: list[str]
+    start: float
+
+
+async def foresee(
+    cli: SlurmCli,
+    spec: jobs_pb2.TaskSpec,
+    settings: SlurmSettings,
+    nodes: list[resources_pb2.Node],
+) -> Foresight | str:
+    """Asks ``sbatch --test-only`` about each fitting GRES type; the earliest start wins.
+
+    Args:
+        cli: Runs Slurm's commands.
+        spec: The task.
+        settings: The site's settings, its partition resolved.
+        nodes: The view's nodes, whose devices say which GRES types fit the request.
+
+    Returns:
+        What Slurm foresees, or why no GRES type can match (before Slurm is asked).
+
+    Raises:
+        SlurmError: Slurm refused every option; its message says why.
+    """
+    options = gres_options(spec.resources.accelerator, nodes, settings.partition)
+    if isinstance(options, str):
+        return options
+    best: Foresight | None = None
+    error: SlurmError | None = None
+    for gres in options:
+        args = resource_args(spec, settings, gres)
+        try:
+            out = await cli.run("sbatch", "--test-only", *args, "--wrap=true")
+        except SlurmError as err:
+            error = error or err
+            continue
+        foreseen = parse_test_only(out.stderr + out.stdout)
+        start = foreseen.start if foreseen is not None and foreseen.start else time.time()
+        if best is None or start < best.start:
+            best = Foresight(args, start)
+    if best is None:
+        assert error is not None  # options is never empty
+        raise error
+    return best
+
+
+async def submit_held(
+    cli: SlurmCli,
+    spec: jobs_pb2.TaskSpec,
+    key: TaskKey,
+    *,
+    site: str,
+    work_dir: Path,
+    args: list[str],
+) -> str:
+    """Writes the task's batch script and submits it held; returns the Slurm job id.
+
+    The job runs in ``work_dir/JOB/TASK/EPOCH`` (its output in ``slurm-ID.out`` there); its
+    checkpoints go to ``work_dir/JOB/TASK/checkpoint``, shared by the task's epochs here.
+
+    Raises:
+        SlurmError: sbatch refused the job; its message says why.
+    """
+    job_dir = work_dir / key[0] / key[1] / str(key[2])
+    checkpoint_dir = work_dir / key[0] / key[1] / "checkpoint"
+    script = batch_script(spec, key, site=site, checkpoint_dir=checkpoint_dir)
+    await asyncio.to_thread(_write_script, job_dir, checkpoint_dir, script)
+    out = await cli.run(
+        "sbatch",
+        "--parsable",
+        "--hold",
+        f"--job-name={job_name(key)}",
+        f"--comment={job_comment(site, key)}",
+        f"--chdir={job_dir}",
+        f"--output={job_dir}/slurm-%j.out",
+        "--export=ALL",
+        *args,
+        str(job_dir / "job.sh"),
+    )
+    return out.stdout.strip().split(";")[0]
+
+
+def accepted(
+    reservation_id: str, expected_start_s: float, lease_s: float
+) -> site_link_service_pb2.OfferAnswer:
+    """The answer to an offer that holds a job."""
+    return site_link_service_pb2.OfferAnswer(
+        accepted=True,
+        reservation_id=reservation_id,
+        expected_start_s=expected_start_s,
+        lease_s=lease_s,
+    )
+
+
+def with_partition(settings: SlurmSettings, partition: str) -> SlurmSettings:
+    """The settings with the partition resolved (the cluster's default when unset)."""
+    return dataclasses.replace(settings, partition=partition)
+
+
+def _write_script(job_dir: Path, checkpoint_dir: Path, script: str) -> None:
+    job_dir.mkdir(parents=True, exist_ok=True)
+    checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    path = job_dir / "job.sh"
+    path.write_text(script)
+    path.chmod(0o700)

@@ -1,0 +1,59 @@
+"""Task specs and waits shared by the Slurm tests."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+from federation.api.v1 import jobs_pb2, resources_pb2
+
+WAIT_S = 30.0
+T = TypeVar("T")
+
+
+def gpu_task(
+    code: str,
+    *,
+    gpus: int = 1,
+    memory_mib: int = 256,
+    replicas: int = 0,
+    timeout_s: float = 0,
+) -> jobs_pb2.TaskSpec:
+    """A task running ``python -c code`` with ``gpus`` A100s and 1 CPU per replica."""
+    return jobs_pb2.TaskSpec(
+        name="main",
+        command=[sys.executable, "-c", code],
+        replicas=replicas,
+        timeout_s=timeout_s,
+        resources=jobs_pb2.ResourceRequest(
+            cpu=1,
+            memory_mib=memory_mib,
+            accelerator=jobs_pb2.AcceleratorRequest(
+                kind=resources_pb2.DEVICE_KIND_GPU, count=gpus, models=["A100-80GB"]
+            ),
+        ),
+    )
+
+
+async def eventually(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
+    """Polls ``condition`` (a real state, read again each time) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {timeout_s:g}s")
+        await asyncio.sleep(0.1)
+
+
+async def until(read: Callable[[], Awaitable[T]], done: Callable[[T], bool], what: str) -> T:
+    """Reads a real state again and again until ``done`` holds for it; returns it."""
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        value = await read()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not {what} after {WAIT_S:g}s; last: {value}")
+        await asyncio.sleep(0.1)

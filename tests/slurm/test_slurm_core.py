@@ -1,0 +1,346 @@
+"""The Slurm core against a real Slurm: the view, offers, held jobs, runs, cancels, health."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from datacenter_agent.slurm_cli import parse_records
+from datacenter_agent.slurm_cluster import LocalSlurmCluster, free_port
+from datacenter_agent.slurm_core import DEGRADED_NODE, SlurmCore
+from federation.agent.config import GresModel, SlurmSettings
+from federation.api.v1 import jobs_pb2, site_link_service_pb2
+
+from .conftest import NODE, PARTITION
+from .tasks import eventually, gpu_task
+
+pytestmark = pytest.mark.xdist_group("slurm")
+
+RUNNING = jobs_pb2.JOB_STATE_RUNNING
+FINAL = (jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED)
+SETTINGS = SlurmSettings(
+    partition=PARTITION,
+    poll_interval_s=0.2,
+    gres={"a100": GresModel(model="A100-80GB", vendor="nvidia", memory_mib=81920)},
+)
+SHOW_ENV = (
+    "import os, time; "
+    "print('CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-')); "
+    "print('FEDERATION_DEVICES=' + os.environ['FEDERATION_DEVICES']); "
+    "print('FEDERATION_RESTORE_PATH=' + os.environ['FEDERATION_RESTORE_PATH']); "
+    "print('SLURM_JOB_ID=' + os.environ['SLURM_JOB_ID']); "
+    "time.sleep(1); raise SystemExit(3)"
+)
+_sites = itertools.count(1)
+
+
+@dataclass
+class Harness:
+    """A core under test and every report it made."""
+
+    core: SlurmCore
+    site: str
+    reports: list[site_link_service_pb2.TaskReport] = field(default_factory=list)
+    is_closed: bool = False
+
+    async def shutdown(self) -> None:
+        """Lets go of the core as an exiting agent does; its Slurm jobs keep running."""
+        if not self.is_closed:
+            self.is_closed = True
+            await self.core.shutdown(1.0)
+
+    def last(self, job_id: str) -> site_link_service_pb2.TaskReport | None:
+        return next((r for r in reversed(self.reports) if r.job_id == job_id), None)
+
+    async def until_final(self, job_id: str) -> site_link_service_pb2.TaskReport:
+        def ended() -> bool:
+            report = self.last(job_id)
+            return report is not None and report.state in FINAL
+
+        await eventually(ended, f"{job_id} ended")
+        report = self.last(job_id)
+        assert report is not None
+        return report
+
+    async def offer(
+        self, job_id: str, spec: jobs_pb2.TaskSpec, lease_s: float = 30
+    ) -> site_link_service_pb2.OfferAnswer:
+        return await self.core.offer(
+            site_link_service_pb2.Offer(
+                job_id=job_id, task="main", epoch=1, spec=spec, lease_s=lease_s
+            )
+        )
+
+    async def run(self, job_id: str, spec: jobs_pb2.TaskSpec) -> str:
+        """Offers and commits; returns the Slurm job id."""
+        answer = await self.offer(job_id, spec)
+        assert answer.accepted, answer.reason
+        commit = site_link_service_pb2.Commit(
+            reservation_id=answer.reservation_id, job_id=job_id, task="main", epoch=1
+        )
+        assert (await self.core.commit(commit)).started
+        return answer.reservation_id.removeprefix("slurm-")
+
+
+MakeCore = Callable[..., Awaitable[Harness]]
+
+
+@pytest.fixture
+async def make_core(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> AsyncIterator[MakeCore]:
+    """Starts Slurm cores (each its own site) on the session's cluster; closes them after."""
+    harnesses: list[Harness] = []
+
+    async def make(
+        settings: SlurmSettings = SETTINGS, environ: dict[str, str] | None = None, site: str = ""
+    ) -> Harness:
+        site = site or f"site-{next(_sites)}"
+        reports: list[site_link_service_pb2.TaskReport] = []
+        core = SlurmCore(
+            settings,
+            site=site,
+            work_dir=tmp_path / "work",
+            on_status=reports.append,
+            on_change=lambda: None,
+            kill_grace_s=1.0,
+            environ=environ or slurm_cluster.env,
+        )
+        await core.start()
+        harness = Harness(core, site, reports)
+        harnesses.append(harness)
+        return harness
+
+    yield make
+    for harness in harnesses:
+        if not harness.is_closed:
+            for task in harness.core.tasks():
+                if task.state not in FINAL:
+                    await harness.core.cancel(task.job_id, task.task, 0, "test over")
+        await harness.shutdown()
+
+
+def slurm_job(cluster: LocalSlurmCluster, slurm_id: str) -> dict[str, str]:
+    """What ``scontrol show job`` says of one job now."""
+    records = parse_records(cluster.run("scontrol", "show", "job", "-o", slurm_id))
+    return dict(records[0].pairs)
+
+
+async def test_view_comes_from_slurm(make_core: MakeCore) -> None:
+    """The view is Slurm's node with its CPUs, memory and GRES GPUs described as configured."""
+    harness = await make_core()
+    assert harness.core.health == ""
+    [node] = harness.core.nodes()
+    assert (node.name, node.cpu_cores, node.memory_mib) == (NODE.name, 8, 16000)
+    assert node.schedulable
+    assert [(d.model, d.vendor, d.allocated) for d in node.devices] == [
+        ("A100-80GB", "nvidia", False)
+    ] * 2
+    assert harness.core.name == "slurm"
+
+
+async def test_offer_holds_a_job_until_the_lease_lapses(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """An accepted offer is a held Slurm job the view counts; a lapsed lease cancels it."""
+    harness = await make_core()
+    answer = await harness.offer("held", gpu_task("pass", gpus=2), lease_s=1.0)
+    assert answer.accepted, answer.reason
+    slurm_id = answer.reservation_id.removeprefix("slurm-")
+    job = slurm_job(slurm_cluster, slurm_id)
+    assert (job["JobState"], job["Reason"]) == ("PENDING", "JobHeldUser")
+    assert job["Comment"] == f"federation:{harness.site}:held:main:1"
+    assert all(d.allocated for d in harness.core.nodes()[0].devices)
+    await eventually(
+        lambda: slurm_job(slurm_cluster, slurm_id)["JobState"] == "CANCELLED", "lease lapsed"
+    )
+    assert not any(d.allocated for d in harness.core.nodes()[0].devices)
+    commit = site_link_service_pb2.Commit(
+        reservation_id=answer.reservation_id, job_id="held", task="main", epoch=1
+    )
+    refused = await harness.core.commit(commit)
+    assert not refused.started
+    assert "lapsed" in refused.reason
+
+
+async def test_release_cancels_the_held_job(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """Releasing a reservation scancels its held job at once."""
+    harness = await make_core()
+    answer = await harness.offer("released", gpu_task("pass"))
+    await harness.core.release(answer.reservation_id)
+    slurm_id = answer.reservation_id.removeprefix("slurm-")
+    assert slurm_job(slurm_cluster, slurm_id)["JobState"] == "CANCELLED"
+
+
+async def test_committed_task_runs_under_slurm_with_its_gpus(make_core: MakeCore) -> None:
+    """A committed task runs as a Slurm job, sees its GPUs, and reports its exit code."""
+    harness = await make_core()
+    slurm_id = await harness.run("runs", gpu_task(SHOW_ENV, gpus=2))
+    report = await harness.until_final("runs")
+    assert [r.state for r in harness.reports] == [RUNNING, jobs_pb2.JOB_STATE_FAILED]
+    assert report.exit_code == 3
+    assert report.reason == f"Slurm job {slurm_id} exited with 3 (FAILED)"
+    assert sorted(report.devices) == [f"{NODE.name}:GPU:0", f"{NODE.name}:GPU:1"]
+    assert "CUDA_VISIBLE_DEVICES=0,1" in report.output_tail
+    assert f"FEDERATION_DEVICES={NODE.name}:GPU:0,{NODE.name}:GPU:1" in report.output_tail
+    assert f"SLURM_JOB_ID={slurm_id}" in report.output_tail
+    assert re.search(r"FEDERATION_RESTORE_PATH=\S+/runs/main/checkpoint", report.output_tail)
+
+
+async def test_gang_replicas_get_their_own_gpus(make_core: MakeCore) -> None:
+    """Two replicas run as two Slurm tasks, each with its own replica number and GPU."""
+    code = (
+        "import os; print('replica', os.environ['FEDERATION_REPLICA'], "
+        "os.environ['FEDERATION_DEVICES'])"
+    )
+    harness = await make_core()
+    await harness.run("gang", gpu_task(code, gpus=1, replicas=2))
+    report = await harness.until_final("gang")
+    assert report.state == jobs_pb2.JOB_STATE_SUCCEEDED, report.reason
+    lines = sorted(line for line in report.output_tail.splitlines() if line.startswith("replica"))
+    assert [line.split()[1] for line in lines] == ["0", "1"]
+    assert {line.split()[2] for line in lines} == {f"{NODE.name}:GPU:0", f"{NODE.name}:GPU:1"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (gpu_task("pass", gpus=3), "Requested node configuration is not available"),
+        (gpu_task("pass", memory_mib=9000), "Memory required by task is not available"),
+        (gpu_task("pass", timeout_s=7200), "Requested time limit is invalid"),
+    ],
+    ids=["gpus", "memory", "time"],
+)
+async def test_too_big_is_declined_with_slurms_reason(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, spec: jobs_pb2.TaskSpec, words: str
+) -> None:
+    """What the cluster or its partition cannot give is declined in Slurm's words, nothing held."""
+    harness = await make_core()
+    answer = await harness.offer("big", spec)
+    assert not answer.accepted
+    assert answer.reason.startswith("Slurm: ")
+    assert words in answer.reason
+    listed = slurm_cluster.run("squeue", "-h", "-o", "%k")
+    assert f"federation:{harness.site}:" not in listed
+
+
+async def test_cancel_signals_first_then_stops(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """Cancel sends SIGTERM (the task saves a checkpoint), and the task ends CANCELLED."""
+    code = (
+        "import os, signal, sys, time\n"
+        "def save(*_):\n"
+        "    open(os.environ['FEDERATION_CHECKPOINT_DIR'] + '/step', 'w').write('42')\n"
+        "    print('checkpoint saved', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, save)\n"
+        "print('started', flush=True); time.sleep(60)\n"
+    )
+    harness = await make_core()
+    slurm_id = await harness.run("stopme", gpu_task(code))
+    await eventually(lambda: harness.last("stopme") is not None, "running")
+    await harness.core.cancel("stopme", "main", 0, "cancelled by test")
+    report = harness.last("stopme")
+    assert report is not None
+    assert (report.state, report.reason) == (jobs_pb2.JOB_STATE_CANCELLED, "cancelled by test")
+    assert "checkpoint saved" in report.output_tail
+    assert slurm_job(slurm_cluster, slurm_id)["JobState"] in ("COMPLETED", "CANCELLED")
+
+
+async def test_cancel_kills_a_task_that_ignores_the_signal(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """A task that ignores SIGTERM is scancelled after the grace time."""
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    harness = await make_core()
+    slurm_id = await harness.run("stubborn", gpu_task(code))
+    await eventually(lambda: harness.last("stubborn") is not None, "running")
+    await harness.core.cancel("stubborn", "main", 1, "stop now")
+    report = harness.last("stubborn")
+    assert report is not None
+    assert report.state == jobs_pb2.JOB_STATE_CANCELLED
+    assert slurm_job(slurm_cluster, slurm_id)["JobState"] == "CANCELLED"
+
+
+async def test_drained_node_leaves_the_view(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """A node drained in Slurm disappears from the view and comes back when resumed."""
+    harness = await make_core()
+    slurm_cluster.run("scontrol", "update", f"NodeName={NODE.name}", "State=DRAIN", "Reason=fan")
+    try:
+        await harness.core.refresh()
+        assert harness.core.nodes() == []
+        declined = await harness.offer("drained", gpu_task("pass"))
+        assert not declined.accepted
+    finally:
+        slurm_cluster.run("scontrol", "update", f"NodeName={NODE.name}", "State=RESUME")
+    # Slurm marks a resumed node NOT_RESPONDING until slurmd answers its next ping.
+    await eventually(lambda: [n.name for n in harness.core.nodes()] == [NODE.name], "back")
+
+
+async def test_restarted_core_adopts_its_jobs(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """A new core finds the running jobs of its site by their comment, and drops stale holds."""
+    first = await make_core()
+    await first.run("adopted", gpu_task("import time; time.sleep(60)"))
+    await eventually(lambda: first.last("adopted") is not None, "running")
+    await first.shutdown()  # the agent exits; Slurm keeps the job
+    stale = slurm_cluster.run(
+        "sbatch",
+        "--parsable",
+        "--hold",
+        f"--comment=federation:{first.site}:stale:main:1",
+        "--wrap=true",
+    ).strip()
+    second = await make_core(site=first.site)
+    [report] = second.core.tasks()
+    assert (report.job_id, report.state) == ("adopted", RUNNING)
+    assert report.devices == [f"{NODE.name}:GPU:0"]
+    assert slurm_job(slurm_cluster, stale)["JobState"] == "CANCELLED"
+    await second.core.cancel("adopted", "main", 0, "adopted and cancelled")
+    assert second.core.tasks()[0].state == jobs_pb2.JOB_STATE_CANCELLED
+
+
+async def test_slurm_down_degrades_the_site(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
+) -> None:
+    """With no controller to talk to, the site is degraded with Slurm's error and declines."""
+    conf = tmp_path / "down.conf"
+    text = slurm_cluster.conf.read_text()
+    text = re.sub(r"SlurmctldPort=\d+", f"SlurmctldPort={free_port()}", text)
+    conf.write_text(text.replace("MessageTimeout=5", "MessageTimeout=1"))
+    harness = await make_core(environ={**slurm_cluster.env, "SLURM_CONF": str(conf)})
+    assert "Unable to contact slurm controller" in harness.core.health
+    [node] = harness.core.nodes()
+    assert node.name == DEGRADED_NODE
+    assert not node.schedulable
+    assert node.labels["health"] == "degraded"
+    assert "Unable to contact slurm controller" in node.labels["health_reason"]
+    answer = await harness.offer("nowhere", gpu_task("pass"))
+    assert not answer.accepted
+    assert answer.reason.startswith("site degraded: ")
+    assert "Unable to contact slurm controller" in answer.reason
+
+
+@pytest.mark.parametrize(
+    ("settings", "words"),
+    [
+        (SlurmSettings(partition="nope"), "Partition nope not found"),
+        (SlurmSettings(conf=Path("/nonexistent/slurm.conf")), "does not exist"),
+    ],
+    ids=["partition", "conf"],
+)
+async def test_misconfigured_slurm_degrades_the_site(
+    make_core: MakeCore, settings: SlurmSettings, words: str
+) -> None:
+    """A missing partition or slurm.conf degrades the site with the reason."""
+    harness = await make_core(settings)
+    assert words in harness.core.health
+    assert words in harness.core.nodes()[0].labels["health_reason"]

@@ -1,0 +1,227 @@
+"""End to end: a coordinator and Slurm site agents as processes, jobs run by a real Slurm."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from datacenter_agent.slurm_cli import parse_records
+from datacenter_agent.slurm_cluster import LocalSlurmCluster
+from federation.api.v1 import (
+    admin_service_pb2,
+    admin_service_pb2_grpc,
+    job_service_pb2,
+    job_service_pb2_grpc,
+    jobs_pb2,
+    resources_pb2,
+)
+from federation.jobspec import job_spec_from_dict
+from federation.local import LocalFederation, SiteSpec
+
+from .conftest import GRES, MAX_MEM_PER_NODE_MIB, NODE, PARTITION
+from .tasks import WAIT_S, until
+
+pytestmark = pytest.mark.xdist_group("slurm")
+
+SITE = "dc-slurm"
+BROKEN = "dc-broken"
+TERMINAL = (jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED)
+
+
+def slurm_site(name: str, cluster: LocalSlurmCluster, partition: str) -> SiteSpec:
+    slurm = {"partition": partition, "conf": cluster.conf, "poll_interval_s": 0.5, "gres": GRES}
+    return SiteSpec(name, "datacenter", settings={"scheduler": "slurm", "slurm": slurm})
+
+
+@pytest.fixture(scope="module")
+def federation(
+    slurm_cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalFederation]:
+    """A coordinator, a Slurm site on the test cluster, and one whose partition is wrong."""
+    fed = LocalFederation(
+        tmp_path_factory.mktemp("fed"),
+        [slurm_site(SITE, slurm_cluster, PARTITION), slurm_site(BROKEN, slurm_cluster, "nope")],
+    )
+    try:
+        asyncio.run(fed.start())
+        yield fed
+    finally:
+        fed.stop()
+
+
+@pytest.fixture
+async def operator(federation: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
+    async with federation.operator().channel() as channel:
+        yield channel
+
+
+def gpu_job(name: str, code: str, **resources: object) -> jobs_pb2.JobSpec:
+    """A one-task job running ``python -c code`` on one A100."""
+    task = {
+        "name": "main",
+        "command": [sys.executable, "-c", code],
+        "resources": {
+            "cpu": 1,
+            "memory_mib": 256,
+            "accelerator": {"kind": "GPU", "count": 1, "models": ["A100-80GB"]},
+            **resources,
+        },
+    }
+    return job_spec_from_dict({"name": name, "tasks": [task]})
+
+
+async def submit(channel: grpc.aio.Channel, spec: jobs_pb2.JobSpec) -> str:
+    stub = job_service_pb2_grpc.JobServiceStub(channel)
+    return (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec))).job.id
+
+
+async def wait_job(
+    channel: grpc.aio.Channel, job_id: str, until: tuple[int, ...] = TERMINAL
+) -> jobs_pb2.Job:
+    """Follows WatchJobs until the job reaches a state in ``until``."""
+    stub = job_service_pb2_grpc.JobServiceStub(channel)
+
+    async def follow() -> jobs_pb2.Job:
+        request = job_service_pb2.WatchJobsRequest(job_ids=[job_id], include_current=True)
+        async for reply in stub.WatchJobs(request):
+            if reply.event.job_state in until:
+                break
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    return await asyncio.wait_for(follow(), WAIT_S)
+
+
+async def site_view(channel: grpc.aio.Channel, name: str) -> resources_pb2.SiteView:
+    stub = admin_service_pb2_grpc.AdminServiceStub(channel)
+    reply = await stub.ListSites(admin_service_pb2.ListSitesRequest())
+    return next(site.view for site in reply.sites if site.name == name)
+
+
+async def until_view(
+    channel: grpc.aio.Channel, name: str, nodes: list[str]
+) -> resources_pb2.SiteView:
+    """Polls the coordinator's view of a site until it lists exactly ``nodes``."""
+    return await until(
+        lambda: site_view(channel, name),
+        lambda view: [n.name for n in view.nodes] == nodes,
+        f"{name} showing nodes {nodes}",
+    )
+
+
+def slurm_jobs_of(cluster: LocalSlurmCluster, job_id: str) -> list[dict[str, str]]:
+    """What Slurm lists of the federation job's Slurm jobs (found by their comment)."""
+    records = parse_records(cluster.run("scontrol", "show", "job", "-o"))
+    mark = f"federation:{SITE}:{job_id}:"
+    return [dict(r.pairs) for r in records if r.value("Comment").startswith(mark)]
+
+
+async def test_gpu_job_runs_under_slurm_and_reports_its_exit_code(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """A GPU job is delegated to the Slurm site, runs as a Slurm job, and fails with its code."""
+    code = (
+        "import os, time; print('slurm job', os.environ['SLURM_JOB_ID'], "
+        "'gpus', os.environ['CUDA_VISIBLE_DEVICES'], os.environ['FEDERATION_DEVICES']); "
+        "time.sleep(1); raise SystemExit(3)"
+    )
+    job_id = await submit(operator, gpu_job("under-slurm", code))
+    job = await wait_job(operator, job_id)
+    [task] = job.tasks
+    [slurm_job] = slurm_jobs_of(slurm_cluster, job_id)
+    assert (job.state, task.site, task.exit_code) == (jobs_pb2.JOB_STATE_FAILED, SITE, 3)
+    assert task.reason == f"Slurm job {slurm_job['JobId']} exited with 3 (FAILED)"
+    assert (slurm_job["JobState"], slurm_job["ExitCode"]) == ("FAILED", "3:0")
+    [device] = task.devices
+    assert device.startswith(f"{NODE.name}:GPU:")
+    index = device.rsplit(":", 1)[1]
+    assert f"slurm job {slurm_job['JobId']} gpus {index} {device}" in task.output_tail
+
+
+async def test_job_too_big_for_the_partition_is_declined_in_slurms_words(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """Memory the node has but the partition's limit refuses is declined with Slurm's reason."""
+    memory_mib = MAX_MEM_PER_NODE_MIB + 1000
+    assert memory_mib < NODE.memory_mib  # the view shows room: only Slurm knows the limit
+    job_id = await submit(operator, gpu_job("too-big", "pass", memory_mib=memory_mib))
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+
+    async def read() -> jobs_pb2.Job:
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+
+    def declined(job: jobs_pb2.Job) -> bool:
+        return any(v.site == SITE and "declined" in v.reason for v in job.tasks[0].verdicts)
+
+    try:
+        job = await until(read, declined, f"declined by {SITE}")
+        verdicts = {v.site: v.reason for v in job.tasks[0].verdicts}
+        assert job.tasks[0].state == jobs_pb2.JOB_STATE_PENDING
+        assert "Slurm: " in verdicts[SITE]
+        assert "Memory required by task is not available" in verdicts[SITE]
+        assert slurm_jobs_of(slurm_cluster, job_id) == []
+    finally:
+        await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="test over"))
+
+
+async def test_cancel_reaches_scancel(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """Cancelling a running job signals its Slurm job (it checkpoints) and ends it in Slurm."""
+    code = (
+        "import signal, sys, time\n"
+        "def stop(*_):\n"
+        "    print('checkpoint saved', flush=True); sys.exit(0)\n"
+        "signal.signal(signal.SIGTERM, stop)\n"
+        "time.sleep(60)\n"
+    )
+    job_id = await submit(operator, gpu_job("cancel-me", code))
+    await wait_job(operator, job_id, until=(jobs_pb2.JOB_STATE_RUNNING,))
+    [running] = slurm_jobs_of(slurm_cluster, job_id)
+    assert running["JobState"] == "RUNNING"
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+    await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id, reason="operator says"))
+    job = await wait_job(operator, job_id)
+    [task] = job.tasks
+    assert job.state == jobs_pb2.JOB_STATE_CANCELLED
+    assert "checkpoint saved" in task.output_tail
+    [ended] = slurm_jobs_of(slurm_cluster, job_id)
+    assert ended["JobState"] in ("COMPLETED", "CANCELLED")
+
+
+async def test_drained_node_disappears_from_the_view(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """A node drained in Slurm leaves the coordinator's view; resumed, it comes back."""
+    await until_view(operator, SITE, [NODE.name])
+    slurm_cluster.run("scontrol", "update", f"NodeName={NODE.name}", "State=DRAIN", "Reason=fan")
+    try:
+        await until_view(operator, SITE, [])
+    finally:
+        slurm_cluster.run("scontrol", "update", f"NodeName={NODE.name}", "State=RESUME")
+    view = await until_view(operator, SITE, [NODE.name])
+    assert [d.model for d in view.nodes[0].devices] == ["A100-80GB"] * 2
+
+
+async def test_misconfigured_site_is_degraded(operator: grpc.aio.Channel) -> None:
+    """A Slurm site whose partition does not exist shows degraded with Slurm's reason."""
+    view = await site_view(operator, BROKEN)
+    [node] = view.nodes
+    assert view.scheduler == "slurm"
+    assert not node.schedulable
+    assert node.labels["health"] == "degraded"
+    assert "Partition nope not found" in node.labels["health_reason"]
+
+
+def test_example_site_spec_writes_a_slurm_config(
+    federation: LocalFederation, slurm_cluster: LocalSlurmCluster
+) -> None:
+    """The agent's config file names the Slurm core and the cluster's slurm.conf."""
+    text = (federation.root / "sites" / SITE / "agent.toml").read_text()
+    assert 'scheduler = "slurm"' in text
+    assert str(slurm_cluster.conf) in text
+    assert Path(slurm_cluster.conf).is_file()
