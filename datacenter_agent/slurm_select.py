@@ -8,32 +8,14 @@ Slurm only for the types that fit (any type, untyped, when every type fits).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 from datacenter_agent.slurm_view import GRES_KINDS
-from federation.agent.discovery import device_kind_name
 from federation.agent.packing import describe_request
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.selectors import compile_selector
+from federation.placement.snapshot import device_attributes
 
 _MIB_PER_GIB = 1024.0
-
-
-def device_facts(device: resources_pb2.Device) -> dict[str, Any]:
-    """A device as a CEL selector reads it: the keys of ``selectors.SAMPLE_DEVICE``."""
-    return {
-        "kind": device_kind_name(device.kind),
-        "vendor": device.vendor.lower(),
-        "model": device.model,
-        "memory_mib": float(device.memory_total_mib),
-        "memory_gib": device.memory_total_mib / _MIB_PER_GIB,
-        "tflops_fp32": device.tflops_fp32,
-        "tflops_fp16": device.tflops_fp16,
-        "tflops_int8": device.tflops_int8,
-        "power_tdp_watts": device.power_tdp_watts,
-        "declared": device.provenance == resources_pb2.PROVENANCE_DECLARED,
-        "attributes": dict(device.attributes),
-    }
 
 
 def matches(device: resources_pb2.Device, acc: jobs_pb2.AcceleratorRequest) -> bool:
@@ -48,7 +30,10 @@ def matches(device: resources_pb2.Device, acc: jobs_pb2.AcceleratorRequest) -> b
         return False
     if acc.selector:
         try:
-            return compile_selector(acc.selector).execute({"device": device_facts(device)}) is True
+            return (
+                compile_selector(acc.selector).execute({"device": device_attributes(device)})
+                is True
+            )
         except Exception:
             return False  # a selector this device cannot satisfy (or a bad one) does not match
     return True
