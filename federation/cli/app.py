@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from federation.cli import demo, pki, remote
+from federation.cli import demo, pki, remote, sim
 from federation.cli.connection import CliError, describe_rpc_error, resolve_connection
 
 
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     pki.add_parser(sub)
     remote.add_parsers(sub)
     demo.add_parser(sub)
+    sim.add_parser(sub)
     return parser
 
 

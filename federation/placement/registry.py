@@ -7,6 +7,13 @@ from pathlib import Path
 
 from federation.placement.compat import load_table_files
 from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
+from federation.placement.plugins.baselines import (
+    DataLocal,
+    LeastLoaded,
+    RoundRobin,
+    RunTimeOnly,
+    StaticWeights,
+)
 from federation.placement.plugins.capacity_fit import CapacityFit
 from federation.placement.plugins.compatibility import Compatibility
 from federation.placement.plugins.completion_time import CompletionTime
@@ -16,10 +23,20 @@ from federation.placement.plugins.free_capacity import FreeCapacity
 from federation.placement.plugins.site_state import SiteState
 
 FILTERS: Mapping[str, type[FilterPlugin]] = {
-    p.name: p for p in (SiteState, Constraints, Compatibility, CapacityFit, CostCap)
+    p.name: p for p in (SiteState, Constraints, Compatibility, CapacityFit, CostCap, DataLocal)
 }
 SCORERS: Mapping[str, type[ScorePlugin]] = {
-    p.name: p for p in (CompletionTime, Cost, Energy, FreeCapacity)
+    p.name: p
+    for p in (
+        CompletionTime,
+        Cost,
+        Energy,
+        FreeCapacity,
+        RoundRobin,
+        StaticWeights,
+        LeastLoaded,
+        RunTimeOnly,
+    )
 }
 
 DEFAULT_FILTERS: tuple[str, ...] = (

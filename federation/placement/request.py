@@ -44,6 +44,8 @@ class Request:
     speed: tuple[tuple[str, float], ...] = ()
     max_cost_usd: float = 0.0
     deadline_s: float = 0.0
+    sequence: int = 0
+    """Arrival order of the task, for policies that take turns (the simulator sets it)."""
 
     @property
     def wants_accelerator(self) -> bool:

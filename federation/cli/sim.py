@@ -1,0 +1,207 @@
+"""``fedctl sim``: replay a trace over a topology under several placement policies.
+
+``fedctl sim generate`` writes a topology and a trace synthesised from measured public data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from federation.cli.connection import CliError
+from federation.sim.engine import SimConfig
+from federation.sim.fields import InputFileError
+from federation.sim.generate import DATA, Knobs, describe, generate, write_topology
+from federation.sim.policies import DEFAULT_POLICIES, PROFILES, UnknownPolicyError
+from federation.sim.replay import PolicyProgress, replay
+from federation.sim.report import print_tables, write_json, write_plots, write_records
+from federation.sim.topology import load_topology
+from federation.sim.trace import load_trace, write_trace
+
+_DEFAULTS = SimConfig()
+_KNOBS = Knobs()
+KNOB_HELP = {
+    "load": "offered load: device-seconds asked for / device-seconds the fleet has",
+    "input_share": "share of jobs that read a dataset",
+    "datasets": "datasets held at edge and datacenter sites",
+    "dataset_gb": "median dataset size in GB (log-normal)",
+    "fraction_share": "share of 1-GPU jobs asking for 1/4 or 1/2 of a shareable GPU",
+    "cpu_share": "share of jobs with no accelerator",
+    "gang_share": "share of 8-GPU jobs that are 2 replicas of 8",
+    "priority_share": "share of jobs with priority 100",
+    "deadline_share": "share of jobs with a deadline of 2-5x their measured run time",
+    "reference_speed": "speed (A100 = 1) of the devices the run times were measured on",
+    "max_runtime_h": "cap on sampled run times, hours",
+    "edge_decline_rate": "share of offers edge sites decline despite room",
+    "edge_scale": "measured bandwidth scale for links touching an edge site",
+}
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``fedctl sim`` and ``fedctl sim generate``."""
+    policies = "; ".join(f"{name}: {p.summary}" for name, p in PROFILES.items())
+    sim = sub.add_parser(
+        "sim",
+        help="replay a trace over a topology and compare placement policies",
+        description=__doc__,
+        epilog=f"policies: {policies}",
+    )
+    sim.add_argument("--topology", type=Path, help="topology file (YAML)")
+    sim.add_argument("--trace", type=Path, help="trace file (CSV)")
+    sim.add_argument(
+        "--policies",
+        default=",".join(DEFAULT_POLICIES),
+        help="comma-separated policies (default: all)",
+    )
+    sim.add_argument("--seed", type=int, default=0, help="seeds estimate errors and declines")
+    sim.add_argument("--json", dest="sim_json", action="store_true", help="JSON output")
+    sim.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots here")
+    sim.add_argument("--records", type=Path, metavar="CSV", help="write one row per task here")
+    sim.add_argument(
+        "--estimate-error",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="log-normal error on the durations the scheduler sees (default 0: exact)",
+    )
+    sim.add_argument(
+        "--offers-at-once",
+        type=int,
+        default=_DEFAULTS.offers_at_once,
+        metavar="N",
+        help="sites offered a task at once (coordinator default %(default)s)",
+    )
+    sim.add_argument(
+        "--max-offers",
+        type=int,
+        default=_DEFAULTS.max_offers_per_round,
+        metavar="N",
+        help="sites tried per round before the task waits (coordinator default %(default)s)",
+    )
+    sim.set_defaults(func=cmd_sim)
+    nested = sim.add_subparsers(dest="sim_command", metavar="generate")
+    gen = nested.add_parser(
+        "generate",
+        help="write a topology and a trace made from measured public data",
+        description="Writes DIR/topology.yaml and DIR/trace.csv.",
+    )
+    gen.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    gen.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
+    gen.add_argument("--data", type=Path, default=DATA, help=f"the shared data (default {DATA})")
+    gen.add_argument("--jobs", type=int, default=_KNOBS.jobs, help="jobs in the trace")
+    gen.add_argument("--nodes", type=int, default=_KNOBS.nodes, help="machines in the fleet")
+    gen.add_argument("--sites", type=int, default=_KNOBS.sites, help="sites they spread over")
+    gen.add_argument(
+        "--domains",
+        default=",".join(f"{d}={s:g}" for d, s in _KNOBS.domains.items()),
+        help="share of sites per domain, e.g. edge=0.2,datacenter=0.5,cloud=0.3",
+    )
+    for name, text in KNOB_HELP.items():
+        default = getattr(_KNOBS, name)
+        gen.add_argument(
+            "--" + name.replace("_", "-"),
+            type=type(default),
+            default=default,
+            metavar="N",
+            help=f"{text} (default {default:g})",
+        )
+    gen.set_defaults(func=cmd_generate)
+
+
+def _domains(text: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, _, share = part.partition("=")
+        try:
+            out[name.strip()] = float(share)
+        except ValueError:
+            raise CliError(f"--domains: expected NAME=SHARE, got {part!r}") from None
+    return out
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Write a generated topology and trace."""
+    names = [f.name for f in Knobs.__dataclass_fields__.values() if f.name != "domains"]
+    knobs = Knobs(domains=_domains(args.domains), **{n: getattr(args, n) for n in names})
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        topology, tasks = generate(knobs, args.seed, args.data, args.out)
+    except (InputFileError, ValueError) as err:
+        raise CliError(str(err)) from None
+    write_topology(args.out / "topology.yaml", topology)
+    write_trace(args.out / "trace.csv", tasks)
+    stream = sys.stderr if args.json else sys.stdout
+    print(f"wrote {args.out / 'topology.yaml'}: {describe(topology)}", file=stream)
+    print(f"wrote {args.out / 'trace.csv'}: {len(tasks)} jobs", file=stream)
+    return 0
+
+
+@contextmanager
+def _progress(enabled: bool, policies: list[str]) -> Iterator[PolicyProgress | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (
+        TextColumn("{task.description:<16}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        ids = {name: bar.add_task(name, total=None) for name in policies}
+
+        def update(policy: str, done: int, total: int) -> None:
+            bar.update(ids[policy], completed=done, total=total)
+
+        yield update
+
+
+def cmd_sim(args: argparse.Namespace) -> int:
+    """Replay, then print tables or JSON and write plots."""
+    if args.topology is None or args.trace is None:
+        raise CliError("give --topology and --trace (or run 'fedctl sim generate --out DIR')")
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    as_json = bool(args.json or args.sim_json)
+    config = SimConfig(
+        offers_at_once=args.offers_at_once,
+        max_offers_per_round=args.max_offers,
+        seed=args.seed,
+    )
+    started = time.perf_counter()
+    try:
+        topology = load_topology(args.topology)
+        tasks = load_trace(args.trace)
+        with _progress(sys.stderr.isatty(), policies) as progress:
+            result = replay(
+                topology,
+                tasks,
+                policies,
+                seed=args.seed,
+                estimate_error=args.estimate_error,
+                config=config,
+                trace_source=str(args.trace),
+                progress=progress,
+            )
+    except (InputFileError, UnknownPolicyError) as err:
+        raise CliError(str(err)) from None
+    if as_json:
+        write_json(result, sys.stdout)
+    else:
+        # Wide enough for both tables when the output goes to a file or a pipe.
+        print_tables(result, Console() if sys.stdout.isatty() else Console(width=150))
+    if args.records:
+        write_records(result, args.records)
+    if args.plots:
+        for path in write_plots(result, args.plots):
+            print(f"wrote {path}", file=sys.stderr)
+    replays = ", ".join(f"{name} {seconds:.1f}s" for name, seconds in result.wall_s.items())
+    total = time.perf_counter() - started
+    print(f"replay wall time: {replays}; {total:.1f}s in all", file=sys.stderr)
+    return 0

@@ -1,0 +1,380 @@
+"""The discrete-event replay of one trace under one policy.
+
+What is real: the placement framework and the policy's plugins decide; the coordinator's
+negotiation rules (offer to the best ``offers_at_once`` sites under one epoch, the best
+acceptance gets the commit, declines move down the ranked list up to
+``max_offers_per_round``, then the task waits in PENDING) and its task state machine
+(``job_state.check_transition`` on every change) govern; sites take an offer by the embedded
+core's rule (every replica on one node). What is simulated: the clock, the sites' capacity,
+input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the data there
+soonest, as the estimate computes) and runs (duration / the granted device's speed).
+
+A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
+same filters form a group, and when a site frees capacity only the first task of each group
+that now fits there is placed again: the answer for the others could not have changed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import numpy.typing as npt
+
+from federation.coordinator import job_state
+from federation.coordinator.scheduler import SchedulerConfig
+from federation.placement.estimates import class_speed
+from federation.placement.framework import Framework
+from federation.placement.request import Request
+from federation.sim.policies import build_policy, feasibility_key
+from federation.sim.state import Grant, SiteState
+from federation.sim.trace import TraceTask
+
+F64 = npt.NDArray[np.float64]
+# Event kinds, in the order they are handled at one instant: capacity frees before anything
+# new is placed on it.
+DONE, START, RETRY, ARRIVE = 0, 1, 2, 3
+_SCHEDULER = SchedulerConfig()
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """Negotiation settings (the coordinator's defaults) and the replay's own knobs."""
+
+    offers_at_once: int = _SCHEDULER.offers_at_once
+    max_offers_per_round: int = _SCHEDULER.max_offers_per_round
+    retry_interval_s: float = _SCHEDULER.retry_interval_s
+    """Longest wait before a task every offered site declined is tried again."""
+    seed: int = 0
+    """Seeds the sites' random declines (``decline_rate``)."""
+
+
+@dataclass(slots=True)
+class TaskRun:
+    """One task's life in the replay; times in simulated seconds."""
+
+    trace: TraceTask
+    request: Request
+    """What the scheduler sees (its duration may be a noisy estimate)."""
+    state: int = job_state.PENDING
+    epoch: int = 0
+    site: int = -1
+    placed_s: float = math.nan
+    started_s: float = math.nan
+    finished_s: float = math.nan
+    transfer_s: float = 0.0
+    run_s: float = 0.0
+    wan_bytes: float = 0.0
+    compute_usd: float = 0.0
+    egress_usd: float = 0.0
+    energy_kwh: float = 0.0
+    offers: int = 0
+    declines: int = 0
+    backoff_s: float = 0.25
+    never_fits: bool = False
+    """No site could take it even with the whole federation idle (under this policy)."""
+    grant: Grant | None = None
+    held: F64 = field(default_factory=lambda: np.zeros(0))
+    """Device-equivalents held per accelerator model."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """Everything a replay leaves for the metrics."""
+
+    policy: str
+    tasks: list[TaskRun]
+    models: tuple[str, ...]
+    """Accelerator models as "KIND/model", the columns of the per-model figures."""
+    capacity: F64
+    """Devices per model."""
+    busy_device_s: F64
+    """Device-seconds running tasks, per model."""
+    held_device_s: F64
+    """Device-seconds held (transfers included), per model."""
+    busy_until_last_arrival: F64 = field(default_factory=lambda: np.zeros(0))
+    """``busy_device_s`` when the last task arrived."""
+    idle_while_waiting_device_s: float = 0.0
+    waiting_s: float = 0.0
+    """Simulated time during which at least one task that fits somewhere waited."""
+    site_ids: tuple[str, ...] = ()
+    offers: int = 0
+    declines: int = 0
+    series: list[tuple[float, float, float, int]] = field(default_factory=list)
+    """(time, devices running, devices held, tasks waiting) after every event."""
+
+
+class Simulation:
+    """Replays ``tasks`` over ``state`` (a fresh ``SiteState``) under one policy."""
+
+    def __init__(
+        self,
+        policy: str,
+        state: SiteState,
+        tasks: Sequence[TraceTask],
+        config: SimConfig | None = None,
+        estimated_s: Sequence[float] | None = None,
+        framework: Framework | None = None,
+    ) -> None:
+        self.policy = policy
+        self.state = state
+        self.snap = state.snap
+        self.empty = state.fresh().snap
+        self.config = config or SimConfig()
+        self.framework = framework or build_policy(policy)
+        filters = tuple(plugin.name for plugin in self.framework.filters)
+        self.site_index = {name: i for i, name in enumerate(self.snap.site_ids)}
+        sites = state.topology.sites
+        self.decline_rate = np.array([s.decline_rate for s in sites])
+        self.egress_usd_per_gb = np.array([s.egress_usd_per_gb for s in sites])
+        self.rng = np.random.default_rng(self.config.seed)
+        classes = self.snap.classes
+        self.models = tuple(sorted({f"{c.attributes['kind']}/{c.model}" for c in classes}))
+        self.class_model = np.array(
+            [self.models.index(f"{c.attributes['kind']}/{c.model}") for c in classes],
+            dtype=np.int64,
+        )
+        n_models = len(self.models)
+        capacity = np.bincount(
+            self.class_model[self.snap.device_class] if len(classes) else np.zeros(0, np.int64),
+            minlength=n_models,
+        )
+        self.runs = [
+            TaskRun(
+                t,
+                t.request(i, None if estimated_s is None else estimated_s[i]),
+                held=np.zeros(n_models),
+            )
+            for i, t in enumerate(tasks)
+        ]
+        self.keys = [feasibility_key(filters, r.request) for r in self.runs]
+        self.out = Outcome(
+            policy,
+            self.runs,
+            self.models,
+            capacity.astype(np.float64),
+            np.zeros(n_models),
+            np.zeros(n_models),
+            site_ids=self.snap.site_ids,
+        )
+        self._events: list[tuple[float, int, int, int]] = []
+        self._sequence = 0
+        self._now = 0.0
+        self._running = np.zeros(n_models)
+        self._holding = np.zeros(n_models)
+        self._waiting = 0
+        self._blocked: dict[object, list[int]] = {}
+        self._potential: dict[object, npt.NDArray[np.bool_]] = {}
+        self._speeds: dict[tuple[str, tuple[tuple[str, float], ...]], F64] = {}
+
+    # The event loop.
+
+    def run(self, progress: Progress | None = None) -> Outcome:
+        """Replay every task to the end; ``progress(done, total)`` is called now and then."""
+        for i, run in enumerate(self.runs):
+            self._push(run.trace.submit_s, ARRIVE, i)
+        handled = 0
+        total = len(self.runs)
+        last_arrival = max((r.trace.submit_s for r in self.runs), default=0.0)
+        handlers = {DONE: self._done, START: self._start, RETRY: self._retry, ARRIVE: self._arrive}
+        while self._events:
+            when, kind, _, i = heapq.heappop(self._events)
+            self._advance(when)
+            if (
+                kind == ARRIVE
+                and when >= last_arrival
+                and not len(self.out.busy_until_last_arrival)
+            ):
+                self.out.busy_until_last_arrival = self.out.busy_device_s.copy()
+            handlers[kind](i)
+            self.out.series.append(
+                (when, float(self._running.sum()), float(self._holding.sum()), self._waiting)
+            )
+            handled += kind == DONE
+            if progress is not None and kind == DONE and handled % 256 == 0:
+                progress(handled, total)
+        if progress is not None:
+            progress(total, total)
+        return self.out
+
+    def _push(self, when: float, kind: int, task: int) -> None:
+        self._sequence += 1
+        heapq.heappush(self._events, (when, kind, self._sequence, task))
+
+    def _advance(self, when: float) -> None:
+        dt = when - self._now
+        if dt > 0:
+            self.out.busy_device_s += self._running * dt
+            self.out.held_device_s += self._holding * dt
+            if self._waiting:
+                self.out.waiting_s += dt
+                self.out.idle_while_waiting_device_s += self.state.free_devices * dt
+        self._now = max(self._now, when)
+
+    def _move(self, run: TaskRun, new: int) -> None:
+        job_state.check_transition(run.state, new)
+        run.state = new
+
+    # What happens to a task.
+
+    def _arrive(self, i: int) -> None:
+        run = self.runs[i]
+        if not self._potential_sites(i).any():
+            run.never_fits = True  # stays PENDING for good, as in the coordinator
+            return
+        self._waiting += 1
+        group = self._blocked.get(self.keys[i])
+        if group:
+            heapq.heappush(group, i)  # tasks ahead of it with the same needs fit nowhere
+        elif not self._try(i):
+            self._block(i)
+
+    def _retry(self, i: int) -> None:
+        if self.runs[i].state == job_state.PENDING and not self._try(i):
+            self._block(i)
+
+    def _start(self, i: int) -> None:
+        run = self.runs[i]
+        self._move(run, job_state.RUNNING)
+        run.started_s = self._now
+        self._running += run.held
+        self._push(self._now + run.run_s, DONE, i)
+
+    def _done(self, i: int) -> None:
+        run = self.runs[i]
+        self._move(run, job_state.SUCCEEDED)
+        run.finished_s = self._now
+        self._running -= run.held
+        self._holding -= run.held
+        assert run.grant is not None
+        held_h = (run.finished_s - run.placed_s) / 3600.0
+        devices = len(run.grant.devices) * run.grant.device_share
+        run.compute_usd = float(self.snap.price_per_device_hour[run.site]) * devices * held_h
+        watts = self.snap.device_power_watts[list(run.grant.devices)].sum()
+        run.energy_kwh = float(watts) * run.grant.device_share * run.run_s / 3.6e6
+        self.state.release(run.grant)
+        self._wake(run.site)
+
+    # Placement and negotiation.
+
+    def _try(self, i: int) -> bool:
+        """Place and negotiate; False when no site can take the task now."""
+        run = self.runs[i]
+        decision = self.framework.place(run.request, self.snap)
+        if not decision.ranked:
+            return False
+        candidates = decision.ranked[: self.config.max_offers_per_round]
+        step = max(1, self.config.offers_at_once)
+        for first in range(0, len(candidates), step):
+            batch = candidates[first : first + step]
+            self._move(run, job_state.SCHEDULING)
+            run.epoch += 1  # one epoch for every offer of the round
+            run.offers += len(batch)
+            self.out.offers += len(batch)
+            # Sites answer on their own state; the best acceptance gets the commit, so the
+            # answers of sites ranked below it change nothing (they would be released).
+            for name in batch:
+                site = self.site_index[name]
+                if self._accepts(run.request, site):
+                    self._delegate(i, site)
+                    return True
+                run.declines += 1
+                self.out.declines += 1
+        self._move(run, job_state.PENDING)
+        run.backoff_s = min(run.backoff_s * 2, self.config.retry_interval_s)
+        self._push(self._now + run.backoff_s, RETRY, i)
+        return True
+
+    def _accepts(self, req: Request, site: int) -> bool:
+        if self.state.room(req, site) < req.replicas:
+            return False
+        rate = self.decline_rate[site]
+        return not (rate > 0 and self.rng.random() < rate)
+
+    def _delegate(self, i: int, site: int) -> None:
+        run = self.runs[i]
+        run.grant = grant = self.state.allocate(run.request, site)
+        self._move(run, job_state.DELEGATED)
+        self._waiting -= 1
+        run.site = site
+        run.placed_s = self._now
+        run.transfer_s, run.wan_bytes, run.egress_usd = self._transfer(run.request, site)
+        classes = self.snap.device_class[list(grant.devices)]
+        np.add.at(run.held, self.class_model[classes], grant.device_share)
+        self._holding += run.held
+        speed = float(self._speed(run.request)[classes].min()) if len(classes) else 1.0
+        run.run_s = run.trace.duration_s / speed
+        self._push(self._now + run.transfer_s, START, i)
+
+    def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
+        """Seconds, bytes over the WAN and egress cost to bring the inputs to ``site``."""
+        snap = self.snap
+        seconds = moved = egress = 0.0
+        for item in req.inputs:
+            if item.site:
+                holders = [self.site_index[item.site]]
+                sizes = [float(item.bytes)]
+            else:
+                holders = snap.holders(item.dataset)
+                sizes = [float(item.bytes or snap.datasets[h][item.dataset]) for h in holders]
+            if not holders:
+                continue
+            times = [
+                size * 8.0 / (snap.bandwidth_mbps[h, site] * 1e6) + snap.rtt_ms[h, site] / 1e3
+                for h, size in zip(holders, sizes, strict=True)
+            ]
+            best = int(np.argmin(times))
+            seconds += times[best]
+            if holders[best] != site:
+                moved += sizes[best]
+                egress += sizes[best] / 1e9 * float(self.egress_usd_per_gb[holders[best]])
+        return seconds, moved, egress
+
+    def _speed(self, req: Request) -> F64:
+        key = (req.workload_class, req.speed)
+        if key not in self._speeds:
+            self._speeds[key] = class_speed(req, self.snap)
+        return self._speeds[key]
+
+    # Waiting tasks.
+
+    def _potential_sites(self, i: int) -> npt.NDArray[np.bool_]:
+        """Sites that could take the task if the whole federation were idle."""
+        key = self.keys[i]
+        if key not in self._potential:
+            ranked = self.framework.place(self.runs[i].request, self.empty).ranked
+            mask = np.zeros(self.snap.n_sites, dtype=bool)
+            mask[[self.site_index[name] for name in ranked]] = True
+            mask &= self.decline_rate < 1.0  # such a site takes nothing
+            self._potential[key] = mask
+        return self._potential[key]
+
+    def _block(self, i: int) -> None:
+        heapq.heappush(self._blocked.setdefault(self.keys[i], []), i)
+
+    def _fits_at(self, i: int, site: int) -> bool:
+        req = self.runs[i].request
+        return bool(self._potential[self.keys[i]][site]) and self.state.room(req, site) >= (
+            req.replicas
+        )
+
+    def _wake(self, site: int) -> None:
+        """Capacity freed at ``site``: place the waiting tasks that now fit, oldest first."""
+        woken = [
+            (group[0], key) for key, group in self._blocked.items() if self._fits_at(group[0], site)
+        ]
+        heapq.heapify(woken)
+        while woken:
+            _, key = heapq.heappop(woken)
+            group = self._blocked[key]
+            if not self._try(group[0]):
+                continue
+            heapq.heappop(group)
+            if not group:
+                del self._blocked[key]
+            elif self._fits_at(group[0], site):
+                heapq.heappush(woken, (group[0], key))

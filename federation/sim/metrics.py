@@ -1,0 +1,204 @@
+"""Figures for one replay, and the lower bound that every policy is measured against.
+
+A job's completion time (JCT) runs from its first task's submission to its last task's end.
+The lower bound of a job has each of its tasks alone in the federation, on the fastest device
+that can hold it, with its data already there: the best any policy could do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from federation.coordinator import job_state
+from federation.placement.estimates import estimate
+from federation.placement.registry import DEFAULT_FILTERS, build_framework
+from federation.sim.engine import Outcome, TaskRun
+from federation.sim.policies import feasibility_key
+from federation.sim.state import SiteState
+from federation.sim.trace import TraceTask
+
+F64 = npt.NDArray[np.float64]
+SLOWDOWN_FLOOR_S = 10.0
+"""Bounded slowdown: JCT over max(bound, this), so that seconds-long jobs do not dominate."""
+
+
+def task_bounds(state: SiteState, tasks: Sequence[TraceTask]) -> F64:
+    """Per task: its run time alone on its best device (NaN when no site could ever hold it)."""
+    framework = build_framework(DEFAULT_FILTERS, {})
+    empty = state.fresh().snap
+    per_unit: dict[object, float] = {}
+    out = np.full(len(tasks), math.nan)
+    for i, task in enumerate(tasks):
+        req = dataclasses.replace(task.request(0), inputs=(), duration_s=1.0)
+        key = (feasibility_key(DEFAULT_FILTERS, req), req.workload_class, req.speed)
+        if key not in per_unit:
+            ranked = framework.place(req, empty).ranked
+            sites = [empty.site_ids.index(name) for name in ranked]
+            per_unit[key] = float(estimate(req, empty).run_s[sites].min()) if sites else math.nan
+        out[i] = task.duration_s * per_unit[key]
+    return out
+
+
+def as_number(value: float) -> float | None:
+    """JSON has no NaN: missing figures are null."""
+    return float(f"{float(value):.10g}") if math.isfinite(value) else None
+
+
+def _spread(values: F64) -> dict[str, float | None]:
+    if not len(values):
+        return {"mean": None, "p50": None, "p95": None, "p99": None}
+    p50, p95, p99 = np.percentile(values, [50, 95, 99])
+    return {
+        "mean": as_number(values.mean()),
+        "p50": as_number(p50),
+        "p95": as_number(p95),
+        "p99": as_number(p99),
+    }
+
+
+def _members(tasks: Sequence[TraceTask]) -> dict[str, list[int]]:
+    """Job id -> indices of its tasks, jobs in order of first appearance."""
+    members: dict[str, list[int]] = defaultdict(list)
+    for i, task in enumerate(tasks):
+        members[task.job_id].append(i)
+    return members
+
+
+def mean_job_bound(tasks: Sequence[TraceTask], bounds: F64) -> float:
+    """The lower bound on mean JCT over the jobs that fit somewhere (NaN when none does)."""
+    per_job = [
+        max(tasks[i].submit_s + bounds[i] for i in members)
+        - min(tasks[i].submit_s for i in members)
+        for members in _members(tasks).values()
+    ]
+    finite = [b for b in per_job if math.isfinite(b)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
+def job_table(tasks: Sequence[TaskRun], bounds: F64) -> dict[str, Any]:
+    """Per job (in order of first appearance): submit, JCT, bound, priority, whether done."""
+    members = _members([run.trace for run in tasks])
+    ids = list(members)
+    submit = np.array([min(tasks[i].trace.submit_s for i in members[j]) for j in ids])
+    end = np.array([max(tasks[i].finished_s for i in members[j]) for j in ids])
+    done = np.array(
+        [
+            job_state.job_state(tasks[i].state for i in members[j]) == job_state.SUCCEEDED
+            for j in ids
+        ],
+        dtype=bool,
+    )
+    bound = np.array([max(tasks[i].trace.submit_s + bounds[i] for i in members[j]) for j in ids])
+    priority = np.array([max(tasks[i].trace.priority for i in members[j]) for j in ids])
+    return {
+        "ids": ids,
+        "submit": submit,
+        "jct": np.where(done, end - submit, math.nan),
+        "bound": bound - submit,
+        "done": done,
+        "priority": priority,
+    }
+
+
+def _shares(used: F64, capacity: F64, models: Sequence[str]) -> dict[str, float | None]:
+    """``used / capacity`` overall (``all``), per kind (``GPU``) and per model (``GPU/T4``)."""
+    out: dict[str, float | None] = {
+        "all": as_number(used.sum() / capacity.sum()) if capacity.sum() else None
+    }
+    kinds = np.array([m.split("/")[0] for m in models])
+    for kind in sorted(set(kinds.tolist())):
+        mine = kinds == kind
+        out[kind] = as_number(used[mine].sum() / capacity[mine].sum())
+    out.update({m: as_number(used[i] / capacity[i]) for i, m in enumerate(models)})
+    return out
+
+
+def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
+    """The figures of one replay, ready for JSON."""
+    runs = outcome.tasks
+    jobs = job_table(runs, bounds)
+    done = jobs["done"]
+    jct: F64 = jobs["jct"][done]
+    bound: F64 = jobs["bound"][done]
+    placed = [r for r in runs if math.isfinite(r.placed_s)]
+    finished = [r for r in runs if r.state == job_state.SUCCEEDED]
+    first = min((r.trace.submit_s for r in runs), default=0.0)
+    last = max((r.finished_s for r in finished), default=first)
+    window = max(last - first, 1e-9)
+    capacity = outcome.capacity * window
+    arriving = max((r.trace.submit_s for r in runs), default=first) - first
+    busy, held = outcome.busy_device_s, outcome.held_device_s
+    total_devices = float(outcome.capacity.sum())
+    wan = sum(r.wan_bytes for r in runs)
+    in_system = sum(r.finished_s - r.trace.submit_s for r in finished)
+    compute = sum(r.compute_usd for r in finished)
+    egress = sum(r.egress_usd for r in placed)
+    deadline = [r for r in runs if r.trace.deadline_s > 0]
+    missed = [
+        r
+        for r in deadline
+        if not (r.finished_s - r.trace.submit_s <= r.trace.deadline_s)  # unfinished: missed
+    ]
+    by_priority: dict[str, dict[str, Any]] = {}
+    for p in sorted(set(jobs["priority"].tolist())):
+        mine = jobs["priority"] == p
+        by_priority[str(p)] = {
+            "jobs": int(mine.sum()),
+            "completed": int((mine & done).sum()),
+            "mean_jct_s": as_number(jobs["jct"][mine & done].mean())
+            if (mine & done).any()
+            else None,
+        }
+    return {
+        "jobs": len(jobs["ids"]),
+        "jobs_completed": int(done.sum()),
+        "tasks_never_placed": sum(1 for r in runs if not math.isfinite(r.placed_s)),
+        "tasks_that_fit_nowhere": sum(1 for r in runs if r.never_fits),
+        "jct_s": _spread(jct),
+        "lower_bound_mean_jct_s": as_number(bound.mean()) if len(bound) else None,
+        "jct_over_bound": as_number(jct.mean() / bound.mean())
+        if len(bound) and bound.mean()
+        else None,
+        "queueing_delay_s": _spread(np.array([r.placed_s - r.trace.submit_s for r in placed])),
+        "makespan_s": as_number(last - first),
+        "slowdown": _spread(jct / np.maximum(bound, SLOWDOWN_FLOOR_S)),
+        "utilisation": _shares(busy, capacity, outcome.models),
+        "utilisation_while_arriving": as_number(
+            outcome.busy_until_last_arrival.sum() / (total_devices * arriving)
+        )
+        if total_devices and arriving > 0 and len(outcome.busy_until_last_arrival)
+        else None,
+        "allocation": _shares(held, capacity, outcome.models),
+        "fragmentation": {
+            "waiting_hours": as_number(outcome.waiting_s / 3600.0),
+            "idle_device_hours_while_waiting": as_number(
+                outcome.idle_while_waiting_device_s / 3600.0
+            ),
+            "idle_share_while_waiting": as_number(
+                outcome.idle_while_waiting_device_s / (outcome.waiting_s * total_devices)
+            )
+            if outcome.waiting_s and total_devices
+            else 0.0,
+        },
+        "wan_bytes": int(wan),
+        "transfer_share_of_jct": as_number(sum(r.transfer_s for r in finished) / in_system)
+        if in_system
+        else 0.0,
+        "cost_usd": {
+            "compute": as_number(compute),
+            "egress": as_number(egress),
+            "total": as_number(compute + egress),
+        },
+        "energy_kwh": as_number(sum(r.energy_kwh for r in finished)),
+        "deadlines": {"tasks_with_deadline": len(deadline), "missed": len(missed)},
+        "by_priority": by_priority,
+        "offers": outcome.offers,
+        "declines": outcome.declines,
+    }

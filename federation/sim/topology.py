@@ -1,0 +1,289 @@
+"""Topology files: the simulated sites, their nodes and devices, and the links between them.
+
+The format (YAML) is described in the README's ``sim`` section. Device models the simulator
+knows (``KNOWN_MODELS``) need only a model name and a count; any other model states its kind,
+vendor, memory, fp16 TFLOPS and power.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import yaml
+
+from federation.api.v1 import resources_pb2
+from federation.jobspec import parse_domain
+from federation.sim.fields import Fields, InputFileError
+from federation.sim.links import (
+    DeclaredLink,
+    Link,
+    LinkPlan,
+    link_matrix,
+    load_rtt_csv,
+    load_throughput_csv,
+)
+
+F64 = npt.NDArray[np.float64]
+KIND_NAMES = frozenset(resources_pb2.DeviceKind.keys())
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDefaults:
+    """What a device model is, when a topology names only the model."""
+
+    kind: str
+    vendor: str
+    memory_mib: int
+    tflops_fp16: float
+    power_watts: float
+
+
+# Public spec-sheet figures (dense fp16 tensor TFLOPS, board power). The speed table
+# (federation/placement/data/speed.yaml) decides run times; TFLOPS only stand in for models
+# missing there. K80 stands for the PAI fleet's "MISC" machines (K40m/K80/M60); it has no fp16
+# units, and its 22 is the figure that puts its speed, by the table's fallback (TFLOPS / 312),
+# at about half a P100's, as their fp32 figures (4.4 against 9.3 per GPU) have it.
+KNOWN_MODELS: Mapping[str, ModelDefaults] = {
+    "H200-141GB": ModelDefaults("GPU", "nvidia", 144384, 989.0, 700.0),
+    "H100-80GB": ModelDefaults("GPU", "nvidia", 81920, 989.0, 700.0),
+    "A100-80GB": ModelDefaults("GPU", "nvidia", 81920, 312.0, 400.0),
+    "A100-40GB": ModelDefaults("GPU", "nvidia", 40960, 312.0, 400.0),
+    "L40S": ModelDefaults("GPU", "nvidia", 49152, 362.0, 350.0),
+    "V100-32GB": ModelDefaults("GPU", "nvidia", 32768, 125.0, 300.0),
+    "V100": ModelDefaults("GPU", "nvidia", 16384, 125.0, 300.0),
+    "P100": ModelDefaults("GPU", "nvidia", 16384, 18.7, 250.0),
+    "T4": ModelDefaults("GPU", "nvidia", 16384, 65.0, 70.0),
+    "K80": ModelDefaults("GPU", "nvidia", 12288, 22.0, 150.0),
+    "Ascend-910B": ModelDefaults("NPU", "huawei", 65536, 320.0, 310.0),
+    "Ascend-310P": ModelDefaults("NPU", "huawei", 24576, 70.0, 72.0),
+    "MLU370-X8": ModelDefaults("MLU", "cambricon", 49152, 96.0, 250.0),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSpec:
+    """``count`` identical devices on one node."""
+
+    kind: resources_pb2.DeviceKind.ValueType
+    vendor: str
+    model: str
+    memory_mib: int
+    tflops_fp16: float
+    power_watts: float
+    count: int
+    shareable: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """``count`` identical nodes."""
+
+    cpu: float
+    memory_mib: int
+    devices: tuple[DeviceSpec, ...]
+    count: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class SiteSpec:
+    """One simulated site."""
+
+    name: str
+    domain: resources_pb2.Domain.ValueType
+    region: str
+    nodes: tuple[NodeSpec, ...]
+    price_per_device_hour: float = 0.0
+    egress_usd_per_gb: float = 0.0
+    """Charged per GB that leaves this site (cloud egress)."""
+    decline_rate: float = 0.0
+    """Share of offers the site declines although it has room (busy with local work); 1 means
+    it takes nothing (a site being drained)."""
+    datasets: Mapping[str, int] | None = None
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes at the site."""
+        return sum(n.count for n in self.nodes)
+
+    @property
+    def n_devices(self) -> int:
+        """Accelerators at the site."""
+        return sum(n.count * d.count for n in self.nodes for d in n.devices)
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """Sites sorted by name (the order placement uses) and the site x site link matrix."""
+
+    sites: tuple[SiteSpec, ...]
+    bandwidth_mbps: F64
+    """(from, to) in Mbit/s; infinite on the diagonal."""
+    rtt_ms: F64
+    link_known: npt.NDArray[np.bool_]
+    source: str = "<topology>"
+
+    @property
+    def n_nodes(self) -> int:
+        """Nodes in the federation."""
+        return sum(s.n_nodes for s in self.sites)
+
+    @property
+    def n_devices(self) -> int:
+        """Accelerators in the federation."""
+        return sum(s.n_devices for s in self.sites)
+
+    def holders(self, dataset: str) -> list[str]:
+        """Sites that hold ``dataset``."""
+        return [s.name for s in self.sites if s.datasets and dataset in s.datasets]
+
+
+def load_topology(path: Path) -> Topology:
+    """Read and check a topology file; relative data paths are relative to its folder."""
+    try:
+        doc = yaml.safe_load(path.read_text())
+    except OSError as err:
+        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+    except yaml.YAMLError as err:
+        raise InputFileError(f"{path}: not valid YAML: {err}") from None
+    return parse_topology(doc, str(path), path.parent)
+
+
+def parse_topology(doc: object, source: str, base: Path) -> Topology:
+    """A topology from a parsed document; ``base`` resolves relative data paths."""
+    top = Fields(source, "", doc)
+    sites = [_site(f) for f in top.items("sites", required=True)]
+    names = [s.name for s in sites]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise top.fail("sites", f"duplicate site name(s) {', '.join(duplicates)}")
+    links = top.child("links")
+    plan = _links(links, base, set(names)) if links else LinkPlan()
+    top.done()
+    ordered = tuple(sorted(sites, key=lambda s: s.name))
+    bandwidth, rtt, known = link_matrix(
+        [s.name for s in ordered],
+        [s.region for s in ordered],
+        [s.domain == resources_pb2.DOMAIN_EDGE for s in ordered],
+        plan,
+    )
+    return Topology(ordered, bandwidth, rtt, known, source)
+
+
+def _site(f: Fields) -> SiteSpec:
+    name = f.string("name")
+    try:
+        domain = parse_domain(f.string("domain", "datacenter"))
+    except ValueError as err:
+        raise f.fail("domain", str(err)) from None
+    power = f.number("device_power_watts", 0.0)
+    datasets: dict[str, int] = {}
+    held = f.child("datasets")
+    if held is not None:
+        for dataset in held.names():
+            datasets[dataset] = held.integer(dataset, minimum=0)
+        held.done()
+    nodes = tuple(_node(n, power) for n in f.items("nodes", required=True))
+    site = SiteSpec(
+        name=name,
+        domain=domain,
+        region=f.string("region", "default"),
+        nodes=nodes,
+        price_per_device_hour=f.number("price_per_device_hour", 0.0),
+        egress_usd_per_gb=f.number("egress_usd_per_gb", 0.0),
+        decline_rate=f.number("decline_rate", 0.0, maximum=1.0),
+        datasets=datasets,
+    )
+    f.done()
+    return site
+
+
+def _node(f: Fields, site_power: float) -> NodeSpec:
+    node = NodeSpec(
+        cpu=f.number("cpu", minimum=0.0),
+        memory_mib=f.integer("memory_mib", minimum=0),
+        devices=tuple(_device(d, site_power) for d in f.items("devices")),
+        count=f.integer("count", 1, minimum=1),
+    )
+    f.done()
+    return node
+
+
+def _device(f: Fields, site_power: float) -> DeviceSpec:
+    model = f.string("model")
+    known = KNOWN_MODELS.get(model)
+    if known is None and not all(f.has(k) for k in ("kind", "memory_mib", "tflops_fp16")):
+        raise f.fail(
+            "model",
+            f"{model!r} is not a known model ({', '.join(sorted(KNOWN_MODELS))}); "
+            "give kind, memory_mib and tflops_fp16 (and power_watts)",
+        )
+    kind_name = f.string("kind", known.kind if known else "GPU").upper()
+    if "DEVICE_KIND_" + kind_name not in KIND_NAMES:
+        raise f.fail("kind", f"unknown device kind {kind_name!r} (GPU, NPU, MLU, FPGA, DPU)")
+    power_default = site_power or (known.power_watts if known else 0.0)
+    device = DeviceSpec(
+        kind=resources_pb2.DeviceKind.Value("DEVICE_KIND_" + kind_name),
+        vendor=f.string("vendor", known.vendor if known else "").lower(),
+        model=model,
+        memory_mib=f.integer("memory_mib", known.memory_mib if known else None),
+        tflops_fp16=f.number("tflops_fp16", known.tflops_fp16 if known else None),
+        power_watts=f.number("power_watts", power_default),
+        count=f.integer("count", 1, minimum=1),
+        shareable=f.flag("shareable", False),
+    )
+    f.done()
+    return device
+
+
+def _link(f: Fields) -> Link:
+    link = Link(f.number("bandwidth_mbps", minimum=1e-9), f.number("rtt_ms"))
+    f.done()
+    return link
+
+
+def _data_path(f: Fields, key: str, base: Path) -> Path:
+    path = Path(f.string(key)).expanduser()
+    path = path if path.is_absolute() else base / path
+    if not path.is_file():
+        raise f.fail(key, f"no such file {path}")
+    return path
+
+
+def _links(f: Fields, base: Path, sites: set[str]) -> LinkPlan:
+    default = f.child("default")
+    same_region = f.child("same_region")
+    bandwidth: dict[tuple[str, str], float] = {}
+    rtt: dict[tuple[str, str], float] = {}
+    edge_scale = 0.1
+    measured = f.child("measured")
+    if measured is not None:
+        if measured.has("throughput"):
+            bandwidth = load_throughput_csv(_data_path(measured, "throughput", base))
+        if measured.has("rtt"):
+            rtt = load_rtt_csv(_data_path(measured, "rtt", base))
+        edge_scale = measured.number("edge_scale", 0.1)
+        measured.done()
+    declared = []
+    for item in f.items("declared"):
+        ends = (item.string("from"), item.string("to"))
+        for key, name in zip(("from", "to"), ends, strict=True):
+            if name not in sites:
+                raise item.fail(key, f"unknown site {name!r}")
+        both_ways = item.flag("both_ways", True)
+        link = Link(item.number("bandwidth_mbps", minimum=1e-9), item.number("rtt_ms"))
+        item.done()
+        declared.append(DeclaredLink(ends[0], ends[1], link, both_ways))
+    plan = LinkPlan(
+        default=_link(default) if default else Link(100.0, 100.0),
+        same_region=_link(same_region) if same_region else None,
+        measured_bandwidth=bandwidth,
+        measured_rtt=rtt,
+        edge_scale=edge_scale,
+        declared=tuple(declared),
+    )
+    f.done()
+    return plan
