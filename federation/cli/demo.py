@@ -25,6 +25,7 @@ from datacenter_agent.slurm_cluster import (
 )
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import CliError
+from federation.cli.explain import explanation_table
 from federation.cli.remote import cmd_status
 from federation.cli.render import console, event_line
 from federation.coordinator.job_state import is_terminal
@@ -74,6 +75,14 @@ DEMO_SITES = [
                 "devices": [{**NPU, "count": 2, "interconnect_group": "hccs-0"}],
             },
         ],
+        # The camera data lives here; the uplink to Frankfurt is fair, to the US thin.
+        settings={
+            "datasets": {"camera-frames": 200 * 10**9},
+            "links": [
+                {"peer": "dc-frankfurt", "bandwidth_mbps": 1000.0, "rtt_ms": 180.0},
+                {"peer": "cloud-us-east", "bandwidth_mbps": 50.0, "rtt_ms": 220.0},
+            ],
+        },
     ),
     SiteSpec(
         "dc-frankfurt",
@@ -203,6 +212,37 @@ def demo_jobs() -> list[jobs_pb2.JobSpec]:
             "tasks": [_task("step", 0.5, {"cpu": 1, "memory_mib": 512}, exit_code=3)],
         },
         {
+            # Preprocess next to the data on an edge NPU, then train where the 20 GB of
+            # features get to fast GPUs soonest: the link matrix decides between sites.
+            "name": "camera-pipeline",
+            "tasks": [
+                {
+                    **_task(
+                        "preprocess",
+                        1.0,
+                        {"cpu": 2, "memory_mib": 4096, "accelerator": {"kind": "NPU", "count": 1}},
+                    ),
+                    "inputs": [{"dataset": "camera-frames"}],
+                    "output_bytes": 20 * 10**9,
+                    "estimated_duration_s": 600,
+                },
+                {
+                    **_task(
+                        "train",
+                        1.5,
+                        {
+                            "cpu": 16,
+                            "memory_mib": 65536,
+                            "accelerator": {"kind": "GPU", "count": 2},
+                        },
+                    ),
+                    "depends_on": ["preprocess"],
+                    "requires": {"cuda": ">=12.1"},
+                    "estimated_duration_s": 3600,
+                },
+            ],
+        },
+        {
             "name": "too-big",
             "tasks": [
                 _task(
@@ -328,7 +368,13 @@ async def run_demo(fed: LocalFederation) -> int:
                 break
         watch.cancel()
         final = [(await stub.GetJob(job_service_pb2.GetJobRequest(job_id=i))).job for i in ids]
+        pipeline = next(i for i, name in ids.items() if name == "camera-pipeline")
+        why = await stub.ExplainJob(job_service_pb2.ExplainJobRequest(job_id=pipeline))
     console.print(results_table(final))
+    console.print("why camera-pipeline's train task went where it did (as the federation is now):")
+    for task in why.tasks:
+        if task.task == "train":
+            console.print(explanation_table(task))
     ok = {job.spec.name: state_name(job.state) for job in final}
     expected = {"flaky-step": "FAILED", "too-big": "CANCELLED"}
     wrong = {n: s for n, s in ok.items() if s != expected.get(n, "SUCCEEDED")}
