@@ -230,20 +230,23 @@ async def test_too_big_is_declined_with_slurms_reason(
 
 
 async def test_cancel_signals_first_then_stops(
-    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
 ) -> None:
     """Cancel sends SIGTERM (the task saves a checkpoint), and the task ends CANCELLED."""
+    ready = tmp_path / "ready"
     code = (
         "import os, signal, sys, time\n"
         "def save(*_):\n"
         "    open(os.environ['FEDERATION_CHECKPOINT_DIR'] + '/step', 'w').write('42')\n"
         "    print('checkpoint saved', flush=True); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, save)\n"
+        f"open({str(ready)!r}, 'w').close()\n"
         "print('started', flush=True); time.sleep(60)\n"
     )
     harness = await make_core()
     slurm_id = await harness.run("stopme", gpu_task(code))
-    await eventually(lambda: harness.last("stopme") is not None, "running")
+    # RUNNING comes from Slurm; wait until the task itself has its handler in place.
+    await eventually(ready.exists, "ready")
     await harness.core.cancel("stopme", "main", 0, "cancelled by test")
     report = harness.last("stopme")
     assert report is not None
@@ -253,13 +256,17 @@ async def test_cancel_signals_first_then_stops(
 
 
 async def test_cancel_kills_a_task_that_ignores_the_signal(
-    make_core: MakeCore, slurm_cluster: LocalSlurmCluster
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
 ) -> None:
     """A task that ignores SIGTERM is scancelled after the grace time."""
-    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)"
+    ready = tmp_path / "ready"
+    code = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        f"open({str(ready)!r}, 'w').close(); time.sleep(60)"
+    )
     harness = await make_core()
     slurm_id = await harness.run("stubborn", gpu_task(code))
-    await eventually(lambda: harness.last("stubborn") is not None, "running")
+    await eventually(ready.exists, "ready")
     await harness.core.cancel("stubborn", "main", 1, "stop now")
     report = harness.last("stubborn")
     assert report is not None
