@@ -24,7 +24,7 @@ from federation.jobspec import job_spec_from_dict
 from federation.local import LocalFederation, SiteSpec
 
 from .conftest import GRES, MAX_MEM_PER_NODE_MIB, NODE, PARTITION
-from .tasks import WAIT_S, until
+from .tasks import WAIT_S, eventually, until
 
 pytestmark = pytest.mark.xdist_group("slurm")
 
@@ -169,18 +169,21 @@ async def test_job_too_big_for_the_partition_is_declined_in_slurms_words(
 
 
 async def test_cancel_reaches_scancel(
-    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster, tmp_path: Path
 ) -> None:
     """Cancelling a running job signals its Slurm job (it checkpoints) and ends it in Slurm."""
+    ready = tmp_path / "ready"
     code = (
         "import signal, sys, time\n"
         "def stop(*_):\n"
         "    print('checkpoint saved', flush=True); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, stop)\n"
+        f"open({str(ready)!r}, 'w').close()\n"
         "time.sleep(60)\n"
     )
     job_id = await submit(operator, gpu_job("cancel-me", code))
     await wait_job(operator, job_id, until=(jobs_pb2.JOB_STATE_RUNNING,))
+    await eventually(ready.exists, "ready")  # the task itself, not just Slurm, is running
     [running] = slurm_jobs_of(slurm_cluster, job_id)
     assert running["JobState"] == "RUNNING"
     stub = job_service_pb2_grpc.JobServiceStub(operator)
