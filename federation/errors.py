@@ -104,3 +104,22 @@ class DeadlineExceededError(FederationError):
 class UnavailableError(FederationError):
     status = grpc.StatusCode.UNAVAILABLE
     reason = "UNAVAILABLE"
+
+
+class NotLeaderError(UnavailableError):
+    """This coordinator is a follower (or just stepped down): ask the leader instead.
+
+    The ``leader`` metadata names the leader's advertised address and ``leader_join`` its
+    join address, both empty while no leader is known.
+    """
+
+    reason = "NOT_LEADER"
+
+    def __init__(self, leader: str = "", leader_join: str = "") -> None:
+        where = f"the leader is {leader}" if leader else "no leader is known yet"
+        super().__init__(
+            f"this coordinator is not the leader ({where}). To fix: nothing, clients and "
+            "agents given every coordinator's address move to the leader by themselves",
+            leader=leader,
+            leader_join=leader_join,
+        )

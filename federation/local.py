@@ -1,7 +1,8 @@
 """A federation of real processes on loopback: the demo and the end-to-end tests use it.
 
-It makes a PKI, starts the coordinator, mints a join token per site, starts each agent as its
-own process, and stops everything it started.
+It makes a PKI, starts the coordinator (or several, each under its own name, sharing an etcd
+given in their arguments), mints a join token per site, starts each agent as its own process
+with every coordinator's address, and stops everything it started.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,7 @@ from typing import Any
 import yaml
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
-from federation.cli.connection import Connection
+from federation.cli.connection import Connection, on_leader
 from federation.jobspec import parse_domain
 from federation.security.pki import PkiLayout, init_pki, write_private_file
 from federation.security.tls import TlsFiles
@@ -66,10 +68,14 @@ class LocalFederation:
     root: Path
     sites: list[SiteSpec]
     coordinator_args: list[str] = field(default_factory=list)
+    """Arguments for every coordinator."""
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     port: int = 0
+    """The first coordinator's mTLS port."""
     join_port: int = 0
     metrics_port: int = 0
+    coordinators: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Every coordinator started, by name: its (port, join port), in start order."""
 
     @property
     def pki(self) -> PkiLayout:
@@ -77,7 +83,21 @@ class LocalFederation:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        """The coordinator's address; with several, all of them, comma-separated."""
+        if len(self.coordinators) <= 1:
+            return f"127.0.0.1:{self.port}"
+        return ",".join(self.address_of(name) for name in self.coordinators)
+
+    @property
+    def join_address(self) -> str:
+        """The coordinator's join address; with several, all of them, comma-separated."""
+        if len(self.coordinators) <= 1:
+            return f"127.0.0.1:{self.join_port}"
+        return ",".join(f"127.0.0.1:{join}" for _, join in self.coordinators.values())
+
+    def address_of(self, name: str) -> str:
+        """The mTLS address of the coordinator started as ``name``."""
+        return f"127.0.0.1:{self.coordinators[name][0]}"
 
     def operator(self) -> Connection:
         tls = TlsFiles(
@@ -108,20 +128,34 @@ class LocalFederation:
         tail = self.log_path(name).read_text(errors="replace")[-2000:]
         return LocalFederationError(f"{name} {what}; its log ends:\n{tail}")
 
-    async def start_coordinator(self, *, port: int = 0, join_port: int = 0) -> None:
-        """Start (or restart) the coordinator; waits until it has bound its ports."""
+    async def start_coordinator(
+        self,
+        *,
+        port: int = 0,
+        join_port: int = 0,
+        name: str = "coordinator",
+        args: Sequence[str] = (),
+    ) -> None:
+        """Start (or restart) a coordinator; waits until it has bound its ports.
+
+        Args:
+            port: mTLS port; 0 picks a free one.
+            join_port: Join port; 0 picks a free one.
+            name: Names its process, log and data folder; several coordinators need several.
+            args: More arguments for this coordinator, after ``coordinator_args``.
+        """
         if not self.pki.ca_cert.exists():
             init_pki(self.pki.dir, server_sans=["localhost", "127.0.0.1"])
-        ready = self.root / "coordinator.ready"
+        ready = self.root / f"{name}.ready"
         ready.unlink(missing_ok=True)
         proc = self._spawn(
-            "coordinator",
+            name,
             [
                 "federation.coordinator",
                 "--pki-dir",
                 str(self.pki.dir),
                 "--data-dir",
-                str(self.root / "coordinator"),
+                str(self.root / name),
                 "--listen",
                 f"127.0.0.1:{port}",
                 "--join-listen",
@@ -130,28 +164,34 @@ class LocalFederation:
                 str(ready),
                 "--log-json",
                 *self.coordinator_args,
+                *args,
             ],
         )
         deadline = time.monotonic() + READY_TIMEOUT_S
         while not ready.exists():
             if proc.poll() is not None:
-                raise self._fail("coordinator", f"exited with {proc.returncode}")
+                raise self._fail(name, f"exited with {proc.returncode}")
             if time.monotonic() > deadline:
-                raise self._fail("coordinator", "did not become ready")
+                raise self._fail(name, "did not become ready")
             await asyncio.sleep(0.05)
         ports = json.loads(ready.read_text())
-        self.port, self.join_port = ports["port"], ports["join_port"]
-        self.metrics_port = ports.get("metrics_port", 0)
+        self.coordinators[name] = (ports["port"], ports["join_port"])
+        if next(iter(self.coordinators)) == name:
+            self.port, self.join_port = ports["port"], ports["join_port"]
+            self.metrics_port = ports.get("metrics_port", 0)
 
     async def create_token(self, site: str, domain: str) -> str:
-        async with self.operator().channel() as channel:
-            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-            reply = await admin.CreateJoinToken(
-                admin_service_pb2.CreateJoinTokenRequest(
-                    site=site, domain=parse_domain(domain), ttl_s=600
-                )
-            )
-        return reply.token
+        """A join token for ``site``, minted by the leader."""
+        request = admin_service_pb2.CreateJoinTokenRequest(
+            site=site, domain=parse_domain(domain), ttl_s=600
+        )
+
+        async def create(conn: Connection) -> str:
+            async with conn.channel() as channel:
+                admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+                return (await admin.CreateJoinToken(request)).token
+
+        return await on_leader(self.operator(), create)
 
     async def start_site(self, site: SiteSpec) -> None:
         """Write the site's inventory and config, join it with a fresh token, start it."""
@@ -167,7 +207,7 @@ class LocalFederation:
             "domain": site.domain,
             "region": site.region,
             "coordinator": self.address,
-            "join_address": f"127.0.0.1:{self.join_port}",
+            "join_address": self.join_address,
             "ca": self.pki.ca_cert,
             "state_dir": home / "state",
             "token_file": token_file,
@@ -189,22 +229,26 @@ class LocalFederation:
         """Wait until every named site (default: all) has a live session."""
         wanted = set(names if names is not None else [s.name for s in self.sites])
         deadline = time.monotonic() + timeout_s
-        async with self.operator().channel() as channel:
-            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-            while True:
+
+        async def connected(conn: Connection) -> set[str]:
+            async with conn.channel() as channel:
+                admin = admin_service_pb2_grpc.AdminServiceStub(channel)
                 reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
-                up = {
-                    s.name for s in reply.sites if s.state == admin_service_pb2.SITE_STATE_CONNECTED
-                }
-                if wanted <= up:
-                    return
-                for name in wanted:
-                    proc = self.processes.get(name)
-                    if proc is not None and proc.poll() is not None:
-                        raise self._fail(name, f"exited with {proc.returncode}")
-                if time.monotonic() > deadline:
-                    raise LocalFederationError(f"sites not connected: {sorted(wanted - up)}")
-                await asyncio.sleep(0.1)
+            return {
+                s.name for s in reply.sites if s.state == admin_service_pb2.SITE_STATE_CONNECTED
+            }
+
+        while True:
+            up = await on_leader(self.operator(), connected)
+            if wanted <= up:
+                return
+            for name in wanted:
+                proc = self.processes.get(name)
+                if proc is not None and proc.poll() is not None:
+                    raise self._fail(name, f"exited with {proc.returncode}")
+            if time.monotonic() > deadline:
+                raise LocalFederationError(f"sites not connected: {sorted(wanted - up)}")
+            await asyncio.sleep(0.1)
 
     async def start(self) -> None:
         await self.start_coordinator()
@@ -232,7 +276,8 @@ class LocalFederation:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """SIGTERM every process (agents first), then SIGKILL what is left."""
-        order = [n for n in self.processes if n != "coordinator"] + ["coordinator"]
+        coordinators = [n for n in self.processes if n in self.coordinators or n == "coordinator"]
+        order = [n for n in self.processes if n not in coordinators] + coordinators
         for name in order:
             proc = self.processes.get(name)
             if proc is not None and proc.poll() is None:

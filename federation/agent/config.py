@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from federation.config import ConfigError, build
+from federation.endpoints import parse_endpoints
 
 MANAGED_SBATCH_FLAGS = frozenset(
     {"--hold", "--parsable", "--test-only", "--comment", "--job-name", "-J", "--export"}
@@ -97,13 +98,18 @@ class AgentConfig:
     domain: str
     """edge, datacenter or cloud."""
     coordinator: str
-    """mTLS address of the coordinator, host:port."""
+    """mTLS address of the coordinator, host:port; with several coordinators (one leads,
+    the others stand by), a comma-separated list of all of them, tried in order."""
     ca: Path
     """The federation CA certificate (public), to verify the coordinator."""
     state_dir: Path
     """Holds the site key and certificate (0600) and the task work folders."""
     join_address: str = ""
-    """Server-TLS address for Join; only needed until the site has its certificate."""
+    """Server-TLS address for Join; only needed until the site has its certificate. With
+    several coordinators, a comma-separated list of their join addresses."""
+    coordinators: list[str] = field(default_factory=list)
+    """More coordinator mTLS addresses, tried after ``coordinator`` (the agent follows the
+    leader among them by itself)."""
     token: str = ""
     """One-time join token (prefer token_file: tokens in command lines leak)."""
     token_file: Path | None = None
@@ -146,3 +152,8 @@ class AgentConfig:
     (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``."""
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     """How to use Slurm when ``scheduler = "slurm"``: the ``[slurm]`` table."""
+
+
+def coordinator_endpoints(config: AgentConfig) -> tuple[str, ...]:
+    """Every coordinator address the agent may dial, in the order to try them."""
+    return parse_endpoints([*config.coordinator.split(","), *config.coordinators])

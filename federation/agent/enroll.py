@@ -10,10 +10,14 @@ import structlog
 
 from federation.agent.config import AgentConfig
 from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
+from federation.endpoints import LEADER_JOIN, Endpoints, call_leader, parse_endpoints
 from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
 log = structlog.get_logger()
+
+JOIN_PATIENCE_S = 30.0
+"""With several coordinators: how long to keep looking for the leader (say, mid-election)."""
 
 
 class EnrollmentError(RuntimeError):
@@ -66,16 +70,21 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     key_pem, csr_pem = make_csr(config.site)
     creds_in = server_only_channel_credentials(config.ca)
-    async with grpc.aio.secure_channel(
-        config.join_address, creds_in, options=channel_options(config)
-    ) as channel:
-        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
-        try:
-            reply = await stub.Join(
-                site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem), timeout=30
-            )
-        except grpc.aio.AioRpcError as err:
-            raise EnrollmentError(f"join refused: {err.code().name}: {err.details()}") from None
+    request = site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem)
+
+    async def join(address: str) -> site_link_service_pb2.JoinResponse:
+        async with grpc.aio.secure_channel(
+            address, creds_in, options=channel_options(config)
+        ) as channel:
+            stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+            return await stub.Join(request, timeout=30)
+
+    endpoints = Endpoints(parse_endpoints(config.join_address), hint_key=LEADER_JOIN)
+    patience_s = JOIN_PATIENCE_S if len(endpoints.addresses) > 1 else 0.0
+    try:
+        reply = await call_leader(endpoints, join, patience_s=patience_s)
+    except grpc.aio.AioRpcError as err:
+        raise EnrollmentError(f"join refused: {err.code().name}: {err.details()}") from None
     if reply.site != config.site:
         raise EnrollmentError(
             f"the join token was minted for site {reply.site!r}, not {config.site!r}"

@@ -12,7 +12,7 @@ from typing import Any
 
 import structlog
 
-from federation.agent.config import AgentConfig, slurm_settings
+from federation.agent.config import AgentConfig, coordinator_endpoints, slurm_settings
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
@@ -37,8 +37,12 @@ def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Names
     p.add_argument("--site", help="site name")
     p.add_argument("--domain", choices=["edge", "datacenter", "cloud"], help=f"default {domain}")
     p.add_argument("--region")
-    p.add_argument("--coordinator", help="coordinator mTLS address host:port")
-    p.add_argument("--join-address", help="coordinator join address host:port")
+    p.add_argument(
+        "--coordinator", help="coordinator mTLS address host:port (several: comma-separated)"
+    )
+    p.add_argument(
+        "--join-address", help="coordinator join address host:port (several: comma-separated)"
+    )
     p.add_argument("--ca", type=Path, help="federation CA certificate")
     p.add_argument("--token-file", type=Path, help="file holding a one-time join token")
     p.add_argument("--state-dir", type=Path, help="where the site key, cert and work live")
@@ -70,6 +74,8 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
         "metrics_listen": args.metrics_listen,
     }
     values |= {k: v for k, v in flags.items() if v is not None}
+    if "coordinator" not in values and values.get("coordinators"):
+        values["coordinator"] = ""  # the list alone is enough
     missing = {"site", "coordinator", "ca", "state_dir"} - values.keys()
     if missing:
         raise ConfigError(
@@ -80,6 +86,10 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
     if "slurm" in values:
         values["slurm"] = slurm_settings(values["slurm"], source=source)
     config = build(AgentConfig, values, source=source)
+    try:
+        coordinator_endpoints(config)
+    except ValueError:
+        raise ConfigError(f"{source}: coordinator: give at least one address") from None
     if config.scheduler not in SCHEDULERS:
         raise ConfigError(
             f"{source}: scheduler must be one of {', '.join(SCHEDULERS)}, not {config.scheduler!r}"

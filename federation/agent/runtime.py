@@ -2,25 +2,27 @@
 
 The agent opens the stream (so it works behind NAT), says hello with its full view and every
 task it holds, then sends view deltas, heartbeats, answers and task reports. When the stream
-breaks it reconnects with jittered backoff; tasks keep running meanwhile.
+breaks it reconnects with jittered backoff; tasks keep running meanwhile. Given several
+coordinators, it tries them in order and follows a follower's hint to the leader
+(``federation.endpoints`` decides where to go next and how long to wait).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import random
 from collections.abc import AsyncIterator, Iterable
 
 import grpc
 import structlog
 
-from federation.agent.config import AgentConfig
+from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
 from federation.agent.enroll import SiteCredentials, channel_options
 from federation.agent.links import LinkMonitor
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
+from federation.endpoints import Endpoints, is_not_leader, leader_hint
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.tls import channel_credentials
@@ -29,8 +31,6 @@ log = structlog.get_logger()
 
 AGENT_VERSION = "0.1.0"
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
-MIN_BACKOFF_S = 0.2
-MAX_BACKOFF_S = 10.0
 
 
 class AgentRejectedError(RuntimeError):
@@ -71,6 +71,7 @@ class AgentRuntime:
         self._view_dirty = asyncio.Event()
         self._heartbeat_s = 3.0
         self._handlers: set[asyncio.Task[None]] = set()
+        self._endpoints = Endpoints(coordinator_endpoints(config))
         self.connected = asyncio.Event()
 
     # Called by the core ----------------------------------------------------------------
@@ -141,23 +142,36 @@ class AgentRuntime:
 
     async def run(self) -> None:
         """Keep a session up until cancelled; raise ``AgentRejectedError`` if refused."""
-        backoff = MIN_BACKOFF_S
         while True:
+            error: grpc.aio.AioRpcError | None = None
+            coordinator = self._endpoints.current
             try:
-                await self._session()
+                await self._session(coordinator)
             except grpc.aio.AioRpcError as err:
                 if err.code() in FATAL_CODES:
                     raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
-                log.warning("session_lost", code=err.code().name, details=err.details())
+                error = err
+                if is_not_leader(err):
+                    log.info(
+                        "session_refused_not_leader",
+                        coordinator=coordinator,
+                        leader=leader_hint(err),
+                    )
+                else:
+                    log.warning(
+                        "session_lost",
+                        coordinator=coordinator,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
             finally:
                 self._outbox = None
             if self.connected.is_set():
-                backoff = MIN_BACKOFF_S  # it worked until now: come back quickly
+                self._endpoints.succeeded()  # it worked until now: come back quickly
                 self.connected.clear()
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.5))
-            backoff = min(backoff * 2, MAX_BACKOFF_S)
+            await asyncio.sleep(self._endpoints.failed(error))
 
-    async def _session(self) -> None:
+    async def _session(self, coordinator: str) -> None:
         outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
         view = self.full_view()
         self._generation += 1
@@ -165,7 +179,7 @@ class AgentRuntime:
         hello = pb.Hello(view=view, generation=self._generation, tasks=self.core.tasks())
         outbox.put_nowait(pb.ConnectRequest(hello=hello))
         async with grpc.aio.secure_channel(
-            self._config.coordinator,
+            coordinator,
             channel_credentials(self._creds.tls),
             options=channel_options(self._config),
         ) as channel:
@@ -180,12 +194,15 @@ class AgentRuntime:
                 async for message in call:
                     if not self.connected.is_set():
                         self.connected.set()
-                        log.info("session_established", coordinator=self._config.coordinator)
+                        log.info("session_established", coordinator=coordinator)
                     self._dispatch(message, outbox)
             finally:
                 for task in helpers:
                     task.cancel()
                 call.cancel()
+                # A call the coordinator already ended (a follower's refusal) is not
+                # cancelled, so end its request stream here rather than leave it waiting.
+                outbox.put_nowait(_END_OF_SESSION)
 
     async def _heartbeats(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
         while True:
@@ -261,6 +278,10 @@ def _encode_links(links: Iterable[resources_pb2.Link]) -> list[bytes]:
     return [link.SerializeToString(deterministic=True) for link in links]
 
 
+_END_OF_SESSION = pb.ConnectRequest()
+"""Put in a session's outbox (by identity) to end its request stream."""
+
+
 async def _drain(outbox: asyncio.Queue[pb.ConnectRequest]) -> AsyncIterator[pb.ConnectRequest]:
-    while True:
-        yield await outbox.get()
+    while (request := await outbox.get()) is not _END_OF_SESSION:
+        yield request

@@ -11,12 +11,16 @@ from pathlib import Path
 import grpc
 
 from federation.cli import demo, pki, remote, sim
-from federation.cli.connection import CliError, describe_rpc_error, resolve_connection
+from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedctl", description=__doc__)
-    parser.add_argument("--coordinator", help="host:port (env FEDCTL_COORDINATOR)")
+    parser.add_argument(
+        "--coordinator",
+        help="host:port, or several coordinators as a,b,c: the leader is found among them "
+        "(env FEDCTL_COORDINATOR)",
+    )
     parser.add_argument(
         "--pki-dir",
         type=Path,
@@ -53,6 +57,6 @@ def run(args: argparse.Namespace) -> int:
         return int(asyncio.run(result) if inspect.iscoroutine(result) else result)
     conn = resolve_connection(args.coordinator, args.pki_dir, args.ca, args.cert, args.key)
     try:
-        return int(asyncio.run(func(args, conn)))
+        return int(asyncio.run(on_leader(conn, lambda pinned: func(args, pinned))))
     except grpc.aio.AioRpcError as err:
         raise CliError(describe_rpc_error(err)) from None

@@ -19,6 +19,7 @@ from federation.cli import explain
 from federation.cli.connection import CliError, Connection
 from federation.cli.render import (
     console,
+    coordinators_table,
     event_line,
     jobs_table,
     link_records,
@@ -31,7 +32,9 @@ from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, s
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    status = sub.add_parser("status", help="federation status: sites and job counts")
+    status = sub.add_parser(
+        "status", help="federation status: the leader and followers, sites and job counts"
+    )
     status.set_defaults(func=cmd_status)
 
     sites = sub.add_parser("sites", help="list, cordon and uncordon sites")
@@ -86,6 +89,7 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     if args.json:
         print_json(reply)
         return 0
+    console.print(coordinators_table(reply))
     console.print(sites_table(reply.sites))
     counts = Table(title=f"Jobs (coordinator {reply.coordinator_version})")
     counts.add_column("state")

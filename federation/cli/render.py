@@ -56,6 +56,18 @@ def device_summary(nodes: Iterable[resources_pb2.Node]) -> str:
     return ", ".join(parts) or "-"
 
 
+def coordinators_table(status: admin_service_pb2.GetFederationStatusResponse) -> Table:
+    """The leader and the followers standing by, one row each."""
+    table = Table(title=f"Coordinators (leader {status.leader or 'unknown'})")
+    table.add_column("address")
+    table.add_column("role")
+    table.add_column("join address")
+    for coordinator in status.coordinators:
+        role = "[bold]leader[/bold]" if coordinator.leader else "follower"
+        table.add_row(coordinator.address, role, coordinator.join_address or "-")
+    return table
+
+
 def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
     table = Table(title="Sites")
     for column in (

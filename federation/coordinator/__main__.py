@@ -13,13 +13,14 @@ from typing import Any
 import structlog
 
 from federation.config import ConfigError, build, read_toml
-from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.config import CoordinatorConfig, check_store_settings
 from federation.coordinator.server import start_coordinator
 from federation.logging import configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatError
 from federation.placement.registry import UnknownPluginError, build_framework
 from federation.security.pki import PkiLayout
+from federation.store import StoreError
 
 log = structlog.get_logger()
 
@@ -32,6 +33,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--listen", help="mTLS address, e.g. 0.0.0.0:7070 (port 0: any free)")
     p.add_argument("--join-listen", help="join (server-TLS only) address")
     p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9464")
+    p.add_argument("--store", choices=["sqlite", "etcd"], help="default sqlite (embedded)")
+    p.add_argument("--etcd-endpoints", help="comma-separated etcd members, host:port")
+    p.add_argument("--etcd-prefix", help="key prefix in etcd (default /federation)")
+    p.add_argument("--advertise", help="host:port clients and agents dial for --listen")
+    p.add_argument("--leader-lease-s", type=float, help="leader lease ttl with etcd (default 3)")
     p.add_argument("--ready-file", type=Path, help="write the bound ports here as JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs")
@@ -54,6 +60,11 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
         "listen": args.listen,
         "join_listen": args.join_listen,
         "metrics_listen": args.metrics_listen,
+        "store": args.store,
+        "etcd_endpoints": _split(args.etcd_endpoints),
+        "etcd_prefix": args.etcd_prefix,
+        "advertise": args.advertise,
+        "leader_lease_s": args.leader_lease_s,
     }
     values |= {k: v for k, v in overrides.items() if v is not None}
     missing = {"data_dir", "ca_cert", "ca_key", "cert", "key"} - values.keys()
@@ -62,12 +73,22 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
             f"missing settings: {', '.join(sorted(missing))}. To fix: pass --pki-dir and "
             "--data-dir, or set them in --config"
         )
-    return build(CoordinatorConfig, values, source=source)
+    config = build(CoordinatorConfig, values, source=source)
+    check_store_settings(config, source=source)
+    return config
+
+
+def _split(value: str | None) -> list[str] | None:
+    return None if value is None else [v.strip() for v in value.split(",") if v.strip()]
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
     coordinator = await start_coordinator(config)
-    ports = {"port": coordinator.port, "join_port": coordinator.join_port}
+    ports: dict[str, int | str] = {
+        "port": coordinator.port,
+        "join_port": coordinator.join_port,
+        "advertise": coordinator.me.address,
+    }
     if config.metrics_listen:
         ports["metrics_port"] = serve_metrics(config.metrics_listen)
     if ready_file:
@@ -92,7 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     except (ConfigError, UnknownPluginError, CompatError, OSError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
-    asyncio.run(serve(config, args.ready_file))
+    try:
+        asyncio.run(serve(config, args.ready_file))
+    except StoreError as err:
+        print(f"fed-coordinator: {err}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from federation.api.v1 import admin_service_pb2
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.sites import SiteRegistry
@@ -11,18 +13,35 @@ VERSION = "0.1.0"
 
 
 class Admin:
-    def __init__(self, sites: SiteRegistry, jobs: JobRepository) -> None:
+    """Answers the operator RPCs from the sites, the jobs and the list of coordinators.
+
+    Args:
+        sites: Every site with its record, view and session.
+        jobs: The job repository, for counts by state.
+        coordinators: Lists every running coordinator, the leader marked.
+    """
+
+    def __init__(
+        self,
+        sites: SiteRegistry,
+        jobs: JobRepository,
+        coordinators: Callable[[], Awaitable[list[admin_service_pb2.Coordinator]]],
+    ) -> None:
         self._sites = sites
         self._jobs = jobs
+        self._coordinators = coordinators
 
     def sites(self) -> list[admin_service_pb2.Site]:
         return [self._sites.describe(name) for name in self._sites.names()]
 
     async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
+        coordinators = await self._coordinators()
         return admin_service_pb2.GetFederationStatusResponse(
             coordinator_version=VERSION,
             sites=self.sites(),
             jobs_by_state=await self._jobs.count_by_state(),
+            leader=next((c.address for c in coordinators if c.leader), ""),
+            coordinators=coordinators,
         )
 
     async def cordon(self, site: str, cordoned: bool) -> admin_service_pb2.Site:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from federation.config import ConfigError
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
+from federation.store.etcd import DEFAULT_PREFIX
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,3 +40,45 @@ class CoordinatorConfig:
     """Score plugin -> weight."""
     compat_table: Path | None = None
     """A YAML file merged over the shipped compatibility table (driver/runtime/framework)."""
+    store: str = "sqlite"
+    """"sqlite": the embedded store in data_dir, one coordinator that always leads. "etcd":
+    state in etcd, shared by several coordinators of which one leads (elected on a lease)."""
+    etcd_endpoints: list[str] = field(default_factory=list)
+    """etcd members, host:port or http(s)://host:port; required with store = "etcd"."""
+    etcd_prefix: str = DEFAULT_PREFIX
+    """Key prefix in etcd: federations sharing one etcd need prefixes that do not nest."""
+    etcd_ca: Path | None = None
+    """CA that etcd's certificate chains to; with etcd_cert and etcd_key, etcd is reached
+    over mutual TLS (https:// endpoints), else in plaintext."""
+    etcd_cert: Path | None = None
+    etcd_key: Path | None = None
+    advertise: str = ""
+    """The host:port clients and agents should dial for this coordinator's listen address;
+    empty: the listen host (this machine's name for a wildcard) and the bound port."""
+    join_advertise: str = ""
+    """The same for join_listen; empty: the advertised host and the bound join port."""
+    leader_lease_s: float = 3.0
+    """With etcd: ttl of the leader's lease, so a dead leader is replaced this long after its
+    last keepalive (etcd rounds up to whole seconds and to its own minimum)."""
+
+
+STORES = ("sqlite", "etcd")
+
+
+def check_store_settings(config: CoordinatorConfig, *, source: str) -> None:
+    """Refuse store settings that cannot work together.
+
+    Raises:
+        ConfigError: Naming ``source`` and the setting.
+    """
+    if config.store not in STORES:
+        raise ConfigError(
+            f"{source}: store must be one of {', '.join(STORES)}, not {config.store!r}"
+        )
+    if config.store == "etcd" and not config.etcd_endpoints:
+        raise ConfigError(f'{source}: store = "etcd" needs etcd_endpoints, e.g. ["127.0.0.1:2379"]')
+    tls = (config.etcd_ca, config.etcd_cert, config.etcd_key)
+    if any(tls) and not all(tls):
+        raise ConfigError(f"{source}: give all of etcd_ca, etcd_cert and etcd_key, or none")
+    if not config.leader_lease_s > 0:
+        raise ConfigError(f"{source}: leader_lease_s must be positive")

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from federation.api.v1 import jobs_pb2
-from federation.errors import ResourceExhaustedError
+from federation.errors import FederationError, ResourceExhaustedError
 
 JobFilter = Callable[[jobs_pb2.Job], bool]
 
@@ -27,11 +28,20 @@ class Subscription:
         default_factory=lambda: asyncio.Queue(maxsize=10_000)
     )
     overflowed: bool = False
+    ended: FederationError | None = None
+    """Why the hub was closed under this watcher, if it was."""
 
     async def next(self) -> jobs_pb2.JobEvent:
-        """The next event; raises ``WatchOverflowError`` once the watcher was dropped."""
+        """The next event; raises ``WatchOverflowError`` once the watcher was dropped.
+
+        Raises:
+            WatchOverflowError: The watcher fell behind and was dropped.
+            FederationError: The hub was closed (``ended``), e.g. on stepping down.
+        """
         event = await self.queue.get()
         if event is None:
+            if self.ended is not None:
+                raise self.ended
             raise WatchOverflowError("watch fell behind; watch again with include_current")
         return event
 
@@ -63,3 +73,11 @@ class EventHub:
                     self._subscriptions.discard(sub)
                     break
                 sub.queue.put_nowait(event)
+
+    def close(self, reason: FederationError) -> None:
+        """End every watcher with ``reason`` once it has read what it was already sent."""
+        for sub in self._subscriptions:
+            sub.ended = reason
+            with contextlib.suppress(asyncio.QueueFull):  # publish keeps a slot free for this
+                sub.queue.put_nowait(None)
+        self._subscriptions.clear()

@@ -1,14 +1,20 @@
-"""Build and start a coordinator: store, services, the mTLS port and the join port."""
+"""Build and start a coordinator: store, services, the mTLS port and the join port.
+
+With the embedded store the coordinator leads from the start. With etcd it serves as a
+follower (health, and ``NOT_LEADER`` refusals that name the leader) until it wins the
+election, then loads its state from etcd and leads until it loses the lease or stops.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from dataclasses import dataclass
 
 import grpc
 import structlog
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
@@ -20,13 +26,10 @@ from federation.api.v1 import (
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
-from federation.coordinator.admin import Admin
 from federation.coordinator.config import CoordinatorConfig
-from federation.coordinator.enrollment import Enrollment
-from federation.coordinator.events import EventHub
-from federation.coordinator.job_manager import JobManager
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.scheduler import Scheduler, SchedulerConfig
+from federation.coordinator.fencing import FencedStore
+from federation.coordinator.leader import CoordinatorInfo, LeaderElection
+from federation.coordinator.leadership import Leadership
 from federation.coordinator.servicers import (
     JOIN_METHOD,
     METHOD_ROLES,
@@ -35,13 +38,12 @@ from federation.coordinator.servicers import (
     JobServicer,
     SiteLinkServicer,
 )
-from federation.coordinator.site_link import SiteLink
-from federation.coordinator.sites import SiteRegistry
-from federation.placement.registry import build_framework
+from federation.coordinator.services import ListCoordinators, start_services
 from federation.security.interceptors import AuthInterceptor
 from federation.security.pki import CertificateAuthority
 from federation.security.tls import TlsFiles, server_credentials
 from federation.store import SqliteStore, Store
+from federation.store.etcd import EtcdStore
 
 log = structlog.get_logger()
 
@@ -50,6 +52,7 @@ SERVICE_NAMES = (
     admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
 )
+_WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 
 
 @dataclass
@@ -61,59 +64,50 @@ class Coordinator:
     port: int
     join_port: int
     store: Store
-    scheduler: Scheduler
-    scheduler_task: asyncio.Task[None]
+    leadership: Leadership
+    me: CoordinatorInfo
+    """How clients and agents reach this coordinator."""
+    election: LeaderElection | None = None
+    """The election this coordinator takes part in (etcd), or None (always leads)."""
+    election_task: asyncio.Task[None] | None = None
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
-        self.scheduler_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.scheduler_task
-        await self.scheduler.close()
+        """Step down (giving the lease back at once), stop serving, close the store."""
+        if self.election_task is not None:
+            self.election_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.election_task
+        await self.leadership.stop()
         await asyncio.gather(self.server.stop(grace_s), self.join_server.stop(grace_s))
         await self.store.close()
 
 
-def _health(server: grpc.aio.Server) -> health_aio.HealthServicer:
-    health = health_aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    return health
+def advertised(listen: str, port: int, advertise: str = "") -> str:
+    """The address others should dial: ``advertise``, else the listen host and bound port."""
+    if advertise:
+        return advertise
+    host = listen.rsplit(":", 1)[0]
+    return f"{socket.getfqdn() if host in _WILDCARDS else host}:{port}"
 
 
-async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
-    """Open the store, recover state, and serve on both ports (port 0 picks a free one)."""
+async def open_store(config: CoordinatorConfig) -> Store:
+    """The store the config names: SQLite in ``data_dir``, or etcd."""
+    if config.store == "etcd":
+        tls = None
+        if config.etcd_ca and config.etcd_cert and config.etcd_key:
+            tls = TlsFiles(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
+        return await EtcdStore.open(config.etcd_endpoints, prefix=config.etcd_prefix, tls=tls)
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    store = await SqliteStore.open(config.data_dir / "federation.db")
-    ca = CertificateAuthority.load(config.ca_cert, config.ca_key)
-    hub = EventHub()
-    jobs = JobRepository(store, hub)
-    scheduler_ref: list[Scheduler] = []
+    return await SqliteStore.open(config.data_dir / "federation.db")
 
-    def wake() -> None:
-        if scheduler_ref:
-            scheduler_ref[0].wake()
 
-    sites = SiteRegistry(store, wake)
-    await sites.load()
-    recovered = await jobs.load()
-    scheduler = Scheduler(
-        jobs,
-        sites,
-        build_framework(config.placement_filters, config.placement_scores, config.compat_table),
-        SchedulerConfig(
-            offer_timeout_s=config.offer_timeout_s,
-            reservation_lease_s=config.reservation_lease_s,
-            retry_interval_s=config.retry_interval_s,
-            max_offers_per_round=config.max_offers_per_round,
-            offers_at_once=config.offers_at_once,
-        ),
-    )
-    scheduler_ref.append(scheduler)
-    manager = JobManager(jobs, sites, hub, wake)
-    await manager.recover()
-    enrollment = Enrollment(store, sites, ca)
-    link = SiteLink(sites, manager, config.heartbeat_interval_s)
-
-    tls = TlsFiles(ca=config.ca_cert, cert=config.cert, key=config.key)
+def _servers(
+    config: CoordinatorConfig,
+    leadership: Leadership,
+    health: tuple[health_aio.HealthServicer, health_aio.HealthServicer],
+    tls: TlsFiles,
+) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
+    """The mTLS server and the join server, bound, not started; and their ports."""
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(METHOD_ROLES, open_methods=OPEN_METHODS)],
         options=[
@@ -124,37 +118,113 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
         ],
     )
-    job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(manager, scheduler), server)
-    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(
-        AdminServicer(Admin(sites, jobs), enrollment), server
-    )
+    current = leadership.current
+    job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(current), server)
+    admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(current), server)
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
-        SiteLinkServicer(enrollment, link), server
+        SiteLinkServicer(current, serves_connect=True), server
     )
-    health = _health(server)
+    health_pb2_grpc.add_HealthServicer_to_server(health[0], server)
     reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
     port = server.add_secure_port(config.listen, server_credentials(tls))
-
     join_server = grpc.aio.server(
         interceptors=[AuthInterceptor(None, open_methods={JOIN_METHOD, *OPEN_METHODS})]
     )
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
-        SiteLinkServicer(enrollment, None), join_server
+        SiteLinkServicer(current, serves_connect=False), join_server
     )
-    join_health = _health(join_server)
+    health_pb2_grpc.add_HealthServicer_to_server(health[1], join_server)
     join_port = join_server.add_secure_port(
         config.join_listen, server_credentials(tls, require_client_auth=False)
     )
+    return server, join_server, port, join_port
+
+
+async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
+    """Open the store, serve on both ports (port 0 picks a free one), and lead or campaign."""
+    store = await open_store(config)
+    try:
+        return await _start(config, store)
+    except BaseException:
+        await store.close()
+        raise
+
+
+async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
+    """Build the servers on ``store``, then lead at once (SQLite) or set up the election."""
+    ca = CertificateAuthority.load(config.ca_cert, config.ca_key)
+    tls = TlsFiles(ca=config.ca_cert, cert=config.cert, key=config.key)
+    health = (health_aio.HealthServicer(), health_aio.HealthServicer())
+    leadership = Leadership(health, SERVICE_NAMES)
+    server, join_server, port, join_port = _servers(config, leadership, health, tls)
+    address = advertised(config.listen, port, config.advertise)
+    host = address.rsplit(":", 1)[0]
+    me = CoordinatorInfo(address, config.join_advertise or f"{host}:{join_port}")
+    coordinator = Coordinator(server, join_server, port, join_port, store, leadership, me)
+    if config.store == "sqlite":
+        leadership.leader = lambda: me
+        await leadership.lead(await start_services(store, config, ca, _only(me)))
+    else:
+        election = LeaderElection(
+            store,
+            me,
+            lease_s=config.leader_lease_s,
+            on_elected=lambda revision: _elected(coordinator, config, ca, revision),
+            on_deposed=leadership.follow,
+        )
+        leadership.leader = election.leader
+        coordinator.election = election
     await server.start()
     await join_server.start()
-    for h in (health, join_health):
-        await h.set("", health_pb2.HealthCheckResponse.SERVING)
-    scheduler_task = asyncio.create_task(scheduler.run())
+    await leadership.serve_health()
+    if coordinator.election is not None:
+        coordinator.election_task = asyncio.create_task(coordinator.election.run())
     log.info(
         "coordinator_started",
         port=port,
         join_port=join_port,
-        jobs_recovered=len(recovered),
-        sites=len(sites.names()),
+        store=config.store,
+        advertise=me.address,
     )
-    return Coordinator(server, join_server, port, join_port, store, scheduler, scheduler_task)
+    return coordinator
+
+
+async def _elected(
+    coordinator: Coordinator, config: CoordinatorConfig, ca: CertificateAuthority, revision: int
+) -> None:
+    """Won the election: load the state from the store, recover, start scheduling, serve."""
+    election = coordinator.election
+    assert election is not None
+    fenced = FencedStore(coordinator.store, revision, election.leader)
+    services = await start_services(fenced, config, ca, _members(election))
+    await coordinator.leadership.lead(services, fence=fenced)
+
+
+def _only(me: CoordinatorInfo) -> ListCoordinators:
+    """The list of coordinators when this one is the only one."""
+
+    async def coordinators() -> list[admin_service_pb2.Coordinator]:
+        return [
+            admin_service_pb2.Coordinator(
+                address=me.address, join_address=me.join_address, leader=True
+            )
+        ]
+
+    return coordinators
+
+
+def _members(election: LeaderElection) -> ListCoordinators:
+    """The coordinators registered in the store, the leader marked."""
+
+    async def coordinators() -> list[admin_service_pb2.Coordinator]:
+        leader = election.leader()
+        return [
+            admin_service_pb2.Coordinator(
+                address=member.address,
+                join_address=member.join_address,
+                leader=leader is not None and member.address == leader.address,
+            )
+            for member in await election.members()
+        ]
+
+    return coordinators

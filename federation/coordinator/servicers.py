@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeAlias
 
 import grpc
@@ -25,17 +25,15 @@ from federation.api.v1 import (
 from federation.api.v1 import (
     site_link_service_pb2_grpc as link_grpc,
 )
-from federation.coordinator.admin import Admin
-from federation.coordinator.enrollment import Enrollment
-from federation.coordinator.job_manager import JobManager
-from federation.coordinator.scheduler import Scheduler
-from federation.coordinator.site_link import SiteLink
+from federation.coordinator.services import Services
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 from federation.security.pki import fingerprint
 from federation.security.tls import peer_certificate
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Current: TypeAlias = Callable[[], Services]
+"""The services of the current term; raises ``NotLeaderError`` on a follower."""
 
 _JOBS = "/federation.api.v1.JobService/"
 _ADMIN = "/federation.api.v1.AdminService/"
@@ -81,100 +79,107 @@ OPEN_METHODS = frozenset(
 
 
 class JobServicer(job_grpc.JobServiceServicer):
-    def __init__(self, jobs: JobManager, scheduler: Scheduler) -> None:
-        self._jobs = jobs
-        self._scheduler = scheduler
+    def __init__(self, current: Current) -> None:
+        self._current = current
 
     async def ExplainJob(
         self, request: job_pb.ExplainJobRequest, context: Context
     ) -> job_pb.ExplainJobResponse:
-        job = await self._jobs.get(current_caller(), request.job_id)
-        return job_pb.ExplainJobResponse(job_id=job.id, tasks=self._scheduler.explain(job))
+        services = self._current()
+        job = await services.manager.get(current_caller(), request.job_id)
+        return job_pb.ExplainJobResponse(job_id=job.id, tasks=services.scheduler.explain(job))
 
     async def SubmitJob(
         self, request: job_pb.SubmitJobRequest, context: Context
     ) -> job_pb.SubmitJobResponse:
-        (job,) = await self._jobs.submit(current_caller(), [request.spec], batch=False)
+        manager = self._current().manager
+        (job,) = await manager.submit(current_caller(), [request.spec], batch=False)
         return job_pb.SubmitJobResponse(job=job)
 
     async def SubmitJobs(
         self, request: job_pb.SubmitJobsRequest, context: Context
     ) -> job_pb.SubmitJobsResponse:
-        jobs = await self._jobs.submit(current_caller(), request.specs, batch=True)
+        jobs = await self._current().manager.submit(current_caller(), request.specs, batch=True)
         return job_pb.SubmitJobsResponse(jobs=jobs)
 
     async def GetJob(
         self, request: job_pb.GetJobRequest, context: Context
     ) -> job_pb.GetJobResponse:
-        job = await self._jobs.get(current_caller(), request.job_id)
-        events = await self._jobs.events(job.id) if request.include_events else []
+        manager = self._current().manager
+        job = await manager.get(current_caller(), request.job_id)
+        events = await manager.events(job.id) if request.include_events else []
         return job_pb.GetJobResponse(job=job, events=events)
 
     async def ListJobs(
         self, request: job_pb.ListJobsRequest, context: Context
     ) -> job_pb.ListJobsResponse:
-        return await self._jobs.list_jobs(current_caller(), request)
+        return await self._current().manager.list_jobs(current_caller(), request)
 
     async def CancelJob(
         self, request: job_pb.CancelJobRequest, context: Context
     ) -> job_pb.CancelJobResponse:
-        job = await self._jobs.cancel(current_caller(), request.job_id, request.reason)
+        manager = self._current().manager
+        job = await manager.cancel(current_caller(), request.job_id, request.reason)
         return job_pb.CancelJobResponse(job=job)
 
     async def WatchJobs(
         self, request: job_pb.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
-        async for event in self._jobs.watch(current_caller(), request):
+        async for event in self._current().manager.watch(current_caller(), request):
             yield job_pb.WatchJobsResponse(event=event)
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):
-    def __init__(self, admin: Admin, enrollment: Enrollment) -> None:
-        self._admin = admin
-        self._enrollment = enrollment
+    def __init__(self, current: Current) -> None:
+        self._current = current
 
     async def GetFederationStatus(
         self, request: admin_pb.GetFederationStatusRequest, context: Context
     ) -> admin_pb.GetFederationStatusResponse:
-        return await self._admin.status()
+        return await self._current().admin.status()
 
     async def ListSites(
         self, request: admin_pb.ListSitesRequest, context: Context
     ) -> admin_pb.ListSitesResponse:
-        return admin_pb.ListSitesResponse(sites=self._admin.sites())
+        return admin_pb.ListSitesResponse(sites=self._current().admin.sites())
 
     async def CordonSite(
         self, request: admin_pb.CordonSiteRequest, context: Context
     ) -> admin_pb.CordonSiteResponse:
-        return admin_pb.CordonSiteResponse(site=await self._admin.cordon(request.site, True))
+        site = await self._current().admin.cordon(request.site, True)
+        return admin_pb.CordonSiteResponse(site=site)
 
     async def UncordonSite(
         self, request: admin_pb.UncordonSiteRequest, context: Context
     ) -> admin_pb.UncordonSiteResponse:
-        return admin_pb.UncordonSiteResponse(site=await self._admin.cordon(request.site, False))
+        site = await self._current().admin.cordon(request.site, False)
+        return admin_pb.UncordonSiteResponse(site=site)
 
     async def CreateJoinToken(
         self, request: admin_pb.CreateJoinTokenRequest, context: Context
     ) -> admin_pb.CreateJoinTokenResponse:
-        return await self._enrollment.create_token(
+        return await self._current().enrollment.create_token(
             request.site, request.domain, request.ttl_s, str(current_caller())
         )
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):
-    def __init__(self, enrollment: Enrollment, link: SiteLink | None) -> None:
-        self._enrollment = enrollment
-        self._link = link
+    def __init__(self, current: Current, *, serves_connect: bool) -> None:
+        self._current = current
+        self._serves_connect = serves_connect
 
     async def Join(self, request: link_pb.JoinRequest, context: Context) -> link_pb.JoinResponse:
-        return await self._enrollment.join(request)
+        return await self._current().enrollment.join(request)
 
     async def Connect(
         self, request_iterator: AsyncIterator[link_pb.ConnectRequest], context: Context
     ) -> AsyncIterator[link_pb.ConnectResponse]:
-        assert self._link is not None, "Connect is served only on the mTLS port"
+        assert self._serves_connect, "Connect is served only on the mTLS port"
+        services = self._current()
         certificate = peer_certificate(context) or b""
-        async for response in self._link.connect(
+        async for response in services.link.connect(
             current_caller(), fingerprint(certificate), request_iterator
         ):
             yield response
+        if services.ended is not None:
+            raise services.ended  # stepped down: the agent moves to the new leader

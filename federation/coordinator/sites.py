@@ -165,6 +165,12 @@ class SiteRegistry:
             SITES_CONNECTED.set(sum(e.session is not None for e in self._sites.values()))
             self._changed()
 
+    def close_sessions(self) -> None:
+        """End every live session (on stepping down: the agents go to the new leader)."""
+        for entry in self._sites.values():
+            if entry.session is not None:
+                entry.session.close()
+
     def seen(self, site: str) -> None:
         self.get(site).last_seen = time.monotonic()
 

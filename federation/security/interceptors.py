@@ -7,6 +7,7 @@ may call it; a method missing from the table is refused (deny by default).
 from __future__ import annotations
 
 import contextvars
+import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
 from typing import Any, TypeAlias
@@ -150,7 +151,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
                     enter(context)
-                    async for response in inner_s(request, context):
+                    responses = inner_s(request, context)
+                    if inspect.isawaitable(responses):
+                        # A handler that writes with context.write (health's Watch) and
+                        # returns nothing rather than yielding.
+                        await responses
+                        return
+                    async for response in responses:
                         yield response
 
             factory: Any = (

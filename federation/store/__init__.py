@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from federation.store.base import (
     CasConflictError,
+    Check,
     CompactedError,
     Delete,
     KeyValue,
@@ -20,6 +21,7 @@ from federation.store.sqlite import SqliteStore
 
 __all__ = [
     "CasConflictError",
+    "Check",
     "CompactedError",
     "Delete",
     "KeyValue",

@@ -65,7 +65,24 @@ class Delete:
     expect_revision: int | None = None
 
 
-Op: TypeAlias = Put | Delete
+@dataclass(frozen=True, slots=True)
+class Check:
+    """Require that ``key`` is at ``expect_revision``, and write nothing to it.
+
+    A guard for the rest of a commit: the commit applies only while the key is unchanged, as
+    a coordinator's writes apply only while it still holds the leader key it wrote.
+
+    Attributes:
+        key: The key to compare; must not be empty.
+        expect_revision: 0 requires that the key does not exist; any other number requires
+            that the key's ``mod_revision`` equals it.
+    """
+
+    key: str
+    expect_revision: int
+
+
+Op: TypeAlias = Put | Delete | Check
 
 
 class WatchEventType(enum.Enum):
@@ -145,14 +162,14 @@ class Store(Protocol):
         """Apply ``ops`` atomically as one new store revision.
 
         Every expectation is checked before anything is written; if one fails nothing is.
-        A commit that changes nothing (no ops, or only deletes of missing keys) does not
-        advance the revision, as in etcd.
+        A commit that changes nothing (no ops, only checks, or only deletes of missing keys)
+        does not advance the revision, as in etcd.
 
         Returns:
             The store revision after the commit.
 
         Raises:
-            CasConflictError: An op's ``expect_revision`` did not hold.
+            CasConflictError: An op's ``expect_revision`` (a ``Check``'s included) did not hold.
             LeaseNotFoundError: A ``Put`` names a lease that does not exist.
             ValueError: An op has an empty key, or two ops name the same key.
         """
@@ -198,7 +215,8 @@ def check_ops(ops: Sequence[Op]) -> None:
 
     Raises:
         ValueError: An op has an empty key, a negative revision or lease, or two ops name the
-            same key (etcd rejects duplicate keys in one transaction).
+            same key (etcd rejects duplicate keys in one transaction; a ``Check`` counts too,
+            as a ``Put`` or ``Delete`` with ``expect_revision`` already compares its key).
     """
     seen: set[str] = set()
     for op in ops:

@@ -47,6 +47,7 @@ from federation.security.tls import TlsFiles, channel_credentials
 from federation.store.base import (
     CasConflictError,
     CompactedError,
+    Delete,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -386,8 +387,9 @@ class EtcdStore:
             if isinstance(op, Put):
                 put = rpc.PutRequest(key=key, value=op.value, lease=op.lease)
                 success.append(rpc.RequestOp(request_put=put))
-            else:
+            elif isinstance(op, Delete):
                 success.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)))
+            # A Check is a compare only: it adds nothing to the success branch.
         request = rpc.TxnRequest(compare=compares, success=success, failure=failure)
         response = await self._call(
             lambda c: c.kv.Txn(request, timeout=self._timeout_s), f"a commit of {len(ops)} ops"

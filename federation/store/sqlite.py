@@ -23,6 +23,7 @@ import structlog
 from federation.store.base import (
     CasConflictError,
     CompactedError,
+    Delete,
     KeyValue,
     LeaseNotFoundError,
     Op,
@@ -291,10 +292,10 @@ class _Database:
         for op in ops:
             if isinstance(op, Put):
                 self._put_key(revision, seq, op)
-            elif current[op.key]:
+            elif isinstance(op, Delete) and current[op.key]:
                 self._delete_key(revision, seq, op.key)
             else:
-                continue  # deleting a missing key changes nothing
+                continue  # a check, or deleting a missing key, changes nothing
             seq += 1
         if seq:
             self._revision = revision

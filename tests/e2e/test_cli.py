@@ -34,15 +34,20 @@ def fedctl(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess[str]
 
 
 def test_status_json_lists_sites(federation: LocalFederation) -> None:
-    """`fedctl --json status` prints the sites and marks declared devices."""
+    """`fedctl --json status` prints the sites, the lone leader, and marks declared devices."""
     result = fedctl(federation, "--json", "status")
     assert result.returncode == 0, result.stderr
     status = json.loads(result.stdout)
     names = {s["name"] for s in status["sites"]}
     assert names == {"edge-a", "dc-a", "cloud-a"}
+    assert status["leader"] == federation.address
+    assert [(c["address"], c["leader"]) for c in status["coordinators"]] == [
+        (federation.address, True)
+    ]
     table = fedctl(federation, "status")
     assert "(declared)" in table.stdout
     assert "CONNECTED" in table.stdout
+    assert f"leader {federation.address}" in table.stdout
 
 
 def test_submit_get_from_yaml(federation: LocalFederation, tmp_path: Path) -> None:

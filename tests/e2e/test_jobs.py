@@ -8,9 +8,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.coordinator import job_state
+from federation.coordinator.server import SERVICE_NAMES
 from federation.local import LocalFederation
 
 from .conftest import admin, jobs, python_task, spec, wait_for_job
@@ -254,3 +256,15 @@ async def test_status_shows_sites_and_declared_devices(operator: grpc.aio.Channe
     assert len(devices) == 4
     assert all(d.provenance == 2 for d in devices)  # PROVENANCE_DECLARED
     assert sites["cloud-a"].view.price_per_device_hour == 3.0
+
+
+async def test_health_reports_the_lone_coordinator_serving(operator: grpc.aio.Channel) -> None:
+    """With the embedded store the coordinator leads: Check and Watch say SERVING throughout."""
+    health = health_pb2_grpc.HealthStub(operator)
+    for service in ("", *SERVICE_NAMES):
+        request = health_pb2.HealthCheckRequest(service=service)
+        assert (await health.Check(request)).status == health_pb2.HealthCheckResponse.SERVING
+        stream = health.Watch(request)
+        first = await anext(aiter(stream))
+        stream.cancel()
+        assert first.status == health_pb2.HealthCheckResponse.SERVING, service

@@ -11,6 +11,7 @@ import pytest
 
 from federation.store import (
     CasConflictError,
+    Check,
     Delete,
     LeaseNotFoundError,
     Put,
@@ -205,6 +206,62 @@ class StoreContract:
         kv = await store.get("/counter")
         assert kv is not None
         assert kv.value == str(winners[0]).encode()
+
+    # Guards (Check).
+
+    async def test_check_that_holds_lets_the_commit_apply(self, store: Store) -> None:
+        """A commit guarded by a check on an unchanged key applies, and leaves that key alone."""
+        guard = await store.commit([Put("/leader", b"me")])
+        revision = await store.commit([Check("/leader", guard), Put("/jobs/a", b"1")])
+        assert revision == guard + 1
+        leader, job = await store.get("/leader"), await store.get("/jobs/a")
+        assert leader is not None
+        assert job is not None
+        assert (leader.value, leader.mod_revision, job.value) == (b"me", guard, b"1")
+
+    async def test_check_on_changed_key_fails_and_writes_nothing(self, store: Store) -> None:
+        """A check on a key rewritten since refuses the whole commit and names the key."""
+        guard = await store.commit([Put("/leader", b"me")])
+        moved = await store.commit([Put("/leader", b"other")])
+        with pytest.raises(CasConflictError) as caught:
+            await store.commit([Put("/jobs/a", b"1"), Check("/leader", guard)])
+        assert (caught.value.key, caught.value.expected, caught.value.actual) == (
+            "/leader",
+            guard,
+            moved,
+        )
+        assert await store.get("/jobs/a") is None
+        assert await store.revision() == moved
+
+    async def test_check_on_deleted_key_fails(self, store: Store) -> None:
+        """A check on a key deleted since (as lease expiry deletes it) fails with actual 0."""
+        lease = await store.grant_lease(60)
+        guard = await store.commit([Put("/leader", b"me", lease=lease)])
+        await store.revoke(lease)
+        with pytest.raises(CasConflictError) as caught:
+            await store.commit([Check("/leader", guard), Put("/jobs/a", b"1")])
+        assert caught.value.actual == 0
+        assert await store.get("/jobs/a") is None
+
+    async def test_check_zero_requires_a_missing_key(self, store: Store) -> None:
+        """A check expecting revision 0 holds while the key is missing and fails once it exists."""
+        await store.commit([Check("/leader", 0), Put("/a", b"1")])
+        await store.commit([Put("/leader", b"me")])
+        with pytest.raises(CasConflictError):
+            await store.commit([Check("/leader", 0), Put("/b", b"1")])
+        assert await store.get("/b") is None
+
+    async def test_checks_alone_change_nothing(self, store: Store) -> None:
+        """A commit of checks only does not advance the revision."""
+        guard = await store.commit([Put("/leader", b"me")])
+        assert await store.commit([Check("/leader", guard), Check("/missing", 0)]) == guard
+        assert await store.revision() == guard
+
+    async def test_check_with_negative_revision_is_rejected(self, store: Store) -> None:
+        """A check expecting a negative revision is refused before anything is sent."""
+        with pytest.raises(ValueError, match="negative"):
+            await store.commit([Check("/leader", -1), Put("/a", b"1")])
+        assert await store.get("/a") is None
 
     # Range and count.
 

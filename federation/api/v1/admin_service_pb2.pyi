@@ -104,6 +104,35 @@ class GetFederationStatusRequest(_message.Message):
 Global___GetFederationStatusRequest: _TypeAlias = GetFederationStatusRequest  # noqa: Y015
 
 @_typing.final
+class Coordinator(_message.Message):
+    """One coordinator of the federation: the leader or a follower standing by."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    JOIN_ADDRESS_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    address: _builtins.str
+    """Advertised mTLS address (host:port) of clients, operators and agents."""
+    join_address: _builtins.str
+    """Advertised join address (host:port)."""
+    leader: _builtins.bool
+    def __init__(
+        self,
+        *,
+        address: _builtins.str = ...,
+        join_address: _builtins.str = ...,
+        leader: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "join_address", b"join_address", "leader", b"leader"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Coordinator: _TypeAlias = Coordinator  # noqa: Y015
+
+@_typing.final
 class GetFederationStatusResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -130,12 +159,20 @@ class GetFederationStatusResponse(_message.Message):
     COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
     SITES_FIELD_NUMBER: _builtins.int
     JOBS_BY_STATE_FIELD_NUMBER: _builtins.int
+    LEADER_FIELD_NUMBER: _builtins.int
+    COORDINATORS_FIELD_NUMBER: _builtins.int
     coordinator_version: _builtins.str
+    leader: _builtins.str
+    """Advertised address of the leader (the coordinator that answers)."""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]: ...
     @_builtins.property
     def jobs_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Job counts by state name."""
+
+    @_builtins.property
+    def coordinators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Coordinator]:
+        """Every running coordinator, the leader included, by address."""
 
     def __init__(
         self,
@@ -143,10 +180,12 @@ class GetFederationStatusResponse(_message.Message):
         coordinator_version: _builtins.str = ...,
         sites: _abc.Iterable[Global___Site] | None = ...,
         jobs_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        leader: _builtins.str = ...,
+        coordinators: _abc.Iterable[Global___Coordinator] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "jobs_by_state", b"jobs_by_state", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "sites", b"sites"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,124 @@
+"""What a leading coordinator runs: state loaded from the store, the scheduler, the RPC logic.
+
+A coordinator builds these when it starts to lead (at once with the embedded store, on
+winning the election with etcd) and drops them when it stops leading; a later term builds
+them afresh from the store, so nothing cached by an earlier term survives into the next.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import structlog
+
+from federation.api.v1 import admin_service_pb2
+from federation.coordinator.admin import Admin
+from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.enrollment import Enrollment
+from federation.coordinator.events import EventHub
+from federation.coordinator.job_manager import JobManager
+from federation.coordinator.jobs import JobRepository
+from federation.coordinator.scheduler import Scheduler, SchedulerConfig
+from federation.coordinator.site_link import SiteLink
+from federation.coordinator.sites import SiteRegistry
+from federation.errors import NotLeaderError
+from federation.placement.registry import build_framework
+from federation.security.pki import CertificateAuthority
+from federation.store import Store
+
+log = structlog.get_logger()
+
+ListCoordinators = Callable[[], Awaitable[list[admin_service_pb2.Coordinator]]]
+"""Every running coordinator, for the federation status."""
+
+
+@dataclass
+class Services:
+    """One term of leadership: everything the RPCs call, and the scheduling loop."""
+
+    jobs: JobRepository
+    sites: SiteRegistry
+    hub: EventHub
+    scheduler: Scheduler
+    manager: JobManager
+    enrollment: Enrollment
+    link: SiteLink
+    admin: Admin
+    scheduler_task: asyncio.Task[None]
+    ended: NotLeaderError | None = None
+    """Set when the term ended by stepping down: streams still open end with it."""
+
+    async def stop(self, step_down: NotLeaderError | None = None) -> None:
+        """Stop scheduling; with ``step_down``, also end every agent session and watch.
+
+        Args:
+            step_down: Why the term ends early. Open ``Connect`` and ``WatchJobs`` streams end
+                with it, so agents and clients move to the new leader. ``None`` (shutting
+                down) leaves them to the server's own stop.
+        """
+        if step_down is not None:
+            self.ended = step_down
+            self.sites.close_sessions()
+            self.hub.close(step_down)
+        self.scheduler_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self.scheduler_task
+        await self.scheduler.close()
+
+
+async def start_services(
+    store: Store,
+    config: CoordinatorConfig,
+    ca: CertificateAuthority,
+    coordinators: ListCoordinators,
+) -> Services:
+    """Load sites and jobs from ``store``, recover interrupted offers, start scheduling.
+
+    Args:
+        store: Where the term reads and writes (fenced when several coordinators share it).
+        config: The coordinator's settings.
+        ca: Signs site certificates at Join.
+        coordinators: Lists every running coordinator, for the federation status.
+    """
+    hub = EventHub()
+    jobs = JobRepository(store, hub)
+    scheduler_ref: list[Scheduler] = []
+
+    def wake() -> None:
+        if scheduler_ref:
+            scheduler_ref[0].wake()
+
+    sites = SiteRegistry(store, wake)
+    await sites.load()
+    recovered = await jobs.load()
+    scheduler = Scheduler(
+        jobs,
+        sites,
+        build_framework(config.placement_filters, config.placement_scores, config.compat_table),
+        SchedulerConfig(
+            offer_timeout_s=config.offer_timeout_s,
+            reservation_lease_s=config.reservation_lease_s,
+            retry_interval_s=config.retry_interval_s,
+            max_offers_per_round=config.max_offers_per_round,
+            offers_at_once=config.offers_at_once,
+        ),
+    )
+    scheduler_ref.append(scheduler)
+    manager = JobManager(jobs, sites, hub, wake)
+    await manager.recover()
+    scheduler_task = asyncio.create_task(scheduler.run())
+    log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
+    return Services(
+        jobs=jobs,
+        sites=sites,
+        hub=hub,
+        scheduler=scheduler,
+        manager=manager,
+        enrollment=Enrollment(store, sites, ca),
+        link=SiteLink(sites, manager, config.heartbeat_interval_s),
+        admin=Admin(sites, jobs, coordinators),
+        scheduler_task=scheduler_task,
+    )
