@@ -13,6 +13,9 @@ OFFERS = Counter(
     "Negotiation rounds with a site: settled (delegated, or moot after a cancel) or refused",
     ["outcome"],
 )
+SITE_MESSAGES = Counter(
+    "federation_site_messages_total", "Messages received from site agents", ["kind"]
+)
 SITES_CONNECTED = Gauge("federation_sites_connected", "Sites with a live Connect stream")
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 

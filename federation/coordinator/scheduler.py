@@ -94,9 +94,12 @@ class Scheduler:
 
     async def _cycle(self) -> None:
         now = time.monotonic()
-        snapshot = self._sites.snapshot()
+        jobs = self._jobs.pending()
+        # Built only when something waits: every view delta wakes the loop, and flattening
+        # the whole federation into arrays is the expensive part of a cycle.
+        snapshot = self._sites.snapshot() if jobs else None
         pending: set[TaskKey] = set()
-        for job in self._jobs.pending():
+        for job in jobs:
             if job.cancel_requested:
                 continue
             for task in job.tasks:
@@ -109,6 +112,7 @@ class Scheduler:
                 pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
                     continue
+                assert snapshot is not None
                 decision = self._framework.place(request, snapshot)
                 verdicts = [
                     jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason)

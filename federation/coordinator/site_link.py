@@ -23,6 +23,7 @@ from federation.errors import (
     PermissionDeniedError,
     UnavailableError,
 )
+from federation.metrics import SITE_MESSAGES
 from federation.security.identity import Identity
 
 log = structlog.get_logger()
@@ -129,6 +130,7 @@ class SiteLink:
     async def _handle(self, session: SiteSession, request: pb.ConnectRequest) -> None:
         site = session.site
         body = request.WhichOneof("body")
+        SITE_MESSAGES.labels(body or "empty").inc()
         if body == "heartbeat":
             return
         if body == "view":
