@@ -1,7 +1,8 @@
 """Job spec files (YAML or JSON) to ``JobSpec`` messages, and enum names for people.
 
 The file format is the protobuf JSON mapping of ``JobSpec`` with short enum names allowed:
-``kind: GPU`` for ``DEVICE_KIND_GPU`` and ``domains: [edge]`` for ``DOMAIN_EDGE``.
+``kind: GPU`` for ``DEVICE_KIND_GPU``, ``domains: [edge]`` for ``DOMAIN_EDGE`` and
+``reconcile: keep_original`` for ``RECONCILE_KEEP_ORIGINAL``.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ def _full_name(value: Any, prefix: str) -> Any:
 
 
 def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """Rewrite short enum names where the spec has enums: accelerator kinds and domains.
+    """Rewrite short enum names where the spec has enums: kinds, domains, reconcile rules.
 
     Only those two places: a user's own maps (labels, env) may well have a key named "kind".
     """
@@ -69,6 +70,12 @@ def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
     tasks = out.get("tasks")
     if isinstance(tasks, list):
         out["tasks"] = [_expand_task(task) for task in tasks]
+    disconnect = out.get("disconnect")
+    if isinstance(disconnect, Mapping) and "reconcile" in disconnect:
+        out["disconnect"] = {
+            **disconnect,
+            "reconcile": _full_name(disconnect["reconcile"], "RECONCILE_"),
+        }
     constraints = out.get("constraints")
     if isinstance(constraints, Mapping) and isinstance(constraints.get("domains"), list):
         domains = [_full_name(d, "DOMAIN_") for d in constraints["domains"]]

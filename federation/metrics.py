@@ -17,6 +17,14 @@ SITE_MESSAGES = Counter(
     "federation_site_messages_total", "Messages received from site agents", ["kind"]
 )
 SITES_CONNECTED = Gauge("federation_sites_connected", "Sites with a live Connect stream")
+SITES_UNREACHABLE = Gauge(
+    "federation_sites_unreachable", "Sites whose session ended without a goodbye"
+)
+TASKS_MOVED = Counter("federation_tasks_moved_total", "Tasks moved away from a site that was lost")
+RESCHEDULING_PAUSED = Gauge(
+    "federation_rescheduling_paused",
+    "1 while moving tasks off lost sites is paused (most sites unreachable at once)",
+)
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 
 

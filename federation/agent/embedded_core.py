@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import shutil
+import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +19,7 @@ from typing import TypeAlias
 
 import structlog
 
+from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.packing import place
@@ -46,6 +48,8 @@ class Reservation:
     spec: jobs_pb2.TaskSpec
     slots: tuple[Slot, ...]
     lease_s: float
+    restore: jobs_pb2.CheckpointRecord | None = None
+    """The checkpoint the task restarts from, if the offer carried one."""
 
 
 @dataclass(slots=True, eq=False)
@@ -67,6 +71,8 @@ class _Task:
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     supervisor: asyncio.Task[None] | None = None
+    checkpoints: TaskCheckpoints | None = None
+    """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
 
     @property
     def active(self) -> bool:
@@ -83,6 +89,7 @@ class _Task:
             output_tail=self.output_tail,
             reason=self.reason,
             devices=self.devices,
+            checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
         )
 
 
@@ -196,7 +203,8 @@ class EmbeddedCore:
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
         spec = jobs_pb2.TaskSpec()
         spec.CopyFrom(offer.spec)
-        reservation = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s)
+        restore = offer.restore if offer.HasField("restore") else None
+        reservation = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s, restore)
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
         log.info(
@@ -242,6 +250,13 @@ class EmbeddedCore:
         task = _Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
+        if reservation.spec.HasField("checkpoint"):
+            task.checkpoints = TaskCheckpoints(
+                reservation.spec.checkpoint,
+                self._task_dir(key),
+                reservation.restore,
+                lambda _: self._report(task),
+            )
         self._tasks[key] = task
         self._changed()
         try:
@@ -254,6 +269,8 @@ class EmbeddedCore:
                 self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
             return site_link_service_pb2.CommitAnswer(started=True)
         task.state = jobs_pb2.JOB_STATE_RUNNING
+        if task.checkpoints is not None:
+            task.checkpoints.start(time.time())
         log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
         self._report(task)
         # Held so the supervisor is not garbage-collected while it runs.
@@ -372,11 +389,17 @@ class EmbeddedCore:
             FEDERATION_REPLICAS=str(len(task.slots)),
         )
         env.update(device_env(node, slot))
+        if task.checkpoints is not None:
+            env.update(task.checkpoints.env())
         return env
 
+    def _task_dir(self, key: TaskKey) -> Path:
+        """The work folder of one epoch of a task; its replicas run in subfolders."""
+        job_id, name, epoch = key
+        return self._work_dir / job_id / name / str(epoch)
+
     async def _start_replicas(self, task: _Task) -> None:
-        job_id, name, epoch = task.key
-        base = self._work_dir / job_id / name / str(epoch)
+        base = self._task_dir(task.key)
         dirs = [base / str(replica) for replica in range(len(task.slots))]
 
         def make_dirs() -> None:
@@ -384,6 +407,8 @@ class EmbeddedCore:
                 directory.mkdir(parents=True, exist_ok=True)
                 if self._task_user:
                     shutil.chown(directory, user=self._task_user)
+            if task.checkpoints is not None:
+                task.checkpoints.prepare(self._task_user)
 
         try:
             await asyncio.to_thread(make_dirs)
@@ -455,6 +480,8 @@ class EmbeddedCore:
     ) -> None:
         task.state, task.exit_code, task.reason = state, exit_code, reason
         task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
+        if task.checkpoints is not None:
+            task.checkpoints.stop()
         task.finished.set()
         log.info(
             "task_finished",

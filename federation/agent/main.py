@@ -168,6 +168,8 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     if session.done() and (err := session.exception()) is not None:
         log.error("agent_rejected", error=str(err))
         code = 1
+    else:
+        await runtime.leave("agent stopping")
     session.cancel()
     stopper.cancel()
     await runtime.close()

@@ -70,8 +70,11 @@ class AgentRuntime:
         self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
         self._view_dirty = asyncio.Event()
         self._heartbeat_s = 3.0
+        self._welcomed = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
         self._endpoints = Endpoints(coordinator_endpoints(config))
+        self._leaving = False
+        self._session_over = asyncio.Event()
         self.connected = asyncio.Event()
 
     # Called by the core ----------------------------------------------------------------
@@ -141,10 +144,11 @@ class AgentRuntime:
     # The session -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Keep a session up until cancelled; raise ``AgentRejectedError`` if refused."""
-        while True:
+        """Keep a session up until cancelled or left; raise ``AgentRejectedError`` if refused."""
+        while not self._leaving:
             error: grpc.aio.AioRpcError | None = None
             coordinator = self._endpoints.current
+            self._session_over.clear()
             try:
                 await self._session(coordinator)
             except grpc.aio.AioRpcError as err:
@@ -166,6 +170,9 @@ class AgentRuntime:
                     )
             finally:
                 self._outbox = None
+                self._session_over.set()
+            if self._leaving:
+                return
             if self.connected.is_set():
                 self._endpoints.succeeded()  # it worked until now: come back quickly
                 self.connected.clear()
@@ -173,6 +180,7 @@ class AgentRuntime:
 
     async def _session(self, coordinator: str) -> None:
         outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        self._welcomed.clear()
         view = self.full_view()
         self._generation += 1
         self._mark_sent(view)
@@ -205,6 +213,9 @@ class AgentRuntime:
                 outbox.put_nowait(_END_OF_SESSION)
 
     async def _heartbeats(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
+        # At the coordinator's pace, which its welcome tells: a short interval must not wait
+        # out a first sleep at the default, or the session is dropped for silence.
+        await self._welcomed.wait()
         while True:
             await asyncio.sleep(self._heartbeat_s)
             outbox.put_nowait(
@@ -224,6 +235,7 @@ class AgentRuntime:
         body = message.WhichOneof("body")
         if body == "welcome":
             self._heartbeat_s = message.welcome.heartbeat_interval_s or self._heartbeat_s
+            self._welcomed.set()
         elif body == "resync":
             view = self.full_view()
             self._generation += 1
@@ -266,6 +278,25 @@ class AgentRuntime:
                 log.warning("unknown_message_ignored", body=body)
         except Exception:
             log.exception("request_failed", body=body)
+
+    async def leave(self, reason: str, timeout_s: float = 2.0) -> None:
+        """Say goodbye and end the session, so the coordinator shows the site DISCONNECTED.
+
+        Without a goodbye (a crash, a lost link) the site shows UNREACHABLE. Waits at most
+        ``timeout_s`` for the coordinator to end the stream; never reconnects afterwards.
+        """
+        self._leaving = True
+        outbox = self._outbox
+        if outbox is None or not self.connected.is_set():
+            return
+        outbox.put_nowait(pb.ConnectRequest(goodbye=pb.Goodbye(reason=reason)))
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._session_over.wait()
+        except TimeoutError:
+            log.warning("goodbye_unanswered", timeout_s=timeout_s)
+        else:
+            log.info("session_left", reason=reason)
 
     async def close(self) -> None:
         for task in list(self._handlers):

@@ -18,6 +18,7 @@ from federation.api.v1 import (
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
 from federation.cli.render import (
+    checkpoint_line,
     console,
     coordinators_table,
     event_line,
@@ -91,6 +92,8 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
         return 0
     console.print(coordinators_table(reply))
     console.print(sites_table(reply.sites))
+    if reply.rescheduling_paused:
+        console.print(f"[bold]rescheduling paused[/bold]: {reply.rescheduling_note}")
     counts = Table(title=f"Jobs (coordinator {reply.coordinator_version})")
     counts.add_column("state")
     counts.add_column("jobs", justify="right")
@@ -248,6 +251,18 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         )
         if task.devices:
             console.print(f"  devices: {', '.join(task.devices)}")
+        if task.checkpoint.path:
+            console.print("  checkpoint: " + checkpoint_line(task.checkpoint), markup=False)
+        if task.displaced.site:
+            console.print(
+                f"  last moved away from: epoch {task.displaced.epoch} at {task.displaced.site}",
+                markup=False,
+            )
+        moves = [e for e in reply.events if e.task == task.name and e.moved_from]
+        if moves:
+            console.print(f"  moves ({task.moves}):")
+            for event in moves:
+                console.print("    " + event_line(event), markup=False)
         for verdict in task.verdicts:
             console.print(f"  {verdict.site}: [{verdict.stage}] {verdict.reason}")
         if task.output_tail:

@@ -78,6 +78,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
         "cpu free/total",
         "devices free/total",
         "heartbeat",
+        "unreachable for",
         "source",
     ):
         table.add_column(column)
@@ -98,6 +99,11 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
         )
         state = site_state_name(site.state) + (" cordoned" if site.cordoned else "")
         age = f"{site.heartbeat_age_s:.1f}s" if site.heartbeat_age_s >= 0 else "never"
+        unreachable = (
+            format_duration(site.unreachable_s)
+            if site.state == admin_service_pb2.SITE_STATE_UNREACHABLE
+            else "-"
+        )
         table.add_row(
             site.name,
             domain_name(site.domain),
@@ -106,6 +112,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             f"{cpu_free:g}/{cpu_total:g}",
             device_summary(view.nodes),
             age,
+            unreachable,
             source or "-",
         )
     return table
@@ -190,6 +197,27 @@ def format_age(seconds: float) -> str:
     return f"{seconds:.0f}s"
 
 
+def format_duration(seconds: float) -> str:
+    """``42s``, ``5m 03s``, ``2h 10m``: how long something has lasted, to the second."""
+    whole = max(0, int(seconds))
+    hours, rest = divmod(whole, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours}h {minutes:02d}m"
+    if minutes:
+        return f"{minutes}m {secs:02d}s"
+    return f"{secs}s"
+
+
+def checkpoint_line(checkpoint: jobs_pb2.CheckpointRecord) -> str:
+    """Where a task's newest checkpoint is, its size, when and by which copy it was made."""
+    when = f"{checkpoint.time.ToDatetime():%H:%M:%S}" if checkpoint.HasField("time") else "?"
+    return (
+        f"{checkpoint.path} ({checkpoint.bytes} bytes) at {checkpoint.site} epoch "
+        f"{checkpoint.epoch}, {when}, {checkpoint.progress_s:.0f}s of work"
+    )
+
+
 def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
     table = Table(title=title)
     for column in ("job", "name", "tenant", "state", "tasks (site, state)", "reason"):
@@ -208,6 +236,8 @@ def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
 
 def event_line(event: jobs_pb2.JobEvent) -> str:
     where = f" at {event.site}" if event.site else ""
+    if event.moved_from:
+        where = f" moved from {event.moved_from}"
     task = f" task {event.task}" if event.task else ""
     return (
         f"{event.time.ToDatetime():%H:%M:%S} {event.job_id}{task} -> {state_name(event.state)}"

@@ -13,7 +13,7 @@ from typing import Any
 import structlog
 
 from federation.config import ConfigError, build, read_toml
-from federation.coordinator.config import CoordinatorConfig, check_store_settings
+from federation.coordinator.config import CoordinatorConfig, check_settings
 from federation.coordinator.server import start_coordinator
 from federation.logging import configure_logging
 from federation.metrics import serve_metrics
@@ -38,6 +38,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--etcd-prefix", help="key prefix in etcd (default /federation)")
     p.add_argument("--advertise", help="host:port clients and agents dial for --listen")
     p.add_argument("--leader-lease-s", type=float, help="leader lease ttl with etcd (default 3)")
+    p.add_argument(
+        "--heartbeat-interval-s", type=float, help="agents' heartbeat period (default 3)"
+    )
+    p.add_argument(
+        "--missed-heartbeats",
+        type=int,
+        help="heartbeats missed before a site is UNREACHABLE (default 3)",
+    )
     p.add_argument("--ready-file", type=Path, help="write the bound ports here as JSON")
     p.add_argument("--log-level", default="info")
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs")
@@ -65,6 +73,8 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
         "etcd_prefix": args.etcd_prefix,
         "advertise": args.advertise,
         "leader_lease_s": args.leader_lease_s,
+        "heartbeat_interval_s": args.heartbeat_interval_s,
+        "missed_heartbeats": args.missed_heartbeats,
     }
     values |= {k: v for k, v in overrides.items() if v is not None}
     missing = {"data_dir", "ca_cert", "ca_key", "cert", "key"} - values.keys()
@@ -74,7 +84,7 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
             "--data-dir, or set them in --config"
         )
     config = build(CoordinatorConfig, values, source=source)
-    check_store_settings(config, source=source)
+    check_settings(config, source=source)
     return config
 
 

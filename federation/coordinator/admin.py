@@ -6,6 +6,7 @@ from collections.abc import Awaitable, Callable
 
 from federation.api.v1 import admin_service_pb2
 from federation.coordinator.jobs import JobRepository
+from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
 
@@ -19,6 +20,7 @@ class Admin:
         sites: Every site with its record, view and session.
         jobs: The job repository, for counts by state.
         coordinators: Lists every running coordinator, the leader marked.
+        lost_sites: The lost-site monitor, whose pause the status shows; None: never paused.
     """
 
     def __init__(
@@ -26,10 +28,12 @@ class Admin:
         sites: SiteRegistry,
         jobs: JobRepository,
         coordinators: Callable[[], Awaitable[list[admin_service_pb2.Coordinator]]],
+        lost_sites: LostSites | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._coordinators = coordinators
+        self._lost_sites = lost_sites
 
     def sites(self) -> list[admin_service_pb2.Site]:
         return [self._sites.describe(name) for name in self._sites.names()]
@@ -42,6 +46,8 @@ class Admin:
             jobs_by_state=await self._jobs.count_by_state(),
             leader=next((c.address for c in coordinators if c.leader), ""),
             coordinators=coordinators,
+            rescheduling_paused=self._lost_sites is not None and self._lost_sites.paused,
+            rescheduling_note=self._lost_sites.note if self._lost_sites is not None else "",
         )
 
     async def cordon(self, site: str, cordoned: bool) -> admin_service_pb2.Site:

@@ -28,6 +28,9 @@ class CoordinatorConfig:
     metrics_listen: str = ""
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9464; empty serves none."""
     heartbeat_interval_s: float = 3.0
+    """How often agents send a heartbeat; also how often lost sites are looked at."""
+    missed_heartbeats: int = 3
+    """Heartbeats a session may miss before it is dropped and its site is UNREACHABLE."""
     offer_timeout_s: float = 5.0
     reservation_lease_s: float = 10.0
     retry_interval_s: float = 5.0
@@ -65,8 +68,8 @@ class CoordinatorConfig:
 STORES = ("sqlite", "etcd")
 
 
-def check_store_settings(config: CoordinatorConfig, *, source: str) -> None:
-    """Refuse store settings that cannot work together.
+def check_settings(config: CoordinatorConfig, *, source: str) -> None:
+    """Refuse settings that cannot work: store, etcd and heartbeat settings.
 
     Raises:
         ConfigError: Naming ``source`` and the setting.
@@ -82,3 +85,7 @@ def check_store_settings(config: CoordinatorConfig, *, source: str) -> None:
         raise ConfigError(f"{source}: give all of etcd_ca, etcd_cert and etcd_key, or none")
     if not config.leader_lease_s > 0:
         raise ConfigError(f"{source}: leader_lease_s must be positive")
+    if not config.heartbeat_interval_s > 0:
+        raise ConfigError(f"{source}: heartbeat_interval_s must be positive")
+    if config.missed_heartbeats < 1:
+        raise ConfigError(f"{source}: missed_heartbeats must be at least 1")

@@ -18,6 +18,7 @@ from federation.coordinator.jobs import (
     now_timestamp,
     transition,
 )
+from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import TASK_OUTPUT, spec_violations
 from federation.errors import (
@@ -51,6 +52,7 @@ class JobManager:
         self._sites = sites
         self._hub = hub
         self._wake = wake
+        self._reconciler = Reconciler(jobs, self.tell_site)
 
     # Clients -----------------------------------------------------------------------------
 
@@ -260,6 +262,13 @@ class JobManager:
             or task.epoch != report.epoch
             or task.state not in job_state.AT_SITE
         ):
+            if (
+                task is not None
+                and job is not None
+                and await self._reconciler.take_back(site, report, job, task)
+            ):
+                await self.apply_report(site, report)  # current again: apply it as usual
+                return
             self._fence(site, report, final)
             return
         siblings: list[tuple[str, str, int]] = []
@@ -273,6 +282,15 @@ class JobManager:
             if report.devices:
                 del current.devices[:]
                 current.devices.extend(report.devices)
+            if report.HasField("checkpoint") and record_checkpoint(current, site, report):
+                log.info(
+                    "checkpoint_recorded",
+                    job=job.id,
+                    task=report.task,
+                    site=site,
+                    path=report.checkpoint.path,
+                    bytes=report.checkpoint.bytes,
+                )
             if report.state == job_state.RUNNING:
                 if current.state == job_state.RUNNING:
                     return []

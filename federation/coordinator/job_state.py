@@ -21,7 +21,8 @@ CANCELLED = jobs_pb2.JOB_STATE_CANCELLED
 TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 AT_SITE = frozenset({DELEGATED, RUNNING})
 
-# A task returns to PENDING when every site declined it, a commit failed, or its site lost it.
+# A task returns to PENDING when every site declined it, a commit failed, its site lost it, or
+# it was moved away from a lost site.
 TRANSITIONS: dict[int, frozenset[int]] = {
     PENDING: frozenset({PENDING, SCHEDULING, CANCELLED}),
     SCHEDULING: frozenset({PENDING, SCHEDULING, DELEGATED, CANCELLED}),
@@ -33,12 +34,22 @@ TRANSITIONS: dict[int, frozenset[int]] = {
 }
 
 
+# Only when taking back an original copy that came back from a lost site, running, and the
+# job's reconcile rule keeps it: the task was PENDING (moved away), and runs again at once.
+TAKE_BACK: frozenset[tuple[int, int]] = frozenset({(PENDING, RUNNING)})
+
+
 class IllegalTransitionError(RuntimeError):
     """A bug: code tried a transition the state machine forbids."""
 
 
-def check_transition(current: int, new: int) -> None:
-    """Raise ``IllegalTransitionError`` unless ``current -> new`` is allowed."""
+def check_transition(current: int, new: int, *, taking_back: bool = False) -> None:
+    """Raise ``IllegalTransitionError`` unless ``current -> new`` is allowed.
+
+    ``taking_back`` also allows the ``TAKE_BACK`` transitions (reconcile keeps an original).
+    """
+    if taking_back and (current, new) in TAKE_BACK:
+        return
     if new not in TRANSITIONS.get(current, frozenset()):
         raise IllegalTransitionError(f"task cannot go from {_name(current)} to {_name(new)}")
 

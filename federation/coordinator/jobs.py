@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -47,6 +47,8 @@ class Change:
     state: jobs_pb2.JobState.ValueType
     reason: str
     site: str = ""
+    moved_from: str = ""
+    """Set when the change moves the task away from this site."""
 
 
 def find_task(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskStatus:
@@ -61,10 +63,15 @@ def transition(
     task_name: str,
     state: jobs_pb2.JobState.ValueType,
     reason: str,
+    *,
+    taking_back: bool = False,
 ) -> Change:
-    """Move one task of ``job`` (in place) to ``state``; returns the change to record."""
+    """Move one task of ``job`` (in place) to ``state``; returns the change to record.
+
+    ``taking_back`` allows the transitions of taking back a kept original copy.
+    """
     task = find_task(job, task_name)
-    job_state.check_transition(task.state, state)
+    job_state.check_transition(task.state, state, taking_back=taking_back)
     task.state = state
     task.reason = reason
     if state == job_state.RUNNING and not task.HasField("started_at"):
@@ -119,6 +126,14 @@ class JobRepository:
     def active(self) -> list[jobs_pb2.Job]:
         """Copies of the cached unfinished jobs."""
         return [_copy(job) for job, _ in self._active.values()]
+
+    def at_sites(self, sites: Collection[str]) -> list[jobs_pb2.Job]:
+        """Copies of the unfinished jobs with a task delegated to or running at one of ``sites``."""
+        return [
+            _copy(job)
+            for job, _ in self._active.values()
+            if any(t.site in sites and t.state in job_state.AT_SITE for t in job.tasks)
+        ]
 
     async def get(self, job_id: str) -> jobs_pb2.Job:
         if cached := self._active.get(job_id):
@@ -279,6 +294,7 @@ def _event(job: jobs_pb2.Job, sequence: int, change: Change) -> jobs_pb2.JobEven
         site=change.site,
         reason=change.reason,
         job_state=job.state,
+        moved_from=change.moved_from,
     )
 
 

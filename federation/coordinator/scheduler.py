@@ -28,6 +28,8 @@ from federation.placement.request import Input, Request
 log = structlog.get_logger()
 
 NEGOTIATE = "Negotiate"
+CHECKPOINT = "checkpoint:"
+"""Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
 
 
@@ -235,6 +237,7 @@ class Scheduler:
             spec=spec,
             tenant=offered.spec.tenant,
             lease_s=self._config.reservation_lease_s,
+            restore=task.checkpoint if task.checkpoint.path else None,
         )
         answers = await asyncio.gather(*(self._offer(sessions[s], offer) for s in live))
         accepted: list[tuple[str, str]] = []
@@ -386,7 +389,9 @@ def _mark_scheduling(task_name: str, sites: list[str]) -> Mutation:
         task = find_task(job, task_name)
         if task.state not in (job_state.PENDING, job_state.SCHEDULING):
             return []
-        task.epoch += 1
+        # Never reuse an epoch, even one given up when an original copy was kept.
+        task.issued_epoch = max(task.epoch, task.issued_epoch) + 1
+        task.epoch = task.issued_epoch
         task.site = ""
         task.reservation_id = ""
         return [transition(job, task_name, job_state.SCHEDULING, f"offered to {', '.join(sites)}")]
@@ -447,7 +452,8 @@ def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
 def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
     """The placement request for a task, or None while it waits for its dependencies.
 
-    The outputs of the tasks it depends on become its inputs, located where those ran.
+    The outputs of the tasks it depends on become its inputs, located where those ran, and so
+    does the task's newest recorded checkpoint, which a restart reads.
     """
     if waiting_on(job, task_name):
         return None
@@ -466,6 +472,10 @@ def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
                 size = i.bytes
         if size:
             inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
+    checkpoint = status[task_name].checkpoint
+    if checkpoint.path and checkpoint.bytes:
+        # A restart reads its newest checkpoint from the site that holds it.
+        inputs.append(Input(CHECKPOINT + task_name, checkpoint.bytes, checkpoint.site))
     return Request.from_spec(job.spec, spec, inputs)
 
 

@@ -15,12 +15,14 @@ from dataclasses import dataclass
 import structlog
 
 from federation.api.v1 import admin_service_pb2
+from federation.coordinator import job_state
 from federation.coordinator.admin import Admin
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
+from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
@@ -48,6 +50,8 @@ class Services:
     link: SiteLink
     admin: Admin
     scheduler_task: asyncio.Task[None]
+    lost_sites: LostSites
+    lost_sites_task: asyncio.Task[None]
     ended: NotLeaderError | None = None
     """Set when the term ended by stepping down: streams still open end with it."""
 
@@ -63,9 +67,10 @@ class Services:
             self.ended = step_down
             self.sites.close_sessions()
             self.hub.close(step_down)
-        self.scheduler_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self.scheduler_task
+        for task in (self.lost_sites_task, self.scheduler_task):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.scheduler.close()
 
 
@@ -109,7 +114,12 @@ async def start_services(
     scheduler_ref.append(scheduler)
     manager = JobManager(jobs, sites, hub, wake)
     await manager.recover()
+    # Sites holding tasks are unknown until they say hello to this term: their grace (and the
+    # partition rule) count from now.
+    sites.presume_unreachable({job_site for job_site, *_ in _held(jobs)})
+    lost_sites = LostSites(jobs, sites, wake, interval_s=config.heartbeat_interval_s)
     scheduler_task = asyncio.create_task(scheduler.run())
+    lost_sites_task = asyncio.create_task(lost_sites.run())
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
         jobs=jobs,
@@ -118,7 +128,19 @@ async def start_services(
         scheduler=scheduler,
         manager=manager,
         enrollment=Enrollment(store, sites, ca),
-        link=SiteLink(sites, manager, config.heartbeat_interval_s),
-        admin=Admin(sites, jobs, coordinators),
+        link=SiteLink(sites, manager, config.heartbeat_interval_s, config.missed_heartbeats),
+        admin=Admin(sites, jobs, coordinators, lost_sites),
         scheduler_task=scheduler_task,
+        lost_sites=lost_sites,
+        lost_sites_task=lost_sites_task,
     )
+
+
+def _held(jobs: JobRepository) -> list[tuple[str, str, str]]:
+    """(site, job, task) of every task delegated to or running at a site."""
+    return [
+        (task.site, job.id, task.name)
+        for job in jobs.active()
+        for task in job.tasks
+        if task.site and task.state in job_state.AT_SITE
+    ]

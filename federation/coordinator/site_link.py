@@ -33,10 +33,27 @@ MISSED_HEARTBEATS = 3
 
 
 class SiteLink:
-    def __init__(self, sites: SiteRegistry, jobs: JobManager, heartbeat_interval_s: float) -> None:
+    """Serves agents' Connect streams.
+
+    Args:
+        sites: Where sessions are attached and views applied.
+        jobs: Applies task reports and reconciles a site's tasks on hello.
+        heartbeat_interval_s: How often agents send a heartbeat (told in the welcome).
+        missed_heartbeats: Heartbeats a session may miss before it is dropped and its site
+            becomes UNREACHABLE.
+    """
+
+    def __init__(
+        self,
+        sites: SiteRegistry,
+        jobs: JobManager,
+        heartbeat_interval_s: float,
+        missed_heartbeats: int = MISSED_HEARTBEATS,
+    ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._heartbeat_interval_s = heartbeat_interval_s
+        self._missed_heartbeats = missed_heartbeats
 
     async def connect(
         self, caller: Identity, certificate: str, requests: AsyncIterator[pb.ConnectRequest]
@@ -88,7 +105,7 @@ class SiteLink:
                         message = await session.outbox.get()
                 except TimeoutError:
                     silent_s = time.monotonic() - self._sites.get(caller.name).last_seen
-                    if silent_s > MISSED_HEARTBEATS * self._heartbeat_interval_s:
+                    if silent_s > self._missed_heartbeats * self._heartbeat_interval_s:
                         # A peer gone without closing the connection; free the site's tasks
                         # for fencing and its offers for other sites.
                         failure.append(UnavailableError(f"no heartbeat for {silent_s:.1f}s"))
@@ -103,7 +120,10 @@ class SiteLink:
                 await reader
             session.close()
             self._sites.detach(session)
-            log.info("site_disconnected", site=caller.name)
+            if session.said_goodbye:
+                log.info("site_disconnected", site=caller.name)
+            else:
+                log.warning("site_unreachable", site=caller.name)
         if failure:
             raise failure[0]
 
@@ -163,6 +183,11 @@ class SiteLink:
                     [FieldViolation("task_status", "job_id and task are required")]
                 )
             await self._jobs.apply_report(site, report)
+            return
+        if body == "goodbye":
+            log.info("site_said_goodbye", site=site, reason=request.goodbye.reason)
+            session.said_goodbye = True
+            session.close()  # ends the stream with OK; the agent does not come back to it
             return
         if body == "hello":
             raise InvalidArgumentError([FieldViolation("hello", "hello may be sent only once")])

@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
-from federation.metrics import SITES_CONNECTED
+from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.store import Put, Store
 
@@ -38,6 +38,8 @@ class SiteSession:
         default_factory=dict
     )
     closed: bool = False
+    said_goodbye: bool = False
+    """The agent ended the session on purpose: the site is DISCONNECTED, not UNREACHABLE."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def send(self, message: site_link_service_pb2.ConnectResponse) -> None:
@@ -89,6 +91,22 @@ class SiteEntry:
     generation: int = 0
     last_seen: float = 0.0
     session: SiteSession | None = None
+    unreachable_since: float | None = None
+    """Monotonic time the site became unreachable; None while connected or disconnected."""
+    offline_since: float | None = None
+    """Monotonic time its last session ended (or this term began); None while connected."""
+
+
+@dataclass(frozen=True, slots=True)
+class OfflineSite:
+    """A site without a session, for the lost-site monitor."""
+
+    name: str
+    since: float
+    """Monotonic time its session ended (or this coordinator's term began)."""
+    is_unreachable: bool
+    """Gone without a goodbye; False after a goodbye (DISCONNECTED)."""
+    is_cordoned: bool
 
 
 class SiteRegistry:
@@ -102,9 +120,23 @@ class SiteRegistry:
         self._snapshot: tuple[int, Snapshot] | None = None
 
     async def load(self) -> None:
+        now = time.monotonic()
         for kv in await self._store.range(SITES):
             record = admin_service_pb2.Site.FromString(kv.value)
-            self._sites[record.name] = SiteEntry(record)
+            self._sites[record.name] = SiteEntry(record, offline_since=now)
+
+    def presume_unreachable(self, names: Iterable[str]) -> None:
+        """Mark sites that hold tasks but have not connected in this term UNREACHABLE, from now.
+
+        Called as a term begins: until such a site says hello, nobody knows whether it is up.
+        """
+        now = time.monotonic()
+        for name in names:
+            entry = self._sites.get(name)
+            if entry is not None and entry.session is None and entry.unreachable_since is None:
+                entry.unreachable_since = now
+                entry.offline_since = entry.offline_since or now
+        self._count_sessions()
 
     def _changed(self) -> None:
         self._version += 1
@@ -151,7 +183,8 @@ class SiteRegistry:
         entry = self.get(session.site)
         previous = entry.session
         entry.session = session
-        SITES_CONNECTED.set(sum(e.session is not None for e in self._sites.values()))
+        entry.unreachable_since = entry.offline_since = None
+        self._count_sessions()
         entry.view = hello.view
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
@@ -159,11 +192,37 @@ class SiteRegistry:
         return previous
 
     def detach(self, session: SiteSession) -> None:
+        """The session ended: UNREACHABLE from now, or DISCONNECTED after a goodbye."""
         entry = self._sites.get(session.site)
         if entry is not None and entry.session is session:
             entry.session = None
-            SITES_CONNECTED.set(sum(e.session is not None for e in self._sites.values()))
+            now = time.monotonic()
+            entry.offline_since = now
+            entry.unreachable_since = None if session.said_goodbye else now
+            self._count_sessions()
             self._changed()
+
+    def _count_sessions(self) -> None:
+        entries = self._sites.values()
+        SITES_CONNECTED.set(sum(e.session is not None for e in entries))
+        SITES_UNREACHABLE.set(sum(e.unreachable_since is not None for e in entries))
+
+    def offline(self) -> list[OfflineSite]:
+        """Every site without a live session."""
+        return [
+            OfflineSite(
+                name,
+                e.offline_since if e.offline_since is not None else time.monotonic(),
+                e.unreachable_since is not None,
+                e.record.cordoned,
+            )
+            for name, e in sorted(self._sites.items())
+            if e.session is None
+        ]
+
+    def connected_count(self) -> int:
+        """How many sites have a live session."""
+        return sum(e.session is not None for e in self._sites.values())
 
     def close_sessions(self) -> None:
         """End every live session (on stepping down: the agents go to the new leader)."""
@@ -204,11 +263,13 @@ class SiteRegistry:
         entry = self.get(name)
         site = admin_service_pb2.Site()
         site.CopyFrom(entry.record)
-        site.state = (
-            admin_service_pb2.SITE_STATE_CONNECTED
-            if entry.session
-            else admin_service_pb2.SITE_STATE_DISCONNECTED
-        )
+        if entry.session is not None:
+            site.state = admin_service_pb2.SITE_STATE_CONNECTED
+        elif entry.unreachable_since is not None:
+            site.state = admin_service_pb2.SITE_STATE_UNREACHABLE
+            site.unreachable_s = time.monotonic() - entry.unreachable_since
+        else:
+            site.state = admin_service_pb2.SITE_STATE_DISCONNECTED
         site.heartbeat_age_s = time.monotonic() - entry.last_seen if entry.last_seen else -1.0
         site.generation = entry.generation
         if with_view and entry.view is not None:

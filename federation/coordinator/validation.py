@@ -22,6 +22,8 @@ MAX_DEVICES_PER_REPLICA = 64
 MAX_COMMAND_BYTES = 64 * 1024
 MAX_PRIORITY = 1000
 MAX_LABELS = 64
+MAX_CHECKPOINT_DIR = 255
+MAX_INTERVAL_S = 1e7
 TASK_OUTPUT = "task:"
 """An input dataset named ``task:NAME`` is the output of task NAME of the same job."""
 DEVICE_KINDS = set(resources_pb2.DeviceKind.values()) - {resources_pb2.DEVICE_KIND_UNSPECIFIED}
@@ -82,6 +84,25 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
     for model, factor in task.speed.items():
         if not math.isfinite(factor) or factor <= 0:
             yield FieldViolation(f"{path}.speed[{model}]", f"must be positive, got {factor}")
+    if task.HasField("checkpoint"):
+        yield from _checkpoint_violations(task.checkpoint, f"{path}.checkpoint")
+
+
+def _checkpoint_violations(checkpoint: jobs_pb2.Checkpoint, path: str) -> Iterator[FieldViolation]:
+    folder = checkpoint.dir
+    parts = folder.split("/")
+    if folder and (
+        folder.startswith("/")
+        or len(folder) > MAX_CHECKPOINT_DIR
+        or "\0" in folder
+        or any(part in ("", ".", "..") for part in parts)
+    ):
+        yield FieldViolation(
+            f"{path}.dir",
+            f"{folder!r} must be a relative path inside the task's work folder, such as "
+            "'checkpoints' or 'out/ckpt' (no '..', no leading '/')",
+        )
+    yield from _number(f"{path}.interval_s", checkpoint.interval_s, 0, MAX_INTERVAL_S)
 
 
 def _accelerator_violations(
@@ -208,6 +229,19 @@ def spec_violations(spec: jobs_pb2.JobSpec, path: str = "spec") -> list[FieldVio
     for i, site in enumerate(spec.constraints.sites):
         if problem := name_problem(site):
             out.append(FieldViolation(f"{path}.constraints.sites[{i}]", problem))
+    if spec.HasField("disconnect"):
+        policy = spec.disconnect
+        out.extend(
+            _number(f"{path}.disconnect.lost_after_s", policy.lost_after_s, 0, MAX_INTERVAL_S)
+        )
+        if policy.reconcile not in jobs_pb2.Reconcile.values():
+            out.append(
+                FieldViolation(
+                    f"{path}.disconnect.reconcile",
+                    f"unknown rule {policy.reconcile}; expected keep_replacement, "
+                    "keep_original or best",
+                )
+            )
     if len(spec.labels) > MAX_LABELS:
         out.append(FieldViolation(f"{path}.labels", f"at most {MAX_LABELS} labels"))
     return out

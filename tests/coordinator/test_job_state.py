@@ -108,3 +108,12 @@ def test_unknown_states_raise_illegal_transition(current: int, new: int) -> None
     """A transition from or to a state outside the lifecycle is an IllegalTransitionError."""
     with pytest.raises(IllegalTransitionError):
         check_transition(current, new)
+
+
+def test_taking_back_an_original_may_go_from_pending_to_running() -> None:
+    """PENDING -> RUNNING is allowed only when taking back a kept original copy."""
+    check_transition(P, RUN, taking_back=True)
+    with pytest.raises(IllegalTransitionError):
+        check_transition(P, RUN)
+    with pytest.raises(IllegalTransitionError):
+        check_transition(P, OK, taking_back=True)

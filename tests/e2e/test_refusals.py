@@ -312,7 +312,7 @@ async def test_view_with_nan_is_refused(federation: LocalFederation, tmp_path: P
 async def test_silent_site_is_dropped(
     federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
-    """A site that stops sending heartbeats loses its session with UNAVAILABLE."""
+    """A site that stops sending heartbeats loses its session with UNAVAILABLE: UNREACHABLE."""
     tls = await enrol_ghost(federation, "ghost-quiet", tmp_path)
 
     async def hello_then_silence() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
@@ -337,9 +337,9 @@ async def test_silent_site_is_dropped(
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "no heartbeat" in (caught.value.details() or "")
     after = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
-    assert {s.name: s.state for s in after.sites}["ghost-quiet"] == (
-        admin_service_pb2.SITE_STATE_DISCONNECTED
-    )
+    quiet = next(s for s in after.sites if s.name == "ghost-quiet")
+    assert quiet.state == admin_service_pb2.SITE_STATE_UNREACHABLE
+    assert 0 < quiet.unreachable_s < 60
 
 
 async def test_rejoining_retires_the_old_certificate(
@@ -366,3 +366,32 @@ async def test_rejoining_retires_the_old_certificate(
         call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello())
         assert (await call.read()).HasField("welcome")
         call.cancel()
+
+
+async def test_a_goodbye_ends_the_session_cleanly(
+    federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """A site that says goodbye gets a clean end of stream and shows DISCONNECTED."""
+    tls = await enrol_ghost(federation, "ghost-polite", tmp_path)
+    welcomed = asyncio.Event()
+
+    async def hello_then_goodbye() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+        view = resources_pb2.SiteView(site="ghost-polite")
+        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        await welcomed.wait()
+        goodbye = site_link_service_pb2.Goodbye(reason="maintenance")
+        yield site_link_service_pb2.ConnectRequest(goodbye=goodbye)
+        await asyncio.sleep(30)
+
+    async with channel_as(federation, tls) as channel:
+        call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello_then_goodbye())
+        assert (await call.read()).HasField("welcome")
+        welcomed.set()
+        async with asyncio.timeout(10):
+            while await call.read() is not grpc.aio.EOF:
+                pass  # probe peers and the like, until the coordinator ends the stream
+        assert await call.code() == grpc.StatusCode.OK
+    after = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
+    polite = next(s for s in after.sites if s.name == "ghost-polite")
+    assert polite.state == admin_service_pb2.SITE_STATE_DISCONNECTED
+    assert polite.unreachable_s == 0

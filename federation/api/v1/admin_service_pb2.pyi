@@ -32,6 +32,9 @@ class _SiteStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_SiteState.V
     """Joined, never connected or not connected now."""
     SITE_STATE_CONNECTED: _SiteState.ValueType  # 2
     SITE_STATE_UNREACHABLE: _SiteState.ValueType  # 3
+    """Its session ended without a goodbye (missed heartbeats, a broken link, a crash), or it
+    held tasks when this coordinator's term began and has not come back yet.
+    """
 
 class SiteState(_SiteState, metaclass=_SiteStateEnumTypeWrapper): ...
 
@@ -40,6 +43,9 @@ SITE_STATE_DISCONNECTED: SiteState.ValueType  # 1
 """Joined, never connected or not connected now."""
 SITE_STATE_CONNECTED: SiteState.ValueType  # 2
 SITE_STATE_UNREACHABLE: SiteState.ValueType  # 3
+"""Its session ended without a goodbye (missed heartbeats, a broken link, a crash), or it
+held tasks when this coordinator's term began and has not come back yet.
+"""
 Global___SiteState: _TypeAlias = SiteState  # noqa: Y015
 
 @_typing.final
@@ -55,6 +61,7 @@ class Site(_message.Message):
     GENERATION_FIELD_NUMBER: _builtins.int
     VIEW_FIELD_NUMBER: _builtins.int
     CERTIFICATE_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    UNREACHABLE_S_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     domain: _resources_pb2.Domain.ValueType
     state: Global___SiteState.ValueType
@@ -63,6 +70,8 @@ class Site(_message.Message):
     """Seconds since the last message from the agent; negative when never heard from."""
     generation: _builtins.int
     certificate_fingerprint: _builtins.str
+    unreachable_s: _builtins.float
+    """Seconds since the site became unreachable; zero unless it is UNREACHABLE."""
     @_builtins.property
     def joined_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -79,10 +88,11 @@ class Site(_message.Message):
         generation: _builtins.int = ...,
         view: _resources_pb2.SiteView | None = ...,
         certificate_fingerprint: _builtins.str = ...,
+        unreachable_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["joined_at", b"joined_at", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "domain", b"domain", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "domain", b"domain", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "unreachable_s", b"unreachable_s", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -161,9 +171,17 @@ class GetFederationStatusResponse(_message.Message):
     JOBS_BY_STATE_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
     COORDINATORS_FIELD_NUMBER: _builtins.int
+    RESCHEDULING_PAUSED_FIELD_NUMBER: _builtins.int
+    RESCHEDULING_NOTE_FIELD_NUMBER: _builtins.int
     coordinator_version: _builtins.str
     leader: _builtins.str
     """Advertised address of the leader (the coordinator that answers)."""
+    rescheduling_paused: _builtins.bool
+    """Moving tasks off lost sites is paused: most sites are unreachable at once, so the
+    coordinator suspects it is the one cut off.
+    """
+    rescheduling_note: _builtins.str
+    """Why rescheduling is paused, for people; empty when it is not."""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]: ...
     @_builtins.property
@@ -182,10 +200,12 @@ class GetFederationStatusResponse(_message.Message):
         jobs_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         leader: _builtins.str = ...,
         coordinators: _abc.Iterable[Global___Coordinator] | None = ...,
+        rescheduling_paused: _builtins.bool = ...,
+        rescheduling_note: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "rescheduling_note", b"rescheduling_note", "rescheduling_paused", b"rescheduling_paused", "sites", b"sites"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -21,6 +21,34 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Reconcile:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ReconcileEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Reconcile.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    RECONCILE_UNSPECIFIED: _Reconcile.ValueType  # 0
+    """Same as RECONCILE_KEEP_REPLACEMENT."""
+    RECONCILE_KEEP_REPLACEMENT: _Reconcile.ValueType  # 1
+    """The copy placed elsewhere goes on; the returning original is stopped, its result refused."""
+    RECONCILE_KEEP_ORIGINAL: _Reconcile.ValueType  # 2
+    """A returning original that runs (or succeeded) is kept; the replacement is stopped."""
+    RECONCILE_BEST: _Reconcile.ValueType  # 3
+    """Whichever copy's newest checkpoint holds more progress (ties: the replacement)."""
+
+class Reconcile(_Reconcile, metaclass=_ReconcileEnumTypeWrapper):
+    """Which copy of a task survives when the site it was moved away from comes back with it."""
+
+RECONCILE_UNSPECIFIED: Reconcile.ValueType  # 0
+"""Same as RECONCILE_KEEP_REPLACEMENT."""
+RECONCILE_KEEP_REPLACEMENT: Reconcile.ValueType  # 1
+"""The copy placed elsewhere goes on; the returning original is stopped, its result refused."""
+RECONCILE_KEEP_ORIGINAL: Reconcile.ValueType  # 2
+"""A returning original that runs (or succeeded) is kept; the replacement is stopped."""
+RECONCILE_BEST: Reconcile.ValueType  # 3
+"""Whichever copy's newest checkpoint holds more progress (ties: the replacement)."""
+Global___Reconcile: _TypeAlias = Reconcile  # noqa: Y015
+
 class _JobState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -289,6 +317,7 @@ class TaskSpec(_message.Message):
     DEPENDS_ON_FIELD_NUMBER: _builtins.int
     WORKLOAD_CLASS_FIELD_NUMBER: _builtins.int
     SPEED_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -320,6 +349,10 @@ class TaskSpec(_message.Message):
     def speed(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
         """Per-device-model speed overrides (relative to the table's reference of 1.0)."""
 
+    @_builtins.property
+    def checkpoint(self) -> Global___Checkpoint:
+        """Where and how often the task saves its progress; unset: it does not checkpoint."""
+
     def __init__(
         self,
         *,
@@ -336,14 +369,77 @@ class TaskSpec(_message.Message):
         depends_on: _abc.Iterable[_builtins.str] | None = ...,
         workload_class: _builtins.str = ...,
         speed: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        checkpoint: Global___Checkpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class Checkpoint(_message.Message):
+    """A task's checkpoint policy. The task finds its folder in FEDERATION_CHECKPOINT_DIR, writes each
+    checkpoint there as a file or folder NAME, then an empty marker NAME.done: the agent reports a
+    checkpoint when its marker appears (or is touched again). A task placed again after its site
+    was lost, or after its agent restarted, starts with FEDERATION_RESTORE_FROM set to the newest
+    recorded checkpoint.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DIR_FIELD_NUMBER: _builtins.int
+    INTERVAL_S_FIELD_NUMBER: _builtins.int
+    dir: _builtins.str
+    """Folder relative to the task's work folder at the site; empty: "checkpoints"."""
+    interval_s: _builtins.float
+    """Seconds between two checkpoints; the agent looks for new ones this often. Zero: 60."""
+    def __init__(
+        self,
+        *,
+        dir: _builtins.str = ...,
+        interval_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dir", b"dir", "interval_s", b"interval_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
+
+@_typing.final
+class DisconnectPolicy(_message.Message):
+    """What happens to a job's tasks when their site is lost (Nomad's disconnect block)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOST_AFTER_S_FIELD_NUMBER: _builtins.int
+    REPLACE_FIELD_NUMBER: _builtins.int
+    RECONCILE_FIELD_NUMBER: _builtins.int
+    lost_after_s: _builtins.float
+    """Seconds a site may stay unreachable before its tasks are placed elsewhere; zero: 60."""
+    replace: _builtins.bool
+    """Place the tasks of a lost site elsewhere; unset means true. False leaves them waiting."""
+    reconcile: Global___Reconcile.ValueType
+    def __init__(
+        self,
+        *,
+        lost_after_s: _builtins.float = ...,
+        replace: _builtins.bool | None = ...,
+        reconcile: Global___Reconcile.ValueType = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_replace", b"_replace", "replace", b"replace"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replace", b"_replace", "lost_after_s", b"lost_after_s", "reconcile", b"reconcile", "replace", b"replace"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__replace: _TypeAlias = _typing.Literal["replace"]  # noqa: Y015
+    _WhichOneofArgType__replace: _TypeAlias = _typing.Literal["_replace", b"_replace"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__replace) -> _WhichOneofReturnType__replace | None: ...
+
+Global___DisconnectPolicy: _TypeAlias = DisconnectPolicy  # noqa: Y015
 
 @_typing.final
 class Objective(_message.Message):
@@ -403,6 +499,7 @@ class JobSpec(_message.Message):
     CONSTRAINTS_FIELD_NUMBER: _builtins.int
     LABELS_FIELD_NUMBER: _builtins.int
     OBJECTIVE_FIELD_NUMBER: _builtins.int
+    DISCONNECT_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Client-chosen id; the coordinator assigns one when empty."""
     name: _builtins.str
@@ -417,6 +514,8 @@ class JobSpec(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     @_builtins.property
     def objective(self) -> Global___Objective: ...
+    @_builtins.property
+    def disconnect(self) -> Global___DisconnectPolicy: ...
     def __init__(
         self,
         *,
@@ -428,10 +527,11 @@ class JobSpec(_message.Message):
         constraints: Global___Constraints | None = ...,
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         objective: Global___Objective | None = ...,
+        disconnect: Global___DisconnectPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "objective", b"objective"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "disconnect", b"disconnect", "objective", b"objective"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "id", b"id", "labels", b"labels", "name", b"name", "objective", b"objective", "priority", b"priority", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "disconnect", b"disconnect", "id", b"id", "labels", b"labels", "name", b"name", "objective", b"objective", "priority", b"priority", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -482,6 +582,10 @@ class TaskStatus(_message.Message):
     VERDICTS_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     ESTIMATE_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
+    DISPLACED_FIELD_NUMBER: _builtins.int
+    ISSUED_EPOCH_FIELD_NUMBER: _builtins.int
+    MOVES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -492,6 +596,10 @@ class TaskStatus(_message.Message):
     exit_code: _builtins.int
     """Exit code of the first failing replica, or 0."""
     output_tail: _builtins.str
+    issued_epoch: _builtins.int
+    """Highest epoch ever issued for the task; epoch is lower only after an original copy was kept."""
+    moves: _builtins.int
+    """How many times the task was moved away from a lost site."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -507,6 +615,14 @@ class TaskStatus(_message.Message):
     @_builtins.property
     def estimate(self) -> Global___Estimate:
         """The placement estimate for the site it was delegated to."""
+
+    @_builtins.property
+    def checkpoint(self) -> Global___CheckpointRecord:
+        """The newest checkpoint a current copy of the task reported."""
+
+    @_builtins.property
+    def displaced(self) -> Global___DisplacedCopy:
+        """The copy left at a lost site when the task was moved away (for reconcile); unset otherwise."""
 
     def __init__(
         self,
@@ -524,14 +640,88 @@ class TaskStatus(_message.Message):
         verdicts: _abc.Iterable[Global___SiteVerdict] | None = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
         estimate: Global___Estimate | None = ...,
+        checkpoint: Global___CheckpointRecord | None = ...,
+        displaced: Global___DisplacedCopy | None = ...,
+        issued_epoch: _builtins.int = ...,
+        moves: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "name", b"name", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskStatus: _TypeAlias = TaskStatus  # noqa: Y015
+
+@_typing.final
+class CheckpointRecord(_message.Message):
+    """A completed checkpoint, as a site reported it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PATH_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    TIME_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    PROGRESS_S_FIELD_NUMBER: _builtins.int
+    path: _builtins.str
+    """Absolute path at the site that holds it."""
+    bytes: _builtins.int
+    site: _builtins.str
+    epoch: _builtins.int
+    """Epoch of the copy that wrote it."""
+    progress_s: _builtins.float
+    """Seconds of work it holds: run time since the task first started, summed across moves."""
+    @_builtins.property
+    def time(self) -> _timestamp_pb2.Timestamp:
+        """When the task completed it (the time of its .done marker)."""
+
+    def __init__(
+        self,
+        *,
+        path: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        time: _timestamp_pb2.Timestamp | None = ...,
+        site: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        progress_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "path", b"path", "progress_s", b"progress_s", "site", b"site", "time", b"time"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CheckpointRecord: _TypeAlias = CheckpointRecord  # noqa: Y015
+
+@_typing.final
+class DisplacedCopy(_message.Message):
+    """A copy of a task left behind at a site that was lost."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    MOVED_AT_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    epoch: _builtins.int
+    @_builtins.property
+    def moved_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        moved_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["moved_at", b"moved_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "moved_at", b"moved_at", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DisplacedCopy: _TypeAlias = DisplacedCopy  # noqa: Y015
 
 @_typing.final
 class Estimate(_message.Message):
@@ -736,6 +926,7 @@ class JobEvent(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     JOB_STATE_FIELD_NUMBER: _builtins.int
+    MOVED_FROM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     sequence: _builtins.int
     """Per-job sequence number, from 1."""
@@ -746,6 +937,8 @@ class JobEvent(_message.Message):
     reason: _builtins.str
     job_state: Global___JobState.ValueType
     """The job's state after the event."""
+    moved_from: _builtins.str
+    """Set when the event moves the task away from this site (lost, or a copy given up)."""
     @_builtins.property
     def time(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -759,10 +952,11 @@ class JobEvent(_message.Message):
         site: _builtins.str = ...,
         reason: _builtins.str = ...,
         job_state: Global___JobState.ValueType = ...,
+        moved_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "job_state", b"job_state", "reason", b"reason", "sequence", b"sequence", "site", b"site", "state", b"state", "task", b"task", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job_id", b"job_id", "job_state", b"job_state", "moved_from", b"moved_from", "reason", b"reason", "sequence", b"sequence", "site", b"site", "state", b"state", "task", b"task", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -85,6 +85,7 @@ class TaskReport(_message.Message):
     OUTPUT_TAIL_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
+    CHECKPOINT_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -94,6 +95,10 @@ class TaskReport(_message.Message):
     reason: _builtins.str
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def checkpoint(self) -> _jobs_pb2.CheckpointRecord:
+        """The newest checkpoint this copy completed; a report is sent for each new one."""
+
     def __init__(
         self,
         *,
@@ -105,10 +110,11 @@ class TaskReport(_message.Message):
         output_tail: _builtins.str = ...,
         reason: _builtins.str = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
+        checkpoint: _jobs_pb2.CheckpointRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -257,6 +263,7 @@ class ConnectRequest(_message.Message):
     OFFER_ANSWER_FIELD_NUMBER: _builtins.int
     COMMIT_ANSWER_FIELD_NUMBER: _builtins.int
     TASK_STATUS_FIELD_NUMBER: _builtins.int
+    GOODBYE_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -271,6 +278,8 @@ class ConnectRequest(_message.Message):
     def commit_answer(self) -> Global___CommitAnswer: ...
     @_builtins.property
     def task_status(self) -> Global___TaskReport: ...
+    @_builtins.property
+    def goodbye(self) -> Global___Goodbye: ...
     def __init__(
         self,
         *,
@@ -281,16 +290,40 @@ class ConnectRequest(_message.Message):
         offer_answer: Global___OfferAnswer | None = ...,
         commit_answer: Global___CommitAnswer | None = ...,
         task_status: Global___TaskReport | None = ...,
+        goodbye: Global___Goodbye | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class Goodbye(_message.Message):
+    """The agent is stopping on purpose: the coordinator ends the session and shows the site
+    DISCONNECTED rather than UNREACHABLE.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REASON_FIELD_NUMBER: _builtins.int
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Goodbye: _TypeAlias = Goodbye  # noqa: Y015
 
 @_typing.final
 class Offer(_message.Message):
@@ -302,6 +335,7 @@ class Offer(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -310,6 +344,10 @@ class Offer(_message.Message):
     """How long the site may hold a reservation without a commit."""
     @_builtins.property
     def spec(self) -> _jobs_pb2.TaskSpec: ...
+    @_builtins.property
+    def restore(self) -> _jobs_pb2.CheckpointRecord:
+        """The checkpoint to restart from (FEDERATION_RESTORE_FROM); unset for a fresh start."""
+
     def __init__(
         self,
         *,
@@ -319,10 +357,11 @@ class Offer(_message.Message):
         spec: _jobs_pb2.TaskSpec | None = ...,
         tenant: _builtins.str = ...,
         lease_s: _builtins.float = ...,
+        restore: _jobs_pb2.CheckpointRecord | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "lease_s", b"lease_s", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "lease_s", b"lease_s", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
