@@ -13,24 +13,26 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from store.etcd_server import LocalEtcd, etcd_binary
 
 from federation.api.v1 import (
     admin_service_pb2,
-    admin_service_pb2_grpc,
     job_service_pb2,
     jobs_pb2,
 )
-from federation.cli.connection import Connection, on_leader
-from federation.coordinator.server import SERVICE_NAMES
 from federation.local import LocalFederation
+from federation.testing.cluster import (
+    etcd_coordinator_args,
+    federation_status,
+    first_serving,
+    health_watches,
+    name_of,
+    submit,
+)
+from federation.testing.etcd import LocalEtcd, etcd_binary
 
 from .conftest import SITES, jobs, python_task, read_marker, spec, wait_for_job
 
@@ -45,7 +47,6 @@ LEASE_S = 3.0
 COORDINATORS = ("coord-a", "coord-b", "coord-c")
 JOBS = 24
 KILL_AFTER = 8  # jobs accepted before the leader is killed
-JOB_SERVICE = SERVICE_NAMES[0]
 SUBMIT_TIMEOUT_S = 60.0
 
 
@@ -67,100 +68,12 @@ def fed(tmp_path: Path, etcd: LocalEtcd) -> Iterator[LocalFederation]:
     federation = LocalFederation(
         tmp_path / "fed",
         SITES[:2],
-        coordinator_args=[
-            "--store",
-            "etcd",
-            "--etcd-endpoints",
-            etcd.endpoint,
-            "--etcd-prefix",
-            "/ha",
-            "--leader-lease-s",
-            str(LEASE_S),
-        ],
+        coordinator_args=etcd_coordinator_args(etcd.endpoint, "/ha", LEASE_S),
     )
     try:
         yield federation
     finally:
         federation.stop()
-
-
-async def federation_status(fed: LocalFederation) -> admin_service_pb2.GetFederationStatusResponse:
-    """The status as the leader reports it, found among all coordinators."""
-
-    async def status(conn: Connection) -> admin_service_pb2.GetFederationStatusResponse:
-        async with conn.channel() as channel:
-            admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-            return await admin.GetFederationStatus(admin_service_pb2.GetFederationStatusRequest())
-
-    return await on_leader(fed.operator(), status)
-
-
-def name_of(fed: LocalFederation, address: str) -> str:
-    """The coordinator started under ``address``."""
-    return next(name for name in fed.coordinators if fed.address_of(name) == address)
-
-
-async def submit(fed: LocalFederation, job: jobs_pb2.JobSpec) -> str:
-    """Submit until the federation has the job; a retry of an accepted one reports it exists."""
-    deadline = time.monotonic() + SUBMIT_TIMEOUT_S
-
-    async def once(conn: Connection) -> str:
-        async with conn.channel() as channel:
-            reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
-        return reply.job.id
-
-    while True:
-        try:
-            return await on_leader(fed.operator(), once)
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.INVALID_ARGUMENT and "already exists" in (
-                err.details() or ""
-            ):
-                return job.id  # the attempt the kill cut short had been accepted
-            if err.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                raise
-
-
-@asynccontextmanager
-async def health_watches(
-    fed: LocalFederation, names: list[str]
-) -> AsyncIterator[dict[str, AsyncIterator[health_pb2.HealthCheckResponse]]]:
-    """The JobService health stream of each named coordinator, each past its first answer."""
-    conn = fed.operator()
-    channels = [conn.at(fed.address_of(name)).channel() for name in names]
-    try:
-        streams = {}
-        for name, channel in zip(names, channels, strict=True):
-            stream = health_pb2_grpc.HealthStub(channel).Watch(
-                health_pb2.HealthCheckRequest(service=JOB_SERVICE)
-            )
-            first = await anext(aiter(stream))
-            assert first.status == health_pb2.HealthCheckResponse.NOT_SERVING, name
-            streams[name] = stream
-        yield streams
-    finally:
-        for channel in channels:
-            await channel.close()
-
-
-async def first_serving(
-    streams: dict[str, AsyncIterator[health_pb2.HealthCheckResponse]],
-) -> str:
-    """The first coordinator whose JobService turns SERVING."""
-
-    async def serving(name: str) -> str:
-        async for reply in streams[name]:
-            if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                return name
-        raise AssertionError(f"{name}'s health stream ended")
-
-    waits = [asyncio.create_task(serving(name)) for name in streams]
-    try:
-        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-        return next(iter(done)).result()
-    finally:
-        for task in waits:
-            task.cancel()
 
 
 def fedctl(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess[str]:
@@ -209,7 +122,7 @@ async def test_leader_sigkill_mid_stream_fails_over(fed: LocalFederation, tmp_pa
 
     async def stream() -> None:
         for job in specs:
-            accepted.append(await submit(fed, job))
+            accepted.append(await submit(fed, job, SUBMIT_TIMEOUT_S))
             if len(accepted) == KILL_AFTER:
                 enough.set()
             await asyncio.sleep(0.15)  # a steady stream of jobs, spread over the failover

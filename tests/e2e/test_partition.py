@@ -1,17 +1,17 @@
 """A site cut off by a partition: its task moves elsewhere from its last checkpoint, once.
 
-One agent reaches the coordinator through a small TCP proxy that the test can pause: paused,
-it stops forwarding on open connections (a silent partition: only missed heartbeats reveal
-it) and closes new ones at once; healed, it forwards again. The agent and its task live on
+One agent reaches the coordinator through a small TCP proxy that the test can pause
+(``federation.testing.proxy``): paused, it stops forwarding on open connections (a silent
+partition: only missed heartbeats reveal it) and closes new ones at once; healed, it forwards
+again. The agent and its task live on
 throughout, as they would behind a cut link.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -19,6 +19,8 @@ import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.cluster import site_state, until
+from federation.testing.proxy import PausableProxy, proxy_to
 
 from .conftest import admin, jobs, python_task, spec
 from .test_cli import fedctl
@@ -28,66 +30,6 @@ pytestmark = pytest.mark.xdist_group("e2e-partition")
 HEARTBEAT_S = 0.5
 MISSED = 3
 LOST_AFTER_S = 3.0
-
-
-class PausableProxy:
-    """Forwards TCP connections to ``target``; ``pause`` cuts them off without closing them."""
-
-    def __init__(self, target_port: int) -> None:
-        self._target_port = target_port
-        self._flowing = asyncio.Event()
-        self._flowing.set()
-        self._server: asyncio.Server | None = None
-        self._pumps: set[asyncio.Task[None]] = set()
-        self.port = 0
-
-    async def start(self) -> None:
-        self._server = await asyncio.start_server(self._accept, "127.0.0.1", 0)
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    def pause(self) -> None:
-        """Stop forwarding on open connections and refuse new ones."""
-        self._flowing.clear()
-
-    def heal(self) -> None:
-        """Forward again, what was held back included."""
-        self._flowing.set()
-
-    async def close(self) -> None:
-        assert self._server is not None
-        self._server.close()
-        for pump in list(self._pumps):
-            pump.cancel()
-        await asyncio.gather(*self._pumps, return_exceptions=True)
-
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if not self._flowing.is_set():
-            writer.transport.abort()
-            return
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target_port)
-        except OSError:
-            writer.transport.abort()
-            return
-        for source, sink in ((reader, up_writer), (up_reader, writer)):
-            pump = asyncio.create_task(self._pump(source, sink))
-            self._pumps.add(pump)
-            pump.add_done_callback(self._pumps.discard)
-
-    async def _pump(self, source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                await self._flowing.wait()
-                data = await source.read(65536)
-                if not data:
-                    break
-                await self._flowing.wait()  # data read as the pause began is held, not lost
-                sink.write(data)
-                await sink.drain()
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            sink.transport.abort()
 
 
 # Counts steps, one checkpoint per step, from the restored step on; stops at the file "go".
@@ -140,21 +82,6 @@ def fed(tmp_path: Path) -> Iterator[LocalFederation]:
         federation.stop()
 
 
-@contextlib.asynccontextmanager
-async def proxy_to(port: int) -> AsyncIterator[PausableProxy]:
-    proxy = PausableProxy(port)
-    await proxy.start()
-    try:
-        yield proxy
-    finally:
-        await proxy.close()
-
-
-async def site_state(channel: grpc.aio.Channel, name: str) -> admin_service_pb2.Site:
-    reply = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
-    return next(s for s in reply.sites if s.name == name)
-
-
 def finished_copies(markers: Path) -> list[str]:
     """SITE-EPOCH of every copy of the task that ran to its end."""
     return sorted(p.name.removeprefix("done-") for p in markers.glob("done-*"))
@@ -164,16 +91,6 @@ def read_step(path: str) -> tuple[int, int]:
     """The step a checkpoint file holds, and its size."""
     saved = Path(path)
     return int(saved.read_text()), saved.stat().st_size
-
-
-async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what: str) -> float:
-    """Poll an async condition every 50 ms; returns when it first held (monotonic)."""
-    deadline = time.monotonic() + timeout_s
-    while not await condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-    return time.monotonic()
 
 
 class Partition:
