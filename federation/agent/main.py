@@ -17,6 +17,7 @@ from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
+from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
@@ -154,7 +155,10 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     )
     endpoint = config.probe_advertise or bound
     log.info("probe_server_started", listen=bound, endpoint=endpoint)
-    runtime = AgentRuntime(config, creds, core, links=links, probe_endpoint=endpoint)
+    journal = Journal(config.state_dir / "journal.db")
+    runtime = AgentRuntime(
+        config, creds, core, links=links, probe_endpoint=endpoint, journal=journal
+    )
     runtime_ref.append(runtime)
     links.start()
     session = asyncio.create_task(runtime.run())
@@ -173,6 +177,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     session.cancel()
     stopper.cancel()
     await runtime.close()
+    journal.close()
     await links.close()
     await probe.close()
     await core.shutdown(config.kill_grace_s)

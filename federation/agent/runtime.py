@@ -19,6 +19,7 @@ import structlog
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
 from federation.agent.enroll import SiteCredentials, channel_options
+from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
@@ -48,6 +49,7 @@ class AgentRuntime:
         *,
         links: LinkMonitor | None = None,
         probe_endpoint: str = "",
+        journal: Journal | None = None,
     ) -> None:
         """Prepare a session; ``run`` opens it.
 
@@ -57,12 +59,14 @@ class AgentRuntime:
             core: The local scheduler core that runs the work.
             links: Measures and declares this site's links; without it none are published.
             probe_endpoint: Where peers may measure their link to this site; empty for none.
+            journal: Keeps final statuses across agent restarts until acknowledged.
         """
         self._config = config
         self._creds = creds
         self.core = core
         self._links = links
         self._probe_endpoint = probe_endpoint
+        self._journal = journal
         self._domain = parse_domain(config.domain)
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
@@ -81,6 +85,8 @@ class AgentRuntime:
 
     def on_status(self, report: pb.TaskReport) -> None:
         """Forward a task status now; if offline, the next hello carries it (core keeps it)."""
+        if self._journal is not None:
+            self._journal.record(report)  # before it leaves: an ack may come back at once
         if self._outbox is not None:
             self._outbox.put_nowait(pb.ConnectRequest(task_status=report))
 
@@ -91,6 +97,11 @@ class AgentRuntime:
     def on_links_change(self) -> None:
         """The published links changed: the next delta carries them."""
         self._view_dirty.set()
+
+    def hello_tasks(self) -> list[pb.TaskReport]:
+        """What the site says it holds: the core's tasks and unacknowledged journaled ones."""
+        live = self.core.tasks()
+        return merge(live, self._journal.pending()) if self._journal is not None else live
 
     # The view ----------------------------------------------------------------------------
 
@@ -184,7 +195,7 @@ class AgentRuntime:
         view = self.full_view()
         self._generation += 1
         self._mark_sent(view)
-        hello = pb.Hello(view=view, generation=self._generation, tasks=self.core.tasks())
+        hello = pb.Hello(view=view, generation=self._generation, tasks=self.hello_tasks())
         outbox.put_nowait(pb.ConnectRequest(hello=hello))
         async with grpc.aio.secure_channel(
             coordinator,
@@ -244,7 +255,10 @@ class AgentRuntime:
                 pb.ConnectRequest(view=pb.ViewUpdate(generation=self._generation, full=view))
             )
         elif body == "ack":
-            self.core.forget(message.ack.job_id, message.ack.task, message.ack.epoch)
+            ack = message.ack
+            self.core.forget(ack.job_id, ack.task, ack.epoch)
+            if self._journal is not None:
+                self._journal.forget(ack.job_id, ack.task, ack.epoch)
         elif body == "probe_peers":
             if self._links is not None:
                 self._links.set_peers(message.probe_peers.peers)
