@@ -17,9 +17,10 @@ from federation.coordinator.jobs import (
     new_job_id,
     now_timestamp,
     transition,
+    unplace,
 )
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT, spec_violations
 from federation.errors import (
     FieldViolation,
@@ -199,14 +200,7 @@ class JobManager:
 
     def _send_cancels(self, job_id: str, to_stop: list[tuple[str, str, int]], reason: str) -> None:
         for site, task, epoch in to_stop:
-            self.tell_site(
-                site,
-                site_link_service_pb2.ConnectResponse(
-                    cancel=site_link_service_pb2.CancelTask(
-                        job_id=job_id, task=task, epoch=epoch, reason=reason
-                    )
-                ),
-            )
+            self.tell_site(site, cancel_request(job_id, task, epoch, reason))
 
     def tell_site(self, site: str, message: site_link_service_pb2.ConnectResponse) -> None:
         session = self._sites.session(site)
@@ -332,13 +326,11 @@ class JobManager:
         else:
             self.tell_site(
                 site,
-                site_link_service_pb2.ConnectResponse(
-                    cancel=site_link_service_pb2.CancelTask(
-                        job_id=report.job_id,
-                        task=report.task,
-                        epoch=report.epoch,
-                        reason="superseded: this delegation is no longer current",
-                    )
+                cancel_request(
+                    report.job_id,
+                    report.task,
+                    report.epoch,
+                    "superseded: this delegation is no longer current",
                 ),
             )
 
@@ -373,8 +365,7 @@ class JobManager:
             task = find_task(job, task_name)
             if task.epoch != epoch or task.state not in (*job_state.AT_SITE, job_state.SCHEDULING):
                 return []
-            task.site = ""
-            task.reservation_id = ""
+            unplace(task)
             reason = f"{site} no longer has the task; placing it again"
             if job.cancel_requested:
                 return [transition(job, task_name, job_state.CANCELLED, "cancelled")]

@@ -81,6 +81,18 @@ def transition(
     return Change(task_name, state, reason, task.site)
 
 
+def next_epoch(task: jobs_pb2.TaskStatus) -> None:
+    """Give the task a new fencing token; one is never reused, even if it was given up."""
+    task.issued_epoch = max(task.epoch, task.issued_epoch) + 1
+    task.epoch = task.issued_epoch
+
+
+def unplace(task: jobs_pb2.TaskStatus) -> None:
+    """Forget the site and reservation a task had (it is about to be placed again)."""
+    task.site = ""
+    task.reservation_id = ""
+
+
 Mutation = Callable[[jobs_pb2.Job], list[Change]]
 
 

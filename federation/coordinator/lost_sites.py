@@ -21,7 +21,15 @@ import structlog
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
 from federation.coordinator.disconnect import is_due, is_partitioned, policy_of
-from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
+from federation.coordinator.jobs import (
+    Change,
+    JobRepository,
+    Mutation,
+    find_task,
+    next_epoch,
+    transition,
+    unplace,
+)
 from federation.coordinator.sites import OfflineSite, SiteRegistry
 from federation.errors import FederationError
 from federation.metrics import RESCHEDULING_PAUSED, TASKS_MOVED
@@ -208,10 +216,8 @@ def move_off(move: Move) -> Mutation:
         task.displaced.site = move.site
         task.displaced.epoch = move.epoch
         task.displaced.moved_at.GetCurrentTime()
-        task.issued_epoch = max(task.epoch, task.issued_epoch) + 1
-        task.epoch = task.issued_epoch
-        task.site = ""
-        task.reservation_id = ""
+        next_epoch(task)
+        unplace(task)
         task.moves += 1
         del task.devices[:]
         return [Change(change.task, change.state, change.reason, move.site, move.site)]

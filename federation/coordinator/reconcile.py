@@ -22,6 +22,7 @@ from federation.coordinator.disconnect import (
     policy_of,
 )
 from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
+from federation.coordinator.sites import cancel_request
 
 log = structlog.get_logger()
 
@@ -100,15 +101,7 @@ class Reconciler:
         )
         for other_site, epoch in stopped:
             self._tell_site(
-                other_site,
-                site_link_service_pb2.ConnectResponse(
-                    cancel=site_link_service_pb2.CancelTask(
-                        job_id=job.id,
-                        task=task.name,
-                        epoch=epoch,
-                        reason=f"superseded: {reason}",
-                    )
-                ),
+                other_site, cancel_request(job.id, task.name, epoch, f"superseded: {reason}")
             )
         return True
 

@@ -16,7 +16,15 @@ import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
-from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
+from federation.coordinator.jobs import (
+    Change,
+    JobRepository,
+    Mutation,
+    find_task,
+    next_epoch,
+    transition,
+    unplace,
+)
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, SiteSession
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
@@ -373,7 +381,7 @@ class Scheduler:
                 return []
             del task.verdicts[:]
             task.verdicts.extend(verdicts)
-            task.site = ""
+            unplace(task)
             return [transition(job, task_name, job_state.PENDING, summarize(verdicts))]
 
         await self._jobs.update(job_id, mutate)
@@ -389,11 +397,8 @@ def _mark_scheduling(task_name: str, sites: list[str]) -> Mutation:
         task = find_task(job, task_name)
         if task.state not in (job_state.PENDING, job_state.SCHEDULING):
             return []
-        # Never reuse an epoch, even one given up when an original copy was kept.
-        task.issued_epoch = max(task.epoch, task.issued_epoch) + 1
-        task.epoch = task.issued_epoch
-        task.site = ""
-        task.reservation_id = ""
+        next_epoch(task)
+        unplace(task)
         return [transition(job, task_name, job_state.SCHEDULING, f"offered to {', '.join(sites)}")]
 
     return mutate
@@ -426,8 +431,7 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
         task = find_task(job, task_name)
         if task.state != job_state.DELEGATED or task.epoch != epoch:
             return []
-        task.site = ""
-        task.reservation_id = ""
+        unplace(task)
         return [transition(job, task_name, job_state.PENDING, reason)]
 
     return mutate

@@ -22,6 +22,17 @@ log = structlog.get_logger()
 SITES = "/sites/"
 
 
+def cancel_request(
+    job_id: str, task: str, epoch: int, reason: str
+) -> site_link_service_pb2.ConnectResponse:
+    """Tell a site to stop its copy of a task at ``epoch``."""
+    return site_link_service_pb2.ConnectResponse(
+        cancel=site_link_service_pb2.CancelTask(
+            job_id=job_id, task=task, epoch=epoch, reason=reason
+        )
+    )
+
+
 class SessionClosedError(UnavailableError):
     reason = "SITE_DISCONNECTED"
 
