@@ -18,6 +18,7 @@ import structlog
 
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError
 from datacenter_agent.slurm_job import Outcome, State, TaskKey, job_devices, job_outcome
+from federation.agent.core import task_report
 from federation.agent.packing import Slot
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
@@ -55,12 +56,9 @@ class SlurmTask:
 
     def report(self) -> site_link_service_pb2.TaskReport:
         """The task's state as the coordinator hears it."""
-        job_id, task, epoch = self.key
-        return site_link_service_pb2.TaskReport(
-            job_id=job_id,
-            task=task,
-            epoch=epoch,
-            state=self.state,
+        return task_report(
+            self.key,
+            self.state,
             exit_code=self.exit_code,
             output_tail=self.output_tail,
             reason=self.reason,

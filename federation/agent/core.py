@@ -10,13 +10,38 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from federation.api.v1 import resources_pb2, site_link_service_pb2
+from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
 StatusCallback = Callable[[site_link_service_pb2.TaskReport], None]
 """Called with a task's report each time its state changes (RUNNING, then a final state)."""
 
 ChangeCallback = Callable[[], None]
 """Called whenever allocations or the queue change, so the agent can publish a view delta."""
+
+
+def task_report(
+    key: tuple[str, str, int],
+    state: int,
+    *,
+    exit_code: int,
+    output_tail: str,
+    reason: str,
+    devices: list[str],
+    checkpoint: jobs_pb2.CheckpointRecord | None = None,
+) -> site_link_service_pb2.TaskReport:
+    """A task's state as every core reports it to the coordinator."""
+    job_id, task, epoch = key
+    return site_link_service_pb2.TaskReport(
+        job_id=job_id,
+        task=task,
+        epoch=epoch,
+        state=state,  # type: ignore[arg-type]
+        exit_code=exit_code,
+        output_tail=output_tail,
+        reason=reason,
+        devices=devices,
+        checkpoint=checkpoint,
+    )
 
 
 class LocalCore(Protocol):

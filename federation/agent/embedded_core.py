@@ -20,7 +20,7 @@ from typing import TypeAlias
 import structlog
 
 from federation.agent.checkpoints import TaskCheckpoints
-from federation.agent.core import ChangeCallback, StatusCallback
+from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.packing import place
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
@@ -79,12 +79,9 @@ class _Task:
         return self.state not in _FINAL
 
     def report(self) -> site_link_service_pb2.TaskReport:
-        job_id, task, epoch = self.key
-        return site_link_service_pb2.TaskReport(
-            job_id=job_id,
-            task=task,
-            epoch=epoch,
-            state=self.state,
+        return task_report(
+            self.key,
+            self.state,
             exit_code=self.exit_code,
             output_tail=self.output_tail,
             reason=self.reason,
