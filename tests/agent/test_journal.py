@@ -24,6 +24,25 @@ def report(job: str, state: int = DONE, epoch: int = 1) -> pb.TaskReport:
     return pb.TaskReport(job_id=job, task="t", epoch=epoch, state=state, exit_code=0)  # type: ignore[arg-type]
 
 
+def runtime_with(tmp_path: Path, journal: Journal) -> AgentRuntime:
+    """An agent runtime over an idle embedded core, journaling into ``journal``."""
+    config = AgentConfig(
+        site="edge-1",
+        domain="edge",
+        coordinator="127.0.0.1:1",
+        ca=tmp_path / "ca.pem",
+        state_dir=tmp_path,
+    )
+    core = EmbeddedCore(
+        [resources_pb2.Node(name="n1", cpu_cores=4, memory_mib=1024, schedulable=True)],
+        site="edge-1",
+        work_dir=tmp_path / "work",
+        on_status=lambda r: None,
+        on_change=lambda: None,
+    )
+    return AgentRuntime(config, credential_paths(tmp_path), core, journal=journal)
+
+
 def test_only_final_reports_are_kept_until_acknowledged(tmp_path: Path) -> None:
     """Final reports survive a reopen; running ones are not kept; an ack drops a report."""
     journal = Journal(tmp_path / "j.db")
@@ -65,42 +84,14 @@ def test_restarted_agent_says_hello_with_journaled_results(tmp_path: Path) -> No
     """After a restart, the hello carries a result that finished while unacknowledged."""
     journal = Journal(tmp_path / "journal.db")
     journal.record(report("finished-in-partition"))
-    config = AgentConfig(
-        site="edge-1",
-        domain="edge",
-        coordinator="127.0.0.1:1",
-        ca=tmp_path / "ca.pem",
-        state_dir=tmp_path,
-    )
-    core = EmbeddedCore(
-        [resources_pb2.Node(name="n1", cpu_cores=4, memory_mib=1024, schedulable=True)],
-        site="edge-1",
-        work_dir=tmp_path / "work",
-        on_status=lambda r: None,
-        on_change=lambda: None,
-    )
-    runtime = AgentRuntime(config, credential_paths(tmp_path), core, journal=journal)
+    runtime = runtime_with(tmp_path, journal)
     assert [r.job_id for r in runtime.hello_tasks()] == ["finished-in-partition"]
 
 
 def test_acknowledgement_clears_the_journal(tmp_path: Path) -> None:
     """A status the agent sent is journaled first and dropped once the coordinator acks it."""
     journal = Journal(tmp_path / "journal.db")
-    config = AgentConfig(
-        site="edge-1",
-        domain="edge",
-        coordinator="127.0.0.1:1",
-        ca=tmp_path / "ca.pem",
-        state_dir=tmp_path,
-    )
-    core = EmbeddedCore(
-        [resources_pb2.Node(name="n1", cpu_cores=4, memory_mib=1024, schedulable=True)],
-        site="edge-1",
-        work_dir=tmp_path / "work",
-        on_status=lambda r: None,
-        on_change=lambda: None,
-    )
-    runtime = AgentRuntime(config, credential_paths(tmp_path), core, journal=journal)
+    runtime = runtime_with(tmp_path, journal)
     runtime.on_status(report("j1"))
     assert [r.job_id for r in journal.pending()] == ["j1"]
     ack = pb.ConnectResponse(ack=pb.TaskStatusAck(job_id="j1", task="t", epoch=1))
