@@ -28,6 +28,7 @@ import grpc
 from federation.agent.config import AgentConfig
 from federation.agent.enroll import ensure_enrolled
 from federation.api.v1 import resources_pb2, site_link_service_pb2, site_link_service_pb2_grpc
+from federation.envelopes import take_queued
 from federation.local import LocalFederation
 from federation.security.tls import channel_credentials
 
@@ -82,27 +83,31 @@ class Site:
 
     def __init__(self, name: str, channel: grpc.aio.Channel) -> None:
         self.name = name
-        self.queue: asyncio.Queue[site_link_service_pb2.ConnectRequest | None] = asyncio.Queue()
+        self.queue: asyncio.Queue[site_link_service_pb2.AgentMessage | None] = asyncio.Queue()
         self.generation = 1
         stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
         self.call = stub.Connect(self._outgoing())
 
     async def _outgoing(self) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
-        while (message := await self.queue.get()) is not None:
-            yield message
+        """As the agent writes: everything queued goes in one stream message."""
+        while (first := await self.queue.get()) is not None:
+            messages, ended = take_queued(self.queue, first)
+            yield site_link_service_pb2.ConnectRequest(messages=messages)
+            if ended:
+                return
 
     async def hello(self, base: resources_pb2.SiteView) -> None:
         own = resources_pb2.SiteView()
         own.CopyFrom(base)
         own.site = self.name
         hello = site_link_service_pb2.Hello(view=own, generation=1)
-        self.queue.put_nowait(site_link_service_pb2.ConnectRequest(hello=hello))
+        self.queue.put_nowait(site_link_service_pb2.AgentMessage(hello=hello))
         await self.call.read()  # the welcome: the coordinator has the view
 
     def send_heartbeats(self, count: int) -> None:
         for _ in range(count):
             self.queue.put_nowait(
-                site_link_service_pb2.ConnectRequest(
+                site_link_service_pb2.AgentMessage(
                     heartbeat=site_link_service_pb2.Heartbeat(generation=self.generation)
                 )
             )
@@ -115,7 +120,7 @@ class Site:
             changed.cpu_free = float(i % 128)
             delta = resources_pb2.SiteViewDelta(upserted_nodes=[changed])
             update = site_link_service_pb2.ViewUpdate(generation=self.generation, delta=delta)
-            self.queue.put_nowait(site_link_service_pb2.ConnectRequest(view=update))
+            self.queue.put_nowait(site_link_service_pb2.AgentMessage(view=update))
 
 
 async def wait_for(port: int, kind: str, target: float) -> None:

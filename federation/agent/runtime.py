@@ -24,6 +24,7 @@ from federation.agent.links import LinkMonitor
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.endpoints import Endpoints, is_not_leader, leader_hint
+from federation.envelopes import take_queued
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.tls import channel_credentials
@@ -71,7 +72,7 @@ class AgentRuntime:
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
         self._sent_links: list[bytes] = []
-        self._outbox: asyncio.Queue[pb.ConnectRequest] | None = None
+        self._outbox: asyncio.Queue[pb.AgentMessage | None] | None = None
         self._view_dirty = asyncio.Event()
         self._heartbeat_s = 3.0
         self._welcomed = asyncio.Event()
@@ -88,7 +89,7 @@ class AgentRuntime:
         if self._journal is not None:
             self._journal.record(report)  # before it leaves: an ack may come back at once
         if self._outbox is not None:
-            self._outbox.put_nowait(pb.ConnectRequest(task_status=report))
+            self._outbox.put_nowait(pb.AgentMessage(task_status=report))
 
     def on_change(self) -> None:
         AGENT_TASKS_RUNNING.set(self.core.queue().running_tasks)
@@ -190,13 +191,13 @@ class AgentRuntime:
             await asyncio.sleep(self._endpoints.failed(error))
 
     async def _session(self, coordinator: str) -> None:
-        outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         self._welcomed.clear()
         view = self.full_view()
         self._generation += 1
         self._mark_sent(view)
         hello = pb.Hello(view=view, generation=self._generation, tasks=self.hello_tasks())
-        outbox.put_nowait(pb.ConnectRequest(hello=hello))
+        outbox.put_nowait(pb.AgentMessage(hello=hello))
         async with grpc.aio.secure_channel(
             coordinator,
             channel_credentials(self._creds.tls),
@@ -210,38 +211,37 @@ class AgentRuntime:
                 asyncio.create_task(self._views(outbox)),
             ]
             try:
-                async for message in call:
+                async for envelope in call:
                     if not self.connected.is_set():
                         self.connected.set()
                         log.info("session_established", coordinator=coordinator)
-                    self._dispatch(message, outbox)
+                    for message in envelope.messages:
+                        self._dispatch(message, outbox)
             finally:
                 for task in helpers:
                     task.cancel()
                 call.cancel()
                 # A call the coordinator already ended (a follower's refusal) is not
                 # cancelled, so end its request stream here rather than leave it waiting.
-                outbox.put_nowait(_END_OF_SESSION)
+                outbox.put_nowait(None)
 
-    async def _heartbeats(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
+    async def _heartbeats(self, outbox: asyncio.Queue[pb.AgentMessage | None]) -> None:
         # At the coordinator's pace, which its welcome tells: a short interval must not wait
         # out a first sleep at the default, or the session is dropped for silence.
         await self._welcomed.wait()
         while True:
             await asyncio.sleep(self._heartbeat_s)
-            outbox.put_nowait(
-                pb.ConnectRequest(heartbeat=pb.Heartbeat(generation=self._generation))
-            )
+            outbox.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(generation=self._generation)))
 
-    async def _views(self, outbox: asyncio.Queue[pb.ConnectRequest]) -> None:
+    async def _views(self, outbox: asyncio.Queue[pb.AgentMessage | None]) -> None:
         while True:
             await self._view_dirty.wait()
             await asyncio.sleep(0.02)  # coalesce a burst of changes into one delta
             self._view_dirty.clear()
-            outbox.put_nowait(pb.ConnectRequest(view=self._delta()))
+            outbox.put_nowait(pb.AgentMessage(view=self._delta()))
 
     def _dispatch(
-        self, message: pb.ConnectResponse, outbox: asyncio.Queue[pb.ConnectRequest]
+        self, message: pb.CoordinatorMessage, outbox: asyncio.Queue[pb.AgentMessage | None]
     ) -> None:
         body = message.WhichOneof("body")
         if body == "welcome":
@@ -252,7 +252,7 @@ class AgentRuntime:
             self._generation += 1
             self._mark_sent(view)
             outbox.put_nowait(
-                pb.ConnectRequest(view=pb.ViewUpdate(generation=self._generation, full=view))
+                pb.AgentMessage(view=pb.ViewUpdate(generation=self._generation, full=view))
             )
         elif body == "ack":
             ack = message.ack
@@ -272,17 +272,17 @@ class AgentRuntime:
             task.add_done_callback(self._handlers.discard)
 
     async def _answer(
-        self, message: pb.ConnectResponse, outbox: asyncio.Queue[pb.ConnectRequest]
+        self, message: pb.CoordinatorMessage, outbox: asyncio.Queue[pb.AgentMessage | None]
     ) -> None:
         body = message.WhichOneof("body")
         cid = message.correlation_id
         try:
             if body == "offer":
                 answer = await self.core.offer(message.offer)
-                outbox.put_nowait(pb.ConnectRequest(correlation_id=cid, offer_answer=answer))
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, offer_answer=answer))
             elif body == "commit":
                 started = await self.core.commit(message.commit)
-                outbox.put_nowait(pb.ConnectRequest(correlation_id=cid, commit_answer=started))
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, commit_answer=started))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":
@@ -303,7 +303,7 @@ class AgentRuntime:
         outbox = self._outbox
         if outbox is None or not self.connected.is_set():
             return
-        outbox.put_nowait(pb.ConnectRequest(goodbye=pb.Goodbye(reason=reason)))
+        outbox.put_nowait(pb.AgentMessage(goodbye=pb.Goodbye(reason=reason)))
         try:
             async with asyncio.timeout(timeout_s):
                 await self._session_over.wait()
@@ -323,10 +323,12 @@ def _encode_links(links: Iterable[resources_pb2.Link]) -> list[bytes]:
     return [link.SerializeToString(deterministic=True) for link in links]
 
 
-_END_OF_SESSION = pb.ConnectRequest()
-"""Put in a session's outbox (by identity) to end its request stream."""
-
-
-async def _drain(outbox: asyncio.Queue[pb.ConnectRequest]) -> AsyncIterator[pb.ConnectRequest]:
-    while (request := await outbox.get()) is not _END_OF_SESSION:
-        yield request
+async def _drain(
+    outbox: asyncio.Queue[pb.AgentMessage | None],
+) -> AsyncIterator[pb.ConnectRequest]:
+    """The request stream: everything queued goes in one write; None ends the stream."""
+    while (first := await outbox.get()) is not None:
+        messages, ended = take_queued(outbox, first)
+        yield pb.ConnectRequest(messages=messages)
+        if ended:
+            return

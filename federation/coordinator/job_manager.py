@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
 
@@ -202,7 +203,7 @@ class JobManager:
         for site, task, epoch in to_stop:
             self.tell_site(site, cancel_request(job_id, task, epoch, reason))
 
-    def tell_site(self, site: str, message: site_link_service_pb2.ConnectResponse) -> None:
+    def tell_site(self, site: str, message: site_link_service_pb2.CoordinatorMessage) -> None:
         session = self._sites.session(site)
         if session is not None:
             with contextlib.suppress(SessionClosedError):
@@ -241,6 +242,25 @@ class JobManager:
             for task in job.tasks:
                 if task.state == job_state.SCHEDULING:
                     await self._requeue(job.id, task.name, task.epoch, task.site)
+
+    async def apply_reports(
+        self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]
+    ) -> None:
+        """Apply reports that arrived together: jobs concurrently (their writes share store
+        commits), each job's reports in the order they came."""
+        by_job: dict[str, list[site_link_service_pb2.TaskReport]] = {}
+        for i, report in enumerate(reports):
+            if not report.job_id or not report.task:
+                raise InvalidArgumentError(
+                    [FieldViolation(f"task_status[{i}]", "job_id and task are required")]
+                )
+            by_job.setdefault(report.job_id, []).append(report)
+
+        async def in_order(job_reports: list[site_link_service_pb2.TaskReport]) -> None:
+            for report in job_reports:
+                await self.apply_report(site, report)
+
+        await asyncio.gather(*(in_order(job_reports) for job_reports in by_job.values()))
 
     async def apply_report(self, site: str, report: site_link_service_pb2.TaskReport) -> None:
         """Record a task status from ``site``; stale or foreign reports are fenced off."""
@@ -354,8 +374,7 @@ class JobManager:
         ``delegated`` is ``delegated_to(site)`` taken when the site said hello.
         """
         held = {(r.job_id, r.task, r.epoch) for r in reports}
-        for report in reports:
-            await self.apply_report(site, report)
+        await self.apply_reports(site, reports)
         for job_id, task, epoch in sorted(delegated - held):
             await self._requeue(job_id, task, epoch, site)
         self._wake()
@@ -374,8 +393,8 @@ class JobManager:
         await self._jobs.update(job_id, mutate)
 
 
-def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.ConnectResponse:
-    return site_link_service_pb2.ConnectResponse(
+def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:
+    return site_link_service_pb2.CoordinatorMessage(
         ack=site_link_service_pb2.TaskStatusAck(
             job_id=report.job_id, task=report.task, epoch=report.epoch
         )

@@ -26,7 +26,7 @@ from federation.coordinator.sites import cancel_request
 
 log = structlog.get_logger()
 
-TellSite = Callable[[str, site_link_service_pb2.ConnectResponse], None]
+TellSite = Callable[[str, site_link_service_pb2.CoordinatorMessage], None]
 """Sends one message to a site, if it is connected."""
 
 

@@ -290,7 +290,7 @@ class Scheduler:
     ) -> tuple[str, str]:
         """(reservation id, "") when the site accepts, else ("", why not)."""
         assert session is not None
-        request = site_link_service_pb2.ConnectResponse()
+        request = site_link_service_pb2.CoordinatorMessage()
         request.offer.CopyFrom(offer)
         try:
             reply = await session.request(request, self._config.offer_timeout_s)
@@ -310,7 +310,7 @@ class Scheduler:
         if session is not None:
             with contextlib.suppress(SessionClosedError):
                 session.send(
-                    site_link_service_pb2.ConnectResponse(
+                    site_link_service_pb2.CoordinatorMessage(
                         release=site_link_service_pb2.Release(reservation_id=reservation_id)
                     )
                 )
@@ -356,7 +356,7 @@ class Scheduler:
 
     async def _commit(
         self, site: str, commit: site_link_service_pb2.Commit
-    ) -> site_link_service_pb2.ConnectRequest | None:
+    ) -> site_link_service_pb2.AgentMessage | None:
         """Send the commit, once more over a new session if the first try got no answer.
 
         A site treats a repeated commit of the same reservation as a no-op.
@@ -365,7 +365,7 @@ class Scheduler:
             session = self._sites.session(site)
             if session is None:
                 return None
-            request = site_link_service_pb2.ConnectResponse(commit=commit)
+            request = site_link_service_pb2.CoordinatorMessage(commit=commit)
             try:
                 return await session.request(request, self._config.offer_timeout_s)
             except (TimeoutError, SessionClosedError):

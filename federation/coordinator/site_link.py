@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 
 import structlog
 
@@ -14,6 +14,7 @@ from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.envelopes import take_queued
 from federation.errors import (
     DeadlineExceededError,
     FailedPreconditionError,
@@ -64,16 +65,17 @@ class SiteLink:
         got at its latest Join is accepted, so re-joining retires the old one.
         """
         try:
-            first = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
+            envelope = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
         except StopAsyncIteration:
             return
         except TimeoutError:
             raise DeadlineExceededError(f"no hello within {HELLO_TIMEOUT_S:g}s") from None
-        if first.WhichOneof("body") != "hello":
+        if not envelope.messages or envelope.messages[0].WhichOneof("body") != "hello":
             raise InvalidArgumentError(
-                [FieldViolation("body", "the first message on Connect must be a hello")]
+                [FieldViolation("messages[0]", "the first message on Connect must be a hello")]
             )
-        hello = first.hello
+        hello = envelope.messages[0].hello
+        rest = list(envelope.messages[1:])
         _check_site(caller.name, hello.view.site, "hello.view.site")
         check_view(hello.view.nodes, "hello.view.nodes")
         entry = self._sites.get(caller.name)
@@ -92,11 +94,13 @@ class SiteLink:
             previous.close()
         log.info("site_connected", site=caller.name, generation=hello.generation)
         session.send(
-            pb.ConnectResponse(welcome=pb.Welcome(heartbeat_interval_s=self._heartbeat_interval_s))
+            pb.CoordinatorMessage(
+                welcome=pb.Welcome(heartbeat_interval_s=self._heartbeat_interval_s)
+            )
         )
         self._sites.announce_probe_peers()
         failure: list[FederationError] = []
-        reader = asyncio.create_task(self._read(session, requests, failure))
+        reader = asyncio.create_task(self._read(session, rest, requests, failure))
         try:
             await self._jobs.reconcile(caller.name, hello.tasks, delegated)
             while True:
@@ -113,7 +117,10 @@ class SiteLink:
                     continue
                 if message is None:
                     break
-                yield message
+                messages, ended = take_queued(session.outbox, message)
+                yield pb.ConnectResponse(messages=messages)
+                if ended:
+                    break
         finally:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -130,14 +137,16 @@ class SiteLink:
     async def _read(
         self,
         session: SiteSession,
+        after_hello: list[pb.AgentMessage],
         requests: AsyncIterator[pb.ConnectRequest],
         failure: list[FederationError],
     ) -> None:
         site = session.site
         try:
-            async for request in requests:
+            await self._handle_all(session, after_hello)
+            async for envelope in requests:
                 self._sites.seen(site)
-                await self._handle(session, request)
+                await self._handle_all(session, envelope.messages)
         except FederationError as err:
             log.warning("site_stream_refused", site=site, error=str(err))
             failure.append(err)
@@ -147,7 +156,26 @@ class SiteLink:
         finally:
             session.close()
 
-    async def _handle(self, session: SiteSession, request: pb.ConnectRequest) -> None:
+    async def _handle_all(self, session: SiteSession, messages: Sequence[pb.AgentMessage]) -> None:
+        """Handle one envelope in order, except that its task reports are applied together
+        (reports of one job still in order), and a goodbye after them."""
+        reports: list[pb.TaskReport] = []
+        goodbye: pb.AgentMessage | None = None
+        for message in messages:
+            body = message.WhichOneof("body")
+            if body == "task_status":
+                SITE_MESSAGES.labels(body).inc()
+                reports.append(message.task_status)
+            elif body == "goodbye":
+                goodbye = message
+            else:
+                await self._handle(session, message)
+        if reports:
+            await self._jobs.apply_reports(session.site, reports)
+        if goodbye is not None:
+            await self._handle(session, goodbye)
+
+    async def _handle(self, session: SiteSession, request: pb.AgentMessage) -> None:
         site = session.site
         body = request.WhichOneof("body")
         SITE_MESSAGES.labels(body or "empty").inc()
@@ -164,7 +192,7 @@ class SiteLink:
             try:
                 self._sites.apply_view(site, update)
             except FailedPreconditionError as err:
-                session.send(pb.ConnectResponse(resync=pb.ResyncRequest(reason=str(err))))
+                session.send(pb.CoordinatorMessage(resync=pb.ResyncRequest(reason=str(err))))
             return
         if body in ("offer_answer", "commit_answer"):
             if not session.resolve(request):
@@ -173,16 +201,10 @@ class SiteLink:
                 if body == "offer_answer" and answer.accepted:
                     # Nobody waits for this reservation any more: give the capacity back.
                     session.send(
-                        pb.ConnectResponse(release=pb.Release(reservation_id=answer.reservation_id))
+                        pb.CoordinatorMessage(
+                            release=pb.Release(reservation_id=answer.reservation_id)
+                        )
                     )
-            return
-        if body == "task_status":
-            report = request.task_status
-            if not report.job_id or not report.task:
-                raise InvalidArgumentError(
-                    [FieldViolation("task_status", "job_id and task are required")]
-                )
-            await self._jobs.apply_report(site, report)
             return
         if body == "goodbye":
             log.info("site_said_goodbye", site=site, reason=request.goodbye.reason)

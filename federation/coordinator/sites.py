@@ -24,9 +24,9 @@ SITES = "/sites/"
 
 def cancel_request(
     job_id: str, task: str, epoch: int, reason: str
-) -> site_link_service_pb2.ConnectResponse:
+) -> site_link_service_pb2.CoordinatorMessage:
     """Tell a site to stop its copy of a task at ``epoch``."""
-    return site_link_service_pb2.ConnectResponse(
+    return site_link_service_pb2.CoordinatorMessage(
         cancel=site_link_service_pb2.CancelTask(
             job_id=job_id, task=task, epoch=epoch, reason=reason
         )
@@ -42,10 +42,10 @@ class SiteSession:
     """One agent's open Connect stream: an outbox and the requests awaiting answers."""
 
     site: str
-    outbox: asyncio.Queue[site_link_service_pb2.ConnectResponse | None] = field(
+    outbox: asyncio.Queue[site_link_service_pb2.CoordinatorMessage | None] = field(
         default_factory=asyncio.Queue
     )
-    pending: dict[str, asyncio.Future[site_link_service_pb2.ConnectRequest]] = field(
+    pending: dict[str, asyncio.Future[site_link_service_pb2.AgentMessage]] = field(
         default_factory=dict
     )
     closed: bool = False
@@ -53,7 +53,7 @@ class SiteSession:
     """The agent ended the session on purpose: the site is DISCONNECTED, not UNREACHABLE."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
-    def send(self, message: site_link_service_pb2.ConnectResponse) -> None:
+    def send(self, message: site_link_service_pb2.CoordinatorMessage) -> None:
         """Queue a message; every message gets a correlation id, for the agent's logs."""
         if self.closed:
             raise SessionClosedError(f"site {self.site} is not connected")
@@ -62,12 +62,12 @@ class SiteSession:
         self.outbox.put_nowait(message)
 
     async def request(
-        self, message: site_link_service_pb2.ConnectResponse, timeout_s: float
-    ) -> site_link_service_pb2.ConnectRequest:
+        self, message: site_link_service_pb2.CoordinatorMessage, timeout_s: float
+    ) -> site_link_service_pb2.AgentMessage:
         """Send a request and wait for the agent's answer with the same correlation id."""
         correlation_id = f"{self.site}-{next(self._ids)}"
         message.correlation_id = correlation_id
-        future: asyncio.Future[site_link_service_pb2.ConnectRequest] = (
+        future: asyncio.Future[site_link_service_pb2.AgentMessage] = (
             asyncio.get_running_loop().create_future()
         )
         self.pending[correlation_id] = future
@@ -77,7 +77,7 @@ class SiteSession:
         finally:
             self.pending.pop(correlation_id, None)
 
-    def resolve(self, reply: site_link_service_pb2.ConnectRequest) -> bool:
+    def resolve(self, reply: site_link_service_pb2.AgentMessage) -> bool:
         """Hand an answer to its waiting request; False when nobody waits for it."""
         future = self.pending.get(reply.correlation_id)
         if future is None or future.done():
@@ -304,7 +304,7 @@ class SiteRegistry:
             ]
             with contextlib.suppress(SessionClosedError):
                 entry.session.send(
-                    site_link_service_pb2.ConnectResponse(
+                    site_link_service_pb2.CoordinatorMessage(
                         probe_peers=site_link_service_pb2.ProbePeers(peers=peers)
                     )
                 )

@@ -94,6 +94,6 @@ def test_acknowledgement_clears_the_journal(tmp_path: Path) -> None:
     runtime = runtime_with(tmp_path, journal)
     runtime.on_status(report("j1"))
     assert [r.job_id for r in journal.pending()] == ["j1"]
-    ack = pb.ConnectResponse(ack=pb.TaskStatusAck(job_id="j1", task="t", epoch=1))
+    ack = pb.CoordinatorMessage(ack=pb.TaskStatusAck(job_id="j1", task="t", epoch=1))
     runtime._dispatch(ack, asyncio.Queue())
     assert journal.pending() == []

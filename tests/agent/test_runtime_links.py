@@ -48,7 +48,7 @@ class Harness:
             links=self.links,
             probe_endpoint="edge-1.example.org:7400",
         )
-        self.outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+        self.outbox: asyncio.Queue[pb.AgentMessage] = asyncio.Queue()
 
     async def _measure(self, endpoint: str, *, payload_bytes: int, timeout_s: float) -> Measurement:
         self.measured.append(endpoint)
@@ -63,7 +63,7 @@ class Harness:
         body = pb.ProbePeers(
             peers=[pb.ProbePeers.Peer(site=s, endpoint=e) for s, e in peers.items()]
         )
-        self.runtime._dispatch(pb.ConnectResponse(probe_peers=body), self.outbox)
+        self.runtime._dispatch(pb.CoordinatorMessage(probe_peers=body), self.outbox)
 
 
 @pytest.fixture

@@ -37,7 +37,7 @@ class Federation:
             self.sites.attach(session, hello)
             self.sessions[name] = session
 
-    def sent(self, site: str) -> list[site_link_service_pb2.ConnectResponse]:
+    def sent(self, site: str) -> list[site_link_service_pb2.CoordinatorMessage]:
         """What the coordinator told ``site`` so far."""
         out = []
         outbox = self.sessions[site].outbox
@@ -110,7 +110,7 @@ async def fed(tmp_path: Path) -> AsyncIterator[Federation]:
     await store.close()
 
 
-def bodies(messages: list[site_link_service_pb2.ConnectResponse]) -> list[tuple[str, int]]:
+def bodies(messages: list[site_link_service_pb2.CoordinatorMessage]) -> list[tuple[str, int]]:
     """(kind, epoch) of cancels and acks."""
     out = []
     for m in messages:

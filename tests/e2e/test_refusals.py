@@ -7,6 +7,7 @@ import math
 import stat
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -242,10 +243,15 @@ def test_agent_keys_are_private(federation: LocalFederation) -> None:
         assert stat.S_IMODE(path.stat().st_mode) == 0o600
 
 
-async def hello_from(site: str) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
-    yield site_link_service_pb2.ConnectRequest(
-        hello=site_link_service_pb2.Hello(view={"site": site}, generation=1)
+def envelope(**body: Any) -> site_link_service_pb2.ConnectRequest:
+    """One agent message alone in a stream write."""
+    return site_link_service_pb2.ConnectRequest(
+        messages=[site_link_service_pb2.AgentMessage(**body)]
     )
+
+
+async def hello_from(site: str) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
+    yield envelope(hello=site_link_service_pb2.Hello(view={"site": site}, generation=1))
     await asyncio.sleep(30)
 
 
@@ -269,7 +275,7 @@ async def test_stream_must_start_with_hello(federation: LocalFederation) -> None
     """A Connect stream that opens with anything but hello ends INVALID_ARGUMENT."""
 
     async def heartbeat_first() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
-        yield site_link_service_pb2.ConnectRequest(heartbeat=site_link_service_pb2.Heartbeat())
+        yield envelope(heartbeat=site_link_service_pb2.Heartbeat())
         await asyncio.sleep(30)
 
     async with channel_as(federation, site_tls(federation, "cloud-a")) as channel:
@@ -297,7 +303,7 @@ async def test_view_with_nan_is_refused(federation: LocalFederation, tmp_path: P
     async def bad_hello() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
         view = resources_pb2.SiteView(site="ghost-nan")
         view.nodes.add(name="n", cpu_cores=4, cpu_free=math.nan)
-        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        yield envelope(hello=site_link_service_pb2.Hello(view=view))
         await asyncio.sleep(30)
 
     async with channel_as(federation, tls) as channel:
@@ -317,19 +323,19 @@ async def test_silent_site_is_dropped(
 
     async def hello_then_silence() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
         view = resources_pb2.SiteView(site="ghost-quiet")
-        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        yield envelope(hello=site_link_service_pb2.Hello(view=view))
         await asyncio.sleep(60)
 
     async with channel_as(federation, tls) as channel:
         stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
         call = stub.Connect(hello_then_silence())
         first = await call.read()
-        assert first.HasField("welcome")
+        assert first.messages[0].HasField("welcome")
         connected = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
         assert {s.name: s.state for s in connected.sites}["ghost-quiet"] == (
             admin_service_pb2.SITE_STATE_CONNECTED
         )
-        limit_s = 4 * first.welcome.heartbeat_interval_s + 5
+        limit_s = 4 * first.messages[0].welcome.heartbeat_interval_s + 5
         with pytest.raises(grpc.aio.AioRpcError) as caught:  # noqa: PT012
             async with asyncio.timeout(limit_s):
                 while await call.read() is not grpc.aio.EOF:
@@ -353,7 +359,7 @@ async def test_rejoining_retires_the_old_certificate(
 
     async def hello() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
         view = resources_pb2.SiteView(site="ghost-twice")
-        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        yield envelope(hello=site_link_service_pb2.Hello(view=view))
         await asyncio.sleep(30)
 
     async with channel_as(federation, old) as channel:
@@ -364,7 +370,7 @@ async def test_rejoining_retires_the_old_certificate(
     assert "joined again" in (caught.value.details() or "")
     async with channel_as(federation, new) as channel:
         call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello())
-        assert (await call.read()).HasField("welcome")
+        assert (await call.read()).messages[0].HasField("welcome")
         call.cancel()
 
 
@@ -377,15 +383,15 @@ async def test_a_goodbye_ends_the_session_cleanly(
 
     async def hello_then_goodbye() -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
         view = resources_pb2.SiteView(site="ghost-polite")
-        yield site_link_service_pb2.ConnectRequest(hello=site_link_service_pb2.Hello(view=view))
+        yield envelope(hello=site_link_service_pb2.Hello(view=view))
         await welcomed.wait()
         goodbye = site_link_service_pb2.Goodbye(reason="maintenance")
-        yield site_link_service_pb2.ConnectRequest(goodbye=goodbye)
+        yield envelope(goodbye=goodbye)
         await asyncio.sleep(30)
 
     async with channel_as(federation, tls) as channel:
         call = site_link_service_pb2_grpc.SiteLinkServiceStub(channel).Connect(hello_then_goodbye())
-        assert (await call.read()).HasField("welcome")
+        assert (await call.read()).messages[0].HasField("welcome")
         welcomed.set()
         async with asyncio.timeout(10):
             while await call.read() is not grpc.aio.EOF:

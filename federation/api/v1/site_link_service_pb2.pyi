@@ -252,7 +252,29 @@ Global___CommitAnswer: _TypeAlias = CommitAnswer  # noqa: Y015
 
 @_typing.final
 class ConnectRequest(_message.Message):
-    """Messages from the agent."""
+    """What the agent sends in one write: its queued messages, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___AgentMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___AgentMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+
+@_typing.final
+class AgentMessage(_message.Message):
+    """One message from the agent."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -300,7 +322,7 @@ class ConnectRequest(_message.Message):
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
-Global___ConnectRequest: _TypeAlias = ConnectRequest  # noqa: Y015
+Global___AgentMessage: _TypeAlias = AgentMessage  # noqa: Y015
 
 @_typing.final
 class Goodbye(_message.Message):
@@ -551,7 +573,29 @@ Global___ProbePeers: _TypeAlias = ProbePeers  # noqa: Y015
 
 @_typing.final
 class ConnectResponse(_message.Message):
-    """Messages from the coordinator."""
+    """What the coordinator sends in one write: its queued messages, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___CoordinatorMessage]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___CoordinatorMessage] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+
+@_typing.final
+class CoordinatorMessage(_message.Message):
+    """One message from the coordinator."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -603,4 +647,4 @@ class ConnectResponse(_message.Message):
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
-Global___ConnectResponse: _TypeAlias = ConnectResponse  # noqa: Y015
+Global___CoordinatorMessage: _TypeAlias = CoordinatorMessage  # noqa: Y015

@@ -60,7 +60,8 @@ class SiteLinkServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Connect(self, request_iterator, context):
-        """One long-lived stream per agent, opened by the agent.
+        """One long-lived stream per agent, opened by the agent. Each stream message carries every
+        message its sender had queued, so offers, answers and reports travel many to a write.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -38,7 +38,9 @@ class SiteLinkServiceStub:
     Served on the join port, which verifies the server only.
     """
     Connect: _grpc.StreamStreamMultiCallable[_site_link_service_pb2.ConnectRequest, _site_link_service_pb2.ConnectResponse]
-    """One long-lived stream per agent, opened by the agent."""
+    """One long-lived stream per agent, opened by the agent. Each stream message carries every
+    message its sender had queued, so offers, answers and reports travel many to a write.
+    """
 
 @_typing.type_check_only
 class SiteLinkServiceAsyncStub(SiteLinkServiceStub):
@@ -50,7 +52,9 @@ class SiteLinkServiceAsyncStub(SiteLinkServiceStub):
     Served on the join port, which verifies the server only.
     """
     Connect: _aio.StreamStreamMultiCallable[_site_link_service_pb2.ConnectRequest, _site_link_service_pb2.ConnectResponse]  # type: ignore[assignment]
-    """One long-lived stream per agent, opened by the agent."""
+    """One long-lived stream per agent, opened by the agent. Each stream message carries every
+    message its sender had queued, so offers, answers and reports travel many to a write.
+    """
 
 class SiteLinkServiceServicer(metaclass=_abc_1.ABCMeta):
     """The link between a site agent and the coordinator."""
@@ -71,6 +75,8 @@ class SiteLinkServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_site_link_service_pb2.ConnectRequest],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_site_link_service_pb2.ConnectResponse], _abc.AsyncIterator[_site_link_service_pb2.ConnectResponse]]:
-        """One long-lived stream per agent, opened by the agent."""
+        """One long-lived stream per agent, opened by the agent. Each stream message carries every
+        message its sender had queued, so offers, answers and reports travel many to a write.
+        """
 
 def add_SiteLinkServiceServicer_to_server(servicer: SiteLinkServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
