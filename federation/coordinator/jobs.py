@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -15,9 +15,15 @@ from google.protobuf import timestamp_pb2
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
-from federation.errors import ConflictError, FieldViolation, InvalidArgumentError, JobNotFoundError
+from federation.errors import (
+    ConflictError,
+    FederationError,
+    FieldViolation,
+    InvalidArgumentError,
+    JobNotFoundError,
+)
 from federation.metrics import TASK_TRANSITIONS
-from federation.store import CasConflictError, Put, Store
+from federation.store import CasConflictError, Op, Put, Store
 
 log = structlog.get_logger()
 
@@ -232,24 +238,82 @@ class JobRepository:
         the job, so after a lost compare-and-swap the job is re-read and the mutation re-run.
         """
         async with self._locked(job_id):
-            for attempt in range(2):
-                job, revision = await self._current(job_id)
-                before = job.SerializeToString(deterministic=True)
-                changes = mutate(job)
-                if not changes and job.SerializeToString(deterministic=True) == before:
-                    return job
+            return await self._update_locked(job_id, mutate)
+
+    async def update_many(
+        self, mutations: Sequence[tuple[str, Mutation]]
+    ) -> dict[str, jobs_pb2.Job | FederationError]:
+        """``update`` for many jobs at once, in as few store commits as the store allows.
+
+        A job named more than once gets its mutations in order. Each job succeeds or fails on
+        its own: the result maps every job id to the job as written, or to why it was not.
+        """
+        steps: dict[str, list[Mutation]] = {}
+        for job_id, mutate in mutations:
+            steps.setdefault(job_id, []).append(mutate)
+        composed = {job_id: _compose(each) for job_id, each in steps.items()}
+        results: dict[str, jobs_pb2.Job | FederationError] = {}
+        held: list[asyncio.Lock] = []
+        try:
+            for job_id in sorted(composed):  # in id order, so two callers never deadlock
+                lock = self._locks.setdefault(job_id, asyncio.Lock())
+                await lock.acquire()
+                held.append(lock)
+            staged: list[_Staged] = []
+            for job_id, mutate in composed.items():
                 try:
-                    # Shielded: once the commit is under way, the cache and the watchers must
-                    # hear of it even if the caller is cancelled meanwhile.
-                    return await asyncio.shield(self._write(job, revision, changes))
-                except CasConflictError:
-                    self._active.pop(job_id, None)
-                    self._pending.discard(job_id)
-                    if attempt:
-                        raise ConflictError(f"job {job_id} changed concurrently; retry") from None
+                    job, stage = await self._mutated(job_id, mutate)
+                except FederationError as err:
+                    results[job_id] = err
+                    continue
+                results[job_id] = job
+                if stage is not None:
+                    staged.append(stage)
+            chunks = _chunks(staged)
+            # Shielded: once a commit is under way, the cache and the watchers must hear of
+            # it even if the caller is cancelled meanwhile.
+            outcomes = await asyncio.gather(
+                *(asyncio.shield(self._write(chunk)) for chunk in chunks), return_exceptions=True
+            )
+            for chunk, outcome in zip(chunks, outcomes, strict=True):
+                if isinstance(outcome, CasConflictError):
+                    # Another writer got to one of these jobs: each tries again on its own.
+                    for stage in chunk:
+                        job_id = stage.job.id
+                        self._forget(job_id)
+                        try:
+                            results[job_id] = await self._update_locked(job_id, composed[job_id])
+                        except FederationError as err:
+                            results[job_id] = err
+                elif isinstance(outcome, BaseException):
+                    raise outcome
+        finally:
+            for lock in held:
+                lock.release()
+        return results
+
+    async def _update_locked(self, job_id: str, mutate: Mutation) -> jobs_pb2.Job:
+        for attempt in range(2):
+            job, stage = await self._mutated(job_id, mutate)
+            if stage is None:
+                return job
+            try:
+                # Shielded, as in update_many.
+                await asyncio.shield(self._write([stage]))
+                return job
+            except CasConflictError:
+                self._forget(job_id)
+                if attempt:
+                    raise ConflictError(f"job {job_id} changed concurrently; retry") from None
         raise AssertionError("unreachable")
 
-    async def _write(self, job: jobs_pb2.Job, revision: int, changes: list[Change]) -> jobs_pb2.Job:
+    async def _mutated(self, job_id: str, mutate: Mutation) -> tuple[jobs_pb2.Job, _Staged | None]:
+        """The job after ``mutate``, and what to write (None when nothing changed)."""
+        job, revision = await self._current(job_id)
+        before = job.SerializeToString(deterministic=True)
+        changes = mutate(job)
+        if not changes and job.SerializeToString(deterministic=True) == before:
+            return job, None
         previous_state = job.state
         job.state = job_state.job_state(t.state for t in job.tasks)
         events: list[jobs_pb2.JobEvent] = []
@@ -259,18 +323,33 @@ class JobRepository:
         if events:
             job.reason = events[-1].reason
         job.updated_at.CopyFrom(now_timestamp())
-        ops = [Put(job_key(job.id), job.SerializeToString(), expect_revision=revision)]
-        ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in events]
+        return job, _Staged(job, revision, events, previous_state)
+
+    def _forget(self, job_id: str) -> None:
+        """Drop a job from the cache: the store holds a newer version than ours."""
+        self._active.pop(job_id, None)
+        self._pending.discard(job_id)
+
+    async def _write(self, staged: list[_Staged]) -> None:
+        """Write jobs and their events in one commit, then cache and publish them."""
+        ops: list[Op] = []
+        for stage in staged:
+            job = stage.job
+            ops.append(
+                Put(job_key(job.id), job.SerializeToString(), expect_revision=stage.revision)
+            )
+            ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in stage.events]
         new_revision = await self._store.commit(ops)
-        for change in changes:
-            TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(change.state)).inc()
-        self._cache(_copy(job), new_revision)
-        if job_state.is_terminal(job.state):
-            self._locks.pop(job.id, None)
-        if job.state != previous_state:
-            log.info("job_state_changed", job=job.id, state=jobs_pb2.JobState.Name(job.state))
-        self._hub.publish(job, events)
-        return job
+        for stage in staged:
+            job = stage.job
+            for event in stage.events:
+                TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(event.state)).inc()
+            self._cache(_copy(job), new_revision)
+            if job_state.is_terminal(job.state):
+                self._locks.pop(job.id, None)
+            if job.state != stage.previous_state:
+                log.debug("job_state_changed", job=job.id, state=jobs_pb2.JobState.Name(job.state))
+            self._hub.publish(job, stage.events)
 
     async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
         """Every recorded event of a job, oldest first."""
@@ -288,6 +367,45 @@ class JobRepository:
             if len(page) < 5000:
                 return counts
             start = page[-1].key
+
+
+MAX_OPS_PER_COMMIT = 100
+"""etcd refuses a transaction of more than --max-txn-ops (128 by default) operations, and a
+coordinator's fenced store adds one; larger batches of updates go in several commits."""
+
+
+@dataclass(slots=True)
+class _Staged:
+    """A mutated job ready to write: the revision it must still have, and its new events."""
+
+    job: jobs_pb2.Job
+    revision: int
+    events: list[jobs_pb2.JobEvent]
+    previous_state: int
+
+
+def _chunks(staged: list[_Staged]) -> list[list[_Staged]]:
+    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT (one job never splits)."""
+    chunks: list[list[_Staged]] = []
+    ops = MAX_OPS_PER_COMMIT
+    for stage in staged:
+        size = 1 + len(stage.events)
+        if ops + size > MAX_OPS_PER_COMMIT:
+            chunks.append([])
+            ops = 0
+        chunks[-1].append(stage)
+        ops += size
+    return chunks
+
+
+def _compose(mutations: list[Mutation]) -> Mutation:
+    if len(mutations) == 1:
+        return mutations[0]
+
+    def mutate(job: jobs_pb2.Job) -> list[Change]:
+        return [change for step in mutations for change in step(job)]
+
+    return mutate
 
 
 def _copy(job: jobs_pb2.Job) -> jobs_pb2.Job:

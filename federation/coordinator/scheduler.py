@@ -25,13 +25,14 @@ from federation.coordinator.jobs import (
     transition,
     unplace,
 )
-from federation.coordinator.sites import SessionClosedError, SiteRegistry, SiteSession
+from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
 from federation.metrics import OFFERS
 from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Framework
 from federation.placement.request import Input, Request
+from federation.placement.snapshot import Snapshot
 
 log = structlog.get_logger()
 
@@ -56,8 +57,33 @@ class SchedulerConfig:
     max_concurrent_negotiations: int = 256
 
 
+@dataclass(slots=True)
+class _Negotiation:
+    """One task on its way through the negotiation rounds of a batch."""
+
+    job_id: str
+    task: str
+    candidates: tuple[str, ...]
+    """Sites to try, best first."""
+    verdicts: list[jobs_pb2.SiteVerdict]
+    """Why sites did not take it: placement's, then each refusal."""
+    estimates: dict[str, jobs_pb2.Estimate]
+    settled: bool = False
+    """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
+
+    @property
+    def key(self) -> TaskKey:
+        return self.job_id, self.task
+
+
 class Scheduler:
-    """Finds pending tasks, places them and negotiates delegation, concurrently per task."""
+    """Finds pending tasks, places them and negotiates delegation for many tasks at once.
+
+    A cycle places every pending task (a placement is reused for identical requests) and hands
+    the placed ones to one negotiation, which runs while later cycles start others. Each round
+    of a negotiation writes all its epochs in one go, sends each site its offers together,
+    writes all the DELEGATED states in one go, then sends each site its commits together.
+    """
 
     def __init__(
         self,
@@ -75,7 +101,8 @@ class Scheduler:
         self._not_before: dict[TaskKey, float] = {}
         self._backoff_s: dict[TaskKey, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._slots = asyncio.Semaphore(config.max_concurrent_negotiations)
+        self._full = False
+        """A cycle left tasks waiting because max_concurrent_negotiations were under way."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -104,10 +131,15 @@ class Scheduler:
 
     async def _cycle(self) -> None:
         now = time.monotonic()
+        room = self._config.max_concurrent_negotiations - len(self._inflight)
+        self._full = False
         jobs = self._jobs.pending()
         # Built only when something waits: every view delta wakes the loop, and flattening
         # the whole federation into arrays is the expensive part of a cycle.
         snapshot = self._sites.snapshot() if jobs else None
+        placements: dict[Request, _Placement] = {}
+        batch: list[_Negotiation] = []
+        nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         for job in jobs:
             if job.cancel_requested:
@@ -122,51 +154,70 @@ class Scheduler:
                 pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
                     continue
-                assert snapshot is not None
-                decision = self._framework.place(request, snapshot)
-                verdicts = [
-                    jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason)
-                    for r in decision.rejections
-                ]
-                if not decision.ranked:
-                    await self._stay_pending(job.id, task.name, verdicts)
+                if len(batch) >= room:
+                    self._full = True
                     continue
-                estimates = estimate(request, snapshot)
-                by_site = {
-                    site: estimate_proto(estimates, snapshot.site_index(site) or 0)
-                    for site in decision.ranked[: self._config.max_offers_per_round]
-                }
-                self._inflight.add(key)
-                await self._slots.acquire()
-                runner = asyncio.create_task(
-                    self._negotiate(job.id, task.name, decision.ranked, verdicts, by_site)
-                )
-                self._tasks.add(runner)
-                runner.add_done_callback(self._tasks.discard)
+                assert snapshot is not None
+                placement = placements.get(request)
+                if placement is None:
+                    placement = placements[request] = self._place(request, snapshot)
+                verdicts, ranked, estimates = placement
+                if not ranked:
+                    nowhere.append((job.id, task.name, list(verdicts)))
+                    continue
+                batch.append(_Negotiation(job.id, task.name, ranked, list(verdicts), estimates))
         # Forget the backoff of tasks that are no longer waiting (placed, cancelled, failed).
         for key in set(self._not_before) - pending - self._inflight:
             self._forget(key)
+        if batch:
+            self._inflight.update(n.key for n in batch)
+            runner = asyncio.create_task(self._negotiate(batch))
+            self._tasks.add(runner)
+            runner.add_done_callback(self._tasks.discard)
+        if nowhere:
+            await self._stay_pending(nowhere)
+
+    def _place(self, request: Request, snapshot: Snapshot) -> _Placement:
+        """Placement's verdicts, the sites to try (best first) and their estimates."""
+        decision = self._framework.place(request, snapshot)
+        verdicts = tuple(
+            jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason)
+            for r in decision.rejections
+        )
+        ranked = decision.ranked[: self._config.max_offers_per_round]
+        if not ranked:
+            return verdicts, (), {}
+        estimates = estimate(request, snapshot)
+        by_site = {
+            site: estimate_proto(estimates, snapshot.site_index(site) or 0) for site in ranked
+        }
+        return verdicts, ranked, by_site
 
     async def _stay_pending(
-        self, job_id: str, task_name: str, verdicts: list[jobs_pb2.SiteVerdict]
+        self, nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]
     ) -> None:
-        """Record why a task fits nowhere; written only when the reasons change."""
+        """Record why tasks fit nowhere; written only when the reasons change."""
 
-        def mutate(job: jobs_pb2.Job) -> list[Change]:
-            task = find_task(job, task_name)
-            if task.state != job_state.PENDING or list(task.verdicts) == verdicts:
-                return []
-            del task.verdicts[:]
-            task.verdicts.extend(verdicts)
-            reason = summarize(verdicts)
-            return [transition(job, task_name, job_state.PENDING, reason)]
+        def mutation(task_name: str, verdicts: list[jobs_pb2.SiteVerdict]) -> Mutation:
+            def mutate(job: jobs_pb2.Job) -> list[Change]:
+                task = find_task(job, task_name)
+                if task.state != job_state.PENDING or list(task.verdicts) == verdicts:
+                    return []
+                del task.verdicts[:]
+                task.verdicts.extend(verdicts)
+                reason = summarize(verdicts)
+                return [transition(job, task_name, job_state.PENDING, reason)]
 
-        key = (job_id, task_name)
-        self._backoff(key)
-        try:
-            await self._jobs.update(job_id, mutate)
-        except FederationError as err:
-            log.warning("pending_update_failed", job=job_id, task=task_name, error=str(err))
+            return mutate
+
+        for job_id, task_name, _ in nowhere:
+            self._backoff((job_id, task_name))
+        results = await self._jobs.update_many(
+            [(job_id, mutation(task, verdicts)) for job_id, task, verdicts in nowhere]
+        )
+        for job_id, result in results.items():
+            if isinstance(result, FederationError):
+                log.warning("pending_update_failed", job=job_id, error=str(result))
 
     def _backoff(self, key: TaskKey) -> None:
         delay = min(self._backoff_s.get(key, 0.25) * 2, self._config.retry_interval_s)
@@ -177,133 +228,183 @@ class Scheduler:
         self._backoff_s.pop(key, None)
         self._not_before.pop(key, None)
 
-    async def _negotiate(
-        self,
-        job_id: str,
-        task_name: str,
-        ranked: tuple[str, ...],
-        verdicts: list[jobs_pb2.SiteVerdict],
-        estimates: dict[str, jobs_pb2.Estimate],
-    ) -> None:
-        key = (job_id, task_name)
-        candidates = list(ranked[: self._config.max_offers_per_round])
+    async def _negotiate(self, batch: list[_Negotiation]) -> None:
+        """Rounds of offers until every task is delegated or has run out of sites."""
         step = max(1, self._config.offers_at_once)
         try:
-            for first in range(0, len(candidates), step):
-                batch = candidates[first : first + step]
-                refusals = await self._round(job_id, task_name, batch, estimates)
-                OFFERS.labels("settled" if refusals is None else "refused").inc()
-                if refusals is None:
-                    self._forget(key)
-                    return
-                verdicts.extend(
-                    jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=why)
-                    for site, why in refusals.items()
-                )
-            self._backoff(key)
-            await self._back_to_pending(job_id, task_name, verdicts)
+            for first in range(0, self._config.max_offers_per_round, step):
+                open_ = [n for n in batch if not n.settled and first < len(n.candidates)]
+                if not open_:
+                    break
+                await self._round(open_, first, first + step)
+                for n in open_:
+                    OFFERS.labels("settled" if n.settled else "refused").inc()
+        except asyncio.CancelledError:
+            # Closing: the next term's recovery puts tasks left in SCHEDULING back.
+            self._inflight.difference_update(n.key for n in batch)
+            raise
+        except FederationError as err:
+            log.warning("negotiation_failed", tasks=len(batch), error=str(err))
+        except Exception:
+            log.exception("negotiation_crashed", tasks=len(batch))
+        unsettled = [n for n in batch if not n.settled]
+        for n in batch:
+            if n.settled:
+                self._forget(n.key)
+            else:
+                self._backoff(n.key)
+        try:
+            # Never leave a task in SCHEDULING: only PENDING tasks are picked up again.
+            if unsettled:
+                await self._back_to_pending(unsettled)
         except Exception as err:
-            if isinstance(err, FederationError):
-                log.warning("negotiation_failed", job=job_id, task=task_name, error=str(err))
-            else:
-                log.exception("negotiation_crashed", job=job_id, task=task_name)
-            self._backoff(key)
-            # Never leave the task in SCHEDULING: only PENDING tasks are picked up again.
-            with contextlib.suppress(Exception):
-                await self._back_to_pending(job_id, task_name, verdicts)
+            log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
         finally:
-            self._inflight.discard(key)
-            self._slots.release()
+            self._inflight.difference_update(n.key for n in batch)
+            if self._full:
+                self.wake()  # tasks wait for the room this negotiation leaves
 
-    async def _round(
-        self,
-        job_id: str,
-        task_name: str,
-        sites: list[str],
-        estimates: dict[str, jobs_pb2.Estimate],
-    ) -> dict[str, str] | None:
-        """Offer to ``sites`` at once, commit the best acceptance, release the others.
+    async def _round(self, negotiations: list[_Negotiation], first: int, stop: int) -> None:
+        """Offer each task to its sites ``first:stop`` at once, commit the best acceptance,
+        release the others; tasks delegated (or moot) end ``settled``, others gain verdicts.
 
-        Returns None when the task was delegated (or the question became moot), else why
-        each site did not take it. All offers of a round share one epoch: only the site that
-        gets the commit may ever run it.
+        All offers of a task in a round share one epoch: only the site that gets the commit
+        may ever run it.
         """
-        sessions = {site: self._sites.session(site) for site in sites}
-        refusals = {s: "site disconnected before the offer" for s, v in sessions.items() if not v}
-        live = [site for site in sites if sessions[site] is not None]
-        if not live:
-            return refusals
-        offered = await self._jobs.update(job_id, _mark_scheduling(task_name, live))
-        task = find_task(offered, task_name)
-        if task.state != job_state.SCHEDULING:
-            return None  # cancelled meanwhile
-        spec = next(t for t in offered.spec.tasks if t.name == task_name)
-        offer = site_link_service_pb2.Offer(
-            job_id=job_id,
-            task=task_name,
-            epoch=task.epoch,
-            spec=spec,
-            tenant=offered.spec.tenant,
-            lease_s=self._config.reservation_lease_s,
-            restore=task.checkpoint if task.checkpoint.path else None,
+        offered_to: dict[TaskKey, list[str]] = {}
+        for n in negotiations:
+            live = []
+            for site in n.candidates[first:stop]:
+                if self._sites.session(site) is None:
+                    n.verdicts.append(_refusal(site, "site disconnected before the offer"))
+                else:
+                    live.append(site)
+            if live:
+                offered_to[n.key] = live
+        active = [n for n in negotiations if n.key in offered_to]
+        if not active:
+            return
+        written = await self._jobs.update_many(
+            [(n.job_id, _mark_scheduling(n.task, offered_to[n.key])) for n in active]
         )
-        answers = await asyncio.gather(*(self._offer(sessions[s], offer) for s in live))
-        accepted: list[tuple[str, str]] = []
-        for site, (reservation, why) in zip(live, answers, strict=True):
-            if reservation:
-                accepted.append((site, reservation))
-            else:
-                refusals[site] = why
-        if not accepted:
-            return refusals
-        chosen, reservation = accepted[0]  # ``live`` is in rank order: the best acceptance
-        for site, other in accepted[1:]:
-            self._release(site, other)
-            refusals[site] = f"accepted, but {chosen} ranked higher"
-        delegated = await self._jobs.update(
-            job_id,
-            _mark_delegated(task_name, chosen, task.epoch, reservation, estimates.get(chosen)),
+        epochs: dict[TaskKey, int] = {}
+        offers: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Offer]]] = {}
+        for n in active:
+            task = _task_of(written, n)
+            if task is None or task.state != job_state.SCHEDULING:
+                n.settled = task is not None  # cancelled meanwhile; a failed write requeues
+                continue
+            job = written[n.job_id]
+            assert isinstance(job, jobs_pb2.Job)
+            epochs[n.key] = task.epoch
+            offer = site_link_service_pb2.Offer(
+                job_id=n.job_id,
+                task=n.task,
+                epoch=task.epoch,
+                spec=next(t for t in job.spec.tasks if t.name == n.task),
+                tenant=job.spec.tenant,
+                lease_s=self._config.reservation_lease_s,
+                restore=task.checkpoint if task.checkpoint.path else None,
+            )
+            for site in offered_to[n.key]:
+                offers.setdefault(site, []).append((n, offer))
+        answers = await asyncio.gather(
+            *(self._offer(site, [offer for _, offer in items]) for site, items in offers.items())
         )
-        held = find_task(delegated, task_name)
-        if held.state != job_state.DELEGATED or held.epoch != task.epoch:
-            self._release(chosen, reservation)
-            return None
-        commit = site_link_service_pb2.Commit(
-            reservation_id=reservation, job_id=job_id, task=task_name, epoch=task.epoch
+        accepted: dict[TaskKey, list[tuple[str, str]]] = {}
+        for (site, items), site_answers in zip(offers.items(), answers, strict=True):
+            for (n, _), (reservation, why) in zip(items, site_answers, strict=True):
+                if reservation:
+                    accepted.setdefault(n.key, []).append((site, reservation))
+                else:
+                    n.verdicts.append(_refusal(site, why))
+        chosen: dict[TaskKey, tuple[str, str]] = {}
+        for n in active:
+            if n.key not in accepted:
+                continue
+            rank = offered_to[n.key]
+            best, *others = sorted(accepted[n.key], key=lambda a: rank.index(a[0]))
+            chosen[n.key] = best
+            for site, reservation in others:
+                self._release(site, reservation)
+                n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
+        await self._delegate([n for n in active if n.key in chosen], chosen, epochs)
+
+    async def _delegate(
+        self,
+        negotiations: list[_Negotiation],
+        chosen: dict[TaskKey, tuple[str, str]],
+        epochs: dict[TaskKey, int],
+    ) -> None:
+        """Write DELEGATED for each task's chosen site, then send the commits."""
+        if not negotiations:
+            return
+        marks = []
+        for n in negotiations:
+            site, reservation = chosen[n.key]
+            estimated = n.estimates.get(site)
+            mark = _mark_delegated(n.task, site, epochs[n.key], reservation, estimated)
+            marks.append((n.job_id, mark))
+        written = await self._jobs.update_many(marks)
+        commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        for n in negotiations:
+            site, reservation = chosen[n.key]
+            task = _task_of(written, n)
+            if task is None or task.state != job_state.DELEGATED or task.epoch != epochs[n.key]:
+                self._release(site, reservation)
+                n.settled = task is not None  # moved on meanwhile; a failed write requeues
+                continue
+            commit = site_link_service_pb2.Commit(
+                reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=epochs[n.key]
+            )
+            commits.setdefault(site, []).append((n, commit))
+        answers = await asyncio.gather(
+            *(self._commit(site, [c for _, c in items]) for site, items in commits.items())
         )
-        committed = await self._commit(chosen, commit)
-        if committed is not None and committed.commit_answer.started:
-            log.info("task_delegated", job=job_id, task=task_name, site=chosen, epoch=task.epoch)
-            return None
-        # No answer: nobody knows whether the site started it; placing it again bumps the
-        # epoch, which fences off a copy that did start.
-        why = "no answer to the commit"
-        if committed is not None:
-            why = f"commit refused: {committed.commit_answer.reason}"
-        log.warning("commit_failed", job=job_id, task=task_name, site=chosen, reason=why)
-        await self._jobs.update(job_id, _back_from_site(task_name, task.epoch, why))
-        refusals[chosen] = why
-        return refusals
+        back: list[tuple[str, Mutation]] = []
+        for (site, items), site_answers in zip(commits.items(), answers, strict=True):
+            for (n, commit), answer in zip(items, site_answers, strict=True):
+                if answer is not None and answer.commit_answer.started:
+                    n.settled = True
+                    log.debug(
+                        "task_delegated", job=n.job_id, task=n.task, site=site, epoch=commit.epoch
+                    )
+                    continue
+                # No answer: nobody knows whether the site started it; placing it again bumps
+                # the epoch, which fences off a copy that did start.
+                why = "no answer to the commit"
+                if answer is not None:
+                    why = f"commit refused: {answer.commit_answer.reason}"
+                log.warning("commit_failed", job=n.job_id, task=n.task, site=site, reason=why)
+                back.append((n.job_id, _back_from_site(n.task, commit.epoch, why)))
+                n.verdicts.append(_refusal(site, why))
+        if back:
+            await self._jobs.update_many(back)
 
     async def _offer(
-        self, session: SiteSession | None, offer: site_link_service_pb2.Offer
-    ) -> tuple[str, str]:
-        """(reservation id, "") when the site accepts, else ("", why not)."""
-        assert session is not None
-        request = site_link_service_pb2.CoordinatorMessage()
-        request.offer.CopyFrom(offer)
-        try:
-            reply = await session.request(request, self._config.offer_timeout_s)
-        except TimeoutError:
-            return "", f"no answer to the offer within {self._config.offer_timeout_s:g}s"
-        except SessionClosedError:
-            return "", "site disconnected during the offer"
-        if not reply.HasField("offer_answer"):
-            return "", "site answered the offer with the wrong message"
-        answer = reply.offer_answer
-        if not answer.accepted:
-            return "", f"declined: {answer.reason}"
-        return answer.reservation_id, ""
+        self, site: str, offers: list[site_link_service_pb2.Offer]
+    ) -> list[tuple[str, str]]:
+        """For each offer: (reservation id, "") when the site accepts, else ("", why not)."""
+        session = self._sites.session(site)
+        if session is None:
+            return [("", "site disconnected before the offer")] * len(offers)
+        timeout_s = self._config.offer_timeout_s
+        replies = await session.request_many(
+            [site_link_service_pb2.CoordinatorMessage(offer=offer) for offer in offers], timeout_s
+        )
+        out = []
+        for reply in replies:
+            if isinstance(reply, TimeoutError):
+                out.append(("", f"no answer to the offer within {timeout_s:g}s"))
+            elif isinstance(reply, SessionClosedError):
+                out.append(("", "site disconnected during the offer"))
+            elif not reply.HasField("offer_answer"):
+                out.append(("", "site answered the offer with the wrong message"))
+            elif not reply.offer_answer.accepted:
+                out.append(("", f"declined: {reply.offer_answer.reason}"))
+            else:
+                out.append((reply.offer_answer.reservation_id, ""))
+        return out
 
     def _release(self, site: str, reservation_id: str) -> None:
         session = self._sites.session(site)
@@ -355,41 +456,68 @@ class Scheduler:
         return out
 
     async def _commit(
-        self, site: str, commit: site_link_service_pb2.Commit
-    ) -> site_link_service_pb2.AgentMessage | None:
-        """Send the commit, once more over a new session if the first try got no answer.
-
-        A site treats a repeated commit of the same reservation as a no-op.
-        """
+        self, site: str, commits: list[site_link_service_pb2.Commit]
+    ) -> list[site_link_service_pb2.AgentMessage | None]:
+        """Send the commits; those without an answer go once more, over a new session if the
+        site reconnected. A site treats a repeated commit of a reservation as a no-op."""
+        answers: list[site_link_service_pb2.AgentMessage | None] = [None] * len(commits)
+        unanswered = list(range(len(commits)))
         for _ in range(2):
             session = self._sites.session(site)
-            if session is None:
-                return None
-            request = site_link_service_pb2.CoordinatorMessage(commit=commit)
-            try:
-                return await session.request(request, self._config.offer_timeout_s)
-            except (TimeoutError, SessionClosedError):
-                continue
-        return None
+            if session is None or not unanswered:
+                break
+            replies = await session.request_many(
+                [site_link_service_pb2.CoordinatorMessage(commit=commits[i]) for i in unanswered],
+                self._config.offer_timeout_s,
+            )
+            still = []
+            for i, reply in zip(unanswered, replies, strict=True):
+                if isinstance(reply, TimeoutError | SessionClosedError):
+                    still.append(i)
+                else:
+                    answers[i] = reply
+            unanswered = still
+        return answers
 
-    async def _back_to_pending(
-        self, job_id: str, task_name: str, verdicts: list[jobs_pb2.SiteVerdict]
-    ) -> None:
-        def mutate(job: jobs_pb2.Job) -> list[Change]:
-            task = find_task(job, task_name)
-            if task.state not in (job_state.SCHEDULING, job_state.PENDING):
-                return []
-            del task.verdicts[:]
-            task.verdicts.extend(verdicts)
-            unplace(task)
-            return [transition(job, task_name, job_state.PENDING, summarize(verdicts))]
+    async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
+        def mutation(task_name: str, verdicts: list[jobs_pb2.SiteVerdict]) -> Mutation:
+            def mutate(job: jobs_pb2.Job) -> list[Change]:
+                task = find_task(job, task_name)
+                if task.state not in (job_state.SCHEDULING, job_state.PENDING):
+                    return []
+                del task.verdicts[:]
+                task.verdicts.extend(verdicts)
+                unplace(task)
+                return [transition(job, task_name, job_state.PENDING, summarize(verdicts))]
 
-        await self._jobs.update(job_id, mutate)
+            return mutate
+
+        await self._jobs.update_many(
+            [(n.job_id, mutation(n.task, n.verdicts)) for n in negotiations]
+        )
 
     async def close(self) -> None:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+_Placement = tuple[tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate]]
+
+
+def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
+    return jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=reason)
+
+
+def _task_of(
+    written: dict[str, jobs_pb2.Job | FederationError], n: _Negotiation
+) -> jobs_pb2.TaskStatus | None:
+    """The task as written, or None (logged) when its job could not be written."""
+    job = written[n.job_id]
+    if isinstance(job, FederationError):
+        log.warning("negotiation_failed", job=n.job_id, task=n.task, error=str(job))
+        return None
+    return find_task(job, n.task)
 
 
 def _mark_scheduling(task_name: str, sites: list[str]) -> Mutation:

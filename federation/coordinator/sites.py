@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 import structlog
@@ -61,21 +61,38 @@ class SiteSession:
             message.correlation_id = f"{self.site}-{next(self._ids)}"
         self.outbox.put_nowait(message)
 
-    async def request(
-        self, message: site_link_service_pb2.CoordinatorMessage, timeout_s: float
-    ) -> site_link_service_pb2.AgentMessage:
-        """Send a request and wait for the agent's answer with the same correlation id."""
-        correlation_id = f"{self.site}-{next(self._ids)}"
-        message.correlation_id = correlation_id
-        future: asyncio.Future[site_link_service_pb2.AgentMessage] = (
-            asyncio.get_running_loop().create_future()
-        )
-        self.pending[correlation_id] = future
+    async def request_many(
+        self, messages: Sequence[site_link_service_pb2.CoordinatorMessage], timeout_s: float
+    ) -> list[site_link_service_pb2.AgentMessage | SessionClosedError | TimeoutError]:
+        """Send requests and wait, ``timeout_s`` in all, for the agent's answers (each
+        matched by its correlation id); a request without one gets the reason instead."""
+        if not messages:
+            return []
+        loop = asyncio.get_running_loop()
+        futures: list[asyncio.Future[site_link_service_pb2.AgentMessage]] = []
+        for message in messages:
+            message.correlation_id = f"{self.site}-{next(self._ids)}"
+            futures.append(loop.create_future())
+            self.pending[message.correlation_id] = futures[-1]
         try:
-            self.send(message)
-            return await asyncio.wait_for(future, timeout_s)
+            for message in messages:
+                self.send(message)
+            await asyncio.wait(futures, timeout=timeout_s)
+        except SessionClosedError as err:
+            return [err] * len(messages)
         finally:
-            self.pending.pop(correlation_id, None)
+            for message in messages:
+                self.pending.pop(message.correlation_id, None)
+        out: list[site_link_service_pb2.AgentMessage | SessionClosedError | TimeoutError] = []
+        for future in futures:
+            if not future.done():
+                future.cancel()
+                out.append(TimeoutError())
+            elif isinstance(error := future.exception(), SessionClosedError):
+                out.append(error)
+            else:
+                out.append(future.result())
+        return out
 
     def resolve(self, reply: site_link_service_pb2.AgentMessage) -> bool:
         """Hand an answer to its waiting request; False when nobody waits for it."""
