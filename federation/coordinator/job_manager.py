@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -14,6 +14,7 @@ from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
+    Mutation,
     find_task,
     new_job_id,
     now_timestamp,
@@ -24,6 +25,7 @@ from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT, spec_violations
 from federation.errors import (
+    FederationError,
     FieldViolation,
     InvalidArgumentError,
     JobNotFoundError,
@@ -246,25 +248,55 @@ class JobManager:
     async def apply_reports(
         self, site: str, reports: Sequence[site_link_service_pb2.TaskReport]
     ) -> None:
-        """Apply reports that arrived together: jobs concurrently (their writes share store
-        commits), each job's reports in the order they came."""
-        by_job: dict[str, list[site_link_service_pb2.TaskReport]] = {}
+        """Apply reports that arrived together, each job's in the order they came.
+
+        Reports for the delegation the coordinator holds as current (the usual case) are
+        written together in one ``update_many``; the rest (stale, foreign, for jobs no longer
+        cached) take ``apply_report`` one by one, after them.
+        """
         for i, report in enumerate(reports):
             if not report.job_id or not report.task:
                 raise InvalidArgumentError(
                     [FieldViolation(f"task_status[{i}]", "job_id and task are required")]
                 )
-            by_job.setdefault(report.job_id, []).append(report)
+        current: list[tuple[site_link_service_pb2.TaskReport, _Effects]] = []
+        others: list[site_link_service_pb2.TaskReport] = []
+        others_jobs: set[str] = set()
+        for report in reports:
+            if report.job_id in others_jobs or not self._is_current(site, report):
+                others.append(report)
+                others_jobs.add(report.job_id)
+            else:
+                current.append((report, _Effects()))
+        if current:
+            written = await self._jobs.update_many(
+                [(r.job_id, self._report_mutation(site, r, effects)) for r, effects in current]
+            )
+            for report, effects in current:
+                job = written[report.job_id]
+                if isinstance(job, FederationError):
+                    # Unacknowledged: the agent's journal offers it again at its next hello.
+                    log.warning("task_report_failed", job=report.job_id, error=str(job))
+                    continue
+                self._after_report(site, report, job, effects)
+        for report in others:
+            await self.apply_report(site, report)
 
-        async def in_order(job_reports: list[site_link_service_pb2.TaskReport]) -> None:
-            for report in job_reports:
-                await self.apply_report(site, report)
-
-        await asyncio.gather(*(in_order(job_reports) for job_reports in by_job.values()))
+    def _is_current(self, site: str, report: site_link_service_pb2.TaskReport) -> bool:
+        """Whether the report is for the delegation of the task the coordinator holds now."""
+        job = self._jobs.cached(report.job_id)
+        if job is None:
+            return False
+        task = next((t for t in job.tasks if t.name == report.task), None)
+        return (
+            task is not None
+            and task.site == site
+            and task.epoch == report.epoch
+            and task.state in job_state.AT_SITE
+        )
 
     async def apply_report(self, site: str, report: site_link_service_pb2.TaskReport) -> None:
         """Record a task status from ``site``; stale or foreign reports are fenced off."""
-        final = job_state.is_terminal(report.state)
         try:
             job = await self._jobs.get(report.job_id)
             task = find_task(job, report.task)
@@ -283,15 +315,25 @@ class JobManager:
             ):
                 await self.apply_report(site, report)  # current again: apply it as usual
                 return
-            self._fence(site, report, final)
+            self._fence(site, report, job_state.is_terminal(report.state))
             return
-        siblings: list[tuple[str, str, int]] = []
-        superseded: list[bool] = []
+        effects = _Effects()
+        updated = await self._jobs.update(
+            report.job_id, self._report_mutation(site, report, effects)
+        )
+        self._after_report(site, report, updated, effects)
+
+    def _report_mutation(
+        self, site: str, report: site_link_service_pb2.TaskReport, effects: _Effects
+    ) -> Mutation:
+        final = job_state.is_terminal(report.state)
 
         def mutate(job: jobs_pb2.Job) -> list[Change]:
+            effects.superseded = False
+            effects.siblings.clear()
             current = find_task(job, report.task)
             if current.epoch != report.epoch or current.state not in job_state.AT_SITE:
-                superseded.append(True)  # moved on since the check above
+                effects.superseded = True  # moved on since it was checked
                 return []
             if report.devices:
                 del current.devices[:]
@@ -316,19 +358,28 @@ class JobManager:
             reason = report.reason or _default_reason(report)
             changes = [transition(job, report.task, report.state, reason)]
             if report.state == job_state.FAILED:
-                siblings.clear()
-                changes += self._stop_tasks(job, f"task {report.task} failed", siblings)
+                changes += self._stop_tasks(job, f"task {report.task} failed", effects.siblings)
             return changes
 
-        updated = await self._jobs.update(report.job_id, mutate)
-        if superseded:
+        return mutate
+
+    def _after_report(
+        self,
+        site: str,
+        report: site_link_service_pb2.TaskReport,
+        updated: jobs_pb2.Job,
+        effects: _Effects,
+    ) -> None:
+        """Tell the sites what a written report implies: ack, cancels, and wake the scheduler."""
+        final = job_state.is_terminal(report.state)
+        if effects.superseded:
             self._fence(site, report, final)
             return
         if final:
             self.tell_site(site, _ack(report))
         if updated.cancel_requested and report.state == job_state.RUNNING:
             self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
-        self._send_cancels(report.job_id, siblings, f"task {report.task} failed")
+        self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")
         if final:
             self._wake()
 
@@ -391,6 +442,16 @@ class JobManager:
             return [transition(job, task_name, job_state.PENDING, reason)]
 
         await self._jobs.update(job_id, mutate)
+
+
+@dataclass(slots=True)
+class _Effects:
+    """What applying one report implies beyond the write (set by its mutation)."""
+
+    superseded: bool = False
+    """The task moved on since the report was checked: fence the report off."""
+    siblings: list[tuple[str, str, int]] = field(default_factory=list)
+    """(site, task, epoch) of sibling tasks to cancel because this one failed."""
 
 
 def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:

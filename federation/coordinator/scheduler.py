@@ -141,6 +141,7 @@ class Scheduler:
         batch: list[_Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
+        swept = True
         for job in jobs:
             if job.cancel_requested:
                 continue
@@ -148,15 +149,16 @@ class Scheduler:
                 key = (job.id, task.name)
                 if task.state != job_state.PENDING or key in self._inflight:
                     continue
-                request = request_for(job, task.name)
-                if request is None:
-                    continue  # waits for its dependencies; a report of theirs wakes us
                 pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
                     continue
                 if len(batch) >= room:
                     self._full = True
-                    continue
+                    swept = False
+                    break
+                request = request_for(job, task.name)
+                if request is None:
+                    continue  # waits for its dependencies; a report of theirs wakes us
                 assert snapshot is not None
                 placement = placements.get(request)
                 if placement is None:
@@ -166,9 +168,12 @@ class Scheduler:
                     nowhere.append((job.id, task.name, list(verdicts)))
                     continue
                 batch.append(_Negotiation(job.id, task.name, ranked, list(verdicts), estimates))
-        # Forget the backoff of tasks that are no longer waiting (placed, cancelled, failed).
-        for key in set(self._not_before) - pending - self._inflight:
-            self._forget(key)
+            if not swept:
+                break
+        if swept:
+            # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
+            for key in set(self._not_before) - pending - self._inflight:
+                self._forget(key)
         if batch:
             self._inflight.update(n.key for n in batch)
             runner = asyncio.create_task(self._negotiate(batch))
