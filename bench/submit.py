@@ -35,6 +35,7 @@ from federation.api.v1 import (
     site_link_service_pb2,
 )
 from federation.local import LocalFederation
+from federation.watch import events_of
 
 COMMITTED = frozenset(
     {jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED}
@@ -159,8 +160,7 @@ async def run_jobs(
     await asyncio.sleep(0.2)  # let the watch subscribe before the first submit
 
     async def follow() -> None:
-        async for reply in watch:
-            event = reply.event
+        async for event in events_of(watch):
             t0 = submitted_at.pop(event.job_id, None) if event.job_state in COMMITTED else None
             if t0 is not None:
                 latency.append((time.perf_counter() - t0) * 1000)

@@ -31,6 +31,7 @@ from federation.cli.render import console, event_line
 from federation.coordinator.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
 from federation.local import LocalFederation, SiteSpec
+from federation.watch import events_of
 
 NPU = {
     "kind": "NPU",
@@ -347,8 +348,7 @@ async def run_demo(fed: LocalFederation) -> int:
         big = next(job.id for job in submitted if job.spec.name == "too-big")
         done: set[str] = set()
         cancel_sent = False
-        async for reply in watch:
-            event = reply.event
+        async for event in events_of(watch):
             if event.job_id not in ids:
                 continue
             console.print("  " + event_line(event), markup=False)

@@ -30,6 +30,7 @@ from federation.cli.render import (
     sites_table,
 )
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
+from federation.watch import events_of
 
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -293,9 +294,9 @@ async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         request = job_service_pb2.WatchJobsRequest(job_ids=args.job_ids, include_current=True)
-        async for reply in stub.WatchJobs(request):
+        async for event in events_of(stub.WatchJobs(request)):
             if args.json:
-                print_json(reply.event)
+                print_json(event)
             else:
-                console.print(event_line(reply.event), markup=False)
+                console.print(event_line(event), markup=False)
     return 0

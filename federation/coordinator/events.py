@@ -30,6 +30,8 @@ class Subscription:
     overflowed: bool = False
     ended: FederationError | None = None
     """Why the hub was closed under this watcher, if it was."""
+    end_reached: bool = False
+    """The end marker was taken from the queue: every later read raises."""
 
     async def next(self) -> jobs_pb2.JobEvent:
         """The next event; raises ``WatchOverflowError`` once the watcher was dropped.
@@ -38,12 +40,25 @@ class Subscription:
             WatchOverflowError: The watcher fell behind and was dropped.
             FederationError: The hub was closed (``ended``), e.g. on stepping down.
         """
-        event = await self.queue.get()
+        event = None if self.end_reached else await self.queue.get()
         if event is None:
+            self.end_reached = True
             if self.ended is not None:
                 raise self.ended
             raise WatchOverflowError("watch fell behind; watch again with include_current")
         return event
+
+    async def next_batch(self, limit: int = 512) -> list[jobs_pb2.JobEvent]:
+        """The next event and up to ``limit`` - 1 more already queued, in order. Raises as
+        ``next`` does, after the events queued before the end were handed out."""
+        batch = [await self.next()]
+        while len(batch) < limit and not self.queue.empty():
+            event = self.queue.get_nowait()
+            if event is None:
+                self.end_reached = True  # the next call raises
+                break
+            batch.append(event)
+        return batch
 
 
 class EventHub:

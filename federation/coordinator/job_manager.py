@@ -213,7 +213,8 @@ class JobManager:
 
     async def watch(
         self, caller: Identity, request: job_service_pb2.WatchJobsRequest
-    ) -> AsyncIterator[jobs_pb2.JobEvent]:
+    ) -> AsyncIterator[list[jobs_pb2.JobEvent]]:
+        """Events of the jobs the caller may see (and asked for), in batches of those ready."""
         wanted = set(request.job_ids)
         visible = visible_to(caller)
 
@@ -223,16 +224,16 @@ class JobManager:
         subscription = self._hub.subscribe(accepts)
         try:
             if request.include_current:
+                current = []
                 for job_id in sorted(wanted) if wanted else []:
                     with contextlib.suppress(JobNotFoundError):
-                        job = await self.get(caller, job_id)
-                        yield current_event(job)
+                        current.append(current_event(await self.get(caller, job_id)))
                 if not wanted:
-                    for job in self._jobs.active():
-                        if accepts(job):
-                            yield current_event(job)
+                    current += [current_event(j) for j in self._jobs.active() if accepts(j)]
+                for first in range(0, len(current), 512):
+                    yield current[first : first + 512]
             while True:
-                yield await subscription.next()
+                yield await subscription.next_batch()
         finally:
             self._hub.unsubscribe(subscription)
 

@@ -54,7 +54,7 @@ class SchedulerConfig:
     """Sites offered a task at the same time; the best one that accepts gets the commit."""
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
-    max_concurrent_negotiations: int = 256
+    max_concurrent_negotiations: int = 2048
 
 
 @dataclass(slots=True)

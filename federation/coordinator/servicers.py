@@ -125,8 +125,8 @@ class JobServicer(job_grpc.JobServiceServicer):
     async def WatchJobs(
         self, request: job_pb.WatchJobsRequest, context: Context
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
-        async for event in self._current().manager.watch(current_caller(), request):
-            yield job_pb.WatchJobsResponse(event=event)
+        async for events in self._current().manager.watch(current_caller(), request):
+            yield job_pb.WatchJobsResponse(events=events)
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):

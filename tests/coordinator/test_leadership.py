@@ -158,7 +158,7 @@ async def test_lost_lease_steps_down_at_once_and_the_follower_takes_over(
         submitted = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))).job
         events = aiter(watch)
         async with asyncio.timeout(WAIT_S):
-            assert (await anext(events)).event.job_id == submitted.id
+            assert (await anext(events)).events[0].job_id == submitted.id
         admin = await EtcdStore.open([etcd.endpoint], prefix="")
         try:
             await admin.revoke(leader.election.lease)  # as if its keepalives stopped arriving

@@ -23,6 +23,7 @@ from federation.local import LocalFederation, SiteSpec
 from federation.security.identity import Identity, Role
 from federation.security.pki import issue_client_files
 from federation.security.tls import TlsFiles, channel_credentials
+from federation.watch import events_of
 
 SITES = [
     SiteSpec(
@@ -151,8 +152,8 @@ async def wait_for_job(
 
     async def follow() -> jobs_pb2.Job:
         request = job_service_pb2.WatchJobsRequest(job_ids=[job_id], include_current=True)
-        async for reply in stub.WatchJobs(request):
-            state = reply.event.job_state
+        async for event in events_of(stub.WatchJobs(request)):
+            state = event.job_state
             if (until is None and is_terminal(state)) or (until is not None and state in until):
                 break
         return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job

@@ -14,6 +14,7 @@ from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.coordinator import job_state
 from federation.coordinator.server import SERVICE_NAMES
 from federation.local import LocalFederation
+from federation.watch import events_of
 
 from .conftest import admin, jobs, python_task, spec, wait_for_job
 
@@ -194,9 +195,9 @@ async def test_every_transition_is_recorded_and_watched(operator: grpc.aio.Chann
     stub = jobs(operator)
     watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest(job_ids=[job.id], include_current=True))
     streamed: list[int] = []
-    async for reply in watch:
-        streamed.append(reply.event.sequence)
-        if job_state.is_terminal(reply.event.job_state):
+    async for event in events_of(watch):
+        streamed.append(event.sequence)
+        if job_state.is_terminal(event.job_state):
             break
     watch.cancel()
     recorded = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job.id, include_events=True))

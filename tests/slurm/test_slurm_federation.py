@@ -22,6 +22,7 @@ from federation.api.v1 import (
 )
 from federation.jobspec import job_spec_from_dict
 from federation.local import LocalFederation, SiteSpec
+from federation.watch import events_of
 
 from .conftest import GRES, MAX_MEM_PER_NODE_MIB, NODE, PARTITION
 from .tasks import WAIT_S, eventually, until
@@ -88,8 +89,8 @@ async def wait_job(
 
     async def follow() -> jobs_pb2.Job:
         request = job_service_pb2.WatchJobsRequest(job_ids=[job_id], include_current=True)
-        async for reply in stub.WatchJobs(request):
-            if reply.event.job_state in until:
+        async for event in events_of(stub.WatchJobs(request)):
+            if event.job_state in until:
                 break
         return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
 

@@ -318,17 +318,19 @@ Global___WatchJobsRequest: _TypeAlias = WatchJobsRequest  # noqa: Y015
 class WatchJobsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
-    EVENT_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def event(self) -> _jobs_pb2.JobEvent: ...
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.JobEvent]:
+        """Every event ready when the stream writes, in order (one write carries many under load)."""
+
     def __init__(
         self,
         *,
-        event: _jobs_pb2.JobEvent | None = ...,
+        events: _abc.Iterable[_jobs_pb2.JobEvent] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
