@@ -5,7 +5,8 @@ over mTLS from a second process, whose local core accepts every offer and "runs"
 instantly. A client submits jobs over mTLS, one RPC per job (SubmitJob) or in batches
 (SubmitJobs), and follows them with WatchJobs: a job counts once it is committed to a site
 (DELEGATED). In the same run, a bare unary RPC (health Check) over the same mTLS channel is
-the baseline the unary rate is compared with.
+the baseline the unary rate is compared with. Latency is reported under saturation (the two
+closed-loop runs) and at moderate load (unary submits paced at a quarter of the unary rate).
 
     python bench/submit.py [--sites 10,100] [--jobs 2000] [--batch 500] [--json]
 """
@@ -36,6 +37,9 @@ from federation.api.v1 import (
 )
 from federation.local import LocalFederation
 from federation.watch import events_of
+
+MODERATE_SHARE = 0.25
+"""Moderate load, for the latency target: this share of the unary rate measured in the run."""
 
 COMMITTED = frozenset(
     {jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED}
@@ -149,49 +153,71 @@ async def echo_rate(channel: grpc.aio.Channel, calls: int, concurrency: int) -> 
 
 
 async def run_jobs(
-    channel: grpc.aio.Channel, jobs: int, batch: int, concurrency: int
+    channel: grpc.aio.Channel,
+    jobs: int,
+    batch: int,
+    concurrency: int,
+    rate: float | None = None,
 ) -> dict[str, float]:
-    """Submit ``jobs`` (batch 1 = SubmitJob), wait until all are committed; rate and latency."""
+    """Submit ``jobs`` (batch 1 = SubmitJob) and wait until all are committed.
+
+    Closed loop (``concurrency`` submitters, each sending its next request when the last one
+    returns) measures the most the coordinator takes; with ``rate``, unary submits leave at
+    that pace whatever happens to earlier ones (open loop), for latency at a known load.
+    """
     stub = job_service_pb2_grpc.JobServiceStub(channel)
     submitted_at: dict[str, float] = {}
-    latency: list[float] = []
+    committed_at: dict[str, float] = {}
     done = asyncio.Event()
     watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
     await asyncio.sleep(0.2)  # let the watch subscribe before the first submit
 
+    def check_done() -> None:
+        if len(submitted_at) == jobs and len(committed_at.keys() & submitted_at.keys()) == jobs:
+            done.set()
+
     async def follow() -> None:
         async for event in events_of(watch):
-            t0 = submitted_at.pop(event.job_id, None) if event.job_state in COMMITTED else None
-            if t0 is not None:
-                latency.append((time.perf_counter() - t0) * 1000)
-                if len(latency) == jobs:
-                    done.set()
-                    return
+            if event.job_state in COMMITTED and event.job_id not in committed_at:
+                committed_at[event.job_id] = time.perf_counter()
+                check_done()
+
+    async def submit(chunk: list[jobs_pb2.JobSpec]) -> None:
+        t0 = time.perf_counter()
+        if len(chunk) == 1:
+            reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=chunk[0]))
+            ids = [reply.job.id]
+        else:
+            many = await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=chunk))
+            ids = [j.id for j in many.jobs]
+        for job_id in ids:
+            submitted_at[job_id] = t0
+        check_done()
 
     follower = asyncio.create_task(follow())
     counter = iter(range(jobs))
 
     async def worker() -> None:
-        while True:
-            chunk = [spec(i) for _, i in zip(range(batch), counter, strict=False)]
-            if not chunk:
-                return
-            t0 = time.perf_counter()
-            if batch == 1:
-                reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=chunk[0]))
-                ids = [reply.job.id]
-            else:
-                many = await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=chunk))
-                ids = [j.id for j in many.jobs]
-            for job_id in ids:
-                submitted_at.setdefault(job_id, t0)
+        while chunk := [spec(i) for _, i in zip(range(batch), counter, strict=False)]:
+            await submit(chunk)
+
+    async def paced(rate: float) -> None:
+        sends = []
+        for i in range(jobs):
+            await asyncio.sleep(max(0.0, start + i / rate - time.perf_counter()))
+            sends.append(asyncio.create_task(submit([spec(i)])))
+        await asyncio.gather(*sends)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    if rate is None:
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        await paced(rate)
     await asyncio.wait_for(done.wait(), 600)
-    elapsed = time.perf_counter() - start
+    elapsed = max(committed_at.values()) - start
     watch.cancel()
     follower.cancel()
+    latency = [(committed_at[j] - t0) * 1000 for j, t0 in submitted_at.items()]
     return {
         "jobs_per_s": jobs / elapsed,
         "p50_ms": float(np.percentile(latency, 50)),
@@ -210,6 +236,9 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
                 echo = await echo_rate(channel, 2000, 16)
                 unary = await run_jobs(channel, jobs // 4, 1, 16)
                 batched = await run_jobs(channel, jobs, batch, 2)
+                # Moderate load: unary submits at a quarter of the most this run took.
+                rate = unary["jobs_per_s"] * MODERATE_SHARE
+                moderate = await run_jobs(channel, int(rate * 5), 1, 1, rate=rate)
         finally:
             for runner in runners:
                 runner.cancel()
@@ -223,6 +252,9 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
         "batched_jobs_per_s": batched["jobs_per_s"],
         "batched_p50_ms": batched["p50_ms"],
         "batched_p99_ms": batched["p99_ms"],
+        "moderate_jobs_per_s": rate,
+        "moderate_p50_ms": moderate["p50_ms"],
+        "moderate_p99_ms": moderate["p99_ms"],
     }
 
 
@@ -242,14 +274,16 @@ def main() -> None:
         return
     print(
         f"{'sites':>6} {'echo/s':>8} {'unary jobs/s':>13} {'x echo':>7} {'unary p50/p99 ms':>17} "
-        f"{'batched jobs/s':>15} {'batched p50/p99 ms':>19}"
+        f"{'batched jobs/s':>15} {'batched p50/p99 ms':>19} {'moderate load: jobs/s':>22} "
+        f"{'p50/p99 ms':>15}"
     )
     for n, r in results.items():
         print(
             f"{n:>6} {r['echo_rpc_per_s']:>8.0f} {r['unary_jobs_per_s']:>13.0f} "
             f"{r['unary_vs_echo']:>7.2f} {r['unary_p50_ms']:>8.1f}/{r['unary_p99_ms']:<8.1f} "
             f"{r['batched_jobs_per_s']:>15.0f} {r['batched_p50_ms']:>9.1f}/"
-            f"{r['batched_p99_ms']:<9.1f}"
+            f"{r['batched_p99_ms']:<9.1f} {r['moderate_jobs_per_s']:>22.0f} "
+            f"{r['moderate_p50_ms']:>7.1f}/{r['moderate_p99_ms']:<7.1f}"
         )
 
 

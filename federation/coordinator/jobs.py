@@ -111,23 +111,32 @@ class JobRepository:
         self._active: dict[str, tuple[jobs_pb2.Job, int]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Jobs with a PENDING task: what the scheduler looks at, without walking every job.
-        self._pending: set[str] = set()
+        # Kept in id order (ids are time-ordered) without sorting on every look: new jobs
+        # arrive in order, and only an older job coming back marks it out of order.
+        self._pending: dict[str, None] = {}
+        self._pending_in_order = True
 
     def _cache(self, job: jobs_pb2.Job, revision: int) -> None:
         if job_state.is_terminal(job.state):
             self._active.pop(job.id, None)
-            self._pending.discard(job.id)
+            self._pending.pop(job.id, None)
             return
         self._active[job.id] = (job, revision)
         if any(t.state == job_state.PENDING for t in job.tasks):
-            self._pending.add(job.id)
+            if job.id not in self._pending:
+                if self._pending and job.id < next(reversed(self._pending)):
+                    self._pending_in_order = False
+                self._pending[job.id] = None
         else:
-            self._pending.discard(job.id)
+            self._pending.pop(job.id, None)
 
     def pending(self) -> list[jobs_pb2.Job]:
         """The jobs that have a PENDING task, oldest first: the cached messages themselves,
         not copies (a hot path), so callers read them and never change them."""
-        return [self._active[job_id][0] for job_id in sorted(self._pending)]
+        if not self._pending_in_order:
+            self._pending = dict.fromkeys(sorted(self._pending))
+            self._pending_in_order = True
+        return [self._active[job_id][0] for job_id in self._pending]
 
     def cached(self, job_id: str) -> jobs_pb2.Job | None:
         """An unfinished job as cached (the message itself: read it, never change it)."""
@@ -339,7 +348,7 @@ class JobRepository:
     def _forget(self, job_id: str) -> None:
         """Drop a job from the cache: the store holds a newer version than ours."""
         self._active.pop(job_id, None)
-        self._pending.discard(job_id)
+        self._pending.pop(job_id, None)
 
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""

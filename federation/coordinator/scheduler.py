@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 
@@ -70,10 +70,10 @@ class _Negotiation:
     estimates: dict[str, jobs_pb2.Estimate]
     settled: bool = False
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
+    key: TaskKey = field(init=False)
 
-    @property
-    def key(self) -> TaskKey:
-        return self.job_id, self.task
+    def __post_init__(self) -> None:
+        self.key = (self.job_id, self.task)
 
 
 class Scheduler:
