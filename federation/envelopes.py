@@ -12,8 +12,11 @@ from typing import Protocol, TypeVar
 
 MAX_MESSAGES = 512
 MAX_BYTES = 1 << 20
-"""Once an envelope holds this much, the rest waits for the next write (one larger message
-still goes, alone)."""
+"""Once an envelope holds this much, the rest waits for the next write. A message that comes
+next still goes in, so an envelope can reach this plus its largest message (a full view)."""
+MAX_STREAM_MESSAGE_BYTES = 64 << 20
+"""gRPC's receive limit on both ends of the Connect stream (its default, 4 MiB, is less than
+one envelope of large views can take)."""
 
 
 class _Sized(Protocol):

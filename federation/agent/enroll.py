@@ -11,6 +11,7 @@ import structlog
 from federation.agent.config import AgentConfig
 from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
 from federation.endpoints import LEADER_JOIN, Endpoints, call_leader, parse_endpoints
+from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
@@ -45,6 +46,7 @@ def channel_options(config: AgentConfig) -> list[tuple[str, str | int]]:
     options: list[tuple[str, str | int]] = [
         ("grpc.keepalive_time_ms", 10_000),
         ("grpc.keepalive_timeout_ms", 5_000),
+        ("grpc.max_receive_message_length", MAX_STREAM_MESSAGE_BYTES),
     ]
     if config.server_name:
         options.append(("grpc.ssl_target_name_override", config.server_name))

@@ -425,8 +425,14 @@ class JobManager:
 
         ``delegated`` is ``delegated_to(site)`` taken when the site said hello.
         """
-        held = {(r.job_id, r.task, r.epoch) for r in reports}
-        await self.apply_reports(site, reports)
+        named = [r for r in reports if r.job_id and r.task]
+        if len(named) < len(reports):
+            # Refusing the hello would only bring the same journal back: drop just these.
+            log.warning(
+                "hello_reports_without_ids_dropped", site=site, count=len(reports) - len(named)
+            )
+        held = {(r.job_id, r.task, r.epoch) for r in named}
+        await self.apply_reports(site, named)
         for job_id, task, epoch in sorted(delegated - held):
             await self._requeue(job_id, task, epoch, site)
         self._wake()

@@ -21,9 +21,10 @@ from federation.errors import (
     FieldViolation,
     InvalidArgumentError,
     JobNotFoundError,
+    UnavailableError,
 )
 from federation.metrics import TASK_TRANSITIONS
-from federation.store import CasConflictError, Op, Put, Store
+from federation.store import CasConflictError, Put, Store, StoreError
 
 log = structlog.get_logger()
 
@@ -293,14 +294,19 @@ class JobRepository:
             )
             for chunk, outcome in zip(chunks, outcomes, strict=True):
                 if isinstance(outcome, CasConflictError):
-                    # Another writer got to one of these jobs: each tries again on its own.
+                    # Another writer got to one of these jobs (that one is re-read); the commit
+                    # wrote none of them, so each tries again on its own.
+                    self._forget(outcome.key.removeprefix(JOBS))
                     for stage in chunk:
                         job_id = stage.job.id
-                        self._forget(job_id)
                         try:
                             results[job_id] = await self._update_locked(job_id, composed[job_id])
-                        except FederationError as err:
-                            results[job_id] = err
+                        except (FederationError, StoreError) as err:
+                            results[job_id] = _failed(job_id, err)
+                elif isinstance(outcome, Exception):
+                    # Nothing of this chunk was written; other chunks may have been.
+                    for stage in chunk:
+                        results[stage.job.id] = _failed(stage.job.id, outcome)
                 elif isinstance(outcome, BaseException):
                     raise outcome
         finally:
@@ -343,7 +349,9 @@ class JobRepository:
         if events:
             job.reason = events[-1].reason
         job.updated_at.CopyFrom(now_timestamp())
-        return job, _Staged(job, revision, events, previous_state)
+        ops = [Put(job_key(job.id), job.SerializeToString(), expect_revision=revision)]
+        ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in events]
+        return job, _Staged(job, ops, events, previous_state)
 
     def _forget(self, job_id: str) -> None:
         """Drop a job from the cache: the store holds a newer version than ours."""
@@ -352,14 +360,7 @@ class JobRepository:
 
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""
-        ops: list[Op] = []
-        for stage in staged:
-            job = stage.job
-            ops.append(
-                Put(job_key(job.id), job.SerializeToString(), expect_revision=stage.revision)
-            )
-            ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in stage.events]
-        new_revision = await self._store.commit(ops)
+        new_revision = await self._store.commit([op for stage in staged for op in stage.ops])
         for stage in staged:
             job = stage.job
             for event in stage.events:
@@ -392,30 +393,44 @@ class JobRepository:
 MAX_OPS_PER_COMMIT = 100
 """etcd refuses a transaction of more than --max-txn-ops (128 by default) operations, and a
 coordinator's fenced store adds one; larger batches of updates go in several commits."""
+MAX_BYTES_PER_COMMIT = 1 << 20
+"""etcd refuses a request over --max-request-bytes (1.5 MiB by default)."""
 
 
 @dataclass(slots=True)
 class _Staged:
-    """A mutated job ready to write: the revision it must still have, and its new events."""
+    """A mutated job ready to write: its puts (the job at the revision it must still have,
+    and its new events), the events to publish once written, and its state before."""
 
     job: jobs_pb2.Job
-    revision: int
+    ops: list[Put]
     events: list[jobs_pb2.JobEvent]
     previous_state: int
 
 
 def _chunks(staged: list[_Staged]) -> list[list[_Staged]]:
-    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT (one job never splits)."""
+    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT operations or about
+    MAX_BYTES_PER_COMMIT bytes (a job never splits: one larger job goes alone)."""
     chunks: list[list[_Staged]] = []
-    ops = MAX_OPS_PER_COMMIT
+    ops = size = 0
     for stage in staged:
-        size = 1 + len(stage.events)
-        if ops + size > MAX_OPS_PER_COMMIT:
+        stage_size = sum(len(op.key) + len(op.value) for op in stage.ops)
+        if not chunks or (
+            ops + len(stage.ops) > MAX_OPS_PER_COMMIT or size + stage_size > MAX_BYTES_PER_COMMIT
+        ):
             chunks.append([])
-            ops = 0
+            ops = size = 0
         chunks[-1].append(stage)
-        ops += size
+        ops += len(stage.ops)
+        size += stage_size
     return chunks
+
+
+def _failed(job_id: str, err: Exception) -> FederationError:
+    """A job's failed write as a per-job result."""
+    if isinstance(err, FederationError):
+        return err
+    return UnavailableError(f"job {job_id} was not written: {err}")
 
 
 def _compose(mutations: list[Mutation]) -> Mutation:

@@ -70,6 +70,8 @@ class _Negotiation:
     estimates: dict[str, jobs_pb2.Estimate]
     settled: bool = False
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
+    epoch: int = 0
+    """The epoch of its latest round's offers."""
     key: TaskKey = field(init=False)
 
     def __post_init__(self) -> None:
@@ -156,13 +158,19 @@ class Scheduler:
                     self._full = True
                     swept = False
                     break
-                request = request_for(job, task.name)
-                if request is None:
-                    continue  # waits for its dependencies; a report of theirs wakes us
                 assert snapshot is not None
-                placement = placements.get(request)
-                if placement is None:
-                    placement = placements[request] = self._place(request, snapshot)
+                try:
+                    request = request_for(job, task.name)
+                    if request is None:
+                        continue  # waits for its dependencies; a report of theirs wakes us
+                    placement = placements.get(request)
+                    if placement is None:
+                        placement = placements[request] = self._place(request, snapshot)
+                except Exception:
+                    # One task's bad spec or a plugin's bug must not hold up the others.
+                    log.exception("placement_failed", job=job.id, task=task.name)
+                    self._backoff(key)
+                    continue
                 verdicts, ranked, estimates = placement
                 if not ranked:
                     nowhere.append((job.id, task.name, list(verdicts)))
@@ -301,7 +309,7 @@ class Scheduler:
                 continue
             job = written[n.job_id]
             assert isinstance(job, jobs_pb2.Job)
-            epochs[n.key] = task.epoch
+            epochs[n.key] = n.epoch = task.epoch
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
@@ -485,10 +493,15 @@ class Scheduler:
         return answers
 
     async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
-        def mutation(task_name: str, verdicts: list[jobs_pb2.SiteVerdict]) -> Mutation:
+        def mutation(n: _Negotiation) -> Mutation:
+            task_name, verdicts = n.task, n.verdicts
+
             def mutate(job: jobs_pb2.Job) -> list[Change]:
                 task = find_task(job, task_name)
-                if task.state not in (job_state.SCHEDULING, job_state.PENDING):
+                # DELEGATED at its own epoch here means no commit left, or none was answered
+                # and writing that down failed: the bumped epoch of the next try fences it.
+                ours = task.state == job_state.DELEGATED and task.epoch == n.epoch
+                if task.state not in (job_state.SCHEDULING, job_state.PENDING) and not ours:
                     return []
                 del task.verdicts[:]
                 task.verdicts.extend(verdicts)
@@ -497,9 +510,10 @@ class Scheduler:
 
             return mutate
 
-        await self._jobs.update_many(
-            [(n.job_id, mutation(n.task, n.verdicts)) for n in negotiations]
-        )
+        results = await self._jobs.update_many([(n.job_id, mutation(n)) for n in negotiations])
+        for job_id, result in results.items():
+            if isinstance(result, FederationError):
+                log.warning("requeue_failed", job=job_id, error=str(result))
 
     async def close(self) -> None:
         for task in list(self._tasks):

@@ -39,6 +39,7 @@ from federation.coordinator.servicers import (
     SiteLinkServicer,
 )
 from federation.coordinator.services import ListCoordinators, start_services
+from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.interceptors import AuthInterceptor
 from federation.security.pki import CertificateAuthority
 from federation.security.tls import TlsFiles, server_credentials
@@ -116,6 +117,7 @@ def _servers(
             ("grpc.keepalive_timeout_ms", 10_000),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.max_receive_message_length", MAX_STREAM_MESSAGE_BYTES),
         ],
     )
     current = leadership.current

@@ -22,8 +22,8 @@ from federation.coordinator.jobs import (
     job_key,
     transition,
 )
-from federation.errors import JobNotFoundError
-from federation.store import Put, SqliteStore
+from federation.errors import JobNotFoundError, UnavailableError
+from federation.store import Put, SqliteStore, StoreError
 
 from .test_job_repository import drain, move, new_job
 
@@ -305,3 +305,36 @@ async def test_jobs_not_cached_are_read_from_the_store(store: SqliteStore) -> No
     assert all(isinstance(r, jobs_pb2.Job) for r in results.values())
     assert [(await stored_job(store, j)).tasks[0].state for j in ("a", "b")] == [SCH, SCH]
     assert len(await store.range(JOBS)) == 2
+
+
+class FailingFor:
+    """A store whose commits fail when they write job ``victim`` (a timeout, a too-large
+    request); every other commit goes through to the real store."""
+
+    def __init__(self, inner: SqliteStore, victim: str) -> None:
+        self._inner = inner
+        self._victim = victim
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    async def commit(self, ops: list[Put]) -> int:
+        if any(op.key == JOBS + self._victim for op in ops):
+            raise StoreError("request is too large")
+        return await self._inner.commit(ops)
+
+
+async def test_a_failed_chunk_fails_its_jobs_alone(store: SqliteStore, hub: EventHub) -> None:
+    """When one commit of a split batch fails, its jobs get an error and the rest are written."""
+    repo = JobRepository(store, hub)
+    ids = [f"j{i:03d}" for i in range(MAX_OPS_PER_COMMIT)]  # two ops each: two commits
+    await repo.create([new_job(i) for i in ids])
+    flaky = JobRepository(FailingFor(store, ids[-1]), hub)  # type: ignore[arg-type]
+    await flaky.load()
+    results = await flaky.update_many([(i, move(("main", SCH, "placing"))) for i in ids])
+    failed = {i for i, r in results.items() if isinstance(r, UnavailableError)}
+    assert ids[-1] in failed
+    assert 0 < len(failed) < len(ids)
+    for job_id in ids:
+        state = (await stored_job(store, job_id)).tasks[0].state
+        assert state == (P if job_id in failed else SCH)
