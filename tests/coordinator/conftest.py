@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import pytest
+import pytest_asyncio
 from store.etcd_server import LocalEtcd, etcd_binary
+
+from federation.coordinator.events import EventHub
+from federation.coordinator.jobs import JobRepository
+from federation.store import SqliteStore
 
 
 @pytest.fixture(scope="session")
@@ -18,3 +24,21 @@ def etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
         yield server
     finally:
         server.stop()
+
+
+@pytest_asyncio.fixture
+async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
+    """A real embedded store in the test's folder."""
+    store = await SqliteStore.open(tmp_path / "db")
+    yield store
+    await store.close()
+
+
+@pytest.fixture
+def hub() -> EventHub:
+    return EventHub()
+
+
+@pytest.fixture
+def repo(store: SqliteStore, hub: EventHub) -> JobRepository:
+    return JobRepository(store, hub)

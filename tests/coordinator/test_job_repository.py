@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-import pytest_asyncio
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
@@ -61,23 +59,6 @@ def drain(sub: Subscription) -> list[jobs_pb2.JobEvent]:
         assert event is not None
         out.append(event)
     return out
-
-
-@pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    store = await SqliteStore.open(tmp_path / "db")
-    yield store
-    await store.close()
-
-
-@pytest.fixture
-def hub() -> EventHub:
-    return EventHub()
-
-
-@pytest.fixture
-def repo(store: SqliteStore, hub: EventHub) -> JobRepository:
-    return JobRepository(store, hub)
 
 
 async def test_create_stores_job_and_first_event_in_one_commit(

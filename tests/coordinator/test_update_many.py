@@ -3,11 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
-from pathlib import Path
-
-import pytest
-import pytest_asyncio
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
@@ -30,23 +25,6 @@ from .test_job_repository import drain, move, new_job
 P = job_state.PENDING
 SCH = job_state.SCHEDULING
 DEL = job_state.DELEGATED
-
-
-@pytest_asyncio.fixture
-async def store(tmp_path: Path) -> AsyncIterator[SqliteStore]:
-    store = await SqliteStore.open(tmp_path / "db")
-    yield store
-    await store.close()
-
-
-@pytest.fixture
-def hub() -> EventHub:
-    return EventHub()
-
-
-@pytest.fixture
-def repo(store: SqliteStore, hub: EventHub) -> JobRepository:
-    return JobRepository(store, hub)
 
 
 async def stored_job(store: SqliteStore, job_id: str) -> jobs_pb2.Job:
