@@ -20,7 +20,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -28,7 +27,7 @@ import grpc
 from federation.agent.config import AgentConfig
 from federation.agent.enroll import ensure_enrolled
 from federation.api.v1 import resources_pb2, site_link_service_pb2, site_link_service_pb2_grpc
-from federation.envelopes import take_queued
+from federation.envelopes import envelopes
 from federation.local import LocalFederation
 from federation.security.tls import channel_credentials
 
@@ -86,15 +85,12 @@ class Site:
         self.queue: asyncio.Queue[site_link_service_pb2.AgentMessage | None] = asyncio.Queue()
         self.generation = 1
         stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
-        self.call = stub.Connect(self._outgoing())
-
-    async def _outgoing(self) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
-        """As the agent writes: everything queued goes in one stream message."""
-        while (first := await self.queue.get()) is not None:
-            messages, ended = take_queued(self.queue, first)
-            yield site_link_service_pb2.ConnectRequest(messages=messages)
-            if ended:
-                return
+        # As the agent writes: everything queued goes in one stream message.
+        self.call = stub.Connect(
+            envelopes(
+                self.queue, lambda messages: site_link_service_pb2.ConnectRequest(messages=messages)
+            )
+        )
 
     async def hello(self, base: resources_pb2.SiteView) -> None:
         own = resources_pb2.SiteView()

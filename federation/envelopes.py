@@ -8,6 +8,7 @@ below gRPC's 4 MiB message limit.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol, TypeVar
 
 MAX_MESSAGES = 512
@@ -24,6 +25,7 @@ class _Sized(Protocol):
 
 
 M = TypeVar("M", bound=_Sized)
+E = TypeVar("E")
 
 
 def take_queued(queue: asyncio.Queue[M | None], first: M) -> tuple[list[M], bool]:
@@ -38,3 +40,14 @@ def take_queued(queue: asyncio.Queue[M | None], first: M) -> tuple[list[M], bool
         batch.append(message)
         size += message.ByteSize()
     return batch, False
+
+
+async def envelopes(
+    queue: asyncio.Queue[M | None], wrap: Callable[[list[M]], E]
+) -> AsyncIterator[E]:
+    """A request stream: each write wraps everything queued; None in the queue ends it."""
+    while (first := await queue.get()) is not None:
+        messages, ended = take_queued(queue, first)
+        yield wrap(messages)
+        if ended:
+            return

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import Iterable
 
 import grpc
 import structlog
@@ -24,7 +24,7 @@ from federation.agent.links import LinkMonitor
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.endpoints import Endpoints, is_not_leader, leader_hint
-from federation.envelopes import take_queued
+from federation.envelopes import envelopes
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.tls import channel_credentials
@@ -204,7 +204,7 @@ class AgentRuntime:
             options=channel_options(self._config),
         ) as channel:
             stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
-            call = stub.Connect(_drain(outbox))
+            call = stub.Connect(envelopes(outbox, _request))
             self._outbox = outbox
             helpers = [
                 asyncio.create_task(self._heartbeats(outbox)),
@@ -323,12 +323,5 @@ def _encode_links(links: Iterable[resources_pb2.Link]) -> list[bytes]:
     return [link.SerializeToString(deterministic=True) for link in links]
 
 
-async def _drain(
-    outbox: asyncio.Queue[pb.AgentMessage | None],
-) -> AsyncIterator[pb.ConnectRequest]:
-    """The request stream: everything queued goes in one write; None ends the stream."""
-    while (first := await outbox.get()) is not None:
-        messages, ended = take_queued(outbox, first)
-        yield pb.ConnectRequest(messages=messages)
-        if ended:
-            return
+def _request(messages: list[pb.AgentMessage]) -> pb.ConnectRequest:
+    return pb.ConnectRequest(messages=messages)

@@ -289,12 +289,7 @@ class JobManager:
         if job is None:
             return False
         task = next((t for t in job.tasks if t.name == report.task), None)
-        return (
-            task is not None
-            and task.site == site
-            and task.epoch == report.epoch
-            and task.state in job_state.AT_SITE
-        )
+        return task is not None and _reports_on(task, site, report)
 
     async def apply_report(self, site: str, report: site_link_service_pb2.TaskReport) -> None:
         """Record a task status from ``site``; stale or foreign reports are fenced off."""
@@ -303,12 +298,7 @@ class JobManager:
             task = find_task(job, report.task)
         except JobNotFoundError:
             job, task = None, None
-        if (
-            task is None
-            or task.site != site
-            or task.epoch != report.epoch
-            or task.state not in job_state.AT_SITE
-        ):
+        if task is None or not _reports_on(task, site, report):
             if (
                 task is not None
                 and job is not None
@@ -449,6 +439,13 @@ class JobManager:
             return [transition(job, task_name, job_state.PENDING, reason)]
 
         await self._jobs.update(job_id, mutate)
+
+
+def _reports_on(
+    task: jobs_pb2.TaskStatus, site: str, report: site_link_service_pb2.TaskReport
+) -> bool:
+    """Whether ``report`` from ``site`` is about the delegation ``task`` holds now."""
+    return task.site == site and task.epoch == report.epoch and task.state in job_state.AT_SITE
 
 
 @dataclass(slots=True)

@@ -216,10 +216,7 @@ class Scheduler:
                 task = find_task(job, task_name)
                 if task.state != job_state.PENDING or list(task.verdicts) == verdicts:
                     return []
-                del task.verdicts[:]
-                task.verdicts.extend(verdicts)
-                reason = summarize(verdicts)
-                return [transition(job, task_name, job_state.PENDING, reason)]
+                return [_to_pending(job, task, verdicts)]
 
             return mutate
 
@@ -243,39 +240,41 @@ class Scheduler:
 
     async def _negotiate(self, batch: list[_Negotiation]) -> None:
         """Rounds of offers until every task is delegated or has run out of sites."""
+        try:
+            await self._rounds(batch)
+            for n in batch:
+                if n.settled:
+                    self._forget(n.key)
+                else:
+                    self._backoff(n.key)
+            unsettled = [n for n in batch if not n.settled]
+            try:
+                # Never leave a task in SCHEDULING: only PENDING tasks are picked up again.
+                if unsettled:
+                    await self._back_to_pending(unsettled)
+            except Exception as err:
+                log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
+        finally:
+            # Also when closing: the next term's recovery puts tasks left in SCHEDULING back.
+            self._inflight.difference_update(n.key for n in batch)
+            if self._full:
+                self.wake()  # tasks wait for the room this negotiation leaves
+
+    async def _rounds(self, batch: list[_Negotiation]) -> None:
+        """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
         step = max(1, self._config.offers_at_once)
         try:
             for first in range(0, self._config.max_offers_per_round, step):
                 open_ = [n for n in batch if not n.settled and first < len(n.candidates)]
                 if not open_:
-                    break
+                    return
                 await self._round(open_, first, first + step)
                 for n in open_:
                     OFFERS.labels("settled" if n.settled else "refused").inc()
-        except asyncio.CancelledError:
-            # Closing: the next term's recovery puts tasks left in SCHEDULING back.
-            self._inflight.difference_update(n.key for n in batch)
-            raise
         except FederationError as err:
             log.warning("negotiation_failed", tasks=len(batch), error=str(err))
         except Exception:
             log.exception("negotiation_crashed", tasks=len(batch))
-        unsettled = [n for n in batch if not n.settled]
-        for n in batch:
-            if n.settled:
-                self._forget(n.key)
-            else:
-                self._backoff(n.key)
-        try:
-            # Never leave a task in SCHEDULING: only PENDING tasks are picked up again.
-            if unsettled:
-                await self._back_to_pending(unsettled)
-        except Exception as err:
-            log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
-        finally:
-            self._inflight.difference_update(n.key for n in batch)
-            if self._full:
-                self.wake()  # tasks wait for the room this negotiation leaves
 
     async def _round(self, negotiations: list[_Negotiation], first: int, stop: int) -> None:
         """Offer each task to its sites ``first:stop`` at once, commit the best acceptance,
@@ -300,7 +299,6 @@ class Scheduler:
         written = await self._jobs.update_many(
             [(n.job_id, _mark_scheduling(n.task, offered_to[n.key])) for n in active]
         )
-        epochs: dict[TaskKey, int] = {}
         offers: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Offer]]] = {}
         for n in active:
             task = _task_of(written, n)
@@ -309,7 +307,7 @@ class Scheduler:
                 continue
             job = written[n.job_id]
             assert isinstance(job, jobs_pb2.Job)
-            epochs[n.key] = n.epoch = task.epoch
+            n.epoch = task.epoch
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
@@ -341,13 +339,10 @@ class Scheduler:
             for site, reservation in others:
                 self._release(site, reservation)
                 n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
-        await self._delegate([n for n in active if n.key in chosen], chosen, epochs)
+        await self._delegate([n for n in active if n.key in chosen], chosen)
 
     async def _delegate(
-        self,
-        negotiations: list[_Negotiation],
-        chosen: dict[TaskKey, tuple[str, str]],
-        epochs: dict[TaskKey, int],
+        self, negotiations: list[_Negotiation], chosen: dict[TaskKey, tuple[str, str]]
     ) -> None:
         """Write DELEGATED for each task's chosen site, then send the commits."""
         if not negotiations:
@@ -356,19 +351,19 @@ class Scheduler:
         for n in negotiations:
             site, reservation = chosen[n.key]
             estimated = n.estimates.get(site)
-            mark = _mark_delegated(n.task, site, epochs[n.key], reservation, estimated)
+            mark = _mark_delegated(n.task, site, n.epoch, reservation, estimated)
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
         for n in negotiations:
             site, reservation = chosen[n.key]
             task = _task_of(written, n)
-            if task is None or task.state != job_state.DELEGATED or task.epoch != epochs[n.key]:
+            if task is None or task.state != job_state.DELEGATED or task.epoch != n.epoch:
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
                 continue
             commit = site_link_service_pb2.Commit(
-                reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=epochs[n.key]
+                reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )
             commits.setdefault(site, []).append((n, commit))
         answers = await asyncio.gather(
@@ -503,10 +498,8 @@ class Scheduler:
                 ours = task.state == job_state.DELEGATED and task.epoch == n.epoch
                 if task.state not in (job_state.SCHEDULING, job_state.PENDING) and not ours:
                     return []
-                del task.verdicts[:]
-                task.verdicts.extend(verdicts)
                 unplace(task)
-                return [transition(job, task_name, job_state.PENDING, summarize(verdicts))]
+                return [_to_pending(job, task, verdicts)]
 
             return mutate
 
@@ -522,6 +515,15 @@ class Scheduler:
 
 
 _Placement = tuple[tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate]]
+
+
+def _to_pending(
+    job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, verdicts: list[jobs_pb2.SiteVerdict]
+) -> Change:
+    """Put ``task`` (of ``job``) back to PENDING with the reasons no site took it."""
+    del task.verdicts[:]
+    task.verdicts.extend(verdicts)
+    return transition(job, task.name, job_state.PENDING, summarize(verdicts))
 
 
 def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
