@@ -271,7 +271,7 @@ class SiteRegistry:
                 raise FailedPreconditionError(
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
-            apply_delta(entry.view, update.delta)
+            entry.view = apply_delta(entry.view, update.delta)
         entry.generation = update.generation
         entry.last_seen = time.monotonic()
         self._changed()
@@ -334,16 +334,27 @@ class SiteRegistry:
         return sorted(self._sites)
 
 
-def apply_delta(view: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta) -> None:
-    """Replace upserted nodes whole, drop removed ones, take the new queue state."""
+def apply_delta(
+    view: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta
+) -> resources_pb2.SiteView:
+    """The view after ``delta``: upserted nodes replaced whole, removed ones dropped, the new
+    queue state and links taken.
+
+    A new message, ``view`` untouched: protobuf (upb) frees a message's memory only with the
+    whole message, so replacing nodes in place grew a long-lived view by a copy per delta.
+    """
     removed = set(delta.removed_nodes)
     upserted = {node.name: node for node in delta.upserted_nodes}
     kept = [n for n in view.nodes if n.name not in removed and n.name not in upserted]
     merged = {n.name: n for n in kept} | upserted
-    del view.nodes[:]
-    view.nodes.extend(sorted(merged.values(), key=lambda n: n.name))
+    out = resources_pb2.SiteView()
+    out.CopyFrom(view)
+    del out.nodes[:]
+    out.nodes.extend(sorted(merged.values(), key=lambda n: n.name))
     if delta.has_queue:
-        view.queue.CopyFrom(delta.queue)
+        out.queue.CopyFrom(delta.queue)
     if delta.has_links:
-        del view.links[:]
-        view.links.extend(delta.links)
+        del out.links[:]
+        out.links.extend(delta.links)
+    return out
+

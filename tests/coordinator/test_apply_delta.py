@@ -36,7 +36,7 @@ def names(v: resources_pb2.SiteView) -> list[str]:
 def test_upsert_adds_a_new_node_in_name_order() -> None:
     """A node the view lacks is added, and nodes stay sorted by name."""
     v = view(node("a"), node("c"))
-    apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[node("b")]))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[node("b")]))
     assert names(v) == ["a", "b", "c"]
 
 
@@ -45,7 +45,7 @@ def test_upsert_replaces_a_node_whole() -> None:
     old = node("a", cpu=8.0, zone="x")
     v = view(old, node("b"))
     new = resources_pb2.Node(name="a", cpu_free=2.0)
-    apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[new]))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[new]))
     assert v.nodes[0] == new
     assert not v.nodes[0].devices
     assert not v.nodes[0].labels
@@ -56,14 +56,14 @@ def test_untouched_nodes_keep_every_field() -> None:
     """Nodes that the delta does not mention come through unchanged."""
     keep = node("k", cpu=3.0, zone="z")
     v = view(node("a"), keep)
-    apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[node("a", cpu=1.0)]))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(upserted_nodes=[node("a", cpu=1.0)]))
     assert v.nodes[1] == keep
 
 
 def test_remove_drops_nodes_and_ignores_unknown_names() -> None:
     """Removed nodes disappear; removing a node the view lacks is harmless."""
     v = view(node("a"), node("b"), node("c"))
-    apply_delta(v, resources_pb2.SiteViewDelta(removed_nodes=["b", "zz"]))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(removed_nodes=["b", "zz"]))
     assert names(v) == ["a", "c"]
     assert v.nodes[1] == node("c")
 
@@ -71,7 +71,7 @@ def test_remove_drops_nodes_and_ignores_unknown_names() -> None:
 def test_view_nodes_are_sorted_even_if_they_were_not() -> None:
     """After any delta the view's nodes are in name order."""
     v = view(node("c"), node("a"), node("b"))
-    apply_delta(v, resources_pb2.SiteViewDelta())
+    v = apply_delta(v, resources_pb2.SiteViewDelta())
     assert names(v) == ["a", "b", "c"]
 
 
@@ -81,7 +81,7 @@ def test_combined_upserts_and_removals() -> None:
     delta = resources_pb2.SiteViewDelta(
         upserted_nodes=[node("e", cpu=1.0), node("a")], removed_nodes=["d"]
     )
-    apply_delta(v, delta)
+    v = apply_delta(v, delta)
     assert names(v) == ["a", "b", "e"]
     assert v.nodes[2].cpu_free == 1.0
 
@@ -90,7 +90,7 @@ def test_delta_is_not_aliased_into_the_view() -> None:
     """Changing the delta after applying it does not change the view."""
     v = view(node("a"))
     delta = resources_pb2.SiteViewDelta(upserted_nodes=[node("b", cpu=4.0)])
-    apply_delta(v, delta)
+    v = apply_delta(v, delta)
     delta.upserted_nodes[0].cpu_free = 0.0
     assert v.nodes[1].cpu_free == 4.0
 
@@ -100,9 +100,11 @@ def test_queue_is_replaced_only_when_has_queue() -> None:
     v = view(node("a"))
     before = resources_pb2.QueueState()
     before.CopyFrom(v.queue)
-    apply_delta(v, resources_pb2.SiteViewDelta(queue=resources_pb2.QueueState(pending_tasks=99)))
+    v = apply_delta(
+        v, resources_pb2.SiteViewDelta(queue=resources_pb2.QueueState(pending_tasks=99))
+    )
     assert v.queue == before
-    apply_delta(
+    v = apply_delta(
         v,
         resources_pb2.SiteViewDelta(
             queue=resources_pb2.QueueState(pending_tasks=7), has_queue=True
@@ -114,12 +116,27 @@ def test_queue_is_replaced_only_when_has_queue() -> None:
 def test_empty_queue_with_has_queue_clears_the_queue() -> None:
     """has_queue with an all-zero queue means the site's queue is now empty."""
     v = view(node("a"))
-    apply_delta(v, resources_pb2.SiteViewDelta(has_queue=True))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(has_queue=True))
     assert v.queue == resources_pb2.QueueState()
 
 
 def test_fields_outside_nodes_and_queue_are_untouched() -> None:
     """A delta changes only nodes and queue; the site's other fields stay."""
     v = view(node("a"))
-    apply_delta(v, resources_pb2.SiteViewDelta(removed_nodes=["a"], has_queue=True))
+    v = apply_delta(v, resources_pb2.SiteViewDelta(removed_nodes=["a"], has_queue=True))
     assert (v.site, dict(v.labels), list(v.nodes)) == ("s", {"tier": "gold"}, [])
+
+
+def test_the_view_given_is_left_as_it_was() -> None:
+    """The result is a new message; the view passed in keeps its nodes and queue."""
+    v = view(node("a"), node("b"))
+    before = v.SerializeToString(deterministic=True)
+    after = apply_delta(
+        v,
+        resources_pb2.SiteViewDelta(
+            upserted_nodes=[node("c")], removed_nodes=["a"], has_queue=True
+        ),
+    )
+    assert after is not v
+    assert names(after) == ["b", "c"]
+    assert v.SerializeToString(deterministic=True) == before
