@@ -62,12 +62,17 @@ def view(site: str) -> resources_pb2.SiteView:
     return out
 
 
-def counter(port: int, kind: str) -> float:
+def metric(port: int, name: str) -> float:
+    """One sample of the coordinator's Prometheus metrics, by its full name and labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
     for line in text.splitlines():
-        if line.startswith(f'federation_site_messages_total{{kind="{kind}"}}'):
+        if line.startswith(name + " "):
             return float(line.split()[-1])
     return 0.0
+
+
+def counter(port: int, kind: str) -> float:
+    return metric(port, f'federation_site_messages_total{{kind="{kind}"}}')
 
 
 def rss_mib(pid: int) -> float:
@@ -119,17 +124,26 @@ class Site:
             self.queue.put_nowait(site_link_service_pb2.AgentMessage(view=update))
 
 
-async def wait_for(port: int, kind: str, target: float) -> None:
-    """Poll the coordinator's counter (another process: nothing to await but its metrics)."""
+async def wait_for(port: int, kind: str, target: float, sites: int) -> None:
+    """Poll the coordinator's counter (another process: nothing to await but its metrics);
+    fail if it dropped a site, whose messages would then never all arrive."""
     while True:
         if counter(port, kind) >= target:
             return
+        if metric(port, "federation_sites_connected") < sites:
+            raise RuntimeError(f"the coordinator dropped sites while {kind} messages were sent")
         await asyncio.sleep(0.05)
 
 
 async def measure(n_sites: int, deltas: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-views-") as root:
-        fed = LocalFederation(Path(root), [], coordinator_args=["--metrics-listen", "127.0.0.1:0"])
+        # These sites send heartbeats only in the heartbeat phase, not on a timer: a long
+        # silence window keeps them connected while the coordinator works through the deltas.
+        fed = LocalFederation(
+            Path(root),
+            [],
+            coordinator_args=["--metrics-listen", "127.0.0.1:0", "--missed-heartbeats", "100"],
+        )
         await fed.start_coordinator()
         pid = fed.processes["coordinator"].pid
         channels: list[grpc.aio.Channel] = []
@@ -159,14 +173,14 @@ async def measure(n_sites: int, deltas: int) -> dict[str, float]:
             start = time.perf_counter()
             for s in sites:
                 s.send_heartbeats(deltas)
-            await wait_for(fed.metrics_port, "heartbeat", before + n_sites * deltas)
+            await wait_for(fed.metrics_port, "heartbeat", before + n_sites * deltas, n_sites)
             heartbeats_per_s = n_sites * deltas / (time.perf_counter() - start)
 
             before = counter(fed.metrics_port, "view")
             start = time.perf_counter()
             for s in sites:
                 s.send_deltas(deltas, base.nodes[0])
-            await wait_for(fed.metrics_port, "view", before + n_sites * deltas)
+            await wait_for(fed.metrics_port, "view", before + n_sites * deltas, n_sites)
             deltas_per_s = n_sites * deltas / (time.perf_counter() - start)
             after = rss_mib(pid)
         finally:
@@ -197,12 +211,13 @@ def main() -> None:
         return
     print(
         f"{'sites':>6} {'devices':>9} {'node updates/s':>15} {'heartbeats/s':>13} {'ratio':>6} "
-        f"{'RSS idle MiB':>13} {'RSS loaded MiB':>15}"
+        f"{'RSS idle MiB':>13} {'RSS loaded MiB':>15} {'RSS after deltas MiB':>21}"
     )
     print(
         f"{args.sites:>6} {int(result['devices']):>9} {result['node_updates_per_s']:>15.0f} "
         f"{result['heartbeats_per_s']:>13.0f} {result['updates_vs_heartbeats']:>6.2f} "
-        f"{result['rss_idle_mib']:>13.0f} {result['rss_loaded_mib']:>15.0f}"
+        f"{result['rss_idle_mib']:>13.0f} {result['rss_loaded_mib']:>15.0f} "
+        f"{result['rss_after_deltas_mib']:>21.0f}"
     )
 
 
