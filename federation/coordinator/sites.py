@@ -357,4 +357,3 @@ def apply_delta(
         del out.links[:]
         out.links.extend(delta.links)
     return out
-
