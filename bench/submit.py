@@ -25,17 +25,13 @@ import grpc
 import numpy as np
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from federation.agent.config import AgentConfig
-from federation.agent.enroll import ensure_enrolled
-from federation.agent.runtime import AgentRuntime
 from federation.api.v1 import (
     job_service_pb2,
     job_service_pb2_grpc,
     jobs_pb2,
-    resources_pb2,
-    site_link_service_pb2,
 )
 from federation.local import LocalFederation
+from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
 from federation.watch import events_of
 
 MODERATE_SHARE = 0.25
@@ -44,85 +40,6 @@ MODERATE_SHARE = 0.25
 COMMITTED = frozenset(
     {jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED}
 )
-
-
-class InstantCore:
-    """A local core with room for anything, whose tasks end the moment they start."""
-
-    name = "instant"
-
-    def __init__(self) -> None:
-        self.runtime: AgentRuntime | None = None
-        self._seq = 0
-
-    def nodes(self) -> list[resources_pb2.Node]:
-        return [
-            resources_pb2.Node(
-                name="n",
-                cpu_cores=1e6,
-                cpu_free=1e6,
-                memory_mib=1 << 40,
-                memory_free_mib=1 << 40,
-                schedulable=True,
-            )
-        ]
-
-    def queue(self) -> resources_pb2.QueueState:
-        return resources_pb2.QueueState()
-
-    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
-        self._seq += 1
-        return site_link_service_pb2.OfferAnswer(
-            accepted=True, reservation_id=str(self._seq), lease_s=offer.lease_s
-        )
-
-    async def commit(
-        self, commit: site_link_service_pb2.Commit
-    ) -> site_link_service_pb2.CommitAnswer:
-        assert self.runtime is not None
-        for state in (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED):
-            self.runtime.on_status(
-                site_link_service_pb2.TaskReport(
-                    job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
-                )
-            )
-        return site_link_service_pb2.CommitAnswer(started=True)
-
-    async def release(self, reservation_id: str) -> None: ...
-
-    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None: ...
-
-    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
-        return []
-
-    def forget(self, job_id: str, task: str, epoch: int) -> None: ...
-
-    async def close(self) -> None: ...
-
-    async def shutdown(self, grace_s: float) -> None: ...
-
-
-async def start_sites(fed: LocalFederation, count: int) -> list[asyncio.Task[None]]:
-    runners = []
-    for i in range(count):
-        name = f"site-{i:03d}"
-        token = await fed.create_token(name, "datacenter")
-        state = fed.root / "sites" / name
-        config = AgentConfig(
-            site=name,
-            domain="datacenter",
-            coordinator=fed.address,
-            ca=fed.pki.ca_cert,
-            state_dir=state,
-            token=token,
-            join_address=f"127.0.0.1:{fed.join_port}",
-        )
-        core = InstantCore()
-        runtime = AgentRuntime(config, await ensure_enrolled(config), core)  # type: ignore[arg-type]
-        core.runtime = runtime
-        runners.append(asyncio.create_task(runtime.run()))
-    await fed.wait_connected([f"site-{i:03d}" for i in range(count)], timeout_s=120)
-    return runners
 
 
 def spec(i: int) -> jobs_pb2.JobSpec:
@@ -231,7 +148,8 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
         await fed.start_coordinator()
         runners: list[asyncio.Task[None]] = []
         try:
-            runners = await start_sites(fed, sites)
+            cores = {f"site-{i:03d}": ScriptedCore() for i in range(sites)}
+            runners = await start_scripted_sites(fed, cores)
             async with fed.operator().channel() as channel:
                 echo = await echo_rate(channel, 2000, 16)
                 unary = await run_jobs(channel, jobs // 4, 1, 16)

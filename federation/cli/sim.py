@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=int,
         default=_DEFAULTS.offers_at_once,
         metavar="N",
-        help="sites offered a task at once (coordinator default %(default)s)",
+        help="sites offered at once after the best declined (coordinator default %(default)s)",
     )
     sim.add_argument(
         "--max-offers",

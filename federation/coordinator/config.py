@@ -36,7 +36,8 @@ class CoordinatorConfig:
     retry_interval_s: float = 5.0
     max_offers_per_round: int = 5
     offers_at_once: int = 3
-    """Sites offered a task at once; the best that accepts gets the commit, the rest a release."""
+    """Sites offered a task at once after its best site declined (that one is offered alone);
+    the best that accepts gets the commit, the rest a release."""
     placement_filters: list[str] = field(default_factory=lambda: list(DEFAULT_FILTERS))
     """Filter plugins, in order (see federation/placement/registry.py)."""
     placement_scores: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORERS))

@@ -51,7 +51,8 @@ class SchedulerConfig:
     max_offers_per_round: int = 5
     """Sites tried, best first, before a task goes back to PENDING."""
     offers_at_once: int = 3
-    """Sites offered a task at the same time; the best one that accepts gets the commit."""
+    """Sites offered a task at the same time once the best site has declined it; the best one
+    that accepts gets the commit (see ``offer_rounds``)."""
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
     max_concurrent_negotiations: int = 2048
@@ -262,13 +263,14 @@ class Scheduler:
 
     async def _rounds(self, batch: list[_Negotiation]) -> None:
         """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
-        step = max(1, self._config.offers_at_once)
         try:
-            for first in range(0, self._config.max_offers_per_round, step):
+            for first, stop in offer_rounds(
+                self._config.max_offers_per_round, self._config.offers_at_once
+            ):
                 open_ = [n for n in batch if not n.settled and first < len(n.candidates)]
                 if not open_:
                     return
-                await self._round(open_, first, first + step)
+                await self._round(open_, first, stop)
                 for n in open_:
                     OFFERS.labels("settled" if n.settled else "refused").inc()
         except FederationError as err:
@@ -512,6 +514,21 @@ class Scheduler:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
+    """The ``[first, stop)`` slices of the ranked sites that each negotiation round offers to.
+
+    The first round offers the best site alone: it usually accepts, and an offer holds
+    capacity at a site until it is committed or released, so offering more sites at once would
+    reserve every job several times over and make the others decline their own offers. Once
+    the best site has declined, later rounds offer ``offers_at_once`` sites at a time, so a run
+    of declines costs few round trips.
+    """
+    rounds = [(0, min(1, candidates))] if candidates else []
+    step = max(1, offers_at_once)
+    rounds += [(first, min(first + step, candidates)) for first in range(1, candidates, step)]
+    return rounds
 
 
 _Placement = tuple[tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate]]

@@ -1,13 +1,14 @@
 """The discrete-event replay of one trace under one policy.
 
 What is real: the placement framework and the policy's plugins decide; the coordinator's
-negotiation rules (offer to the best ``offers_at_once`` sites under one epoch, the best
-acceptance gets the commit, declines move down the ranked list up to
-``max_offers_per_round``, then the task waits in PENDING) and its task state machine
-(``job_state.check_transition`` on every change) govern; sites take an offer by the embedded
-core's rule (every replica on one node). What is simulated: the clock, the sites' capacity,
-input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the data there
-soonest, as the estimate computes) and runs (duration / the granted device's speed).
+negotiation rules (``offer_rounds``: the best site alone, then ``offers_at_once`` sites at a
+time under one epoch per round, the best acceptance gets the commit, declines move down the
+ranked list up to ``max_offers_per_round``, then the task waits in PENDING) and its task
+state machine (``job_state.check_transition`` on every change) govern; sites take an offer by
+the embedded core's rule (every replica on one node). What is simulated: the clock, the
+sites' capacity, input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the
+data there soonest, as the estimate computes) and runs (duration / the granted device's
+speed).
 
 A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
 same filters form a group, and when a site frees capacity only the first task of each group
@@ -25,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.coordinator import job_state
-from federation.coordinator.scheduler import SchedulerConfig
+from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.placement.estimates import class_speed
 from federation.placement.framework import Framework
 from federation.placement.request import Request
@@ -268,9 +269,8 @@ class Simulation:
         if not decision.ranked:
             return False
         candidates = decision.ranked[: self.config.max_offers_per_round]
-        step = max(1, self.config.offers_at_once)
-        for first in range(0, len(candidates), step):
-            batch = candidates[first : first + step]
+        for first, stop in offer_rounds(len(candidates), self.config.offers_at_once):
+            batch = candidates[first:stop]
             self._move(run, job_state.SCHEDULING)
             run.epoch += 1  # one epoch for every offer of the round
             run.offers += len(batch)

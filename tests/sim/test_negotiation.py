@@ -41,10 +41,11 @@ def _run(tmp_path: Path, topology: str, trace: str, config: SimConfig) -> dict[s
 
 
 def test_offers_at_once_gives_the_commit_to_the_best_acceptance(tmp_path: Path) -> None:
-    """One round offers a, b and c under one epoch; a declines, b (ranked above c) wins."""
+    """The first round offers a alone; once a declines, one round offers b and c under one
+    epoch, and b (ranked above c) wins."""
     trace = "submit_s,duration_s,accelerator_count\n0,100,1\n"
     got = _run(tmp_path, THREE_SITES, trace, SimConfig(offers_at_once=3))
-    assert got == {"site": "b", "placed_s": 0.0, "epoch": 1, "offers": 3, "declines": 1}
+    assert got == {"site": "b", "placed_s": 0.0, "epoch": 2, "offers": 3, "declines": 1}
 
 
 def test_a_decline_moves_down_the_ranked_list_in_a_new_round(tmp_path: Path) -> None:

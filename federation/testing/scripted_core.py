@@ -1,0 +1,118 @@
+"""Sites whose local scheduler core is scripted, run in this process over the real agent protocol.
+
+A ``ScriptedCore`` stands in for a site's local core (embedded or Slurm) where a test or a
+benchmark is about the coordinator: it declares one node of the capacity it is given, accepts
+or declines each offer by a rule, records every offer, commit and release it gets, and reports
+each committed task RUNNING then SUCCEEDED at once. Everything else is real: the agent runtime,
+its enrolment with a join token, and the mTLS session to the coordinator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from federation.agent.config import AgentConfig
+from federation.agent.core import StatusCallback
+from federation.agent.enroll import ensure_enrolled
+from federation.agent.runtime import AgentRuntime
+from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.local import LocalFederation
+
+OfferRule = Callable[[site_link_service_pb2.Offer], str]
+"""Why the core declines an offer, or "" to accept it."""
+
+
+def accept_all(offer: site_link_service_pb2.Offer) -> str:
+    return ""
+
+
+class ScriptedCore:
+    """A local core with declared capacity whose committed tasks end the moment they start."""
+
+    name = "scripted"
+
+    def __init__(self, cpu: float = 1e6, decline: OfferRule = accept_all) -> None:
+        self.cpu = cpu
+        self.decline = decline
+        self.on_status: StatusCallback | None = None
+        """Set by ``start_scripted_sites`` to the agent runtime's report callback."""
+        self.offers: list[site_link_service_pb2.Offer] = []
+        self.commits: list[site_link_service_pb2.Commit] = []
+        self.releases: list[str] = []
+        self._seq = 0
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        return [
+            resources_pb2.Node(
+                name="scripted",
+                cpu_cores=self.cpu,
+                cpu_free=self.cpu,
+                memory_mib=1 << 40,
+                memory_free_mib=1 << 40,
+                schedulable=True,
+            )
+        ]
+
+    def queue(self) -> resources_pb2.QueueState:
+        return resources_pb2.QueueState()
+
+    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
+        self.offers.append(offer)
+        if why := self.decline(offer):
+            return site_link_service_pb2.OfferAnswer(accepted=False, reason=why)
+        self._seq += 1
+        return site_link_service_pb2.OfferAnswer(
+            accepted=True, reservation_id=f"r{self._seq}", lease_s=offer.lease_s
+        )
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        self.commits.append(commit)
+        assert self.on_status is not None, "start the site with start_scripted_sites"
+        for state in (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED):
+            self.on_status(
+                site_link_service_pb2.TaskReport(
+                    job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
+                )
+            )
+        return site_link_service_pb2.CommitAnswer(started=True)
+
+    async def release(self, reservation_id: str) -> None:
+        self.releases.append(reservation_id)
+
+    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None: ...
+
+    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
+        return []
+
+    def forget(self, job_id: str, task: str, epoch: int) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def shutdown(self, grace_s: float) -> None: ...
+
+
+async def start_scripted_sites(
+    fed: LocalFederation, cores: dict[str, ScriptedCore], timeout_s: float = 120.0
+) -> list[asyncio.Task[None]]:
+    """Join one datacenter site per core to ``fed`` and run their agents in this process until
+    the returned tasks are cancelled; returns once every site is connected."""
+    runners = []
+    for name, core in cores.items():
+        token = await fed.create_token(name, "datacenter")
+        config = AgentConfig(
+            site=name,
+            domain="datacenter",
+            coordinator=fed.address,
+            ca=fed.pki.ca_cert,
+            state_dir=fed.root / "sites" / name,
+            token=token,
+            join_address=fed.join_address,
+        )
+        runtime = AgentRuntime(config, await ensure_enrolled(config), core)
+        core.on_status = runtime.on_status
+        runners.append(asyncio.create_task(runtime.run()))
+    await fed.wait_connected(list(cores), timeout_s=timeout_s)
+    return runners

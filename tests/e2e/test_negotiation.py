@@ -1,0 +1,91 @@
+"""Negotiation rounds as sites see them: the best site alone first, then several at once.
+
+The three sites run the real agent runtime over mTLS with a scripted local core (declared
+capacity, a decline rule, a record of every offer, commit and release). Placement ranks them
+a (64 CPUs free), b (32), c (16) by free capacity; everything else about them is equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+
+from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.local import LocalFederation
+from federation.testing.cluster import until
+from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
+
+from .conftest import jobs, python_task, spec, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-negotiation")
+
+
+def draining(offer: site_link_service_pb2.Offer) -> str:
+    return "draining"
+
+
+@pytest_asyncio.fixture
+async def sites(tmp_path: Path) -> AsyncIterator[tuple[LocalFederation, dict[str, ScriptedCore]]]:
+    fed = LocalFederation(tmp_path / "fed", [])
+    cores = {"a": ScriptedCore(cpu=64), "b": ScriptedCore(cpu=32), "c": ScriptedCore(cpu=16)}
+    runners: list[asyncio.Task[None]] = []
+    try:
+        await fed.start_coordinator()
+        runners = await start_scripted_sites(fed, cores, timeout_s=30)
+        yield fed, cores
+    finally:
+        for runner in runners:
+            runner.cancel()
+        await asyncio.gather(*runners, return_exceptions=True)
+        fed.stop()
+
+
+async def submit_and_finish(fed: LocalFederation, name: str) -> jobs_pb2.Job:
+    async with fed.operator().channel() as channel:
+        job_spec = spec(name, [python_task("t", "", resources={"cpu": 1, "memory_mib": 64})])
+        reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))
+        return await wait_for_job(channel, reply.job.id, timeout_s=30)
+
+
+def offers_of(cores: dict[str, ScriptedCore], job_id: str) -> dict[str, list[int]]:
+    """Site -> the epochs of the offers it got for the job."""
+    return {
+        name: [o.epoch for o in core.offers if o.job_id == job_id] for name, core in cores.items()
+    }
+
+
+async def test_the_best_site_is_offered_alone_and_committed(
+    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+) -> None:
+    fed, cores = sites
+    job = await submit_and_finish(fed, "alone")
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+    assert offers_of(cores, job.id) == {"a": [1], "b": [], "c": []}
+    assert [(c.job_id, c.epoch) for c in cores["a"].commits] == [(job.id, 1)]
+    assert (job.tasks[0].site, job.tasks[0].epoch) == ("a", 1)
+    assert not any(core.releases for core in cores.values())
+
+
+async def test_after_a_decline_the_next_sites_are_offered_at_once(
+    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+) -> None:
+    """a declines; one round offers b and c under one epoch; both accept, b (ranked higher)
+    gets the commit and c's reservation is released."""
+    fed, cores = sites
+    cores["a"].decline = draining
+    job = await submit_and_finish(fed, "declined")
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+    assert offers_of(cores, job.id) == {"a": [1], "b": [2], "c": [2]}
+    assert [(c.job_id, c.epoch) for c in cores["b"].commits] == [(job.id, 2)]
+    assert not cores["c"].commits
+    assert (job.tasks[0].site, job.tasks[0].epoch) == ("b", 2)
+
+    async def released() -> bool:  # the release leaves after the commit
+        return cores["c"].releases == ["r1"]
+
+    await until(released, 10, "c's reservation released")
+    assert cores["a"].releases == cores["b"].releases == []
