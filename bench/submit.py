@@ -19,10 +19,13 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
+from typing import TypeVar
 
 import grpc
 import numpy as np
+import psutil
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from federation.api.v1 import (
@@ -34,9 +37,11 @@ from federation.local import LocalFederation
 from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
 from federation.watch import events_of
 
+ECHO_CALLS = 2000
 MODERATE_SHARE = 0.25
 """Moderate load, for the latency target: this share of the unary rate measured in the run."""
 
+T = TypeVar("T")
 COMMITTED = frozenset(
     {jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED}
 )
@@ -146,14 +151,24 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-submit-") as root:
         fed = LocalFederation(Path(root), [])
         await fed.start_coordinator()
+        coordinator = psutil.Process(fed.processes["coordinator"].pid)
+
+        async def with_cpu(run: Awaitable[T]) -> tuple[T, float]:
+            """What ``run`` returns, and the coordinator's CPU seconds meanwhile (all threads,
+            user + system): per job, a figure less shaken by a noisy machine than a rate."""
+            before = coordinator.cpu_times()
+            result = await run
+            after = coordinator.cpu_times()
+            return result, (after.user - before.user) + (after.system - before.system)
+
         runners: list[asyncio.Task[None]] = []
         try:
             cores = {f"site-{i:03d}": ScriptedCore() for i in range(sites)}
             runners = await start_scripted_sites(fed, cores)
             async with fed.operator().channel() as channel:
-                echo = await echo_rate(channel, 2000, 16)
-                unary = await run_jobs(channel, jobs // 4, 1, 16)
-                batched = await run_jobs(channel, jobs, batch, 2)
+                echo, echo_cpu = await with_cpu(echo_rate(channel, ECHO_CALLS, 16))
+                unary, unary_cpu = await with_cpu(run_jobs(channel, jobs // 4, 1, 16))
+                batched, batched_cpu = await with_cpu(run_jobs(channel, jobs, batch, 2))
                 # Moderate load: unary submits at a quarter of the most this run took.
                 rate = unary["jobs_per_s"] * MODERATE_SHARE
                 moderate = await run_jobs(channel, int(rate * 5), 1, 1, rate=rate)
@@ -167,7 +182,10 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
         "unary_vs_echo": unary["jobs_per_s"] / echo,
         "unary_p50_ms": unary["p50_ms"],
         "unary_p99_ms": unary["p99_ms"],
+        "echo_cpu_us_per_call": echo_cpu / ECHO_CALLS * 1e6,
+        "unary_cpu_us_per_job": unary_cpu / (jobs // 4) * 1e6,
         "batched_jobs_per_s": batched["jobs_per_s"],
+        "batched_cpu_us_per_job": batched_cpu / jobs * 1e6,
         "batched_p50_ms": batched["p50_ms"],
         "batched_p99_ms": batched["p99_ms"],
         "moderate_jobs_per_s": rate,
@@ -193,7 +211,7 @@ def main() -> None:
     print(
         f"{'sites':>6} {'echo/s':>8} {'unary jobs/s':>13} {'x echo':>7} {'unary p50/p99 ms':>17} "
         f"{'batched jobs/s':>15} {'batched p50/p99 ms':>19} {'moderate load: jobs/s':>22} "
-        f"{'p50/p99 ms':>15}"
+        f"{'p50/p99 ms':>15} {'coordinator CPU us: echo, unary, batched':>41}"
     )
     for n, r in results.items():
         print(
@@ -201,7 +219,9 @@ def main() -> None:
             f"{r['unary_vs_echo']:>7.2f} {r['unary_p50_ms']:>8.1f}/{r['unary_p99_ms']:<8.1f} "
             f"{r['batched_jobs_per_s']:>15.0f} {r['batched_p50_ms']:>9.1f}/"
             f"{r['batched_p99_ms']:<9.1f} {r['moderate_jobs_per_s']:>22.0f} "
-            f"{r['moderate_p50_ms']:>7.1f}/{r['moderate_p99_ms']:<7.1f}"
+            f"{r['moderate_p50_ms']:>7.1f}/{r['moderate_p99_ms']:<7.1f} "
+            f"{r['echo_cpu_us_per_call']:>24.0f}, {r['unary_cpu_us_per_job']:.0f}, "
+            f"{r['batched_cpu_us_per_job']:<.0f}"
         )
 
 

@@ -91,7 +91,7 @@ class JobManager:
         jobs = [self._new_job(caller, spec) for spec in specs]
         await self._jobs.create(jobs)
         JOBS_SUBMITTED.inc(len(jobs))
-        log.info("jobs_submitted", count=len(jobs), by=str(caller))
+        log.debug("jobs_submitted", count=len(jobs), by=str(caller))  # each has its event
         self._wake()
         return jobs
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Sequence
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -131,13 +132,15 @@ class JobRepository:
         else:
             self._pending.pop(job.id, None)
 
-    def pending(self) -> list[jobs_pb2.Job]:
+    def pending(self) -> Iterator[jobs_pb2.Job]:
         """The jobs that have a PENDING task, oldest first: the cached messages themselves,
-        not copies (a hot path), so callers read them and never change them."""
+        not copies (a hot path), so callers read them and never change them. Lazily, as a
+        caller often needs only the first few: consume it without awaiting in between."""
         if not self._pending_in_order:
             self._pending = dict.fromkeys(sorted(self._pending))
             self._pending_in_order = True
-        return [self._active[job_id][0] for job_id in self._pending]
+        active = self._active
+        return (active[job_id][0] for job_id in self._pending)
 
     def cached(self, job_id: str) -> jobs_pb2.Job | None:
         """An unfinished job as cached (the message itself: read it, never change it)."""
@@ -361,10 +364,11 @@ class JobRepository:
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""
         new_revision = await self._store.commit([op for stage in staged for op in stage.ops])
+        states = Counter(event.state for stage in staged for event in stage.events)
+        for state, count in states.items():
+            TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
         for stage in staged:
             job = stage.job
-            for event in stage.events:
-                TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(event.state)).inc()
             self._cache(_copy(job), new_revision)
             if job_state.is_terminal(job.state):
                 self._locks.pop(job.id, None)

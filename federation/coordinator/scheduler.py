@@ -56,6 +56,8 @@ class SchedulerConfig:
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
     max_concurrent_negotiations: int = 2048
+    batch_window_s: float = 0.005
+    """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
 
 
 @dataclass(slots=True)
@@ -106,6 +108,7 @@ class Scheduler:
         self._tasks: set[asyncio.Task[None]] = set()
         self._full = False
         """A cycle left tasks waiting because max_concurrent_negotiations were under way."""
+        self._last_cycle = 0.0
 
     def wake(self) -> None:
         self._wake.set()
@@ -117,6 +120,13 @@ class Scheduler:
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self._next_wait_s()):
                     await self._wake.wait()
+            # At most one cycle per batch window: under a stream of single submissions one
+            # cycle and one negotiation then serve many tasks, not one each, while a task
+            # that arrives after a quiet spell is placed at once.
+            wait_s = self._last_cycle + self._config.batch_window_s - time.monotonic()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            self._last_cycle = time.monotonic()
             self._wake.clear()
             try:
                 await self._cycle()
@@ -135,17 +145,16 @@ class Scheduler:
     async def _cycle(self) -> None:
         now = time.monotonic()
         room = self._config.max_concurrent_negotiations - len(self._inflight)
-        self._full = False
-        jobs = self._jobs.pending()
-        # Built only when something waits: every view delta wakes the loop, and flattening
-        # the whole federation into arrays is the expensive part of a cycle.
-        snapshot = self._sites.snapshot() if jobs else None
+        self._full = room <= 0
+        if self._full:
+            return  # the next negotiation to end wakes the loop again
+        snapshot: Snapshot | None = None
         placements: dict[Request, _Placement] = {}
         batch: list[_Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         swept = True
-        for job in jobs:
+        for job in self._jobs.pending():
             if job.cancel_requested:
                 continue
             for task in job.tasks:
@@ -159,7 +168,10 @@ class Scheduler:
                     self._full = True
                     swept = False
                     break
-                assert snapshot is not None
+                if snapshot is None:
+                    # Built only when something waits: every view delta wakes the loop, and
+                    # flattening the federation into arrays is the expensive part of a cycle.
+                    snapshot = self._sites.snapshot()
                 try:
                     request = request_for(job, task.name)
                     if request is None:
@@ -271,8 +283,9 @@ class Scheduler:
                 if not open_:
                     return
                 await self._round(open_, first, stop)
-                for n in open_:
-                    OFFERS.labels("settled" if n.settled else "refused").inc()
+                settled = sum(n.settled for n in open_)
+                OFFERS.labels("settled").inc(settled)
+                OFFERS.labels("refused").inc(len(open_) - settled)
         except FederationError as err:
             log.warning("negotiation_failed", tasks=len(batch), error=str(err))
         except Exception:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import math
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Sequence
 
 import structlog
@@ -161,24 +162,29 @@ class SiteLink:
         (reports of one job still in order), and a goodbye after them."""
         reports: list[pb.TaskReport] = []
         goodbye: pb.AgentMessage | None = None
-        for message in messages:
-            body = message.WhichOneof("body")
-            if body == "task_status":
-                SITE_MESSAGES.labels(body).inc()
-                reports.append(message.task_status)
-            elif body == "goodbye":
-                goodbye = message
-            else:
-                await self._handle(session, message)
+        kinds: Counter[str] = Counter()  # counted per envelope: a labelled inc is not free
+        try:
+            for message in messages:
+                body = message.WhichOneof("body")
+                kinds[body or "empty"] += 1
+                if body == "task_status":
+                    reports.append(message.task_status)
+                elif body == "goodbye":
+                    goodbye = message
+                else:
+                    await self._handle(session, message, body)
+        finally:
+            for kind, count in kinds.items():
+                SITE_MESSAGES.labels(kind).inc(count)
         if reports:
             await self._jobs.apply_reports(session.site, reports)
         if goodbye is not None:
-            await self._handle(session, goodbye)
+            await self._handle(session, goodbye, "goodbye")
 
-    async def _handle(self, session: SiteSession, request: pb.AgentMessage) -> None:
+    async def _handle(
+        self, session: SiteSession, request: pb.AgentMessage, body: str | None
+    ) -> None:
         site = session.site
-        body = request.WhichOneof("body")
-        SITE_MESSAGES.labels(body or "empty").inc()
         if body == "heartbeat":
             return
         if body == "view":
