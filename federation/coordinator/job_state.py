@@ -64,10 +64,10 @@ def job_state(task_states: Iterable[int]) -> jobs_pb2.JobState.ValueType:
     A job is terminal only when every task is; a failure wins over a cancellation, which wins
     over success. Otherwise the most advanced active task decides.
     """
-    states = list(task_states)
+    states = set(task_states)  # a hot path: one set, then only membership tests
     if not states:
         return PENDING
-    if all(s in TERMINAL for s in states):
+    if states <= TERMINAL:
         if FAILED in states:
             return FAILED
         return CANCELLED if CANCELLED in states else SUCCEEDED

@@ -254,7 +254,8 @@ class JobRepository:
         """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
 
         ``mutate`` changes the job in place and returns the task changes to record; when it
-        returns none and changes nothing, nothing is written. Mutations are pure functions of
+        returns none and changes nothing, nothing is written. The job returned is the one now
+        cached (as ``cached`` gives it): read it, never change it. Mutations are pure functions of
         the job, so after a lost compare-and-swap the job is re-read and the mutation re-run.
         """
         async with self._locked(job_id):
@@ -341,17 +342,17 @@ class JobRepository:
             return job, None
         previous_state = job.state
         job.state = job_state.job_state(t.state for t in job.tasks)
+        now = now_timestamp()
         events: list[jobs_pb2.JobEvent] = []
         for change in changes:
             # Each event carries the job's state just after its own change.
             states[change.task] = change.state
             job.last_event_sequence += 1
-            events.append(
-                _event(job, job.last_event_sequence, change, job_state.job_state(states.values()))
-            )
+            state_after = job_state.job_state(states.values())
+            events.append(_event(job, job.last_event_sequence, change, state_after, now))
         if events:
             job.reason = events[-1].reason
-        job.updated_at.CopyFrom(now_timestamp())
+        job.updated_at.CopyFrom(now)
         ops = [Put(job_key(job.id), job.SerializeToString(), expect_revision=revision)]
         ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in events]
         return job, _Staged(job, ops, events, previous_state)
@@ -369,7 +370,7 @@ class JobRepository:
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
         for stage in staged:
             job = stage.job
-            self._cache(_copy(job), new_revision)
+            self._cache(job, new_revision)  # the caller gets the same message: read-only
             if job_state.is_terminal(job.state):
                 self._locks.pop(job.id, None)
             if job.state != stage.previous_state:
@@ -458,11 +459,12 @@ def _event(
     sequence: int,
     change: Change,
     state_after: jobs_pb2.JobState.ValueType | None = None,
+    time: timestamp_pb2.Timestamp | None = None,
 ) -> jobs_pb2.JobEvent:
     return jobs_pb2.JobEvent(
         job_id=job.id,
         sequence=sequence,
-        time=now_timestamp(),
+        time=time if time is not None else now_timestamp(),
         state=change.state,
         task=change.task,
         site=change.site,

@@ -81,6 +81,9 @@ _SCHEMA = (
 )
 
 _KV_COLUMNS = "key, value, create_revision, mod_revision, lease"
+_Change = tuple[int, int, str, int, bytes, int, int]
+"""A row of the changes table: revision, seq, key, kind, value, create_revision, lease."""
+_PUT, _DELETE = WatchEventType.PUT.value, WatchEventType.DELETE.value
 # An expired lease's keys stay in `kv` until the sweeper deletes them but must already be
 # invisible to readers.
 _LIVE = "(lease = 0 OR EXISTS (SELECT 1 FROM leases WHERE id = kv.lease AND expires_at > :now))"
@@ -279,8 +282,13 @@ class _Database:
         return result
 
     def _apply(self, ops: Sequence[Op]) -> int:
-        # Every compare before any write, as an etcd transaction does.
-        current = {op.key: self._mod_revision(op.key) for op in ops}
+        # Every compare before any write, as an etcd transaction does. Only compares and
+        # deletes need a key's current revision.
+        current = {
+            op.key: self._mod_revision(op.key)
+            for op in ops
+            if op.expect_revision is not None or isinstance(op, Delete)
+        }
         for op in ops:
             if op.expect_revision is not None and op.expect_revision != current[op.key]:
                 raise CasConflictError(op.key, op.expect_revision, current[op.key])
@@ -288,16 +296,15 @@ class _Database:
             if isinstance(op, Put) and op.lease and not self._lease_exists(op.lease):
                 raise LeaseNotFoundError(f"lease {op.lease} not found")
         revision = self._revision + 1
-        seq = 0
+        changes: list[_Change] = []
         for op in ops:
             if isinstance(op, Put):
-                self._put_key(revision, seq, op)
+                changes.append(self._put_key(revision, len(changes), op))
             elif isinstance(op, Delete) and current[op.key]:
-                self._delete_key(revision, seq, op.key)
-            else:
-                continue  # a check, or deleting a missing key, changes nothing
-            seq += 1
-        if seq:
+                changes.append(self._delete_key(revision, len(changes), op.key))
+            # else: a check, or deleting a missing key, changes nothing
+        if changes:
+            self._record(changes)
             self._revision = revision
         return self._revision
 
@@ -340,11 +347,11 @@ class _Database:
         self._conn.execute("DELETE FROM leases WHERE id = ?", (lease,))
         if keys:
             revision = self._revision + 1
-            for seq, key in enumerate(keys):
-                self._delete_key(revision, seq, key)
+            self._record([self._delete_key(revision, seq, key) for seq, key in enumerate(keys)])
             self._revision = revision
 
-    def _put_key(self, revision: int, seq: int, op: Put) -> None:
+    def _put_key(self, revision: int, seq: int, op: Put) -> _Change:
+        """Write the key; returns the change to record."""
         # An existing key keeps its create_revision; RETURNING reports whichever applies.
         (create_revision,) = self._conn.execute(
             f"INSERT INTO kv ({_KV_COLUMNS}) VALUES (?, ?, ?, ?, ?)"
@@ -353,26 +360,16 @@ class _Database:
             " RETURNING create_revision",
             (op.key, op.value, revision, revision, op.lease),
         ).fetchone()
-        self._record(revision, seq, op.key, WatchEventType.PUT, op.value, create_revision, op.lease)
+        return (revision, seq, op.key, _PUT, op.value, create_revision, op.lease)
 
-    def _delete_key(self, revision: int, seq: int, key: str) -> None:
+    def _delete_key(self, revision: int, seq: int, key: str) -> _Change:
+        """Delete the key; returns the change to record."""
         self._conn.execute("DELETE FROM kv WHERE key = ?", (key,))
-        self._record(revision, seq, key, WatchEventType.DELETE, b"", 0, 0)
+        return (revision, seq, key, _DELETE, b"", 0, 0)
 
-    def _record(
-        self,
-        revision: int,
-        seq: int,
-        key: str,
-        kind: WatchEventType,
-        value: bytes,
-        create_revision: int,
-        lease: int,
-    ) -> None:
-        self._conn.execute(
-            "INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (revision, seq, key, kind.value, value, create_revision, lease),
-        )
+    def _record(self, changes: list[_Change]) -> None:
+        """Keep changes in the history that watches replay."""
+        self._conn.executemany("INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)", changes)
 
     def _compact(self) -> None:
         floor = self._revision - self._history
