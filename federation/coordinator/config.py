@@ -70,7 +70,7 @@ STORES = ("sqlite", "etcd")
 
 
 def check_settings(config: CoordinatorConfig, *, source: str) -> None:
-    """Refuse settings that cannot work: store, etcd and heartbeat settings.
+    """Refuse settings that cannot work: store, etcd, heartbeat and negotiation settings.
 
     Raises:
         ConfigError: Naming ``source`` and the setting.
@@ -90,3 +90,22 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
         raise ConfigError(f"{source}: heartbeat_interval_s must be positive")
     if config.missed_heartbeats < 1:
         raise ConfigError(f"{source}: missed_heartbeats must be at least 1")
+    check_negotiation(config, source=source)
+
+
+def check_negotiation(config: CoordinatorConfig, *, source: str) -> None:
+    """Refuse negotiation settings that cannot work."""
+    for name in ("offer_timeout_s", "retry_interval_s"):
+        if not getattr(config, name) > 0:
+            raise ConfigError(f"{source}: {name} must be positive")
+    for name in ("offers_at_once", "max_offers_per_round"):
+        if getattr(config, name) < 1:
+            raise ConfigError(f"{source}: {name} must be at least 1")
+    # A round commits only once every offer of the batch is answered or timed out, so a
+    # site that accepted at once holds its reservation up to offer_timeout_s before the
+    # commit: a shorter lease would let it lapse and refuse the commit.
+    if not config.reservation_lease_s > config.offer_timeout_s:
+        raise ConfigError(
+            f"{source}: reservation_lease_s ({config.reservation_lease_s:g}) must be longer "
+            f"than offer_timeout_s ({config.offer_timeout_s:g})"
+        )

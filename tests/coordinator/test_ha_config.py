@@ -55,10 +55,14 @@ def test_etcd_flags_give_endpoints_and_lease() -> None:
         ('store = "zookeeper"\n', "store must be one of"),
         ('store = "etcd"\netcd_endpoints = ["e:2379"]\netcd_ca = "ca.pem"\n', "etcd_cert"),
         ('store = "etcd"\netcd_endpoints = ["e:2379"]\nleader_lease_s = 0\n', "positive"),
+        ("offer_timeout_s = 10\n", r"reservation_lease_s \(10\) must be longer"),
+        ("offers_at_once = 0\n", "offers_at_once must be at least 1"),
+        ("retry_interval_s = -1\n", "retry_interval_s must be positive"),
     ],
 )
 def test_inconsistent_store_settings_are_refused(tmp_path: Path, toml: str, message: str) -> None:
-    """Store settings that cannot work together are refused with the file and the key."""
+    """Store and negotiation settings that cannot work together are refused with the file and
+    the key."""
     path = tmp_path / "coordinator.toml"
     path.write_text(toml)
     with pytest.raises(ConfigError, match=message) as caught:
