@@ -240,7 +240,8 @@ class JobManager:
     # Agents ------------------------------------------------------------------------------
 
     async def recover(self) -> None:
-        """After a restart: offers that were never committed are void; place those again."""
+        """After a restart: offers that were never committed are void; place those again (a
+        store written by an earlier version may hold tasks in SCHEDULING)."""
         for job in self._jobs.active():
             for task in job.tasks:
                 if task.state == job_state.SCHEDULING:

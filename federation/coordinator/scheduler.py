@@ -1,8 +1,12 @@
 """The scheduling loop: place pending tasks and negotiate each with the chosen sites.
 
-For every attempt the task's epoch (its fencing token) is bumped and written before the offer
-leaves, and DELEGATED is written before the commit leaves, so a restarted coordinator never
-reuses an epoch and never forgets a task it handed to a site.
+Every round of offers carries a new epoch (the task's fencing token), and DELEGATED with that
+epoch is written before the commit leaves, so a restarted coordinator never forgets a task it
+handed to a site and committed epochs only grow. The epoch of an offer is not written before
+the offer leaves: a site runs nothing without a commit, and a commit follows only the durable
+DELEGATED, which requires an epoch above every one the task has recorded. An offer's epoch
+that a coordinator issued and then lost in a crash can be issued again, to a reservation that
+is never committed (it lapses or is released) or, at the same site, as that same reservation.
 """
 
 from __future__ import annotations
@@ -21,7 +25,6 @@ from federation.coordinator.jobs import (
     JobRepository,
     Mutation,
     find_task,
-    next_epoch,
     transition,
     unplace,
 )
@@ -308,25 +311,24 @@ class Scheduler:
                     live.append(site)
             if live:
                 offered_to[n.key] = live
-        active = [n for n in negotiations if n.key in offered_to]
-        if not active:
-            return
-        written = await self._jobs.update_many(
-            [(n.job_id, _mark_scheduling(n.task, offered_to[n.key])) for n in active]
-        )
         offers: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Offer]]] = {}
-        for n in active:
-            task = _task_of(written, n)
-            if task is None or task.state != job_state.SCHEDULING:
-                n.settled = task is not None  # cancelled meanwhile; a failed write requeues
+        active = []
+        for n in negotiations:
+            if n.key not in offered_to:
                 continue
-            job = written[n.job_id]
-            assert isinstance(job, jobs_pb2.Job)
-            n.epoch = task.epoch
+            job = self._jobs.cached(n.job_id)
+            if job is None:
+                continue  # the cache let it go (a write raced it): requeued from the store
+            task = find_task(job, n.task)
+            if task.state != job_state.PENDING:
+                n.settled = True  # cancelled meanwhile
+                continue
+            n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
+            active.append(n)
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
-                epoch=task.epoch,
+                epoch=n.epoch,
                 spec=next(t for t in job.spec.tasks if t.name == n.task),
                 tenant=job.spec.tenant,
                 lease_s=self._config.reservation_lease_s,
@@ -511,9 +513,11 @@ class Scheduler:
                 # DELEGATED at its own epoch here means no commit left, or none was answered
                 # and writing that down failed: the bumped epoch of the next try fences it.
                 ours = task.state == job_state.DELEGATED and task.epoch == n.epoch
-                if task.state not in (job_state.SCHEDULING, job_state.PENDING) and not ours:
+                if task.state != job_state.PENDING and not ours:
                     return []
                 unplace(task)
+                # Epochs offered in vain are recorded, so the task's next offers go above them.
+                task.issued_epoch = max(task.issued_epoch, n.epoch)
                 return [_to_pending(job, task, verdicts)]
 
             return mutate
@@ -571,18 +575,6 @@ def _task_of(
     return find_task(job, n.task)
 
 
-def _mark_scheduling(task_name: str, sites: list[str]) -> Mutation:
-    def mutate(job: jobs_pb2.Job) -> list[Change]:
-        task = find_task(job, task_name)
-        if task.state not in (job_state.PENDING, job_state.SCHEDULING):
-            return []
-        next_epoch(task)
-        unplace(task)
-        return [transition(job, task_name, job_state.SCHEDULING, f"offered to {', '.join(sites)}")]
-
-    return mutate
-
-
 def _mark_delegated(
     task_name: str,
     site: str,
@@ -592,8 +584,9 @@ def _mark_delegated(
 ) -> Mutation:
     def mutate(job: jobs_pb2.Job) -> list[Change]:
         task = find_task(job, task_name)
-        if task.state != job_state.SCHEDULING or task.epoch != epoch:
-            return []
+        if task.state != job_state.PENDING or max(task.epoch, task.issued_epoch) >= epoch:
+            return []  # cancelled, or another delegation went first
+        task.epoch = task.issued_epoch = epoch
         task.site = site
         task.reservation_id = reservation_id
         if estimated is not None:

@@ -271,7 +271,6 @@ class Simulation:
         candidates = decision.ranked[: self.config.max_offers_per_round]
         for first, stop in offer_rounds(len(candidates), self.config.offers_at_once):
             batch = candidates[first:stop]
-            self._move(run, job_state.SCHEDULING)
             run.epoch += 1  # one epoch for every offer of the round
             run.offers += len(batch)
             self.out.offers += len(batch)

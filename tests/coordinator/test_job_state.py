@@ -20,7 +20,7 @@ NAMES = dict(zip(STATES, ("P", "SCH", "DEL", "RUN", "OK", "FAIL", "CAN"), strict
 
 # Written out by hand from the documented lifecycle, not copied from the module.
 LEGAL = {
-    (P, P), (P, SCH), (P, CAN),
+    (P, P), (P, SCH), (P, DEL), (P, CAN),
     (SCH, P), (SCH, SCH), (SCH, DEL), (SCH, CAN),
     (DEL, P), (DEL, RUN), (DEL, OK), (DEL, FAIL), (DEL, CAN),
     (RUN, P), (RUN, OK), (RUN, FAIL), (RUN, CAN),

@@ -205,8 +205,7 @@ async def test_every_transition_is_recorded_and_watched(operator: grpc.aio.Chann
     assert sequences == list(range(1, len(sequences) + 1))
     states = [e.job_state for e in recorded.events]
     expected = [
-        jobs_pb2.JOB_STATE_PENDING,
-        jobs_pb2.JOB_STATE_SCHEDULING,
+        jobs_pb2.JOB_STATE_PENDING,  # offers need no write: it stays PENDING until one is taken
         jobs_pb2.JOB_STATE_DELEGATED,
         jobs_pb2.JOB_STATE_RUNNING,
         jobs_pb2.JOB_STATE_SUCCEEDED,

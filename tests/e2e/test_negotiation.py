@@ -17,7 +17,7 @@ import pytest_asyncio
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.local import LocalFederation
 from federation.testing.cluster import until
-from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
+from federation.testing.scripted_core import ScriptedCore, accept_all, start_scripted_sites
 
 from .conftest import jobs, python_task, spec, wait_for_job
 
@@ -89,3 +89,38 @@ async def test_after_a_decline_the_next_sites_are_offered_at_once(
 
     await until(released, 10, "c's reservation released")
     assert cores["a"].releases == cores["b"].releases == []
+
+
+async def test_epochs_offered_in_vain_are_recorded_and_never_reused(
+    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+) -> None:
+    """Every site declines: the task stays PENDING with a verdict per site and the epochs its
+    rounds used on record; once a site takes it, the commit carries a higher epoch."""
+    fed, cores = sites
+    for core in cores.values():
+        core.decline = draining
+    async with fed.operator().channel() as channel:
+        stub = jobs(channel)
+        job_spec = spec("nowhere", [python_task("t", "", resources={"cpu": 1})])
+        job_id = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))).job.id
+
+        async def declined_everywhere() -> bool:
+            job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+            return {v.site for v in job.tasks[0].verdicts} == {"a", "b", "c"}
+
+        await until(declined_everywhere, 10, "a verdict from every site")
+        job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job
+        task = job.tasks[0]
+        assert task.state == jobs_pb2.JOB_STATE_PENDING
+        assert all("draining" in v.reason for v in task.verdicts)
+        offered = sorted({e for epochs in offers_of(cores, job_id).values() for e in epochs})
+        assert task.issued_epoch >= offered[-1]  # each failed negotiation records its epochs
+
+        cores["c"].decline = accept_all
+        done = await wait_for_job(channel, job_id, timeout_s=30)
+    assert (done.state, done.tasks[0].site) == (jobs_pb2.JOB_STATE_SUCCEEDED, "c")
+    (commit,) = cores["c"].commits
+    assert commit.epoch == done.tasks[0].epoch > offered[-1]
+    for name, epochs in offers_of(cores, job_id).items():
+        assert epochs == sorted(set(epochs)), f"{name} was offered an epoch twice: {epochs}"
+        assert max(epochs) <= commit.epoch

@@ -164,7 +164,7 @@ async def test_pipeline_preprocesses_at_the_edge_and_trains_elsewhere(
     assert train_status.estimate.transfer_bytes == 5 * GB  # the output moved edge -> fast
     order = [(e.task, e.state) for e in events if e.task]
     assert order.index(("preprocess", jobs_pb2.JOB_STATE_SUCCEEDED)) < order.index(
-        ("train", jobs_pb2.JOB_STATE_SCHEDULING)
+        ("train", jobs_pb2.JOB_STATE_DELEGATED)
     )
 
 

@@ -134,8 +134,7 @@ def test_every_task_goes_through_the_state_machine(
     monkeypatch.setattr(job_state, "check_transition", record)
     replay(topology, tasks, ["completion-time"])
     path = [
-        (job_state.PENDING, job_state.SCHEDULING),
-        (job_state.SCHEDULING, job_state.DELEGATED),
+        (job_state.PENDING, job_state.DELEGATED),
         (job_state.DELEGATED, job_state.RUNNING),
         (job_state.RUNNING, job_state.SUCCEEDED),
     ]
