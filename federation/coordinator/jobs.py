@@ -6,7 +6,7 @@ import asyncio
 import secrets
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -117,6 +117,8 @@ class JobRepository:
         # arrive in order, and only an older job coming back marks it out of order.
         self._pending: dict[str, None] = {}
         self._pending_in_order = True
+        self._held: dict[str, set[str]] = {}
+        """PENDING tasks whose offers are out, by job: ``pending`` leaves them out."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int) -> None:
         if job_state.is_terminal(job.state):
@@ -124,7 +126,12 @@ class JobRepository:
             self._pending.pop(job.id, None)
             return
         self._active[job.id] = (job, revision)
-        if any(t.state == job_state.PENDING for t in job.tasks):
+        self._index(job)
+
+    def _index(self, job: jobs_pb2.Job) -> None:
+        """Keep ``job`` in the pending index exactly while it has a PENDING task not held."""
+        held = self._held.get(job.id, ())
+        if any(t.state == job_state.PENDING and t.name not in held for t in job.tasks):
             if job.id not in self._pending:
                 if self._pending and job.id < next(reversed(self._pending)):
                     self._pending_in_order = False
@@ -132,8 +139,28 @@ class JobRepository:
         else:
             self._pending.pop(job.id, None)
 
+    def hold(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them:
+        they stay PENDING in the store, since offers need no write."""
+        for job_id, task in keys:
+            self._held.setdefault(job_id, set()).add(task)
+            if cached := self._active.get(job_id):
+                self._index(cached[0])
+
+    def release(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Undo ``hold``: the tasks are the scheduler's to pick up again if still PENDING."""
+        for job_id, task in keys:
+            held = self._held.get(job_id)
+            if held is None:
+                continue
+            held.discard(task)
+            if not held:
+                del self._held[job_id]
+            if cached := self._active.get(job_id):
+                self._index(cached[0])
+
     def pending(self) -> Iterator[jobs_pb2.Job]:
-        """The jobs that have a PENDING task, oldest first: the cached messages themselves,
+        """The jobs that have a PENDING task not held, oldest first: the cached messages themselves,
         not copies (a hot path), so callers read them and never change them. Lazily, as a
         caller often needs only the first few: consume it without awaiting in between."""
         if not self._pending_in_order:

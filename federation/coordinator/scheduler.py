@@ -43,6 +43,8 @@ NEGOTIATE = "Negotiate"
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
+MAX_REMEMBERED_PLACEMENTS = 10_000
+"""Distinct requests whose placement on the current snapshot is kept for later cycles."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +114,8 @@ class Scheduler:
         self._full = False
         """A cycle left tasks waiting because max_concurrent_negotiations were under way."""
         self._last_cycle = 0.0
+        self._placed_on: Snapshot | None = None
+        self._placements: dict[Request, _Placement] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -175,6 +179,7 @@ class Scheduler:
                     # Built only when something waits: every view delta wakes the loop, and
                     # flattening the federation into arrays is the expensive part of a cycle.
                     snapshot = self._sites.snapshot()
+                    placements = self._placements_on(snapshot)
                 try:
                     request = request_for(job, task.name)
                     if request is None:
@@ -200,11 +205,21 @@ class Scheduler:
                 self._forget(key)
         if batch:
             self._inflight.update(n.key for n in batch)
+            self._jobs.hold(n.key for n in batch)
             runner = asyncio.create_task(self._negotiate(batch))
             self._tasks.add(runner)
             runner.add_done_callback(self._tasks.discard)
         if nowhere:
             await self._stay_pending(nowhere)
+
+    def _placements_on(self, snapshot: Snapshot) -> dict[Request, _Placement]:
+        """Placements already made on ``snapshot``, by request: placement depends on nothing
+        else, and while no view changes (the snapshot is the same object) a cycle that finds
+        a request it has seen need not place it again."""
+        if snapshot is not self._placed_on or len(self._placements) > MAX_REMEMBERED_PLACEMENTS:
+            self._placed_on = snapshot
+            self._placements = {}
+        return self._placements
 
     def _place(self, request: Request, snapshot: Snapshot) -> _Placement:
         """Placement's verdicts, the sites to try (best first) and their estimates."""
@@ -273,6 +288,7 @@ class Scheduler:
         finally:
             # Also when closing: the next term's recovery puts tasks left in SCHEDULING back.
             self._inflight.difference_update(n.key for n in batch)
+            self._jobs.release(n.key for n in batch)
             if self._full:
                 self.wake()  # tasks wait for the room this negotiation leaves
 

@@ -316,3 +316,22 @@ async def test_cancelled_update_still_lands_in_cache_and_watchers(
     assert cached.tasks[0].state == SCH
     again = await repo.update("j", move(("a", P, "back")))
     assert again.last_event_sequence == 3
+
+
+async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
+    repo: JobRepository,
+) -> None:
+    """The scheduler's view: held tasks (offers out) are left out until released, and a job
+    with another PENDING task stays listed; the order is by id, also after a release."""
+    await repo.create([new_job("j-1"), new_job("j-2", "a", "b"), new_job("j-3")])
+    assert [j.id for j in repo.pending()] == ["j-1", "j-2", "j-3"]
+
+    repo.hold([("j-1", "main"), ("j-2", "a")])
+    assert [j.id for j in repo.pending()] == ["j-2", "j-3"]  # j-2 still has b
+
+    await repo.update("j-3", move(("main", DEL, "x accepted")))  # no longer pending
+    await repo.update("j-1", move(("main", P, "declined")))  # written while held: left out
+    assert [j.id for j in repo.pending()] == ["j-2"]
+
+    repo.release([("j-1", "main"), ("j-2", "a")])
+    assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
