@@ -286,11 +286,15 @@ class Scheduler:
             except Exception as err:
                 log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
         finally:
-            # Also when closing: the next term's recovery puts tasks left in SCHEDULING back.
-            self._inflight.difference_update(n.key for n in batch)
-            self._jobs.release(n.key for n in batch)
-            if self._full:
-                self.wake()  # tasks wait for the room this negotiation leaves
+            self._let_go([n.key for n in batch])
+
+    def _let_go(self, keys: list[TaskKey]) -> None:
+        """These negotiations are over: their room is free, and tasks left PENDING can be
+        picked up again."""
+        self._inflight.difference_update(keys)
+        self._jobs.release(keys)
+        if self._full:
+            self.wake()  # tasks wait for the room this leaves
 
     async def _rounds(self, batch: list[_Negotiation]) -> None:
         """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
@@ -352,18 +356,49 @@ class Scheduler:
             )
             for site in offered_to[n.key]:
                 offers.setdefault(site, []).append((n, offer))
-        answers = await asyncio.gather(
-            *(self._offer(site, [offer for _, offer in items]) for site, items in offers.items())
-        )
+        # Sites answer in their own time: a task is decided once every site it was offered
+        # to has answered, so a slow site holds up only the tasks offered to it.
+        unanswered = {n.key: len(offered_to[n.key]) for n in active}
         accepted: dict[TaskKey, list[tuple[str, str]]] = {}
-        for (site, items), site_answers in zip(offers.items(), answers, strict=True):
-            for (n, _), (reservation, why) in zip(items, site_answers, strict=True):
-                if reservation:
-                    accepted.setdefault(n.key, []).append((site, reservation))
-                else:
-                    n.verdicts.append(_refusal(site, why))
+        asking = {
+            asyncio.ensure_future(self._offer(site, [offer for _, offer in items])): site
+            for site, items in offers.items()
+        }
+        deciding: list[asyncio.Task[None]] = []
+        try:
+            while asking:
+                done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
+                ready = []
+                for answered in done:
+                    site = asking.pop(answered)
+                    for (n, _), (reservation, why) in zip(
+                        offers[site], answered.result(), strict=True
+                    ):
+                        if reservation:
+                            accepted.setdefault(n.key, []).append((site, reservation))
+                        else:
+                            n.verdicts.append(_refusal(site, why))
+                        unanswered[n.key] -= 1
+                        if not unanswered[n.key]:
+                            ready.append(n)
+                if ready:
+                    decided = self._decide(ready, offered_to, accepted)
+                    deciding.append(asyncio.create_task(decided))
+            await asyncio.gather(*deciding)
+        finally:
+            for pending in [*asking, *deciding]:
+                pending.cancel()
+
+    async def _decide(
+        self,
+        negotiations: list[_Negotiation],
+        offered_to: dict[TaskKey, list[str]],
+        accepted: dict[TaskKey, list[tuple[str, str]]],
+    ) -> None:
+        """For tasks whose sites have all answered: commit the best acceptance of each and
+        release the others."""
         chosen: dict[TaskKey, tuple[str, str]] = {}
-        for n in active:
+        for n in negotiations:
             if n.key not in accepted:
                 continue
             rank = offered_to[n.key]
@@ -372,7 +407,9 @@ class Scheduler:
             for site, reservation in others:
                 self._release(site, reservation)
                 n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
-        await self._delegate([n for n in active if n.key in chosen], chosen)
+        await self._delegate([n for n in negotiations if n.key in chosen], chosen)
+        # Delegated ones need no more of the batch, which may wait on slower sites.
+        self._let_go([n.key for n in negotiations if n.settled])
 
     async def _delegate(
         self, negotiations: list[_Negotiation], chosen: dict[TaskKey, tuple[str, str]]

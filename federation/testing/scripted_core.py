@@ -2,7 +2,8 @@
 
 A ``ScriptedCore`` stands in for a site's local core (embedded or Slurm) where a test or a
 benchmark is about the coordinator: it declares one node of the capacity it is given, accepts
-or declines each offer by a rule, records every offer, commit and release it gets, and reports
+or declines each offer by a rule (when told to, only once a gate opens), records every offer,
+commit and release it gets, and reports
 each committed task RUNNING then SUCCEEDED at once. Everything else is real: the agent runtime,
 its enrolment with a join token, and the mTLS session to the coordinator.
 """
@@ -37,6 +38,8 @@ class ScriptedCore:
         self.decline = decline
         self.on_status: StatusCallback | None = None
         """Set by ``start_scripted_sites`` to the agent runtime's report callback."""
+        self.gate: asyncio.Event | None = None
+        """When set to an event, offers are answered only once it is set (a slow site)."""
         self.offers: list[site_link_service_pb2.Offer] = []
         self.commits: list[site_link_service_pb2.Commit] = []
         self.releases: list[str] = []
@@ -59,6 +62,8 @@ class ScriptedCore:
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         self.offers.append(offer)
+        if self.gate is not None:
+            await self.gate.wait()
         if why := self.decline(offer):
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=why)
         self._seq += 1

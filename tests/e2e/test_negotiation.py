@@ -124,3 +124,36 @@ async def test_epochs_offered_in_vain_are_recorded_and_never_reused(
     for name, epochs in offers_of(cores, job_id).items():
         assert epochs == sorted(set(epochs)), f"{name} was offered an epoch twice: {epochs}"
         assert max(epochs) <= commit.epoch
+
+
+async def test_a_slow_site_holds_up_only_the_tasks_offered_to_it(
+    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+) -> None:
+    """Two jobs submitted together are negotiated together, one allowed only at a, which does
+    not answer yet, the other only at b: b's runs to the end while a's offer is unanswered."""
+    fed, cores = sites
+    gate = asyncio.Event()
+    cores["a"].gate = gate
+    task = python_task("t", "", resources={"cpu": 1})
+    async with fed.operator().channel() as channel:
+        stub = jobs(channel)
+        reply = await stub.SubmitJobs(
+            job_service_pb2.SubmitJobsRequest(
+                specs=[
+                    spec("at-a", [task], constraints={"sites": ["a"]}),
+                    spec("at-b", [task], constraints={"sites": ["b"]}),
+                ]
+            )
+        )
+        at_a, at_b = (job.id for job in reply.jobs)
+        done = await wait_for_job(channel, at_b, timeout_s=30)
+        assert (done.state, done.tasks[0].site) == (jobs_pb2.JOB_STATE_SUCCEEDED, "b")
+        waiting = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=at_a))).job.tasks[0]
+        assert offers_of(cores, at_a)["a"] == [1]
+        assert waiting.state == jobs_pb2.JOB_STATE_PENDING
+        refusals = [v.reason for v in waiting.verdicts if v.stage == "Negotiate"]
+        assert refusals == [], "a's offer timed out before b's job could end"
+
+        gate.set()
+        done = await wait_for_job(channel, at_a, timeout_s=30)
+    assert (done.state, done.tasks[0].site) == (jobs_pb2.JOB_STATE_SUCCEEDED, "a")
