@@ -101,9 +101,9 @@ def check_negotiation(config: CoordinatorConfig, *, source: str) -> None:
     for name in ("offers_at_once", "max_offers_per_round"):
         if getattr(config, name) < 1:
             raise ConfigError(f"{source}: {name} must be at least 1")
-    # A round commits only once every offer of the batch is answered or timed out, so a
-    # site that accepted at once holds its reservation up to offer_timeout_s before the
-    # commit: a shorter lease would let it lapse and refuse the commit.
+    # A task offered to several sites at once is decided when all have answered or timed
+    # out, so a site that accepted at once holds its reservation up to offer_timeout_s
+    # before the commit: a shorter lease would let it lapse and refuse the commit.
     if not config.reservation_lease_s > config.offer_timeout_s:
         raise ConfigError(
             f"{source}: reservation_lease_s ({config.reservation_lease_s:g}) must be longer "

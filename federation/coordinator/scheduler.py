@@ -89,10 +89,11 @@ class _Negotiation:
 class Scheduler:
     """Finds pending tasks, places them and negotiates delegation for many tasks at once.
 
-    A cycle places every pending task (a placement is reused for identical requests) and hands
-    the placed ones to one negotiation, which runs while later cycles start others. Each round
-    of a negotiation writes all its epochs in one go, sends each site its offers together,
-    writes all the DELEGATED states in one go, then sends each site its commits together.
+    A cycle places every pending task (a placement is reused for identical requests, and on
+    an unchanged snapshot across cycles) and hands the placed ones to one negotiation, which
+    runs while later cycles start others. Each round of a negotiation sends each site its
+    offers together; as each site answers, the tasks whose sites have all answered get their
+    DELEGATED states written in one go, then each site its commits together.
     """
 
     def __init__(
@@ -280,7 +281,7 @@ class Scheduler:
                     self._backoff(n.key)
             unsettled = [n for n in batch if not n.settled]
             try:
-                # Never leave a task in SCHEDULING: only PENDING tasks are picked up again.
+                # Record why no site took them, and the epochs their offers used.
                 if unsettled:
                     await self._back_to_pending(unsettled)
             except Exception as err:
