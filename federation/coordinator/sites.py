@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
+from federation.api.v1 import admin_service_pb2, site_link_service_pb2
+from federation.coordinator.live_view import LiveView
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
@@ -115,7 +116,7 @@ class SiteSession:
 @dataclass
 class SiteEntry:
     record: admin_service_pb2.Site
-    view: resources_pb2.SiteView | None = None
+    view: LiveView | None = None
     generation: int = 0
     last_seen: float = 0.0
     session: SiteSession | None = None
@@ -213,7 +214,7 @@ class SiteRegistry:
         entry.session = session
         entry.unreachable_since = entry.offline_since = None
         self._count_sessions()
-        entry.view = hello.view
+        entry.view = LiveView(hello.view)
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
         self._changed()
@@ -265,13 +266,13 @@ class SiteRegistry:
         """Apply a full view or the next delta; a gap in generations needs a resync."""
         entry = self.get(site)
         if update.HasField("full"):
-            entry.view = update.full
+            entry.view = LiveView(update.full)
         else:
             if entry.view is None or update.generation != entry.generation + 1:
                 raise FailedPreconditionError(
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
-            entry.view = apply_delta(entry.view, update.delta)
+            entry.view.apply(update.delta)
         entry.generation = update.generation
         entry.last_seen = time.monotonic()
         self._changed()
@@ -280,7 +281,7 @@ class SiteRegistry:
         """The placement snapshot, rebuilt only when some view or state changed."""
         if self._snapshot is None or self._snapshot[0] != self._version:
             inputs = [
-                SiteInput(e.view, e.session is not None, e.record.cordoned)
+                SiteInput(e.view.header, e.session is not None, e.record.cordoned, e.view.nodes())
                 for e in self._sites.values()
                 if e.view is not None
             ]
@@ -301,15 +302,16 @@ class SiteRegistry:
         site.heartbeat_age_s = time.monotonic() - entry.last_seen if entry.last_seen else -1.0
         site.generation = entry.generation
         if with_view and entry.view is not None:
-            site.view.CopyFrom(entry.view)
+            site.view.CopyFrom(entry.view.header)
+            site.view.nodes.extend(entry.view.nodes())
         return site
 
     def announce_probe_peers(self) -> None:
         """Tell every connected site which peers it can measure its links to."""
         endpoints = {
-            name: e.view.probe_endpoint
+            name: e.view.header.probe_endpoint
             for name, e in self._sites.items()
-            if e.session is not None and e.view is not None and e.view.probe_endpoint
+            if e.session is not None and e.view is not None and e.view.header.probe_endpoint
         }
         for name, entry in self._sites.items():
             if entry.session is None:
@@ -328,32 +330,9 @@ class SiteRegistry:
 
     def known_datasets(self) -> set[str]:
         """Every dataset some site's latest view reports holding."""
-        return {d for e in self._sites.values() if e.view is not None for d in e.view.datasets}
+        return {
+            d for e in self._sites.values() if e.view is not None for d in e.view.header.datasets
+        }
 
     def names(self) -> list[str]:
         return sorted(self._sites)
-
-
-def apply_delta(
-    view: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta
-) -> resources_pb2.SiteView:
-    """The view after ``delta``: upserted nodes replaced whole, removed ones dropped, the new
-    queue state and links taken.
-
-    A new message, ``view`` untouched: protobuf (upb) frees a message's memory only with the
-    whole message, so replacing nodes in place grew a long-lived view by a copy per delta.
-    """
-    removed = set(delta.removed_nodes)
-    upserted = {node.name: node for node in delta.upserted_nodes}
-    kept = [n for n in view.nodes if n.name not in removed and n.name not in upserted]
-    merged = {n.name: n for n in kept} | upserted
-    out = resources_pb2.SiteView()
-    out.CopyFrom(view)
-    del out.nodes[:]
-    out.nodes.extend(sorted(merged.values(), key=lambda n: n.name))
-    if delta.has_queue:
-        out.queue.CopyFrom(delta.queue)
-    if delta.has_links:
-        del out.links[:]
-        out.links.extend(delta.links)
-    return out

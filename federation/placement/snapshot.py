@@ -61,6 +61,9 @@ class SiteInput:
     view: resources_pb2.SiteView
     is_connected: bool
     is_cordoned: bool
+    nodes: Sequence[resources_pb2.Node] | None = None
+    """The site's nodes when they are kept apart from ``view`` (the coordinator's live
+    views); None: the view's own."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +267,7 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
     pair_class: list[int] = []
     pair_free: list[float] = []
     for site_index, site in enumerate(ordered):
-        for node in site.view.nodes:
+        for node in site.view.nodes if site.nodes is None else site.nodes:
             node_index = len(node_site)
             free_by_class: dict[int, int] = {}
             node_site.append(site_index)

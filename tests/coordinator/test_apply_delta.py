@@ -1,9 +1,9 @@
-"""Applying a site view delta to the coordinator's copy of the view."""
+"""Applying site view deltas to the coordinator's live copy of a view."""
 
 from __future__ import annotations
 
 from federation.api.v1 import resources_pb2
-from federation.coordinator.sites import apply_delta
+from federation.coordinator.live_view import COMPACT_SHARE, LiveView
 
 GPU = resources_pb2.DEVICE_KIND_GPU
 
@@ -31,6 +31,15 @@ def view(*nodes: resources_pb2.Node) -> resources_pb2.SiteView:
 
 def names(v: resources_pb2.SiteView) -> list[str]:
     return [n.name for n in v.nodes]
+
+
+def apply_delta(
+    v: resources_pb2.SiteView, delta: resources_pb2.SiteViewDelta
+) -> resources_pb2.SiteView:
+    """The whole view after one delta."""
+    live = LiveView(v)
+    live.apply(delta)
+    return live.view()
 
 
 def test_upsert_adds_a_new_node_in_name_order() -> None:
@@ -128,7 +137,7 @@ def test_fields_outside_nodes_and_queue_are_untouched() -> None:
 
 
 def test_the_view_given_is_left_as_it_was() -> None:
-    """The result is a new message; the view passed in keeps its nodes and queue."""
+    """The live view never changes the full view it started from."""
     v = view(node("a"), node("b"))
     before = v.SerializeToString(deterministic=True)
     after = apply_delta(
@@ -140,3 +149,27 @@ def test_the_view_given_is_left_as_it_was() -> None:
     assert after is not v
     assert names(after) == ["b", "c"]
     assert v.SerializeToString(deterministic=True) == before
+
+
+def test_many_deltas_across_compactions_match_a_plain_model() -> None:
+    """Node by node, through several gatherings of lone nodes into one message, the live view
+    says what a plain dict of nodes says; queue and links survive the gatherings."""
+    live = LiveView(view(*(node(f"n{i:02d}") for i in range(40))))
+    model = {f"n{i:02d}": node(f"n{i:02d}") for i in range(40)}
+    links = [resources_pb2.Link(peer_site="t", bandwidth_mbps=100.0)]
+    live.apply(resources_pb2.SiteViewDelta(links=links, has_links=True))
+    for step in range(40 * COMPACT_SHARE):
+        name = f"n{step * 7 % 40:02d}"
+        if step % 9 == 0:
+            live.apply(resources_pb2.SiteViewDelta(removed_nodes=[name]))
+            model.pop(name, None)
+        else:
+            new = node(name, cpu=float(step))
+            live.apply(resources_pb2.SiteViewDelta(upserted_nodes=[new]))
+            model[name] = new
+        assert [n.name for n in live.nodes()] == sorted(model)
+    final = live.view()
+    assert list(final.nodes) == [model[name] for name in sorted(model)]
+    assert list(final.links) == links
+    assert final.queue == view().queue
+    assert live.header.nodes == []  # the nodes live apart from the header

@@ -1,0 +1,81 @@
+"""A site's view as its deltas change it, at the cost of what each delta changes.
+
+A delta usually replaces one node of a hundred. Building a new ``SiteView`` for it copied every
+node; changing the view in place is no better, since protobuf (upb) frees a message's memory
+only with the whole message, so every replaced node would stay in the view's memory for good.
+Here the nodes are kept by name: a delta drops the replaced node and keeps the new one in a
+message of its own. Those cost about twice the memory of nodes inside one view, so once a
+quarter of the nodes are held that way they are gathered into one message again (amortised,
+a few node copies per delta).
+"""
+
+from __future__ import annotations
+
+from federation.api.v1 import resources_pb2
+
+COMPACT_SHARE = 4
+"""Nodes are gathered into one message again once more than 1/COMPACT_SHARE are held alone."""
+
+
+class LiveView:
+    """A site's view: its fields apart from the nodes (``header``), and its nodes by name."""
+
+    def __init__(self, full: resources_pb2.SiteView) -> None:
+        self.header = _without_nodes(full)
+        """The view without its nodes: read it, never change it (it is replaced whole)."""
+        self._nodes = {node.name: node for node in full.nodes}
+        self._alone: set[str] = set()
+        """Nodes held in messages of their own (the others live inside one view message)."""
+        self._sorted: list[resources_pb2.Node] | None = None
+
+    def apply(self, delta: resources_pb2.SiteViewDelta) -> None:
+        """Upserted nodes replace the old ones whole, removed ones go, and the queue and links
+        are replaced when the delta says so. The delta is copied, never kept."""
+        for name in delta.removed_nodes:
+            self._nodes.pop(name, None)
+            self._alone.discard(name)
+        for node in delta.upserted_nodes:
+            own = resources_pb2.Node()
+            own.CopyFrom(node)
+            self._nodes[node.name] = own
+            self._alone.add(node.name)
+        if delta.upserted_nodes or delta.removed_nodes:
+            self._sorted = None
+        if delta.has_queue or delta.has_links:
+            header = resources_pb2.SiteView()
+            header.CopyFrom(self.header)  # small without nodes; the old one goes whole
+            if delta.has_queue:
+                header.queue.CopyFrom(delta.queue)
+            if delta.has_links:
+                del header.links[:]
+                header.links.extend(delta.links)
+            self.header = header
+        if len(self._alone) * COMPACT_SHARE > len(self._nodes):
+            compact = self.view()
+            self._nodes = {node.name: node for node in compact.nodes}
+            self._alone.clear()
+            self._sorted = list(compact.nodes)
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        """The nodes in name order (read them, never change them)."""
+        if self._sorted is None:
+            self._sorted = sorted(self._nodes.values(), key=lambda node: node.name)
+        return self._sorted
+
+    def view(self) -> resources_pb2.SiteView:
+        """The whole view as one new message, nodes in name order."""
+        out = resources_pb2.SiteView()
+        out.CopyFrom(self.header)
+        out.nodes.extend(self.nodes())
+        return out
+
+
+def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:
+    """A copy of ``view`` without its nodes that holds none of their memory: clearing them from
+    a full copy would keep them in that copy's memory, so the cleared copy is copied again."""
+    scratch = resources_pb2.SiteView()
+    scratch.CopyFrom(view)
+    del scratch.nodes[:]
+    header = resources_pb2.SiteView()
+    header.CopyFrom(scratch)
+    return header
