@@ -65,7 +65,11 @@ class Request:
         task: jobs_pb2.TaskSpec,
         inputs: Sequence[Input] | None = None,
     ) -> Request:
-        """Build a request; ``inputs`` replaces the spec's (the scheduler resolves task outputs)."""
+        """Build a request; ``inputs`` replaces the spec's (the scheduler resolves task outputs).
+
+        Of the job it reads only the constraints and the objective: the scheduler remembers
+        requests by those, the task spec and the inputs.
+        """
         acc = task.resources.accelerator
         constraints = job.constraints
         if inputs is None:

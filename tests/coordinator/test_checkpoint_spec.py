@@ -100,3 +100,19 @@ def test_a_recorded_checkpoint_is_an_input_from_its_site() -> None:
     request = request_for(job, "t")
     assert request is not None
     assert request.inputs == (Input(CHECKPOINT + "t", 4096, "edge-p"),)
+
+
+def test_identical_tasks_share_a_request_and_any_difference_shows() -> None:
+    """Requests are remembered by what they are built from: tasks of two jobs alike share one;
+    a different constraint, objective or resource gives a different request."""
+
+    def request(spec: jobs_pb2.JobSpec, name: str = "j") -> object:
+        job = jobs_pb2.Job(id=name, spec=spec)
+        job.tasks.add(name="t")
+        return request_for(job, "t")
+
+    base = request(parsed({"resources": {"cpu": 2}}), "j1")
+    assert request(parsed({"resources": {"cpu": 2}}, name="other"), "j2") is base
+    assert request(parsed({"resources": {"cpu": 3}})) != base
+    assert request(parsed({"resources": {"cpu": 2}}, constraints={"sites": ["a"]})) != base
+    assert request(parsed({"resources": {"cpu": 2}}, objective={"deadline_s": 60})) != base
