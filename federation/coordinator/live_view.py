@@ -12,6 +12,7 @@ a few node copies per delta).
 from __future__ import annotations
 
 from federation.api.v1 import resources_pb2
+from federation.placement.snapshot import SitePart, site_part
 
 COMPACT_SHARE = 4
 """Nodes are gathered into one message again once more than 1/COMPACT_SHARE are held alone."""
@@ -27,6 +28,7 @@ class LiveView:
         self._alone: set[str] = set()
         """Nodes held in messages of their own (the others live inside one view message)."""
         self._sorted: list[resources_pb2.Node] | None = None
+        self._part: SitePart | None = None
 
     def apply(self, delta: resources_pb2.SiteViewDelta) -> None:
         """Upserted nodes replace the old ones whole, removed ones go, and the queue and links
@@ -41,6 +43,7 @@ class LiveView:
             self._alone.add(node.name)
         if delta.upserted_nodes or delta.removed_nodes:
             self._sorted = None
+            self._part = None
         if delta.has_queue or delta.has_links:
             header = resources_pb2.SiteView()
             header.CopyFrom(self.header)  # small without nodes; the old one goes whole
@@ -61,6 +64,12 @@ class LiveView:
         if self._sorted is None:
             self._sorted = sorted(self._nodes.values(), key=lambda node: node.name)
         return self._sorted
+
+    def part(self) -> SitePart:
+        """The nodes as placement arrays, built again only after the nodes change."""
+        if self._part is None:
+            self._part = site_part(self.nodes())
+        return self._part
 
     def view(self) -> resources_pb2.SiteView:
         """The whole view as one new message, nodes in name order."""

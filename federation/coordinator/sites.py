@@ -281,7 +281,7 @@ class SiteRegistry:
         """The placement snapshot, rebuilt only when some view or state changed."""
         if self._snapshot is None or self._snapshot[0] != self._version:
             inputs = [
-                SiteInput(e.view.header, e.session is not None, e.record.cordoned, e.view.nodes())
+                SiteInput(e.view.header, e.session is not None, e.record.cordoned, e.view.part())
                 for e in self._sites.values()
                 if e.view is not None
             ]

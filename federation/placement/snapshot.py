@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,9 +61,9 @@ class SiteInput:
     view: resources_pb2.SiteView
     is_connected: bool
     is_cordoned: bool
-    nodes: Sequence[resources_pb2.Node] | None = None
-    """The site's nodes when they are kept apart from ``view`` (the coordinator's live
-    views); None: the view's own."""
+    part: SitePart | None = None
+    """The site's nodes as arrays, when the caller keeps them (the coordinator's live views
+    build one per change); None: built from ``view``'s nodes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,11 +231,42 @@ def _device_class(dev: resources_pb2.Device) -> DeviceClass:
     return DeviceClass(dev.kind, dev.vendor.lower(), dev.model, memory_mib, device_attributes(dev))
 
 
-def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
-    """Flatten site views into arrays, sites sorted by name so order never matters."""
-    ordered = sorted(sites, key=lambda s: s.view.site)
-    index = {s.view.site: i for i, s in enumerate(ordered)}
-    node_site: list[int] = []
+@dataclass(frozen=True, slots=True)
+class SitePart:
+    """One site's nodes, devices, free (node, class) pairs and partition profiles as arrays
+    indexed within the site: the part of a snapshot that costs (a Python pass over every
+    device), built once per change of the site's view and shared by every snapshot until then.
+    Classes are local too: ``device_class`` and ``pair_class`` index ``class_keys``."""
+
+    node_cpu_free: F64
+    node_memory_free_mib: F64
+    node_schedulable: Bool
+    node_labels: tuple[dict[str, str], ...]
+    device_node: I64
+    device_kind: I64
+    device_vendor: Obj
+    device_model: Obj
+    device_memory_mib: F64
+    device_available: Bool
+    device_class: I64
+    device_shareable: Bool
+    device_free_fraction: F64
+    device_group: I64
+    n_groups: int
+    device_tflops_fp16: F64
+    device_power_watts: F64
+    class_keys: tuple[tuple[object, ...], ...]
+    classes: tuple[DeviceClass, ...]
+    pair_node: I64
+    pair_class: I64
+    pair_free: F64
+    partition_device: I64
+    partition_profile: Obj
+    partition_free: F64
+
+
+def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
+    """The arrays of one site's nodes (see ``SitePart``)."""
     cpu_free: list[float] = []
     mem_free: list[float] = []
     schedulable: list[bool] = []
@@ -266,48 +297,109 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
     pair_node: list[int] = []
     pair_class: list[int] = []
     pair_free: list[float] = []
-    for site_index, site in enumerate(ordered):
-        for node in site.view.nodes if site.nodes is None else site.nodes:
-            node_index = len(node_site)
-            free_by_class: dict[int, int] = {}
-            node_site.append(site_index)
-            cpu_free.append(_capacity(node.cpu_free))
-            mem_free.append(_capacity(float(node.memory_free_mib)))
-            schedulable.append(node.schedulable)
-            labels.append({**node.labels, **({"arch": node.arch} if node.arch else {})})
-            for d in node.devices:
-                device_index = len(dev["node"])
-                key = _class_key(d)
-                if key not in class_ids:
-                    class_ids[key] = len(classes)
-                    classes.append(_device_class(d))
-                group_key = (node_index, d.interconnect_group or f"#{device_index}")
-                healthy = d.health in USABLE_HEALTH
-                whole_free = not d.allocated and healthy and not _in_shared_use(d)
-                dev["node"].append(node_index)
-                dev["kind"].append(d.kind)
-                dev["vendor"].append(d.vendor.lower())
-                dev["model"].append(d.model)
-                dev["memory"].append(float(d.memory_total_mib))
-                dev["available"].append(whole_free)
-                dev["class"].append(class_ids[key])
-                free_by_class[class_ids[key]] = free_by_class.get(class_ids[key], 0) + int(
-                    whole_free
-                )
-                dev["shareable"].append(d.shareable and healthy and not d.allocated)
-                dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))
-                dev["group"].append(groups.setdefault(group_key, len(groups)))
-                dev["tflops"].append(_capacity(d.tflops_fp16))
-                dev["power"].append(_capacity(d.power_tdp_watts or d.power_watts))
-                for part in d.partitions:
-                    if healthy and not d.allocated:
-                        part_device.append(device_index)
-                        part_profile.append(part.profile)
-                        part_free.append(float(part.free))
-            for class_id, free in sorted(free_by_class.items()):
-                pair_node.append(node_index)
-                pair_class.append(class_id)
-                pair_free.append(float(free))
+    for node in nodes:
+        node_index = len(cpu_free)
+        free_by_class: dict[int, int] = {}
+        cpu_free.append(_capacity(node.cpu_free))
+        mem_free.append(_capacity(float(node.memory_free_mib)))
+        schedulable.append(node.schedulable)
+        labels.append({**node.labels, **({"arch": node.arch} if node.arch else {})})
+        for d in node.devices:
+            device_index = len(dev["node"])
+            key = _class_key(d)
+            if key not in class_ids:
+                class_ids[key] = len(classes)
+                classes.append(_device_class(d))
+            group_key = (node_index, d.interconnect_group or f"#{device_index}")
+            healthy = d.health in USABLE_HEALTH
+            whole_free = not d.allocated and healthy and not _in_shared_use(d)
+            dev["node"].append(node_index)
+            dev["kind"].append(d.kind)
+            dev["vendor"].append(d.vendor.lower())
+            dev["model"].append(d.model)
+            dev["memory"].append(float(d.memory_total_mib))
+            dev["available"].append(whole_free)
+            dev["class"].append(class_ids[key])
+            free_by_class[class_ids[key]] = free_by_class.get(class_ids[key], 0) + int(whole_free)
+            dev["shareable"].append(d.shareable and healthy and not d.allocated)
+            dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))
+            dev["group"].append(groups.setdefault(group_key, len(groups)))
+            dev["tflops"].append(_capacity(d.tflops_fp16))
+            dev["power"].append(_capacity(d.power_tdp_watts or d.power_watts))
+            for part in d.partitions:
+                if healthy and not d.allocated:
+                    part_device.append(device_index)
+                    part_profile.append(part.profile)
+                    part_free.append(float(part.free))
+        for class_id, free in sorted(free_by_class.items()):
+            pair_node.append(node_index)
+            pair_class.append(class_id)
+            pair_free.append(float(free))
+    return SitePart(
+        node_cpu_free=np.array(cpu_free, dtype=np.float64),
+        node_memory_free_mib=np.array(mem_free, dtype=np.float64),
+        node_schedulable=np.array(schedulable, dtype=bool),
+        node_labels=tuple(labels),
+        device_node=np.array(dev["node"], dtype=np.int64),
+        device_kind=np.array(dev["kind"], dtype=np.int64),
+        device_vendor=np.array(dev["vendor"], dtype=object),
+        device_model=np.array(dev["model"], dtype=object),
+        device_memory_mib=np.array(dev["memory"], dtype=np.float64),
+        device_available=np.array(dev["available"], dtype=bool),
+        device_class=np.array(dev["class"], dtype=np.int64),
+        device_shareable=np.array(dev["shareable"], dtype=bool),
+        device_free_fraction=np.array(dev["fraction"], dtype=np.float64),
+        device_group=np.array(dev["group"], dtype=np.int64),
+        n_groups=len(groups),
+        device_tflops_fp16=np.array(dev["tflops"], dtype=np.float64),
+        device_power_watts=np.array(dev["power"], dtype=np.float64),
+        class_keys=tuple(class_ids),
+        classes=tuple(classes),
+        pair_node=np.array(pair_node, dtype=np.int64),
+        pair_class=np.array(pair_class, dtype=np.int64),
+        pair_free=np.array(pair_free, dtype=np.float64),
+        partition_device=np.array(part_device, dtype=np.int64),
+        partition_profile=np.array(part_profile, dtype=object),
+        partition_free=np.array(part_free, dtype=np.float64),
+    )
+
+
+def _joined(arrays: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
+    return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
+
+
+def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
+    """Flatten site views into arrays, sites sorted by name so order never matters.
+
+    Each site's nodes and devices come from its ``SitePart`` (given, or built from its view),
+    placed after the previous sites' with their node, device and group numbers shifted and
+    their classes numbered federation-wide in order of first appearance.
+    """
+    ordered = sorted(sites, key=lambda s: s.view.site)
+    index = {s.view.site: i for i, s in enumerate(ordered)}
+    parts = [s.part if s.part is not None else site_part(s.view.nodes) for s in ordered]
+    class_ids: dict[tuple[object, ...], int] = {}
+    classes: list[DeviceClass] = []
+    remaps = []
+    for part in parts:
+        for key, device_class in zip(part.class_keys, part.classes, strict=True):
+            if key not in class_ids:
+                class_ids[key] = len(classes)
+                classes.append(device_class)
+        remaps.append(np.array([class_ids[key] for key in part.class_keys], dtype=np.int64))
+    nodes = np.cumsum([0] + [len(p.node_cpu_free) for p in parts])
+    devices = np.cumsum([0] + [len(p.device_node) for p in parts])
+    groups = np.cumsum([0] + [p.n_groups for p in parts])
+
+    def joined(name: str, dtype: type, shift: npt.NDArray[Any] | None = None) -> Any:
+        arrays = [getattr(p, name) for p in parts]
+        if shift is not None:
+            arrays = [a + shift[i] for i, a in enumerate(arrays)]
+        return _joined(arrays, dtype)
+
+    def classes_of(name: str) -> I64:
+        return _joined([remaps[i][getattr(p, name)] for i, p in enumerate(parts)], np.int64)
+
     n = len(ordered)
     bandwidth = np.full((n, n), UNKNOWN_BANDWIDTH_MBPS)
     rtt = np.full((n, n), UNKNOWN_RTT_MS)
@@ -335,30 +427,30 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         region=np.array([s.view.region for s in ordered], dtype=object),
         is_connected=np.array([s.is_connected for s in ordered], dtype=bool),
         is_cordoned=np.array([s.is_cordoned for s in ordered], dtype=bool),
-        node_site=np.array(node_site, dtype=np.int64),
-        node_cpu_free=np.array(cpu_free, dtype=np.float64),
-        node_memory_free_mib=np.array(mem_free, dtype=np.float64),
-        node_schedulable=np.array(schedulable, dtype=bool),
-        node_labels=tuple(labels),
-        device_node=np.array(dev["node"], dtype=np.int64),
-        device_kind=np.array(dev["kind"], dtype=np.int64),
-        device_vendor=np.array(dev["vendor"], dtype=object),
-        device_model=np.array(dev["model"], dtype=object),
-        device_memory_mib=np.array(dev["memory"], dtype=np.float64),
-        device_available=np.array(dev["available"], dtype=bool),
-        device_class=np.array(dev["class"], dtype=np.int64),
-        device_shareable=np.array(dev["shareable"], dtype=bool),
-        device_free_fraction=np.array(dev["fraction"], dtype=np.float64),
-        device_group=np.array(dev["group"], dtype=np.int64),
-        device_tflops_fp16=np.array(dev["tflops"], dtype=np.float64),
-        device_power_watts=np.array(dev["power"], dtype=np.float64),
+        node_site=np.repeat(np.arange(len(parts), dtype=np.int64), np.diff(nodes)),
+        node_cpu_free=joined("node_cpu_free", np.float64),
+        node_memory_free_mib=joined("node_memory_free_mib", np.float64),
+        node_schedulable=joined("node_schedulable", bool),
+        node_labels=tuple(labels for p in parts for labels in p.node_labels),
+        device_node=joined("device_node", np.int64, nodes),
+        device_kind=joined("device_kind", np.int64),
+        device_vendor=joined("device_vendor", object),
+        device_model=joined("device_model", object),
+        device_memory_mib=joined("device_memory_mib", np.float64),
+        device_available=joined("device_available", bool),
+        device_class=classes_of("device_class"),
+        device_shareable=joined("device_shareable", bool),
+        device_free_fraction=joined("device_free_fraction", np.float64),
+        device_group=joined("device_group", np.int64, groups),
+        device_tflops_fp16=joined("device_tflops_fp16", np.float64),
+        device_power_watts=joined("device_power_watts", np.float64),
         classes=tuple(classes),
-        pair_node=np.array(pair_node, dtype=np.int64),
-        pair_class=np.array(pair_class, dtype=np.int64),
-        pair_free=np.array(pair_free, dtype=np.float64),
-        partition_device=np.array(part_device, dtype=np.int64),
-        partition_profile=np.array(part_profile, dtype=object),
-        partition_free=np.array(part_free, dtype=np.float64),
+        pair_node=joined("pair_node", np.int64, nodes),
+        pair_class=classes_of("pair_class"),
+        pair_free=joined("pair_free", np.float64),
+        partition_device=joined("partition_device", np.int64, devices),
+        partition_profile=joined("partition_profile", object),
+        partition_free=joined("partition_free", np.float64),
         queue_wait_s=np.array([_capacity(s.view.queue.estimated_wait_s) for s in ordered]),
         price_per_device_hour=np.array([_capacity(s.view.price_per_device_hour) for s in ordered]),
         datasets=tuple(dict(s.view.datasets) for s in ordered),

@@ -173,3 +173,15 @@ def test_many_deltas_across_compactions_match_a_plain_model() -> None:
     assert list(final.links) == links
     assert final.queue == view().queue
     assert live.header.nodes == []  # the nodes live apart from the header
+
+
+def test_placement_arrays_are_rebuilt_only_when_nodes_change() -> None:
+    """The site's part of the snapshot is kept through a queue change and rebuilt, with the
+    new numbers, after a node change."""
+    live = LiveView(view(node("a"), node("b")))
+    part = live.part()
+    live.apply(resources_pb2.SiteViewDelta(queue=resources_pb2.QueueState(), has_queue=True))
+    assert live.part() is part
+    live.apply(resources_pb2.SiteViewDelta(upserted_nodes=[node("b", cpu=1.0)]))
+    assert live.part() is not part
+    assert live.part().node_cpu_free.tolist() == [8.0, 1.0]
