@@ -6,7 +6,8 @@ their own certificates and open the real Connect stream, each saying hello with 
 stream takes them, and the coordinator's own counters tell when all were applied. In the same
 run, the same streams carry bare heartbeats (which the coordinator only counts): the baseline
 that deltas are compared with. Memory is the coordinator's resident set before the sites
-joined (the baseline) and after.
+joined (the baseline) and after. Last, in this process: how long the placement snapshot of
+such a federation takes to build from scratch, and again after one site's delta.
 
     python bench/views.py [--sites 1000] [--deltas 50] [--json]
 """
@@ -27,8 +28,10 @@ import grpc
 from federation.agent.config import AgentConfig
 from federation.agent.enroll import ensure_enrolled
 from federation.api.v1 import resources_pb2, site_link_service_pb2, site_link_service_pb2_grpc
+from federation.coordinator.live_view import LiveView
 from federation.envelopes import envelopes
 from federation.local import LocalFederation
+from federation.placement.snapshot import SiteInput, build_snapshot
 from federation.security.tls import channel_credentials
 
 NODES, GPUS = 100, 8
@@ -198,26 +201,53 @@ async def measure(n_sites: int, deltas: int) -> dict[str, float]:
     }
 
 
+def snapshot_rebuild(n_sites: int) -> dict[str, float]:
+    """Seconds to build the placement snapshot of the whole federation from its views (the
+    baseline), and to build it again after one site's delta, with the coordinator's own live
+    views (which keep each unchanged site's arrays). In this process, not the coordinator."""
+    base = view("template")
+    sites = []
+    for i in range(n_sites):
+        own = resources_pb2.SiteView()
+        own.CopyFrom(base)
+        own.site = f"site-{i:04d}"
+        sites.append(LiveView(own))
+
+    def build() -> float:
+        start = time.perf_counter()
+        build_snapshot([SiteInput(s.header, True, False, s.part()) for s in sites])
+        return time.perf_counter() - start
+
+    full = build()
+    changed = resources_pb2.Node()
+    changed.CopyFrom(base.nodes[0])
+    changed.cpu_free = 1
+    sites[0].apply(resources_pb2.SiteViewDelta(upserted_nodes=[changed]))
+    return {"snapshot_full_s": full, "snapshot_after_delta_s": build()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sites", type=int, default=1000)
     parser.add_argument("--deltas", type=int, default=50, help="per site")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    result = asyncio.run(measure(args.sites, args.deltas))
+    result = asyncio.run(measure(args.sites, args.deltas)) | snapshot_rebuild(args.sites)
     if args.json:
         json.dump({str(args.sites): result}, sys.stdout, indent=2)
         print()
         return
     print(
         f"{'sites':>6} {'devices':>9} {'node updates/s':>15} {'heartbeats/s':>13} {'ratio':>6} "
-        f"{'RSS idle MiB':>13} {'RSS loaded MiB':>15} {'RSS after deltas MiB':>21}"
+        f"{'RSS idle MiB':>13} {'RSS loaded MiB':>15} {'RSS after deltas MiB':>21} "
+        f"{'snapshot s: full, after a delta':>32}"
     )
     print(
         f"{args.sites:>6} {int(result['devices']):>9} {result['node_updates_per_s']:>15.0f} "
         f"{result['heartbeats_per_s']:>13.0f} {result['updates_vs_heartbeats']:>6.2f} "
         f"{result['rss_idle_mib']:>13.0f} {result['rss_loaded_mib']:>15.0f} "
-        f"{result['rss_after_deltas_mib']:>21.0f}"
+        f"{result['rss_after_deltas_mib']:>21.0f} "
+        f"{result['snapshot_full_s']:>23.2f}, {result['snapshot_after_delta_s']:.3f}"
     )
 
 
