@@ -62,7 +62,7 @@ class SchedulerConfig:
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
     max_concurrent_negotiations: int = 2048
-    batch_window_s: float = 0.005
+    batch_window_s: float = 0.002
     """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
 
 
