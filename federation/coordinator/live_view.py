@@ -19,7 +19,8 @@ COMPACT_SHARE = 4
 
 
 class LiveView:
-    """A site's view: its fields apart from the nodes (``header``), and its nodes by name."""
+    """A site's view: its fields apart from the nodes (``header``), its nodes by name, and
+    the placement arrays of those nodes (``part``) until they change."""
 
     def __init__(self, full: resources_pb2.SiteView) -> None:
         self.header = _without_nodes(full)

@@ -1,4 +1,5 @@
-"""An immutable, array-shaped picture of every site, built once per change of the views.
+"""An immutable, array-shaped picture of every site, put together once per change of the views
+from per-site parts that are built again only for the sites whose nodes changed.
 
 Sites, nodes, devices and partition profiles are parallel arrays, so a placement decision looks
 at the whole federation in a few vectorised passes. Devices that look alike (kind, vendor,
