@@ -4,9 +4,11 @@ A delta usually replaces one node of a hundred. Building a new ``SiteView`` for 
 node; changing the view in place is no better, since protobuf (upb) frees a message's memory
 only with the whole message, so every replaced node would stay in the view's memory for good.
 Here the nodes are kept by name: a delta drops the replaced node and keeps the new one in a
-message of its own. Those cost about twice the memory of nodes inside one view, so once a
-quarter of the nodes are held that way they are gathered into one message again (amortised,
-a few node copies per delta).
+message of its own. Those cost about twice the memory of nodes inside one view, and replaced or
+removed nodes of that view stay in its memory, so once changes reach a quarter of the nodes
+they are gathered into one message again (amortised, a few node copies per delta). A full view
+is copied when it arrives: keeping parts of the received message would keep all of the stream
+message it came in (upb frees nothing of a message until all of it goes).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from federation.api.v1 import resources_pb2
 from federation.placement.snapshot import SitePart, site_part
 
 COMPACT_SHARE = 4
-"""Nodes are gathered into one message again once more than 1/COMPACT_SHARE are held alone."""
+"""Nodes are gathered into one message again once more than 1/COMPACT_SHARE have changed."""
 
 
 class LiveView:
@@ -23,11 +25,13 @@ class LiveView:
     the placement arrays of those nodes (``part``) until they change."""
 
     def __init__(self, full: resources_pb2.SiteView) -> None:
-        self.header = _without_nodes(full)
+        own = resources_pb2.SiteView()
+        own.CopyFrom(full)
+        self.header = _without_nodes(own)
         """The view without its nodes: read it, never change it (it is replaced whole)."""
-        self._nodes = {node.name: node for node in full.nodes}
-        self._alone: set[str] = set()
-        """Nodes held in messages of their own (the others live inside one view message)."""
+        self._nodes = {node.name: node for node in own.nodes}
+        self._changes = 0
+        """Nodes upserted or removed since the nodes were last gathered into one message."""
         self._sorted: list[resources_pb2.Node] | None = None
         self._part: SitePart | None = None
 
@@ -36,12 +40,11 @@ class LiveView:
         are replaced when the delta says so. The delta is copied, never kept."""
         for name in delta.removed_nodes:
             self._nodes.pop(name, None)
-            self._alone.discard(name)
         for node in delta.upserted_nodes:
             own = resources_pb2.Node()
             own.CopyFrom(node)
             self._nodes[node.name] = own
-            self._alone.add(node.name)
+        self._changes += len(delta.removed_nodes) + len(delta.upserted_nodes)
         if delta.upserted_nodes or delta.removed_nodes:
             self._sorted = None
             self._part = None
@@ -54,10 +57,10 @@ class LiveView:
                 del header.links[:]
                 header.links.extend(delta.links)
             self.header = header
-        if len(self._alone) * COMPACT_SHARE > len(self._nodes):
+        if self._changes * COMPACT_SHARE > len(self._nodes):
             compact = self.view()
             self._nodes = {node.name: node for node in compact.nodes}
-            self._alone.clear()
+            self._changes = 0
             self._sorted = list(compact.nodes)
 
     def nodes(self) -> list[resources_pb2.Node]:

@@ -81,6 +81,11 @@ class _Negotiation:
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
     epoch: int = 0
     """The epoch of its latest round's offers."""
+    chosen: tuple[str, str] | None = None
+    """The site and reservation its DELEGATED write names, once one was attempted."""
+    over: bool = False
+    """Let go already (delegated before the rest of its batch ended): the batch must not
+    touch it again, since a later negotiation may hold the task by then."""
     key: TaskKey = field(init=False)
 
     def __post_init__(self) -> None:
@@ -275,12 +280,9 @@ class Scheduler:
         """Rounds of offers until every task is delegated or has run out of sites."""
         try:
             await self._rounds(batch)
-            for n in batch:
-                if n.settled:
-                    self._forget(n.key)
-                else:
-                    self._backoff(n.key)
             unsettled = [n for n in batch if not n.settled]
+            for n in unsettled:
+                self._backoff(n.key)
             try:
                 # Record why no site took them, and the epochs their offers used.
                 if unsettled:
@@ -288,11 +290,16 @@ class Scheduler:
             except Exception as err:
                 log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
         finally:
-            self._let_go([n.key for n in batch])
+            self._let_go(batch)
 
-    def _let_go(self, keys: list[TaskKey]) -> None:
+    def _let_go(self, negotiations: list[_Negotiation]) -> None:
         """These negotiations are over: their room is free, and tasks left PENDING can be
-        picked up again."""
+        picked up again. Each is let go once: by then another may hold its task."""
+        keys = [n.key for n in negotiations if not n.over]
+        for n in negotiations:
+            if n.settled and not n.over:
+                self._forget(n.key)
+            n.over = True
         self._inflight.difference_update(keys)
         self._jobs.release(keys)
         if self._full:
@@ -367,6 +374,7 @@ class Scheduler:
             for site, items in offers.items()
         }
         deciding: list[asyncio.Task[None]] = []
+        failure: Exception | None = None
         try:
             while asking:
                 done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
@@ -386,10 +394,20 @@ class Scheduler:
                 if ready:
                     decided = self._decide(ready, offered_to, accepted)
                     deciding.append(asyncio.create_task(decided))
-            await asyncio.gather(*deciding)
-        finally:
+        except asyncio.CancelledError:
             for pending in [*asking, *deciding]:
                 pending.cancel()
+            raise
+        except Exception as err:
+            failure = err
+            for pending in asking:
+                pending.cancel()
+        # Decisions under way finish on their own: cancelling one could leave a commit sent
+        # for a task that never reads as settled.
+        outcomes = await asyncio.gather(*deciding, return_exceptions=True)
+        for outcome in [failure, *outcomes]:
+            if isinstance(outcome, BaseException):
+                raise outcome
 
     async def _decide(
         self,
@@ -411,7 +429,7 @@ class Scheduler:
                 n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
         await self._delegate([n for n in negotiations if n.key in chosen], chosen)
         # Delegated ones need no more of the batch, which may wait on slower sites.
-        self._let_go([n.key for n in negotiations if n.settled])
+        self._let_go([n for n in negotiations if n.settled])
 
     async def _delegate(
         self, negotiations: list[_Negotiation], chosen: dict[TaskKey, tuple[str, str]]
@@ -422,6 +440,7 @@ class Scheduler:
         marks = []
         for n in negotiations:
             site, reservation = chosen[n.key]
+            n.chosen = site, reservation
             estimated = n.estimates.get(site)
             mark = _mark_delegated(n.task, site, n.epoch, reservation, estimated)
             marks.append((n.job_id, mark))
@@ -430,7 +449,7 @@ class Scheduler:
         for n in negotiations:
             site, reservation = chosen[n.key]
             task = _task_of(written, n)
-            if task is None or task.state != job_state.DELEGATED or task.epoch != n.epoch:
+            if task is None or not _delegated_as(task, n):
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
                 continue
@@ -565,10 +584,9 @@ class Scheduler:
 
             def mutate(job: jobs_pb2.Job) -> list[Change]:
                 task = find_task(job, task_name)
-                # DELEGATED at its own epoch here means no commit left, or none was answered
-                # and writing that down failed: the bumped epoch of the next try fences it.
-                ours = task.state == job_state.DELEGATED and task.epoch == n.epoch
-                if task.state != job_state.PENDING and not ours:
+                # Its own delegation here means no commit left, or none was answered and
+                # writing that down failed: the bumped epoch of the next try fences it.
+                if task.state != job_state.PENDING and not _delegated_as(task, n):
                     return []
                 unplace(task)
                 # Epochs offered in vain are recorded, so the task's next offers go above them.
@@ -617,6 +635,15 @@ def _to_pending(
 
 def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
     return jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=reason)
+
+
+def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
+    """Whether ``task`` is DELEGATED as ``n`` wrote it: its epoch, site and reservation."""
+    return (
+        task.state == job_state.DELEGATED
+        and task.epoch == n.epoch
+        and (task.site, task.reservation_id) == n.chosen
+    )
 
 
 def _task_of(

@@ -33,9 +33,13 @@ class ScriptedCore:
 
     name = "scripted"
 
-    def __init__(self, cpu: float = 1e6, decline: OfferRule = accept_all) -> None:
+    def __init__(
+        self, cpu: float = 1e6, decline: OfferRule = accept_all, *, finishes: bool = True
+    ) -> None:
         self.cpu = cpu
         self.decline = decline
+        self.finishes = finishes
+        """Committed tasks report RUNNING then SUCCEEDED at once; False: they never report."""
         self.on_status: StatusCallback | None = None
         """Set by ``start_scripted_sites`` to the agent runtime's report callback."""
         self.gate: asyncio.Event | None = None
@@ -76,7 +80,8 @@ class ScriptedCore:
     ) -> site_link_service_pb2.CommitAnswer:
         self.commits.append(commit)
         assert self.on_status is not None, "start the site with start_scripted_sites"
-        for state in (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED):
+        states = (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED)
+        for state in states if self.finishes else ():
             self.on_status(
                 site_link_service_pb2.TaskReport(
                     job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
@@ -107,17 +112,35 @@ async def start_scripted_sites(
     runners = []
     for name, core in cores.items():
         token = await fed.create_token(name, "datacenter")
-        config = AgentConfig(
-            site=name,
-            domain="datacenter",
-            coordinator=fed.address,
-            ca=fed.pki.ca_cert,
-            state_dir=fed.root / "sites" / name,
-            token=token,
-            join_address=fed.join_address,
-        )
-        runtime = AgentRuntime(config, await ensure_enrolled(config), core)
-        core.on_status = runtime.on_status
-        runners.append(asyncio.create_task(runtime.run()))
+        runners.append(await _run_site(fed, name, core, token))
     await fed.wait_connected(list(cores), timeout_s=timeout_s)
     return runners
+
+
+async def restart_scripted_site(
+    fed: LocalFederation, name: str, runner: asyncio.Task[None], core: ScriptedCore
+) -> asyncio.Task[None]:
+    """Stop a site's agent (``runner``) and start it again, enrolled as it was, with ``core``:
+    the new session's hello reports only what ``core`` holds (nothing, for a new one)."""
+    runner.cancel()
+    await asyncio.gather(runner, return_exceptions=True)
+    restarted = await _run_site(fed, name, core, token="")
+    await fed.wait_connected([name])
+    return restarted
+
+
+async def _run_site(
+    fed: LocalFederation, name: str, core: ScriptedCore, token: str
+) -> asyncio.Task[None]:
+    config = AgentConfig(
+        site=name,
+        domain="datacenter",
+        coordinator=fed.address,
+        ca=fed.pki.ca_cert,
+        state_dir=fed.root / "sites" / name,
+        token=token,
+        join_address=fed.join_address,
+    )
+    runtime = AgentRuntime(config, await ensure_enrolled(config), core)
+    core.on_status = runtime.on_status
+    return asyncio.create_task(runtime.run())

@@ -185,3 +185,14 @@ def test_placement_arrays_are_rebuilt_only_when_nodes_change() -> None:
     live.apply(resources_pb2.SiteViewDelta(upserted_nodes=[node("b", cpu=1.0)]))
     assert live.part() is not part
     assert live.part().node_cpu_free.tolist() == [8.0, 1.0]
+
+
+def test_the_full_view_is_copied_not_kept() -> None:
+    """The live view holds nothing of the message it started from (keeping a part of it
+    would keep the whole stream message it arrived in)."""
+    full = view(node("a"))
+    live = LiveView(full)
+    full.nodes[0].cpu_free = 0.0
+    full.site = "changed"
+    assert live.view().nodes[0].cpu_free == 8.0
+    assert live.header.site == "s"

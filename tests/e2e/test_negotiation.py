@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,12 @@ import pytest_asyncio
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.local import LocalFederation
 from federation.testing.cluster import until
-from federation.testing.scripted_core import ScriptedCore, accept_all, start_scripted_sites
+from federation.testing.scripted_core import (
+    ScriptedCore,
+    accept_all,
+    restart_scripted_site,
+    start_scripted_sites,
+)
 
 from .conftest import jobs, python_task, spec, wait_for_job
 
@@ -28,19 +34,28 @@ def draining(offer: site_link_service_pb2.Offer) -> str:
     return "draining"
 
 
+@dataclass
+class ScriptedFederation:
+    fed: LocalFederation
+    cores: dict[str, ScriptedCore]
+    runners: dict[str, asyncio.Task[None]] = field(default_factory=dict)
+    """Each site's agent, for tests that restart one."""
+
+
 @pytest_asyncio.fixture
-async def sites(tmp_path: Path) -> AsyncIterator[tuple[LocalFederation, dict[str, ScriptedCore]]]:
+async def sites(tmp_path: Path) -> AsyncIterator[ScriptedFederation]:
     fed = LocalFederation(tmp_path / "fed", [])
     cores = {"a": ScriptedCore(cpu=64), "b": ScriptedCore(cpu=32), "c": ScriptedCore(cpu=16)}
-    runners: list[asyncio.Task[None]] = []
+    scripted = ScriptedFederation(fed, cores)
     try:
         await fed.start_coordinator()
-        runners = await start_scripted_sites(fed, cores, timeout_s=30)
-        yield fed, cores
+        started = await start_scripted_sites(fed, cores, timeout_s=30)
+        scripted.runners.update(zip(cores, started, strict=True))
+        yield scripted
     finally:
-        for runner in runners:
+        for runner in scripted.runners.values():
             runner.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+        await asyncio.gather(*scripted.runners.values(), return_exceptions=True)
         fed.stop()
 
 
@@ -59,9 +74,9 @@ def offers_of(cores: dict[str, ScriptedCore], job_id: str) -> dict[str, list[int
 
 
 async def test_the_best_site_is_offered_alone_and_committed(
-    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+    sites: ScriptedFederation,
 ) -> None:
-    fed, cores = sites
+    fed, cores = sites.fed, sites.cores
     job = await submit_and_finish(fed, "alone")
     assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED
     assert offers_of(cores, job.id) == {"a": [1], "b": [], "c": []}
@@ -71,11 +86,11 @@ async def test_the_best_site_is_offered_alone_and_committed(
 
 
 async def test_after_a_decline_the_next_sites_are_offered_at_once(
-    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+    sites: ScriptedFederation,
 ) -> None:
     """a declines; one round offers b and c under one epoch; both accept, b (ranked higher)
     gets the commit and c's reservation is released."""
-    fed, cores = sites
+    fed, cores = sites.fed, sites.cores
     cores["a"].decline = draining
     job = await submit_and_finish(fed, "declined")
     assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED
@@ -92,11 +107,11 @@ async def test_after_a_decline_the_next_sites_are_offered_at_once(
 
 
 async def test_epochs_offered_in_vain_are_recorded_and_never_reused(
-    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+    sites: ScriptedFederation,
 ) -> None:
     """Every site declines: the task stays PENDING with a verdict per site and the epochs its
     rounds used on record; once a site takes it, the commit carries a higher epoch."""
-    fed, cores = sites
+    fed, cores = sites.fed, sites.cores
     for core in cores.values():
         core.decline = draining
     async with fed.operator().channel() as channel:
@@ -127,11 +142,11 @@ async def test_epochs_offered_in_vain_are_recorded_and_never_reused(
 
 
 async def test_a_slow_site_holds_up_only_the_tasks_offered_to_it(
-    sites: tuple[LocalFederation, dict[str, ScriptedCore]],
+    sites: ScriptedFederation,
 ) -> None:
     """Two jobs submitted together are negotiated together, one allowed only at a, which does
     not answer yet, the other only at b: b's runs to the end while a's offer is unanswered."""
-    fed, cores = sites
+    fed, cores = sites.fed, sites.cores
     gate = asyncio.Event()
     cores["a"].gate = gate
     task = python_task("t", "", resources={"cpu": 1})
@@ -157,3 +172,66 @@ async def test_a_slow_site_holds_up_only_the_tasks_offered_to_it(
         gate.set()
         done = await wait_for_job(channel, at_a, timeout_s=30)
     assert (done.state, done.tasks[0].site) == (jobs_pb2.JOB_STATE_SUCCEEDED, "a")
+
+
+async def test_a_task_back_in_negotiation_is_never_negotiated_twice_at_once(
+    sites: ScriptedFederation,
+) -> None:
+    """A task delegated early in a batch that comes back to PENDING before the batch ends is
+    negotiated again; when the first batch ends it must not let go of the task under its new
+    negotiation, or a third would offer it too and two commits could go out at one epoch."""
+    fed, cores = sites.fed, sites.cores
+    slow_c, slow_a = asyncio.Event(), asyncio.Event()
+    cores["c"].gate = slow_c
+    cores["a"].finishes = False  # a's tasks run and never report
+    task = python_task("t", "", resources={"cpu": 1})
+    async with fed.operator().channel() as channel:
+        stub = jobs(channel)
+
+        async def state_of(job_id: str) -> jobs_pb2.TaskStatus:
+            reply = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+            return reply.job.tasks[0]
+
+        reply = await stub.SubmitJobs(
+            job_service_pb2.SubmitJobsRequest(
+                specs=[
+                    spec("moves", [task], constraints={"sites": ["a"]}),
+                    spec("waits", [task], constraints={"sites": ["c"]}),
+                ]
+            )
+        )
+        moves, waits = (job.id for job in reply.jobs)
+
+        async def delegated_at_a() -> bool:
+            return (await state_of(moves)).state == jobs_pb2.JOB_STATE_DELEGATED
+
+        await until(delegated_at_a, 10, "the first job delegated to a")
+        # a comes back without the task: it goes back to PENDING and is offered to a again,
+        # whose answers now wait, while the first batch still waits on c.
+        again = ScriptedCore(cpu=64, finishes=False)
+        again.gate = slow_a
+        sites.runners["a"] = await restart_scripted_site(fed, "a", sites.runners["a"], again)
+
+        async def offered_again() -> bool:
+            return len(again.offers) == 1
+
+        await until(offered_again, 10, "the task offered to a again")
+        slow_c.set()  # the first batch ends
+        await wait_for_job(channel, waits, timeout_s=30)
+        # A job for b wakes the scheduler: with the task let go by mistake, the same round
+        # would offer it to a once more, before this job could run to its end at b.
+        wake = await stub.SubmitJob(
+            job_service_pb2.SubmitJobRequest(
+                spec=spec("wake", [task], constraints={"sites": ["b"]})
+            )
+        )
+        await wait_for_job(channel, wake.job.id, timeout_s=30)
+        slow_a.set()
+
+        async def delegated_again() -> bool:
+            status = await state_of(moves)
+            return status.state == jobs_pb2.JOB_STATE_DELEGATED and status.epoch > 1
+
+        await until(delegated_again, 10, "the task delegated to a again")
+    assert [o.epoch for o in again.offers] == [2]
+    assert [(c.job_id, c.epoch) for c in again.commits] == [(moves, 2)]
