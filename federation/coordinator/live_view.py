@@ -7,8 +7,8 @@ Here the nodes are kept by name: a delta drops the replaced node and keeps the n
 message of its own. Those cost about twice the memory of nodes inside one view, and replaced or
 removed nodes of that view stay in its memory, so once changes reach a quarter of the nodes
 they are gathered into one message again (amortised, a few node copies per delta). A full view
-is copied when it arrives: keeping parts of the received message would keep all of the stream
-message it came in (upb frees nothing of a message until all of it goes).
+that arrives mid-session is copied: keeping parts of the received message would keep all of
+the stream message it came in (upb frees nothing of a message until all of it goes).
 """
 
 from __future__ import annotations
@@ -24,9 +24,13 @@ class LiveView:
     """A site's view: its fields apart from the nodes (``header``), its nodes by name, and
     the placement arrays of those nodes (``part``) until they change."""
 
-    def __init__(self, full: resources_pb2.SiteView) -> None:
-        own = resources_pb2.SiteView()
-        own.CopyFrom(full)
+    def __init__(self, full: resources_pb2.SiteView, *, copy: bool = True) -> None:
+        """``copy=False`` keeps ``full`` itself, and so the message it arrived in: for a hello,
+        which comes first in its stream message and little comes with it."""
+        own = full
+        if copy:
+            own = resources_pb2.SiteView()
+            own.CopyFrom(full)
         self.header = _without_nodes(own)
         """The view without its nodes: read it, never change it (it is replaced whole)."""
         self._nodes = {node.name: node for node in own.nodes}

@@ -104,6 +104,9 @@ class SiteLink:
         reader = asyncio.create_task(self._read(session, rest, requests, failure))
         try:
             await self._jobs.reconcile(caller.name, hello.tasks, delegated)
+            # The registry keeps its own copy of the view: holding any part of the first
+            # stream message for the session's life would hold all of it, a second view.
+            del envelope, hello, rest
             while True:
                 try:
                     async with asyncio.timeout(self._heartbeat_interval_s):
@@ -145,6 +148,7 @@ class SiteLink:
         site = session.site
         try:
             await self._handle_all(session, after_hello)
+            after_hello.clear()  # parts of the first stream message: let it go (see connect)
             async for envelope in requests:
                 self._sites.seen(site)
                 await self._handle_all(session, envelope.messages)

@@ -214,7 +214,7 @@ class SiteRegistry:
         entry.session = session
         entry.unreachable_since = entry.offline_since = None
         self._count_sessions()
-        entry.view = LiveView(hello.view)
+        entry.view = LiveView(hello.view, copy=False)  # connect lets go of the rest
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
         self._changed()
