@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2, site_link_service_pb2
 from federation.local import LocalFederation
 from federation.testing.cluster import until
 from federation.testing.scripted_core import (
@@ -64,6 +64,17 @@ async def submit_and_finish(fed: LocalFederation, name: str) -> jobs_pb2.Job:
         job_spec = spec(name, [python_task("t", "", resources={"cpu": 1, "memory_mib": 64})])
         reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))
         return await wait_for_job(channel, reply.job.id, timeout_s=30)
+
+
+async def submit_pinned(
+    stub: job_service_pb2_grpc.JobServiceStub, pins: dict[str, str]
+) -> list[str]:
+    """One job per name, each allowed only at its site, submitted in one call (so placed in one
+    cycle); their ids, in order."""
+    task = python_task("t", "", resources={"cpu": 1})
+    specs = [spec(name, [task], constraints={"sites": [site]}) for name, site in pins.items()]
+    reply = await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+    return [job.id for job in reply.jobs]
 
 
 def offers_of(cores: dict[str, ScriptedCore], job_id: str) -> dict[str, list[int]]:
@@ -149,18 +160,9 @@ async def test_a_slow_site_holds_up_only_the_tasks_offered_to_it(
     fed, cores = sites.fed, sites.cores
     gate = asyncio.Event()
     cores["a"].gate = gate
-    task = python_task("t", "", resources={"cpu": 1})
     async with fed.operator().channel() as channel:
         stub = jobs(channel)
-        reply = await stub.SubmitJobs(
-            job_service_pb2.SubmitJobsRequest(
-                specs=[
-                    spec("at-a", [task], constraints={"sites": ["a"]}),
-                    spec("at-b", [task], constraints={"sites": ["b"]}),
-                ]
-            )
-        )
-        at_a, at_b = (job.id for job in reply.jobs)
+        at_a, at_b = await submit_pinned(stub, {"at-a": "a", "at-b": "b"})
         done = await wait_for_job(channel, at_b, timeout_s=30)
         assert (done.state, done.tasks[0].site) == (jobs_pb2.JOB_STATE_SUCCEEDED, "b")
         waiting = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=at_a))).job.tasks[0]
@@ -184,7 +186,6 @@ async def test_a_task_back_in_negotiation_is_never_negotiated_twice_at_once(
     slow_c, slow_a = asyncio.Event(), asyncio.Event()
     cores["c"].gate = slow_c
     cores["a"].finishes = False  # a's tasks run and never report
-    task = python_task("t", "", resources={"cpu": 1})
     async with fed.operator().channel() as channel:
         stub = jobs(channel)
 
@@ -192,15 +193,7 @@ async def test_a_task_back_in_negotiation_is_never_negotiated_twice_at_once(
             reply = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
             return reply.job.tasks[0]
 
-        reply = await stub.SubmitJobs(
-            job_service_pb2.SubmitJobsRequest(
-                specs=[
-                    spec("moves", [task], constraints={"sites": ["a"]}),
-                    spec("waits", [task], constraints={"sites": ["c"]}),
-                ]
-            )
-        )
-        moves, waits = (job.id for job in reply.jobs)
+        moves, waits = await submit_pinned(stub, {"moves": "a", "waits": "c"})
 
         async def delegated_at_a() -> bool:
             return (await state_of(moves)).state == jobs_pb2.JOB_STATE_DELEGATED
@@ -220,12 +213,8 @@ async def test_a_task_back_in_negotiation_is_never_negotiated_twice_at_once(
         await wait_for_job(channel, waits, timeout_s=30)
         # A job for b wakes the scheduler: with the task let go by mistake, the same round
         # would offer it to a once more, before this job could run to its end at b.
-        wake = await stub.SubmitJob(
-            job_service_pb2.SubmitJobRequest(
-                spec=spec("wake", [task], constraints={"sites": ["b"]})
-            )
-        )
-        await wait_for_job(channel, wake.job.id, timeout_s=30)
+        (wake,) = await submit_pinned(stub, {"wake": "b"})
+        await wait_for_job(channel, wake, timeout_s=30)
         slow_a.set()
 
         async def delegated_again() -> bool:
