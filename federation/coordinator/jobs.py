@@ -7,6 +7,7 @@ import secrets
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -117,8 +118,8 @@ class JobRepository:
         # arrive in order, and only an older job coming back marks it out of order.
         self._pending: dict[str, None] = {}
         self._pending_in_order = True
-        self._held: dict[str, set[str]] = {}
-        """PENDING tasks whose offers are out, by job: ``pending`` leaves them out."""
+        self._held: set[tuple[str, str]] = set()
+        """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int) -> None:
         if job_state.is_terminal(job.state):
@@ -130,8 +131,8 @@ class JobRepository:
 
     def _index(self, job: jobs_pb2.Job) -> None:
         """Keep ``job`` in the pending index exactly while it has a PENDING task not held."""
-        held = self._held.get(job.id, ())
-        if any(t.state == job_state.PENDING and t.name not in held for t in job.tasks):
+        held = self._held
+        if any(t.state == job_state.PENDING and (job.id, t.name) not in held for t in job.tasks):
             if job.id not in self._pending:
                 if self._pending and job.id < next(reversed(self._pending)):
                     self._pending_in_order = False
@@ -142,22 +143,24 @@ class JobRepository:
     def hold(self, keys: Iterable[tuple[str, str]]) -> None:
         """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them:
         they stay PENDING in the store, since offers need no write."""
-        for job_id, task in keys:
-            self._held.setdefault(job_id, set()).add(task)
-            if cached := self._active.get(job_id):
-                self._index(cached[0])
+        for key in keys:
+            self._held.add(key)
+            self._reindex(key[0])
 
     def release(self, keys: Iterable[tuple[str, str]]) -> None:
         """Undo ``hold``: the tasks are the scheduler's to pick up again if still PENDING."""
-        for job_id, task in keys:
-            held = self._held.get(job_id)
-            if held is None:
-                continue
-            held.discard(task)
-            if not held:
-                del self._held[job_id]
-            if cached := self._active.get(job_id):
-                self._index(cached[0])
+        for key in keys:
+            self._held.discard(key)
+            self._reindex(key[0])
+
+    @property
+    def held(self) -> AbstractSet[tuple[str, str]]:
+        """The (job id, task) held now (see ``hold``)."""
+        return self._held
+
+    def _reindex(self, job_id: str) -> None:
+        if cached := self._active.get(job_id):
+            self._index(cached[0])
 
     def pending(self) -> Iterator[jobs_pb2.Job]:
         """The jobs that have a PENDING task not held, oldest first: the cached messages themselves,
@@ -281,9 +284,9 @@ class JobRepository:
         """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
 
         ``mutate`` changes the job in place and returns the task changes to record; when it
-        returns none and changes nothing, nothing is written. The job returned is the one now
-        cached (as ``cached`` gives it): read it, never change it. Mutations are pure functions of
-        the job, so after a lost compare-and-swap the job is re-read and the mutation re-run.
+        returns none and changes nothing, nothing is written. Read the job returned, never change
+        it: once written, it is the message now cached. Mutations are pure functions of the job,
+        so after a lost compare-and-swap the job is re-read and the mutation re-run.
         """
         async with self._locked(job_id):
             return await self._update_locked(job_id, mutate)

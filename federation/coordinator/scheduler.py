@@ -82,7 +82,7 @@ class _Negotiation:
     epoch: int = 0
     """The epoch of its latest round's offers."""
     chosen: tuple[str, str] | None = None
-    """The site and reservation its DELEGATED write names, once one was attempted."""
+    """The site and reservation it is delegated to, once a round found one."""
     over: bool = False
     """Let go already (delegated before the rest of its batch ended): the batch must not
     touch it again, since a later negotiation may hold the task by then."""
@@ -114,7 +114,6 @@ class Scheduler:
         self._framework = framework
         self._config = config
         self._wake = asyncio.Event()
-        self._inflight: set[TaskKey] = set()
         self._not_before: dict[TaskKey, float] = {}
         self._backoff_s: dict[TaskKey, float] = {}
         self._tasks: set[asyncio.Task[None]] = set()
@@ -158,7 +157,9 @@ class Scheduler:
 
     async def _cycle(self) -> None:
         now = time.monotonic()
-        room = self._config.max_concurrent_negotiations - len(self._inflight)
+        # Tasks under negotiation are the ones the repository holds out of pending().
+        held = self._jobs.held
+        room = self._config.max_concurrent_negotiations - len(held)
         self._full = room <= 0
         if self._full:
             return  # the next negotiation to end wakes the loop again
@@ -173,7 +174,7 @@ class Scheduler:
                 continue
             for task in job.tasks:
                 key = (job.id, task.name)
-                if task.state != job_state.PENDING or key in self._inflight:
+                if task.state != job_state.PENDING or key in held:
                     continue
                 pending.add(key)
                 if self._not_before.get(key, 0.0) > now:
@@ -208,10 +209,9 @@ class Scheduler:
                 break
         if swept:
             # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
-            for key in set(self._not_before) - pending - self._inflight:
+            for key in set(self._not_before) - pending - held:
                 self._forget(key)
         if batch:
-            self._inflight.update(n.key for n in batch)
             self._jobs.hold(n.key for n in batch)
             runner = asyncio.create_task(self._negotiate(batch))
             self._tasks.add(runner)
@@ -300,7 +300,6 @@ class Scheduler:
             if n.settled and not n.over:
                 self._forget(n.key)
             n.over = True
-        self._inflight.difference_update(keys)
         self._jobs.release(keys)
         if self._full:
             self.wake()  # tasks wait for the room this leaves
@@ -417,37 +416,35 @@ class Scheduler:
     ) -> None:
         """For tasks whose sites have all answered: commit the best acceptance of each and
         release the others."""
-        chosen: dict[TaskKey, tuple[str, str]] = {}
         for n in negotiations:
             if n.key not in accepted:
                 continue
             rank = offered_to[n.key]
             best, *others = sorted(accepted[n.key], key=lambda a: rank.index(a[0]))
-            chosen[n.key] = best
+            n.chosen = best
             for site, reservation in others:
                 self._release(site, reservation)
                 n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
-        await self._delegate([n for n in negotiations if n.key in chosen], chosen)
+        await self._delegate([n for n in negotiations if n.key in accepted])
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
 
-    async def _delegate(
-        self, negotiations: list[_Negotiation], chosen: dict[TaskKey, tuple[str, str]]
-    ) -> None:
+    async def _delegate(self, negotiations: list[_Negotiation]) -> None:
         """Write DELEGATED for each task's chosen site, then send the commits."""
         if not negotiations:
             return
         marks = []
         for n in negotiations:
-            site, reservation = chosen[n.key]
-            n.chosen = site, reservation
+            assert n.chosen is not None
+            site, reservation = n.chosen
             estimated = n.estimates.get(site)
             mark = _mark_delegated(n.task, site, n.epoch, reservation, estimated)
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
         for n in negotiations:
-            site, reservation = chosen[n.key]
+            assert n.chosen is not None
+            site, reservation = n.chosen
             task = _task_of(written, n)
             if task is None or not _delegated_as(task, n):
                 self._release(site, reservation)
