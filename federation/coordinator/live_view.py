@@ -48,8 +48,8 @@ class LiveView:
             own = resources_pb2.Node()
             own.CopyFrom(node)
             self._nodes[node.name] = own
-        self._changes += len(delta.removed_nodes) + len(delta.upserted_nodes)
-        if delta.upserted_nodes or delta.removed_nodes:
+        if changed := len(delta.removed_nodes) + len(delta.upserted_nodes):
+            self._changes += changed
             self._sorted = None
             self._part = None
         if delta.has_queue or delta.has_links:
@@ -82,9 +82,13 @@ class LiveView:
     def view(self) -> resources_pb2.SiteView:
         """The whole view as one new message, nodes in name order."""
         out = resources_pb2.SiteView()
+        self.copy_to(out)
+        return out
+
+    def copy_to(self, out: resources_pb2.SiteView) -> None:
+        """Make ``out`` the whole view, nodes in name order."""
         out.CopyFrom(self.header)
         out.nodes.extend(self.nodes())
-        return out
 
 
 def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:

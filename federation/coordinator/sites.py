@@ -302,8 +302,7 @@ class SiteRegistry:
         site.heartbeat_age_s = time.monotonic() - entry.last_seen if entry.last_seen else -1.0
         site.generation = entry.generation
         if with_view and entry.view is not None:
-            site.view.CopyFrom(entry.view.header)
-            site.view.nodes.extend(entry.view.nodes())
+            entry.view.copy_to(site.view)
         return site
 
     def announce_probe_peers(self) -> None:
