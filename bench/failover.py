@@ -33,13 +33,14 @@ from federation.api.v1 import (
     jobs_pb2,
 )
 from federation.jobspec import job_spec_from_dict
-from federation.local import LocalFederation, SiteSpec
+from federation.local import LocalFederation
 from federation.testing.cluster import (
+    cpu_site,
     etcd_coordinator_args,
     first_serving,
     health_watches,
-    leader_name,
     site_state,
+    start_with_proxied_site,
     submit,
     until,
 )
@@ -49,15 +50,6 @@ from federation.testing.proxy import PausableProxy, proxy_to
 COORDINATORS = ("coord-a", "coord-b", "coord-c")
 PROXIED = "edge-p"
 MISSED = 3
-
-
-def cpu_site(name: str, **settings: object) -> SiteSpec:
-    return SiteSpec(
-        name,
-        "edge",
-        nodes=[{"name": f"{name}-box", "cpu_cores": 4, "memory_mib": 4096}],
-        settings=dict(settings),
-    )
 
 
 def summary(values: list[float]) -> dict[str, float]:
@@ -76,16 +68,9 @@ class Bench:
         self.starts.append(time.monotonic() - started)
 
     async def start(self) -> None:
-        for name in COORDINATORS:
-            await self.start_coordinator(name)
-        self.leader = await leader_name(self.fed)
-        self.proxy.target_port = self.fed.coordinators[self.leader][0]
-        for site in self.fed.sites:
-            await self.fed.start_site(site)
-        proxied = cpu_site(PROXIED, coordinator=f"127.0.0.1:{self.proxy.port}")
-        self.fed.sites.append(proxied)
-        await self.fed.start_site(proxied)
-        await self.fed.wait_connected()
+        self.leader = await start_with_proxied_site(
+            self.fed, self.proxy, COORDINATORS, PROXIED, self.start_coordinator
+        )
 
     async def cut(self, round_: int) -> tuple[float, float]:
         """A task runs at edge-p; pause its proxy; the seconds until UNREACHABLE and until moved."""

@@ -1,13 +1,14 @@
 """Probes of a local federation with several coordinators: who leads, when a follower serves.
 
-The HA and chaos tests and ``bench/failover.py`` share them.
+The HA, chaos and partition tests and ``bench/failover.py`` share them, and the small sites
+and proxied start-up they use.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 
 import grpc
@@ -22,12 +23,49 @@ from federation.api.v1 import (
 )
 from federation.cli.connection import Connection, on_leader
 from federation.coordinator.server import SERVICE_NAMES
-from federation.local import LocalFederation
+from federation.local import LocalFederation, SiteSpec
+from federation.testing.proxy import PausableProxy
 
 JOB_SERVICE = SERVICE_NAMES[0]
 POLL_S = 0.05
 
 HealthStreams = dict[str, AsyncIterator[health_pb2.HealthCheckResponse]]
+
+
+def cpu_site(name: str, **settings: object) -> SiteSpec:
+    """A small edge site with one 4-CPU node and no accelerators; ``settings`` go to its agent."""
+    return SiteSpec(
+        name,
+        "edge",
+        nodes=[{"name": f"{name}-box", "cpu_cores": 4, "memory_mib": 4096}],
+        settings=dict(settings),
+    )
+
+
+async def start_with_proxied_site(
+    fed: LocalFederation,
+    proxy: PausableProxy,
+    coordinators: Sequence[str],
+    proxied: str,
+    start_coordinator: Callable[[str], Awaitable[None]] | None = None,
+) -> str:
+    """Start ``coordinators``, point ``proxy`` at the one that leads, then start the
+    federation's sites and ``proxied``, a ``cpu_site`` that reaches the leader only through
+    ``proxy``; returns the leader's name once every site is connected."""
+    for name in coordinators:
+        if start_coordinator is None:
+            await fed.start_coordinator(name=name)
+        else:
+            await start_coordinator(name)
+    leader = await leader_name(fed)
+    proxy.target_port = fed.coordinators[leader][0]
+    for site in fed.sites:
+        await fed.start_site(site)
+    site = cpu_site(proxied, coordinator=f"127.0.0.1:{proxy.port}")
+    fed.sites.append(site)
+    await fed.start_site(site)
+    await fed.wait_connected()
+    return leader
 
 
 def etcd_coordinator_args(endpoint: str, prefix: str, lease_s: float) -> list[str]:

@@ -23,6 +23,7 @@ from federation.local import LocalFederation, SiteSpec
 from federation.security.identity import Identity, Role
 from federation.security.pki import issue_client_files
 from federation.security.tls import TlsFiles, channel_credentials
+from federation.testing.etcd import LocalEtcd
 from federation.watch import events_of
 
 SITES = [
@@ -101,6 +102,18 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFedera
         yield fed
     finally:
         fed.stop()
+
+
+@pytest.fixture
+def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
+    """A real etcd member on free loopback ports, for one test."""
+    directory = tmp_path / "etcd"
+    directory.mkdir()
+    server = LocalEtcd.start(directory)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def tls_for(fed: LocalFederation, identity: Identity) -> TlsFiles:

@@ -20,13 +20,14 @@ import grpc
 import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
-from federation.local import LocalFederation, SiteSpec
+from federation.local import LocalFederation
 from federation.testing.cluster import (
+    cpu_site,
     etcd_coordinator_args,
     first_serving,
     health_watches,
-    leader_name,
     site_state,
+    start_with_proxied_site,
     submit,
     until,
 )
@@ -84,15 +85,6 @@ open(os.path.join(markers, job), "a").write(tag + "\\n")
 """
 
 
-def cpu_site(name: str, **settings: object) -> SiteSpec:
-    return SiteSpec(
-        name,
-        "edge",
-        nodes=[{"name": f"{name}-box", "cpu_cores": 4, "memory_mib": 4096}],
-        settings=dict(settings),
-    )
-
-
 def job_spec(
     job_id: str, markers: Path, seconds: float, lost_after_s: float, checkpoint: bool
 ) -> jobs_pb2.JobSpec:
@@ -102,18 +94,6 @@ def job_spec(
     task["command"] = [*task["command"], str(markers), str(seconds)]  # type: ignore[misc]
     policy = {"lost_after_s": lost_after_s, "reconcile": "keep_replacement"}
     return spec(job_id, [task], id=job_id, disconnect=policy)
-
-
-@pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
-    """A real etcd member on free loopback ports."""
-    directory = tmp_path / "etcd"
-    directory.mkdir()
-    server = LocalEtcd.start(directory)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture
@@ -166,16 +146,7 @@ class Chaos:
         return self.fed.operator().at(self.fed.address_of(self.leader)).channel()
 
     async def start(self) -> None:
-        for name in COORDINATORS:
-            await self.fed.start_coordinator(name=name)
-        self.leader = await leader_name(self.fed)
-        self.proxy.target_port = self.fed.coordinators[self.leader][0]
-        for site in self.fed.sites:
-            await self.fed.start_site(site)
-        proxied = cpu_site(PROXIED, coordinator=f"127.0.0.1:{self.proxy.port}")
-        self.fed.sites.append(proxied)
-        await self.fed.start_site(proxied)
-        await self.fed.wait_connected()
+        self.leader = await start_with_proxied_site(self.fed, self.proxy, COORDINATORS, PROXIED)
 
     async def stream_through_failures(self) -> float:
         """Submit the stream; SIGKILL the leader, then an agent (restarted) along the way.

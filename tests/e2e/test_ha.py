@@ -51,18 +51,6 @@ SUBMIT_TIMEOUT_S = 60.0
 
 
 @pytest.fixture
-def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
-    """A real etcd member on free loopback ports."""
-    directory = tmp_path / "etcd"
-    directory.mkdir()
-    server = LocalEtcd.start(directory)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-@pytest.fixture
 def fed(tmp_path: Path, etcd: LocalEtcd) -> Iterator[LocalFederation]:
     """A federation whose coordinators keep their state in ``etcd`` (not yet started)."""
     federation = LocalFederation(

@@ -18,8 +18,8 @@ import grpc
 import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
-from federation.local import LocalFederation, SiteSpec
-from federation.testing.cluster import site_state, until
+from federation.local import LocalFederation
+from federation.testing.cluster import cpu_site, site_state, until
 from federation.testing.proxy import PausableProxy, proxy_to
 
 from .conftest import admin, jobs, python_task, spec
@@ -53,15 +53,6 @@ while not os.path.exists(os.path.join(markers, "go")):
     time.sleep(0.2)
 open(os.path.join(markers, "done-" + tag), "w").write(str(step))
 """
-
-
-def cpu_site(name: str, **settings: object) -> SiteSpec:
-    return SiteSpec(
-        name,
-        "edge",
-        nodes=[{"name": f"{name}-box", "cpu_cores": 4, "memory_mib": 4096}],
-        settings=dict(settings),
-    )
 
 
 @pytest.fixture
