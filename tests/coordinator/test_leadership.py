@@ -150,9 +150,11 @@ async def test_lost_lease_steps_down_at_once_and_the_follower_takes_over(
     stops serving; the follower leads with the jobs the first one accepted."""
     leader, follower = await leader_of(pair)
     assert leader.election is not None
-    services = leader.leadership.current()
     job = job_spec_from_dict({"name": "kept", "tasks": [{"name": "t", "command": ["true"]}]})
     async with operator_channel(tmp_path, leader) as channel:
+        # Known as the leader a moment before its term's services are up.
+        await serving(channel)
+        services = leader.leadership.current()
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
         submitted = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))).job
