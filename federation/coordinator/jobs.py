@@ -10,11 +10,12 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Itera
 from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import structlog
 from google.protobuf import timestamp_pb2
 
-from federation.api.v1 import jobs_pb2
+from federation.api.v1 import jobs_pb2, records_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
 from federation.errors import (
@@ -31,15 +32,39 @@ from federation.store import CasConflictError, Put, Store, StoreError
 log = structlog.get_logger()
 
 JOBS = "/jobs/"
-EVENTS = "/events/"
+MAX_EVENTS_KEPT = 1000
+"""Events a job record keeps, the newest: a job that moves for ever (a site that keeps losing
+it) must not grow a value that every transition rewrites. Sequence numbers show the gap."""
 
 
 def job_key(job_id: str) -> str:
     return f"{JOBS}{job_id}"
 
 
-def event_key(job_id: str, sequence: int) -> str:
-    return f"{EVENTS}{job_id}/{sequence:010d}"
+def read_record(value: bytes) -> records_pb2.JobRecord:
+    """A stored job record (see ``JobRecord``)."""
+    return records_pb2.JobRecord.FromString(value)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """``payload`` as a length-delimited field ``number`` of a message, in the wire format."""
+    size = len(payload)
+    head = bytearray([number << 3 | 2])
+    while size > 0x7F:
+        head.append(size & 0x7F | 0x80)
+        size >>= 7
+    head.append(size)
+    return bytes(head) + payload
+
+
+def _encoded_events(events: Iterable[jobs_pb2.JobEvent]) -> list[bytes]:
+    """Each event as a ``JobRecord.events`` entry, ready to append to a record."""
+    return [_field(2, event.SerializeToString()) for event in events]
+
+
+def _record_value(job: jobs_pb2.Job, events: list[bytes]) -> bytes:
+    """A serialized ``JobRecord`` of ``job`` and its already encoded events."""
+    return b"".join((_field(1, job.SerializeToString()), *events))
 
 
 def now_timestamp() -> timestamp_pb2.Timestamp:
@@ -111,7 +136,7 @@ class JobRepository:
     def __init__(self, store: Store, hub: EventHub) -> None:
         self._store = store
         self._hub = hub
-        self._active: dict[str, tuple[jobs_pb2.Job, int]] = {}
+        self._active: dict[str, _Cached] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         # Jobs with a PENDING task: what the scheduler looks at, without walking every job.
         # Kept in id order (ids are time-ordered) without sorting on every look: new jobs
@@ -121,12 +146,12 @@ class JobRepository:
         self._held: set[tuple[str, str]] = set()
         """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
 
-    def _cache(self, job: jobs_pb2.Job, revision: int) -> None:
+    def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
             self._active.pop(job.id, None)
             self._pending.pop(job.id, None)
             return
-        self._active[job.id] = (job, revision)
+        self._active[job.id] = (job, revision, events)
         self._index(job)
 
     def _index(self, job: jobs_pb2.Job) -> None:
@@ -183,22 +208,22 @@ class JobRepository:
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=1000)
             for kv in page:
-                job = jobs_pb2.Job.FromString(kv.value)
-                self._cache(job, kv.mod_revision)
+                record = read_record(kv.value)
+                self._cache(record.job, kv.mod_revision, _encoded_events(record.events))
             if len(page) < 1000:
                 break
             start = page[-1].key
-        return [job for job, _ in self._active.values()]
+        return [job for job, _, _ in self._active.values()]
 
     def active(self) -> list[jobs_pb2.Job]:
         """Copies of the cached unfinished jobs."""
-        return [_copy(job) for job, _ in self._active.values()]
+        return [_copy(job) for job, _, _ in self._active.values()]
 
     def at_sites(self, sites: Collection[str]) -> list[jobs_pb2.Job]:
         """Copies of the unfinished jobs with a task delegated to or running at one of ``sites``."""
         return [
             _copy(job)
-            for job, _ in self._active.values()
+            for job, _, _ in self._active.values()
             if any(t.site in sites and t.state in job_state.AT_SITE for t in job.tasks)
         ]
 
@@ -208,7 +233,7 @@ class JobRepository:
         kv = await self._store.get(job_key(job_id))
         if kv is None:
             raise JobNotFoundError(job_id)
-        return jobs_pb2.Job.FromString(kv.value)
+        return read_record(kv.value).job
 
     async def list_page(
         self, accepts: Callable[[jobs_pb2.Job], bool], page_size: int, page_token: str
@@ -223,7 +248,7 @@ class JobRepository:
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=batch)
             for kv in page:
-                job = jobs_pb2.Job.FromString(kv.value)
+                job = read_record(kv.value).job
                 if accepts(job):
                     if len(out) == page_size:
                         return out, out[-1].id
@@ -233,17 +258,17 @@ class JobRepository:
             start = page[-1].key
 
     async def create(self, jobs: list[jobs_pb2.Job]) -> None:
-        """Store new jobs and their first events in one atomic commit."""
+        """Store new jobs, each with its first event, in one atomic commit."""
         ops: list[Put] = []
-        events_by_job: list[tuple[jobs_pb2.Job, list[jobs_pb2.JobEvent]]] = []
+        staged: list[_Staged] = []
         for job in jobs:
             events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
             job.last_event_sequence = 1
-            ops.append(Put(job_key(job.id), job.SerializeToString(), expect_revision=0))
-            ops.append(Put(event_key(job.id, 1), events[0].SerializeToString()))
-            events_by_job.append((job, events))
+            encoded = _encoded_events(events)
+            ops.append(Put(job_key(job.id), _record_value(job, encoded), expect_revision=0))
+            staged.append(_Staged(job, [], events, encoded, job_state.PENDING))
         try:
-            revision = await asyncio.shield(self._commit_new(ops, events_by_job))
+            revision = await asyncio.shield(self._commit_new(ops, staged))
         except CasConflictError as err:
             job_id = err.key.removeprefix(JOBS)
             index = next(i for i, j in enumerate(jobs) if j.id == job_id)
@@ -253,14 +278,12 @@ class JobRepository:
             ) from None
         log.debug("jobs_created", count=len(jobs), revision=revision)
 
-    async def _commit_new(
-        self, ops: list[Put], events_by_job: list[tuple[jobs_pb2.Job, list[jobs_pb2.JobEvent]]]
-    ) -> int:
+    async def _commit_new(self, ops: list[Put], staged: list[_Staged]) -> int:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
         revision = await self._store.commit(ops)
-        for job, events in events_by_job:
-            self._cache(_copy(job), revision)
-            self._hub.publish(job, events)
+        for stage in staged:
+            self._cache(_copy(stage.job), revision, stage.encoded)
+            self._hub.publish(stage.job, stage.events)
         return revision
 
     @asynccontextmanager
@@ -269,16 +292,17 @@ class JobRepository:
         async with lock:
             yield
 
-    async def _current(self, job_id: str) -> tuple[jobs_pb2.Job, int, jobs_pb2.Job]:
-        """A copy of the job to change, its store revision, and the job as it is (not to be
-        changed): from the cache, else from the store."""
+    async def _current(self, job_id: str) -> tuple[jobs_pb2.Job, _Cached]:
+        """A copy of the job to change, and the job as it is (not to be changed) with its
+        store revision and encoded events: from the cache, else from the store."""
         cached = self._active.get(job_id)
         if cached is not None:
-            return _copy(cached[0]), cached[1], cached[0]
+            return _copy(cached[0]), cached
         kv = await self._store.get(job_key(job_id))
         if kv is None:
             raise JobNotFoundError(job_id)
-        return jobs_pb2.Job.FromString(kv.value), kv.mod_revision, jobs_pb2.Job.FromString(kv.value)
+        record = read_record(kv.value)
+        return _copy(record.job), (record.job, kv.mod_revision, _encoded_events(record.events))
 
     async def update(self, job_id: str, mutate: Mutation) -> jobs_pb2.Job:
         """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
@@ -365,7 +389,7 @@ class JobRepository:
 
     async def _mutated(self, job_id: str, mutate: Mutation) -> tuple[jobs_pb2.Job, _Staged | None]:
         """The job after ``mutate``, and what to write (None when nothing changed)."""
-        job, revision, original = await self._current(job_id)
+        job, (original, revision, encoded) = await self._current(job_id)
         states = {t.name: t.state for t in job.tasks}
         changes = mutate(job)
         if not changes and job == original:
@@ -383,9 +407,9 @@ class JobRepository:
         if events:
             job.reason = events[-1].reason
         job.updated_at.CopyFrom(now)
-        ops = [Put(job_key(job.id), job.SerializeToString(), expect_revision=revision)]
-        ops += [Put(event_key(job.id, e.sequence), e.SerializeToString()) for e in events]
-        return job, _Staged(job, ops, events, previous_state)
+        encoded = [*encoded, *_encoded_events(events)][-MAX_EVENTS_KEPT:]
+        put = Put(job_key(job.id), _record_value(job, encoded), expect_revision=revision)
+        return job, _Staged(job, [put], events, encoded, previous_state)
 
     def _forget(self, job_id: str) -> None:
         """Drop a job from the cache: the store holds a newer version than ours."""
@@ -400,7 +424,7 @@ class JobRepository:
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
         for stage in staged:
             job = stage.job
-            self._cache(job, new_revision)  # the caller gets the same message: read-only
+            self._cache(job, new_revision, stage.encoded)  # the caller gets it too: read-only
             if job_state.is_terminal(job.state):
                 self._locks.pop(job.id, None)
             if job.state != stage.previous_state:
@@ -408,9 +432,9 @@ class JobRepository:
             self._hub.publish(job, stage.events)
 
     async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
-        """Every recorded event of a job, oldest first."""
-        kvs = await self._store.range(f"{EVENTS}{job_id}/")
-        return [jobs_pb2.JobEvent.FromString(kv.value) for kv in kvs]
+        """The job's recorded events (the newest MAX_EVENTS_KEPT), oldest first."""
+        kv = await self._store.get(job_key(job_id))
+        return [] if kv is None else list(read_record(kv.value).events)
 
     async def count_by_state(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -418,7 +442,7 @@ class JobRepository:
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=5000)
             for kv in page:
-                name = jobs_pb2.JobState.Name(jobs_pb2.Job.FromString(kv.value).state)
+                name = jobs_pb2.JobState.Name(read_record(kv.value).job.state)
                 counts[name] = counts.get(name, 0) + 1
             if len(page) < 5000:
                 return counts
@@ -432,14 +456,20 @@ MAX_BYTES_PER_COMMIT = 1 << 20
 """etcd refuses a request over --max-request-bytes (1.5 MiB by default)."""
 
 
+_Cached: TypeAlias = tuple[jobs_pb2.Job, int, list[bytes]]
+"""An unfinished job as written, its store revision, and its events as encoded for a record."""
+
+
 @dataclass(slots=True)
 class _Staged:
-    """A mutated job ready to write: its puts (the job at the revision it must still have,
-    and its new events), the events to publish once written, and its state before."""
+    """A mutated job ready to write: its put (the record, at the revision it must still
+    have), the new events to publish once written, every event it keeps, encoded, and its
+    state before."""
 
     job: jobs_pb2.Job
     ops: list[Put]
     events: list[jobs_pb2.JobEvent]
+    encoded: list[bytes]
     previous_state: int
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.coordinator import job_state, jobs
 from federation.coordinator.events import EventHub, Subscription
 from federation.coordinator.job_state import IllegalTransitionError
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
     Mutation,
-    event_key,
     job_key,
+    read_record,
     transition,
 )
 from federation.errors import InvalidArgumentError, JobNotFoundError
@@ -64,18 +64,17 @@ def drain(sub: Subscription) -> list[jobs_pb2.JobEvent]:
 async def test_create_stores_job_and_first_event_in_one_commit(
     store: SqliteStore, repo: JobRepository, hub: EventHub
 ) -> None:
-    """A new job and its 'submitted' event are written by the same commit, then published."""
+    """A new job and its 'submitted' event are written in one record by one commit, then
+    published."""
     sub = hub.subscribe(lambda job: True)
     before = await store.revision()
     await repo.create([new_job("j1", "a", "b")])
     job_kv = await store.get(job_key("j1"))
-    event_kv = await store.get(event_key("j1", 1))
     assert job_kv is not None
-    assert event_kv is not None
-    assert job_kv.mod_revision == event_kv.mod_revision == before + 1
-    stored = jobs_pb2.Job.FromString(job_kv.value)
-    assert stored.last_event_sequence == 1
-    event = jobs_pb2.JobEvent.FromString(event_kv.value)
+    assert job_kv.mod_revision == before + 1
+    record = read_record(job_kv.value)
+    assert record.job.last_event_sequence == 1
+    (event,) = record.events
     assert (event.job_id, event.sequence, event.state, event.task, event.reason) == (
         "j1",
         1,
@@ -93,8 +92,9 @@ async def test_create_writes_a_batch_in_one_commit(store: SqliteStore, repo: Job
     revision = await store.revision()
     await repo.create([new_job("a"), new_job("b"), new_job("c")])
     kvs = await store.range("/")
-    assert len(kvs) == 6
+    assert len(kvs) == 3
     assert {kv.mod_revision for kv in kvs} == {revision + 1}
+    assert all(len(read_record(kv.value).events) == 1 for kv in kvs)
 
 
 async def test_duplicate_id_is_an_invalid_argument_on_spec_id(
@@ -124,7 +124,6 @@ async def test_duplicate_in_a_batch_stores_nothing_of_the_batch(
     assert [v.field for v in caught.value.violations] == ["specs[1].id"]
     assert await store.revision() == revision
     assert await store.get(job_key("fresh")) is None
-    assert await store.get(event_key("fresh", 1)) is None
     assert await store.get(job_key("fresh-2")) is None
     assert [j.id for j in repo.active()] == ["old"]
     assert drain(sub) == []
@@ -148,6 +147,41 @@ async def test_update_writes_events_with_increasing_sequence_and_job_state(
     assert job.last_event_sequence == 4
     assert job.reason == "started"
     assert (await repo.get("j")) == job
+
+
+async def test_record_keeps_the_newest_events(
+    store: SqliteStore, hub: EventHub, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job that moves more often than a record keeps events keeps the newest, in order, and
+    a repository that reads the record afresh goes on from them."""
+    monkeypatch.setattr(jobs, "MAX_EVENTS_KEPT", 3)
+    repo = JobRepository(store, hub)
+    await repo.create([new_job("j")])
+    for i in range(3):
+        await repo.update("j", move(("main", SCH, f"placing {i}"), ("main", P, f"back {i}")))
+    assert [e.sequence for e in await repo.events("j")] == [5, 6, 7]
+    fresh = JobRepository(store, hub)
+    job = await fresh.update("j", move(("main", SCH, "again")))
+    assert job.last_event_sequence == 8
+    assert [(e.sequence, e.reason) for e in await fresh.events("j")] == [
+        (6, "placing 2"),
+        (7, "back 2"),
+        (8, "again"),
+    ]
+
+
+async def test_large_job_record_reads_back_whole(store: SqliteStore, repo: JobRepository) -> None:
+    """A record over 16 KiB (a length that takes three bytes to encode) reads back equal."""
+    job = new_job("big")
+    job.spec.tasks[0].command.extend(["x" * 1000] * 40)
+    await repo.create([job])
+    written = await repo.update("big", move(("main", SCH, "placing")))
+    kv = await store.get(job_key("big"))
+    assert kv is not None
+    assert len(kv.value) > 1 << 14
+    record = read_record(kv.value)
+    assert record.job == written
+    assert [e.reason for e in record.events] == ["submitted", "placing"]
 
 
 async def test_one_update_may_record_several_changes(
@@ -192,7 +226,7 @@ async def test_update_changing_fields_without_events_is_written(
     await repo.update("j", request_cancel)
     kv = await store.get(job_key("j"))
     assert kv is not None
-    assert jobs_pb2.Job.FromString(kv.value).cancel_requested
+    assert read_record(kv.value).job.cancel_requested
     assert len(await repo.events("j")) == 1
 
 

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 from collections import Counter
 
-from federation.api.v1 import jobs_pb2
+from federation.api.v1 import jobs_pb2, records_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import (
-    EVENTS,
     JOBS,
     MAX_OPS_PER_COMMIT,
     Change,
     JobRepository,
-    event_key,
     job_key,
+    read_record,
     transition,
 )
 from federation.errors import JobNotFoundError, UnavailableError
@@ -31,7 +30,7 @@ async def stored_job(store: SqliteStore, job_id: str) -> jobs_pb2.Job:
     """The job as the store holds it (not the repository's cache)."""
     kv = await store.get(job_key(job_id))
     assert kv is not None
-    return jobs_pb2.Job.FromString(kv.value)
+    return read_record(kv.value).job
 
 
 async def test_small_batch_writes_every_job_in_one_commit(
@@ -130,7 +129,7 @@ async def test_large_batch_is_split_over_several_commits(
     store: SqliteStore, repo: JobRepository, hub: EventHub
 ) -> None:
     """More ops than MAX_OPS_PER_COMMIT go in several commits, each within the limit."""
-    count = MAX_OPS_PER_COMMIT  # two ops each (job and one event): twice the limit in all
+    count = 2 * MAX_OPS_PER_COMMIT  # one op each (the job's record): twice the limit in all
     ids = [f"j{i:04d}" for i in range(count)]
     await repo.create([new_job(job_id) for job_id in ids])
     sub = hub.subscribe(lambda job: True)
@@ -141,17 +140,16 @@ async def test_large_batch_is_split_over_several_commits(
     assert sorted(results) == ids
     assert all(isinstance(r, jobs_pb2.Job) and r.state == SCH for r in results.values())
     written = [kv for kv in await store.range("/") if kv.mod_revision > before]
-    assert len(written) == 2 * count  # every job and its new event
+    assert len(written) == count  # every job, with its new event in its record
     per_commit = Counter(kv.mod_revision for kv in written)
     assert set(per_commit) == set(range(before + 1, after + 1))
     assert max(per_commit.values()) <= MAX_OPS_PER_COMMIT
     for job_id in ids:
         job_kv = await store.get(job_key(job_id))
-        event_kv = await store.get(event_key(job_id, 2))
         assert job_kv is not None
-        assert event_kv is not None
-        assert job_kv.mod_revision == event_kv.mod_revision  # a job never splits
-        assert jobs_pb2.Job.FromString(job_kv.value).tasks[0].state == SCH
+        record = read_record(job_kv.value)
+        assert record.job.tasks[0].state == SCH
+        assert [e.sequence for e in record.events] == [1, 2]
     assert sorted(e.job_id for e in drain(sub)) == ids
 
 
@@ -174,7 +172,7 @@ async def test_missing_job_fails_alone(store: SqliteStore, repo: JobRepository) 
         assert (await stored_job(store, job_id)).tasks[0].state == SCH
     assert await store.revision() == before + 1
     assert await store.get(job_key("nope")) is None
-    assert await store.range(f"{EVENTS}nope/") == []
+    assert await repo.events("nope") == []
 
 
 async def test_mutation_changing_nothing_writes_nothing(
@@ -206,12 +204,9 @@ async def test_lost_cas_rereads_and_reapplies_on_the_fresh_version(
     fresh.last_event_sequence = 2
     fresh.cancel_requested = True
     outside = jobs_pb2.JobEvent(job_id="stale", sequence=2, state=SCH, task="b", reason="elsewhere")
-    await store.commit(
-        [
-            Put(job_key("stale"), fresh.SerializeToString()),
-            Put(event_key("stale", 2), outside.SerializeToString()),
-        ]
-    )
+    kept = (await repo.events("stale"))[:1]
+    record = records_pb2.JobRecord(job=fresh, events=[*kept, outside])
+    await store.commit([Put(job_key("stale"), record.SerializeToString())])
     sub = hub.subscribe(lambda job: True)
     results = await repo.update_many(
         [("stale", move(("a", SCH, "here"))), ("other", move(("main", SCH, "other")))]
@@ -305,7 +300,7 @@ class FailingFor:
 async def test_a_failed_chunk_fails_its_jobs_alone(store: SqliteStore, hub: EventHub) -> None:
     """When one commit of a split batch fails, its jobs get an error and the rest are written."""
     repo = JobRepository(store, hub)
-    ids = [f"j{i:03d}" for i in range(MAX_OPS_PER_COMMIT)]  # two ops each: two commits
+    ids = [f"j{i:03d}" for i in range(2 * MAX_OPS_PER_COMMIT)]  # one op each: two commits
     await repo.create([new_job(i) for i in ids])
     flaky = JobRepository(FailingFor(store, ids[-1]), hub)  # type: ignore[arg-type]
     await flaky.load()

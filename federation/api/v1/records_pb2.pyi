@@ -3,10 +3,13 @@
 isort:skip_file
 """
 
+from collections import abc as _abc
+from federation.api.v1 import jobs_pb2 as _jobs_pb2
 from federation.api.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -94,3 +97,34 @@ class IssuedCertificate(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IssuedCertificate: _TypeAlias = IssuedCertificate  # noqa: Y015
+
+@_typing.final
+class JobRecord(_message.Message):
+    """What the coordinator stores for a job: the job, and its newest events oldest first.
+
+    One value per job, so that a transition is one write whatever events it records. A
+    transition appends its events to the serialized record (in the wire format, a repeated
+    field's entries are concatenated), so earlier events are never serialized again.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_FIELD_NUMBER: _builtins.int
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def job(self) -> _jobs_pb2.Job: ...
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.JobEvent]: ...
+    def __init__(
+        self,
+        *,
+        job: _jobs_pb2.Job | None = ...,
+        events: _abc.Iterable[_jobs_pb2.JobEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "job", b"job"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobRecord: _TypeAlias = JobRecord  # noqa: Y015
