@@ -157,23 +157,30 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
         fed = LocalFederation(Path(root), [])
         await fed.start_coordinator()
         coordinator = psutil.Process(fed.processes["coordinator"].pid)
+        harness = psutil.Process()
 
-        async def with_cpu(run: Awaitable[T]) -> tuple[T, float]:
-            """What ``run`` returns, and the coordinator's CPU seconds meanwhile (all threads,
-            user + system): per job, a figure less shaken by a noisy machine than a rate."""
-            before = coordinator.cpu_times()
+        def cpu_s(process: psutil.Process) -> float:
+            times = process.cpu_times()
+            return times.user + times.system
+
+        async def with_cpu(run: Awaitable[T]) -> tuple[T, float, float]:
+            """What ``run`` returns, and the CPU seconds (all threads, user + system) the
+            coordinator and this process (the client and the sites) used meanwhile: per job,
+            figures less shaken by a noisy machine than a rate."""
+            before = cpu_s(coordinator), cpu_s(harness)
             result = await run
-            after = coordinator.cpu_times()
-            return result, (after.user - before.user) + (after.system - before.system)
+            return result, cpu_s(coordinator) - before[0], cpu_s(harness) - before[1]
 
         runners: list[asyncio.Task[None]] = []
         try:
             cores = {f"site-{i:03d}": ScriptedCore() for i in range(sites)}
             runners = await start_scripted_sites(fed, cores)
             async with fed.operator().channel() as channel:
-                echo, echo_cpu = await with_cpu(echo_rate(channel, ECHO_CALLS, 16))
-                unary, unary_cpu = await with_cpu(run_jobs(channel, jobs // 4, 1, 16))
-                batched, batched_cpu = await with_cpu(run_jobs(channel, jobs, batch, 2))
+                echo, echo_cpu, _ = await with_cpu(echo_rate(channel, ECHO_CALLS, 16))
+                unary, unary_cpu, _ = await with_cpu(run_jobs(channel, jobs // 4, 1, 16))
+                batched, batched_cpu, harness_cpu = await with_cpu(
+                    run_jobs(channel, jobs, batch, 2)
+                )
                 # Moderate load: unary submits at a quarter of the most this run took.
                 rate = unary["jobs_per_s"] * MODERATE_SHARE
                 moderate = await run_jobs(channel, int(rate * 5), 1, 1, rate=rate)
@@ -191,6 +198,7 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
         "unary_cpu_us_per_job": unary_cpu / (jobs // 4) * 1e6,
         "batched_jobs_per_s": batched["jobs_per_s"],
         "batched_cpu_us_per_job": batched_cpu / jobs * 1e6,
+        "batched_harness_cpu_us_per_job": harness_cpu / jobs * 1e6,
         "batched_p50_ms": batched["p50_ms"],
         "batched_p99_ms": batched["p99_ms"],
         "moderate_jobs_per_s": rate,
