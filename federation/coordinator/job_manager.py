@@ -88,7 +88,8 @@ class JobManager:
         violations += self._unknown_datasets(specs, batch)
         if violations:
             raise InvalidArgumentError(violations)
-        jobs = [self._new_job(caller, spec) for spec in specs]
+        submitted_by = str(caller)
+        jobs = [self._new_job(caller, submitted_by, spec) for spec in specs]
         await self._jobs.create(jobs)
         JOBS_SUBMITTED.inc(len(jobs))
         log.debug("jobs_submitted", count=len(jobs), by=str(caller))  # each has its event
@@ -99,19 +100,18 @@ class JobManager:
         self, specs: Sequence[jobs_pb2.JobSpec], batch: bool
     ) -> list[FieldViolation]:
         """Inputs that name no site and that no site reports holding."""
-        known = self._sites.known_datasets()
+        known: set[str] | None = None  # gathered from every site's view only when needed
         out = []
         for i, spec in enumerate(specs):
             path = f"specs[{i}]" if batch else "spec"
             for t, task in enumerate(spec.tasks):
                 for n, item in enumerate(task.inputs):
                     dataset = item.dataset
-                    if (
-                        dataset
-                        and not item.site
-                        and not dataset.startswith(TASK_OUTPUT)
-                        and (dataset not in known)
-                    ):
+                    if not dataset or item.site or dataset.startswith(TASK_OUTPUT):
+                        continue
+                    if known is None:
+                        known = self._sites.known_datasets()
+                    if dataset not in known:
                         out.append(
                             FieldViolation(
                                 f"{path}.tasks[{t}].inputs[{n}].dataset",
@@ -121,8 +121,8 @@ class JobManager:
                         )
         return out
 
-    def _new_job(self, caller: Identity, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
-        job = jobs_pb2.Job(id=spec.id or new_job_id(), submitted_by=str(caller))
+    def _new_job(self, caller: Identity, submitted_by: str, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
+        job = jobs_pb2.Job(id=spec.id or new_job_id(), submitted_by=submitted_by)
         job.spec.CopyFrom(spec)
         job.spec.id = job.id
         if caller.role is Role.TENANT:

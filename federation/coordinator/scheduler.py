@@ -710,11 +710,11 @@ def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
     The outputs of the tasks it depends on become its inputs, located where those ran, and so
     does the task's newest recorded checkpoint, which a restart reads.
     """
-    if waiting_on(job, task_name):
-        return None
     specs = {t.name: t for t in job.spec.tasks}
-    status = {t.name: t for t in job.tasks}
     spec = specs[task_name]
+    if spec.depends_on and waiting_on(job, task_name):
+        return None
+    status = {t.name: t for t in job.tasks}
     inputs = [
         Input(i.dataset, i.bytes, i.site)
         for i in spec.inputs

@@ -246,6 +246,29 @@ CASES: list[tuple[str, Mutation, str, str]] = [
         "spec.labels",
         "at most 64 labels",
     ),
+    (
+        "depends-on-unknown",
+        _call(lambda s: s.tasks[1].depends_on.append("nope")),
+        "spec.tasks[1].depends_on[0]",
+        "no task 'nope' in this job",
+    ),
+    (
+        "reads-output-without-depending",
+        _call(lambda s: s.tasks[1].inputs.add(dataset="task:trainer")),
+        "spec.tasks[1].inputs[0].dataset",
+        "add it to depends_on",
+    ),
+    (
+        "dependency-cycle",
+        _call(
+            lambda s: (
+                s.tasks[0].depends_on.append("eval.v2"),
+                s.tasks[1].depends_on.append("trainer"),
+            )
+        ),
+        "spec.tasks",
+        "dependency cycle: trainer -> eval.v2 -> trainer",
+    ),
 ]
 
 
@@ -369,3 +392,13 @@ def test_bound_violation_shows_the_offending_value_exactly() -> None:
     spec.tasks[0].resources.memory_mib = 16 * 1024 * 1024 + 1
     (violation,) = spec_violations(spec)
     assert "got 16777217" in violation.description
+
+
+def test_self_dependency_is_named_and_is_a_cycle() -> None:
+    """A task depending on itself is reported where it says so, and as the cycle it makes."""
+    spec = valid_spec()
+    spec.tasks[0].depends_on.append("trainer")
+    assert [(v.field, v.description) for v in spec_violations(spec)] == [
+        ("spec.tasks[0].depends_on[0]", "a task cannot depend on itself"),
+        ("spec.tasks", "dependency cycle: trainer -> trainer"),
+    ]
