@@ -32,6 +32,9 @@ from federation.store import CasConflictError, Put, Store, StoreError
 log = structlog.get_logger()
 
 JOBS = "/jobs/"
+OLD_EVENTS = "/events/"
+"""Where earlier versions stored each event, beside a job stored alone: every job they created
+has its first event there. This version stores one ``JobRecord`` per job and cannot read those."""
 MAX_EVENTS_KEPT = 1000
 """Events a job record keeps, the newest: a job that moves for ever (a site that keeps losing
 it) must not grow a value that every transition rewrites. Sequence numbers show the gap."""
@@ -203,7 +206,16 @@ class JobRepository:
         return cached[0] if cached is not None else None
 
     async def load(self) -> list[jobs_pb2.Job]:
-        """Cache every unfinished job from the store; returns them (for recovery)."""
+        """Cache every unfinished job from the store; returns them (for recovery).
+
+        Raises:
+            StoreError: The store holds jobs laid out otherwise (by an earlier version).
+        """
+        if await self._store.count(OLD_EVENTS):
+            raise StoreError(
+                "the store holds jobs written by an earlier version (each event under "
+                f"{OLD_EVENTS}), which this version cannot read; start it on an empty store"
+            )
         start = ""
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=1000)

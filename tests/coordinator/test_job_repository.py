@@ -20,7 +20,7 @@ from federation.coordinator.jobs import (
     transition,
 )
 from federation.errors import InvalidArgumentError, JobNotFoundError
-from federation.store import SqliteStore
+from federation.store import Put, SqliteStore, StoreError
 
 P = job_state.PENDING
 SCH = job_state.SCHEDULING
@@ -369,3 +369,18 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
 
     repo.release([("j-1", "main"), ("j-2", "a")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
+
+
+async def test_store_of_an_earlier_layout_is_refused_by_name(store: SqliteStore) -> None:
+    """A store holding jobs as earlier versions wrote them (the job alone, each event under
+    /events/) is refused with a reason at load, not read as records."""
+    old = new_job("j1")
+    event = jobs_pb2.JobEvent(job_id="j1", sequence=1, state=P, reason="submitted")
+    await store.commit(
+        [
+            Put(job_key("j1"), old.SerializeToString()),
+            Put("/events/j1/0000000001", event.SerializeToString()),
+        ]
+    )
+    with pytest.raises(StoreError, match="written by an earlier version"):
+        await JobRepository(store, EventHub()).load()
