@@ -38,6 +38,10 @@ log = structlog.get_logger()
 
 DEFAULT_TENANT = "default"
 MAX_BATCH = 10_000
+MAX_REPORT_REASON = 1024
+MAX_OUTPUT_TAIL = 4096
+"""What a site's report may put in a job (characters; the rest is cut): each transition rewrites
+the job's record with its kept events, and etcd refuses a value over 1.5 MiB."""
 MAX_PAGE = 1000
 
 
@@ -346,8 +350,8 @@ class JobManager:
             if not final:
                 return []
             current.exit_code = report.exit_code
-            current.output_tail = report.output_tail
-            reason = report.reason or _default_reason(report)
+            current.output_tail = report.output_tail[-MAX_OUTPUT_TAIL:]
+            reason = (report.reason or _default_reason(report))[:MAX_REPORT_REASON]
             changes = [transition(job, report.task, report.state, reason)]
             if report.state == job_state.FAILED:
                 changes += self._stop_tasks(job, f"task {report.task} failed", effects.siblings)

@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
-from federation.coordinator.job_manager import JobManager
+from federation.coordinator.job_manager import MAX_OUTPUT_TAIL, MAX_REPORT_REASON, JobManager
 from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
 from federation.coordinator.lost_sites import Move, move_off
 from federation.coordinator.sites import SiteRegistry, SiteSession
@@ -209,3 +209,17 @@ async def test_the_current_copy_records_its_checkpoints(fed: Federation) -> None
     assert task.checkpoint.progress_s == 31
     await fed.manager.apply_report("b", report(3, RUN, progress_s=25))  # older: ignored
     assert (await fed.task()).checkpoint.progress_s == 31
+
+
+async def test_a_reports_reason_and_output_are_cut_to_their_limits(fed: Federation) -> None:
+    """A site cannot grow a job's record without bound: a result's reason keeps its start and
+    its output its end, each within its limit."""
+    await fed.moved()
+    result = report(3, OK)
+    result.reason = "r" * (MAX_REPORT_REASON + 10)
+    result.output_tail = "head" + "o" * MAX_OUTPUT_TAIL
+    await fed.manager.apply_report("b", result)
+    task = await fed.task()
+    assert (task.state, task.reason) == (OK, "r" * MAX_REPORT_REASON)
+    assert task.output_tail == "o" * MAX_OUTPUT_TAIL
+    assert (await fed.jobs.events("j"))[-1].reason == "r" * MAX_REPORT_REASON
