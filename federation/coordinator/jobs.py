@@ -271,16 +271,15 @@ class JobRepository:
 
     async def create(self, jobs: list[jobs_pb2.Job]) -> None:
         """Store new jobs, each with its first event, in one atomic commit."""
-        ops: list[Put] = []
         staged: list[_Staged] = []
         for job in jobs:
             events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
             job.last_event_sequence = 1
             encoded = _encoded_events(events)
-            ops.append(Put(job_key(job.id), _record_value(job, encoded), expect_revision=0))
-            staged.append(_Staged(job, [], events, encoded, job_state.PENDING))
+            put = Put(job_key(job.id), _record_value(job, encoded), expect_revision=0)
+            staged.append(_Staged(job, put, events, encoded, job_state.PENDING))
         try:
-            revision = await asyncio.shield(self._commit_new(ops, staged))
+            revision = await asyncio.shield(self._commit_new(staged))
         except CasConflictError as err:
             job_id = err.key.removeprefix(JOBS)
             index = next(i for i, j in enumerate(jobs) if j.id == job_id)
@@ -290,9 +289,9 @@ class JobRepository:
             ) from None
         log.debug("jobs_created", count=len(jobs), revision=revision)
 
-    async def _commit_new(self, ops: list[Put], staged: list[_Staged]) -> int:
+    async def _commit_new(self, staged: list[_Staged]) -> int:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
-        revision = await self._store.commit(ops)
+        revision = await self._store.commit([stage.put for stage in staged])
         for stage in staged:
             self._cache(_copy(stage.job), revision, stage.encoded)
             self._hub.publish(stage.job, stage.events)
@@ -421,7 +420,7 @@ class JobRepository:
         job.updated_at.CopyFrom(now)
         encoded = [*encoded, *_encoded_events(events)][-MAX_EVENTS_KEPT:]
         put = Put(job_key(job.id), _record_value(job, encoded), expect_revision=revision)
-        return job, _Staged(job, [put], events, encoded, previous_state)
+        return job, _Staged(job, put, events, encoded, previous_state)
 
     def _forget(self, job_id: str) -> None:
         """Drop a job from the cache: the store holds a newer version than ours."""
@@ -430,7 +429,7 @@ class JobRepository:
 
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""
-        new_revision = await self._store.commit([op for stage in staged for op in stage.ops])
+        new_revision = await self._store.commit([stage.put for stage in staged])
         states = Counter(event.state for stage in staged for event in stage.events)
         for state, count in states.items():
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
@@ -479,26 +478,27 @@ class _Staged:
     state before."""
 
     job: jobs_pb2.Job
-    ops: list[Put]
+    put: Put
     events: list[jobs_pb2.JobEvent]
     encoded: list[bytes]
     previous_state: int
 
 
 def _chunks(staged: list[_Staged]) -> list[list[_Staged]]:
-    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT operations or about
-    MAX_BYTES_PER_COMMIT bytes (a job never splits: one larger job goes alone)."""
+    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT puts (one per job) or about
+    MAX_BYTES_PER_COMMIT bytes (one larger job goes alone)."""
     chunks: list[list[_Staged]] = []
-    ops = size = 0
+    size = 0
     for stage in staged:
-        stage_size = sum(len(op.key) + len(op.value) for op in stage.ops)
-        if not chunks or (
-            ops + len(stage.ops) > MAX_OPS_PER_COMMIT or size + stage_size > MAX_BYTES_PER_COMMIT
+        stage_size = len(stage.put.key) + len(stage.put.value)
+        if (
+            not chunks
+            or len(chunks[-1]) == MAX_OPS_PER_COMMIT
+            or size + stage_size > MAX_BYTES_PER_COMMIT
         ):
             chunks.append([])
-            ops = size = 0
+            size = 0
         chunks[-1].append(stage)
-        ops += len(stage.ops)
         size += stage_size
     return chunks
 
