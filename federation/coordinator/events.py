@@ -11,6 +11,8 @@ from federation.api.v1 import jobs_pb2
 from federation.errors import FederationError, ResourceExhaustedError
 
 JobFilter = Callable[[jobs_pb2.Job], bool]
+WATCH_BATCH = 512
+"""Events per WatchJobs message at most."""
 
 
 class WatchOverflowError(ResourceExhaustedError):
@@ -48,7 +50,7 @@ class Subscription:
             raise WatchOverflowError("watch fell behind; watch again with include_current")
         return event
 
-    async def next_batch(self, limit: int = 512) -> list[jobs_pb2.JobEvent]:
+    async def next_batch(self, limit: int = WATCH_BATCH) -> list[jobs_pb2.JobEvent]:
         """The next event and up to ``limit`` - 1 more already queued, in order. Raises as
         ``next`` does, after the events queued before the end were handed out."""
         batch = [await self.next()]

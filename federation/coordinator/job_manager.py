@@ -10,7 +10,7 @@ import structlog
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
-from federation.coordinator.events import EventHub
+from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
@@ -96,7 +96,7 @@ class JobManager:
         jobs = [self._new_job(caller, submitted_by, spec) for spec in specs]
         await self._jobs.create(jobs)
         JOBS_SUBMITTED.inc(len(jobs))
-        log.debug("jobs_submitted", count=len(jobs), by=str(caller))  # each has its event
+        log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event
         self._wake()
         return jobs
 
@@ -234,8 +234,8 @@ class JobManager:
                         current.append(current_event(await self.get(caller, job_id)))
                 if not wanted:
                     current += [current_event(j) for j in self._jobs.active() if accepts(j)]
-                for first in range(0, len(current), 512):
-                    yield current[first : first + 512]
+                for first in range(0, len(current), WATCH_BATCH):
+                    yield current[first : first + WATCH_BATCH]
             while True:
                 yield await subscription.next_batch()
         finally:
