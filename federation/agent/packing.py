@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.placement.selectors import SelectorError, compile_selector
+from federation.placement.selectors import SelectorError, accepts, compile_selector
 from federation.placement.snapshot import device_attributes
 
 __all__ = ["Slot", "Usage", "describe_request", "place", "request_problem"]
@@ -66,14 +66,6 @@ def _usable(device: resources_pb2.Device) -> bool:
     return device.health in _USABLE_HEALTH
 
 
-def _accepts(program: Any, attributes: dict[str, Any]) -> bool:
-    """Whether a compiled selector accepts a device, as the coordinator's selectors decide."""
-    try:
-        return program.execute({"device": attributes}) is True
-    except Exception:
-        return False  # e.g. an attribute this device lacks: it does not match
-
-
 def _attributes_key(attributes: dict[str, Any]) -> tuple[object, ...]:
     return tuple(
         (k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
@@ -104,7 +96,7 @@ class _Matcher:
         attributes = device_attributes(device)
         key = _attributes_key(attributes)
         if key not in self._verdicts:
-            self._verdicts[key] = _accepts(self._program, attributes)
+            self._verdicts[key] = accepts(self._program, attributes)
         return self._verdicts[key]
 
 

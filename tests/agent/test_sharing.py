@@ -181,7 +181,7 @@ async def test_an_unknown_profile_is_declined(make_core: Callable[..., EmbeddedC
             "asks for more than one of count, fraction and partition",
         ),
         ({"fraction": 0.5, "partition": "1g.10gb"}, "asks for more than one of count, fraction "),
-        ({"devices": 1, "selector": "device.kind =="}, "invalid selector: Failed to parse"),
+        ({"devices": 1, "selector": "device.kind =="}, "invalid selector: expected a value"),
     ],
 )
 async def test_malformed_requests_are_declined(

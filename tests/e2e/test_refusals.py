@@ -51,6 +51,11 @@ async def job_count(channel: grpc.aio.Channel) -> int:
 
 
 GOOD = {"cpu": 1, "memory_mib": 128}
+FORTY = "[" + ",".join(str(i) for i in range(40)) + "]"
+FREEZES = FORTY + ".all(a, " + FORTY + ".all(b, " + FORTY + ".all(c, a + b + c >= 0)))"
+"""Three nested all() over 40 elements: evaluated unbounded, 64,000 bodies per device."""
+PANICS = "device.memory_gib >= 1 && " * 2700 + "true &&& x"
+"""Over 64 KiB with a syntax error past column 65,535: the CEL library panics on it."""
 BAD_SPECS = [
     (
         "negative-ish cpu",
@@ -73,6 +78,16 @@ BAD_SPECS = [
     ("name too long", spec("x" * 200, [python_task("t", "")]), "spec.name"),
     ("no tasks", spec("x", []), "spec.tasks"),
     ("bad id", spec("x", [python_task("t", "")], id="Not Valid!"), "spec.id"),
+    (
+        "selector too costly",
+        spec("x", [python_task("t", "", resources={"accelerator": {"selector": FREEZES}})]),
+        "spec.tasks[0].resources.accelerator.selector",
+    ),
+    (
+        "selector that panics the CEL library",
+        spec("x", [python_task("t", "", resources={"accelerator": {"selector": PANICS}})]),
+        "spec.tasks[0].resources.accelerator.selector",
+    ),
 ]
 
 

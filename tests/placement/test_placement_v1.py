@@ -216,7 +216,7 @@ def test_capacity_reason_names_shares() -> None:
 @pytest.mark.parametrize(
     ("source", "problem"),
     [
-        ("device.vendor == ", "Syntax error"),
+        ("device.vendor == ", "expected a value"),
         ("device.colour == 'red'", "unknown attribute device.colour"),
         ("device.memory_gib", "must be true or false"),
     ],
