@@ -15,7 +15,7 @@ import structlog
 
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig, check_settings
-from federation.coordinator.server import start_coordinator
+from federation.coordinator.server import ListenError, start_coordinator
 from federation.logging import configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatError
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         asyncio.run(serve(config, args.ready_file))
-    except StoreError as err:
+    except (StoreError, ListenError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -64,6 +64,19 @@ class CoordinatorConfig:
     leader_lease_s: float = 3.0
     """With etcd: ttl of the leader's lease, so a dead leader is replaced this long after its
     last keepalive (etcd rounds up to whole seconds and to its own minimum)."""
+    client_requests_per_s: float = 200.0
+    """RPCs per second one tenant or operator identity may sustain; 0: no limit."""
+    client_request_burst: float = 400.0
+    """RPCs an idle identity may send at once."""
+    client_jobs_per_s: float = 1000.0
+    """Jobs per second one identity may submit (each spec of a batch counts); 0: no limit."""
+    client_job_burst: float = 10_000.0
+    """Jobs an idle identity may submit at once."""
+    client_streams: int = 32
+    """WatchJobs streams one identity may hold open at once; 0: no limit."""
+    max_spec_bytes: int = 256 * 1024
+    """Largest job spec accepted (its encoded size): every transition rewrites the job's
+    record, and etcd refuses a request over 1.5 MiB."""
 
 
 STORES = ("sqlite", "etcd")
@@ -90,6 +103,17 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
         raise ConfigError(f"{source}: heartbeat_interval_s must be positive")
     if config.missed_heartbeats < 1:
         raise ConfigError(f"{source}: missed_heartbeats must be at least 1")
+    for name in (
+        "client_requests_per_s",
+        "client_request_burst",
+        "client_jobs_per_s",
+        "client_job_burst",
+        "client_streams",
+    ):
+        if not getattr(config, name) >= 0:
+            raise ConfigError(f"{source}: {name} must be 0 (no limit) or more")
+    if not 1024 <= config.max_spec_bytes <= 1024 * 1024:
+        raise ConfigError(f"{source}: max_spec_bytes must be between 1024 and 1048576")
     check_negotiation(config, source=source)
 
 

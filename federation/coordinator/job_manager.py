@@ -23,7 +23,7 @@ from federation.coordinator.jobs import (
 )
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
-from federation.coordinator.validation import TASK_OUTPUT, spec_violations
+from federation.coordinator.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
 from federation.errors import (
     FederationError,
     FieldViolation,
@@ -54,9 +54,16 @@ def visible_to(caller: Identity) -> Callable[[jobs_pb2.Job], bool]:
 
 class JobManager:
     def __init__(
-        self, jobs: JobRepository, sites: SiteRegistry, hub: EventHub, wake: Callable[[], None]
+        self,
+        jobs: JobRepository,
+        sites: SiteRegistry,
+        hub: EventHub,
+        wake: Callable[[], None],
+        *,
+        max_spec_bytes: int = MAX_SPEC_BYTES,
     ) -> None:
         self._jobs = jobs
+        self._max_spec_bytes = max_spec_bytes
         self._sites = sites
         self._hub = hub
         self._wake = wake
@@ -78,7 +85,7 @@ class JobManager:
         ids: dict[str, int] = {}
         for i, spec in enumerate(specs):
             path = f"specs[{i}]" if batch else "spec"
-            violations += spec_violations(spec, path)
+            violations += spec_violations(spec, path, self._max_spec_bytes)
             if caller.role is Role.TENANT and spec.tenant not in ("", caller.name):
                 raise PermissionDeniedError(
                     f"{caller} may not submit jobs for tenant {spec.tenant!r}"

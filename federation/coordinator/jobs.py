@@ -32,6 +32,8 @@ from federation.store import CasConflictError, Put, Store, StoreError
 log = structlog.get_logger()
 
 JOBS = "/jobs/"
+MAX_REPLY_BYTES = 3 << 20
+"""Most a page of jobs may take: gRPC clients refuse a reply over 4 MiB by default."""
 OLD_EVENTS = "/events/"
 """Where earlier versions stored each event, beside a job stored alone: every job they created
 has its first event there. This version stores one ``JobRecord`` per job and cannot read those."""
@@ -248,13 +250,19 @@ class JobRepository:
         return read_record(kv.value).job
 
     async def list_page(
-        self, accepts: Callable[[jobs_pb2.Job], bool], page_size: int, page_token: str
+        self,
+        accepts: Callable[[jobs_pb2.Job], bool],
+        page_size: int,
+        page_token: str,
+        max_bytes: int = MAX_REPLY_BYTES,
     ) -> tuple[list[jobs_pb2.Job], str]:
-        """Up to ``page_size`` jobs after ``page_token`` that ``accepts``, in id order.
+        """Up to ``page_size`` jobs after ``page_token`` that ``accepts``, in id order, and
+        fewer if they would take more than ``max_bytes`` (but always at least one).
 
         The next token is set only when another matching job exists.
         """
         out: list[jobs_pb2.Job] = []
+        size = 0
         start = job_key(page_token) if page_token else ""
         batch = max(page_size, 100)
         while True:
@@ -262,7 +270,9 @@ class JobRepository:
             for kv in page:
                 job = read_record(kv.value).job
                 if accepts(job):
-                    if len(out) == page_size:
+                    # Each job costs its size plus a few bytes of framing in the reply.
+                    size += job.ByteSize() + 8
+                    if len(out) == page_size or (out and size > max_bytes):
                         return out, out[-1].id
                     out.append(job)
             if len(page) < batch:

@@ -31,6 +31,7 @@ from federation.coordinator.fencing import FencedStore
 from federation.coordinator.leader import CoordinatorInfo, LeaderElection
 from federation.coordinator.leadership import Leadership
 from federation.coordinator.servicers import (
+    JOB_COUNTS,
     JOIN_METHOD,
     METHOD_ROLES,
     OPEN_METHODS,
@@ -42,6 +43,7 @@ from federation.coordinator.services import ListCoordinators, start_services
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.interceptors import AuthInterceptor
 from federation.security.pki import CertificateAuthority
+from federation.security.throttle import Throttle, ThrottleLimits
 from federation.security.tls import TlsFiles, server_credentials
 from federation.store import SqliteStore, Store
 from federation.store.etcd import EtcdStore
@@ -54,6 +56,23 @@ SERVICE_NAMES = (
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
 )
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
+_NO_PORT_SHARING = ("grpc.so_reuseport", 0)
+"""gRPC sets SO_REUSEPORT by default, so a second coordinator could bind a port in use and the
+kernel would split connections between the two: a used port must fail to bind instead."""
+
+
+class ListenError(OSError):
+    """A port cannot be bound (in use, or an address this host does not have)."""
+
+
+def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials) -> int:
+    try:
+        return server.add_secure_port(address, credentials)
+    except RuntimeError:
+        raise ListenError(
+            f"cannot listen on {address}: the port is in use or the address is not this "
+            "host's. To fix: stop what holds it, or choose another address"
+        ) from None
 
 
 @dataclass
@@ -99,6 +118,7 @@ async def open_store(config: CoordinatorConfig) -> Store:
             tls = TlsFiles(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
         return await EtcdStore.open(config.etcd_endpoints, prefix=config.etcd_prefix, tls=tls)
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    config.data_dir.chmod(0o700)  # a folder that already existed keeps its mode otherwise
     return await SqliteStore.open(config.data_dir / "federation.db")
 
 
@@ -109,8 +129,21 @@ def _servers(
     tls: TlsFiles,
 ) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
     """The mTLS server and the join server, bound, not started; and their ports."""
+    throttle = Throttle(
+        ThrottleLimits(
+            requests_per_s=config.client_requests_per_s,
+            request_burst=config.client_request_burst,
+            jobs_per_s=config.client_jobs_per_s,
+            job_burst=config.client_job_burst,
+            streams=config.client_streams,
+        )
+    )
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(METHOD_ROLES, open_methods=OPEN_METHODS)],
+        interceptors=[
+            AuthInterceptor(
+                METHOD_ROLES, open_methods=OPEN_METHODS, throttle=throttle, job_counts=JOB_COUNTS
+            )
+        ],
         options=[
             # Ping idle peers so a connection that vanished without a FIN is noticed.
             ("grpc.keepalive_time_ms", 20_000),
@@ -118,6 +151,7 @@ def _servers(
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
             ("grpc.max_receive_message_length", MAX_STREAM_MESSAGE_BYTES),
+            _NO_PORT_SHARING,
         ],
     )
     current = leadership.current
@@ -128,16 +162,17 @@ def _servers(
     )
     health_pb2_grpc.add_HealthServicer_to_server(health[0], server)
     reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
-    port = server.add_secure_port(config.listen, server_credentials(tls))
+    port = _bind(server, config.listen, server_credentials(tls))
     join_server = grpc.aio.server(
-        interceptors=[AuthInterceptor(None, open_methods={JOIN_METHOD, *OPEN_METHODS})]
+        interceptors=[AuthInterceptor(None, open_methods={JOIN_METHOD, *OPEN_METHODS})],
+        options=[_NO_PORT_SHARING],
     )
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
         SiteLinkServicer(current, serves_connect=False), join_server
     )
     health_pb2_grpc.add_HealthServicer_to_server(health[1], join_server)
-    join_port = join_server.add_secure_port(
-        config.join_listen, server_credentials(tls, require_client_auth=False)
+    join_port = _bind(
+        join_server, config.join_listen, server_credentials(tls, require_client_auth=False)
     )
     return server, join_server, port, join_port
 

@@ -67,6 +67,11 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     },
     _LINK + "Connect": SITES,
 }
+JOB_COUNTS: dict[str, Callable[[Any], int]] = {
+    _JOBS + "SubmitJob": lambda request: 1,
+    _JOBS + "SubmitJobs": lambda request: len(request.specs),
+}
+"""How many jobs a request submits, for each identity's job rate limit."""
 JOIN_METHOD = _LINK + "Join"
 OPEN_METHODS = frozenset(
     {

@@ -112,7 +112,7 @@ async def start_services(
         ),
     )
     scheduler_ref.append(scheduler)
-    manager = JobManager(jobs, sites, hub, wake)
+    manager = JobManager(jobs, sites, hub, wake, max_spec_bytes=config.max_spec_bytes)
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
     # partition rule) count from now.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.errors import FieldViolation, InvalidArgumentError
@@ -24,6 +24,16 @@ MAX_PRIORITY = 1000
 MAX_LABELS = 64
 MAX_CHECKPOINT_DIR = 255
 MAX_INTERVAL_S = 1e7
+MAX_SPEC_BYTES = 256 * 1024
+"""Default for the coordinator's ``max_spec_bytes``."""
+MAX_ENTRIES = 64
+"""Entries of any list or map in a task beyond command and env (inputs, models, requires...)."""
+MAX_ENV = 256
+"""Environment variables per task."""
+MAX_KEY_CHARS = 256
+"""Longest map key (env, labels, requires) or list item (models, regions, datasets)."""
+MAX_VALUE_BYTES = 32 * 1024
+"""Longest env value; labels and requires take MAX_KEY_CHARS."""
 TASK_OUTPUT = "task:"
 """An input dataset named ``task:NAME`` is the output of task NAME of the same job."""
 DEVICE_KINDS = set(resources_pb2.DeviceKind.values()) - {resources_pb2.DEVICE_KIND_UNSPECIFIED}
@@ -36,10 +46,28 @@ def name_problem(value: str) -> str | None:
         return f"is {len(value)} characters long; at most {MAX_NAME} allowed"
     if not NAME_RE.fullmatch(value):
         return (
-            f"{value!r} is not a valid name: use lower-case letters, digits, '.', '_' and '-', "
-            "starting and ending with a letter or digit"
+            f"{_quoted(value)} is not a valid name: use lower-case letters, digits, '.', '_' "
+            "and '-', starting and ending with a letter or digit"
         )
     return None
+
+
+def _quoted(value: str, limit: int = 64) -> str:
+    """``value`` quoted for an error message, cut short: messages must not echo huge input."""
+    return repr(value) if len(value) <= limit else repr(value[:limit]) + f"… ({len(value)} chars)"
+
+
+def _sizes(
+    path: str, *fields: tuple[str, Collection[str]], most: int = MAX_ENTRIES
+) -> Iterator[FieldViolation]:
+    """Lists and maps (of strings, or keyed by them) with too many or too long entries."""
+    for name, items in fields:
+        if len(items) > most:
+            yield FieldViolation(f"{path}.{name}", f"at most {most} entries, got {len(items)}")
+        elif any(len(item) > MAX_KEY_CHARS for item in items):
+            yield FieldViolation(
+                f"{path}.{name}", f"entries are at most {MAX_KEY_CHARS} characters"
+            )
 
 
 def _show(value: float) -> str:
@@ -66,9 +94,26 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
         yield FieldViolation(f"{path}.command", "is empty; give the program and its arguments")
     elif sum(len(arg.encode()) for arg in task.command) > MAX_COMMAND_BYTES:
         yield FieldViolation(f"{path}.command", f"is longer than {MAX_COMMAND_BYTES} bytes")
-    for key in task.env:
-        if not ENV_KEY_RE.fullmatch(key):
-            yield FieldViolation(f"{path}.env", f"{key!r} is not a valid environment variable")
+    if len(task.env) > MAX_ENV:
+        yield FieldViolation(f"{path}.env", f"at most {MAX_ENV} variables, got {len(task.env)}")
+    for key, value in task.env.items():
+        if len(key) > MAX_KEY_CHARS or not ENV_KEY_RE.fullmatch(key):
+            yield FieldViolation(
+                f"{path}.env", f"{_quoted(key)} is not a valid environment variable"
+            )
+        elif len(value.encode()) > MAX_VALUE_BYTES:
+            yield FieldViolation(f"{path}.env[{key}]", f"is longer than {MAX_VALUE_BYTES} bytes")
+    yield from _sizes(
+        path,
+        ("resources.accelerator.models", task.resources.accelerator.models),
+        ("requires", task.requires),
+        ("inputs", [i.dataset for i in task.inputs]),
+        ("depends_on", task.depends_on),
+        ("speed", task.speed),
+    )
+    for key, value in task.requires.items():
+        if len(value) > MAX_KEY_CHARS:
+            yield FieldViolation(f"{path}.requires[{key}]", f"is over {MAX_KEY_CHARS} characters")
     yield from _number(path, "replicas", task.replicas, 0, MAX_REPLICAS)
     res = task.resources
     yield from _number(path, "resources.cpu", res.cpu, 0, MAX_CPU)
@@ -162,7 +207,7 @@ def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldV
                 )
             elif dep not in names:
                 yield FieldViolation(
-                    f"{path}.tasks[{i}].depends_on[{j}]", f"no task {dep!r} in this job"
+                    f"{path}.tasks[{i}].depends_on[{j}]", f"no task {_quoted(dep)} in this job"
                 )
         for j, item in enumerate(task.inputs):
             source = item.dataset.removeprefix(TASK_OUTPUT)
@@ -198,8 +243,16 @@ def find_cycle(graph: dict[str, list[str]]) -> list[str]:
     return []
 
 
-def spec_violations(spec: jobs_pb2.JobSpec, path: str = "spec") -> list[FieldViolation]:
-    """Every problem with ``spec``; an empty list means it is valid."""
+def spec_violations(
+    spec: jobs_pb2.JobSpec, path: str = "spec", max_bytes: int = MAX_SPEC_BYTES
+) -> list[FieldViolation]:
+    """Every problem with ``spec``; an empty list means it is valid.
+
+    A spec over ``max_bytes`` is refused for its size alone, before anything in it is read.
+    """
+    size = spec.ByteSize()
+    if size > max_bytes:
+        return [FieldViolation(path, f"is {size} bytes encoded; at most {max_bytes} allowed")]
     out: list[FieldViolation] = []
     if spec.id and (problem := name_problem(spec.id)):
         out.append(FieldViolation(f"{path}.id", problem))
@@ -249,10 +302,31 @@ def spec_violations(spec: jobs_pb2.JobSpec, path: str = "spec") -> list[FieldVio
             )
     if len(spec.labels) > MAX_LABELS:
         out.append(FieldViolation(f"{path}.labels", f"at most {MAX_LABELS} labels"))
+    out.extend(
+        _sizes(
+            path,
+            ("constraints.regions", spec.constraints.regions),
+            ("constraints.sites", spec.constraints.sites),
+            ("constraints.node_labels", spec.constraints.node_labels),
+            most=MAX_LABELS,
+        )
+    )
+    for name, mapping in (
+        ("labels", spec.labels),
+        ("constraints.node_labels", spec.constraints.node_labels),
+    ):
+        if any(len(k) > MAX_KEY_CHARS or len(v) > MAX_KEY_CHARS for k, v in mapping.items()):
+            out.append(
+                FieldViolation(
+                    f"{path}.{name}", f"keys and values are at most {MAX_KEY_CHARS} characters"
+                )
+            )
     return out
 
 
-def validate_spec(spec: jobs_pb2.JobSpec, path: str = "spec") -> None:
+def validate_spec(
+    spec: jobs_pb2.JobSpec, path: str = "spec", max_bytes: int = MAX_SPEC_BYTES
+) -> None:
     """Raise ``InvalidArgumentError`` listing every problem with ``spec``."""
-    if violations := spec_violations(spec, path):
+    if violations := spec_violations(spec, path, max_bytes):
         raise InvalidArgumentError(violations)

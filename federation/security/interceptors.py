@@ -10,22 +10,25 @@ import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import grpc
 import structlog
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from federation.errors import (
     DOMAIN,
     FederationError,
+    FieldViolation,
     InvalidArgumentError,
     PermissionDeniedError,
     UnauthenticatedError,
 )
 from federation.security.identity import Identity, InvalidIdentityError, Role
+from federation.security.throttle import RateLimitedError, Throttle
 from federation.security.tls import peer_identity
 
 log = structlog.get_logger()
@@ -39,26 +42,53 @@ def current_caller() -> Identity:
     return _CALLER.get()
 
 
+MAX_MESSAGE_CHARS = 1024
+"""Longest status message sent: messages may quote what a client sent, and the status travels
+in HTTP/2 trailers, which gRPC caps at 8 KiB by default."""
+MAX_DETAIL_CHARS = 256
+"""Longest field path, description or metadata value in the details."""
+MAX_VIOLATIONS = 20
+"""Field violations sent; the message counts the rest."""
+
+
+def clip(text: str, limit: int = MAX_DETAIL_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked where it was cut."""
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _packed(message: Any) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed
+
+
 def to_status(err: FederationError) -> grpc.Status:
-    """A ``FederationError`` as a status with ``ErrorInfo`` (and ``BadRequest``) details."""
-    details = []
-    info = any_pb2.Any()
-    info.Pack(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=err.metadata))
-    details.append(info)
+    """A ``FederationError`` as a status with ``ErrorInfo`` (and ``BadRequest``) details.
+
+    Everything a client may have sent is clipped, so an error about a huge field stays small.
+    """
+    metadata = {key: clip(value) for key, value in err.metadata.items()}
+    details = [
+        _packed(error_details_pb2.ErrorInfo(reason=err.reason, domain=DOMAIN, metadata=metadata))
+    ]
     if isinstance(err, InvalidArgumentError):
         bad = error_details_pb2.BadRequest(
             field_violations=[
                 error_details_pb2.BadRequest.FieldViolation(
-                    field=v.field, description=v.description
+                    field=clip(v.field), description=clip(v.description)
                 )
-                for v in err.violations
+                for v in err.violations[:MAX_VIOLATIONS]
             ]
         )
-        packed = any_pb2.Any()
-        packed.Pack(bad)
-        details.append(packed)
+        details.append(_packed(bad))
+    if isinstance(err, RateLimitedError):
+        delay = duration_pb2.Duration()
+        delay.FromMilliseconds(max(1, round(err.retry_after_s * 1000)))
+        details.append(_packed(error_details_pb2.RetryInfo(retry_delay=delay)))
     return rpc_status.to_status(
-        status_pb2.Status(code=err.status.value[0], message=str(err), details=details)
+        status_pb2.Status(
+            code=err.status.value[0], message=clip(str(err), MAX_MESSAGE_CHARS), details=details
+        )
     )
 
 
@@ -81,14 +111,55 @@ async def translate_errors(
         await context.abort_with_status(INTERNAL)
 
 
+@dataclass(frozen=True, slots=True)
+class Undecodable:
+    """What the request deserializer returns for bytes that are not the expected message."""
+
+    message: str
+
+
+def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    """A deserializer that returns ``Undecodable`` where gRPC would answer UNKNOWN, naming a
+    Python exception class, so the handler can answer INVALID_ARGUMENT instead."""
+    if deserializer is None:
+        return None
+
+    def deserialize(data: bytes) -> Any:
+        try:
+            return deserializer(data)
+        except Exception:
+            return Undecodable("the request is not a valid message for this method")
+
+    return deserialize
+
+
+def _decoded(request: Any) -> Any:
+    if isinstance(request, Undecodable):
+        raise InvalidArgumentError([FieldViolation("request", request.message)])
+    return request
+
+
+async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+    async for request in requests:
+        yield _decoded(request)
+
+
+JobCount: TypeAlias = Callable[[Any], int]
+"""How many jobs a request submits, for the job rate limit."""
+THROTTLED_ROLES = frozenset({Role.TENANT, Role.OPERATOR})
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every handler with error translation and, where asked, certificate auth."""
+    """Wraps every handler with error translation and, where asked, certificate auth and
+    per-identity limits."""
 
     def __init__(
         self,
         roles: Mapping[str, Collection[Role]] | None,
         *,
         open_methods: Collection[str] = (),
+        throttle: Throttle | None = None,
+        job_counts: Mapping[str, JobCount] | None = None,
     ) -> None:
         """Create the interceptor.
 
@@ -96,9 +167,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             roles: Method -> roles allowed to call it; None serves without client
                 certificates (the join port), where only ``open_methods`` are reachable.
             open_methods: Methods any caller may use (health checks, reflection, Join).
+            throttle: Per-identity request, job and stream limits for tenants and operators.
+            job_counts: Method -> how many jobs a request of it submits (for ``throttle``).
         """
         self._roles = roles
         self._open = frozenset(open_methods)
+        self._throttle = throttle
+        self._job_counts = dict(job_counts or {})
 
     def _authorize(
         self, method: str, context: grpc.aio.ServicerContext[Any, Any]
@@ -124,50 +199,65 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         method: str = handler_call_details.method
         authorize = self._authorize
+        throttle = self._throttle
+        job_count = self._job_counts.get(method)
 
-        def enter(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        def enter(context: grpc.aio.ServicerContext[Any, Any], request: Any) -> Identity | None:
             identity = authorize(method, context)
             if identity is not None:
                 _CALLER.set(identity)
             structlog.contextvars.bind_contextvars(
                 rpc=method.rsplit("/", 1)[-1], peer=str(identity) if identity else "anonymous"
             )
+            if throttle is None or identity is None or identity.role not in THROTTLED_ROLES:
+                return None
+            jobs = job_count(request) if job_count is not None and request is not None else 0
+            throttle.admit(identity, jobs)
+            return identity
 
+        deserialize = _lenient(handler.request_deserializer)
         if handler.unary_unary:
             inner_uu: Any = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
-                    enter(context)
+                    request = _decoded(request)
+                    enter(context, request)
                     return await inner_uu(request, context)
                 return None  # unreachable: translate_errors aborts
 
             return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
+                unary_unary, deserialize, handler.response_serializer
             )
         if handler.unary_stream or handler.stream_stream:
             inner_s: Any = handler.unary_stream or handler.stream_stream
+            unary_request = bool(handler.unary_stream)
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
-                    enter(context)
-                    responses = inner_s(request, context)
-                    if inspect.isawaitable(responses):
-                        # A handler that writes with context.write (health's Watch) and
-                        # returns nothing rather than yielding.
-                        await responses
-                        return
-                    async for response in responses:
-                        yield response
+                    request = _decoded(request) if unary_request else _decoded_stream(request)
+                    holder = enter(context, request if unary_request else None)
+                    if throttle is not None and holder is not None:
+                        throttle.open_stream(holder)
+                    try:
+                        responses = inner_s(request, context)
+                        if inspect.isawaitable(responses):
+                            # A handler that writes with context.write (health's Watch) and
+                            # returns nothing rather than yielding.
+                            await responses
+                            return
+                        async for response in responses:
+                            yield response
+                    finally:
+                        if throttle is not None and holder is not None:
+                            throttle.close_stream(holder)
 
             factory: Any = (
                 grpc.unary_stream_rpc_method_handler
                 if handler.unary_stream
                 else grpc.stream_stream_rpc_method_handler
             )
-            wrapped: Handler = factory(
-                streaming, handler.request_deserializer, handler.response_serializer
-            )
+            wrapped: Handler = factory(streaming, deserialize, handler.response_serializer)
             return wrapped
         return handler  # stream-unary: none in our API
 

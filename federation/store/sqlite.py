@@ -44,6 +44,8 @@ _T = TypeVar("_T")
 
 _SCHEMA_VERSION = 1
 _LOCK_TIMEOUT_S = 1.0  # how long opening waits for a file another process holds
+HISTORY_BYTES = 64 << 20
+"""Default for the bytes of values the history keeps for watches."""
 _WATCH_BATCH = 1_000  # revisions per watch query, so a lagging watcher reads in bounded chunks
 _SWEEP_RETRY_S = 1.0
 
@@ -131,11 +133,17 @@ class _Database:
     Args:
         path: The database file.
         history: How many of the newest revisions ``changes`` keeps for watches.
+        history_bytes: The most value bytes ``changes`` keeps: past it, the oldest revisions
+            go even within ``history``, so large values are not kept thousands of times over.
         on_change: Called with the new store revision after each commit that advanced it.
     """
 
-    def __init__(self, path: Path, history: int, on_change: Callable[[int], None]) -> None:
+    def __init__(
+        self, path: Path, history: int, history_bytes: int, on_change: Callable[[int], None]
+    ) -> None:
         self._history = history
+        self._history_bytes = history_bytes
+        self._kept_bytes = 0  # value bytes in `changes`, kept in step with it
         self._on_change = on_change
         self._revision = self._compacted = 0  # loaded from `meta` once the schema exists
         self._conn = sqlite3.connect(path, timeout=_LOCK_TIMEOUT_S, isolation_level=None)
@@ -146,6 +154,9 @@ class _Database:
             raise
         self._revision = self._meta("revision")
         self._compacted = self._meta("compacted")
+        (self._kept_bytes,) = self._conn.execute(
+            "SELECT COALESCE(SUM(LENGTH(value)), 0) FROM changes"
+        ).fetchone()
 
     def _setup(self, path: Path) -> None:
         conn = self._conn
@@ -264,7 +275,7 @@ class _Database:
 
     def _transaction(self, body: Callable[[], _T]) -> _T:
         """Run ``body`` in one write transaction that commits only if it returns."""
-        before = self._revision, self._compacted
+        before = self._revision, self._compacted, self._kept_bytes
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             result = body()
@@ -275,7 +286,7 @@ class _Database:
         except BaseException:
             if self._conn.in_transaction:
                 self._conn.execute("ROLLBACK")
-            self._revision, self._compacted = before
+            self._revision, self._compacted, self._kept_bytes = before
             raise
         if self._revision != before[0]:
             self._on_change(self._revision)
@@ -370,13 +381,38 @@ class _Database:
     def _record(self, changes: list[_Change]) -> None:
         """Keep changes in the history that watches replay."""
         self._conn.executemany("INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)", changes)
+        self._kept_bytes += sum(len(change[4]) for change in changes)
 
     def _compact(self) -> None:
         floor = self._revision - self._history
+        if self._kept_bytes > self._history_bytes:
+            floor = max(floor, self._bytes_floor())
         if floor > self._compacted:
+            (dropped,) = self._conn.execute(
+                "SELECT COALESCE(SUM(LENGTH(value)), 0) FROM changes WHERE revision <= ?",
+                (floor,),
+            ).fetchone()
             self._conn.execute("DELETE FROM changes WHERE revision <= ?", (floor,))
+            self._kept_bytes -= dropped
             self._set_meta("compacted", floor)
             self._compacted = floor
+
+    def _bytes_floor(self) -> int:
+        """The oldest revisions to drop so the history keeps at most 3/4 of its byte limit
+        (a margin, so the scan below runs once per quarter of the limit written, not at every
+        commit); the newest revision always stays."""
+        excess = self._kept_bytes - self._history_bytes * 3 // 4
+        rows = self._conn.execute(
+            "SELECT revision, SUM(LENGTH(value)) FROM changes WHERE revision < ?"
+            " GROUP BY revision ORDER BY revision",
+            (self._revision,),
+        )
+        floor = self._compacted
+        for revision, size in rows:
+            if excess <= 0:
+                break
+            floor, excess = revision, excess - size
+        return floor
 
     def _mod_revision(self, key: str) -> int:
         row = self._conn.execute("SELECT mod_revision FROM kv WHERE key = ?", (key,)).fetchone()
@@ -403,13 +439,18 @@ class SqliteStore:
         path: The database file; created when missing.
         history: How many of the newest revisions watches can replay; older history is
             compacted and watching from it raises ``CompactedError``.
+        history_bytes: The most bytes of values that history keeps: past it the oldest
+            revisions are compacted too (the newest always stays).
     """
 
-    def __init__(self, path: Path, *, history: int = 10_000) -> None:
+    def __init__(
+        self, path: Path, *, history: int = 10_000, history_bytes: int = HISTORY_BYTES
+    ) -> None:
         if history < 1:
             raise ValueError("history must keep at least one revision")
         self._path = path
         self._history = history
+        self._history_bytes = history_bytes
         # sqlite3 objects must stay on the thread that made them; one thread also serialises
         # every commit, which is what makes the compare checks race-free.
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-store")
@@ -423,9 +464,11 @@ class SqliteStore:
         self._flusher: asyncio.Task[None] | None = None
 
     @classmethod
-    async def open(cls, path: Path, *, history: int = 10_000) -> SqliteStore:
+    async def open(
+        cls, path: Path, *, history: int = 10_000, history_bytes: int = HISTORY_BYTES
+    ) -> SqliteStore:
         """Open (or create) the store at ``path`` and start expiring its leases."""
-        store = cls(path, history=history)
+        store = cls(path, history=history, history_bytes=history_bytes)
         await store._start()
         return store
 
@@ -440,7 +483,12 @@ class SqliteStore:
 
         try:
             self._db = await loop.run_in_executor(
-                self._executor, _Database, self._path, self._history, on_change
+                self._executor,
+                _Database,
+                self._path,
+                self._history,
+                self._history_bytes,
+                on_change,
             )
         except BaseException as exc:
             self._closed = True

@@ -92,6 +92,31 @@ class TestSqliteStore(StoreContract):
         finally:
             await store.close()
 
+    async def test_history_keeps_at_most_its_bytes(self, tmp_path: Path) -> None:
+        """Large values are not kept revision after revision: past history_bytes, the oldest
+        revisions are compacted even within history, across a reopen too; the newest stays."""
+        path = tmp_path / "store.db"
+        value = b"v" * 100_000
+        store = await SqliteStore.open(path, history=10_000, history_bytes=1_000_000)
+        try:
+            revisions = [await store.commit([Put("/big", value)]) for _ in range(30)]
+            with pytest.raises(CompactedError):
+                await anext(store.watch("", start_revision=revisions[-12]))
+            (newest,) = await take(store.watch("", start_revision=revisions[-1]), 1)
+            assert newest.kv.value == value
+        finally:
+            await store.close()
+        reopened = await SqliteStore.open(path, history=10_000, history_bytes=300_000)
+        try:
+            revision = await reopened.commit([Put("/big", value)])
+            with pytest.raises(CompactedError):
+                await anext(reopened.watch("", start_revision=revision - 3))
+            (newest,) = await take(reopened.watch("", start_revision=revision), 1)
+            assert newest.kv.mod_revision == revision
+        finally:
+            await reopened.close()
+        assert path.stat().st_size < 30 * len(value)
+
     async def test_expired_lease_keys_are_hidden_before_the_sweep(
         self, store: SqliteStore, monkeypatch: pytest.MonkeyPatch
     ) -> None:
