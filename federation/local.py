@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import yaml
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
@@ -239,7 +240,12 @@ class LocalFederation:
             }
 
         while True:
-            up = await on_leader(self.operator(), connected)
+            try:
+                up = await on_leader(self.operator(), connected)
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                up = set()  # a coordinator with a low request rate: ask again later
             if wanted <= up:
                 return
             for name in wanted:
@@ -248,7 +254,7 @@ class LocalFederation:
                     raise self._fail(name, f"exited with {proc.returncode}")
             if time.monotonic() > deadline:
                 raise LocalFederationError(f"sites not connected: {sorted(wanted - up)}")
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.25)
 
     async def start(self) -> None:
         await self.start_coordinator()

@@ -12,6 +12,7 @@ from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
+    MAX_REPLY_BYTES,
     Change,
     JobRepository,
     Mutation,
@@ -101,6 +102,17 @@ class JobManager:
             raise InvalidArgumentError(violations)
         submitted_by = str(caller)
         jobs = [self._new_job(caller, submitted_by, spec) for spec in specs]
+        reply_bytes = sum(job.ByteSize() + 8 for job in jobs)
+        if reply_bytes > MAX_REPLY_BYTES:
+            raise InvalidArgumentError(
+                [
+                    FieldViolation(
+                        "specs" if batch else "spec",
+                        f"the jobs would take {reply_bytes} bytes in the reply; at most "
+                        f"{MAX_REPLY_BYTES}. To fix: split the batch",
+                    )
+                ]
+            )
         await self._jobs.create(jobs)
         JOBS_SUBMITTED.inc(len(jobs))
         log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event

@@ -66,13 +66,37 @@ class ListenError(OSError):
 
 
 def _bind(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials) -> int:
+    problem = ListenError(
+        f"cannot listen on {address}: the port is in use or the address is not this "
+        "host's. To fix: stop what holds it, or choose another address"
+    )
+    if not _can_bind(address):
+        raise problem  # said before gRPC tries, which would also print a line of its own
     try:
         return server.add_secure_port(address, credentials)
     except RuntimeError:
-        raise ListenError(
-            f"cannot listen on {address}: the port is in use or the address is not this "
-            "host's. To fix: stop what holds it, or choose another address"
-        ) from None
+        raise problem from None
+
+
+def _can_bind(address: str) -> bool:
+    """Whether ``host:port`` can be bound now (port 0 always can)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or int(port) == 0:
+        return True
+    host = host.strip("[]") or "::"
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+    except OSError:
+        return True  # let gRPC say what it makes of the name
+    for family, kind, proto, _, where in infos:
+        with socket.socket(family, kind, proto) as probe:
+            # as gRPC binds: a restart may reuse a port whose old connections linger
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(where)
+            except OSError:
+                return False
+    return True
 
 
 @dataclass

@@ -65,7 +65,7 @@ class _Rate:
         bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.per_s)
         bucket.at = now
         cost = min(cost, self.burst)  # a batch larger than the burst waits for a full bucket
-        if bucket.tokens >= cost:
+        if bucket.tokens >= cost - 1e-9:  # refilled by float steps: allow for rounding
             bucket.tokens -= cost
             return 0.0
         return (cost - bucket.tokens) / self.per_s
