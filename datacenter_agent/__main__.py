@@ -20,10 +20,11 @@ async def start_slurm_core(
     Raises:
         ConfigError: A setting that cannot apply to a Slurm site.
     """
-    if config.task_user:
+    if config.task_user or config.task_accounts or config.task_uid_range:
         raise ConfigError(
-            "task_user does not apply to Slurm sites: Slurm runs jobs as the account that "
-            "submits them. To fix: run the agent as that account and drop task_user"
+            "task_user, task_accounts and task_uid_range do not apply to Slurm sites: Slurm "
+            "runs jobs as the account that submits them. To fix: run the agent as that account "
+            "and drop them"
         )
     if config.inventory:
         raise ConfigError("inventory does not apply to Slurm sites: Slurm describes the nodes")

@@ -40,7 +40,7 @@ def test_agent_examples_load(name: str, domain: str) -> None:
     assert config.inventory == Path("/etc/federation/inventory.yaml")
     if domain == "datacenter":
         assert config.labels == {"rack": "r12"}
-        assert config.task_user == "fedtask"
+        assert config.task_uid_range == "200000-299999"
 
 
 def test_unknown_setting_is_named(tmp_path: Path) -> None:

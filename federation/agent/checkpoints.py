@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
 from google.protobuf import timestamp_pb2
 
+from federation.agent.accounts import Account, agent_folder, private_folder
 from federation.api.v1 import jobs_pb2
 
 log = structlog.get_logger()
@@ -156,11 +156,10 @@ class TaskCheckpoints:
             env["FEDERATION_RESTORE_FROM"] = self._restore.path
         return env
 
-    def prepare(self, owner: str | None) -> None:
-        """Create the folder (owned by ``owner`` when given); blocking: run in a thread."""
-        self.directory.mkdir(parents=True, exist_ok=True)
-        if owner:
-            shutil.chown(self.directory, user=owner)
+    def prepare(self, account: Account | None) -> None:
+        """Create the folder, only ``account`` may enter it; blocking: run in a thread."""
+        agent_folder(self.directory.parent)
+        private_folder(self.directory, account)
         if self._restore is not None and not Path(self._restore.path).exists():
             # Another machine holds it: the task must fetch it from there (not done here).
             log.warning(

@@ -125,12 +125,21 @@ class AgentConfig:
     """Name to verify in the coordinator's certificate when it differs from the address."""
     metrics_listen: str = ""
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9465; empty serves none."""
+    task_accounts: dict[str, str] = field(default_factory=dict)
+    """Tenant → local account its tasks run as (the agent must run as root)."""
+    task_uid_range: str = ""
+    """Uids to allocate, one per tenant not in task_accounts, e.g. "200000-299999"; kept in
+    state_dir across restarts. No account needs to exist for them."""
     task_user: str = ""
-    """Run tasks as this account (the agent must run as root). Tasks then cannot read the
-    site key; without it they run as the agent's own user and can."""
+    """The one account for tenants with no account of their own: they share it, so they are
+    not isolated from each other (the agent still is from them)."""
+    run_tasks_as_agent: bool = False
+    """With none of the above, run tasks as the agent's own account: development only, since
+    tasks can then read the site key; on an agent running as root, tasks run as root."""
     work_dir: Path | None = None
-    """Task work folders; default state_dir/work. With task_user, put it outside state_dir
-    (which is private to the agent) and the agent creates the folders owned by task_user."""
+    """Task work folders; default state_dir/work. With task accounts it must lie outside
+    state_dir (which is private to the agent); each replica gets a folder only its account
+    may enter."""
     kill_grace_s: float = 5.0
     """Time between SIGTERM and SIGKILL when a task is cancelled."""
     datasets: dict[str, int] = field(default_factory=dict)

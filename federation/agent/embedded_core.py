@@ -10,7 +10,6 @@ import asyncio
 import dataclasses
 import math
 import os
-import shutil
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from typing import TypeAlias
 
 import structlog
 
+from federation.agent.accounts import NoAccountError, TaskAccounts, agent_folder, private_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
@@ -50,6 +50,8 @@ class Reservation:
     lease_s: float
     restore: jobs_pb2.CheckpointRecord | None = None
     """The checkpoint the task restarts from, if the offer carried one."""
+    tenant: str = ""
+    """Whose task it is: it runs as that tenant's account."""
 
 
 @dataclass(slots=True, eq=False)
@@ -73,6 +75,7 @@ class _Task:
     supervisor: asyncio.Task[None] | None = None
     checkpoints: TaskCheckpoints | None = None
     """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
+    tenant: str = ""
 
     @property
     def active(self) -> bool:
@@ -138,7 +141,7 @@ class EmbeddedCore:
         on_status: StatusCallback,
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
-        task_user: str = "",
+        accounts: TaskAccounts | None = None,
     ) -> None:
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -151,7 +154,8 @@ class EmbeddedCore:
         self._on_status = on_status
         self._on_change = on_change
         self._kill_grace_s = kill_grace_s
-        self._task_user = task_user or None
+        self._accounts = accounts
+        """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[TaskKey, _Task] = {}
@@ -201,7 +205,9 @@ class EmbeddedCore:
         spec = jobs_pb2.TaskSpec()
         spec.CopyFrom(offer.spec)
         restore = offer.restore if offer.HasField("restore") else None
-        reservation = Reservation(uuid.uuid4().hex, key, spec, placed, lease_s, restore)
+        reservation = Reservation(
+            uuid.uuid4().hex, key, spec, placed, lease_s, restore, tenant=offer.tenant
+        )
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
         log.info(
@@ -247,6 +253,7 @@ class EmbeddedCore:
         task = _Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
+        task.tenant = reservation.tenant
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
                 reservation.spec.checkpoint,
@@ -398,14 +405,19 @@ class EmbeddedCore:
     async def _start_replicas(self, task: _Task) -> None:
         base = self._task_dir(task.key)
         dirs = [base / str(replica) for replica in range(len(task.slots))]
+        try:
+            account = self._accounts.for_tenant(task.tenant) if self._accounts else None
+        except NoAccountError as exc:
+            raise ReplicaStartError(str(exc), 0) from None
 
         def make_dirs() -> None:
+            # The folders above the replicas' are the agent's, so no task can put a link
+            # where another task's folder goes; each replica's is its account's alone.
+            agent_folder(base)
             for directory in dirs:
-                directory.mkdir(parents=True, exist_ok=True)
-                if self._task_user:
-                    shutil.chown(directory, user=self._task_user)
+                private_folder(directory, account)
             if task.checkpoints is not None:
-                task.checkpoints.prepare(self._task_user)
+                task.checkpoints.prepare(account)
 
         try:
             await asyncio.to_thread(make_dirs)
@@ -415,9 +427,7 @@ class EmbeddedCore:
         for replica, cwd in enumerate(dirs):
             env = self._replica_env(task, replica)
             task.replicas.append(
-                await ReplicaProcess.start(
-                    task.spec.command, cwd=cwd, env=env, user=self._task_user
-                )
+                await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env, account=account)
             )
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:

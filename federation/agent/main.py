@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -12,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig, coordinator_endpoints, slurm_settings
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
@@ -112,14 +114,23 @@ async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
     """The default core: tasks run as processes on the site's discovered and declared nodes."""
+    work_dir = config.work_dir or config.state_dir / "work"
+    accounts = task_accounts(
+        accounts=config.task_accounts,
+        uid_range=config.task_uid_range,
+        shared_user=config.task_user,
+        as_agent=config.run_tasks_as_agent,
+        state_dir=config.state_dir,
+        work_dir=work_dir,
+    )
     return EmbeddedCore(
         site_nodes(config),
         site=config.site,
-        work_dir=config.work_dir or config.state_dir / "work",
+        work_dir=work_dir,
         on_status=on_status,
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
-        task_user=config.task_user,
+        accounts=accounts,
     )
 
 
@@ -131,7 +142,9 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"scheduler {config.scheduler!r} is not available in this agent (it offers "
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
+    os.umask(0o077)  # what the agent writes (journal, work folders) is its own
     creds = await ensure_enrolled(config)
+    config.state_dir.chmod(0o700)  # also when it existed with a looser mode
     if config.metrics_listen:
         serve_metrics(config.metrics_listen)
     probe = ProbeServer(config.probe_listen)

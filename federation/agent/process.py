@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import pwd
 import shutil
 import signal
 import sys
@@ -13,6 +12,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import structlog
+
+from federation.agent.accounts import Account
 
 log = structlog.get_logger()
 
@@ -41,19 +42,32 @@ class ReplicaStartError(Exception):
         self.exit_code = exit_code
 
 
-# Runs in the child before the task's program: ask Linux for SIGKILL when the agent dies
-# (PR_SET_PDEATHSIG survives exec), then become the program. A crashed agent must leave no task
-# behind: the coordinator places a restarted agent's tasks again, and a leftover copy would run
-# them twice. A preexec_fn cannot do this: forking a process that runs gRPC threads aborts.
+# Runs in the child before the task's program: take the task's account (no supplementary
+# groups: the agent's would let the task read what they may), make new files private, ask Linux
+# for SIGKILL when the agent dies (PR_SET_PDEATHSIG survives exec but not a change of user, so
+# it comes after), then become the program. A crashed agent must leave no task behind: the
+# coordinator places a restarted agent's tasks again, and a leftover copy would run them twice.
+# The agent never forks with user=/preexec_fn: forking a process that runs gRPC threads aborts,
+# and CPython uses vfork only when the child switches no user.
 _LAUNCHER = """
 import ctypes, os, signal, sys
+agent, uid, gid = (int(arg) for arg in sys.argv[1:4])
+try:
+    if uid >= 0:
+        os.setgroups([])
+        os.setgid(gid)
+        os.setuid(uid)
+except OSError as err:
+    print(f"cannot run as uid {uid}: {err.strerror}", file=sys.stderr)
+    os._exit(126)
+os.umask(0o077)
 ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-if os.getppid() != int(sys.argv[1]):
+if os.getppid() != agent:
     os._exit(137)
 try:
-    os.execv(sys.argv[2], sys.argv[3:])
+    os.execv(sys.argv[4], sys.argv[5:])
 except OSError as err:
-    print(f"cannot start {sys.argv[3]}: {err.strerror}", file=sys.stderr)
+    print(f"cannot start {sys.argv[5]}: {err.strerror}", file=sys.stderr)
     os._exit(126)
 """
 
@@ -74,20 +88,19 @@ def _resolve(program: str, cwd: Path, env: Mapping[str, str]) -> str:
     return str(path)
 
 
-def _account(user: str) -> pwd.struct_passwd:
-    try:
-        return pwd.getpwnam(user)
-    except KeyError:
-        raise ReplicaStartError(f"no such user for tasks: {user}", 126) from None
-
-
-def _launch_argv(argv: Sequence[str], cwd: Path, env: Mapping[str, str]) -> list[str]:
+def _launch_argv(
+    argv: Sequence[str], cwd: Path, env: Mapping[str, str], account: Account | None
+) -> list[str]:
     if not cwd.is_dir():
         raise ReplicaStartError(f"working directory not found: {cwd}", 126)
     if sys.platform != "linux":
+        if account is not None:
+            raise ReplicaStartError("task accounts need Linux", 126)
         return list(argv)
     program = _resolve(argv[0], cwd, env)
-    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, str(os.getpid()), program, *argv]
+    uid, gid = (account.uid, account.gid) if account is not None else (-1, -1)
+    ids = [str(os.getpid()), str(uid), str(gid)]
+    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, *ids, program, *argv]
 
 
 class ReplicaProcess:
@@ -114,19 +127,19 @@ class ReplicaProcess:
         *,
         cwd: Path,
         env: Mapping[str, str],
-        user: str | None = None,
+        account: Account | None = None,
     ) -> ReplicaProcess:
-        """Starts ``argv`` in ``cwd`` with exactly ``env``, as ``user`` when given.
+        """Starts ``argv`` in ``cwd`` with exactly ``env``, as ``account`` when given.
 
         Raises:
             ReplicaStartError: The program is missing, not executable, or cannot be started.
         """
         if not argv or not argv[0]:
             raise ReplicaStartError("empty command", 127)
-        account = _account(user) if user else None
         if account is not None:
-            env = {**env, "HOME": account.pw_dir, "USER": user or "", "LOGNAME": user or ""}
-        launch = _launch_argv(argv, cwd, env)
+            home = account.home or str(cwd)  # an allocated uid has no home of its own
+            env = {**env, "HOME": home, "USER": account.name, "LOGNAME": account.name}
+        launch = _launch_argv(argv, cwd, env, account)
         try:
             proc = await asyncio.create_subprocess_exec(
                 *launch,
@@ -136,11 +149,6 @@ class ReplicaProcess:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                # The account's own group and no supplementary groups: keeping the agent's
-                # (root's) groups would let the task read what those groups may read.
-                user=account.pw_uid if account else None,
-                group=account.pw_gid if account else None,
-                extra_groups=[] if account else None,
             )
         except FileNotFoundError as exc:
             if exc.filename is not None and Path(exc.filename) == cwd:

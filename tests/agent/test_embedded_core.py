@@ -5,9 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import pwd
-import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -465,47 +462,3 @@ async def test_unsafe_names_are_declined(make_core: Callable[..., EmbeddedCore])
     core = make_core([node("n")])
     assert not (await core.offer(offer("../etc"))).accepted
     assert not (await core.offer(offer(task=".."))).accepted
-
-
-@pytest.fixture
-def secret_and_work() -> tuple[Path, Path]:
-    """A root-only file, and a work folder other users may enter (tmp_path is private)."""
-    secret = Path(tempfile.mkdtemp()) / "site-key.pem"
-    secret.write_text("private")
-    secret.chmod(0o600)
-    work = Path(tempfile.mkdtemp())
-    work.chmod(0o755)
-    return secret, work
-
-
-def _world_executable(path: Path) -> bool:
-    """Whether any user may run ``path`` (every folder above it searchable by others)."""
-    path = path.resolve()
-    return all(p.stat().st_mode & 0o001 for p in [path, *path.parents])
-
-
-@pytest.mark.skipif(
-    os.geteuid() != 0 or not _world_executable(Path(sys.executable)),
-    reason="needs root, and a Python that other users may run (the exec launcher runs as them)",
-)
-async def test_task_user_cannot_read_the_agents_files(
-    recorder: Recorder, secret_and_work: tuple[Path, Path]
-) -> None:
-    """With task_user set, the task runs as that account and cannot read the agent's key."""
-    secret, work = secret_and_work
-    core = EmbeddedCore(
-        [node("n1", devices=1)],
-        site="site-a",
-        work_dir=work,
-        on_status=recorder.on_status,
-        on_change=recorder.on_change,
-        task_user="nobody",
-    )
-    code = (
-        f"import os\ntry:\n    open({str(secret)!r}).read(); print('READ')\n"
-        "except PermissionError:\n    print('DENIED', os.getuid())\n"
-    )
-    await run(core, offer(devices=1, code=code))
-    report = await recorder.final()
-    assert report.state == SUCCEEDED, report.reason
-    assert f"DENIED {pwd.getpwnam('nobody').pw_uid}" in report.output_tail

@@ -83,7 +83,8 @@ def test_unknown_scheduler_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("setting", "words"),
     [
-        ({"task_user": "fedtask"}, "task_user does not apply to Slurm sites"),
+        ({"task_user": "fedtask"}, "do not apply to Slurm sites"),
+        ({"task_uid_range": "200000-200100"}, "do not apply to Slurm sites"),
         ({"inventory": Path("inventory.yaml")}, "inventory does not apply to Slurm sites"),
     ],
 )
