@@ -400,7 +400,7 @@ def init_pki(
     """Creates a CA, a coordinator certificate and a first operator certificate.
 
     Args:
-        directory: Where to put the files; created with 0700 permissions if missing.
+        directory: Where to put the files; created if missing, made 0700 either way.
         server_sans: DNS names and/or IP addresses of the coordinator.
         operator: Name of the first operator; its files are ``operator-<name>.pem``
             and ``operator-<name>-key.pem``.
@@ -425,9 +425,8 @@ def init_pki(
     server_cert, server_key = ca.issue_server(server_sans)
     operator_cert, operator_key = ca.issue_client(operator_identity)
 
-    if not directory.exists():
-        directory.mkdir(mode=0o700, parents=True)
-        directory.chmod(0o700)
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    directory.chmod(0o700)  # also when it existed with a looser mode: it holds the CA key
     ca.save(layout.ca_cert, layout.ca_key)
     write_public_file(layout.server_cert, server_cert)
     write_private_file(layout.server_key, server_key)

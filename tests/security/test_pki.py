@@ -286,6 +286,15 @@ def test_init_pki_layout(pki: PkiLayout) -> None:
     assert identity_from_certificate(operator_pem) == Identity(Role.OPERATOR, "admin")
 
 
+def test_init_pki_makes_an_existing_folder_private(tmp_path: Path) -> None:
+    """A folder that existed world-readable is 0700 once it holds the CA key."""
+    folder = tmp_path / "pki"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    init_pki(folder, server_sans=["localhost"])
+    assert _mode(folder) == 0o700
+
+
 def test_init_pki_refuses_to_overwrite(pki: PkiLayout) -> None:
     """A second init_pki in the same directory fails unless forced."""
     before = pki.ca_cert.read_bytes()
