@@ -152,9 +152,20 @@ async def run_jobs(
     }
 
 
+UNLIMITED = (
+    "client_requests_per_s",
+    "client_jobs_per_s",
+    "client_streams",
+    "max_unfinished_jobs_per_tenant",
+)
+
+
 async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-submit-") as root:
-        fed = LocalFederation(Path(root), [])
+        # The bench measures what the coordinator can take, not one identity's allowance.
+        unlimited = Path(root) / "unlimited.toml"
+        unlimited.write_text("".join(f"{name} = 0\n" for name in UNLIMITED))
+        fed = LocalFederation(Path(root), [], coordinator_args=["--config", str(unlimited)])
         await fed.start_coordinator()
         coordinator = psutil.Process(fed.processes["coordinator"].pid)
         harness = psutil.Process()

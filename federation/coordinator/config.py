@@ -68,11 +68,22 @@ class CoordinatorConfig:
     """RPCs per second one tenant or operator identity may sustain; 0: no limit."""
     client_request_burst: float = 400.0
     """RPCs an idle identity may send at once."""
-    client_jobs_per_s: float = 1000.0
-    """Jobs per second one identity may submit (each spec of a batch counts); 0: no limit."""
-    client_job_burst: float = 10_000.0
+    client_jobs_per_s: float = 50.0
+    """Jobs per second one identity may submit (each spec of a batch counts); 0: no limit.
+    Sustained, 50 a second from one tenant keeps another's calls within a few times their
+    quiet latency (as tests/e2e/test_abuse.py measures)."""
+    client_job_burst: float = 1000.0
     """Jobs an idle identity may submit at once."""
+    max_unfinished_jobs_per_tenant: int = 10_000
+    """Jobs one tenant may have that have not finished; 0: no limit. Every waiting job costs
+    each scheduling pass, so this bounds what one tenant can make the scheduler do."""
     client_streams: int = 32
+    client_bytes_per_s: float = 4 << 20
+    """Request bytes per second one identity may sustain; 0: no limit."""
+    client_byte_burst: float = 16 << 20
+    """Request bytes an idle identity may send at once."""
+    max_request_bytes: int = 4 << 20
+    """Largest client request (sites' Connect messages excepted), refused before parsing."""
     """WatchJobs streams one identity may hold open at once; 0: no limit."""
     max_spec_bytes: int = 256 * 1024
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
@@ -108,7 +119,11 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
         "client_request_burst",
         "client_jobs_per_s",
         "client_job_burst",
+        "max_unfinished_jobs_per_tenant",
         "client_streams",
+        "client_bytes_per_s",
+        "client_byte_burst",
+        "max_request_bytes",
     ):
         if not getattr(config, name) >= 0:
             raise ConfigError(f"{source}: {name} must be 0 (no limit) or more")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,6 +32,7 @@ from federation.errors import (
     InvalidArgumentError,
     JobNotFoundError,
     PermissionDeniedError,
+    ResourceExhaustedError,
 )
 from federation.metrics import JOBS_SUBMITTED
 from federation.security.identity import Identity, Role
@@ -62,15 +64,29 @@ class JobManager:
         wake: Callable[[], None],
         *,
         max_spec_bytes: int = MAX_SPEC_BYTES,
+        max_unfinished_jobs_per_tenant: int = 0,
     ) -> None:
         self._jobs = jobs
         self._max_spec_bytes = max_spec_bytes
+        self._max_unfinished = max_unfinished_jobs_per_tenant
         self._sites = sites
         self._hub = hub
         self._wake = wake
         self._reconciler = Reconciler(jobs, self.tell_site)
 
     # Clients -----------------------------------------------------------------------------
+
+    def _check_unfinished(self, jobs: list[jobs_pb2.Job]) -> None:
+        """Refuse jobs that would take a tenant past its unfinished jobs."""
+        if not self._max_unfinished:
+            return
+        for tenant, count in Counter(job.spec.tenant for job in jobs).items():
+            unfinished = self._jobs.unfinished(tenant)
+            if unfinished + count > self._max_unfinished:
+                raise ResourceExhaustedError(
+                    f"tenant {tenant} has {unfinished} unfinished jobs and may have at most "
+                    f"{self._max_unfinished}. To fix: wait for some to finish, or cancel some"
+                )
 
     async def submit(
         self, caller: Identity, specs: Sequence[jobs_pb2.JobSpec], *, batch: bool
@@ -113,6 +129,7 @@ class JobManager:
                     )
                 ]
             )
+        self._check_unfinished(jobs)
         await self._jobs.create(jobs)
         JOBS_SUBMITTED.inc(len(jobs))
         log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event

@@ -142,6 +142,8 @@ class JobRepository:
         self._store = store
         self._hub = hub
         self._active: dict[str, _Cached] = {}
+        self._unfinished: Counter[str] = Counter()
+        """Cached (unfinished) jobs per tenant: what a tenant's limit is checked against."""
         self._locks: dict[str, asyncio.Lock] = {}
         # Jobs with a PENDING task: what the scheduler looks at, without walking every job.
         # Kept in id order (ids are time-ordered) without sorting on every look: new jobs
@@ -153,11 +155,16 @@ class JobRepository:
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
-            self._active.pop(job.id, None)
-            self._pending.pop(job.id, None)
+            self._forget(job.id)
             return
+        if job.id not in self._active:
+            self._unfinished[job.spec.tenant] += 1
         self._active[job.id] = (job, revision, events)
         self._index(job)
+
+    def unfinished(self, tenant: str) -> int:
+        """How many of the tenant's jobs have not finished."""
+        return self._unfinished[tenant]
 
     def _index(self, job: jobs_pb2.Job) -> None:
         """Keep ``job`` in the pending index exactly while it has a PENDING task not held."""
@@ -195,12 +202,14 @@ class JobRepository:
     def pending(self) -> Iterator[jobs_pb2.Job]:
         """The jobs that have a PENDING task not held, oldest first: the cached messages themselves,
         not copies (a hot path), so callers read them and never change them. Lazily, as a
-        caller often needs only the first few: consume it without awaiting in between."""
+        caller often needs only the first few; a caller may await between jobs (the ids are
+        taken at the start, and a job no longer pending when reached is skipped)."""
         if not self._pending_in_order:
             self._pending = dict.fromkeys(sorted(self._pending))
             self._pending_in_order = True
-        active = self._active
-        return (active[job_id][0] for job_id in self._pending)
+        for job_id in list(self._pending):
+            if job_id in self._pending and (cached := self._active.get(job_id)) is not None:
+                yield cached[0]
 
     def cached(self, job_id: str) -> jobs_pb2.Job | None:
         """An unfinished job as cached (the message itself: read it, never change it)."""
@@ -433,8 +442,9 @@ class JobRepository:
         return job, _Staged(job, put, events, encoded, previous_state)
 
     def _forget(self, job_id: str) -> None:
-        """Drop a job from the cache: the store holds a newer version than ours."""
-        self._active.pop(job_id, None)
+        """Drop a job from the cache: it finished, or the store holds a newer version."""
+        if (cached := self._active.pop(job_id, None)) is not None:
+            self._unfinished[cached[0].spec.tenant] -= 1
         self._pending.pop(job_id, None)
 
     async def _write(self, staged: list[_Staged]) -> None:

@@ -45,6 +45,8 @@ CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
 MAX_REMEMBERED_PLACEMENTS = 10_000
+CYCLE_SLICE_S = 0.005
+"""A cycle gives the loop to other work after this long over waiting jobs."""
 """Distinct requests whose placement on the current snapshot is kept for later cycles."""
 
 
@@ -169,7 +171,13 @@ class Scheduler:
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         swept = True
+        slice_start = now
         for job in self._jobs.pending():
+            if time.monotonic() - slice_start > CYCLE_SLICE_S:
+                # Thousands of waiting tasks (one tenant's flood) must not stall every other
+                # call on the loop: let them in, then go on with the jobs still pending.
+                await asyncio.sleep(0)
+                slice_start = time.monotonic()
             if job.cancel_requested:
                 continue
             for task in job.tasks:
@@ -202,7 +210,9 @@ class Scheduler:
                     continue
                 verdicts, ranked, estimates = placement
                 if not ranked:
-                    nowhere.append((job.id, task.name, list(verdicts)))
+                    self._backoff(key)
+                    if list(task.verdicts) != list(verdicts):  # else nothing to write
+                        nowhere.append((job.id, task.name, list(verdicts)))
                     continue
                 batch.append(_Negotiation(job.id, task.name, ranked, list(verdicts), estimates))
             if not swept:
@@ -258,8 +268,6 @@ class Scheduler:
 
             return mutate
 
-        for job_id, task_name, _ in nowhere:
-            self._backoff((job_id, task_name))
         results = await self._jobs.update_many(
             [(job_id, mutation(task, verdicts)) for job_id, task, verdicts in nowhere]
         )

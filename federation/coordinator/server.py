@@ -31,6 +31,7 @@ from federation.coordinator.fencing import FencedStore
 from federation.coordinator.leader import CoordinatorInfo, LeaderElection
 from federation.coordinator.leadership import Leadership
 from federation.coordinator.servicers import (
+    CONNECT_METHOD,
     JOB_COUNTS,
     JOIN_METHOD,
     METHOD_ROLES,
@@ -160,12 +161,19 @@ def _servers(
             jobs_per_s=config.client_jobs_per_s,
             job_burst=config.client_job_burst,
             streams=config.client_streams,
+            bytes_per_s=config.client_bytes_per_s,
+            byte_burst=config.client_byte_burst,
         )
     )
     server = grpc.aio.server(
         interceptors=[
             AuthInterceptor(
-                METHOD_ROLES, open_methods=OPEN_METHODS, throttle=throttle, job_counts=JOB_COUNTS
+                METHOD_ROLES,
+                open_methods=OPEN_METHODS,
+                throttle=throttle,
+                job_counts=JOB_COUNTS,
+                max_request_bytes=config.max_request_bytes,
+                large_methods={CONNECT_METHOD},
             )
         ],
         options=[

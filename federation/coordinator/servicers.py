@@ -73,6 +73,8 @@ JOB_COUNTS: dict[str, Callable[[Any], int]] = {
 }
 """How many jobs a request submits, for each identity's job rate limit."""
 JOIN_METHOD = _LINK + "Join"
+CONNECT_METHOD = _LINK + "Connect"
+"""Sites' stream, whose envelopes of views may be far larger than any client request."""
 OPEN_METHODS = frozenset(
     {
         "/grpc.health.v1.Health/Check",

@@ -112,7 +112,14 @@ async def start_services(
         ),
     )
     scheduler_ref.append(scheduler)
-    manager = JobManager(jobs, sites, hub, wake, max_spec_bytes=config.max_spec_bytes)
+    manager = JobManager(
+        jobs,
+        sites,
+        hub,
+        wake,
+        max_spec_bytes=config.max_spec_bytes,
+        max_unfinished_jobs_per_tenant=config.max_unfinished_jobs_per_tenant,
+    )
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
     # partition rule) count from now.

@@ -118,30 +118,44 @@ class Undecodable:
     message: str
 
 
-def _lenient(deserializer: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+@dataclass(frozen=True, slots=True)
+class _Received:
+    """A request message and the bytes it came in (what the byte rate counts)."""
+
+    message: Any
+    size: int
+
+
+def _lenient(
+    deserializer: Callable[[bytes], Any] | None, max_bytes: int
+) -> Callable[[bytes], Any] | None:
     """A deserializer that returns ``Undecodable`` where gRPC would answer UNKNOWN, naming a
-    Python exception class, so the handler can answer INVALID_ARGUMENT instead."""
+    Python exception class, so the handler can answer INVALID_ARGUMENT instead; and for a
+    request over ``max_bytes`` (0: none), before spending anything on it."""
     if deserializer is None:
         return None
 
     def deserialize(data: bytes) -> Any:
+        if max_bytes and len(data) > max_bytes:
+            return Undecodable(f"the request is {len(data)} bytes; at most {max_bytes} allowed")
         try:
-            return deserializer(data)
+            return _Received(deserializer(data), len(data))
         except Exception:
             return Undecodable("the request is not a valid message for this method")
 
     return deserialize
 
 
-def _decoded(request: Any) -> Any:
+def _decoded(request: Any) -> _Received:
     if isinstance(request, Undecodable):
         raise InvalidArgumentError([FieldViolation("request", request.message)])
+    assert isinstance(request, _Received)
     return request
 
 
 async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
     async for request in requests:
-        yield _decoded(request)
+        yield _decoded(request).message
 
 
 JobCount: TypeAlias = Callable[[Any], int]
@@ -160,6 +174,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         open_methods: Collection[str] = (),
         throttle: Throttle | None = None,
         job_counts: Mapping[str, JobCount] | None = None,
+        max_request_bytes: int = 0,
+        large_methods: Collection[str] = (),
     ) -> None:
         """Create the interceptor.
 
@@ -169,11 +185,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             open_methods: Methods any caller may use (health checks, reflection, Join).
             throttle: Per-identity request, job and stream limits for tenants and operators.
             job_counts: Method -> how many jobs a request of it submits (for ``throttle``).
+            max_request_bytes: Largest request message of any method but ``large_methods``
+                (0: gRPC's own limit only), refused before it is parsed.
+            large_methods: Methods whose messages may be as large as gRPC allows (Connect).
         """
         self._roles = roles
         self._open = frozenset(open_methods)
         self._throttle = throttle
         self._job_counts = dict(job_counts or {})
+        self._max_request_bytes = max_request_bytes
+        self._large = frozenset(large_methods)
 
     def _authorize(
         self, method: str, context: grpc.aio.ServicerContext[Any, Any]
@@ -202,7 +223,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         throttle = self._throttle
         job_count = self._job_counts.get(method)
 
-        def enter(context: grpc.aio.ServicerContext[Any, Any], request: Any) -> Identity | None:
+        def enter(
+            context: grpc.aio.ServicerContext[Any, Any], request: Any, size: int = 0
+        ) -> Identity | None:
             identity = authorize(method, context)
             if identity is not None:
                 _CALLER.set(identity)
@@ -212,18 +235,19 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if throttle is None or identity is None or identity.role not in THROTTLED_ROLES:
                 return None
             jobs = job_count(request) if job_count is not None and request is not None else 0
-            throttle.admit(identity, jobs)
+            throttle.admit(identity, jobs, size)
             return identity
 
-        deserialize = _lenient(handler.request_deserializer)
+        max_bytes = 0 if method in self._large else self._max_request_bytes
+        deserialize = _lenient(handler.request_deserializer, max_bytes)
         if handler.unary_unary:
             inner_uu: Any = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
-                    request = _decoded(request)
-                    enter(context, request)
-                    return await inner_uu(request, context)
+                    received = _decoded(request)
+                    enter(context, received.message, received.size)
+                    return await inner_uu(received.message, context)
                 return None  # unreachable: translate_errors aborts
 
             return grpc.unary_unary_rpc_method_handler(
@@ -235,8 +259,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
-                    request = _decoded(request) if unary_request else _decoded_stream(request)
-                    holder = enter(context, request if unary_request else None)
+                    if unary_request:
+                        received = _decoded(request)
+                        request = received.message
+                        holder = enter(context, request, received.size)
+                    else:
+                        request = _decoded_stream(request)
+                        holder = enter(context, None)
                     if throttle is not None and holder is not None:
                         throttle.open_stream(holder)
                     try:

@@ -25,12 +25,16 @@ class ThrottleLimits:
     """Sustained RPCs per second per identity."""
     request_burst: float = 400.0
     """RPCs an idle identity may send at once."""
-    jobs_per_s: float = 1000.0
+    jobs_per_s: float = 50.0
     """Sustained jobs submitted per second per identity (SubmitJobs counts each spec)."""
-    job_burst: float = 10_000.0
+    job_burst: float = 1000.0
     """Jobs an idle identity may submit at once (one full SubmitJobs batch)."""
     streams: int = 32
     """Streams (WatchJobs) one identity may hold open at once."""
+    bytes_per_s: float = 4 << 20
+    """Sustained request bytes per second per identity: large requests cost their checks."""
+    byte_burst: float = 16 << 20
+    """Request bytes an idle identity may send at once."""
 
 
 class RateLimitedError(ResourceExhaustedError):
@@ -79,10 +83,12 @@ class Throttle:
         self._clock = clock
         self._requests = _Rate(limits.requests_per_s, limits.request_burst)
         self._jobs = _Rate(limits.jobs_per_s, limits.job_burst)
+        self._bytes = _Rate(limits.bytes_per_s, limits.byte_burst)
         self._streams: dict[Identity, int] = {}
 
-    def admit(self, who: Identity, jobs: int = 0) -> None:
-        """Count one request (submitting ``jobs`` jobs); raise ``RateLimitedError`` past a limit."""
+    def admit(self, who: Identity, jobs: int = 0, size: int = 0) -> None:
+        """Count one request of ``size`` bytes submitting ``jobs`` jobs; raise
+        ``RateLimitedError`` past a limit."""
         now = self._clock()
         wait = self._requests.take(who, 1.0, now)
         if wait:
@@ -91,6 +97,14 @@ class Throttle:
                 f"To fix: retry after {wait:.2f}s, or batch jobs with SubmitJobs",
                 wait,
             )
+        if size:
+            wait = self._bytes.take(who, float(size), now)
+            if wait:
+                raise RateLimitedError(
+                    f"{who} sends more than {self.limits.bytes_per_s:g} request bytes per "
+                    f"second. To fix: retry after {wait:.2f}s, or send smaller requests",
+                    wait,
+                )
         if jobs:
             wait = self._jobs.take(who, float(jobs), now)
             if wait:

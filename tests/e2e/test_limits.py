@@ -29,6 +29,7 @@ LIMITS = """
 client_requests_per_s = 5.0
 client_request_burst = 5.0
 client_streams = 3
+max_unfinished_jobs_per_tenant = 30
 """
 
 
@@ -114,16 +115,39 @@ async def test_streams_past_the_limit_are_refused_until_one_closes(
 
 
 async def test_a_huge_spec_is_refused_for_its_size(tenant: grpc.aio.Channel) -> None:
-    """A 5 MiB spec is INVALID_ARGUMENT on 'spec', its size named, and nothing is stored."""
-    env = {f"V{i}": "x" * 30_000 for i in range(170)}
-    huge = spec("huge", [python_task("t", "", env=env)])
-    assert huge.ByteSize() > 5_000_000
+    """A 1 MB spec is INVALID_ARGUMENT on 'spec', a 5 MB request on 'request' (before it is
+    parsed), each with its size named, and nothing is stored."""
+    big = spec("big", [python_task("t", "", env={f"V{i}": "x" * 30_000 for i in range(34)})])
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(tenant).SubmitJob(job_service_pb2.SubmitJobRequest(spec=big))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "at most 262144 allowed" in violations(caught.value)["spec"]
+    huge = spec("huge", [python_task("t", "", env={f"V{i}": "x" * 30_000 for i in range(170)})])
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await jobs(tenant).SubmitJob(job_service_pb2.SubmitJobRequest(spec=huge))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "at most 262144 allowed" in violations(caught.value)["spec"]
+    assert f"at most {4 << 20} allowed" in violations(caught.value)["request"]
     listed = await jobs(tenant).ListJobs(job_service_pb2.ListJobsRequest())
     assert not listed.jobs
+
+
+async def test_a_tenant_past_its_unfinished_jobs_is_refused(tenant: grpc.aio.Channel) -> None:
+    """With at most 30 unfinished jobs, a batch that would make 35 is refused whole; one that
+    makes 30 is taken."""
+    stub = jobs(tenant)
+    waiting = python_task("t", "", resources={"cpu": 64})  # more than the site has: waits
+    await stub.SubmitJobs(
+        job_service_pb2.SubmitJobsRequest(specs=[spec(f"w{i}", [waiting]) for i in range(25)])
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.SubmitJobs(
+            job_service_pb2.SubmitJobsRequest(specs=[spec(f"x{i}", [waiting]) for i in range(10)])
+        )
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "has 25 unfinished jobs and may have at most 30" in (caught.value.details() or "")
+    await stub.SubmitJobs(
+        job_service_pb2.SubmitJobsRequest(specs=[spec(f"y{i}", [waiting]) for i in range(5)])
+    )
 
 
 async def test_error_texts_do_not_echo_huge_input(tenant: grpc.aio.Channel) -> None:
@@ -161,15 +185,18 @@ async def test_a_page_of_jobs_stays_under_the_client_limit(
     federation: LocalFederation,
 ) -> None:
     """Jobs of 200 KB each come back in pages under 4 MiB that together hold them all."""
+    count, batch = 18, 6
     async with channel_as(federation, tenant_tls(federation, "pager")) as channel:
         stub = jobs(channel)
         env = {f"V{i}": "x" * 30_000 for i in range(7)}
-        specs = [spec(f"big-{i}", [python_task("t", "", env=env)]) for i in range(24)]
-        with pytest.raises(grpc.aio.AioRpcError) as caught:  # a reply of 5 MB: split it
+        specs = [spec(f"big-{i}", [python_task("t", "", env=env)]) for i in range(count)]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:  # a reply over 3 MiB: split it
             await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
         assert "split the batch" in violations(caught.value)["specs"]
-        for first in range(0, 24, 8):
-            await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs[first : first + 8]))
+        for first in range(0, count, batch):
+            await stub.SubmitJobs(
+                job_service_pb2.SubmitJobsRequest(specs=specs[first : first + batch])
+            )
         seen: list[str] = []
         token = ""
         pages = 0
@@ -184,7 +211,7 @@ async def test_a_page_of_jobs_stays_under_the_client_limit(
             if not token:
                 break
         assert pages >= 2
-        assert len(seen) == len(set(seen)) == 24
+        assert len(seen) == len(set(seen)) == count
 
 
 def test_the_data_folder_is_made_private(federation: LocalFederation) -> None:

@@ -81,3 +81,21 @@ def test_streams_are_counted_until_closed() -> None:
     throttle.open_stream(B)
     throttle.close_stream(A)
     throttle.open_stream(A)
+
+
+def test_request_bytes_have_a_rate_of_their_own() -> None:
+    """Large requests spend the byte bucket: past it, even a request allowed by count waits
+    for the bytes it would bring."""
+    clock = Clock()
+    limits = ThrottleLimits(
+        requests_per_s=100, request_burst=100, bytes_per_s=1000, byte_burst=3000
+    )
+    throttle = Throttle(limits, clock)
+    throttle.admit(A, size=2000)
+    throttle.admit(A, size=1000)
+    with pytest.raises(RateLimitedError, match="request bytes per second") as caught:
+        throttle.admit(A, size=500)
+    assert caught.value.retry_after_s == pytest.approx(0.5)
+    throttle.admit(B, size=3000)  # another identity's bytes are its own
+    clock.now += 0.5
+    throttle.admit(A, size=500)
