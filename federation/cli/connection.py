@@ -12,6 +12,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from federation.cli.render import text
 from federation.endpoints import Endpoints, call_leader, is_not_leader, parse_endpoints
 from federation.security.pki import PkiLayout
 from federation.security.tls import TlsFiles, channel_credentials
@@ -128,4 +129,5 @@ def describe_rpc_error(err: grpc.aio.AioRpcError) -> str:
             " (the coordinator is unreachable, or refused this certificate in the TLS "
             "handshake. To fix: check --coordinator and that the certificate is from its CA)"
         )
-    return message
+    # The details can echo what a tenant or a site sent: control characters come out escaped.
+    return text(message).plain

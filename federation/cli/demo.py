@@ -27,7 +27,7 @@ from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import CliError
 from federation.cli.explain import explanation_table
 from federation.cli.remote import cmd_status
-from federation.cli.render import console, event_line
+from federation.cli.render import console, event_line, text
 from federation.coordinator.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
 from federation.local import LocalFederation, SiteSpec
@@ -301,7 +301,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if slurm is not None:
             slurm.stop()
         if args.keep or args.dir:
-            console.print(f"[dim]work folder kept: {root} (logs in {root / 'logs'})[/dim]")
+            console.print(text(f"work folder kept: {root} (logs in {root / 'logs'})", "dim"))
         else:
             shutil.rmtree(root, ignore_errors=True)
 
@@ -321,7 +321,7 @@ def start_slurm(root: Path) -> LocalSlurmCluster:
         raise CliError("--slurm needs root: slurmd starts jobs as their users")
     root.mkdir(parents=True, exist_ok=True)
     cluster = LocalSlurmCluster(root, node=SLURM_NODE)
-    console.print(f"starting a local Slurm (munged, slurmctld, slurmd) in {root}...")
+    console.print(text(f"starting a local Slurm (munged, slurmctld, slurmd) in {root}..."))
     try:
         cluster.start()
     except SlurmClusterError as err:
@@ -351,7 +351,7 @@ async def run_demo(fed: LocalFederation) -> int:
         async for event in events_of(watch):
             if event.job_id not in ids:
                 continue
-            console.print("  " + event_line(event), markup=False)
+            console.print(text("  " + event_line(event)))
             if is_terminal(event.job_state):
                 done.add(event.job_id)
             if not cancel_sent and done >= set(ids) - {big}:
@@ -379,7 +379,7 @@ async def run_demo(fed: LocalFederation) -> int:
     expected = {"flaky-step": "FAILED", "too-big": "CANCELLED"}
     wrong = {n: s for n, s in ok.items() if s != expected.get(n, "SUCCEEDED")}
     if wrong:
-        console.print(f"[red]unexpected outcomes: {wrong}[/red]")
+        console.print(text(f"unexpected outcomes: {wrong}", "red"))
         return 1
     console.print("[green]every job ended as expected[/green]")
     return 0
@@ -397,7 +397,7 @@ def results_table(jobs: list[jobs_pb2.Job]) -> Table:
                 note = f"{task.reason}: {lines[-1]}" if lines else task.reason
             elif task.state != jobs_pb2.JOB_STATE_SUCCEEDED:
                 note = task.reason
-            table.add_row(
+            cells = (
                 job.spec.name,
                 task.name,
                 task.site or "-",
@@ -406,4 +406,5 @@ def results_table(jobs: list[jobs_pb2.Job]) -> Table:
                 str(task.exit_code) if is_terminal(task.state) else "-",
                 note,
             )
+            table.add_row(*map(text, cells))
     return table

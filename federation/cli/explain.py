@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 
 from rich.table import Table
+from rich.text import Text
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
-from federation.cli.render import console, print_json
+from federation.cli.render import console, print_json, text
 from federation.jobspec import state_name
 
 
@@ -24,7 +25,7 @@ def _seconds(value: float) -> str:
 
 def explanation_table(task: jobs_pb2.TaskExplanation) -> Table:
     where = f" at {task.site}" if task.site else ""
-    table = Table(title=f"task {task.task}: {state_name(task.state)}{where}")
+    table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}"))
     for column in (
         "rank",
         "site",
@@ -41,7 +42,7 @@ def explanation_table(task: jobs_pb2.TaskExplanation) -> Table:
         est = site.estimate
         if site.feasible:
             terms = ", ".join(f"{k} {v:.0f}" for k, v in sorted(site.scores.items()))
-            table.add_row(
+            cells = (
                 str(site.rank),
                 site.site,
                 f"{site.score:.1f}",
@@ -53,7 +54,8 @@ def explanation_table(task: jobs_pb2.TaskExplanation) -> Table:
                 terms,
             )
         else:
-            table.add_row("-", site.site, "-", "", "", "", "", "", f"[{site.plugin}] {site.reason}")
+            cells = ("-", site.site, "-", "", "", "", "", "", f"[{site.plugin}] {site.reason}")
+        table.add_row(*map(text, cells))
     return table
 
 
@@ -66,7 +68,7 @@ async def cmd_explain(args: argparse.Namespace, conn: Connection) -> int:
         return 0
     for task in reply.tasks:
         if task.note:
-            console.print(f"[bold]{task.task}[/bold]: {task.note}", markup=True)
+            console.print(Text.assemble(text(task.task, "bold"), text(f": {task.note}")))
         if task.sites:
             console.print(explanation_table(task))
     return 0

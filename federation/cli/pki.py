@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from federation.cli.connection import CliError
-from federation.cli.render import console
+from federation.cli.render import console, text
 from federation.security.identity import Identity, InvalidIdentityError, Role
 from federation.security.pki import PkiLayout, fingerprint, init_pki, issue_client_files
 
@@ -39,10 +39,13 @@ def cmd_init(args: argparse.Namespace) -> int:
         layout = init_pki(args.dir, server_sans=sans, operator=args.operator, force=args.force)
     except (FileExistsError, InvalidIdentityError, ValueError) as err:
         raise CliError(f"{err}") from None
-    console.print(f"CA            {layout.ca_cert}  ({fingerprint(layout.ca_cert.read_bytes())})")
-    console.print(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}")
-    console.print(f"operator      {layout.client_cert('operator-' + args.operator)}")
-    console.print(f"[dim]keep {layout.ca_key} secret: it signs every site certificate[/dim]")
+    # Paths and names are the operator's own, but a '[' in a folder name is not markup either.
+    console.print(
+        text(f"CA            {layout.ca_cert}  ({fingerprint(layout.ca_cert.read_bytes())})")
+    )
+    console.print(text(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}"))
+    console.print(text(f"operator      {layout.client_cert('operator-' + args.operator)}"))
+    console.print(text(f"keep {layout.ca_key} secret: it signs every site certificate", "dim"))
     return 0
 
 
@@ -56,5 +59,5 @@ def cmd_issue(args: argparse.Namespace) -> int:
         cert, key = issue_client_files(PkiLayout(args.dir), identity)
     except (InvalidIdentityError, OSError, ValueError) as err:
         raise CliError(str(err)) from None
-    console.print(f"{identity}: {cert} (key {key})")
+    console.print(text(f"{identity}: {cert} (key {key})"))
     return 0

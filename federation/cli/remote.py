@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from rich.table import Table
+from rich.text import Text
 
 from federation.api.v1 import (
     admin_service_pb2,
@@ -18,16 +19,17 @@ from federation.api.v1 import (
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
 from federation.cli.render import (
-    checkpoint_line,
     console,
     coordinators_table,
     event_line,
+    job_details,
     jobs_table,
     link_records,
     links_matrix,
     print_data,
     print_json,
     sites_table,
+    text,
 )
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
 from federation.watch import events_of
@@ -94,12 +96,14 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     console.print(coordinators_table(reply))
     console.print(sites_table(reply.sites))
     if reply.rescheduling_paused:
-        console.print(f"[bold]rescheduling paused[/bold]: {reply.rescheduling_note}")
-    counts = Table(title=f"Jobs (coordinator {reply.coordinator_version})")
+        console.print(
+            Text.assemble(text("rescheduling paused", "bold"), text(f": {reply.rescheduling_note}"))
+        )
+    counts = Table(title=text(f"Jobs (coordinator {reply.coordinator_version})"))
     counts.add_column("state")
     counts.add_column("jobs", justify="right")
     for name, count in sorted(reply.jobs_by_state.items()):
-        counts.add_row(name.removeprefix("JOB_STATE_"), str(count))
+        counts.add_row(text(name.removeprefix("JOB_STATE_")), text(str(count)))
     console.print(counts)
     return 0
 
@@ -141,7 +145,7 @@ async def _cordon(args: argparse.Namespace, conn: Connection, cordoned: bool) ->
     if args.json:
         print_json(site)
     else:
-        console.print(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}")
+        console.print(text(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}"))
     return 0
 
 
@@ -169,8 +173,10 @@ async def cmd_token_create(args: argparse.Namespace, conn: Connection) -> int:
         print_json(reply)
     elif args.out:
         console.print(
-            f"token for {args.site} written to {args.out} "
-            f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)"
+            text(
+                f"token for {args.site} written to {args.out} "
+                f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)"
+            )
         )
     else:
         print(reply.token)
@@ -195,7 +201,7 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
         print_json(submitted)
     else:
         for job in submitted:
-            console.print(f"submitted {job.id} ({job.spec.name})")
+            console.print(text(f"submitted {job.id} ({job.spec.name})"))
     return 0
 
 
@@ -240,38 +246,11 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         reply = await stub.GetJob(
             job_service_pb2.GetJobRequest(job_id=args.job_id, include_events=True)
         )
-    job = reply.job
     if args.json:
         print_json(reply)
         return 0
-    console.print(jobs_table([job], title=f"Job {job.id}"))
-    for task in job.tasks:
-        console.print(
-            f"[bold]{task.name}[/bold] {state_name(task.state)} at {task.site or '-'} "
-            f"epoch {task.epoch}: {task.reason}"
-        )
-        if task.devices:
-            console.print(f"  devices: {', '.join(task.devices)}")
-        if task.checkpoint.path:
-            console.print("  checkpoint: " + checkpoint_line(task.checkpoint), markup=False)
-        if task.displaced.site:
-            console.print(
-                f"  last moved away from: epoch {task.displaced.epoch} at {task.displaced.site}",
-                markup=False,
-            )
-        moves = [e for e in reply.events if e.task == task.name and e.moved_from]
-        if moves:
-            console.print(f"  moves ({task.moves}):")
-            for event in moves:
-                console.print("    " + event_line(event), markup=False)
-        for verdict in task.verdicts:
-            console.print(f"  {verdict.site}: [{verdict.stage}] {verdict.reason}")
-        if task.output_tail:
-            console.print("  output tail:", markup=False)
-            console.print("    " + task.output_tail.rstrip().replace("\n", "\n    "), markup=False)
-    console.print("[bold]events[/bold]")
-    for event in reply.events:
-        console.print("  " + event_line(event), markup=False)
+    for renderable in job_details(reply):
+        console.print(renderable)
     return 0
 
 
@@ -286,7 +265,7 @@ async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
     if args.json:
         print_json(job)
     else:
-        console.print(f"{job.id}: {state_name(job.state)} ({job.reason})")
+        console.print(text(f"{job.id}: {state_name(job.state)} ({job.reason})"))
     return 0
 
 
@@ -298,5 +277,5 @@ async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
             if args.json:
                 print_json(event)
             else:
-                console.print(event_line(event), markup=False)
+                console.print(text(event_line(event)))
     return 0

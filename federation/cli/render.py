@@ -3,18 +3,37 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
-from rich.console import Console
+from rich.console import Console, RenderableType
 from rich.table import Table
+from rich.text import Text
 
-from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
 from federation.jobspec import domain_name, kind_name, state_name
 
 console = Console()
+
+# C0 (ESC among them), DEL and C1 drive the terminal: OSC 0 sets its title, OSC 8 makes a
+# hyperlink, CSI 2J clears the screen. Bidi overrides and U+2028/9 reorder or break a line.
+# rich's strip_control_codes drops only BEL, BS, VT, FF and CR, silently, and keeps ESC.
+_UNSAFE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def text(value: str, style: str = "") -> Text:
+    """``value`` to show as it is: never read as markup, control characters made visible.
+
+    Every string from a reply goes through here, since tenants and sites choose them. Each
+    unsafe character reads as its Python escape (``\\x1b``, ``\\n``, ``\\t``): newlines
+    and tabs too, so one value stays on one line and cannot pass for a row or a line of
+    fedctl's own. ``--json`` keeps the exact value.
+    """
+    visible = _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), value)
+    return Text(visible, style=style)
 
 
 def print_json(messages: Message | Sequence[Message]) -> None:
@@ -58,13 +77,13 @@ def device_summary(nodes: Iterable[resources_pb2.Node]) -> str:
 
 def coordinators_table(status: admin_service_pb2.GetFederationStatusResponse) -> Table:
     """The leader and the followers standing by, one row each."""
-    table = Table(title=f"Coordinators (leader {status.leader or 'unknown'})")
+    table = Table(title=text(f"Coordinators (leader {status.leader or 'unknown'})"))
     table.add_column("address")
     table.add_column("role")
     table.add_column("join address")
     for coordinator in status.coordinators:
-        role = "[bold]leader[/bold]" if coordinator.leader else "follower"
-        table.add_row(coordinator.address, role, coordinator.join_address or "-")
+        role = text("leader", "bold") if coordinator.leader else text("follower")
+        table.add_row(text(coordinator.address), role, text(coordinator.join_address or "-"))
     return table
 
 
@@ -104,7 +123,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             if site.state == admin_service_pb2.SITE_STATE_UNREACHABLE
             else "-"
         )
-        table.add_row(
+        cells = (
             site.name,
             domain_name(site.domain),
             state,
@@ -115,6 +134,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             unreachable,
             source or "-",
         )
+        table.add_row(*map(text, cells))
     return table
 
 
@@ -164,7 +184,7 @@ def links_matrix(sites: Sequence[admin_service_pb2.Site], *, now: float) -> Tabl
     )
     table.add_column("from \\ to")
     for name in names:
-        table.add_column(name, justify="right")
+        table.add_column(text(name), justify="right")
     for source in names:
         cells = []
         for target in names:
@@ -175,7 +195,7 @@ def links_matrix(sites: Sequence[admin_service_pb2.Site], *, now: float) -> Tabl
                 cells.append("-")
             else:
                 cells.append(_link_cell(link, now))
-        table.add_row(source, *cells)
+        table.add_row(*map(text, (source, *cells)))
     return table
 
 
@@ -219,18 +239,20 @@ def checkpoint_line(checkpoint: jobs_pb2.CheckpointRecord) -> str:
 
 
 def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
-    table = Table(title=title)
+    table = Table(title=text(title))
     for column in ("job", "name", "tenant", "state", "tasks (site, state)", "reason"):
         table.add_column(column, overflow="fold")
     for job in jobs:
-        tasks = "\n".join(
-            f"{t.name}: {t.site or '-'} {state_name(t.state)}"
-            + (f" exit {t.exit_code}" if t.state == jobs_pb2.JOB_STATE_FAILED else "")
+        # One line per task: the newlines are ours, any in a name or a site come out escaped.
+        tasks = Text("\n").join(
+            text(
+                f"{t.name}: {t.site or '-'} {state_name(t.state)}"
+                + (f" exit {t.exit_code}" if t.state == jobs_pb2.JOB_STATE_FAILED else "")
+            )
             for t in job.tasks
         )
-        table.add_row(
-            job.id, job.spec.name, job.spec.tenant, state_name(job.state), tasks, job.reason
-        )
+        cells = (job.id, job.spec.name, job.spec.tenant, state_name(job.state))
+        table.add_row(*map(text, cells), tasks, text(job.reason))
     return table
 
 
@@ -243,3 +265,39 @@ def event_line(event: jobs_pb2.JobEvent) -> str:
         f"{event.time.ToDatetime():%H:%M:%S} {event.job_id}{task} -> {state_name(event.state)}"
         f"{where}: {event.reason} (job {state_name(event.job_state)})"
     )
+
+
+def job_details(reply: job_service_pb2.GetJobResponse) -> Iterator[RenderableType]:
+    """``fedctl jobs get``: the job's table, each task's details, then the job's events."""
+    job = reply.job
+    yield jobs_table([job], title=f"Job {job.id}")
+    for task in job.tasks:
+        yield Text.assemble(
+            text(task.name, "bold"),
+            text(
+                f" {state_name(task.state)} at {task.site or '-'} epoch {task.epoch}: {task.reason}"
+            ),
+        )
+        if task.devices:
+            yield text(f"  devices: {', '.join(task.devices)}")
+        if task.checkpoint.path:
+            yield text("  checkpoint: " + checkpoint_line(task.checkpoint))
+        if task.displaced.site:
+            yield text(
+                f"  last moved away from: epoch {task.displaced.epoch} at {task.displaced.site}"
+            )
+        moves = [e for e in reply.events if e.task == task.name and e.moved_from]
+        if moves:
+            yield text(f"  moves ({task.moves}):")
+            for event in moves:
+                yield text("    " + event_line(event))
+        for verdict in task.verdicts:
+            yield text(f"  {verdict.site}: [{verdict.stage}] {verdict.reason}")
+        if task.output_tail:
+            yield text("  output tail:")
+            # Output keeps its lines, each indented so that none passes for a line of ours.
+            lines = task.output_tail.rstrip().splitlines()
+            yield Text("\n").join(text("    " + line) for line in lines)
+    yield text("events", "bold")
+    for event in reply.events:
+        yield text("  " + event_line(event))

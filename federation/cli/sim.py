@@ -149,7 +149,7 @@ def _progress(enabled: bool, policies: list[str]) -> Iterator[PolicyProgress | N
         yield None
         return
     columns = (
-        TextColumn("{task.description:<16}"),
+        TextColumn("{task.description:<16}", markup=False),  # policy names are not markup
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

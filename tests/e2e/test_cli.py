@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -17,12 +18,15 @@ from federation.local import LocalFederation
 pytestmark = pytest.mark.xdist_group("e2e-cli")
 
 
-def fedctl(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess[str]:
+def fedctl(
+    fed: LocalFederation, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "FEDCTL_PKI_DIR": str(fed.pki.dir),
         "FEDCTL_COORDINATOR": fed.address,
         "COLUMNS": "200",
+        **(env or {}),
     }
     return subprocess.run(
         [sys.executable, "-m", "federation.cli", *args],
@@ -138,3 +142,71 @@ def test_metrics_count_sites_and_jobs(federation: LocalFederation, tmp_path: Pat
     after = urllib.request.urlopen(url, timeout=10).read().decode()
     submitted = "federation_jobs_submitted_total"
     assert metric(after, submitted) == metric(before, submitted) + 1
+
+
+# What a tenant can put in a job name (any string up to 63 characters) or its output: markup
+# that crashes rich or makes a link, and raw escapes: window title, clear screen, OSC 8 link.
+MARKUP_NAME = "[/x]"
+ESCAPES_NAME = "\x1b]0;pwned\x07\x1b[2J\x1b]8;;https://evil.example/\x1b\\here\x1b]8;;\x1b\\"
+EVIL_OUTPUT = f"{ESCAPES_NAME} [link=https://evil.example/]click[/link] [bold]loud :boom:"
+SGR = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def without_styles(output: str) -> str:
+    """``output`` less the SGR colour and weight sequences rich itself emits on a terminal."""
+    return SGR.sub("", output)
+
+
+def wait_until_ended(fed: LocalFederation, job_id: str) -> dict[str, object]:
+    deadline = time.monotonic() + 30
+    while True:
+        reply = json.loads(fedctl(fed, "--json", "jobs", "get", job_id).stdout)
+        if reply["job"]["state"] in ("JOB_STATE_SUCCEEDED", "JOB_STATE_FAILED"):
+            return dict(reply)
+        assert time.monotonic() < deadline, reply
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "terminal"])
+def test_tenant_strings_print_as_text(
+    federation: LocalFederation, tmp_path: Path, terminal: bool
+) -> None:
+    """Names and output a tenant chose print literally, with no escape reaching the terminal.
+
+    ``terminal``: rich styles its output as on a terminal, so the only escapes left must be its
+    own SGR styles: no title, clear-screen or hyperlink.
+    """
+    code = f"import sys; print({EVIL_OUTPUT!r}); sys.exit(3)"
+    jobs = [
+        {"name": name, "tasks": [{"name": "t", "command": [sys.executable, "-c", code]}]}
+        for name in (MARKUP_NAME, ESCAPES_NAME)
+    ]
+    spec = tmp_path / "jobs.json"
+    spec.write_text(json.dumps(jobs))
+    submitted = fedctl(federation, "--json", "jobs", "submit", str(spec))
+    assert submitted.returncode == 0, submitted.stderr
+    ids = [job["id"] for job in json.loads(submitted.stdout)]
+    for job_id, name in zip(ids, (MARKUP_NAME, ESCAPES_NAME), strict=True):
+        reply = wait_until_ended(federation, job_id)
+        job = reply["job"]
+        assert isinstance(job, dict)
+        assert job["spec"]["name"] == name  # --json keeps the exact bytes
+        assert EVIL_OUTPUT in job["tasks"][0]["output_tail"]
+
+    # rich reads TTY_COMPATIBLE before FORCE_COLOR: the "pipe" run stays plain wherever it runs.
+    env = {"TTY_COMPATIBLE": "1" if terminal else "0"}
+    shown = {
+        command: fedctl(federation, *command.split(), env=env)
+        for command in ("jobs list", f"jobs get {ids[0]}", f"jobs get {ids[1]}")
+    }
+    for command, result in shown.items():
+        assert result.returncode == 0, (command, result.stderr)
+        assert "Traceback" not in result.stderr
+        output = without_styles(result.stdout) if terminal else result.stdout
+        assert "\x1b" not in output, (command, output)
+        assert "\x07" not in output
+        assert "\\x1b]0;pwned\\x07\\x1b[2J" in output, command  # visible, not acted on
+    assert MARKUP_NAME in shown["jobs list"].stdout
+    details = without_styles(shown[f"jobs get {ids[0]}"].stdout)
+    assert f"│ {MARKUP_NAME} " in details  # the name cell holds the literal name
+    assert "[link=https://evil.example/]click[/link] [bold]loud :boom:" in details
