@@ -11,6 +11,7 @@ same peer and is marked ``declared``.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import math
 import time
 from collections.abc import Callable, Coroutine, Iterable, Mapping, Sequence
@@ -70,11 +71,25 @@ def link_settings(config: AgentConfig, *, source: str) -> list[resources_pb2.Lin
                     f"{source}: probe_listen {value!r} listens on every address, which peers "
                     "cannot dial. To fix: set probe_advertise to the host:port peers should use"
                 )
+            if key == "probe_advertise" and not _is_ip(host):
+                # The coordinator sends peers only to the address a site connects from.
+                raise ConfigError(
+                    f"{source}: probe_advertise {value!r} must be an IP address, the one this "
+                    "agent reaches the coordinator from (peers are sent nowhere else)"
+                )
     if not config.probe_interval_s > 0:
         raise ConfigError(f"{source}: probe_interval_s must be positive")
     if not 0 < config.probe_payload_bytes <= MAX_PROBE_BYTES:
         raise ConfigError(f"{source}: probe_payload_bytes must be in 1..{MAX_PROBE_BYTES}")
     return declared_links(config.links, source=source)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.removeprefix("[").removesuffix("]"))
+    except ValueError:
+        return False
+    return True
 
 
 def declared_links(raw: Sequence[Mapping[str, object]], *, source: str) -> list[resources_pb2.Link]:

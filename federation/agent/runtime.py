@@ -15,6 +15,8 @@ from collections.abc import Iterable
 
 import grpc
 import structlog
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
@@ -179,6 +181,7 @@ class AgentRuntime:
                         coordinator=coordinator,
                         code=err.code().name,
                         details=err.details(),
+                        **_field_violations(err),
                     )
             finally:
                 self._outbox = None
@@ -317,6 +320,19 @@ class AgentRuntime:
             task.cancel()
         with contextlib.suppress(Exception):
             await asyncio.gather(*self._handlers, return_exceptions=True)
+
+
+def _field_violations(err: grpc.aio.AioRpcError) -> dict[str, list[str]]:
+    """``violations``: every bad field a refusal names (``field: why``), for the log; the
+    status message lists only the first few. Empty for other errors."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    found = []
+    for detail in status.details if status is not None else []:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            found += [f"{v.field}: {v.description}" for v in bad.field_violations]
+    return {"violations": found} if found else {}
 
 
 def _encode_links(links: Iterable[resources_pb2.Link]) -> list[bytes]:

@@ -185,7 +185,7 @@ class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):
         services = self._current()
         certificate = peer_certificate(context) or b""
         async for response in services.link.connect(
-            current_caller(), fingerprint(certificate), request_iterator
+            current_caller(), fingerprint(certificate), context.peer(), request_iterator
         ):
             yield response
         if services.ended is not None:

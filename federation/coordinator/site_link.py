@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import structlog
 
-from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.job_manager import JobManager
+from federation.coordinator.site_checks import check_envelope
 from federation.coordinator.sites import SiteRegistry, SiteSession
 from federation.envelopes import take_queued
 from federation.errors import (
@@ -58,12 +57,18 @@ class SiteLink:
         self._missed_heartbeats = missed_heartbeats
 
     async def connect(
-        self, caller: Identity, certificate: str, requests: AsyncIterator[pb.ConnectRequest]
+        self,
+        caller: Identity,
+        certificate: str,
+        peer: str,
+        requests: AsyncIterator[pb.ConnectRequest],
     ) -> AsyncIterator[pb.ConnectResponse]:
         """Serve one agent until it goes away or breaks the protocol (then raise).
 
         ``certificate`` is the fingerprint of the agent's certificate: only the one the site
-        got at its latest Join is accepted, so re-joining retires the old one.
+        got at its latest Join is accepted, so re-joining retires the old one. ``peer`` is
+        where the stream comes from, as gRPC names it: the only host the site may name as its
+        probe endpoint.
         """
         try:
             envelope = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
@@ -75,10 +80,10 @@ class SiteLink:
             raise InvalidArgumentError(
                 [FieldViolation("messages[0]", "the first message on Connect must be a hello")]
             )
+        check_envelope(envelope.messages, peer, first=True)
         hello = envelope.messages[0].hello
         rest = list(envelope.messages[1:])
         _check_site(caller.name, hello.view.site, "hello.view.site")
-        check_view(hello.view.nodes, "hello.view.nodes")
         entry = self._sites.get(caller.name)
         if entry.record.certificate_fingerprint not in ("", certificate):
             raise PermissionDeniedError(
@@ -86,7 +91,7 @@ class SiteLink:
                 "To fix: use the newest certificate (restart the agent with its state_dir)"
             )
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
-        session = SiteSession(caller.name)
+        session = SiteSession(caller.name, peer=peer, probe_endpoint=hello.view.probe_endpoint)
         # Taken before the session is attached (no await in between), so a delegation made
         # over the new session is never mistaken for one the site lost.
         delegated = self._jobs.delegated_to(caller.name)
@@ -150,6 +155,7 @@ class SiteLink:
             await self._handle_all(session, after_hello)
             after_hello.clear()  # parts of the first stream message: let it go (see connect)
             async for envelope in requests:
+                check_envelope(envelope.messages, session.peer, first=False)
                 self._sites.seen(site)
                 await self._handle_all(session, envelope.messages)
         except FederationError as err:
@@ -195,10 +201,8 @@ class SiteLink:
             update = request.view
             if update.HasField("full"):
                 _check_site(site, update.full.site, "view.full.site")
-                check_view(update.full.nodes, "view.full.nodes")
                 update.full.domain = self._sites.get(site).record.domain
-            else:
-                check_view(update.delta.upserted_nodes, "view.delta.upserted_nodes")
+                session.probe_endpoint = update.full.probe_endpoint  # checked with the write
             try:
                 self._sites.apply_view(site, update)
             except FailedPreconditionError as err:
@@ -224,18 +228,6 @@ class SiteLink:
         if body == "hello":
             raise InvalidArgumentError([FieldViolation("hello", "hello may be sent only once")])
         raise InvalidArgumentError([FieldViolation("body", "empty or unknown message")])
-
-
-def check_view(nodes: Iterable[resources_pb2.Node], field: str) -> None:
-    """Refuse numbers placement cannot use: NaN, infinities, negative amounts."""
-    violations = []
-    for i, node in enumerate(nodes):
-        for name in ("cpu_cores", "cpu_free"):
-            value = getattr(node, name)
-            if not math.isfinite(value) or value < 0:
-                violations.append(FieldViolation(f"{field}[{i}].{name}", f"invalid {value}"))
-    if violations:
-        raise InvalidArgumentError(violations)
 
 
 def _check_site(site: str, claimed: str, field: str) -> None:

@@ -43,6 +43,10 @@ class SiteSession:
     """One agent's open Connect stream: an outbox and the requests awaiting answers."""
 
     site: str
+    peer: str = ""
+    """Where the stream comes from, as gRPC names it (``ipv4:10.0.0.7:51234``)."""
+    probe_endpoint: str = ""
+    """The site's probe endpoint, once checked to be on ``peer``'s address; empty for none."""
     outbox: asyncio.Queue[site_link_service_pb2.CoordinatorMessage | None] = field(
         default_factory=asyncio.Queue
     )
@@ -306,11 +310,15 @@ class SiteRegistry:
         return site
 
     def announce_probe_peers(self) -> None:
-        """Tell every connected site which peers it can measure its links to."""
+        """Tell every connected site which peers it can measure its links to.
+
+        Only endpoints checked against their session's address are announced: a site must not
+        be able to send every other agent to a host of its choosing.
+        """
         endpoints = {
-            name: e.view.header.probe_endpoint
+            name: e.session.probe_endpoint
             for name, e in self._sites.items()
-            if e.session is not None and e.view is not None and e.view.header.probe_endpoint
+            if e.session is not None and e.session.probe_endpoint
         }
         for name, entry in self._sites.items():
             if entry.session is None:

@@ -305,6 +305,10 @@ def load(path: Path) -> AgentConfig:
         ("probe_interval_s = 0", "probe_interval_s must be positive"),
         ('probe_listen = "nowhere"', "probe_listen must be host:port"),
         ('probe_listen = "0.0.0.0:7400"', "set probe_advertise"),
+        (
+            'probe_listen = "0.0.0.0:7400"\nprobe_advertise = "edge.example.org:7400"',
+            "probe_advertise .* must be an IP address",
+        ),
     ],
 )
 def test_bad_link_settings_name_the_key(tmp_path: Path, extra: str, message: str) -> None:
@@ -319,7 +323,7 @@ def test_declared_links_load(tmp_path: Path) -> None:
     """[[links]] tables load into declared Link messages, next to the probe settings."""
     path = write_config(
         tmp_path,
-        'probe_listen = "0.0.0.0:7400"\nprobe_advertise = "edge.example.org:7400"\n'
+        'probe_listen = "0.0.0.0:7400"\nprobe_advertise = "192.0.2.7:7400"\n'
         '[[links]]\npeer = "dc"\nbandwidth_mbps = 100\nrtt_ms = 25.5',
     )
     config = load(path)
