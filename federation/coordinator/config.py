@@ -78,13 +78,17 @@ class CoordinatorConfig:
     """Jobs one tenant may have that have not finished; 0: no limit. Every waiting job costs
     each scheduling pass, so this bounds what one tenant can make the scheduler do."""
     client_streams: int = 32
+    """WatchJobs streams one identity may hold open at once; 0: no limit."""
     client_bytes_per_s: float = 4 << 20
-    """Request bytes per second one identity may sustain; 0: no limit."""
+    """Request and reply bytes per second one identity may sustain; 0: no limit."""
     client_byte_burst: float = 16 << 20
-    """Request bytes an idle identity may send at once."""
+    """Request and reply bytes an idle identity may move at once."""
+    client_refusal_hold_s: float = 1.0
+    """Longest a rate-limit refusal is held before it is sent; 0: sent at once."""
+    client_held_refusals: int = 64
+    """Refusals one identity may have held at once; further ones are sent at once."""
     max_request_bytes: int = 4 << 20
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
-    """WatchJobs streams one identity may hold open at once; 0: no limit."""
     max_spec_bytes: int = 256 * 1024
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
     record, and etcd refuses a request over 1.5 MiB."""
@@ -123,6 +127,8 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
         "client_streams",
         "client_bytes_per_s",
         "client_byte_burst",
+        "client_refusal_hold_s",
+        "client_held_refusals",
         "max_request_bytes",
     ):
         if not getattr(config, name) >= 0:

@@ -34,6 +34,10 @@ log = structlog.get_logger()
 JOBS = "/jobs/"
 MAX_REPLY_BYTES = 3 << 20
 """Most a page of jobs may take: gRPC clients refuse a reply over 4 MiB by default."""
+MAX_SCANNED = 10_000
+"""Most stored jobs one ListJobs call reads, matching or not."""
+SCAN_BATCH = 100
+"""Jobs read from the store at a time: decoding them holds the event loop."""
 OLD_EVENTS = "/events/"
 """Where earlier versions stored each event, beside a job stored alone: every job they created
 has its first event there. This version stores one ``JobRecord`` per job and cannot read those."""
@@ -264,27 +268,33 @@ class JobRepository:
         page_size: int,
         page_token: str,
         max_bytes: int = MAX_REPLY_BYTES,
+        max_scanned: int = MAX_SCANNED,
     ) -> tuple[list[jobs_pb2.Job], str]:
         """Up to ``page_size`` jobs after ``page_token`` that ``accepts``, in id order, and
         fewer if they would take more than ``max_bytes`` (but always at least one).
 
-        The next token is set only when another matching job exists.
+        At most ``max_scanned`` stored jobs are read per call, in batches that give the event
+        loop back between them: a filter that matches little must not cost a scan of every
+        job. A page cut short so has a next token though it may hold no jobs; otherwise the
+        next token is set only when another matching job exists.
         """
         out: list[jobs_pb2.Job] = []
-        size = 0
+        size = scanned = 0
         start = job_key(page_token) if page_token else ""
-        batch = max(page_size, 100)
         while True:
-            page = await self._store.range(JOBS, start_after=start, limit=batch)
+            page = await self._store.range(JOBS, start_after=start, limit=SCAN_BATCH)
             for kv in page:
                 job = read_record(kv.value).job
+                scanned += 1
                 if accepts(job):
                     # Each job costs its size plus a few bytes of framing in the reply.
                     size += job.ByteSize() + 8
                     if len(out) == page_size or (out and size > max_bytes):
                         return out, out[-1].id
                     out.append(job)
-            if len(page) < batch:
+                if scanned >= max_scanned:
+                    return out, job.id
+            if len(page) < SCAN_BATCH:
                 return out, ""
             start = page[-1].key
 

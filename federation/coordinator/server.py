@@ -163,6 +163,8 @@ def _servers(
             streams=config.client_streams,
             bytes_per_s=config.client_bytes_per_s,
             byte_burst=config.client_byte_burst,
+            hold_s=config.client_refusal_hold_s,
+            max_held=config.client_held_refusals,
         )
     )
     server = grpc.aio.server(

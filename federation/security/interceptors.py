@@ -223,8 +223,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         throttle = self._throttle
         job_count = self._job_counts.get(method)
 
-        def enter(
-            context: grpc.aio.ServicerContext[Any, Any], request: Any, size: int = 0
+        async def enter(
+            context: grpc.aio.ServicerContext[Any, Any],
+            request: Any,
+            size: int = 0,
+            stream: bool = False,
         ) -> Identity | None:
             identity = authorize(method, context)
             if identity is not None:
@@ -235,7 +238,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             if throttle is None or identity is None or identity.role not in THROTTLED_ROLES:
                 return None
             jobs = job_count(request) if job_count is not None and request is not None else 0
-            throttle.admit(identity, jobs, size)
+            try:
+                throttle.admit(identity, jobs, size)
+                if stream:
+                    throttle.open_stream(identity)
+            except RateLimitedError as refusal:
+                raise await throttle.hold(refusal) from None
             return identity
 
         max_bytes = 0 if method in self._large else self._max_request_bytes
@@ -246,8 +254,11 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
                     received = _decoded(request)
-                    enter(context, received.message, received.size)
-                    return await inner_uu(received.message, context)
+                    holder = await enter(context, received.message, received.size)
+                    response = await inner_uu(received.message, context)
+                    if throttle is not None and holder is not None:
+                        throttle.charge_reply(holder, response.ByteSize())
+                    return response
                 return None  # unreachable: translate_errors aborts
 
             return grpc.unary_unary_rpc_method_handler(
@@ -262,12 +273,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                     if unary_request:
                         received = _decoded(request)
                         request = received.message
-                        holder = enter(context, request, received.size)
+                        holder = await enter(context, request, received.size, stream=True)
                     else:
                         request = _decoded_stream(request)
-                        holder = enter(context, None)
-                    if throttle is not None and holder is not None:
-                        throttle.open_stream(holder)
+                        holder = await enter(context, None, stream=True)
                     try:
                         responses = inner_s(request, context)
                         if inspect.isawaitable(responses):

@@ -384,3 +384,23 @@ async def test_store_of_an_earlier_layout_is_refused_by_name(store: SqliteStore)
     )
     with pytest.raises(StoreError, match="written by an earlier version"):
         await JobRepository(store, EventHub()).load()
+
+
+async def test_a_list_call_reads_a_bounded_number_of_jobs(repo: JobRepository) -> None:
+    """A filter that matches little gets short (even empty) pages with a token, never one
+    call that reads every stored job; following the tokens finds every match once."""
+    await repo.create([new_job(f"job-{i:03}") for i in range(250)])
+    wanted = {"job-005", "job-180", "job-249"}
+    found: list[str] = []
+    pages = 0
+    token = ""
+    while True:
+        page, token = await repo.list_page(
+            lambda job: job.id in wanted, page_size=100, page_token=token, max_scanned=60
+        )
+        found += [job.id for job in page]
+        pages += 1
+        if not token:
+            break
+    assert found == sorted(wanted)
+    assert pages == 5  # 250 jobs, 60 read per call

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from federation.security.identity import Identity, Role
@@ -93,9 +95,64 @@ def test_request_bytes_have_a_rate_of_their_own() -> None:
     throttle = Throttle(limits, clock)
     throttle.admit(A, size=2000)
     throttle.admit(A, size=1000)
-    with pytest.raises(RateLimitedError, match="request bytes per second") as caught:
+    with pytest.raises(RateLimitedError, match="request and reply bytes per second") as caught:
         throttle.admit(A, size=500)
     assert caught.value.retry_after_s == pytest.approx(0.5)
     throttle.admit(B, size=3000)  # another identity's bytes are its own
     clock.now += 0.5
     throttle.admit(A, size=500)
+
+
+async def test_a_refusal_is_held_and_its_retry_hint_shrinks_by_as_much() -> None:
+    """A client that ignores retry hints gets each refusal only after a wait, so it cannot
+    make the coordinator refuse in a tight loop; the hint then says what is left to wait."""
+    throttle = Throttle(ThrottleLimits(requests_per_s=2, request_burst=1, hold_s=0.05))
+    throttle.admit(A)
+    with pytest.raises(RateLimitedError) as caught:
+        throttle.admit(A)
+    assert caught.value.retry_after_s == pytest.approx(0.5, abs=0.01)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    sent = await throttle.hold(caught.value)
+    assert loop.time() - start >= 0.05
+    assert sent.retry_after_s == pytest.approx(caught.value.retry_after_s - 0.05)
+    assert "retry after 0.45s" in str(sent)
+
+
+async def test_held_refusals_are_bounded_per_identity() -> None:
+    """Past ``max_held`` held refusals of one identity, more are sent at once; another
+    identity's are still held."""
+    throttle = Throttle(ThrottleLimits(requests_per_s=1, request_burst=1, hold_s=10, max_held=2))
+    throttle.admit(A)
+    throttle.admit(B)
+    refusals = []
+    for who in (A, A, A, B):
+        with pytest.raises(RateLimitedError) as caught:
+            throttle.admit(who)
+        refusals.append(caught.value)
+    held = [asyncio.ensure_future(throttle.hold(r)) for r in refusals[:2]]
+    await asyncio.sleep(0.01)
+    assert await asyncio.wait_for(throttle.hold(refusals[2]), 1) is refusals[2]
+    other = asyncio.ensure_future(throttle.hold(refusals[3]))
+    await asyncio.sleep(0.01)
+    assert not other.done()
+    assert not any(h.done() for h in held)
+    for task in (*held, other):
+        task.cancel()
+    await asyncio.gather(*held, other, return_exceptions=True)
+    assert throttle._held == {}
+
+
+def test_a_large_reply_costs_its_bytes() -> None:
+    """A small request for a large page is charged what it sends back: the identity's next
+    request waits until its byte rate has paid for the reply."""
+    clock = Clock()
+    throttle = Throttle(ThrottleLimits(bytes_per_s=1000, byte_burst=2000), clock)
+    throttle.admit(A, size=10)
+    throttle.charge_reply(A, 5000)  # into debt, down to one burst below zero
+    with pytest.raises(RateLimitedError, match="request and reply bytes") as caught:
+        throttle.admit(A, size=10)
+    assert caught.value.retry_after_s == pytest.approx(2.01)
+    throttle.admit(B, size=10)  # another identity pays nothing for it
+    clock.now += 2.01
+    throttle.admit(A, size=10)

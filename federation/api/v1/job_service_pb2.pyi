@@ -230,6 +230,9 @@ class ListJobsResponse(_message.Message):
     JOBS_FIELD_NUMBER: _builtins.int
     NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     next_page_token: _builtins.str
+    """Set while more jobs may match: one call reads at most 10,000 stored jobs, so a page can
+    be short, even empty, and still have a next token. Empty at the end.
+    """
     @_builtins.property
     def jobs(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.Job]: ...
     def __init__(
