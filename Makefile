@@ -21,7 +21,8 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -n 2 --dist loadgroup -q
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not solo"
+	$(BIN)/pytest -q -m solo
 
 protos: $(BIN)/.installed
 	$(BIN)/python proto/generate.py

@@ -1,4 +1,5 @@
-"""One tenant abuses the coordinator; another tenant's calls stay fast (slow group)."""
+"""One tenant abuses the coordinator; another tenant's calls stay fast (slow, solo group:
+``make test`` runs it after the parallel run, so other tests do not share its two cores)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from federation.security.tls import TlsFiles
 
 from .conftest import channel_as, jobs, spec, tenant_tls
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e-abuse")]
+pytestmark = [pytest.mark.slow, pytest.mark.solo]
 
 ABUSE_S = 60.0
 """At most; the abuser is stopped once the victim has measured."""
-SAMPLES = 300
-SLOWDOWN = 50
+SAMPLES = 600
+SLOWDOWN = 5
 # Five nested all() over a 40-element list: it froze the coordinator for 85 s when unbounded.
 FREEZING_SELECTOR = (
     "["
@@ -104,9 +105,9 @@ async def test_abuse_from_one_tenant_slows_another_boundedly(
 ) -> None:
     """Expensive selectors, oversized specs, 64 watches and a submit flood from mallory, a
     client that ignores every retry hint: alice's GetJob p99 stays within SLOWDOWN times its
-    quiet value. The aim is 5; on two cores shared with the abuser's own TLS work it measures
-    15 to 17 alone and up to 30 beside other tests (over 100 before per-identity job and byte
-    rates), so the bound catches a regression of that kind, not the aim."""
+    quiet value. On two cores shared with the abuser's own process it measured 3.2 to 4.3
+    (13 to 15 before refusals were held and replies charged, over 100 before per-identity
+    job and byte rates)."""
     async with channel_as(federation, tenant_tls(federation, "alice")) as channel:
         reply = await jobs(channel).SubmitJob(
             job_service_pb2.SubmitJobRequest(
