@@ -8,7 +8,7 @@ from __future__ import annotations
 from datacenter_agent.slurm_core import SlurmCore
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.main import run_agent
+from federation.agent.main import compat_table, run_agent
 from federation.config import ConfigError
 
 
@@ -35,6 +35,7 @@ async def start_slurm_core(
         on_status=on_status,
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
+        compat=compat_table(config),
     )
     await core.start()
     return core

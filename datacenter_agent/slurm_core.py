@@ -41,8 +41,10 @@ from datacenter_agent.slurm_tasks import SlurmTask, follow
 from datacenter_agent.slurm_view import ClusterView, Partition
 from federation.agent.config import SlurmSettings
 from federation.agent.core import ChangeCallback, StatusCallback
+from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.placement.compat import CompatTable, load_table_files
 
 log = structlog.get_logger()
 
@@ -77,6 +79,7 @@ class SlurmCore:
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
         environ: Mapping[str, str] | None = None,
+        compat: CompatTable | None = None,
     ) -> None:
         env = slurm_env(settings, os.environ if environ is None else environ)
         self._conf = Path(env["SLURM_CONF"]) if "SLURM_CONF" in env else None
@@ -85,6 +88,7 @@ class SlurmCore:
         self._site, self._work_dir = site, work_dir
         self._on_status, self._on_change = on_status, on_change
         self._kill_grace_s = kill_grace_s
+        self._compat = compat or load_table_files()
         self._partition = Partition(settings.partition, "UNKNOWN", None)
         self._cluster = ClusterView()
         self._queue = resources_pb2.QueueState()
@@ -173,7 +177,7 @@ class SlurmCore:
         if not problem:
             async with self._offer_lock:  # one at a time, so each sees the others' holds
                 try:
-                    answer = await self._reserve(offer.spec, key, lease_s)
+                    answer = await self._reserve(offer, key, lease_s)
                 except SlurmError as err:
                     answer = f"Slurm: {err.message}"
         if isinstance(answer, str):
@@ -182,16 +186,23 @@ class SlurmCore:
         return answer
 
     async def _reserve(
-        self, spec: jobs_pb2.TaskSpec, key: TaskKey, lease_s: float
+        self, offer: site_link_service_pb2.Offer, key: TaskKey, lease_s: float
     ) -> site_link_service_pb2.OfferAnswer | str:
+        spec = offer.spec
+        nodes = qualifying_nodes(self._cluster.nodes, offer, self._compat)
+        if isinstance(nodes, str):
+            return nodes
+        names = {node.name for node in nodes}
+        # Slurm picks the node: it may pick any but those that do not qualify.
+        exclude = sorted(n.name for n in self._cluster.nodes if n.name not in names)
         settings = with_partition(self._settings, self._partition.name)
-        foreseen = await foresee(self._cli, spec, settings, self._cluster.nodes)
+        foreseen = await foresee(self._cli, spec, settings, nodes, exclude=exclude)
         if isinstance(foreseen, str):
             return foreseen
         slurm_id = await submit_held(
             self._cli, spec, key, site=self._site, work_dir=self._work_dir, args=foreseen.args
         )
-        placed = place(self._cluster.nodes, spec, self._usage())  # what the view counts held
+        placed = place(nodes, spec, self._usage())  # what the view counts held
         reservation = Reservation(key, slurm_id, () if isinstance(placed, str) else placed, lease_s)
         self._held.hold(reservation)
         expected_start_s = max(0.0, foreseen.start - time.time())

@@ -12,7 +12,7 @@ import dataclasses
 import math
 import re
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,6 +90,8 @@ async def foresee(
     spec: jobs_pb2.TaskSpec,
     settings: SlurmSettings,
     nodes: list[resources_pb2.Node],
+    *,
+    exclude: Sequence[str] = (),
 ) -> Foresight | str:
     """Asks ``sbatch --test-only`` about each fitting GRES type; the earliest start wins.
 
@@ -97,7 +99,8 @@ async def foresee(
         cli: Runs Slurm's commands.
         spec: The task.
         settings: The site's settings, its partition resolved.
-        nodes: The view's nodes, whose devices say which GRES types fit the request.
+        nodes: The nodes that may run the task, whose devices say which GRES types fit.
+        exclude: Nodes of the partition that may not (``--exclude``).
 
     Returns:
         What Slurm foresees, or why no GRES type can match (before Slurm is asked).
@@ -112,6 +115,8 @@ async def foresee(
     error: SlurmError | None = None
     for gres in options:
         args = resource_args(spec, settings, gres)
+        if exclude:
+            args.append(f"--exclude={','.join(exclude)}")
         try:
             out = await cli.run("sbatch", "--test-only", *args, "--wrap=true")
         except SlurmError as err:

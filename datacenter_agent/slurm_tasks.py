@@ -16,7 +16,7 @@ from pathlib import Path
 
 import structlog
 
-from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError
+from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist
 from datacenter_agent.slurm_job import Outcome, State, TaskKey, job_devices, job_outcome
 from federation.agent.core import task_report
 from federation.agent.packing import Slot
@@ -42,6 +42,8 @@ class SlurmTask:
     reason: str = ""
     output_tail: str = ""
     devices: list[str] = field(default_factory=list)
+    nodes: list[str] = field(default_factory=list)
+    """The nodes of the job's allocation, once it runs."""
     cancel_reason: str | None = None
     cancel_sent: bool = False
     """Whether ``scancel`` reached Slurm (if not, the next good reading sends it again)."""
@@ -63,6 +65,7 @@ class SlurmTask:
             output_tail=self.output_tail,
             reason=self.reason,
             devices=self.devices,
+            nodes=self.nodes,
         )
 
 
@@ -82,6 +85,7 @@ async def follow(
     if outcome.state == jobs_pb2.JOB_STATE_RUNNING and task.state != jobs_pb2.JOB_STATE_RUNNING:
         task.state = jobs_pb2.JOB_STATE_RUNNING
         task.devices = job_devices(record) if record is not None else []
+        task.nodes = expand_hostlist(record.value("NodeList")) if record is not None else []
         job_id, name, epoch = task.key
         log.info(
             "task_started",

@@ -116,6 +116,10 @@ class AgentConfig:
     region: str = ""
     inventory: Path | None = None
     """Declared nodes and devices (hardware this machine lacks), YAML or TOML."""
+    compat_table: Path | None = None
+    """An operator's compatibility table merged over the shipped one, read as the coordinator
+    reads its own compat_table (give both the same file): it says which nodes meet a task's
+    software requirements."""
     discover_host: bool = True
     """Publish this machine (CPU, memory, NVIDIA GPUs via NVML) as a node."""
     host_node_name: str = ""

@@ -27,6 +27,7 @@ def task_report(
     output_tail: str,
     reason: str,
     devices: list[str],
+    nodes: list[str] | None = None,
     checkpoint: jobs_pb2.CheckpointRecord | None = None,
 ) -> site_link_service_pb2.TaskReport:
     """A task's state as every core reports it to the coordinator."""
@@ -40,6 +41,7 @@ def task_report(
         output_tail=output_tail,
         reason=reason,
         devices=devices,
+        nodes=nodes or [],
         checkpoint=checkpoint,
     )
 

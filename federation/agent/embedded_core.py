@@ -22,10 +22,12 @@ from federation.agent.accounts import NoAccountError, TaskAccounts, agent_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
+from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import place
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.placement.compat import CompatTable, load_table_files
 
 log = structlog.get_logger()
 
@@ -89,6 +91,7 @@ class _Task:
             output_tail=self.output_tail,
             reason=self.reason,
             devices=self.devices,
+            nodes=[slot.node for slot in self.slots],
             checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
         )
 
@@ -128,6 +131,8 @@ class EmbeddedCore:
         on_status: Called with a task's report when it starts running and when it ends.
         on_change: Called whenever allocations or the queue change.
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is stopped.
+        accounts: Who runs each tenant's tasks.
+        compat: How software requirements are read (the shipped table by default).
     """
 
     name = "embedded"
@@ -142,6 +147,7 @@ class EmbeddedCore:
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
         accounts: TaskAccounts | None = None,
+        compat: CompatTable | None = None,
     ) -> None:
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -156,6 +162,7 @@ class EmbeddedCore:
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
+        self._compat = compat or load_table_files()
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[TaskKey, _Task] = {}
@@ -198,7 +205,8 @@ class EmbeddedCore:
             self._arm_lease(held)
             return self._accepted(held)
         problem = self._offer_problem(offer)
-        placed = problem or place(self._nodes.values(), offer.spec, self._usage())
+        nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
+        placed = nodes if isinstance(nodes, str) else place(nodes, offer.spec, self._usage())
         if isinstance(placed, str):
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)

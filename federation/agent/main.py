@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import structlog
+import yaml
 
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig, coordinator_endpoints, slurm_settings
@@ -26,6 +27,7 @@ from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
 from federation.logging import configure_logging
 from federation.metrics import serve_metrics
+from federation.placement.compat import CompatTable, load_table_files
 
 log = structlog.get_logger()
 
@@ -110,6 +112,14 @@ def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
     return nodes
 
 
+def compat_table(config: AgentConfig) -> CompatTable:
+    """The compatibility table the site's packer reads requirements with."""
+    try:
+        return load_table_files((config.compat_table,) if config.compat_table else ())
+    except (OSError, ValueError, yaml.YAMLError) as err:  # CompatError is a ValueError
+        raise ConfigError(f"compat_table {config.compat_table}: {err}") from None
+
+
 async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
@@ -131,6 +141,7 @@ async def embedded_core(
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
         accounts=accounts,
+        compat=compat_table(config),
     )
 
 

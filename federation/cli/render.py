@@ -278,6 +278,8 @@ def job_details(reply: job_service_pb2.GetJobResponse) -> Iterator[RenderableTyp
                 f" {state_name(task.state)} at {task.site or '-'} epoch {task.epoch}: {task.reason}"
             ),
         )
+        if task.nodes:
+            yield text(f"  nodes: {', '.join(task.nodes)}")
         if task.devices:
             yield text(f"  devices: {', '.join(task.devices)}")
         if task.checkpoint.path:

@@ -370,6 +370,9 @@ class JobManager:
             if report.devices:
                 del current.devices[:]
                 current.devices.extend(report.devices)
+            if report.nodes:
+                del current.nodes[:]
+                current.nodes.extend(report.nodes)
             if report.HasField("checkpoint") and record_checkpoint(current, site, report):
                 log.info(
                     "checkpoint_recorded",

@@ -220,6 +220,7 @@ def move_off(move: Move) -> Mutation:
         unplace(task)
         task.moves += 1
         del task.devices[:]
+        del task.nodes[:]
         return [Change(change.task, change.state, change.reason, move.site, move.site)]
 
     return mutate

@@ -130,6 +130,7 @@ def _take_back(
         task.epoch = epoch
         task.reservation_id = ""
         del task.devices[:]
+        del task.nodes[:]
         changes.append(
             transition(
                 job, task_name, job_state.RUNNING, f"running at {site}: {reason}", taking_back=True

@@ -45,9 +45,9 @@ CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
 MAX_REMEMBERED_PLACEMENTS = 10_000
+"""Distinct requests whose placement on the current snapshot is kept for later cycles."""
 CYCLE_SLICE_S = 0.005
 """A cycle gives the loop to other work after this long over waiting jobs."""
-"""Distinct requests whose placement on the current snapshot is kept for later cycles."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +369,7 @@ class Scheduler:
                 tenant=job.spec.tenant,
                 lease_s=self._config.reservation_lease_s,
                 restore=task.checkpoint if task.checkpoint.path else None,
+                node_labels=job.spec.constraints.node_labels,
             )
             for site in offered_to[n.key]:
                 offers.setdefault(site, []).append((n, offer))

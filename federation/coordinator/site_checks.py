@@ -359,6 +359,8 @@ def _report(check: _Check, report: pb.TaskReport, path: str) -> None:
     check.fields(report, _REPORT, path)
     if check.count(report.devices, path, "devices", MAX_REPORT_DEVICES):
         check.texts(report.devices, path, "devices", MAX_TEXT_CHARS)
+    if check.count(report.nodes, path, "nodes", MAX_REPLICAS):
+        check.texts(report.nodes, path, "nodes", MAX_TEXT_CHARS)
     if report.HasField("checkpoint"):
         check.fields(report.checkpoint, _CHECKPOINT, f"{path}.checkpoint")
         check.fields(report.checkpoint.time, _TIMESTAMP, f"{path}.checkpoint.time")

@@ -18,6 +18,8 @@ import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from federation.api.v1 import resources_pb2
+
 
 class CompatError(ValueError):
     """A requirement or a table entry that cannot be read."""
@@ -124,6 +126,11 @@ def _node_has(
     if have is None or not spec.contains(have, prereleases=True):
         return f"needs {key}{spec}, node has {key} {have_text}"
     return None
+
+
+def node_labels(node: resources_pb2.Node) -> dict[str, str]:
+    """What a node has, as requirements and node labels read it: its labels and its arch."""
+    return {**node.labels, **({"arch": node.arch} if node.arch else {})}
 
 
 def unmet(

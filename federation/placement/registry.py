@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from federation.placement.compat import load_table_files
+from federation.placement.compat import CompatTable, load_table_files
 from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
 from federation.placement.plugins.baselines import (
     DataLocal,
@@ -75,6 +75,15 @@ def build_framework(
             raise UnknownPluginError(f"score plugin {name!r} has a negative weight")
     table = load_table_files((compat_table,) if compat_table else ())
     return Framework(
-        [Compatibility(table) if name == "Compatibility" else FILTERS[name]() for name in filters],
+        [_filter(name, table) for name in filters],
         [(SCORERS[name](), weight) for name, weight in scorers.items()],
     )
+
+
+def _filter(name: str, table: CompatTable) -> FilterPlugin:
+    """A filter plugin; the two that read software requirements get the table."""
+    if name == "Compatibility":
+        return Compatibility(table)
+    if name == "CapacityFit":
+        return CapacityFit(table)
+    return FILTERS[name]()

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.api.v1 import resources_pb2
+from federation.placement.compat import node_labels
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -304,7 +305,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         cpu_free.append(_capacity(node.cpu_free))
         mem_free.append(_capacity(float(node.memory_free_mib)))
         schedulable.append(node.schedulable)
-        labels.append({**node.labels, **({"arch": node.arch} if node.arch else {})})
+        labels.append(node_labels(node))
         for d in node.devices:
             device_index = len(dev["node"])
             key = _class_key(d)

@@ -34,6 +34,8 @@ def node(
     shareable: bool = False,
     partitions: Mapping[str, int] | None = None,
     attributes: Mapping[str, str] | None = None,
+    labels: Mapping[str, str] | None = None,
+    arch: str = "",
 ) -> resources_pb2.Node:
     """A schedulable node of ``devices`` alike devices; ``partitions`` maps profile to count."""
     profiles = [
@@ -45,6 +47,8 @@ def node(
         cpu_cores=cpu,
         memory_mib=memory_mib,
         schedulable=True,
+        labels=dict(labels or {}),
+        arch=arch,
         devices=[
             resources_pb2.Device(
                 id=f"{name}-{i}",
@@ -85,6 +89,8 @@ def offer(
     lease_s: float = 30,
     timeout_s: float = 0,
     env: dict[str, str] | None = None,
+    requires: Mapping[str, str] | None = None,
+    node_labels: Mapping[str, str] | None = None,
 ) -> site_link_service_pb2.Offer:
     """An offer of one task that runs ``code`` (or ``command``) per replica."""
     accelerator = jobs_pb2.AcceleratorRequest(
@@ -104,9 +110,15 @@ def offer(
         replicas=replicas,
         resources=jobs_pb2.ResourceRequest(cpu=cpu, memory_mib=memory_mib, accelerator=accelerator),
         timeout_s=timeout_s,
+        requires=requires or {},
     )
     return site_link_service_pb2.Offer(
-        job_id=job_id, task=task, epoch=epoch, spec=spec, lease_s=lease_s
+        job_id=job_id,
+        task=task,
+        epoch=epoch,
+        spec=spec,
+        lease_s=lease_s,
+        node_labels=node_labels or {},
     )
 
 

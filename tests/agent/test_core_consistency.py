@@ -66,6 +66,20 @@ def two_nodes(**extra: object) -> Callable[[], list[resources_pb2.Node]]:
     return lambda: [node(name, **extra) for name in ("a", "b")]  # type: ignore[arg-type]
 
 
+NEW_CUDA = {"cuda": ">=12.1"}
+NEW_CUDA_ASK = {"requires": NEW_CUDA}
+TORCH = {"torch": "2.4.1"}
+
+
+def cuda_and_plain() -> list[resources_pb2.Node]:
+    """Node ``b`` has CUDA 12.4, torch 2.4.1 and x86_64; node ``a``, first in every tie,
+    declares none of them."""
+    return [
+        node("a", devices=1),
+        node("b", devices=1, labels={"cuda": "12.4", **TORCH}, arch="x86_64"),
+    ]
+
+
 CASES = {
     "half of a fresh shareable GPU": Case(shareable(), (), {"fraction": 0.5}, True),
     "a third half": Case(shareable(), ({"fraction": 0.5},) * 2, {"fraction": 0.5}, False),
@@ -157,6 +171,28 @@ CASES = {
         False,
     ),
     "more CPU than the node has": Case(shareable(), (), {"fraction": 0.5, "cpu": 40}, False),
+    # Node-level constraints: the node with room must be the node that qualifies.
+    "a requirement only the busy node meets": Case(
+        cuda_and_plain,
+        ({"devices": 1, "requires": NEW_CUDA},),
+        {"devices": 1, **NEW_CUDA_ASK},
+        False,
+    ),
+    "a requirement the free node meets": Case(
+        cuda_and_plain, ({"devices": 1},), {"devices": 1, **NEW_CUDA_ASK}, True
+    ),
+    "a requirement no node meets": Case(cuda_and_plain, (), {"requires": {"cuda": ">=13"}}, False),
+    "a framework only the busy node has": Case(
+        cuda_and_plain,
+        ({"devices": 1, "node_labels": TORCH},),
+        {"devices": 1, "node_labels": TORCH},
+        False,
+    ),
+    "a framework the free node has": Case(
+        cuda_and_plain, ({"devices": 1},), {"devices": 1, "node_labels": TORCH}, True
+    ),
+    "an arch no node has": Case(cuda_and_plain, (), {"requires": {"arch": "aarch64"}}, False),
+    "an arch one node has": Case(cuda_and_plain, (), {"requires": {"arch": "x86_64"}}, True),
 }
 SHARED_USE = {
     # Device.allocated marks only devices held whole; the coordinator must also treat a partly
@@ -172,7 +208,8 @@ def coordinator_fits(core: EmbeddedCore, o: site_link_service_pb2.Offer) -> bool
     """What CapacityFit says of ``o`` for a site publishing the core's nodes."""
     view = resources_pb2.SiteView(site="site-a", nodes=core.nodes())
     snap = build_snapshot([SiteInput(view=view, is_connected=True, is_cordoned=False)])
-    job = jobs_pb2.JobSpec(name="job", tasks=[o.spec])
+    constraints = jobs_pb2.Constraints(node_labels=o.node_labels)
+    job = jobs_pb2.JobSpec(name="job", tasks=[o.spec], constraints=constraints)
     return bool(CapacityFit().filter(Request.from_spec(job, job.tasks[0]), snap).mask[0])
 
 

@@ -70,6 +70,7 @@ def evil_job() -> job_service_pb2.GetJobResponse:
         exit_code=3,
         output_tail=f"first\r\n{EVIL}\nlast\n",
         devices=[EVIL],
+        nodes=[EVIL],
         verdicts=[jobs_pb2.SiteVerdict(site=EVIL, stage=EVIL, reason=EVIL)],
         checkpoint=jobs_pb2.CheckpointRecord(path=EVIL, site=EVIL, time=when),
         displaced=jobs_pb2.DisplacedCopy(site=EVIL),
@@ -139,6 +140,7 @@ def test_jobs_get_shows_every_string_whole() -> None:
         for line in printed(renderable, terminal=False, width=1000).splitlines()
     ]
     assert lines[0].endswith(f"at {SHOWN} epoch 0: {SHOWN}")
+    assert f"  nodes: {SHOWN}" in lines
     assert f"  devices: {SHOWN}" in lines
     assert f"  {SHOWN}: [{SHOWN}] {SHOWN}" in lines
     tail = lines.index("  output tail:")

@@ -186,6 +186,7 @@ async def test_committed_task_runs_under_slurm_with_its_gpus(make_core: MakeCore
     assert report.exit_code == 3
     assert report.reason == f"Slurm job {slurm_id} exited with 3 (FAILED)"
     assert sorted(report.devices) == [f"{NODE.name}:GPU:0", f"{NODE.name}:GPU:1"]
+    assert list(report.nodes) == [NODE.name]
     assert "CUDA_VISIBLE_DEVICES=0,1" in report.output_tail
     assert f"FEDERATION_DEVICES={NODE.name}:GPU:0,{NODE.name}:GPU:1" in report.output_tail
     assert f"SLURM_JOB_ID={slurm_id}" in report.output_tail
@@ -205,6 +206,24 @@ async def test_gang_replicas_get_their_own_gpus(make_core: MakeCore) -> None:
     lines = sorted(line for line in report.output_tail.splitlines() if line.startswith("replica"))
     assert [line.split()[1] for line in lines] == ["0", "1"]
     assert {line.split()[2] for line in lines} == {f"{NODE.name}:GPU:0", f"{NODE.name}:GPU:1"}
+
+
+async def test_the_node_must_meet_what_the_task_requires(make_core: MakeCore) -> None:
+    """A requirement Slurm's node does not meet is declined before Slurm is asked, naming the
+    node; one it meets is held as usual."""
+    harness = await make_core()
+    arch = harness.core.nodes()[0].arch
+    assert arch, "Slurm reports the node's arch"
+    wrong = gpu_task("pass", gpus=1)
+    wrong.requires["arch"] = "riscv64"
+    answer = await harness.offer("wrong-arch", wrong)
+    assert not answer.accepted
+    assert answer.reason == f"no node qualifies: {NODE.name} needs arch riscv64, node is {arch}"
+    right = gpu_task("pass", gpus=1)
+    right.requires["arch"] = arch
+    answer = await harness.offer("right-arch", right)
+    assert answer.accepted, answer.reason
+    await harness.core.release(answer.reservation_id)
 
 
 @pytest.mark.parametrize(

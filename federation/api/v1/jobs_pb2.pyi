@@ -586,6 +586,7 @@ class TaskStatus(_message.Message):
     DISPLACED_FIELD_NUMBER: _builtins.int
     ISSUED_EPOCH_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -624,6 +625,10 @@ class TaskStatus(_message.Message):
     def displaced(self) -> Global___DisplacedCopy:
         """The copy left at a lost site when the task was moved away (for reconcile); unset otherwise."""
 
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The node of each replica, in replica order, as the site reported it."""
+
     def __init__(
         self,
         *,
@@ -644,10 +649,11 @@ class TaskStatus(_message.Message):
         displaced: Global___DisplacedCopy | None = ...,
         issued_epoch: _builtins.int = ...,
         moves: _builtins.int = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

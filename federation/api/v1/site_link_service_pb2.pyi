@@ -86,6 +86,7 @@ class TaskReport(_message.Message):
     REASON_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -99,6 +100,10 @@ class TaskReport(_message.Message):
     def checkpoint(self) -> _jobs_pb2.CheckpointRecord:
         """The newest checkpoint this copy completed; a report is sent for each new one."""
 
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The node of each replica, in replica order (Slurm: the nodes of the allocation)."""
+
     def __init__(
         self,
         *,
@@ -111,10 +116,11 @@ class TaskReport(_message.Message):
         reason: _builtins.str = ...,
         devices: _abc.Iterable[_builtins.str] | None = ...,
         checkpoint: _jobs_pb2.CheckpointRecord | None = ...,
+        nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -351,6 +357,26 @@ Global___Goodbye: _TypeAlias = Goodbye  # noqa: Y015
 class Offer(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
@@ -358,6 +384,7 @@ class Offer(_message.Message):
     TENANT_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -370,6 +397,12 @@ class Offer(_message.Message):
     def restore(self) -> _jobs_pb2.CheckpointRecord:
         """The checkpoint to restart from (FEDERATION_RESTORE_FROM); unset for a fresh start."""
 
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The job's node labels (constraints.node_labels): every replica's node must carry them all,
+        as it must meet spec.requires.
+        """
+
     def __init__(
         self,
         *,
@@ -380,10 +413,11 @@ class Offer(_message.Message):
         tenant: _builtins.str = ...,
         lease_s: _builtins.float = ...,
         restore: _jobs_pb2.CheckpointRecord | None = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "lease_s", b"lease_s", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

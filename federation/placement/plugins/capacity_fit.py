@@ -14,7 +14,9 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.jobspec import kind_name
+from federation.placement.compat import CompatTable, load_table_files
 from federation.placement.framework import LazyReasons, Verdict
+from federation.placement.plugins.compatibility import node_compat
 from federation.placement.request import Request
 from federation.placement.selectors import selector_class_mask
 from federation.placement.snapshot import Snapshot
@@ -111,14 +113,21 @@ def node_label_mask(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
     )
 
 
-def replicas_per_node(req: Request, snap: Snapshot, *, cap: float | None = None) -> F64:
-    """How many replicas of ``req`` each node can hold now, at most ``cap`` (default: all)."""
+def replicas_per_node(
+    req: Request, snap: Snapshot, *, cap: float | None = None, table: CompatTable | None = None
+) -> F64:
+    """How many replicas of ``req`` each node can hold now, at most ``cap`` (default: all);
+    with ``table``, only on nodes that meet the software requirements read through it (the
+    site puts every replica on such a node)."""
     key = ("node_room", req)
     room = snap.memo.get(key)
     if not isinstance(room, np.ndarray):
         room = snap.memo[key] = _node_room(req, snap)
     limit = req.replicas if cap is None else cap
-    return np.asarray(np.minimum(room, limit), dtype=np.float64)
+    fit = np.minimum(room, limit)
+    if table is not None and req.requires:
+        fit = np.where(node_compat(req, snap, table)[0], fit, 0.0)
+    return np.asarray(fit, dtype=np.float64)
 
 
 def _node_room(req: Request, snap: Snapshot) -> F64:
@@ -161,10 +170,12 @@ def describe_demand(req: Request) -> str:
 class CapacityFit:
     name: ClassVar[str] = "CapacityFit"
 
+    def __init__(self, table: CompatTable | None = None) -> None:
+        self.table = table or load_table_files()
+
     def filter(self, req: Request, snap: Snapshot) -> Verdict:
-        per_site = np.bincount(
-            snap.node_site, weights=replicas_per_node(req, snap), minlength=snap.n_sites
-        )
+        room = replicas_per_node(req, snap, table=self.table)
+        per_site = np.bincount(snap.node_site, weights=room, minlength=snap.n_sites)
         mask = per_site >= req.replicas
         devices: list[F64] = []
 

@@ -1,0 +1,82 @@
+"""The node has the final say: a task runs only on a node that meets what it requires."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+
+import grpc
+import pytest
+import pytest_asyncio
+
+from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.local import LocalFederation, SiteSpec
+
+from .conftest import jobs, python_task, spec, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-node-enforcement")
+
+# "a-plain" comes first in every tie, so a packer that ignored requirements would pick it.
+SITE = SiteSpec(
+    "mixed",
+    "datacenter",
+    nodes=[
+        {"name": "a-plain", "cpu_cores": 4, "memory_mib": 8192},
+        {
+            "name": "b-cuda",
+            "cpu_cores": 4,
+            "memory_mib": 8192,
+            "labels": {"cuda": "12.4", "torch": "2.4.1"},
+        },
+    ],
+)
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    federation = LocalFederation(tmp_path_factory.mktemp("nodes"), [SITE])
+    try:
+        asyncio.run(federation.start())
+        yield federation
+    finally:
+        federation.stop()
+
+
+@pytest_asyncio.fixture
+async def operator(fed: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
+    async with fed.operator().channel() as channel:
+        yield channel
+
+
+@pytest.mark.parametrize(
+    ("name", "task", "extra"),
+    [
+        ("needs-cuda", {"requires": {"cuda": ">=12.1"}}, {}),
+        ("needs-torch", {}, {"constraints": {"node_labels": {"torch": "2.4.1"}}}),
+    ],
+)
+async def test_task_runs_on_the_node_that_qualifies(
+    operator: grpc.aio.Channel, name: str, task: dict[str, object], extra: dict[str, object]
+) -> None:
+    """Each task goes to the one node that meets it, though the other node is free and first
+    in every tie; the job records the node of each replica."""
+    job_spec = spec(name, [python_task("t", "print('ok')", **task)], **extra)
+    reply = await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))
+    job = await wait_for_job(operator, reply.job.id)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.tasks[0].reason
+    assert list(job.tasks[0].nodes) == ["b-cuda"]
+
+
+async def test_no_qualifying_node_leaves_the_task_pending_with_the_node_reason(
+    operator: grpc.aio.Channel,
+) -> None:
+    """A requirement no node meets keeps the task PENDING; the reason names it."""
+    job_spec = spec("needs-cuda-13", [python_task("t", "print()", requires={"cuda": ">=13"})])
+    stub = jobs(operator)
+    reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))
+    await asyncio.sleep(2.0)  # several scheduling passes
+    job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=reply.job.id))).job
+    assert job.state == jobs_pb2.JOB_STATE_PENDING
+    reasons = [job.tasks[0].reason, *(v.reason for v in job.tasks[0].verdicts)]
+    assert any("cuda" in reason and "13" in reason for reason in reasons), reasons
+    await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=reply.job.id))
