@@ -196,7 +196,14 @@ class SlurmCore:
         # Slurm picks the node: it may pick any but those that do not qualify.
         exclude = sorted(n.name for n in self._cluster.nodes if n.name not in names)
         settings = with_partition(self._settings, self._partition.name)
-        foreseen = await foresee(self._cli, spec, settings, nodes, exclude=exclude)
+        foreseen = await foresee(
+            self._cli,
+            spec,
+            settings,
+            nodes,
+            exclude=exclude,
+            min_speed=offer.estimate.device_speed,
+        )
         if isinstance(foreseen, str):
             return foreseen
         slurm_id = await submit_held(
@@ -215,7 +222,7 @@ class SlurmCore:
             expected_start_s=round(expected_start_s, 1),
         )
         self._changed()
-        return accepted(reservation.id, expected_start_s, lease_s)
+        return accepted(reservation.id, expected_start_s, lease_s, foreseen.run_s)
 
     async def commit(
         self, commit: site_link_service_pb2.Commit

@@ -25,9 +25,10 @@ from datacenter_agent.slurm_job import (
     parse_test_only,
     resource_args,
 )
-from datacenter_agent.slurm_select import gres_options
+from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
 from datacenter_agent.slurm_view import GRES_KINDS
 from federation.agent.config import SlurmSettings
+from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -79,10 +80,12 @@ def offer_problem(
 
 @dataclass(frozen=True, slots=True)
 class Foresight:
-    """The sbatch flags Slurm accepted and when it would start the job (Unix time)."""
+    """The sbatch flags Slurm accepted, when it would start the job (Unix time), and how long
+    the task runs on that GRES type (0: unknown)."""
 
     args: list[str]
     start: float
+    run_s: float = 0.0
 
 
 async def foresee(
@@ -92,8 +95,11 @@ async def foresee(
     nodes: list[resources_pb2.Node],
     *,
     exclude: Sequence[str] = (),
+    min_speed: float = 0.0,
 ) -> Foresight | str:
-    """Asks ``sbatch --test-only`` about each fitting GRES type; the earliest start wins.
+    """Asks ``sbatch --test-only`` about each fitting GRES type; the earliest start wins,
+    among the types at least ``min_speed`` fast (the speed the coordinator's estimate assumed)
+    when Slurm takes any of them, else among all.
 
     Args:
         cli: Runs Slurm's commands.
@@ -101,6 +107,7 @@ async def foresee(
         settings: The site's settings, its partition resolved.
         nodes: The nodes that may run the task, whose devices say which GRES types fit.
         exclude: Nodes of the partition that may not (``--exclude``).
+        min_speed: The device speed the offer's estimate assumed; 0 for none.
 
     Returns:
         What Slurm foresees, or why no GRES type can match (before Slurm is asked).
@@ -108,28 +115,40 @@ async def foresee(
     Raises:
         SlurmError: Slurm refused every option; its message says why.
     """
-    options = gres_options(spec.resources.accelerator, nodes, settings.partition)
+    acc = spec.resources.accelerator
+    options = gres_options(acc, nodes, settings.partition)
     if isinstance(options, str):
         return options
-    best: Foresight | None = None
+    speed = task_speed(spec)
+    devices = gres_devices(nodes, gres_name(acc.kind)) if acc.count else {}
+    fitting = {gres: d for gres, d in devices.items() if matches(d, acc)}
+    fast = sorted(g for g, d in fitting.items() if speed(d) >= min_speed * (1 - 1e-9))
+    tries = [fast, options] if min_speed > 0 and fast and fast != options else [options]
     error: SlurmError | None = None
-    for gres in options:
-        args = resource_args(spec, settings, gres)
-        if exclude:
-            args.append(f"--exclude={','.join(exclude)}")
-        try:
-            out = await cli.run("sbatch", "--test-only", *args, "--wrap=true")
-        except SlurmError as err:
-            error = error or err
-            continue
-        foreseen = parse_test_only(out.stderr + out.stdout)
-        start = foreseen.start if foreseen is not None and foreseen.start else time.time()
-        if best is None or start < best.start:
-            best = Foresight(args, start)
-    if best is None:
-        assert error is not None  # options is never empty
-        raise error
-    return best
+    for tried in tries:
+        best: Foresight | None = None
+        for gres in tried:
+            # An untyped request may get any fitting type: the slowest sets the run time.
+            got = [fitting[gres]] if gres in fitting else list(fitting.values())
+            slowest = min(map(speed, got), default=0.0)
+            args = resource_args(spec, settings, gres)
+            if exclude:
+                args.append(f"--exclude={','.join(exclude)}")
+            try:
+                out = await cli.run("sbatch", "--test-only", *args, "--wrap=true")
+            except SlurmError as err:
+                error = error or err
+                continue
+            foreseen = parse_test_only(out.stderr + out.stdout)
+            start = foreseen.start if foreseen is not None and foreseen.start else time.time()
+            if best is None or start < best.start:
+                duration = spec.estimated_duration_s
+                run_s = duration / slowest if slowest > 0 and duration > 0 else 0.0
+                best = Foresight(args, start, run_s)
+        if best is not None:
+            return best
+    assert error is not None  # options is never empty
+    raise error
 
 
 async def submit_held(
@@ -169,7 +188,7 @@ async def submit_held(
 
 
 def accepted(
-    reservation_id: str, expected_start_s: float, lease_s: float
+    reservation_id: str, expected_start_s: float, lease_s: float, run_s: float = 0.0
 ) -> site_link_service_pb2.OfferAnswer:
     """The answer to an offer that holds a job."""
     return site_link_service_pb2.OfferAnswer(
@@ -177,6 +196,7 @@ def accepted(
         reservation_id=reservation_id,
         expected_start_s=expected_start_s,
         lease_s=lease_s,
+        run_s=run_s,
     )
 
 

@@ -44,6 +44,17 @@ def gres_name(kind: resources_pb2.DeviceKind.ValueType) -> str:
     return next((name for name, k in GRES_KINDS.items() if k == kind), "gpu")
 
 
+def gres_devices(nodes: Iterable[resources_pb2.Node], name: str) -> dict[str, resources_pb2.Device]:
+    """One device of each GRES type named ``name`` (``gpu:a100`` -> an A100 of the view)."""
+    by_type: dict[str, resources_pb2.Device] = {}
+    for node in nodes:
+        for device in node.devices:
+            gres = device.attributes.get("slurm_gres", "")
+            if gres.split(":")[0] == name:
+                by_type.setdefault(gres, device)
+    return by_type
+
+
 def gres_options(
     acc: jobs_pb2.AcceleratorRequest, nodes: Iterable[resources_pb2.Node], partition: str
 ) -> list[str] | str:
@@ -57,12 +68,7 @@ def gres_options(
     if not acc.count:
         return [""]
     name = gres_name(acc.kind)
-    by_type: dict[str, resources_pb2.Device] = {}
-    for node in nodes:
-        for device in node.devices:
-            gres = device.attributes.get("slurm_gres", "")
-            if gres.split(":")[0] == name:
-                by_type.setdefault(gres, device)
+    by_type = gres_devices(nodes, name)
     if not by_type:
         return [name]
     fitting = sorted(gres for gres, device in by_type.items() if matches(device, acc))

@@ -23,7 +23,7 @@ from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.node_fit import qualifying_nodes
-from federation.agent.packing import place
+from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -54,6 +54,8 @@ class Reservation:
     """The checkpoint the task restarts from, if the offer carried one."""
     tenant: str = ""
     """Whose task it is: it runs as that tenant's account."""
+    run_s: float = 0.0
+    """How long the task runs on the devices held (0: not said), as the answer told."""
 
 
 @dataclass(slots=True, eq=False)
@@ -206,7 +208,11 @@ class EmbeddedCore:
             return self._accepted(held)
         problem = self._offer_problem(offer)
         nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
-        placed = nodes if isinstance(nodes, str) else place(nodes, offer.spec, self._usage())
+        placed = (
+            nodes
+            if isinstance(nodes, str)
+            else place_as_estimated(nodes, offer.spec, self._usage(), offer.estimate.device_speed)
+        )
         if isinstance(placed, str):
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
@@ -214,7 +220,14 @@ class EmbeddedCore:
         spec.CopyFrom(offer.spec)
         restore = offer.restore if offer.HasField("restore") else None
         reservation = Reservation(
-            uuid.uuid4().hex, key, spec, placed, lease_s, restore, tenant=offer.tenant
+            uuid.uuid4().hex,
+            key,
+            spec,
+            placed.slots,
+            lease_s,
+            restore,
+            tenant=offer.tenant,
+            run_s=placed.run_s,
         )
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
@@ -224,7 +237,8 @@ class EmbeddedCore:
             task=key[1],
             epoch=key[2],
             reservation_id=reservation.id,
-            nodes=[slot.node for slot in placed],
+            nodes=[slot.node for slot in placed.slots],
+            run_s=round(placed.run_s, 1),
         )
         self._changed()
         return self._accepted(reservation)
@@ -364,6 +378,7 @@ class EmbeddedCore:
             reservation_id=reservation.id,
             expected_start_s=0.0,
             lease_s=reservation.lease_s,
+            run_s=reservation.run_s,
         )
 
     def _arm_lease(self, reservation: Reservation) -> None:

@@ -11,17 +11,27 @@ vendor, models, memory and the CEL selector, which sees the attributes the coord
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.placement.estimates import device_speeds
 from federation.placement.selectors import SelectorError, accepts, compile_selector
 from federation.placement.snapshot import device_attributes
 
-__all__ = ["Slot", "Usage", "describe_request", "place", "request_problem"]
+__all__ = [
+    "Placed",
+    "Slot",
+    "Usage",
+    "describe_request",
+    "place",
+    "place_as_estimated",
+    "request_problem",
+    "task_speed",
+]
 
 _EPS = 1e-9
 _USABLE_HEALTH = frozenset(
@@ -73,13 +83,28 @@ def _attributes_key(attributes: dict[str, Any]) -> tuple[object, ...]:
     )
 
 
-class _Matcher:
-    """Which usable devices a request accepts; the selector runs once per distinct device."""
+Speed = Callable[[resources_pb2.Device], float]
+"""A device's speed for the task's workload class (``federation.placement.estimates``)."""
 
-    def __init__(self, acc: jobs_pb2.AcceleratorRequest) -> None:
+
+def task_speed(spec: jobs_pb2.TaskSpec) -> Speed:
+    """How fast each device runs ``spec``, as the coordinator's estimates read speeds."""
+    speeds = device_speeds(spec.workload_class or "training", spec.speed.items())
+    return lambda device: speeds(device.model, device.tflops_fp16)
+
+
+class _Matcher:
+    """Which usable devices a request accepts; the selector runs once per distinct device.
+    With ``min_speed``, only devices at least that fast (by ``speed``)."""
+
+    def __init__(
+        self, acc: jobs_pb2.AcceleratorRequest, speed: Speed | None = None, min_speed: float = 0.0
+    ) -> None:
         self._acc = acc
         self._program = compile_selector(acc.selector) if acc.selector else None
         self._verdicts: dict[tuple[object, ...], bool] = {}
+        self._speed = speed
+        self._min_speed = min_speed * (1 - _EPS)  # the estimate's float, read back
 
     def __call__(self, device: resources_pb2.Device) -> bool:
         acc = self._acc
@@ -89,6 +114,7 @@ class _Matcher:
             and (not acc.vendor or acc.vendor.lower() == device.vendor.lower())
             and (not acc.models or device.model in acc.models)
             and device.memory_total_mib >= acc.min_memory_mib
+            and (self._speed is None or self._speed(device) >= self._min_speed)
         ):
             return False
         if self._program is None:
@@ -135,8 +161,46 @@ def request_problem(acc: jobs_pb2.AcceleratorRequest) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """Where a task's replicas go, and how long it runs there."""
+
+    slots: tuple[Slot, ...]
+    run_s: float
+    """The task's estimated duration on the slowest device it got (a gang runs at the pace
+    of its slowest replica); 0 when it got no devices or has no estimated duration."""
+
+
+def place_as_estimated(
+    nodes: Iterable[resources_pb2.Node], spec: jobs_pb2.TaskSpec, usage: Usage, speed: float
+) -> Placed | str:
+    """Places a task on devices at least ``speed`` fast, the speed the coordinator's estimate
+    assumed, where it fits so; else on any matching devices, with the longer run time that
+    gives (the coordinator compares it with other sites' answers). ``speed`` 0: no promise.
+    """
+    nodes = list(nodes)
+    fast = task_speed(spec)
+    placed = place(nodes, spec, usage, speed=fast, min_speed=speed) if speed > 0 else ""
+    if isinstance(placed, str):
+        placed = place(nodes, spec, usage)
+    if isinstance(placed, str):
+        return placed
+    by_name = {node.name: node for node in nodes}
+    speeds = [
+        fast(by_name[slot.node].devices[pos]) for slot in placed for pos in slot.device_positions
+    ]
+    slowest = min(speeds, default=0.0)
+    duration = spec.estimated_duration_s
+    return Placed(placed, duration / slowest if slowest > 0 and duration > 0 else 0.0)
+
+
 def place(
-    nodes: Iterable[resources_pb2.Node], spec: jobs_pb2.TaskSpec, usage: Usage
+    nodes: Iterable[resources_pb2.Node],
+    spec: jobs_pb2.TaskSpec,
+    usage: Usage,
+    *,
+    speed: Speed | None = None,
+    min_speed: float = 0.0,
 ) -> tuple[Slot, ...] | str:
     """Places every replica of a gang at once, or says why it does not fit.
 
@@ -147,6 +211,8 @@ def place(
         nodes: The site's nodes.
         spec: The task; ``replicas`` 0 means 1.
         usage: Capacity already held; not modified.
+        speed: How fast each device runs the task, for ``min_speed``.
+        min_speed: Only devices at least this fast.
 
     Returns:
         One slot per replica, or the reason the gang was declined.
@@ -156,7 +222,7 @@ def place(
     schedulable = [node for node in nodes if node.schedulable]
     if not schedulable:
         return "no schedulable nodes"
-    matches = _Matcher(spec.resources.accelerator)
+    matches = _Matcher(spec.resources.accelerator, speed, min_speed)
     replicas = spec.replicas or 1
     tentative = usage.copy()
     slots: list[Slot] = []

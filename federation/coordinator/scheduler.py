@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -79,6 +80,10 @@ class _Negotiation:
     verdicts: list[jobs_pb2.SiteVerdict]
     """Why sites did not take it: placement's, then each refusal."""
     estimates: dict[str, jobs_pb2.Estimate]
+    """Placement's estimate per site; a site that accepts with its own run time replaces it
+    there (``committed``)."""
+    slower: set[str] = field(default_factory=set)
+    """Sites that accepted with a longer run time than placement estimated there."""
     settled: bool = False
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
     epoch: int = 0
@@ -372,7 +377,8 @@ class Scheduler:
                 node_labels=job.spec.constraints.node_labels,
             )
             for site in offered_to[n.key]:
-                offers.setdefault(site, []).append((n, offer))
+                own = _with_estimate(offer, n.estimates.get(site))
+                offers.setdefault(site, []).append((n, own))
         # Sites answer in their own time: a task is decided once every site it was offered
         # to has answered, so a slow site holds up only the tasks offered to it.
         unanswered = {n.key: len(offered_to[n.key]) for n in active}
@@ -389,11 +395,12 @@ class Scheduler:
                 ready = []
                 for answered in done:
                     site = asking.pop(answered)
-                    for (n, _), (reservation, why) in zip(
+                    for (n, _), (reservation, why, run_s) in zip(
                         offers[site], answered.result(), strict=True
                     ):
                         if reservation:
                             accepted.setdefault(n.key, []).append((site, reservation))
+                            _commit_estimate(n, site, run_s)
                         else:
                             n.verdicts.append(_refusal(site, why))
                         unanswered[n.key] -= 1
@@ -428,12 +435,12 @@ class Scheduler:
         for n in negotiations:
             if n.key not in accepted:
                 continue
-            rank = offered_to[n.key]
-            best, *others = sorted(accepted[n.key], key=lambda a: rank.index(a[0]))
+            best, *others = _by_promise(n, offered_to[n.key], accepted[n.key])
             n.chosen = best
             for site, reservation in others:
                 self._release(site, reservation)
-                n.verdicts.append(_refusal(site, f"accepted, but {best[0]} ranked higher"))
+                why = f"accepted, but {best[0]} finishes sooner or ranked higher"
+                n.verdicts.append(_refusal(site, why))
         await self._delegate([n for n in negotiations if n.key in accepted])
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
@@ -488,11 +495,12 @@ class Scheduler:
 
     async def _offer(
         self, site: str, offers: list[site_link_service_pb2.Offer]
-    ) -> list[tuple[str, str]]:
-        """For each offer: (reservation id, "") when the site accepts, else ("", why not)."""
+    ) -> list[tuple[str, str, float]]:
+        """For each offer: (reservation id, "", the run time the site answered) when the site
+        accepts, else ("", why not, 0)."""
         session = self._sites.session(site)
         if session is None:
-            return [("", "site disconnected before the offer")] * len(offers)
+            return [("", "site disconnected before the offer", 0.0)] * len(offers)
         timeout_s = self._config.offer_timeout_s
         replies = await session.request_many(
             [site_link_service_pb2.CoordinatorMessage(offer=offer) for offer in offers], timeout_s
@@ -500,15 +508,15 @@ class Scheduler:
         out = []
         for reply in replies:
             if isinstance(reply, TimeoutError):
-                out.append(("", f"no answer to the offer within {timeout_s:g}s"))
+                out.append(("", f"no answer to the offer within {timeout_s:g}s", 0.0))
             elif isinstance(reply, SessionClosedError):
-                out.append(("", "site disconnected during the offer"))
+                out.append(("", "site disconnected during the offer", 0.0))
             elif not reply.HasField("offer_answer"):
-                out.append(("", "site answered the offer with the wrong message"))
-            elif not reply.offer_answer.accepted:
-                out.append(("", f"declined: {reply.offer_answer.reason}"))
+                out.append(("", "site answered the offer with the wrong message", 0.0))
+            elif not (answer := reply.offer_answer).accepted:
+                out.append(("", f"declined: {answer.reason}", 0.0))
             else:
-                out.append((reply.offer_answer.reservation_id, ""))
+                out.append((answer.reservation_id, "", answer.run_s))
         return out
 
     def _release(self, site: str, reservation_id: str) -> None:
@@ -663,6 +671,60 @@ def _task_of(
     return find_task(job, n.task)
 
 
+def _by_promise(
+    n: _Negotiation, rank: list[str], answers: list[tuple[str, str]]
+) -> list[tuple[str, str]]:
+    """A task's acceptances, the one to commit first: by placement's rank, except that a site
+    that can run the task only slower than placement estimated (``n.slower``) goes last unless
+    it still finishes soonest of all."""
+
+    def total(answer: tuple[str, str]) -> float:
+        estimated = n.estimates.get(answer[0])
+        return estimated.total_s if estimated is not None else math.inf
+
+    soonest = min(total(a) for a in answers)
+    return sorted(
+        answers,
+        key=lambda a: (a[0] in n.slower and total(a) > soonest, rank.index(a[0])),
+    )
+
+
+def _with_estimate(
+    offer: site_link_service_pb2.Offer, estimated: jobs_pb2.Estimate | None
+) -> site_link_service_pb2.Offer:
+    """The offer for one site: with what placement estimated there, so the site packs onto
+    devices as fast as the estimate assumed (or answers its own run time)."""
+    if estimated is None:
+        return offer
+    own = site_link_service_pb2.Offer()
+    own.CopyFrom(offer)
+    own.estimate.CopyFrom(estimated)
+    return own
+
+
+def _commit_estimate(n: _Negotiation, site: str, run_s: float) -> None:
+    """Take a site's own run time into its estimate: what the task is ranked and shown by.
+
+    Cost and energy scale with the run time; a run time the site does not give (0) or that
+    is not a finite positive number leaves placement's estimate as it was.
+    """
+    placed = n.estimates.get(site)
+    if placed is None or not (math.isfinite(run_s) and run_s > 0) or run_s == placed.run_s:
+        return
+    if run_s > placed.run_s * (1 + 1e-9):
+        n.slower.add(site)
+    committed = jobs_pb2.Estimate()
+    committed.CopyFrom(placed)
+    ratio = run_s / placed.run_s if placed.run_s > 0 else 1.0
+    committed.run_s = run_s
+    committed.total_s = placed.queue_s + placed.transfer_s + run_s
+    committed.cost_usd = placed.cost_usd * ratio
+    committed.energy_kwh = placed.energy_kwh * ratio
+    if placed.device_speed > 0:
+        committed.device_speed = placed.device_speed / ratio
+    n.estimates[site] = committed
+
+
 def _mark_delegated(
     task_name: str,
     site: str,
@@ -770,4 +832,5 @@ def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
         cost_usd=float(estimates.cost_usd[site]),
         energy_kwh=float(estimates.energy_kwh[site]),
         transfer_bytes=int(estimates.transfer_bytes[site]),
+        device_speed=float(estimates.device_speed[site]),
     )

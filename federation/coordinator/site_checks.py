@@ -154,7 +154,13 @@ _CHECKPOINT = _Rules(
     texts=(("path", MAX_TEXT_CHARS), ("site", MAX_TEXT_CHARS)),
 )
 _TIMESTAMP = _Rules(ranges=(("seconds", 0, MAX_TIMESTAMP_S), ("nanos", 0, 999_999_999)))
-_ANSWER = _Rules(ranges=(("expected_start_s", 0, MAX_FIGURE), ("lease_s", 0, MAX_FIGURE)))
+_ANSWER = _Rules(
+    ranges=(
+        ("expected_start_s", 0, MAX_FIGURE),
+        ("lease_s", 0, MAX_FIGURE),
+        ("run_s", 0, MAX_FIGURE),
+    )
+)
 
 
 def check_envelope(messages: Sequence[pb.AgentMessage], peer: str, *, first: bool) -> None:

@@ -7,6 +7,7 @@ run. Computed once per (request, snapshot) and shared by every plugin that needs
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from importlib import resources
 
@@ -33,6 +34,8 @@ class Estimates:
     queue_s: F64
     transfer_s: F64
     run_s: F64
+    device_speed: F64
+    """Speed of the devices ``run_s`` assumes (the fastest free matching ones); 0: none asked."""
     cost_usd: F64
     energy_kwh: F64
     transfer_bytes: F64
@@ -50,15 +53,28 @@ def speed_table() -> dict[str, dict[str, float]]:
     return doc
 
 
+def device_speeds(
+    workload_class: str, overrides: Iterable[tuple[str, float]] = ()
+) -> Callable[[str, float], float]:
+    """Speed of a device (its model, its fp16 TFLOPS) for a workload class (1.0 = A100-80GB):
+    the speed table's row, the task's overrides, else TFLOPS against the reference. The
+    coordinator's estimates and the sites' packers both read speeds through this."""
+    table = {**speed_table().get(workload_class, speed_table()["training"]), **dict(overrides)}
+
+    def speed(model: str, tflops_fp16: float) -> float:
+        fallback = tflops_fp16 / REFERENCE_TFLOPS_FP16 if tflops_fp16 > 0 else 1.0
+        return float(table.get(model, fallback))
+
+    return speed
+
+
 def class_speed(req: Request, snap: Snapshot) -> F64:
     """Speed of each device class for the task's workload class (1.0 = A100-80GB)."""
-    table = {**speed_table().get(req.workload_class, speed_table()["training"]), **dict(req.speed)}
-    speeds = []
-    for c in snap.classes:
-        tflops = float(c.attributes.get("tflops_fp16", 0.0))
-        fallback = tflops / REFERENCE_TFLOPS_FP16 if tflops > 0 else 1.0
-        speeds.append(table.get(c.model, fallback))
-    return np.array(speeds, dtype=np.float64)
+    speed = device_speeds(req.workload_class, req.speed)
+    return np.array(
+        [speed(c.model, float(c.attributes.get("tflops_fp16", 0.0))) for c in snap.classes],
+        dtype=np.float64,
+    )
 
 
 def _groups(
@@ -83,10 +99,12 @@ def _site_max(values: F64, groups: tuple[npt.NDArray[np.int64], npt.NDArray[np.b
     return out
 
 
-def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64]:
-    """Run time at each site on its fastest usable devices, and their power per device."""
+def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64, F64]:
+    """Run time at each site on its fastest usable devices, their speed (0: none) and their
+    power per device."""
     if not req.wants_accelerator or not len(snap.classes):
-        return np.full(snap.n_sites, req.duration_s), np.zeros(snap.n_sites)
+        zeros = np.zeros(snap.n_sites)
+        return np.full(snap.n_sites, req.duration_s), zeros, zeros
     speed = class_speed(req, snap)
     power = np.array([float(c.attributes.get("power_tdp_watts", 0.0)) for c in snap.classes])
     if req.accelerator_count:
@@ -101,7 +119,7 @@ def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64]:
     best = _site_max(speed[classes] * usable, groups)
     watts = _site_max(power[classes] * usable, groups)
     run = np.where(best > 0, req.duration_s / np.where(best > 0, best, 1.0), req.duration_s)
-    return run, watts
+    return run, best, watts
 
 
 def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
@@ -134,7 +152,7 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
     key = ("estimate", req)
     cached = snap.memo.get(key)
     if cached is None:
-        run_s, power = _run_s(req, snap)
+        run_s, speed, power = _run_s(req, snap)
         transfer_s, moved, unknown = _transfer(req, snap)
         devices = req.devices_per_replica * req.replicas
         cost = snap.price_per_device_hour * devices * run_s / 3600.0
@@ -143,6 +161,7 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
             queue_s=snap.queue_wait_s.copy(),
             transfer_s=transfer_s,
             run_s=run_s,
+            device_speed=speed,
             cost_usd=cost,
             energy_kwh=energy,
             transfer_bytes=moved,

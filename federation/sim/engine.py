@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from federation.coordinator import job_state
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
-from federation.placement.estimates import class_speed
+from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Framework
 from federation.placement.request import Request
 from federation.sim.policies import build_policy, feasibility_key
@@ -296,7 +296,9 @@ class Simulation:
 
     def _delegate(self, i: int, site: int) -> None:
         run = self.runs[i]
-        run.grant = grant = self.state.allocate(run.request, site)
+        # The site packs as the estimate assumed (the faster devices), as real sites do.
+        assumed = float(estimate(run.request, self.snap).device_speed[site])
+        run.grant = grant = self.state.allocate(run.request, site, assumed)
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
         run.site = site

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.api.v1 import resources_pb2
+from federation.placement.estimates import class_speed
 from federation.placement.plugins.capacity_fit import EPSILON, matching_classes, node_label_mask
 from federation.placement.request import Request
 from federation.placement.snapshot import Memo, SiteInput, Snapshot, build_snapshot
@@ -137,8 +138,17 @@ class SiteState:
         """An independent copy with every device free, for another replay."""
         return SiteState(self.topology, _copy_capacity(self._pristine), self._pristine)
 
-    def node_room(self, req: Request, site: int) -> F64:
-        """Replicas of ``req`` each node of ``site`` can hold now (CapacityFit's count)."""
+    def classes(self, req: Request, min_speed: float = 0.0) -> npt.NDArray[np.bool_]:
+        """Device classes ``req`` matches, only those at least ``min_speed`` fast when given
+        (the packer's ``min_speed``)."""
+        classes = matching_classes(req, self.snap)
+        if min_speed > 0 and len(classes):
+            classes = classes & (class_speed(req, self.snap) >= min_speed * (1 - EPSILON))
+        return classes
+
+    def node_room(self, req: Request, site: int, min_speed: float = 0.0) -> F64:
+        """Replicas of ``req`` each node of ``site`` can hold now (CapacityFit's count), on
+        devices at least ``min_speed`` fast."""
         if req.partition or req.same_interconnect:
             raise UnsupportedRequestError("the simulator models whole devices and fractions only")
         snap = self.snap
@@ -151,7 +161,7 @@ class SiteState:
                 fit, np.floor(snap.node_memory_free_mib[a:b] / req.memory_mib + EPSILON)
             )
         if req.wants_accelerator:
-            classes = matching_classes(req, snap)
+            classes = self.classes(req, min_speed)
             if req.accelerator_count:
                 pa, pb = self._span(self.pair_lo, self.pair_hi, a, b)
                 weights = snap.pair_free[pa:pb] * classes[snap.pair_class[pa:pb]]
@@ -177,30 +187,34 @@ class SiteState:
         """Rows of nodes ``a`` to ``b`` (exclusive) in an array grouped by node."""
         return (int(lo[a]), int(hi[b - 1])) if b > a else (0, 0)
 
-    def room(self, req: Request, site: int) -> float:
+    def room(self, req: Request, site: int, min_speed: float = 0.0) -> float:
         """Replicas of ``req`` the site can hold now, each on one node."""
-        return float(self.node_room(req, site).sum())
+        return float(self.node_room(req, site, min_speed).sum())
 
-    def allocate(self, req: Request, site: int) -> Grant:
-        """Hold room for every replica; the caller has checked that it fits."""
+    def allocate(self, req: Request, site: int, min_speed: float = 0.0) -> Grant:
+        """Hold room for every replica; the caller has checked that it fits. As the packer's
+        ``place_as_estimated``: on devices at least ``min_speed`` fast where they hold every
+        replica, else on any."""
+        if min_speed > 0 and self.room(req, site, min_speed) < req.replicas:
+            min_speed = 0.0
         snap = self.snap
         a = int(self.node_lo[site])
         nodes: list[int] = []
         devices: list[int] = []
         for _ in range(req.replicas):
-            room = self.node_room(req, site)
+            room = self.node_room(req, site, min_speed)
             candidates = np.flatnonzero(room >= 1)
             if not len(candidates):
                 raise RuntimeError(f"site {snap.site_ids[site]} has no room for {req}")
-            node = int(self._best_fit(req, a + candidates))
+            node = int(self._best_fit(req, a + candidates, min_speed))
             nodes.append(node)
-            devices.extend(self._take_devices(req, node))
+            devices.extend(self._take_devices(req, node, min_speed))
             snap.node_cpu_free[node] -= req.cpu
             snap.node_memory_free_mib[node] -= req.memory_mib
         snap.memo.clear()
         return Grant(site, tuple(nodes), tuple(devices), req.cpu, req.memory_mib, req.fraction)
 
-    def _best_fit(self, req: Request, nodes: I64) -> int:
+    def _best_fit(self, req: Request, nodes: I64, min_speed: float) -> int:
         """The node that is left with the least free capacity, as the embedded core's packer
         ranks them: for a share, the share its device keeps; then free whole devices, CPU,
         memory and name."""
@@ -214,27 +228,27 @@ class SiteState:
             free_devices - req.accelerator_count,
         ]
         if req.fraction:
-            keys.append(np.array([self._tightest_share(req, int(n))[1] for n in nodes]))
+            keys.append(np.array([self._tightest_share(req, int(n), min_speed)[1] for n in nodes]))
         return int(nodes[np.lexsort(keys)[0]])
 
-    def _tightest_share(self, req: Request, node: int) -> tuple[int, float]:
+    def _tightest_share(self, req: Request, node: int, min_speed: float = 0.0) -> tuple[int, float]:
         """The shareable matching device of ``node`` with the least free share that still
         holds the request (then the lowest index), and the share it would keep."""
         snap = self.snap
         lo, hi = int(self.device_lo[node]), int(self.device_hi[node])
         left = snap.device_free_fraction[lo:hi]
-        matching = matching_classes(req, snap)[snap.device_class[lo:hi]]
+        matching = self.classes(req, min_speed)[snap.device_class[lo:hi]]
         shares = np.floor(left / req.fraction + EPSILON)  # the packer's shares_fit
         candidates = np.flatnonzero(matching & snap.device_shareable[lo:hi] & (shares >= 1))
         best = int(candidates[np.lexsort((candidates, left[candidates]))[0]])
         return lo + best, float(left[best] - req.fraction)
 
-    def _take_devices(self, req: Request, node: int) -> list[int]:
+    def _take_devices(self, req: Request, node: int, min_speed: float) -> list[int]:
         if not req.wants_accelerator:
             return []
         snap = self.snap
         lo, hi = int(self.device_lo[node]), int(self.device_hi[node])
-        matching = matching_classes(req, snap)[snap.device_class[lo:hi]]
+        matching = self.classes(req, min_speed)[snap.device_class[lo:hi]]
         if req.accelerator_count:
             free = np.flatnonzero(matching & snap.device_available[lo:hi])[: req.accelerator_count]
             taken = [lo + int(d) for d in free]
@@ -245,7 +259,7 @@ class SiteState:
                 snap.pair_free[self.device_pair[d]] -= 1
             self.free_devices -= len(taken)
             return taken
-        d, _ = self._tightest_share(req, node)
+        d, _ = self._tightest_share(req, node, min_speed)
         if snap.device_available[d]:
             snap.device_available[d] = False
             snap.pair_free[self.device_pair[d]] -= 1

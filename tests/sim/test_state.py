@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from federation.agent.packing import Slot, Usage, place
+from federation.agent.packing import Placed, Slot, Usage, place_as_estimated
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.plugins.capacity_fit import replicas_per_node
 from federation.placement.request import Request
@@ -97,12 +97,18 @@ def _usage(state: SiteState, grants: list[Grant]) -> Usage:
 
 
 @settings(max_examples=150, deadline=None)
-@given(nodes=nodes_st, earlier=st.lists(task_st, max_size=4), probe=task_st)
+@given(
+    nodes=nodes_st,
+    earlier=st.lists(task_st, max_size=4),
+    probe=task_st,
+    assumed=st.sampled_from([0.0, 0.12, 0.38, 1.0, 2.5]),
+)
 def test_a_site_accepts_exactly_when_the_embedded_packer_would(
-    nodes: list[NodeSpec], earlier: list[tuple], probe: tuple
+    nodes: list[NodeSpec], earlier: list[tuple], probe: tuple, assumed: float
 ) -> None:
-    """After any grants, the simulated site and packing.place agree on the next task (and on
-    where it goes), and the room equals CapacityFit's count for the site."""
+    """After any grants, the simulated site and the packer agree on the next task (and on
+    where it goes, on devices as fast as the estimate ``assumed`` where they fit), and the
+    room equals CapacityFit's count for the site."""
     state = SiteState(one_site(nodes))
     grants = []
     for args in earlier:
@@ -111,13 +117,13 @@ def test_a_site_accepts_exactly_when_the_embedded_packer_would(
             grants.append(state.allocate(req, 0))
     spec, req = _task(*probe)
     node_protos = list(site_views(state.topology)[0].view.nodes)
-    packed = place(node_protos, spec, _usage(state, grants))
-    assert (state.room(req, 0) >= req.replicas) == isinstance(packed, tuple)
+    packed = place_as_estimated(node_protos, spec, _usage(state, grants), assumed)
+    assert (state.room(req, 0) >= req.replicas) == isinstance(packed, Placed)
     counted = replicas_per_node(req, state.snap, cap=float(1 << 20)).sum()
     assert state.room(req, 0) == counted
-    if isinstance(packed, tuple):  # and the same nodes and devices, replica by replica
-        grant = state.allocate(req, 0)
-        assert _usage(state, [grant]) == Usage.of(packed)
+    if isinstance(packed, Placed):  # and the same nodes and devices, replica by replica
+        grant = state.allocate(req, 0, assumed)
+        assert _usage(state, [grant]) == Usage.of(packed.slots)
 
 
 @settings(max_examples=60, deadline=None)

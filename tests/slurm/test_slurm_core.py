@@ -226,6 +226,26 @@ async def test_the_node_must_meet_what_the_task_requires(make_core: MakeCore) ->
     await harness.core.release(answer.reservation_id)
 
 
+@pytest.mark.parametrize("assumed", [1.0, 2.5], ids=["as-estimated", "faster-than-it-has"])
+async def test_the_answer_says_how_long_the_task_runs_there(
+    make_core: MakeCore, assumed: float
+) -> None:
+    """Slurm's A100s run 60 s of reference work in 60 s: the answer says so whether the
+    estimate assumed A100s or faster devices this site lacks (it still holds the job, and the
+    coordinator weighs the longer run against other sites)."""
+    harness = await make_core()
+    spec = gpu_task("pass", gpus=1)
+    spec.estimated_duration_s = 60
+    offer = site_link_service_pb2.Offer(
+        job_id=f"speed-{assumed:g}".replace(".", "-"), task="main", epoch=1, spec=spec, lease_s=30
+    )
+    offer.estimate.device_speed = assumed
+    answer = await harness.core.offer(offer)
+    assert answer.accepted, answer.reason
+    assert answer.run_s == pytest.approx(60.0)
+    await harness.core.release(answer.reservation_id)
+
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [

@@ -742,6 +742,7 @@ class Estimate(_message.Message):
     COST_USD_FIELD_NUMBER: _builtins.int
     ENERGY_KWH_FIELD_NUMBER: _builtins.int
     TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_SPEED_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     transfer_s: _builtins.float
     run_s: _builtins.float
@@ -749,6 +750,8 @@ class Estimate(_message.Message):
     cost_usd: _builtins.float
     energy_kwh: _builtins.float
     transfer_bytes: _builtins.int
+    device_speed: _builtins.float
+    """Speed of the devices run_s assumes (1.0 = the speed table's reference); 0: no devices."""
     def __init__(
         self,
         *,
@@ -759,10 +762,11 @@ class Estimate(_message.Message):
         cost_usd: _builtins.float = ...,
         energy_kwh: _builtins.float = ...,
         transfer_bytes: _builtins.int = ...,
+        device_speed: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -210,6 +210,7 @@ class OfferAnswer(_message.Message):
     EXPECTED_START_S_FIELD_NUMBER: _builtins.int
     LEASE_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    RUN_S_FIELD_NUMBER: _builtins.int
     accepted: _builtins.bool
     reservation_id: _builtins.str
     expected_start_s: _builtins.float
@@ -217,6 +218,10 @@ class OfferAnswer(_message.Message):
     lease_s: _builtins.float
     """Seconds the reservation is held without a commit."""
     reason: _builtins.str
+    run_s: _builtins.float
+    """Seconds the task will run on the devices reserved, by the same speed table; 0: the site
+    does not say (no devices asked for, or it cannot tell), and the offer's estimate stands.
+    """
     def __init__(
         self,
         *,
@@ -225,10 +230,11 @@ class OfferAnswer(_message.Message):
         expected_start_s: _builtins.float = ...,
         lease_s: _builtins.float = ...,
         reason: _builtins.str = ...,
+        run_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "expected_start_s", b"expected_start_s", "lease_s", b"lease_s", "reason", b"reason", "reservation_id", b"reservation_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "expected_start_s", b"expected_start_s", "lease_s", b"lease_s", "reason", b"reason", "reservation_id", b"reservation_id", "run_s", b"run_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -385,6 +391,7 @@ class Offer(_message.Message):
     LEASE_S_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
     NODE_LABELS_FIELD_NUMBER: _builtins.int
+    ESTIMATE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -403,6 +410,12 @@ class Offer(_message.Message):
         as it must meet spec.requires.
         """
 
+    @_builtins.property
+    def estimate(self) -> _jobs_pb2.Estimate:
+        """What the coordinator ranked this site by: run_s assumes devices of estimate.device_speed.
+        The site reserves devices at least that fast where it can; else it answers its own run_s.
+        """
+
     def __init__(
         self,
         *,
@@ -414,10 +427,11 @@ class Offer(_message.Message):
         lease_s: _builtins.float = ...,
         restore: _jobs_pb2.CheckpointRecord | None = ...,
         node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        estimate: _jobs_pb2.Estimate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["restore", b"restore", "spec", b"spec"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
