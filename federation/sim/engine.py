@@ -81,6 +81,10 @@ class TaskRun:
     grant: Grant | None = None
     held: F64 = field(default_factory=lambda: np.zeros(0))
     """Device-equivalents held per accelerator model."""
+    assumed_speed: float = 0.0
+    """The device speed placement's estimate assumed at its site (0: no devices asked)."""
+    speed: float = 0.0
+    """The speed of the slowest device it got there (0: none)."""
 
 
 @dataclass(slots=True)
@@ -309,6 +313,7 @@ class Simulation:
         self._holding += run.held
         speed = float(self._speed(run.request)[classes].min()) if len(classes) else 1.0
         run.run_s = run.trace.duration_s / speed
+        run.assumed_speed, run.speed = assumed, speed if len(classes) else 0.0
         self._push(self._now + run.transfer_s, START, i)
 
     def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:

@@ -140,6 +140,8 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
     in_system = sum(r.finished_s - r.trace.submit_s for r in finished)
     compute = sum(r.compute_usd for r in finished)
     egress = sum(r.egress_usd for r in placed)
+    promised = [r for r in placed if r.assumed_speed > 0]
+    slower = [r for r in promised if r.speed < r.assumed_speed * (1 - 1e-9)]
     deadline = [r for r in runs if r.trace.deadline_s > 0]
     missed = [
         r
@@ -199,6 +201,11 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
         "energy_kwh": as_number(sum(r.energy_kwh for r in finished)),
         "deadlines": {"tasks_with_deadline": len(deadline), "missed": len(missed)},
         "by_priority": by_priority,
+        "slower_than_estimate": {
+            "tasks_with_devices": len(promised),
+            "on_slower_devices": len(slower),
+            "share": len(slower) / len(promised) if promised else 0.0,
+        },
         "offers": outcome.offers,
         "declines": outcome.declines,
     }

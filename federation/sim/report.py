@@ -61,7 +61,7 @@ def print_tables(result: ReplayResult, console: Console) -> None:
     times.add_column("policy", no_wrap=True)
     for column in ("jobs done", "JCT mean", "p50", "p95", "p99", "x bound", "wait mean"):
         times.add_column(column, justify="right")
-    for column in ("wait p95", "makespan", "slowdown", "deadline missed"):
+    for column in ("wait p95", "makespan", "slowdown", "deadline missed", "slower than est."):
         times.add_column(column, justify="right")
     for name, m in policies.items():
         jct, queue = m["jct_s"], m["queueing_delay_s"]
@@ -80,6 +80,7 @@ def print_tables(result: ReplayResult, console: Console) -> None:
             duration(m["makespan_s"]),
             "-" if m["slowdown"]["mean"] is None else f"{m['slowdown']['mean']:.2f}",
             f"{deadlines['missed']}/{deadlines['tasks_with_deadline']}",
+            _share(m["slower_than_estimate"]["share"]),
         )
     console.print(times)
     resources = Table(title="Devices, data, money", box=box.SIMPLE_HEAD)
