@@ -121,7 +121,12 @@ class AgentConfig:
     reads its own compat_table (give both the same file): it says which nodes meet a task's
     software requirements."""
     discover_host: bool = True
-    """Publish this machine (CPU, memory, NVIDIA GPUs via NVML) as a node."""
+    """Publish this machine as a node: CPU and memory, NVIDIA GPUs via NVML, and other vendors'
+    accelerators via their tools (amd-smi or rocm-smi, npu-smi, cnmon, xpu-smi, xbutil)."""
+    model_names: dict[str, str] = field(default_factory=dict)
+    """Device names as vendor tools print them → the model names jobs and tables use, e.g.
+    ``"NVIDIA H100 80GB HBM3" = "H100-80GB"``: added to, and overriding, the shipped table
+    (``federation/agent/discovery/data/model_names.yaml``)."""
     host_node_name: str = ""
     price_per_device_hour: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)

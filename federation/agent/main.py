@@ -100,11 +100,17 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
             f"{source}: scheduler must be one of {', '.join(SCHEDULERS)}, not {config.scheduler!r}"
         )
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
+    if not all(isinstance(name, str) for name in config.model_names.values()):
+        raise ConfigError(f"{source}: model_names: each value must be a model name (a string)")
     return config
 
 
 def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
-    nodes = [discover_host_node(config.host_node_name or None)] if config.discover_host else []
+    nodes = []
+    if config.discover_host:
+        nodes.append(
+            discover_host_node(config.host_node_name or None, model_names=config.model_names)
+        )
     if config.inventory:
         nodes += load_inventory(config.inventory)
     if not nodes:

@@ -10,7 +10,7 @@ import psutil
 import pynvml
 import pytest
 
-from federation.agent.discovery import discover_host_node, discover_nvidia_gpus
+from federation.agent.discovery import canonical_model, discover_host_node, discover_nvidia_gpus
 from federation.api.v1 import resources_pb2
 
 
@@ -50,12 +50,13 @@ def test_no_gpus_without_nvidia_driver() -> None:
         pytest.skip("this machine has an NVIDIA driver")
     assert discover_nvidia_gpus() == []
     node = discover_host_node()
-    assert not node.devices
+    assert not [d for d in node.devices if d.vendor == "nvidia"]
     assert "driver" not in node.labels
 
 
 def test_nvidia_gpus_match_nvml() -> None:
-    """Each GPU NVML reports becomes a healthy device with driver, CUDA and capability."""
+    """Each GPU NVML reports becomes a device with canonical model, driver, CUDA, capability,
+    health and NVLink group."""
     if not _nvml_works():
         pytest.skip("NVML has no NVIDIA driver on this machine")
     devices = discover_nvidia_gpus()
@@ -74,10 +75,14 @@ def test_nvidia_gpus_match_nvml() -> None:
         assert device.id == uuids[index]
         assert device.kind == resources_pb2.DEVICE_KIND_GPU
         assert device.vendor == "nvidia"
-        assert device.model
+        assert device.model == canonical_model(device.attributes["nvml_name"])
         assert device.memory_total_mib == totals[index]
         assert 0 < device.memory_free_mib <= device.memory_total_mib
-        assert device.health == resources_pb2.DEVICE_HEALTH_HEALTHY
+        # A GPU awaiting a reset (pending page retirement or row remap) is degraded, with why.
+        assert device.health == resources_pb2.DEVICE_HEALTH_HEALTHY or (
+            device.health == resources_pb2.DEVICE_HEALTH_DEGRADED and device.health_reason
+        )
+        assert re.fullmatch(r"(nvlink-\d+)?", device.interconnect_group)
         assert device.provenance == resources_pb2.PROVENANCE_DISCOVERED
         assert device.attributes["driver"] == driver
         assert re.fullmatch(r"\d+\.\d+", device.attributes["cuda"])

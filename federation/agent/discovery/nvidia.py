@@ -1,0 +1,297 @@
+"""NVIDIA GPUs through NVML: canonical model, memory, health, MIG profiles and NVLink groups.
+
+A query a GPU or driver does not support (power on a MIG slice, ECC on a GeForce card, row
+remapping before Ampere) reads as unknown: the field keeps its zero, the attribute is left out.
+A query that fails for another reason degrades the GPU, and one that cannot read the GPU at all
+(handle, name, memory) makes it unhealthy.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any, TypeVar
+
+import pynvml
+import structlog
+
+from federation.agent.discovery.models import canonical_model
+from federation.agent.discovery.plugin import Scan
+from federation.api.v1 import resources_pb2
+
+log = structlog.get_logger()
+
+_MIB = 1024 * 1024
+_T = TypeVar("_T")
+
+# Errors that mean "this GPU or driver cannot answer that", not "something is wrong".
+_UNSUPPORTED = frozenset(
+    {
+        pynvml.NVML_ERROR_NOT_SUPPORTED,
+        pynvml.NVML_ERROR_NO_PERMISSION,
+        pynvml.NVML_ERROR_FUNCTION_NOT_FOUND,
+        pynvml.NVML_ERROR_INVALID_ARGUMENT,
+        pynvml.NVML_ERROR_NOT_FOUND,
+    }
+)
+# nvmlInit errors of a machine with no NVIDIA driver: no GPUs, and nothing wrong.
+_NO_DRIVER = frozenset({pynvml.NVML_ERROR_LIBRARY_NOT_FOUND, pynvml.NVML_ERROR_DRIVER_NOT_LOADED})
+
+
+def _optional(default: _T, call: Callable[..., _T], *args: Any) -> _T:
+    """Result of an NVML query, or ``default`` when it fails for any reason."""
+    try:
+        return call(*args)
+    except pynvml.NVMLError:
+        return default
+
+
+class _Queries:
+    """NVML queries on one GPU that remember the ones that failed (not merely unsupported)."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle
+        self.failed: list[str] = []
+
+    def get(self, default: _T, call: Callable[..., _T], *args: Any) -> _T:
+        try:
+            return call(self.handle, *args)
+        except pynvml.NVMLError as exc:
+            if exc.value not in _UNSUPPORTED:
+                self.failed.append(f"{call.__name__.removeprefix('nvmlDeviceGet')}: {exc}")
+            return default
+
+
+@dataclass(frozen=True, slots=True)
+class HealthReadings:
+    """What NVML said about a GPU's health; False where it could not say."""
+
+    retired_pages_pending: bool = False
+    """Pages await retirement (pre-Ampere), which takes a GPU reset."""
+    row_remap_pending: bool = False
+    """Rows await remapping (Ampere and later), which takes a GPU reset."""
+    row_remap_failed: bool = False
+    """A row could not be remapped: the GPU needs service."""
+    failed_queries: tuple[str, ...] = ()
+
+
+def gpu_health(readings: HealthReadings) -> tuple[resources_pb2.DeviceHealth.ValueType, str]:
+    """A GPU's health and the reason for it (empty when healthy)."""
+    if readings.row_remap_failed:
+        return resources_pb2.DEVICE_HEALTH_UNHEALTHY, "row remapping failed: the GPU needs service"
+    reasons = [
+        *(["pages pending retirement: reset the GPU"] if readings.retired_pages_pending else []),
+        *(["rows pending remapping: reset the GPU"] if readings.row_remap_pending else []),
+        *(f"NVML query failed: {query}" for query in readings.failed_queries),
+    ]
+    if reasons:
+        return resources_pb2.DEVICE_HEALTH_DEGRADED, "; ".join(reasons)
+    return resources_pb2.DEVICE_HEALTH_HEALTHY, ""
+
+
+def interconnect_groups(linked: Sequence[Sequence[bool]]) -> list[str]:
+    """The NVLink group of each GPU, from which pairs of GPUs NVLink joins.
+
+    Args:
+        linked: Symmetric matrix; ``linked[i][j]`` when GPUs i and j reach each other over
+            NVLink, directly or through NVSwitch.
+
+    Returns:
+        Per GPU, ``"nvlink-<k>"`` shared by every GPU it reaches over NVLink, in any number of
+        hops (a DGX-1's cube mesh is one group), k counting groups in GPU order; ``""`` for a
+        GPU that NVLink joins to none, which is a group of its own.
+    """
+    n = len(linked)
+    group = [-1] * n
+    count = 0
+    for start in range(n):
+        if group[start] >= 0 or not any(linked[start][j] for j in range(n) if j != start):
+            continue
+        group[start], reach = count, [start]
+        while reach:
+            i = reach.pop()
+            for j in range(n):
+                if linked[i][j] and group[j] < 0:
+                    group[j] = count
+                    reach.append(j)
+        count += 1
+    return [f"nvlink-{g}" if g >= 0 else "" for g in group]
+
+
+def _nvlink_matrix(handles: Sequence[Any]) -> list[list[bool]]:
+    """Which pairs of GPUs NVML says can do peer-to-peer over NVLink (None: an unread GPU)."""
+    linked = [[False] * len(handles) for _ in handles]
+    for i, j in combinations(range(len(handles)), 2):
+        if handles[i] is None or handles[j] is None:
+            continue
+        status = _optional(
+            None,
+            pynvml.nvmlDeviceGetP2PStatus,
+            handles[i],
+            handles[j],
+            pynvml.NVML_P2P_CAPS_INDEX_NVLINK,
+        )
+        linked[i][j] = linked[j][i] = status == pynvml.NVML_P2P_STATUS_OK
+    return linked
+
+
+def _health_readings(q: _Queries, device: resources_pb2.Device) -> HealthReadings:
+    """ECC mode and error counts, retired pages and remapped rows, as attributes and readings.
+
+    Run it after the GPU's other queries: its readings carry every query that failed.
+    """
+    ecc_mode = q.get(None, pynvml.nvmlDeviceGetEccMode)  # [current, pending]
+    if ecc_mode is not None:
+        device.attributes["ecc"] = "on" if ecc_mode[0] == pynvml.NVML_FEATURE_ENABLED else "off"
+    # Errors since the driver loaded; counts exist only while ECC is on.
+    for error_type, name in (
+        (pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED, "ecc_uncorrected_volatile"),
+        (pynvml.NVML_MEMORY_ERROR_TYPE_CORRECTED, "ecc_corrected_volatile"),
+    ):
+        if device.attributes.get("ecc") == "on":
+            errors = q.get(
+                None, pynvml.nvmlDeviceGetTotalEccErrors, error_type, pynvml.NVML_VOLATILE_ECC
+            )
+            if errors is not None:
+                device.attributes[name] = str(errors)
+    retired = [
+        q.get(None, pynvml.nvmlDeviceGetRetiredPages, cause)
+        for cause in (
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_MULTIPLE_SINGLE_BIT_ECC_ERRORS,
+            pynvml.NVML_PAGE_RETIREMENT_CAUSE_DOUBLE_BIT_ECC_ERROR,
+        )
+    ]
+    if all(pages is not None for pages in retired):
+        device.attributes["retired_pages"] = str(sum(len(pages) for pages in retired))
+    pending = q.get(None, pynvml.nvmlDeviceGetRetiredPagesPendingStatus)
+    # (corrected rows, uncorrected rows, remap pending, remap failed)
+    remap = q.get(None, pynvml.nvmlDeviceGetRemappedRows)
+    if remap is not None:
+        device.attributes["remapped_rows"] = str(remap[0] + remap[1])
+    return HealthReadings(
+        retired_pages_pending=pending == pynvml.NVML_FEATURE_ENABLED,
+        row_remap_pending=bool(remap and remap[2]),
+        row_remap_failed=bool(remap and remap[3]),
+        failed_queries=tuple(q.failed),
+    )
+
+
+def _mig_profiles(handle: Any) -> list[resources_pb2.PartitionProfile]:
+    """The MIG profiles of a GPU whose MIG mode is on; empty when it is off or unsupported.
+
+    ``total`` is how many instances of a profile the GPU holds when cut into that profile
+    alone. The embedded core only counts slots and names the profile to the task
+    (``FEDERATION_PARTITION``); it does not create GPU instances, so confining a task to one
+    still needs instances made by an operator or a MIG manager.
+    """
+    current, _pending = _optional((0, 0), pynvml.nvmlDeviceGetMigMode, handle)
+    if current != pynvml.NVML_DEVICE_MIG_ENABLE:
+        return []
+    profiles: dict[str, resources_pb2.PartitionProfile] = {}
+    for profile_id in range(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0)):
+        info = _optional(None, pynvml.nvmlDeviceGetGpuInstanceProfileInfo, handle, profile_id)
+        if info is None or not info.instanceCount:
+            continue  # a profile this GPU does not offer
+        raw = info.name.decode(errors="replace") if isinstance(info.name, bytes) else ""
+        # NVML names them "MIG 1g.10gb"; older drivers leave the name empty.
+        name = raw.removeprefix("MIG ").strip() or (
+            f"{info.sliceCount}g.{math.ceil(info.memorySizeMB / 1024)}gb"
+        )
+        profiles.setdefault(
+            name,
+            resources_pb2.PartitionProfile(
+                profile=name,
+                total=info.instanceCount,
+                free=info.instanceCount,
+                memory_mib=info.memorySizeMB,
+            ),
+        )
+    return list(profiles.values())
+
+
+def _nvidia_gpu(
+    index: int, driver: str, cuda: str, model_names: Mapping[str, str] | None
+) -> tuple[resources_pb2.Device, Any]:
+    """One GPU from NVML and its handle; a GPU NVML cannot read is unhealthy, with no handle."""
+    device = resources_pb2.Device(
+        id=str(index),
+        index=index,
+        kind=resources_pb2.DEVICE_KIND_GPU,
+        vendor="nvidia",
+        provenance=resources_pb2.PROVENANCE_DISCOVERED,
+        attributes={"driver": driver, **({"cuda": cuda} if cuda else {})},
+    )
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        device.id = str(pynvml.nvmlDeviceGetUUID(handle))
+        nvml_name = str(pynvml.nvmlDeviceGetName(handle))
+        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    except pynvml.NVMLError as exc:
+        log.warning("nvidia_gpu_unreadable", index=index, error=str(exc))
+        device.health = resources_pb2.DEVICE_HEALTH_UNHEALTHY
+        device.health_reason = f"NVML: {exc}"
+        return device, None
+    device.model = canonical_model(nvml_name, model_names)
+    device.attributes["nvml_name"] = nvml_name
+    device.memory_total_mib = int(memory.total) // _MIB
+    device.memory_free_mib = int(memory.free) // _MIB
+    q = _Queries(handle)
+    # NVML reports milliwatts.
+    device.power_watts = q.get(0, pynvml.nvmlDeviceGetPowerUsage) / 1000
+    device.power_tdp_watts = q.get(0, pynvml.nvmlDeviceGetEnforcedPowerLimit) / 1000
+    device.temperature_c = q.get(0, pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU)
+    major, minor = _optional((0, 0), pynvml.nvmlDeviceGetCudaComputeCapability, handle)
+    if major:
+        device.attributes["compute_capability"] = f"{major}.{minor}"
+    device.health, device.health_reason = gpu_health(_health_readings(q, device))
+    if device.health != resources_pb2.DEVICE_HEALTH_HEALTHY:
+        log.warning("nvidia_gpu_not_healthy", index=index, reason=device.health_reason)
+    device.partitions.extend(_mig_profiles(handle))
+    return device, handle
+
+
+def scan_nvidia_gpus(model_names: Mapping[str, str] | None = None) -> Scan:
+    """NVIDIA GPUs on this machine via NVML; nothing when it has no NVIDIA driver.
+
+    Args:
+        model_names: The site's extra canonical names (see ``models.canonical_model``).
+
+    Returns:
+        One discovered device per GPU, in NVML index order, with attributes ``driver``,
+        ``cuda``, ``compute_capability``, ``nvml_name`` and, where NVML knows them, ``ecc``,
+        ``ecc_uncorrected_volatile``, ``ecc_corrected_volatile``, ``retired_pages`` and
+        ``remapped_rows``; and a problem where a driver is there but NVML cannot use it.
+    """
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as exc:
+        if exc.value in _NO_DRIVER:
+            log.debug("nvml_unavailable", error=str(exc))
+            return Scan()
+        log.warning("nvml_init_failed", error=str(exc))
+        return Scan(problems=(f"NVML cannot start: {exc}",))
+    try:
+        driver = str(_optional("", pynvml.nvmlSystemGetDriverVersion))
+        cuda_raw = int(_optional(0, pynvml.nvmlSystemGetCudaDriverVersion))
+        # NVML encodes CUDA 12.4 as 12040.
+        cuda = f"{cuda_raw // 1000}.{cuda_raw % 1000 // 10}" if cuda_raw else ""
+        count = _optional(None, pynvml.nvmlDeviceGetCount)
+        gpus = [_nvidia_gpu(index, driver, cuda, model_names) for index in range(count or 0)]
+        groups = interconnect_groups(_nvlink_matrix([handle for _, handle in gpus]))
+    finally:
+        _optional(None, pynvml.nvmlShutdown)
+    devices = [device for device, _ in gpus]
+    for device, group in zip(devices, groups, strict=True):
+        device.interconnect_group = group
+    log.info("nvidia_gpus_discovered", count=len(devices), driver=driver, cuda=cuda)
+    problems = () if count is not None else ("NVML cannot count the GPUs",)
+    return Scan(devices=tuple(devices), problems=problems)
+
+
+def discover_nvidia_gpus(
+    model_names: Mapping[str, str] | None = None,
+) -> list[resources_pb2.Device]:
+    """The devices of ``scan_nvidia_gpus``, without its problems."""
+    return list(scan_nvidia_gpus(model_names).devices)
