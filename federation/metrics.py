@@ -28,6 +28,22 @@ RESCHEDULING_PAUSED = Gauge(
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 
 
+# Agents: each site's nodes and devices, measured use beside what tasks booked.
+_NODE = ["site", "node"]
+_DEVICE = ["site", "node", "device"]
+NODE_CPU_USE = Gauge("federation_node_cpu_utilization", "CPU in use, a share in [0, 1]", _NODE)
+NODE_MEMORY_USED = Gauge("federation_node_memory_used_bytes", "Memory in use", _NODE)
+DEVICE_USE = Gauge(
+    "federation_device_utilization", "Compute in use (the vendor's reading), in [0, 1]", _DEVICE
+)
+DEVICE_MEMORY_USED = Gauge("federation_device_memory_used_bytes", "Device memory in use", _DEVICE)
+DEVICE_POWER = Gauge("federation_device_power_watts", "Power drawn now", _DEVICE)
+DEVICE_TEMPERATURE = Gauge("federation_device_temperature_celsius", "Temperature now", _DEVICE)
+DEVICE_BOOKED = Gauge(
+    "federation_device_booked", "Share of the device tasks hold (1: held whole)", _DEVICE
+)
+
+
 def serve_metrics(listen: str) -> int:
     """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound port."""
     host, _, port = listen.rpartition(":")

@@ -127,6 +127,9 @@ class AgentConfig:
     """Device names as vendor tools print them → the model names jobs and tables use, e.g.
     ``"NVIDIA H100 80GB HBM3" = "H100-80GB"``: added to, and overriding, the shipped table
     (``federation/agent/discovery/data/model_names.yaml``)."""
+    rediscover_interval_s: float = 30.0
+    """How often the host is discovered again (devices gone, new or unhealthy, and what they
+    use now); SIGUSR1 asks at once. Readings are sent only when they moved by 5 points."""
     host_node_name: str = ""
     price_per_device_hour: float = 0.0
     labels: dict[str, str] = field(default_factory=dict)

@@ -22,6 +22,7 @@ from federation.agent.accounts import NoAccountError, TaskAccounts, agent_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
+from federation.agent.host_watch import merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
@@ -183,6 +184,37 @@ class EmbeddedCore:
             apply_usage(node, usage)
             views.append(node)
         return views
+
+    def refresh(self, found: resources_pb2.Node) -> None:
+        """Takes a fresh discovery of one of its nodes: devices gone, new or of another health,
+        and what the node and its devices use now. A device that stops being healthy gets no
+        new work; the tasks already on it are named in the log."""
+        current = self._nodes.get(found.name)
+        if current is None:
+            return
+        before = resources_pb2.Node()
+        before.CopyFrom(current)
+        changes = merge_rediscovered(current, found)
+        for pos, (old, new) in enumerate(zip(before.devices, current.devices, strict=False)):
+            if old.health != new.health:
+                on_it = [
+                    f"{t.key[0]}/{t.key[1]}"
+                    for t in self._tasks.values()
+                    if t.active
+                    and any(s.node == found.name and pos in s.device_positions for s in t.slots)
+                ]
+                log.warning(
+                    "device_health_changed",
+                    node=found.name,
+                    device=new.id,
+                    health=resources_pb2.DeviceHealth.Name(new.health),
+                    reason=new.health_reason,
+                    tasks=on_it,
+                )
+        if changes:
+            log.info("host_rediscovered", node=found.name, changes=changes)
+        if changes or worth_publishing(before, current):
+            self._changed()
 
     def queue(self) -> resources_pb2.QueueState:
         """Reservations not yet committed, and tasks starting or running."""

@@ -20,6 +20,7 @@ from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
+from federation.agent.host_watch import HostWatcher, export_gauges
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
@@ -100,6 +101,8 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
             f"{source}: scheduler must be one of {', '.join(SCHEDULERS)}, not {config.scheduler!r}"
         )
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
+    if not config.rediscover_interval_s > 0:
+        raise ConfigError(f"{source}: rediscover_interval_s must be positive")
     if not all(isinstance(name, str) for name in config.model_names.values()):
         raise ConfigError(f"{source}: model_names: each value must be a model name (a string)")
     return config
@@ -151,6 +154,21 @@ async def embedded_core(
     )
 
 
+def host_watcher(config: AgentConfig, core: LocalCore) -> HostWatcher | None:
+    """Rediscovery of the host for an embedded core that publishes it; None otherwise."""
+    if not (config.discover_host and isinstance(core, EmbeddedCore)):
+        return None
+
+    def discover() -> resources_pb2.Node:
+        return discover_host_node(config.host_node_name or None, model_names=config.model_names)
+
+    def apply(found: resources_pb2.Node) -> None:
+        core.refresh(found)
+        export_gauges(config.site, core.nodes())
+
+    return HostWatcher(discover, apply, config.rediscover_interval_s)
+
+
 async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = None) -> int:
     factories: dict[str, CoreFactory] = {"embedded": embedded_core, **(cores or {})}
     factory = factories.get(config.scheduler)
@@ -191,6 +209,10 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     )
     runtime_ref.append(runtime)
     links.start()
+    watcher = host_watcher(config, core)
+    if watcher is not None:
+        watcher.start()
+        export_gauges(config.site, core.nodes())
     session = asyncio.create_task(runtime.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -209,6 +231,8 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     await runtime.close()
     journal.close()
     await links.close()
+    if watcher is not None:
+        await watcher.close()
     await probe.close()
     await core.shutdown(config.kill_grace_s)
     await core.close()

@@ -30,6 +30,7 @@ from federation.cli.render import (
     print_json,
     sites_table,
     text,
+    unhealthy_devices_table,
 )
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
 from federation.watch import events_of
@@ -95,6 +96,8 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
         return 0
     console.print(coordinators_table(reply))
     console.print(sites_table(reply.sites))
+    if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
+        console.print(unhealthy)
     if reply.rescheduling_paused:
         console.print(
             Text.assemble(text("rescheduling paused", "bold"), text(f": {reply.rescheduling_note}"))
@@ -116,6 +119,8 @@ async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
         print_json(list(reply.sites))
     else:
         console.print(sites_table(reply.sites))
+        if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
+            console.print(unhealthy)
     return 0
 
 

@@ -75,6 +75,25 @@ def device_summary(nodes: Iterable[resources_pb2.Node]) -> str:
     return ", ".join(parts) or "-"
 
 
+def unhealthy_devices_table(sites: Sequence[admin_service_pb2.Site]) -> Table | None:
+    """Every device that is not healthy, with why; None when all are."""
+    table = Table(title="Devices not healthy")
+    for column in ("site", "node", "device", "model", "health", "reason"):
+        table.add_column(column)
+    for site in sites:
+        for node in site.view.nodes:
+            for dev in node.devices:
+                if dev.health in (
+                    resources_pb2.DEVICE_HEALTH_HEALTHY,
+                    resources_pb2.DEVICE_HEALTH_UNSPECIFIED,
+                ):
+                    continue
+                health = resources_pb2.DeviceHealth.Name(dev.health).removeprefix("DEVICE_HEALTH_")
+                cells = (site.name, node.name, dev.id or str(dev.index), dev.model, health)
+                table.add_row(*map(text, cells), text(dev.health_reason or "-"))
+    return table if table.row_count else None
+
+
 def coordinators_table(status: admin_service_pb2.GetFederationStatusResponse) -> Table:
     """The leader and the followers standing by, one row each."""
     table = Table(title=text(f"Coordinators (leader {status.leader or 'unknown'})"))

@@ -153,6 +153,13 @@ _CHECKPOINT = _Rules(
     ranges=(("bytes", 0, MAX_STORED_BYTES), ("progress_s", 0, MAX_FIGURE)),
     texts=(("path", MAX_TEXT_CHARS), ("site", MAX_TEXT_CHARS)),
 )
+_MEASURED = _Rules(
+    ranges=(
+        ("measured_at", 0, MAX_TIMESTAMP_S),
+        ("compute", 0, 1),
+        ("memory_used_mib", 0, MAX_NODE_MEMORY_MIB),
+    )
+)
 _TIMESTAMP = _Rules(ranges=(("seconds", 0, MAX_TIMESTAMP_S), ("nanos", 0, 999_999_999)))
 _ANSWER = _Rules(
     ranges=(
@@ -340,14 +347,22 @@ def _nodes(check: _Check, nodes: Sequence[resources_pb2.Node], path: str, name: 
     for i, node in enumerate(nodes):
         where = f"{path}.{name}[{i}]"
         check.fields(node, _NODE, where)
+        _measured(check, node.measured, node.memory_mib, f"{where}.measured")
         check.mapping(node.labels, where, "labels", MAX_LABELS, MAX_TEXT_CHARS)
         if check.count(node.devices, where, "devices", MAX_NODE_DEVICES):
             for j, device in enumerate(node.devices):
                 _device(check, device, f"{where}.devices[{j}]")
 
 
+def _measured(check: _Check, use: resources_pb2.MeasuredUse, total_mib: int, path: str) -> None:
+    check.fields(use, _MEASURED, path)
+    if use.memory_used_mib > total_mib:
+        check.add(f"{path}.memory_used_mib", "is more than the memory there is")
+
+
 def _device(check: _Check, device: resources_pb2.Device, path: str) -> None:
     check.fields(device, _DEVICE, path)
+    _measured(check, device.measured, device.memory_total_mib, f"{path}.measured")
     check.mapping(device.attributes, path, "attributes", MAX_DEVICE_ATTRIBUTES, MAX_ATTRIBUTE_CHARS)
     if check.count(device.partitions, path, "partitions", MAX_DEVICE_PARTITIONS):
         for k, partition in enumerate(device.partitions):

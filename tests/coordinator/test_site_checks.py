@@ -186,6 +186,21 @@ BAD_VIEWS: list[tuple[str, Spoil, str]] = [
         "nodes[0].devices[0].free_fraction",
     ),
     (
+        "device use over 1",
+        lambda v: setattr(v.nodes[0].devices[0].measured, "compute", 1.5),
+        "nodes[0].devices[0].measured.compute",
+    ),
+    (
+        "device memory used over its total",
+        lambda v: setattr(v.nodes[0].devices[0].measured, "memory_used_mib", 81),
+        "nodes[0].devices[0].measured.memory_used_mib",
+    ),
+    (
+        "NaN node CPU use",
+        lambda v: setattr(v.nodes[0].measured, "compute", math.nan),
+        "nodes[0].measured.compute",
+    ),
+    (
         "unknown device kind",
         lambda v: setattr(v.nodes[0].devices[0], "kind", 999),
         "nodes[0].devices[0].kind",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import platform
 import socket
+import time
 from collections.abc import Mapping
 
 import psutil
@@ -25,6 +26,17 @@ _MAX_REASON_CHARS = 1000
 def device_kind_name(kind: resources_pb2.DeviceKind.ValueType) -> str:
     """Short upper-case name of a device kind, e.g. ``"GPU"``."""
     return resources_pb2.DeviceKind.Name(kind).removeprefix("DEVICE_KIND_")
+
+
+def measure_host() -> resources_pb2.MeasuredUse:
+    """What this machine is using now: CPU since the previous reading (0 at the first), and
+    memory not available to new processes."""
+    memory = psutil.virtual_memory()
+    return resources_pb2.MeasuredUse(
+        measured_at=time.time(),
+        compute=min(1.0, psutil.cpu_percent(interval=None) / 100),
+        memory_used_mib=(memory.total - memory.available) // _MIB,
+    )
 
 
 def discover_host_node(
@@ -63,6 +75,7 @@ def discover_host_node(
         schedulable=True,
         provenance=resources_pb2.PROVENANCE_DISCOVERED,
     )
+    node.measured.CopyFrom(measure_host())
     nvidia = scan_nvidia_gpus(model_names)
     others = scan_vendors(model_names, tool_timeout_s)
     node.devices.extend(nvidia.devices)

@@ -9,6 +9,7 @@ A query that fails for another reason degrades the GPU, and one that cannot read
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
@@ -242,6 +243,10 @@ def _nvidia_gpu(
     device.power_watts = q.get(0, pynvml.nvmlDeviceGetPowerUsage) / 1000
     device.power_tdp_watts = q.get(0, pynvml.nvmlDeviceGetEnforcedPowerLimit) / 1000
     device.temperature_c = q.get(0, pynvml.nvmlDeviceGetTemperature, pynvml.NVML_TEMPERATURE_GPU)
+    device.measured.measured_at = time.time()
+    device.measured.memory_used_mib = int(memory.used) // _MIB
+    if (rates := q.get(None, pynvml.nvmlDeviceGetUtilizationRates)) is not None:
+        device.measured.compute = min(1.0, max(0.0, rates.gpu / 100))
     major, minor = _optional((0, 0), pynvml.nvmlDeviceGetCudaComputeCapability, handle)
     if major:
         device.attributes["compute_capability"] = f"{major}.{minor}"

@@ -151,6 +151,7 @@ class Device(_message.Message):
     PARTITIONS_FIELD_NUMBER: _builtins.int
     SHAREABLE_FIELD_NUMBER: _builtins.int
     FREE_FRACTION_FIELD_NUMBER: _builtins.int
+    MEASURED_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Stable id within the node, e.g. "0" or a UUID."""
     index: _builtins.int
@@ -186,6 +187,12 @@ class Device(_message.Message):
     def partitions(self) -> _containers.RepeatedCompositeFieldContainer[Global___PartitionProfile]:
         """How the device may be partitioned: MIG profiles it can be cut into."""
 
+    @_builtins.property
+    def measured(self) -> Global___MeasuredUse:
+        """What the device is using now, as measured (power_watts and temperature_c are read with it);
+        allocated, free_fraction and memory_free_mib say what tasks booked.
+        """
+
     def __init__(
         self,
         *,
@@ -211,14 +218,44 @@ class Device(_message.Message):
         partitions: _abc.Iterable[Global___PartitionProfile] | None = ...,
         shareable: _builtins.bool = ...,
         free_fraction: _builtins.float = ...,
+        measured: Global___MeasuredUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["measured", b"measured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "attributes", b"attributes", "free_fraction", b"free_fraction", "health", b"health", "health_reason", b"health_reason", "id", b"id", "index", b"index", "interconnect_group", b"interconnect_group", "kind", b"kind", "memory_free_mib", b"memory_free_mib", "memory_total_mib", b"memory_total_mib", "model", b"model", "partitions", b"partitions", "power_tdp_watts", b"power_tdp_watts", "power_watts", b"power_watts", "provenance", b"provenance", "shareable", b"shareable", "temperature_c", b"temperature_c", "tflops_fp16", b"tflops_fp16", "tflops_fp32", b"tflops_fp32", "tflops_int8", b"tflops_int8", "vendor", b"vendor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allocated", b"allocated", "attributes", b"attributes", "free_fraction", b"free_fraction", "health", b"health", "health_reason", b"health_reason", "id", b"id", "index", b"index", "interconnect_group", b"interconnect_group", "kind", b"kind", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_total_mib", b"memory_total_mib", "model", b"model", "partitions", b"partitions", "power_tdp_watts", b"power_tdp_watts", "power_watts", b"power_watts", "provenance", b"provenance", "shareable", b"shareable", "temperature_c", b"temperature_c", "tflops_fp16", b"tflops_fp16", "tflops_fp32", b"tflops_fp32", "tflops_int8", b"tflops_int8", "vendor", b"vendor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Device: _TypeAlias = Device  # noqa: Y015
+
+@_typing.final
+class MeasuredUse(_message.Message):
+    """A reading of what a node or device is using, beside what tasks booked on it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEASURED_AT_FIELD_NUMBER: _builtins.int
+    COMPUTE_FIELD_NUMBER: _builtins.int
+    MEMORY_USED_MIB_FIELD_NUMBER: _builtins.int
+    measured_at: _builtins.float
+    """Unix time of the reading; zero: never measured (declared hardware, or no tool reads it)."""
+    compute: _builtins.float
+    """Compute in use, a share in [0, 1]: the vendor's utilisation for a device, CPU for a node."""
+    memory_used_mib: _builtins.int
+    def __init__(
+        self,
+        *,
+        measured_at: _builtins.float = ...,
+        compute: _builtins.float = ...,
+        memory_used_mib: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["compute", b"compute", "measured_at", b"measured_at", "memory_used_mib", b"memory_used_mib"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___MeasuredUse: _TypeAlias = MeasuredUse  # noqa: Y015
 
 @_typing.final
 class PartitionProfile(_message.Message):
@@ -284,6 +321,7 @@ class Node(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     SCHEDULABLE_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
+    MEASURED_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     arch: _builtins.str
     cpu_cores: _builtins.float
@@ -298,6 +336,10 @@ class Node(_message.Message):
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """Driver, runtime and framework versions, network features."""
 
+    @_builtins.property
+    def measured(self) -> Global___MeasuredUse:
+        """What the node is using now, as measured; cpu_free and memory_free_mib say what is booked."""
+
     def __init__(
         self,
         *,
@@ -311,10 +353,11 @@ class Node(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         schedulable: _builtins.bool = ...,
         provenance: Global___Provenance.ValueType = ...,
+        measured: Global___MeasuredUse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["measured", b"measured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
