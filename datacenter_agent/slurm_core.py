@@ -222,7 +222,9 @@ class SlurmCore:
             expected_start_s=round(expected_start_s, 1),
         )
         self._changed()
-        return accepted(reservation.id, expected_start_s, lease_s, foreseen.run_s)
+        return accepted(
+            reservation.id, expected_start_s, lease_s, foreseen.run_s, foreseen.device_model
+        )
 
     async def commit(
         self, commit: site_link_service_pb2.Commit

@@ -86,6 +86,8 @@ class Foresight:
     args: list[str]
     start: float
     run_s: float = 0.0
+    device_model: str = ""
+    """The model of the slowest device the GRES type may give; "" when unknown."""
 
 
 async def foresee(
@@ -130,7 +132,9 @@ async def foresee(
         for gres in tried:
             # An untyped request may get any fitting type: the slowest sets the run time.
             got = [fitting[gres]] if gres in fitting else list(fitting.values())
-            slowest = min(map(speed, got), default=0.0)
+            slowest_device = min(got, key=speed, default=None)
+            slowest = speed(slowest_device) if slowest_device is not None else 0.0
+            model = slowest_device.model if slowest_device is not None else ""
             args = resource_args(spec, settings, gres)
             if exclude:
                 args.append(f"--exclude={','.join(exclude)}")
@@ -144,7 +148,7 @@ async def foresee(
             if best is None or start < best.start:
                 duration = spec.estimated_duration_s
                 run_s = duration / slowest if slowest > 0 and duration > 0 else 0.0
-                best = Foresight(args, start, run_s)
+                best = Foresight(args, start, run_s, model)
         if best is not None:
             return best
     assert error is not None  # options is never empty
@@ -188,7 +192,11 @@ async def submit_held(
 
 
 def accepted(
-    reservation_id: str, expected_start_s: float, lease_s: float, run_s: float = 0.0
+    reservation_id: str,
+    expected_start_s: float,
+    lease_s: float,
+    run_s: float = 0.0,
+    device_model: str = "",
 ) -> site_link_service_pb2.OfferAnswer:
     """The answer to an offer that holds a job."""
     return site_link_service_pb2.OfferAnswer(
@@ -197,6 +205,7 @@ def accepted(
         expected_start_s=expected_start_s,
         lease_s=lease_s,
         run_s=run_s,
+        device_model=device_model,
     )
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
 TASK_TRANSITIONS = Counter(
@@ -27,6 +27,13 @@ RESCHEDULING_PAUSED = Gauge(
 )
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 
+
+RUN_TIME_RATIO = Histogram(
+    "federation_run_time_ratio",
+    "Measured run time over the estimate's, per task that succeeded on devices",
+    ["workload_class"],
+    buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0),
+)
 
 # Agents: each site's nodes and devices, measured use beside what tasks booked.
 _NODE = ["site", "node"]

@@ -57,6 +57,8 @@ class Reservation:
     """Whose task it is: it runs as that tenant's account."""
     run_s: float = 0.0
     """How long the task runs on the devices held (0: not said), as the answer told."""
+    device_model: str = ""
+    """The model of the slowest device held, as the answer told."""
 
 
 @dataclass(slots=True, eq=False)
@@ -260,6 +262,7 @@ class EmbeddedCore:
             restore,
             tenant=offer.tenant,
             run_s=placed.run_s,
+            device_model=placed.device_model,
         )
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
@@ -411,6 +414,7 @@ class EmbeddedCore:
             expected_start_s=0.0,
             lease_s=reservation.lease_s,
             run_s=reservation.run_s,
+            device_model=reservation.device_model,
         )
 
     def _arm_lease(self, reservation: Reservation) -> None:

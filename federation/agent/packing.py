@@ -169,6 +169,8 @@ class Placed:
     run_s: float
     """The task's estimated duration on the slowest device it got (a gang runs at the pace
     of its slowest replica); 0 when it got no devices or has no estimated duration."""
+    device_model: str = ""
+    """The model of that slowest device; "" when it got none."""
 
 
 def place_as_estimated(
@@ -186,12 +188,13 @@ def place_as_estimated(
     if isinstance(placed, str):
         return placed
     by_name = {node.name: node for node in nodes}
-    speeds = [
-        fast(by_name[slot.node].devices[pos]) for slot in placed for pos in slot.device_positions
-    ]
-    slowest = min(speeds, default=0.0)
-    duration = spec.estimated_duration_s
-    return Placed(placed, duration / slowest if slowest > 0 and duration > 0 else 0.0)
+    got = [by_name[slot.node].devices[pos] for slot in placed for pos in slot.device_positions]
+    if not got:
+        return Placed(placed, 0.0)
+    slowest = min(got, key=fast)
+    speed, duration = fast(slowest), spec.estimated_duration_s
+    run_s = duration / speed if speed > 0 and duration > 0 else 0.0
+    return Placed(placed, run_s, slowest.model)
 
 
 def place(

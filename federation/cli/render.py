@@ -248,6 +248,26 @@ def format_duration(seconds: float) -> str:
     return f"{secs}s"
 
 
+def estimate_line(task: jobs_pb2.TaskStatus) -> str:
+    """``estimate: 3s queue + 1m 05s transfer + 24s run (±12%) on H100-80GB; ran 26s (1.08x)``:
+    the estimate the site committed to, against what happened."""
+    e = task.estimate
+    line = (
+        f"estimate: {format_duration(e.queue_s)} queue + {format_duration(e.transfer_s)} "
+        f"transfer + {format_duration(e.run_s)} run"
+    )
+    if e.run_error:
+        line += f" (±{e.run_error:.0%})"
+    if e.device_model:
+        line += f" on {e.device_model}"
+    if task.HasField("started_at") and task.HasField("finished_at"):
+        ran = (task.finished_at.ToNanoseconds() - task.started_at.ToNanoseconds()) / 1e9
+        line += f"; ran {format_duration(ran)}"
+        if e.run_s > 0:
+            line += f" ({ran / e.run_s:.2f}x)"
+    return line
+
+
 def checkpoint_line(checkpoint: jobs_pb2.CheckpointRecord) -> str:
     """Where a task's newest checkpoint is, its size, when and by which copy it was made."""
     when = f"{checkpoint.time.ToDatetime():%H:%M:%S}" if checkpoint.HasField("time") else "?"
@@ -301,6 +321,8 @@ def job_details(reply: job_service_pb2.GetJobResponse) -> Iterator[RenderableTyp
             yield text(f"  nodes: {', '.join(task.nodes)}")
         if task.devices:
             yield text(f"  devices: {', '.join(task.devices)}")
+        if task.estimate.total_s:
+            yield text("  " + estimate_line(task))
         if task.checkpoint.path:
             yield text("  checkpoint: " + checkpoint_line(task.checkpoint))
         if task.displaced.site:

@@ -23,6 +23,7 @@ from federation.coordinator.jobs import (
     transition,
     unplace,
 )
+from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
@@ -65,8 +66,11 @@ class JobManager:
         *,
         max_spec_bytes: int = MAX_SPEC_BYTES,
         max_unfinished_jobs_per_tenant: int = 0,
+        learner: SpeedLearner | None = None,
     ) -> None:
         self._jobs = jobs
+        self._learner = learner
+        """Told how long each task that succeeded on devices ran."""
         self._max_spec_bytes = max_spec_bytes
         self._max_unfinished = max_unfinished_jobs_per_tenant
         self._sites = sites
@@ -398,6 +402,22 @@ class JobManager:
 
         return mutate
 
+    def _learn(self, job: jobs_pb2.Job, task_name: str) -> None:
+        """A task that succeeded on devices: how fast its device model ran its workload."""
+        assert self._learner is not None
+        task = find_task(job, task_name)
+        spec = next(t for t in job.spec.tasks if t.name == task_name)
+        if not (task.estimate.device_model and task.HasField("started_at")):
+            return
+        ran_s = (task.finished_at.ToNanoseconds() - task.started_at.ToNanoseconds()) / 1e9
+        self._learner.observe(
+            spec.workload_class,
+            task.estimate.device_model,
+            spec.estimated_duration_s,
+            task.estimate.run_s,
+            ran_s,
+        )
+
     def _after_report(
         self,
         site: str,
@@ -412,6 +432,8 @@ class JobManager:
             return
         if final:
             self.tell_site(site, _ack(report))
+        if report.state == job_state.SUCCEEDED and self._learner is not None:
+            self._learn(updated, report.task)
         if updated.cancel_requested and report.state == job_state.RUNNING:
             self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
         self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import math
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import structlog
 
@@ -30,6 +32,7 @@ from federation.coordinator.jobs import (
     transition,
     unplace,
 )
+from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
@@ -115,8 +118,11 @@ class Scheduler:
         sites: SiteRegistry,
         framework: Framework,
         config: SchedulerConfig,
+        learner: SpeedLearner | None = None,
     ) -> None:
         self._jobs = jobs
+        self._learner = learner or SpeedLearner()
+        """Speeds learned from finished tasks: estimates and offers use them."""
         self._sites = sites
         self._framework = framework
         self._config = config
@@ -132,6 +138,13 @@ class Scheduler:
 
     def wake(self) -> None:
         self._wake.set()
+
+    def _with_learned_speeds(self, request: Request) -> Request:
+        """``request`` estimated with learned speeds where the task sets none of its own."""
+        speeds = self._learner.overrides(request.workload_class, dict(request.speed))
+        if speeds == dict(request.speed):
+            return request
+        return dataclasses.replace(request, speed=tuple(sorted(speeds.items())))
 
     async def run(self) -> None:
         while True:
@@ -205,6 +218,7 @@ class Scheduler:
                     request = request_for(job, task.name)
                     if request is None:
                         continue  # waits for its dependencies; a report of theirs wakes us
+                    request = self._with_learned_speeds(request)
                     placement = placements.get(request)
                     if placement is None:
                         placement = placements[request] = self._place(request, snapshot)
@@ -366,16 +380,19 @@ class Scheduler:
                 continue
             n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
             active.append(n)
+            spec = next(t for t in job.spec.tasks if t.name == n.task)
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
                 epoch=n.epoch,
-                spec=next(t for t in job.spec.tasks if t.name == n.task),
+                spec=spec,
                 tenant=job.spec.tenant,
                 lease_s=self._config.reservation_lease_s,
                 restore=task.checkpoint if task.checkpoint.path else None,
                 node_labels=job.spec.constraints.node_labels,
             )
+            # The site reads device speeds as the estimate did: learned ones included.
+            offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
             for site in offered_to[n.key]:
                 own = _with_estimate(offer, n.estimates.get(site))
                 offers.setdefault(site, []).append((n, own))
@@ -395,12 +412,12 @@ class Scheduler:
                 ready = []
                 for answered in done:
                     site = asking.pop(answered)
-                    for (n, _), (reservation, why, run_s) in zip(
+                    for (n, _), (reservation, why, answer) in zip(
                         offers[site], answered.result(), strict=True
                     ):
-                        if reservation:
+                        if reservation and answer is not None:
                             accepted.setdefault(n.key, []).append((site, reservation))
-                            _commit_estimate(n, site, run_s)
+                            self._commit_estimate(n, site, answer)
                         else:
                             n.verdicts.append(_refusal(site, why))
                         unanswered[n.key] -= 1
@@ -495,29 +512,43 @@ class Scheduler:
 
     async def _offer(
         self, site: str, offers: list[site_link_service_pb2.Offer]
-    ) -> list[tuple[str, str, float]]:
-        """For each offer: (reservation id, "", the run time the site answered) when the site
-        accepts, else ("", why not, 0)."""
+    ) -> list[tuple[str, str, site_link_service_pb2.OfferAnswer | None]]:
+        """For each offer: (reservation id, "", the answer) when the site accepts, else ("",
+        why not, None)."""
         session = self._sites.session(site)
         if session is None:
-            return [("", "site disconnected before the offer", 0.0)] * len(offers)
+            return [("", "site disconnected before the offer", None)] * len(offers)
         timeout_s = self._config.offer_timeout_s
         replies = await session.request_many(
             [site_link_service_pb2.CoordinatorMessage(offer=offer) for offer in offers], timeout_s
         )
-        out = []
+        out: list[tuple[str, str, site_link_service_pb2.OfferAnswer | None]] = []
         for reply in replies:
             if isinstance(reply, TimeoutError):
-                out.append(("", f"no answer to the offer within {timeout_s:g}s", 0.0))
+                out.append(("", f"no answer to the offer within {timeout_s:g}s", None))
             elif isinstance(reply, SessionClosedError):
-                out.append(("", "site disconnected during the offer", 0.0))
+                out.append(("", "site disconnected during the offer", None))
             elif not reply.HasField("offer_answer"):
-                out.append(("", "site answered the offer with the wrong message", 0.0))
+                out.append(("", "site answered the offer with the wrong message", None))
             elif not (answer := reply.offer_answer).accepted:
-                out.append(("", f"declined: {answer.reason}", 0.0))
+                out.append(("", f"declined: {answer.reason}", None))
             else:
-                out.append((answer.reservation_id, "", answer.run_s))
+                out.append((answer.reservation_id, "", answer))
         return out
+
+    def _commit_estimate(
+        self, n: _Negotiation, site: str, answer: site_link_service_pb2.OfferAnswer
+    ) -> None:
+        """The site's answer into its estimate, with the error learned for that model."""
+        _commit_estimate(n, site, answer.run_s, answer.device_model)
+        estimated = n.estimates.get(site)
+        if estimated is not None and answer.device_model:
+            job = self._jobs.cached(n.job_id)
+            spec = next((t for t in job.spec.tasks if t.name == n.task), None) if job else None
+            workload = spec.workload_class if spec is not None else ""
+            error = self._learner.error(workload, answer.device_model)
+            if error != estimated.run_error:
+                n.estimates[site] = _copy_estimate(estimated, run_error=error)
 
     def _release(self, site: str, reservation_id: str) -> None:
         session = self._sites.session(site)
@@ -702,13 +733,16 @@ def _with_estimate(
     return own
 
 
-def _commit_estimate(n: _Negotiation, site: str, run_s: float) -> None:
+def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") -> None:
     """Take a site's own run time into its estimate: what the task is ranked and shown by.
 
     Cost and energy scale with the run time; a run time the site does not give (0) or that
-    is not a finite positive number leaves placement's estimate as it was.
+    is not a finite positive number leaves placement's estimate as it was. ``model`` is the
+    device model the site reserved.
     """
     placed = n.estimates.get(site)
+    if placed is not None and model and placed.device_model != model:
+        placed = n.estimates[site] = _copy_estimate(placed, device_model=model)
     if placed is None or not (math.isfinite(run_s) and run_s > 0) or run_s == placed.run_s:
         return
     if run_s > placed.run_s * (1 + 1e-9):
@@ -723,6 +757,14 @@ def _commit_estimate(n: _Negotiation, site: str, run_s: float) -> None:
     if placed.device_speed > 0:
         committed.device_speed = placed.device_speed / ratio
     n.estimates[site] = committed
+
+
+def _copy_estimate(estimate: jobs_pb2.Estimate, **changes: Any) -> jobs_pb2.Estimate:
+    copy = jobs_pb2.Estimate()
+    copy.CopyFrom(estimate)
+    for name, value in changes.items():
+        setattr(copy, name, value)
+    return copy
 
 
 def _mark_delegated(

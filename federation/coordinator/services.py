@@ -22,6 +22,7 @@ from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
+from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
 from federation.coordinator.site_link import SiteLink
@@ -97,6 +98,7 @@ async def start_services(
             scheduler_ref[0].wake()
 
     sites = SiteRegistry(store, wake)
+    learner = SpeedLearner()
     await sites.load()
     recovered = await jobs.load()
     scheduler = Scheduler(
@@ -110,6 +112,7 @@ async def start_services(
             max_offers_per_round=config.max_offers_per_round,
             offers_at_once=config.offers_at_once,
         ),
+        learner,
     )
     scheduler_ref.append(scheduler)
     manager = JobManager(
@@ -119,6 +122,7 @@ async def start_services(
         wake,
         max_spec_bytes=config.max_spec_bytes,
         max_unfinished_jobs_per_tenant=config.max_unfinished_jobs_per_tenant,
+        learner=learner,
     )
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the

@@ -166,7 +166,8 @@ _ANSWER = _Rules(
         ("expected_start_s", 0, MAX_FIGURE),
         ("lease_s", 0, MAX_FIGURE),
         ("run_s", 0, MAX_FIGURE),
-    )
+    ),
+    texts=(("device_model", MAX_ATTRIBUTE_CHARS),),
 )
 
 

@@ -10,6 +10,7 @@ import pytest
 import pytest_asyncio
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.cli.render import estimate_line
 from federation.local import LocalFederation, SiteSpec
 
 from .conftest import jobs, python_task, spec, wait_for_job
@@ -70,3 +71,35 @@ async def test_the_task_runs_on_the_device_its_estimate_named(
     assert list(ran.devices) == ["b-h100:GPU:0"]
     assert ran.estimate.device_speed == 2.5
     assert ran.estimate.run_s == pytest.approx(24.0)
+    assert ran.estimate.device_model == "H100-80GB"
+
+
+async def test_estimates_learn_from_finished_tasks(operator: grpc.aio.Channel) -> None:
+    """Tasks estimated at 24 s on an H100 finish in about a second: once a few have, the
+    coordinator estimates the next one from what it measured, with the spread it saw, and
+    fedctl jobs get shows the estimate against the outcome."""
+    stub = jobs(operator)
+
+    async def run_one(name: str) -> jobs_pb2.Job:
+        task = python_task(
+            "t",
+            "import time; time.sleep(0.5)",
+            resources={"accelerator": {"kind": "GPU", "count": 1, "models": ["H100-80GB"]}},
+            estimated_duration_s=60,
+            workload_class="inference-learned",
+        )
+        reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec(name, [task])))
+        job = await wait_for_job(operator, reply.job.id)
+        assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.tasks[0].reason
+        return job
+
+    first = await run_one("learn-0")
+    assert first.tasks[0].estimate.run_s == pytest.approx(60 / 2.5)  # the table's H100
+    for i in range(1, 3):
+        await run_one(f"learn-{i}")
+    learned = (await run_one("learn-3")).tasks[0]
+    # Measured between the RUNNING and the final report: about 0.5 s, never 24.
+    assert 0.2 < learned.estimate.run_s < 5.0, learned.estimate
+    assert learned.estimate.device_model == "H100-80GB"
+    shown = estimate_line(learned)
+    assert "on H100-80GB; ran" in shown

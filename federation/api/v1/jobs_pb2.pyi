@@ -743,6 +743,8 @@ class Estimate(_message.Message):
     ENERGY_KWH_FIELD_NUMBER: _builtins.int
     TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
     DEVICE_SPEED_FIELD_NUMBER: _builtins.int
+    DEVICE_MODEL_FIELD_NUMBER: _builtins.int
+    RUN_ERROR_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     transfer_s: _builtins.float
     run_s: _builtins.float
@@ -752,6 +754,12 @@ class Estimate(_message.Message):
     transfer_bytes: _builtins.int
     device_speed: _builtins.float
     """Speed of the devices run_s assumes (1.0 = the speed table's reference); 0: no devices."""
+    device_model: _builtins.str
+    """Model of the slowest device the site reserved, once it answered; empty before."""
+    run_error: _builtins.float
+    """Expected relative error of run_s: the spread of measured against learned speeds of this
+    workload class on this model (0.2: about 20 %); 0 while too few such tasks finished.
+    """
     def __init__(
         self,
         *,
@@ -763,10 +771,12 @@ class Estimate(_message.Message):
         energy_kwh: _builtins.float = ...,
         transfer_bytes: _builtins.int = ...,
         device_speed: _builtins.float = ...,
+        device_model: _builtins.str = ...,
+        run_error: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_model", b"device_model", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_error", b"run_error", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

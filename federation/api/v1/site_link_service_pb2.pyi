@@ -211,6 +211,7 @@ class OfferAnswer(_message.Message):
     LEASE_S_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     RUN_S_FIELD_NUMBER: _builtins.int
+    DEVICE_MODEL_FIELD_NUMBER: _builtins.int
     accepted: _builtins.bool
     reservation_id: _builtins.str
     expected_start_s: _builtins.float
@@ -222,6 +223,8 @@ class OfferAnswer(_message.Message):
     """Seconds the task will run on the devices reserved, by the same speed table; 0: the site
     does not say (no devices asked for, or it cannot tell), and the offer's estimate stands.
     """
+    device_model: _builtins.str
+    """Model of the slowest device reserved (what run_s is for); empty when none."""
     def __init__(
         self,
         *,
@@ -231,10 +234,11 @@ class OfferAnswer(_message.Message):
         lease_s: _builtins.float = ...,
         reason: _builtins.str = ...,
         run_s: _builtins.float = ...,
+        device_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "expected_start_s", b"expected_start_s", "lease_s", b"lease_s", "reason", b"reason", "reservation_id", b"reservation_id", "run_s", b"run_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "device_model", b"device_model", "expected_start_s", b"expected_start_s", "lease_s", b"lease_s", "reason", b"reason", "reservation_id", b"reservation_id", "run_s", b"run_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
