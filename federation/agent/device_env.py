@@ -56,19 +56,25 @@ def mps_thread_percentage(fraction: float) -> int:
 
 
 def sharing_env(node: resources_pb2.Node, slot: Slot) -> dict[str, str]:
-    """``FEDERATION_DEVICE_FRACTION`` and the MPS limit for a share; ``FEDERATION_PARTITION``.
+    """``FEDERATION_DEVICE_FRACTION`` (and ``FEDERATION_DEVICE_MEMORY_MIB``) and the MPS
+    limits for a share; ``FEDERATION_PARTITION``.
 
-    Empty for whole devices. The MPS limit caps the share of SMs a client of an MPS server may
-    use; it has no effect without one, and it is set for NVIDIA GPUs only.
+    Empty for whole devices. The MPS limits cap the share of SMs and the device memory a client
+    of an MPS server may use; they have no effect without one, and are set for NVIDIA GPUs only.
     """
     if slot.partition:
         return {"FEDERATION_PARTITION": slot.partition}
     if not slot.fraction:
         return {}
     env = {"FEDERATION_DEVICE_FRACTION": f"{slot.fraction:g}"}
+    if slot.device_memory_mib:
+        env["FEDERATION_DEVICE_MEMORY_MIB"] = str(slot.device_memory_mib)
     held = [node.devices[pos] for pos in slot.device_positions]
     if any(d.vendor.lower() == "nvidia" and d.kind == resources_pb2.DEVICE_KIND_GPU for d in held):
         env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(mps_thread_percentage(slot.fraction))
+        if slot.device_memory_mib:
+            # Per visible device, as MPS reads it: the share sees its device as 0.
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={slot.device_memory_mib}M"
     return env
 
 

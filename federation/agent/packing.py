@@ -140,6 +140,8 @@ def describe_request(acc: jobs_pb2.AcceleratorRequest) -> str:
         qualifiers.append("in one interconnect group")
     if acc.fraction:
         head = f"{acc.fraction:g} of a shareable {kind}"
+        if acc.memory_mib:
+            head += f" and {acc.memory_mib} MiB of its memory"
     elif acc.partition:
         head = f"a {kind} partition {acc.partition}"
     else:
@@ -153,6 +155,8 @@ def request_problem(acc: jobs_pb2.AcceleratorRequest) -> str:
         return "asks for more than one of count, fraction and partition"
     if acc.fraction and not 0 < acc.fraction <= 1:
         return f"invalid fraction {acc.fraction:g}: must be in (0, 1]"
+    if acc.memory_mib and not acc.fraction:
+        return "asks for share memory without a fraction"
     if acc.selector:
         try:
             compile_selector(acc.selector)
@@ -252,7 +256,7 @@ def _fit(
         if _usable(device) and usage.is_whole_free((node.name, pos))
     ]
     if acc.fraction:
-        pick = _pick_share(node, acc.fraction, usage, matches)
+        pick = _pick_share(node, acc, usage, matches)
     elif acc.partition:
         pick = _pick_partition(node, acc.partition, usage, matches)
     elif acc.count:
@@ -289,6 +293,7 @@ def _fit(
         res.memory_mib,
         pick.positions,
         fraction=acc.fraction,
+        device_memory_mib=acc.memory_mib if acc.fraction else 0,
         partition=acc.partition,
     )
     return _Fit(rank, slot)
@@ -315,19 +320,32 @@ def _pick_whole(
 
 
 def _pick_share(
-    node: resources_pb2.Node, fraction: float, usage: Usage, matches: _Matcher
+    node: resources_pb2.Node, acc: jobs_pb2.AcceleratorRequest, usage: Usage, matches: _Matcher
 ) -> _Pick:
-    """The shareable matching device with the least free share that still holds ``fraction``."""
+    """The shareable matching device with the least free share that still holds the share's
+    fraction and its memory."""
+    fraction = acc.fraction
     shared = [
         (usage.free_fraction((node.name, pos)), device.index, pos)
         for pos, device in enumerate(node.devices)
         if device.shareable and matches(device)
     ]
-    fitting = [entry for entry in shared if shares_fit(entry[0], fraction) >= 1]
+
+    def memory_left(pos: int) -> int:
+        return node.devices[pos].memory_total_mib - usage.device_memory[(node.name, pos)]
+
+    fitting = [
+        entry
+        for entry in shared
+        if shares_fit(entry[0], fraction) >= 1 and memory_left(entry[2]) >= acc.memory_mib
+    ]
     if not fitting:
         if not shared:
             return _Pick(missing=1, have="no matching shareable device")
         most = max(free for free, _, _ in shared)
+        if acc.memory_mib and any(shares_fit(free, fraction) for free, _, _ in shared):
+            memory = max(memory_left(pos) for _, _, pos in shared)
+            return _Pick(missing=1, have=f"at most {memory} MiB free on one shareable device")
         return _Pick(missing=1, have=f"at most {most:.4g} free on one shareable device")
     free, _, pos = min(fitting)
     return _Pick((pos,), tightness=(False, free - fraction))

@@ -48,6 +48,8 @@ class Slot:
     device_positions: tuple[int, ...]
     fraction: float = 0.0
     """Share held of the one device in ``device_positions``; 0 when devices are held whole."""
+    device_memory_mib: int = 0
+    """Memory of that device the share holds; 0 when it asks for none."""
     partition: str = ""
     """Profile of the slot held on the one device in ``device_positions``; "" when none."""
 
@@ -67,6 +69,8 @@ class Usage:
     """Devices held whole."""
     fractions: dict[DeviceRef, float] = field(default_factory=dict)
     """Sum of the shares held per shared device."""
+    device_memory: Counter[DeviceRef] = field(default_factory=Counter)
+    """Device memory (MiB) the shares hold, per shared device."""
     partitions: dict[DeviceRef, Counter[str]] = field(default_factory=dict)
     """Slots held per profile, per partitioned device."""
 
@@ -85,6 +89,7 @@ class Usage:
             defaultdict(int, self.memory_mib),
             set(self.devices),
             dict(self.fractions),
+            Counter(self.device_memory),
             {ref: Counter(held) for ref, held in self.partitions.items()},
         )
 
@@ -96,6 +101,7 @@ class Usage:
         for ref in refs:
             if slot.fraction:
                 self.fractions[ref] = self.fractions.get(ref, 0.0) + slot.fraction
+                self.device_memory[ref] += slot.device_memory_mib
             elif slot.partition:
                 self.partitions.setdefault(ref, Counter())[slot.partition] += 1
             else:
@@ -136,7 +142,8 @@ def apply_usage(node: resources_pb2.Node, usage: Usage) -> None:
     """Writes what ``usage`` holds into ``node``, as a site view publishes it.
 
     Sets the node's free cpu and memory and, per device, ``allocated`` (held whole),
-    ``free_fraction`` and each partition profile's ``free``.
+    ``free_fraction``, ``memory_free_mib`` (not booked by shares) and each partition profile's
+    ``free``.
     """
     node.cpu_free = max(0.0, node.cpu_cores - usage.cpu[node.name])
     node.memory_free_mib = max(0, node.memory_mib - usage.memory_mib[node.name])
@@ -144,6 +151,9 @@ def apply_usage(node: resources_pb2.Node, usage: Usage) -> None:
         ref = (node.name, pos)
         device.allocated = ref in usage.devices
         device.free_fraction = usage.free_fraction(ref)
+        # What shares may still book (what the device uses now is in ``measured``).
+        held = device.memory_total_mib if device.allocated else usage.device_memory[ref]
+        device.memory_free_mib = max(0, device.memory_total_mib - held)
         free = usage.partitions_free(ref, device.partitions)
         for profile in device.partitions:
             profile.free = free[profile.profile]

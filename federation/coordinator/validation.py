@@ -183,6 +183,10 @@ def _accelerator_violations(
         )
     if acc.fraction and not (0 < acc.fraction <= 1):
         yield FieldViolation(f"{path}.fraction", f"must be in (0, 1], got {_show(acc.fraction)}")
+    if acc.memory_mib and not acc.fraction:
+        yield FieldViolation(
+            f"{path}.memory_mib", "is the memory of a share: give it with fraction"
+        )
     if acc.selector:
         try:
             check_selector(acc.selector)

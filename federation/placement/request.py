@@ -34,6 +34,8 @@ class Request:
     sites: frozenset[str]
     node_labels: tuple[tuple[str, str], ...]
     fraction: float = 0.0
+    share_memory_mib: float = 0.0
+    """With ``fraction``: device memory the share needs."""
     partition: str = ""
     selector: str = ""
     same_interconnect: bool = False
@@ -88,6 +90,7 @@ class Request:
             sites=frozenset(constraints.sites),
             node_labels=tuple(sorted(constraints.node_labels.items())),
             fraction=acc.fraction,
+            share_memory_mib=float(acc.memory_mib),
             partition=acc.partition,
             selector=acc.selector,
             same_interconnect=acc.same_interconnect,

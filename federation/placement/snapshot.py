@@ -105,6 +105,8 @@ class Snapshot:
     device_class: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     device_shareable: Bool = field(default_factory=lambda: np.zeros(0, bool))
     device_free_fraction: F64 = field(default_factory=lambda: np.zeros(0))
+    device_memory_free_mib: F64 = field(default_factory=lambda: np.zeros(0))
+    """Memory shares may still book (``Device.memory_free_mib``)."""
     device_group: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     """Interconnect group, unique across the federation; a device with none is its own."""
     device_tflops_fp16: F64 = field(default_factory=lambda: np.zeros(0))
@@ -253,6 +255,7 @@ class SitePart:
     device_class: I64
     device_shareable: Bool
     device_free_fraction: F64
+    device_memory_free_mib: F64
     device_group: I64
     n_groups: int
     device_tflops_fp16: F64
@@ -285,6 +288,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
             "class",
             "shareable",
             "fraction",
+            "memory_free",
             "group",
             "tflops",
             "power",
@@ -325,6 +329,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
             free_by_class[class_ids[key]] = free_by_class.get(class_ids[key], 0) + int(whole_free)
             dev["shareable"].append(d.shareable and healthy and not d.allocated)
             dev["fraction"].append(min(1.0, _capacity(d.free_fraction)))
+            dev["memory_free"].append(_capacity(float(d.memory_free_mib)))
             dev["group"].append(groups.setdefault(group_key, len(groups)))
             dev["tflops"].append(_capacity(d.tflops_fp16))
             dev["power"].append(_capacity(d.power_tdp_watts or d.power_watts))
@@ -351,6 +356,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         device_class=np.array(dev["class"], dtype=np.int64),
         device_shareable=np.array(dev["shareable"], dtype=bool),
         device_free_fraction=np.array(dev["fraction"], dtype=np.float64),
+        device_memory_free_mib=np.array(dev["memory_free"], dtype=np.float64),
         device_group=np.array(dev["group"], dtype=np.int64),
         n_groups=len(groups),
         device_tflops_fp16=np.array(dev["tflops"], dtype=np.float64),
@@ -443,6 +449,7 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         device_class=classes_of("device_class"),
         device_shareable=joined("device_shareable", bool),
         device_free_fraction=joined("device_free_fraction", np.float64),
+        device_memory_free_mib=joined("device_memory_free_mib", np.float64),
         device_group=joined("device_group", np.int64, groups),
         device_tflops_fp16=joined("device_tflops_fp16", np.float64),
         device_power_watts=joined("device_power_watts", np.float64),

@@ -149,8 +149,10 @@ class SiteState:
     def node_room(self, req: Request, site: int, min_speed: float = 0.0) -> F64:
         """Replicas of ``req`` each node of ``site`` can hold now (CapacityFit's count), on
         devices at least ``min_speed`` fast."""
-        if req.partition or req.same_interconnect:
-            raise UnsupportedRequestError("the simulator models whole devices and fractions only")
+        if req.partition or req.same_interconnect or req.share_memory_mib:
+            raise UnsupportedRequestError(
+                "the simulator models whole devices and fractions (without memory) only"
+            )
         snap = self.snap
         a, b = int(self.node_lo[site]), int(self.node_hi[site])
         fit = np.full(b - a, np.inf)

@@ -66,6 +66,7 @@ def two_nodes(**extra: object) -> Callable[[], list[resources_pb2.Node]]:
     return lambda: [node(name, **extra) for name in ("a", "b")]  # type: ignore[arg-type]
 
 
+HALF_MEMORY = {"fraction": 0.25, "share_memory_mib": 40960}
 NEW_CUDA = {"cuda": ">=12.1"}
 NEW_CUDA_ASK = {"requires": NEW_CUDA}
 TORCH = {"torch": "2.4.1"}
@@ -88,6 +89,15 @@ CASES = {
     ),
     "two halves in one gang": Case(shareable(), (), {"fraction": 0.5, "replicas": 2}, True),
     "three halves in one gang": Case(shareable(), (), {"fraction": 0.5, "replicas": 3}, False),
+    "a second half of the memory": Case(
+        shareable(), ({"fraction": 0.25, "share_memory_mib": 40960},), HALF_MEMORY, True
+    ),
+    "a third half of the memory, fraction left": Case(
+        shareable(), ({"fraction": 0.25, "share_memory_mib": 40960},) * 2, HALF_MEMORY, False
+    ),
+    "memory shares over two GPUs": Case(
+        shareable(2), ({"fraction": 0.25, "share_memory_mib": 40960},) * 2, HALF_MEMORY, True
+    ),
     "a share of a plain GPU": Case(lambda: [node("n", devices=1)], (), {"fraction": 0.5}, False),
     "a share of a GPU given whole": Case(shareable(), ({"devices": 1},), {"fraction": 0.1}, False),
     "a share of a cut GPU": Case(cut(), ({"partition": "1g.10gb"},), {"fraction": 0.1}, False),

@@ -230,6 +230,23 @@ async def test_child_sees_its_share(
     assert fractions(core) == [1.0, 1.0]  # the share came back when the task ended
 
 
+async def test_a_memory_share_gets_its_memory_limit(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """A share that asks for device memory is told it, with the MPS memory limit, and the
+    device publishes that memory booked while it runs."""
+    core = make_core([node("n", devices=1, shareable=True)])
+    code = DUMP_ENV + "; import time; time.sleep(1)"
+    await run(core, offer(fraction=0.25, share_memory_mib=20480, code=code))
+    assert core.nodes()[0].devices[0].memory_free_mib == 81920 - 20480
+    report = await recorder.final()
+    assert report.state == SUCCEEDED, report.reason
+    env = json.loads((tmp_path / "work/job-1/train/1/0/env.json").read_text())
+    assert env["FEDERATION_DEVICE_MEMORY_MIB"] == "20480"
+    assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
+    assert core.nodes()[0].devices[0].memory_free_mib == 81920
+
+
 async def test_child_sees_its_partition(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
 ) -> None:

@@ -171,6 +171,12 @@ CASES: list[tuple[str, Mutation, str, str]] = [
         "between 1 and 64, got 0",
     ),
     (
+        "share-memory-without-fraction",
+        _set("tasks[0].resources.accelerator.memory_mib", 4096),
+        "spec.tasks[0].resources.accelerator.memory_mib",
+        "give it with fraction",
+    ),
+    (
         "device-count-high",
         _set("tasks[0].resources.accelerator.count", 65),
         "spec.tasks[0].resources.accelerator.count",

@@ -117,6 +117,7 @@ class AcceleratorRequest(_message.Message):
     PARTITION_FIELD_NUMBER: _builtins.int
     SELECTOR_FIELD_NUMBER: _builtins.int
     SAME_INTERCONNECT_FIELD_NUMBER: _builtins.int
+    MEMORY_MIB_FIELD_NUMBER: _builtins.int
     kind: _resources_pb2.DeviceKind.ValueType
     count: _builtins.int
     """Whole devices per replica."""
@@ -131,6 +132,11 @@ class AcceleratorRequest(_message.Message):
     """CEL over `device` (vendor, model, kind, memory_gib, tflops_fp16, attributes, ...)."""
     same_interconnect: _builtins.bool
     """All devices of a replica must sit in one interconnect group (NVLink/HCCS domain)."""
+    memory_mib: _builtins.int
+    """With fraction: device memory the share needs (HAMi's gpumem). A shared device takes shares
+    while both its free fraction and its free memory hold them; NVIDIA shares get the MPS
+    memory limit for it.
+    """
     @_builtins.property
     def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Acceptable models; empty means any."""
@@ -147,10 +153,11 @@ class AcceleratorRequest(_message.Message):
         partition: _builtins.str = ...,
         selector: _builtins.str = ...,
         same_interconnect: _builtins.bool = ...,
+        memory_mib: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "fraction", b"fraction", "kind", b"kind", "min_memory_mib", b"min_memory_mib", "models", b"models", "partition", b"partition", "same_interconnect", b"same_interconnect", "selector", b"selector", "vendor", b"vendor"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["count", b"count", "fraction", b"fraction", "kind", b"kind", "memory_mib", b"memory_mib", "min_memory_mib", b"min_memory_mib", "models", b"models", "partition", b"partition", "same_interconnect", b"same_interconnect", "selector", b"selector", "vendor", b"vendor"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -68,6 +68,9 @@ def replicas_per_device(req: Request, snap: Snapshot) -> F64:
     matching = matching_devices(req, snap)
     if req.fraction:
         shares = np.floor(snap.device_free_fraction / req.fraction + EPSILON)
+        if req.share_memory_mib:
+            by_memory = np.floor(snap.device_memory_free_mib / req.share_memory_mib + EPSILON)
+            shares = np.minimum(shares, by_memory)
         return np.asarray(np.where(matching & snap.device_shareable, shares, 0.0), np.float64)
     free = np.zeros(len(snap.device_node))
     rows = snap.partition_profile == req.partition
@@ -151,6 +154,8 @@ def describe_demand(req: Request) -> str:
             acc = f"{req.accelerator_count}x{kind}"
         elif req.fraction:
             acc = f"{req.fraction:g} of a shareable {kind}"
+            if req.share_memory_mib:
+                acc += f" and {req.share_memory_mib:g} MiB of its memory"
         else:
             acc = f"a {kind} partition {req.partition}"
         if req.accelerator_vendor:
