@@ -67,10 +67,13 @@ class JobManager:
         max_spec_bytes: int = MAX_SPEC_BYTES,
         max_unfinished_jobs_per_tenant: int = 0,
         learner: SpeedLearner | None = None,
+        freed: Callable[[], None] | None = None,
     ) -> None:
         self._jobs = jobs
         self._learner = learner
         """Told how long each task that succeeded on devices ran."""
+        self._freed = freed or wake
+        """Called when a task ends: the capacity it held is for the first in line."""
         self._max_spec_bytes = max_spec_bytes
         self._max_unfinished = max_unfinished_jobs_per_tenant
         self._sites = sites
@@ -438,7 +441,7 @@ class JobManager:
             self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
         self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")
         if final:
-            self._wake()
+            self._freed()
 
     def _fence(self, site: str, report: site_link_service_pb2.TaskReport, final: bool) -> None:
         """A report for a delegation that is no longer current: stop it, never accept it."""

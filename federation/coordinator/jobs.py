@@ -150,9 +150,9 @@ class JobRepository:
         """Cached (unfinished) jobs per tenant: what a tenant's limit is checked against."""
         self._locks: dict[str, asyncio.Lock] = {}
         # Jobs with a PENDING task: what the scheduler looks at, without walking every job.
-        # Kept in id order (ids are time-ordered) without sorting on every look: new jobs
-        # arrive in order, and only an older job coming back marks it out of order.
-        self._pending: dict[str, None] = {}
+        # Kept in line order (``line_order``) without sorting on every look: jobs of one
+        # priority arrive in order, and only one that goes ahead marks the line unsorted.
+        self._pending: dict[str, LineKey] = {}
         self._pending_in_order = True
         self._held: set[tuple[str, str]] = set()
         """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
@@ -175,9 +175,10 @@ class JobRepository:
         held = self._held
         if any(t.state == job_state.PENDING and (job.id, t.name) not in held for t in job.tasks):
             if job.id not in self._pending:
-                if self._pending and job.id < next(reversed(self._pending)):
+                key = line_order(job)
+                if self._pending and key < self._pending[next(reversed(self._pending))]:
                     self._pending_in_order = False
-                self._pending[job.id] = None
+                self._pending[job.id] = key
         else:
             self._pending.pop(job.id, None)
 
@@ -204,12 +205,13 @@ class JobRepository:
             self._index(cached[0])
 
     def pending(self) -> Iterator[jobs_pb2.Job]:
-        """The jobs that have a PENDING task not held, oldest first: the cached messages themselves,
-        not copies (a hot path), so callers read them and never change them. Lazily, as a
-        caller often needs only the first few; a caller may await between jobs (the ids are
-        taken at the start, and a job no longer pending when reached is skipped)."""
+        """The jobs that have a PENDING task not held, in line order (``line_order``): the
+        cached messages themselves, not copies (a hot path), so callers read them and never
+        change them. Lazily, as a caller often needs only the first few; a caller may await
+        between jobs (the ids are taken at the start, and a job no longer pending when reached
+        is skipped)."""
         if not self._pending_in_order:
-            self._pending = dict.fromkeys(sorted(self._pending))
+            self._pending = dict(sorted(self._pending.items(), key=lambda item: item[1]))
             self._pending_in_order = True
         for job_id in list(self._pending):
             if job_id in self._pending and (cached := self._active.get(job_id)) is not None:
@@ -574,6 +576,16 @@ def _event(
         job_state=job.state if state_after is None else state_after,
         moved_from=change.moved_from,
     )
+
+
+LineKey = tuple[int, int, str]
+
+
+def line_order(job: jobs_pb2.Job) -> LineKey:
+    """Where a waiting job stands in line: higher priority first, then the earlier submitted,
+    then by id. Never by retry timers: a job that waited longer is not overtaken by one that
+    happened to be looked at when capacity freed."""
+    return (-job.spec.priority, job.created_at.ToNanoseconds(), job.id)
 
 
 def new_job_id() -> str:

@@ -139,6 +139,13 @@ class Scheduler:
     def wake(self) -> None:
         self._wake.set()
 
+    def capacity_freed(self) -> None:
+        """A task ended: what it held goes to the first in line (``jobs.line_order``), not to
+        whichever waiting task's retry timer happens to come due first."""
+        self._not_before.clear()
+        self._backoff_s.clear()
+        self.wake()
+
     def _with_learned_speeds(self, request: Request) -> Request:
         """``request`` estimated with learned speeds where the task sets none of its own."""
         speeds = self._learner.overrides(request.workload_class, dict(request.speed))

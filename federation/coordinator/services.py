@@ -123,6 +123,7 @@ async def start_services(
         max_spec_bytes=config.max_spec_bytes,
         max_unfinished_jobs_per_tenant=config.max_unfinished_jobs_per_tenant,
         learner=learner,
+        freed=scheduler.capacity_freed,
     )
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
