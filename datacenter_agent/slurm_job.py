@@ -24,7 +24,7 @@ TaskKey = tuple[str, str, int]  # job id, task name, epoch
 State: TypeAlias = jobs_pb2.JobState.ValueType
 
 _COMMENT_RE = re.compile(
-    r"^federation:(?P<site>[^:\s]+):(?P<job>[^:\s]+):(?P<task>[^:\s]+):(?P<epoch>\d+)$"
+    r"^federation:(?P<site>[^:\s]+):(?P<job>\S+):(?P<task>[^:\s]+):(?P<epoch>\d+)$"
 )
 _TEST_ONLY_RE = re.compile(r"to start at (\S+) using \d+ processors on nodes (\S+)")
 _EPSILON = 1e-9

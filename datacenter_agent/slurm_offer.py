@@ -32,6 +32,8 @@ from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
+"""A tenant's chosen ids are ``TENANT:ID``."""
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -54,7 +56,7 @@ def offer_problem(
         return f"site degraded: {health}"
     spec = offer.spec
     acc = spec.resources.accelerator
-    if not (_NAME_RE.match(offer.job_id) and _NAME_RE.match(offer.task)):
+    if not (_JOB_ID_RE.match(offer.job_id) and _NAME_RE.match(offer.task)):
         return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
     if not spec.command:
         return "task has no command"

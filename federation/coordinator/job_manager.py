@@ -49,6 +49,28 @@ the job's record with its kept events, and etcd refuses a value over 1.5 MiB."""
 MAX_PAGE = 1000
 
 
+def job_id_for(tenant: str, chosen: str) -> str:
+    """The id of a job whose submitter chose ``chosen``: ids a tenant chooses are that tenant's
+    own namespace (``TENANT:ID``), so no tenant can learn which ids another uses; the default
+    tenant's (operators' own jobs) stay bare. Chosen ids never hold a colon."""
+    return chosen if tenant == DEFAULT_TENANT else f"{tenant}:{chosen}"
+
+
+def ids_to_look_up(caller: Identity, job_id: str) -> tuple[str, ...]:
+    """The ids ``job_id`` may mean to ``caller``: a tenant names its own jobs by the id it
+    chose, by their full id, or by the id the coordinator made."""
+    if caller.role is Role.TENANT and ":" not in job_id:
+        return (job_id_for(caller.name, job_id), job_id)
+    return (job_id,)
+
+
+def tenant_of(caller: Identity, spec: jobs_pb2.JobSpec) -> str:
+    """A tenant's own certificate decides its jobs' tenant; operators may name one."""
+    if caller.role is Role.TENANT:
+        return caller.name
+    return spec.tenant or DEFAULT_TENANT
+
+
 def visible_to(caller: Identity) -> Callable[[jobs_pb2.Job], bool]:
     """Operators see every job; a tenant sees only its own."""
     if caller.role is Role.OPERATOR:
@@ -106,7 +128,7 @@ class JobManager:
         if batch and not specs:
             raise InvalidArgumentError([FieldViolation("specs", "the batch is empty")])
         violations: list[FieldViolation] = []
-        ids: dict[str, int] = {}
+        ids: set[str] = set()
         for i, spec in enumerate(specs):
             path = f"specs[{i}]" if batch else "spec"
             violations += spec_violations(spec, path, self._max_spec_bytes)
@@ -115,11 +137,12 @@ class JobManager:
                     f"{caller} may not submit jobs for tenant {spec.tenant!r}"
                 )
             if spec.id:
-                if spec.id in ids:
+                job_id = job_id_for(tenant_of(caller, spec), spec.id)
+                if job_id in ids:
                     violations.append(
                         FieldViolation(f"{path}.id", f"duplicate id {spec.id!r} in this batch")
                     )
-                ids[spec.id] = i
+                ids.add(job_id)
         violations += self._unknown_datasets(specs, batch)
         if violations:
             raise InvalidArgumentError(violations)
@@ -169,13 +192,12 @@ class JobManager:
         return out
 
     def _new_job(self, caller: Identity, submitted_by: str, spec: jobs_pb2.JobSpec) -> jobs_pb2.Job:
-        job = jobs_pb2.Job(id=spec.id or new_job_id(), submitted_by=submitted_by)
+        tenant = tenant_of(caller, spec)
+        job_id = job_id_for(tenant, spec.id) if spec.id else new_job_id()
+        job = jobs_pb2.Job(id=job_id, submitted_by=submitted_by)
         job.spec.CopyFrom(spec)
         job.spec.id = job.id
-        if caller.role is Role.TENANT:
-            job.spec.tenant = caller.name
-        elif not job.spec.tenant:
-            job.spec.tenant = DEFAULT_TENANT
+        job.spec.tenant = tenant
         job.state = job_state.PENDING
         job.reason = "submitted"
         job.created_at.CopyFrom(now_timestamp())
@@ -185,10 +207,13 @@ class JobManager:
         return job
 
     async def get(self, caller: Identity, job_id: str) -> jobs_pb2.Job:
-        job = await self._jobs.get(job_id)
-        if not visible_to(caller)(job):
-            raise JobNotFoundError(job_id)  # do not reveal other tenants' jobs
-        return job
+        visible = visible_to(caller)
+        for candidate in ids_to_look_up(caller, job_id):
+            with contextlib.suppress(JobNotFoundError):
+                job = await self._jobs.get(candidate)
+                if visible(job):
+                    return job
+        raise JobNotFoundError(job_id)  # do not reveal other tenants' jobs
 
     async def events(self, job_id: str) -> list[jobs_pb2.JobEvent]:
         """A job's recorded events (call ``get`` first: it checks visibility)."""
@@ -218,7 +243,7 @@ class JobManager:
         return job_service_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
 
     async def cancel(self, caller: Identity, job_id: str, reason: str) -> jobs_pb2.Job:
-        await self.get(caller, job_id)  # visibility check
+        job_id = (await self.get(caller, job_id)).id  # visibility check, and the full id
         why = reason or f"cancelled by {caller}"
         to_stop: list[tuple[str, str, int]] = []
 
@@ -262,7 +287,7 @@ class JobManager:
         self, caller: Identity, request: job_service_pb2.WatchJobsRequest
     ) -> AsyncIterator[list[jobs_pb2.JobEvent]]:
         """Events of the jobs the caller may see (and asked for), in batches of those ready."""
-        wanted = set(request.job_ids)
+        wanted = {full for job_id in request.job_ids for full in ids_to_look_up(caller, job_id)}
         visible = visible_to(caller)
 
         def accepts(job: jobs_pb2.Job) -> bool:
@@ -272,7 +297,7 @@ class JobManager:
         try:
             if request.include_current:
                 current = []
-                for job_id in sorted(wanted) if wanted else []:
+                for job_id in sorted(set(request.job_ids)):
                     with contextlib.suppress(JobNotFoundError):
                         current.append(current_event(await self.get(caller, job_id)))
                 if not wanted:

@@ -27,7 +27,16 @@ from federation.security.identity import Identity, Role
 from federation.security.pki import init_pki, issue_client_files, make_csr
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
-from .conftest import admin, channel_as, jobs, python_task, site_tls, spec, tenant_tls
+from .conftest import (
+    admin,
+    channel_as,
+    jobs,
+    python_task,
+    site_tls,
+    spec,
+    tenant_tls,
+    wait_for_job,
+)
 
 pytestmark = pytest.mark.xdist_group("e2e-refusals")
 
@@ -172,6 +181,36 @@ async def test_tenants_see_and_cancel_only_their_own_jobs(federation: LocalFeder
         assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
         cancelled = await jobs(a).CancelJob(job_service_pb2.CancelJobRequest(job_id=job.id))
         assert cancelled.job.cancel_requested
+
+
+async def test_job_ids_are_each_tenants_own(federation: LocalFederation) -> None:
+    """An id one tenant chose tells another nothing: B may choose it too, gets its own job, and
+    each tenant reaches its own by the id it chose; a second use in one namespace is refused."""
+    async with (
+        channel_as(federation, tenant_tls(federation, "team-a")) as a,
+        channel_as(federation, tenant_tls(federation, "team-b")) as b,
+    ):
+        made = {}
+        for name, channel in (("a", a), ("b", b)):
+            job = spec(f"from-{name}", [python_task("t", "")], id="shared-id")
+            reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+            made[name] = reply.job
+        assert made["a"].id == "team-a:shared-id"
+        assert made["b"].id == "team-b:shared-id"
+        for name, channel in (("a", a), ("b", b)):
+            for asked in ("shared-id", made[name].id):
+                got = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=asked))
+                assert got.job.spec.name == f"from-{name}"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(b).GetJob(job_service_pb2.GetJobRequest(job_id=made["a"].id))
+        assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+        again = spec("again", [python_task("t", "")], id="shared-id")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(a).SubmitJob(job_service_pb2.SubmitJobRequest(spec=again))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "team-b" not in caught.value.details()
+        done = await wait_for_job(b, "shared-id")
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED
 
 
 async def test_roles_are_enforced_per_service(federation: LocalFederation) -> None:

@@ -215,6 +215,9 @@ def test_comment_names_site_and_task() -> None:
     assert parse_comment(comment, "dc-b") is None
     assert parse_comment(dict(parse_fields(JOB))["Comment"], "dc-a") == ("j1", "main", 3)
     assert parse_comment("federation:dc-a:j1:main:x", "dc-a") is None
+    # A tenant's chosen id holds a colon (TENANT:ID); task names and sites never do.
+    tenants = job_comment("dc-a", ("team-a:nightly", "main", 2))
+    assert parse_comment(tenants, "dc-a") == ("team-a:nightly", "main", 2)
 
 
 def test_test_only_forecast() -> None:
