@@ -156,6 +156,13 @@ class TaskCheckpoints:
             env["FEDERATION_RESTORE_FROM"] = self._restore.path
         return env
 
+    @property
+    def restore_from(self) -> Path | None:
+        """The checkpoint this task restarts from, if any."""
+        if self._restore is None or not self._restore.path:
+            return None
+        return Path(self._restore.path)
+
     def prepare(self, account: Account | None) -> None:
         """Create the folder, only ``account`` may enter it; blocking: run in a thread."""
         agent_folder(self.directory.parent)

@@ -476,6 +476,7 @@ class EmbeddedCore:
             for directory in dirs:
                 private_folder(directory, account)
             if task.checkpoints is not None:
+                self._reopen(task.checkpoints.restore_from)
                 task.checkpoints.prepare(account)
 
         try:
@@ -541,6 +542,27 @@ class EmbeddedCore:
         await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
+    def _lock(self, key: TaskKey) -> None:
+        """Once a task has ended only the agent may enter its folder: a task that opened its
+        own folder to others while it ran leaves nothing reachable. (One chmod: no walk.)"""
+        try:
+            self._task_dir(key).chmod(0o700)
+        except FileNotFoundError:
+            pass  # it never started
+        except OSError as exc:
+            log.warning("work_folder_not_locked", job_id=key[0], task=key[1], error=str(exc))
+
+    def _reopen(self, checkpoint: Path | None) -> None:
+        """A restart from a checkpoint of an ended epoch here passes through that epoch's
+        folder again (locked by ``_lock``); the checkpoint's own folder stays its account's.
+        Blocking: run it in a thread."""
+        if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
+            return
+        parts = checkpoint.relative_to(self._work_dir).parts
+        epoch_dir = self._work_dir.joinpath(*parts[:3])  # <job>/<task>/<epoch>
+        if len(parts) > 3 and epoch_dir.is_dir() and not epoch_dir.is_symlink():
+            epoch_dir.chmod(0o711)
+
     def _finish(
         self, task: _Task, state: State, exit_code: int, reason: str, output_tail: str
     ) -> None:
@@ -548,6 +570,7 @@ class EmbeddedCore:
         task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
         if task.checkpoints is not None:
             task.checkpoints.stop()
+        self._lock(task.key)
         task.finished.set()
         log.info(
             "task_finished",

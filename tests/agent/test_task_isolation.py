@@ -20,6 +20,7 @@ import pytest
 from federation.agent.accounts import TaskAccounts, task_accounts
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.process import ReplicaProcess
+from federation.api.v1 import jobs_pb2
 from federation.config import ConfigError
 
 from .cores import CANCELLED, RUNNING, SUCCEEDED, Recorder, node, offer, run
@@ -142,6 +143,47 @@ async def test_one_tenant_cannot_read_or_signal_anothers_task(
     assert stat.S_IMODE((replica / "secret.txt").stat().st_mode) == 0o600  # umask 077
     await core.cancel("job-b", "train", 0, "test over")
     assert (await recorder.final("job-b")).state == CANCELLED
+
+
+async def test_an_ended_task_folder_is_locked(
+    core: EmbeddedCore, recorder: Recorder, site_dirs: tuple[Path, Path]
+) -> None:
+    """A task that opened its own folder to everyone while it ran leaves nothing readable
+    once it has ended: only the agent may enter the ended task's folder."""
+    _, work = site_dirs
+    opened = "echo left > open.txt; chmod 644 open.txt; chmod 755 ."
+    await run(core, tenant_offer("job-b", "tenant-b", opened))
+    assert (await recorder.final("job-b")).state == SUCCEEDED
+    epoch_dir = work / "job-b" / "train" / "1"
+    assert stat.S_IMODE(epoch_dir.stat().st_mode) == 0o700
+    read = f"cat {epoch_dir}/0/open.txt && echo READ-AFTER-END; true"
+    await run(core, tenant_offer("job-a", "tenant-a", read))
+    report = await recorder.final("job-a")
+    assert report.state == SUCCEEDED, report.reason
+    assert "READ-AFTER-END" not in report.output_tail
+
+
+async def test_a_restart_reaches_its_checkpoint_in_a_locked_folder(
+    core: EmbeddedCore, recorder: Recorder, site_dirs: tuple[Path, Path]
+) -> None:
+    """Epoch 1 saves a checkpoint and ends (its folder locked); epoch 2, restarting from it
+    as the same account, reads it."""
+    _, work = site_dirs
+    save = 'echo step-3 > "$FEDERATION_CHECKPOINT_DIR/step-3"'
+    first = tenant_offer("job-b", "tenant-b", save)
+    first.spec.checkpoint.CopyFrom(jobs_pb2.Checkpoint())
+    await run(core, first)
+    assert (await recorder.final("job-b")).state == SUCCEEDED
+    saved = work / "job-b" / "train" / "1" / "checkpoints" / "step-3"
+    restart = tenant_offer("job-b", "tenant-b", 'cat "$FEDERATION_RESTORE_FROM"')
+    restart.epoch = 2
+    restart.spec.checkpoint.CopyFrom(jobs_pb2.Checkpoint())
+    restart.restore.CopyFrom(jobs_pb2.CheckpointRecord(path=str(saved), bytes=7, site="site-a"))
+    recorder.reports.clear()
+    await run(core, restart)
+    report = await recorder.final("job-b")
+    assert report.state == SUCCEEDED, report.reason
+    assert report.output_tail.strip() == "step-3"
 
 
 async def test_a_planted_link_is_not_followed(
