@@ -61,6 +61,9 @@ class CoordinatorConfig:
     empty: the listen host (this machine's name for a wildcard) and the bound port."""
     join_advertise: str = ""
     """The same for join_listen; empty: the advertised host and the bound join port."""
+    etcd_history_s: float = 300.0
+    """With etcd: how long of history to keep; older revisions are compacted away so that job
+    writes do not pile up in etcd (watches further behind re-read; 0 leaves it to etcd)."""
     leader_lease_s: float = 3.0
     """With etcd: ttl of the leader's lease, so a dead leader is replaced this long after its
     last keepalive (etcd rounds up to whole seconds and to its own minimum)."""
@@ -112,6 +115,8 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
     tls = (config.etcd_ca, config.etcd_cert, config.etcd_key)
     if any(tls) and not all(tls):
         raise ConfigError(f"{source}: give all of etcd_ca, etcd_cert and etcd_key, or none")
+    if not config.etcd_history_s >= 0:
+        raise ConfigError(f"{source}: etcd_history_s must be 0 or more")
     if not config.leader_lease_s > 0:
         raise ConfigError(f"{source}: leader_lease_s must be positive")
     if not config.heartbeat_interval_s > 0:

@@ -115,13 +115,16 @@ class Coordinator:
     election: LeaderElection | None = None
     """The election this coordinator takes part in (etcd), or None (always leads)."""
     election_task: asyncio.Task[None] | None = None
+    history_task: asyncio.Task[None] | None = None
+    """Compacts etcd's history (etcd only)."""
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
         """Step down (giving the lease back at once), stop serving, close the store."""
-        if self.election_task is not None:
-            self.election_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.election_task
+        for task in (self.election_task, self.history_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.leadership.stop()
         await asyncio.gather(self.server.stop(grace_s), self.join_server.stop(grace_s))
         await self.store.close()
@@ -250,6 +253,9 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     await leadership.serve_health()
     if coordinator.election is not None:
         coordinator.election_task = asyncio.create_task(coordinator.election.run())
+    if isinstance(store, EtcdStore) and config.etcd_history_s > 0:
+        # Every coordinator may: compacting to a revision already compacted does nothing.
+        coordinator.history_task = asyncio.create_task(store.compact_history(config.etcd_history_s))
     log.info(
         "coordinator_started",
         port=port,

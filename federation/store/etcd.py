@@ -33,6 +33,7 @@ Where this store differs from ``SqliteStore``:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -445,6 +446,17 @@ class EtcdStore:
 
     # Leases.
 
+    async def compact(self, revision: int) -> None:
+        """Drop the history before ``revision`` (kept values stay); compacting a revision
+        already compacted does nothing."""
+        request = rpc.CompactionRequest(revision=revision)
+        with contextlib.suppress(CompactedError):
+            await self._call(
+                lambda c: c.kv.Compact(request, timeout=self._timeout_s),
+                "compacting history",
+                retry=True,  # compacting twice is compacting once
+            )
+
     async def grant_lease(self, ttl_s: float) -> int:
         """A new etcd lease of ``ttl_s`` rounded up to whole seconds (etcd may raise it more)."""
         if ttl_s <= 0:
@@ -484,6 +496,20 @@ class EtcdStore:
             f"revoking lease {lease}",
         )
         self._see(response.header)
+
+    async def compact_history(self, keep_s: float) -> None:
+        """Keep about ``keep_s`` of history: each period, compact to the revision the previous
+        period ended at. Runs until cancelled; a failed round is logged and tried again."""
+        previous = 0
+        while True:
+            try:
+                current = await self.revision()
+                if previous:
+                    await self.compact(previous)
+                previous = current
+            except StoreError as err:
+                log.warning("etcd_compaction_failed", error=str(err))
+            await asyncio.sleep(keep_s)
 
     async def close(self) -> None:
         """Close the channels; open watches and later calls raise ``StoreError``."""

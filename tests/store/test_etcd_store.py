@@ -218,6 +218,32 @@ async def test_watch_from_compacted_revision_raises(etcd: LocalEtcd, store: Etcd
     assert [e.kv.key for e in events] == ["/w/b"]
 
 
+async def test_history_is_compacted_to_what_is_kept(store: EtcdStore) -> None:
+    """``compact_history`` drops revisions older than about one period: a watch from before
+    then raises CompactedError, the values stay, and recent history is still there."""
+    first = await store.commit([Put("/h/a", b"1")])
+    for i in range(20):
+        await store.commit([Put("/h/a", str(i).encode())])
+    compactor = asyncio.create_task(store.compact_history(0.1))
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            try:
+                await anext(store.watch("/h/", start_revision=first))
+            except CompactedError:
+                break
+            assert time.monotonic() < deadline, "history was never compacted"
+            await asyncio.sleep(0.05)
+    finally:
+        compactor.cancel()
+    kept = await store.get("/h/a")
+    assert kept is not None
+    assert kept.value == b"19"
+    recent = await store.commit([Put("/h/b", b"new")])
+    events = await take(store.watch("/h/", start_revision=recent), 1)
+    assert [e.kv.key for e in events] == ["/h/b"]
+
+
 async def test_closed_store_ends_watches_and_calls(etcd: LocalEtcd) -> None:
     """After close, waiting and paused watches and any new call raise StoreError."""
     store = await EtcdStore.open([etcd.endpoint], prefix=fresh_prefix())
