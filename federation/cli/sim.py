@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,9 +21,15 @@ from federation.cli.connection import CliError
 from federation.sim.engine import SimConfig
 from federation.sim.fields import InputFileError
 from federation.sim.generate import DATA, Knobs, describe, generate, write_topology
-from federation.sim.policies import DEFAULT_POLICIES, PROFILES, UnknownPolicyError
+from federation.sim.policies import DEFAULT_POLICIES, PROFILES, UnknownPolicyError, profile
 from federation.sim.replay import PolicyProgress, replay
-from federation.sim.report import print_tables, write_json, write_plots, write_records
+from federation.sim.report import (
+    print_tables,
+    warnings,
+    write_json,
+    write_plots,
+    write_records,
+)
 from federation.sim.topology import load_topology
 from federation.sim.trace import load_trace, write_trace
 
@@ -126,11 +134,36 @@ def _domains(text: str) -> dict[str, float]:
     return out
 
 
+def _at_least(option: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise CliError(f"{option}: must be a whole number >= {minimum}, got {value}")
+
+
+def _writable(option: str, path: Path, *, folder: bool) -> None:
+    """Refuse an output path that could not be written, before any work is done."""
+    if folder and path.exists() and not path.is_dir():
+        raise CliError(f"{option}: {path} exists and is not a folder")
+    if not folder and path.is_dir():
+        raise CliError(f"{option}: {path} is a folder; give a file name")
+    parent = path.parent
+    if not parent.exists():
+        raise CliError(f"{option}: cannot write {path}: folder {parent} does not exist")
+    if not parent.is_dir():
+        raise CliError(f"{option}: cannot write {path}: {parent} is not a folder")
+    target = path if path.exists() else parent
+    if not os.access(target, os.W_OK | (os.X_OK if target.is_dir() else 0)):
+        raise CliError(f"{option}: cannot write {path}: permission denied")
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     """Write a generated topology and trace."""
     names = [f.name for f in Knobs.__dataclass_fields__.values() if f.name != "domains"]
     knobs = Knobs(domains=_domains(args.domains), **{n: getattr(args, n) for n in names})
-    args.out.mkdir(parents=True, exist_ok=True)
+    _at_least("--seed", args.seed, 0)
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"--out: cannot make {args.out}: {err.strerror}") from None
     try:
         topology, tasks = generate(knobs, args.seed, args.data, args.out)
     except (InputFileError, ValueError) as err:
@@ -163,11 +196,39 @@ def _progress(enabled: bool, policies: list[str]) -> Iterator[PolicyProgress | N
         yield update
 
 
+def _policies(text: str) -> list[str]:
+    """The policies named, each known and named once."""
+    policies = [p.strip() for p in text.split(",") if p.strip()]
+    if not policies:
+        raise CliError(f"--policies: name at least one of {', '.join(PROFILES)}")
+    for name in policies:
+        try:
+            profile(name)
+        except UnknownPolicyError as err:
+            raise CliError(f"--policies: {err}") from None
+    twice = sorted({p for p in policies if policies.count(p) > 1})
+    if twice:
+        raise CliError(f"--policies: named more than once: {', '.join(twice)}")
+    return policies
+
+
 def cmd_sim(args: argparse.Namespace) -> int:
     """Replay, then print tables or JSON and write plots."""
     if args.topology is None or args.trace is None:
         raise CliError("give --topology and --trace (or run 'fedctl sim generate --out DIR')")
-    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = _policies(args.policies)
+    _at_least("--seed", args.seed, 0)
+    _at_least("--offers-at-once", args.offers_at_once, 1)
+    _at_least("--max-offers", args.max_offers, 1)
+    if not (math.isfinite(args.estimate_error) and args.estimate_error >= 0):
+        raise CliError(f"--estimate-error: must be a number >= 0, got {args.estimate_error:g}")
+    if args.plots:
+        _writable("--plots", args.plots, folder=True)
+    if args.records:
+        _writable("--records", args.records, folder=False)
+        inputs = {args.trace.resolve(), args.topology.resolve()}
+        if args.records.resolve() in inputs:
+            raise CliError(f"--records: {args.records} is an input file; it would be overwritten")
     as_json = bool(args.json or args.sim_json)
     config = SimConfig(
         offers_at_once=args.offers_at_once,
@@ -193,6 +254,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     if as_json:
         write_json(result, sys.stdout)
+        for line in warnings(result):
+            print(line, file=sys.stderr)
     else:
         # Wide enough for both tables when the output goes to a file or a pipe.
         print_tables(result, Console() if sys.stdout.isatty() else Console(width=150))

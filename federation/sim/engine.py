@@ -53,6 +53,14 @@ class SimConfig:
     seed: int = 0
     """Seeds the sites' random declines (``decline_rate``)."""
 
+    def __post_init__(self) -> None:
+        # With no site offered per round a task would be retried forever.
+        for name in ("offers_at_once", "max_offers_per_round"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
 
 @dataclass(slots=True)
 class TaskRun:

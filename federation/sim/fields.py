@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import codecs
 import math
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
 class InputFileError(ValueError):
     """A simulator input (topology or trace) that cannot be used; the message says where."""
+
+
+def read_text(path: Path) -> str:
+    """The file as UTF-8 text (a leading byte-order mark is dropped).
+
+    Bytes that are not UTF-8 are refused with ``file:line:column`` (the column counts bytes).
+    """
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+    if data.startswith(codecs.BOM_UTF8):
+        data = data[len(codecs.BOM_UTF8) :]
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = data.count(b"\n", 0, err.start) + 1
+        column = err.start - (data.rfind(b"\n", 0, err.start) + 1) + 1
+        raise InputFileError(
+            f"{path}:{line}:{column}: not UTF-8 text (byte 0x{data[err.start]:02x}); "
+            "save the file as UTF-8"
+        ) from None
 
 
 class Fields:

@@ -12,6 +12,7 @@ process whose rate makes the offered load what ``load`` asks for. Every knob is 
 from __future__ import annotations
 
 import csv
+import io
 import os
 from collections import Counter
 from collections.abc import Mapping
@@ -24,7 +25,7 @@ import yaml
 
 from federation.jobspec import parse_domain
 from federation.placement.estimates import REFERENCE_TFLOPS_FP16, speed_table
-from federation.sim.fields import InputFileError
+from federation.sim.fields import InputFileError, read_text
 from federation.sim.links import load_rtt_csv, load_throughput_csv
 from federation.sim.topology import KNOWN_MODELS
 from federation.sim.trace import TraceTask
@@ -94,10 +95,7 @@ class Knobs:
 
 def _csv_column(path: Path, column: str) -> list[str]:
     try:
-        with path.open(newline="") as f:
-            return [row[column] for row in csv.DictReader(f)]
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+        return [row[column] for row in csv.DictReader(io.StringIO(read_text(path), newline=""))]
     except KeyError:
         raise InputFileError(f"{path}: no column {column!r}") from None
 
@@ -105,11 +103,7 @@ def _csv_column(path: Path, column: str) -> list[str]:
 def load_fleet(data: Path) -> list[dict[str, str]]:
     """The PAI machine list."""
     path = data / FLEET_CSV
-    try:
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f))
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+    return list(csv.DictReader(io.StringIO(read_text(path), newline="")))
 
 
 def load_runtimes(data: Path) -> np.ndarray:

@@ -12,6 +12,7 @@ The loaders read the shapes of the measured data in ``../shared/data/network/``:
 from __future__ import annotations
 
 import csv
+import io
 import math
 import statistics
 from collections import defaultdict
@@ -22,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import numpy.typing as npt
 
-from federation.sim.fields import InputFileError
+from federation.sim.fields import InputFileError, read_text
 
 RegionPair = tuple[str, str]
 
@@ -61,11 +62,7 @@ class LinkPlan:
 
 
 def _rows(path: Path) -> tuple[list[str], list[list[str]]]:
-    try:
-        with path.open(newline="") as f:
-            rows = list(csv.reader(f))
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+    rows = list(csv.reader(io.StringIO(read_text(path), newline="")))
     if not rows:
         raise InputFileError(f"{path}: empty file")
     return [h.strip() for h in rows[0]], rows[1:]

@@ -45,6 +45,20 @@ def _share(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
 
 
+def warnings(result: ReplayResult) -> list[str]:
+    """Lines for what the figures would otherwise hide: tasks that never ran."""
+    out = []
+    for name, m in result.summary["policies"].items():
+        nowhere = m["tasks_that_fit_nowhere"]
+        if nowhere:
+            out.append(
+                f"warning: {name}: {nowhere} of {result.summary['trace']['tasks']} task(s) fit "
+                "nowhere (no site could hold them even idle) and never ran; their jobs are "
+                "left out of the JCT figures"
+            )
+    return out
+
+
 def print_tables(result: ReplayResult, console: Console) -> None:
     """Two tables, one row per policy: time figures, then resource figures."""
     summary = result.summary
@@ -113,6 +127,8 @@ def print_tables(result: ReplayResult, console: Console) -> None:
             str(m["declines"]),
         )
     console.print(resources)
+    for line in warnings(result):
+        console.print(line, style="bold yellow", markup=False, highlight=False)
 
 
 def write_json(result: ReplayResult, out: IO[str]) -> None:

@@ -17,7 +17,7 @@ import yaml
 
 from federation.api.v1 import resources_pb2
 from federation.jobspec import parse_domain
-from federation.sim.fields import Fields, InputFileError
+from federation.sim.fields import Fields, InputFileError, read_text
 from federation.sim.links import (
     DeclaredLink,
     Link,
@@ -143,10 +143,9 @@ class Topology:
 
 def load_topology(path: Path) -> Topology:
     """Read and check a topology file; relative data paths are relative to its folder."""
+    text = read_text(path)
     try:
-        doc = yaml.safe_load(path.read_text())
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+        doc = yaml.safe_load(text)
     except yaml.YAMLError as err:
         raise InputFileError(f"{path}: not valid YAML: {err}") from None
     return parse_topology(doc, str(path), path.parent)

@@ -7,6 +7,7 @@ Only ``submit_s`` and ``duration_s`` are required; every other column may be mis
 from __future__ import annotations
 
 import csv
+import io
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -14,9 +15,10 @@ from pathlib import Path
 
 from federation.api.v1 import resources_pb2
 from federation.jobspec import parse_domain
+from federation.placement.estimates import speed_table
 from federation.placement.request import Input, Request
-from federation.sim.fields import InputFileError
-from federation.sim.topology import KIND_NAMES, Topology
+from federation.sim.fields import InputFileError, read_text
+from federation.sim.topology import KIND_NAMES, KNOWN_MODELS, Topology
 
 REQUIRED = ("submit_s", "duration_s")
 # Column -> what it means (the README's table is written from the same facts).
@@ -147,15 +149,11 @@ class _Row:
 
 def load_trace(path: Path) -> list[TraceTask]:
     """Read and check a trace file; tasks come back in submit order."""
-    try:
-        with path.open(newline="") as f:
-            reader = csv.DictReader(f)
-            header = [h.strip() for h in reader.fieldnames or []]
-            reader.fieldnames = header
-            _check_header(str(path), header)
-            rows = [_task(_Row(str(path), n, row)) for n, row in enumerate(reader, start=2)]
-    except OSError as err:
-        raise InputFileError(f"{path}: cannot read: {err.strerror}") from None
+    reader = csv.DictReader(io.StringIO(read_text(path), newline=""))
+    header = [h.strip() for h in reader.fieldnames or []]
+    reader.fieldnames = header
+    _check_header(str(path), header)
+    rows = [_task(_Row(str(path), n, row)) for n, row in enumerate(reader, start=2)]
     if not rows:
         raise InputFileError(f"{path}: no rows")
     seen: dict[tuple[str, str], int] = {}
@@ -188,6 +186,10 @@ def _task(r: _Row) -> TraceTask:
     kind = r.text("accelerator_kind", "GPU").upper()
     if "DEVICE_KIND_" + kind not in KIND_NAMES:
         raise r.fail("accelerator_kind", f"unknown kind {kind!r} (GPU, NPU, MLU, FPGA, DPU)")
+    workload_class = r.text("workload_class", "training")
+    if workload_class not in speed_table():
+        classes = ", ".join(sorted(speed_table()))
+        raise r.fail("workload_class", f"unknown class {workload_class!r} ({classes})")
     domains: set[int] = set()
     for name in r.names("domains"):
         try:
@@ -212,18 +214,31 @@ def _task(r: _Row) -> TraceTask:
         input_bytes=r.integer("input_bytes", 0),
         dataset_site=r.text("dataset_site"),
         deadline_s=r.number("deadline_s", 0.0),
-        workload_class=r.text("workload_class", "training"),
+        workload_class=workload_class,
         domains=frozenset(domains),
         max_cost_usd=r.number("max_cost_usd", 0.0),
     )
 
 
 def check_against(tasks: Iterable[TraceTask], topology: Topology, source: str) -> None:
-    """Refuse inputs nobody holds and sites the topology lacks, naming the line."""
+    """Refuse inputs nobody holds, sites the topology lacks, and device models no site has
+    (a task asking only for those would never run), naming the line."""
     names = {s.name for s in topology.sites}
     held = {d for s in topology.sites for d in (s.datasets or {})}
+    models = {d.model for s in topology.sites for n in s.nodes for d in n.devices}
     for t in tasks:
         where = f"{source}:{t.line}"
+        if t.accelerator_models and not t.accelerator_models & models:
+            raise InputFileError(
+                f"{where}: column 'accelerator_models': no site has "
+                f"{_listing(t.accelerator_models)} (models in the topology: {_listing(models)})"
+            )
+        typos = sorted(t.accelerator_models - models - set(KNOWN_MODELS))
+        if typos:
+            raise InputFileError(
+                f"{where}: column 'accelerator_models': {_listing(typos)}: not a known model "
+                f"and no site has it (models in the topology: {_listing(models)})"
+            )
         if t.dataset_site and t.dataset_site not in names:
             raise InputFileError(f"{where}: column 'dataset_site': unknown site {t.dataset_site!r}")
         if t.dataset and not t.dataset_site and t.dataset not in held:
@@ -235,6 +250,10 @@ def check_against(tasks: Iterable[TraceTask], topology: Topology, source: str) -
             site = next(s for s in topology.sites if s.name == t.dataset_site)
             if t.dataset not in (site.datasets or {}):
                 raise InputFileError(f"{where}: column 'input_bytes': needed with dataset_site")
+
+
+def _listing(names: Iterable[str]) -> str:
+    return ", ".join(sorted(names)) or "none"
 
 
 def write_trace(path: Path, tasks: Iterable[TraceTask]) -> None:
