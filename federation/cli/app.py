@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from federation.cli import demo, pki, remote, sim
+from federation.cli import demo, pki, remote, sim, top
 from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
 
 
@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     remote.add_parsers(sub)
     demo.add_parser(sub)
     sim.add_parser(sub)
+    top.add_parser(sub)
     return parser
 
 
