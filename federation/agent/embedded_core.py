@@ -22,7 +22,7 @@ from federation.agent.accounts import NoAccountError, TaskAccounts, agent_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
-from federation.agent.host_watch import merge_rediscovered, worth_publishing
+from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
@@ -171,6 +171,8 @@ class EmbeddedCore:
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[TaskKey, _Task] = {}
+        self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
+        """Per node: when its readings were last published, and the node as it was then."""
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Nodes with free cpu/memory and devices reflecting all held capacity.
@@ -187,10 +189,12 @@ class EmbeddedCore:
             views.append(node)
         return views
 
-    def refresh(self, found: resources_pb2.Node) -> None:
+    def refresh(self, found: resources_pb2.Node, pace: Pace = FAST) -> None:
         """Takes a fresh discovery of one of its nodes: devices gone, new or of another health,
         and what the node and its devices use now. A device that stops being healthy gets no
-        new work; the tasks already on it are named in the log."""
+        new work; the tasks already on it are named in the log. Readings are published at
+        ``pace``: when they moved by its steps since they were last published, at most once
+        per its interval."""
         current = self._nodes.get(found.name)
         if current is None:
             return
@@ -215,7 +219,14 @@ class EmbeddedCore:
                 )
         if changes:
             log.info("host_rediscovered", node=found.name, changes=changes)
-        if changes or worth_publishing(before, current):
+        # Until some are published, the readings the node was first published with.
+        sent_at, sent = self._readings_published.setdefault(found.name, (-math.inf, before))
+        now = time.monotonic()
+        due = now - sent_at >= pace.min_interval_s
+        if changes or (due and worth_publishing(sent, current, pace)):
+            kept = resources_pb2.Node()
+            kept.CopyFrom(current)
+            self._readings_published[found.name] = (now, kept)
             self._changed()
 
     def queue(self) -> resources_pb2.QueueState:

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import structlog
 
@@ -30,10 +31,37 @@ from federation.metrics import (
 log = structlog.get_logger()
 
 GONE = "not found when the host was discovered again"
-COMPUTE_STEP = 0.05
-"""Change in a compute share worth publishing (a thin link must not carry every flicker)."""
-MEMORY_STEP = 0.02
-"""Change in memory use, as a share of the total, worth publishing."""
+
+
+@dataclass(frozen=True, slots=True)
+class Pace:
+    """How often and how finely measured readings go to the coordinator: a change in a compute
+    share of ``compute_step``, or in memory use of ``memory_step`` of the total, is worth
+    sending, at most once per ``min_interval_s``. Health and devices that come or go are sent
+    at once, whatever the pace."""
+
+    min_interval_s: float
+    compute_step: float
+    memory_step: float
+
+
+PACES = (
+    (100.0, Pace(min_interval_s=0.0, compute_step=0.05, memory_step=0.02)),
+    (10.0, Pace(min_interval_s=15.0, compute_step=0.10, memory_step=0.05)),
+    (0.0, Pace(min_interval_s=60.0, compute_step=0.20, memory_step=0.10)),
+)
+"""(slowest link in Mbit/s, pace): a thin link to the coordinator (an edge site's) carries
+fewer, coarser updates; an unmeasured link gets the fastest pace."""
+FAST = PACES[0][1]
+
+
+def readings_pace(link: resources_pb2.Link | None) -> Pace:
+    """The pace for readings over ``link``, the measured link to the coordinator."""
+    if link is None or not link.measured_at:
+        return FAST
+    return next(pace for slowest, pace in PACES if link.bandwidth_mbps >= slowest)
+
+
 _NODE_LABELS = ("health", "health_reason", "driver", "cuda")
 """Node labels discovery derives from what it found."""
 
@@ -81,17 +109,18 @@ def merge_rediscovered(current: resources_pb2.Node, found: resources_pb2.Node) -
     return changes
 
 
-def worth_publishing(before: resources_pb2.Node, after: resources_pb2.Node) -> bool:
-    """Whether readings moved enough to send: compute by ``COMPUTE_STEP``, memory by
-    ``MEMORY_STEP`` of the total, for the node or any device."""
+def worth_publishing(
+    before: resources_pb2.Node, after: resources_pb2.Node, pace: Pace = FAST
+) -> bool:
+    """Whether readings moved enough to send at ``pace``, for the node or any device."""
     pairs = [(before.measured, after.measured, after.memory_mib)]
     pairs += [
         (old.measured, new.measured, new.memory_total_mib)
         for old, new in zip(before.devices, after.devices, strict=False)
     ]
     return len(before.devices) != len(after.devices) or any(
-        abs(old.compute - new.compute) >= COMPUTE_STEP
-        or abs(int(old.memory_used_mib) - int(new.memory_used_mib)) >= MEMORY_STEP * total
+        abs(old.compute - new.compute) >= pace.compute_step
+        or abs(int(old.memory_used_mib) - int(new.memory_used_mib)) >= pace.memory_step * total
         for old, new, total in pairs
     )
 

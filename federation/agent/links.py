@@ -163,6 +163,8 @@ class LinkMonitor:
         self._measure = measure
         self._peers: dict[str, str] = {}  # site -> probe endpoint
         self._measured: dict[str, Measurement] = {}
+        self._coordinator_endpoint = ""
+        self._coordinator: Measurement | None = None
         self._lock = asyncio.Lock()  # one measurement at a time: probes would share the uplink
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -188,6 +190,34 @@ class LinkMonitor:
                 measured_at=0.0,
             )
         return [merged[peer] for peer in sorted(merged)]
+
+    def coordinator_link(self) -> resources_pb2.Link | None:
+        """The link to the coordinator as last measured (``peer_site`` empty), or None."""
+        m = self._coordinator
+        if m is None:
+            return None
+        return resources_pb2.Link(
+            bandwidth_mbps=m.bandwidth_mbps, rtt_ms=m.rtt_ms, measured_at=m.measured_at
+        )
+
+    def set_coordinator(self, endpoint: str) -> None:
+        """Where the coordinator's probe is (its welcome says); measured now and each round."""
+        if endpoint == self._coordinator_endpoint:
+            return
+        self._coordinator_endpoint = endpoint
+        if endpoint:
+            self._spawn(self._measure_coordinator())
+
+    async def _measure_coordinator(self) -> None:
+        endpoint = self._coordinator_endpoint
+        if not endpoint:
+            return
+        async with self._lock:
+            measurement = await self._measure_one("coordinator", endpoint)
+        if measurement is not None and endpoint == self._coordinator_endpoint:
+            before = self._snapshot()
+            self._coordinator = measurement
+            self._notify_if_changed(before)
 
     def set_peers(self, peers: Iterable[pb.ProbePeers.Peer]) -> None:
         """Replace the peer list and measure new or moved peers now, in the background."""
@@ -257,6 +287,7 @@ class LinkMonitor:
         while True:
             await asyncio.sleep(self._interval_s)
             try:
+                await self._measure_coordinator()
                 await self.refresh()
             except Exception:  # the schedule must outlive any surprise
                 log.exception("link_refresh_crashed")
@@ -267,7 +298,8 @@ class LinkMonitor:
         task.add_done_callback(self._tasks.discard)
 
     def _snapshot(self) -> list[bytes]:
-        return [link.SerializeToString(deterministic=True) for link in self.links()]
+        links = [*self.links(), self.coordinator_link() or resources_pb2.Link()]
+        return [link.SerializeToString(deterministic=True) for link in links]
 
     def _notify_if_changed(self, before: list[bytes]) -> None:
         if self._snapshot() != before:

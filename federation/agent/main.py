@@ -20,7 +20,7 @@ from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
-from federation.agent.host_watch import HostWatcher, export_gauges
+from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
@@ -154,8 +154,9 @@ async def embedded_core(
     )
 
 
-def host_watcher(config: AgentConfig, core: LocalCore) -> HostWatcher | None:
-    """Rediscovery of the host for an embedded core that publishes it; None otherwise."""
+def host_watcher(config: AgentConfig, core: LocalCore, links: LinkMonitor) -> HostWatcher | None:
+    """Rediscovery of the host for an embedded core that publishes it; None otherwise. Its
+    readings go at the pace the measured link to the coordinator allows."""
     if not (config.discover_host and isinstance(core, EmbeddedCore)):
         return None
 
@@ -163,7 +164,7 @@ def host_watcher(config: AgentConfig, core: LocalCore) -> HostWatcher | None:
         return discover_host_node(config.host_node_name or None, model_names=config.model_names)
 
     def apply(found: resources_pb2.Node) -> None:
-        core.refresh(found)
+        core.refresh(found, readings_pace(links.coordinator_link()))
         export_gauges(config.site, core.nodes())
 
     return HostWatcher(discover, apply, config.rediscover_interval_s)
@@ -209,7 +210,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     )
     runtime_ref.append(runtime)
     links.start()
-    watcher = host_watcher(config, core)
+    watcher = host_watcher(config, core, links)
     if watcher is not None:
         watcher.start()
         export_gauges(config.site, core.nodes())

@@ -74,6 +74,7 @@ class AgentRuntime:
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
         self._sent_links: list[bytes] = []
+        self._sent_coordinator_link = b""
         self._outbox: asyncio.Queue[pb.AgentMessage | None] | None = None
         self._view_dirty = asyncio.Event()
         self._heartbeat_s = 3.0
@@ -123,14 +124,19 @@ class AgentRuntime:
             links=self._current_links(),
             probe_endpoint=self._probe_endpoint,
             datasets=c.datasets,
+            coordinator_link=self._coordinator_link(),
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:
         return self._links.links() if self._links is not None else []
 
+    def _coordinator_link(self) -> resources_pb2.Link | None:
+        return self._links.coordinator_link() if self._links is not None else None
+
     def _mark_sent(self, view: resources_pb2.SiteView) -> None:
         self._sent_nodes = {n.name: n.SerializeToString(deterministic=True) for n in view.nodes}
         self._sent_links = _encode_links(view.links)
+        self._sent_coordinator_link = view.coordinator_link.SerializeToString(deterministic=True)
 
     def _delta(self) -> pb.ViewUpdate:
         nodes = {n.name: n for n in self.core.nodes()}
@@ -152,6 +158,12 @@ class AgentRuntime:
             delta.links.extend(links)
             delta.has_links = True
             self._sent_links = encoded_links
+        coordinator_link = self._coordinator_link() or resources_pb2.Link()
+        encoded_link = coordinator_link.SerializeToString(deterministic=True)
+        if encoded_link != self._sent_coordinator_link:
+            delta.coordinator_link.CopyFrom(coordinator_link)
+            delta.has_coordinator_link = True
+            self._sent_coordinator_link = encoded_link
         self._generation += 1
         return pb.ViewUpdate(generation=self._generation, delta=delta)
 
@@ -249,6 +261,8 @@ class AgentRuntime:
         body = message.WhichOneof("body")
         if body == "welcome":
             self._heartbeat_s = message.welcome.heartbeat_interval_s or self._heartbeat_s
+            if self._links is not None:
+                self._links.set_coordinator(message.welcome.probe_endpoint)
             self._welcomed.set()
         elif body == "resync":
             view = self.full_view()

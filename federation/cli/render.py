@@ -117,6 +117,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
         "devices free/total",
         "heartbeat",
         "unreachable for",
+        "link to us",
         "source",
     ):
         table.add_column(column)
@@ -151,10 +152,18 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             device_summary(view.nodes),
             age,
             unreachable,
+            coordinator_link(view.coordinator_link),
             source or "-",
         )
         table.add_row(*map(text, cells))
     return table
+
+
+def coordinator_link(link: resources_pb2.Link) -> str:
+    """The site's measured link to the coordinator, or "-" before it is measured."""
+    if not link.measured_at:
+        return "-"
+    return f"{link.bandwidth_mbps:,.0f} Mbit/s {link.rtt_ms:.1f} ms"
 
 
 def _published_links(

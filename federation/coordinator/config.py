@@ -25,6 +25,11 @@ class CoordinatorConfig:
     """mTLS address for agents, clients and operators."""
     join_listen: str = "127.0.0.1:7071"
     """Server-only TLS address where agents redeem join tokens."""
+    probe_listen: str = ""
+    """Where agents measure their link to this coordinator (a TCP link probe, as agents run for
+    each other); empty: the host of ``listen`` on a free port."""
+    probe_advertise: str = ""
+    """The probe address agents should dial; empty: the advertised host and the bound port."""
     metrics_listen: str = ""
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9464; empty serves none."""
     heartbeat_interval_s: float = 3.0

@@ -40,8 +40,8 @@ class LiveView:
         self._part: SitePart | None = None
 
     def apply(self, delta: resources_pb2.SiteViewDelta) -> None:
-        """Upserted nodes replace the old ones whole, removed ones go, and the queue and links
-        are replaced when the delta says so. The delta is copied, never kept."""
+        """Upserted nodes replace the old ones whole, removed ones go, and the queue, links and
+        coordinator link are replaced when the delta says so. The delta is copied, not kept."""
         for name in delta.removed_nodes:
             self._nodes.pop(name, None)
         for node in delta.upserted_nodes:
@@ -52,7 +52,7 @@ class LiveView:
             self._changes += changed
             self._sorted = None
             self._part = None
-        if delta.has_queue or delta.has_links:
+        if delta.has_queue or delta.has_links or delta.has_coordinator_link:
             header = resources_pb2.SiteView()
             header.CopyFrom(self.header)  # small without nodes; the old one goes whole
             if delta.has_queue:
@@ -60,6 +60,8 @@ class LiveView:
             if delta.has_links:
                 del header.links[:]
                 header.links.extend(delta.links)
+            if delta.has_coordinator_link:
+                header.coordinator_link.CopyFrom(delta.coordinator_link)
             self.header = header
         if self._changes * COMPACT_SHARE > len(self._nodes):
             compact = self.view()

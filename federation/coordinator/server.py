@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from federation.agent.probe import ProbeServer
 from federation.api.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -117,6 +118,9 @@ class Coordinator:
     election_task: asyncio.Task[None] | None = None
     history_task: asyncio.Task[None] | None = None
     """Compacts etcd's history (etcd only)."""
+    probe: ProbeServer | None = None
+    probe_endpoint: str = ""
+    """Where agents measure their link to this coordinator (told in each welcome)."""
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
         """Step down (giving the lease back at once), stop serving, close the store."""
@@ -127,6 +131,8 @@ class Coordinator:
                     await task
         await self.leadership.stop()
         await asyncio.gather(self.server.stop(grace_s), self.join_server.stop(grace_s))
+        if self.probe is not None:
+            await self.probe.close()
         await self.store.close()
 
 
@@ -235,9 +241,11 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     host = address.rsplit(":", 1)[0]
     me = CoordinatorInfo(address, config.join_advertise or f"{host}:{join_port}")
     coordinator = Coordinator(server, join_server, port, join_port, store, leadership, me)
+    coordinator.probe, coordinator.probe_endpoint = await _start_probe(config, host)
     if config.store == "sqlite":
         leadership.leader = lambda: me
-        await leadership.lead(await start_services(store, config, ca, _only(me)))
+        services = await start_services(store, config, ca, _only(me), coordinator.probe_endpoint)
+        await leadership.lead(services)
     else:
         election = LeaderElection(
             store,
@@ -266,6 +274,17 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     return coordinator
 
 
+async def _start_probe(config: CoordinatorConfig, host: str) -> tuple[ProbeServer, str]:
+    """The link probe agents measure this coordinator's link with, and its address."""
+    listen = config.probe_listen or f"{config.listen.rsplit(':', 1)[0]}:0"
+    probe = ProbeServer(listen)
+    try:
+        bound = await probe.start()
+    except OSError as exc:
+        raise ListenError(f"probe_listen {listen}: {exc.strerror or exc}") from None
+    return probe, config.probe_advertise or f"{host}:{bound.rsplit(':', 1)[1]}"
+
+
 async def _elected(
     coordinator: Coordinator, config: CoordinatorConfig, ca: CertificateAuthority, revision: int
 ) -> None:
@@ -273,7 +292,9 @@ async def _elected(
     election = coordinator.election
     assert election is not None
     fenced = FencedStore(coordinator.store, revision, election.leader)
-    services = await start_services(fenced, config, ca, _members(election))
+    services = await start_services(
+        fenced, config, ca, _members(election), coordinator.probe_endpoint
+    )
     await coordinator.leadership.lead(services, fence=fenced)
 
 

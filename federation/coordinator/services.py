@@ -80,6 +80,7 @@ async def start_services(
     config: CoordinatorConfig,
     ca: CertificateAuthority,
     coordinators: ListCoordinators,
+    probe_endpoint: str = "",
 ) -> Services:
     """Load sites and jobs from ``store``, recover interrupted offers, start scheduling.
 
@@ -88,6 +89,7 @@ async def start_services(
         config: The coordinator's settings.
         ca: Signs site certificates at Join.
         coordinators: Lists every running coordinator, for the federation status.
+        probe_endpoint: Where agents measure their link to this coordinator.
     """
     hub = EventHub()
     jobs = JobRepository(store, hub)
@@ -140,7 +142,13 @@ async def start_services(
         scheduler=scheduler,
         manager=manager,
         enrollment=Enrollment(store, sites, ca),
-        link=SiteLink(sites, manager, config.heartbeat_interval_s, config.missed_heartbeats),
+        link=SiteLink(
+            sites,
+            manager,
+            config.heartbeat_interval_s,
+            config.missed_heartbeats,
+            probe_endpoint=probe_endpoint,
+        ),
         admin=Admin(sites, jobs, coordinators, lost_sites),
         scheduler_task=scheduler_task,
         lost_sites=lost_sites,

@@ -323,6 +323,7 @@ def _update(check: _Check, update: pb.ViewUpdate, path: str, peer: str) -> None:
         check.texts(delta.removed_nodes, path, "removed_nodes", MAX_TEXT_CHARS)
     check.fields(delta.queue, _QUEUE, f"{path}.queue")
     _links(check, delta.links, path)
+    check.fields(delta.coordinator_link, _LINK, f"{path}.coordinator_link")
 
 
 def _view(check: _Check, view: resources_pb2.SiteView, path: str, peer: str) -> None:
@@ -330,6 +331,7 @@ def _view(check: _Check, view: resources_pb2.SiteView, path: str, peer: str) -> 
     check.fields(view.queue, _QUEUE, f"{path}.queue")
     _nodes(check, view.nodes, path, "nodes")
     _links(check, view.links, path)
+    check.fields(view.coordinator_link, _LINK, f"{path}.coordinator_link")
     check.mapping(view.labels, path, "labels", MAX_LABELS, MAX_TEXT_CHARS)
     if check.count(view.datasets, path, "datasets", MAX_VIEW_DATASETS):
         for dataset, size in view.datasets.items():

@@ -42,6 +42,8 @@ class SiteLink:
         heartbeat_interval_s: How often agents send a heartbeat (told in the welcome).
         missed_heartbeats: Heartbeats a session may miss before it is dropped and its site
             becomes UNREACHABLE.
+        probe_endpoint: Where agents measure their link to the coordinator (told in the
+            welcome); empty for nowhere.
     """
 
     def __init__(
@@ -50,11 +52,13 @@ class SiteLink:
         jobs: JobManager,
         heartbeat_interval_s: float,
         missed_heartbeats: int = MISSED_HEARTBEATS,
+        probe_endpoint: str = "",
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._heartbeat_interval_s = heartbeat_interval_s
         self._missed_heartbeats = missed_heartbeats
+        self._probe_endpoint = probe_endpoint
 
     async def connect(
         self,
@@ -101,7 +105,10 @@ class SiteLink:
         log.info("site_connected", site=caller.name, generation=hello.generation)
         session.send(
             pb.CoordinatorMessage(
-                welcome=pb.Welcome(heartbeat_interval_s=self._heartbeat_interval_s)
+                welcome=pb.Welcome(
+                    heartbeat_interval_s=self._heartbeat_interval_s,
+                    probe_endpoint=self._probe_endpoint,
+                )
             )
         )
         self._sites.announce_probe_peers()

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 from federation.agent.embedded_core import EmbeddedCore
-from federation.agent.host_watch import GONE, merge_rediscovered, worth_publishing
+from federation.agent.host_watch import (
+    FAST,
+    GONE,
+    PACES,
+    Pace,
+    merge_rediscovered,
+    readings_pace,
+    worth_publishing,
+)
 from federation.api.v1 import resources_pb2
 
 from .cores import Recorder, node, offer
@@ -72,3 +81,52 @@ async def test_an_unhealthy_device_gets_no_new_work(
     assert answer.accepted
     assert [d.allocated for d in core.nodes()[0].devices] == [False, True]
     assert not (await core.offer(offer("two", devices=1))).accepted
+
+
+def test_a_thinner_link_to_the_coordinator_gets_fewer_coarser_readings() -> None:
+    def link(mbps: float) -> resources_pb2.Link:
+        return resources_pb2.Link(bandwidth_mbps=mbps, rtt_ms=20, measured_at=1.0)
+
+    assert readings_pace(None) == FAST
+    assert readings_pace(resources_pb2.Link(bandwidth_mbps=1)) == FAST  # never measured
+    paces = [readings_pace(link(mbps)) for mbps in (1000, 50, 2)]
+    assert paces == [pace for _, pace in PACES]
+    intervals = [p.min_interval_s for p in paces]
+    steps = [p.compute_step for p in paces]
+    assert intervals == sorted(intervals)
+    assert steps == sorted(steps)
+    before, after = box("a"), box("a")
+    after.devices[0].measured.compute = 0.12
+    assert worth_publishing(before, after, paces[0])
+    assert not worth_publishing(before, after, paces[2])
+
+
+async def test_readings_go_at_the_pace_of_the_link(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Small moves wait until they add up to a step; within the interval nothing is sent;
+    health is sent at once whatever the pace."""
+    core = make_core([box("a")])
+    slow = Pace(min_interval_s=1.0, compute_step=0.2, memory_step=0.5)
+    start = recorder.changes
+
+    def readings(compute: float) -> resources_pb2.Node:
+        found = box("a")
+        found.devices[0].measured.compute = compute
+        found.devices[0].measured.measured_at = 1.0
+        return found
+
+    core.refresh(readings(0.1), slow)
+    core.refresh(readings(0.15), slow)
+    assert recorder.changes == start  # 0.1 and 0.15 are within a step of 0.0
+    core.refresh(readings(0.25), slow)  # a step from what was last published: sent
+    assert recorder.changes == start + 1
+    core.refresh(readings(0.9), slow)  # a step, but within the interval
+    assert recorder.changes == start + 1
+    unhealthy = readings(0.9)
+    unhealthy.devices[0].health = UNHEALTHY
+    core.refresh(unhealthy, slow)  # health goes at once
+    assert recorder.changes == start + 2
+    await asyncio.sleep(1.05)
+    core.refresh(readings(0.9), slow)  # healthy again: a change of health
+    assert recorder.changes == start + 3

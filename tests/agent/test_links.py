@@ -339,3 +339,23 @@ def test_duplicate_declared_peer_is_refused() -> None:
     entry: dict[str, object] = {"peer": "a", "bandwidth_mbps": 1, "rtt_ms": 1}
     with pytest.raises(ConfigError, match=r"links\[1\]\.peer: 'a' is declared twice"):
         declared_links([entry, entry], source="t")
+
+
+async def test_the_coordinator_link_is_measured_but_not_published_as_a_peer(
+    probe_server: str,
+) -> None:
+    """The coordinator's probe (told in the welcome) is measured like a peer's; its link is
+    kept apart from the links to sites, and measuring it counts as a change."""
+    changes = Changes()
+    monitor = LinkMonitor(site="me", on_change=changes, payload_bytes=64 * 1024, timeout_s=5)
+    assert monitor.coordinator_link() is None
+    monitor.set_coordinator(probe_server)
+    await changes.wait(1)
+    link = monitor.coordinator_link()
+    assert link is not None
+    assert link.bandwidth_mbps > 0
+    assert link.rtt_ms > 0
+    assert link.measured_at > 0
+    assert link.peer_site == ""
+    assert monitor.links() == []
+    await monitor.close()

@@ -212,6 +212,11 @@ BAD_VIEWS: list[tuple[str, Spoil, str]] = [
     ),
     ("NaN rtt", lambda v: setattr(v.links[0], "rtt_ms", math.nan), "links[0].rtt_ms"),
     (
+        "infinite coordinator link",
+        lambda v: setattr(v.coordinator_link, "bandwidth_mbps", math.inf),
+        "coordinator_link.bandwidth_mbps",
+    ),
+    (
         "negative bandwidth",
         lambda v: setattr(v.links[0], "bandwidth_mbps", -1.0),
         "links[0].bandwidth_mbps",

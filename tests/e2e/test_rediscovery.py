@@ -18,7 +18,7 @@ import pytest_asyncio
 from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
-from federation.cli.render import unhealthy_devices_table
+from federation.cli.render import sites_table, unhealthy_devices_table
 from federation.local import LocalFederation, SiteSpec
 
 from .conftest import admin, jobs, python_task, spec, wait_for_job
@@ -133,3 +133,22 @@ async def test_a_device_that_fails_or_goes_away_gets_no_new_work(
     job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=three.job.id))).job
     assert job.state == jobs_pb2.JOB_STATE_PENDING
     await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=three.job.id))
+
+
+async def test_the_site_measures_its_link_to_the_coordinator(operator: grpc.aio.Channel) -> None:
+    """The welcome names the coordinator's link probe; the agent measures the link there and
+    publishes it in its view (it paces its readings by it)."""
+    deadline = time.monotonic() + 30
+    while True:
+        reply = await admin(operator).ListSites(admin_service_pb2.ListSitesRequest())
+        link = reply.sites[0].view.coordinator_link
+        if link.measured_at:
+            break
+        assert time.monotonic() < deadline, "the agent never measured its coordinator link"
+        await asyncio.sleep(0.1)
+    assert link.bandwidth_mbps > 0
+    assert link.rtt_ms > 0
+    assert not link.peer_site
+    out = io.StringIO()
+    Console(file=out, width=250).print(sites_table(reply.sites))
+    assert f"{link.bandwidth_mbps:,.0f} Mbit/s" in out.getvalue()  # fedctl sites shows it

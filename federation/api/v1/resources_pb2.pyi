@@ -483,6 +483,7 @@ class SiteView(_message.Message):
     SCHEDULER_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
+    COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -506,6 +507,12 @@ class SiteView(_message.Message):
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___Link]: ...
     @_builtins.property
     def labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    @_builtins.property
+    def coordinator_link(self) -> Global___Link:
+        """The link from this site to the coordinator, as the agent measured it (peer_site empty);
+        unset until measured. The agent paces its measured readings by it.
+        """
+
     def __init__(
         self,
         *,
@@ -522,10 +529,11 @@ class SiteView(_message.Message):
         scheduler: _builtins.str = ...,
         agent_version: _builtins.str = ...,
         probe_endpoint: _builtins.str = ...,
+        coordinator_link: Global___Link | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -543,8 +551,11 @@ class SiteViewDelta(_message.Message):
     HAS_QUEUE_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     HAS_LINKS_FIELD_NUMBER: _builtins.int
+    COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
+    HAS_COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
     has_queue: _builtins.bool
     has_links: _builtins.bool
+    has_coordinator_link: _builtins.bool
     @_builtins.property
     def upserted_nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]:
         """Nodes added or replaced whole."""
@@ -557,6 +568,10 @@ class SiteViewDelta(_message.Message):
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___Link]:
         """When set, replaces the site's links whole."""
 
+    @_builtins.property
+    def coordinator_link(self) -> Global___Link:
+        """When has_coordinator_link is set, replaces the site's coordinator_link."""
+
     def __init__(
         self,
         *,
@@ -566,10 +581,12 @@ class SiteViewDelta(_message.Message):
         has_queue: _builtins.bool = ...,
         links: _abc.Iterable[Global___Link] | None = ...,
         has_links: _builtins.bool = ...,
+        coordinator_link: Global___Link | None = ...,
+        has_coordinator_link: _builtins.bool = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["has_links", b"has_links", "has_queue", b"has_queue", "links", b"links", "queue", b"queue", "removed_nodes", b"removed_nodes", "upserted_nodes", b"upserted_nodes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "has_coordinator_link", b"has_coordinator_link", "has_links", b"has_links", "has_queue", b"has_queue", "links", b"links", "queue", b"queue", "removed_nodes", b"removed_nodes", "upserted_nodes", b"upserted_nodes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

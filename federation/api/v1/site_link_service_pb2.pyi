@@ -548,15 +548,21 @@ class Welcome(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
+    PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
     heartbeat_interval_s: _builtins.float
+    probe_endpoint: _builtins.str
+    """host:port of the coordinator's link probe, where the agent measures its link to the
+    coordinator; empty when the coordinator runs none.
+    """
     def __init__(
         self,
         *,
         heartbeat_interval_s: _builtins.float = ...,
+        probe_endpoint: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "probe_endpoint", b"probe_endpoint"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
