@@ -14,7 +14,7 @@ import structlog
 from federation.api.v1 import admin_service_pb2, site_link_service_pb2
 from federation.coordinator.live_view import LiveView
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
-from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
+from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.store import Put, Store
 
@@ -151,6 +151,7 @@ class SiteRegistry:
         self._sites: dict[str, SiteEntry] = {}
         self._version = 0
         self._snapshot: tuple[int, Snapshot] | None = None
+        self._aggregates = FederationAggregates()
 
     async def load(self) -> None:
         now = time.monotonic()
@@ -221,6 +222,7 @@ class SiteRegistry:
         entry.view = LiveView(hello.view, copy=False)  # connect lets go of the rest
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
+        self._aggregate(entry)
         self._changed()
         return previous
 
@@ -233,6 +235,7 @@ class SiteRegistry:
             entry.offline_since = now
             entry.unreachable_since = None if session.said_goodbye else now
             self._count_sessions()
+            self._aggregate(entry)
             self._changed()
 
     def _count_sessions(self) -> None:
@@ -279,7 +282,22 @@ class SiteRegistry:
             entry.view.apply(update.delta)
         entry.generation = update.generation
         entry.last_seen = time.monotonic()
+        delta = update.delta
+        self._aggregate(
+            entry,
+            nodes=update.HasField("full") or bool(delta.upserted_nodes or delta.removed_nodes),
+        )
         self._changed()
+
+    def _aggregate(self, entry: SiteEntry, *, nodes: bool = True) -> None:
+        """Keep the federation-wide gauges: a site counts, with its view, while it has a
+        session; ``nodes`` False: only its queue changed (a cheaper update)."""
+        name = entry.record.name
+        if entry.session is None or entry.view is None:
+            self._aggregates.site_gone(name)
+        else:
+            view = entry.view
+            self._aggregates.site_view(name, view.nodes() if nodes else None, view.header.queue)
 
     def snapshot(self) -> Snapshot:
         """The placement snapshot, rebuilt only when some view or state changed."""
