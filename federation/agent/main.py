@@ -190,11 +190,20 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
         raise ConfigError(f"probe_listen {config.probe_listen}: {exc.strerror or exc}") from None
     runtime_ref: list[AgentRuntime] = []
     # A core may report while it starts, before the runtime exists: the hello carries it all.
+    core_ref: list[LocalCore] = []
+
+    def on_change() -> None:
+        if runtime_ref:
+            runtime_ref[0].on_change()
+        if core_ref and isinstance(core_ref[0], EmbeddedCore):
+            export_gauges(config.site, core_ref[0].nodes())  # booked moves with every task
+
     core = await factory(
         config,
         lambda report: runtime_ref[0].on_status(report) if runtime_ref else None,
-        lambda: runtime_ref[0].on_change() if runtime_ref else None,
+        on_change,
     )
+    core_ref.append(core)
     links = LinkMonitor(
         site=config.site,
         declared=link_settings(config, source="config"),
@@ -213,6 +222,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     watcher = host_watcher(config, core, links)
     if watcher is not None:
         watcher.start()
+    if isinstance(core, EmbeddedCore):
         export_gauges(config.site, core.nodes())
     session = asyncio.create_task(runtime.run())
     stop = asyncio.Event()
