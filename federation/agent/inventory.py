@@ -7,8 +7,9 @@ and become plain ``Node`` protos. Parsing is strict: an unknown key or a bad val
 
 from __future__ import annotations
 
+import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,22 @@ import structlog
 import yaml
 
 from federation.api.v1 import resources_pb2
+from federation.coordinator.site_checks import (
+    MAX_DEVICE_MEMORY_MIB,
+    MAX_DEVICE_PARTITIONS,
+    MAX_FIGURE,
+    MAX_NODE_DEVICES,
+    MAX_NODE_MEMORY_MIB,
+)
 
 log = structlog.get_logger()
 
 KIND_NAMES = ("GPU", "NPU", "MLU", "FPGA", "DPU")
+VENDORS = ("amd", "cambricon", "huawei", "intel", "nvidia", "xilinx")
+"""The vendors the agent knows: NVIDIA's NVML and the discovery plugins' (``vendors.py``).
+Packing and device visibility go by vendor, so a misspelt one would silently match nothing."""
+_MAX_PARTITION_SLOTS = 2**32 - 1
+"""Most slots of one profile: what ``PartitionProfile.total`` (uint32) holds."""
 
 
 class InventoryError(ValueError):
@@ -72,13 +85,20 @@ class _Reader:
             raise self.fail(field, f"expected a string, got {type(value).__name__}")
         return str(value)
 
-    def number(self, value: Any, field: str, *, integer: bool = False) -> float:
+    def number(
+        self, value: Any, field: str, *, integer: bool = False, most: float = MAX_FIGURE
+    ) -> float:
         kind = "integer" if integer else "number"
         ok_types = (int,) if integer else (int, float)
         if isinstance(value, bool) or not isinstance(value, ok_types):
             raise self.fail(field, f"expected a non-negative {kind}, got {value!r}")
+        if not math.isfinite(value):
+            raise self.fail(field, f"expected a finite number, got {value!r}")
         if value < 0:
             raise self.fail(field, f"must be non-negative, got {value!r}")
+        if value > most:
+            # The coordinator refuses a site view with more (and protobuf cannot hold some).
+            raise self.fail(field, f"must be at most {most:.15g}, got {value!r}")
         return float(value)
 
     def boolean(self, value: Any, field: str) -> bool:
@@ -98,6 +118,8 @@ def _parse_partitions(
     """Profiles a device can be cut into: ``count`` is how many of that profile fit on it."""
     if not isinstance(entries, list):
         raise reader.fail(field, f"expected a list, got {type(entries).__name__}")
+    if len(entries) > MAX_DEVICE_PARTITIONS:
+        raise reader.fail(field, f"at most {MAX_DEVICE_PARTITIONS} profiles, got {len(entries)}")
     profiles: list[resources_pb2.PartitionProfile] = []
     seen: dict[str, int] = {}
     for i, raw in enumerate(entries):
@@ -114,11 +136,18 @@ def _parse_partitions(
                 f"{path}.profile", f"duplicate profile {profile!r} (also {field}[{seen[profile]}])"
             )
         seen[profile] = i
-        count = int(reader.number(entry["count"], f"{path}.count", integer=True))
+        count = int(
+            reader.number(entry["count"], f"{path}.count", integer=True, most=_MAX_PARTITION_SLOTS)
+        )
         if not count:
             raise reader.fail(f"{path}.count", "must be positive, got 0")
         memory_mib = int(
-            reader.number(entry.get("memory_mib", 0), f"{path}.memory_mib", integer=True)
+            reader.number(
+                entry.get("memory_mib", 0),
+                f"{path}.memory_mib",
+                integer=True,
+                most=MAX_DEVICE_MEMORY_MIB,
+            )
         )
         if device_memory_mib and memory_mib > device_memory_mib:
             raise reader.fail(
@@ -152,12 +181,29 @@ def _parse_devices(
                 f"unknown kind {entry['kind']!r} (expected one of {', '.join(KIND_NAMES)})",
             )
         count = int(reader.number(entry.get("count", 1), f"{path}.count", integer=True))
+        if len(devices) + count > MAX_NODE_DEVICES:
+            raise reader.fail(
+                f"{path}.count",
+                f"the node would have {len(devices) + count} devices, "
+                f"more than the {MAX_NODE_DEVICES} a site view may hold",
+            )
         memory_mib = int(
-            reader.number(entry.get("memory_mib", 0), f"{path}.memory_mib", integer=True)
+            reader.number(
+                entry.get("memory_mib", 0),
+                f"{path}.memory_mib",
+                integer=True,
+                most=MAX_DEVICE_MEMORY_MIB,
+            )
         )
+        vendor = reader.string(entry.get("vendor", ""), f"{path}.vendor")
+        if vendor and vendor.lower() not in VENDORS:
+            raise reader.fail(
+                f"{path}.vendor",
+                f"unknown vendor {vendor!r} (expected one of {', '.join(VENDORS)})",
+            )
         template = resources_pb2.Device(
             kind=resources_pb2.DeviceKind.Value(f"DEVICE_KIND_{kind}"),
-            vendor=reader.string(entry.get("vendor", ""), f"{path}.vendor").lower(),
+            vendor=vendor.lower(),
             model=reader.string(entry.get("model", ""), f"{path}.model"),
             memory_total_mib=memory_mib,
             memory_free_mib=memory_mib,
@@ -197,7 +243,14 @@ def _parse_node(reader: _Reader, raw: Any, field: str) -> resources_pb2.Node:
     if not name:
         raise reader.fail(f"{field}.name", "must not be empty")
     cpu_cores = reader.number(entry.get("cpu_cores", 0), f"{field}.cpu_cores")
-    memory_mib = int(reader.number(entry.get("memory_mib", 0), f"{field}.memory_mib", integer=True))
+    memory_mib = int(
+        reader.number(
+            entry.get("memory_mib", 0),
+            f"{field}.memory_mib",
+            integer=True,
+            most=MAX_NODE_MEMORY_MIB,
+        )
+    )
     schedulable = reader.boolean(entry.get("schedulable", True), f"{field}.schedulable")
     return resources_pb2.Node(
         name=name,
@@ -221,7 +274,9 @@ def load_inventory(path: Path) -> list[resources_pb2.Node]:
 
     A device entry may say ``shareable: true`` (tasks may take fractions of it) and list
     ``partitions: [{profile: "1g.10gb", count: 7, memory_mib: 10240}]``: the hardware profiles
-    it can be cut into, ``count`` being how many of that profile fit on it.
+    it can be cut into, ``count`` being how many of that profile fit on it. A ``vendor``, when
+    given, is one of ``VENDORS`` (any case). Device ids are not declared: each is
+    ``<node>-<kind><index>``, so they never repeat within a node.
 
     Returns:
         Declared nodes; each device entry with ``count: n`` becomes n devices, each free:
@@ -257,3 +312,38 @@ def load_inventory(path: Path) -> list[resources_pb2.Node]:
         nodes.append(node)
     log.info("inventory_loaded", path=str(path), nodes=len(nodes))
     return nodes
+
+
+def check_node_names(nodes: Sequence[resources_pb2.Node], source: Path) -> None:
+    """Refuses a site whose nodes share a name: the discovered host and those ``source`` declares.
+
+    Args:
+        nodes: The site's nodes, discovered ones and then the inventory's in its order, as the
+            agent combines them.
+        source: The inventory file, for the message.
+
+    Raises:
+        InventoryError: Naming the inventory's node (``nodes[i].name``) that repeats a name.
+    """
+    seen: dict[str, int | None] = {}  # name -> position in the inventory; None: discovered
+    declared = 0
+    for node in nodes:
+        position = None
+        if node.provenance == resources_pb2.PROVENANCE_DECLARED:
+            position, declared = declared, declared + 1
+        if node.name not in seen:
+            seen[node.name] = position
+            continue
+        first = seen[node.name]
+        reader = _Reader(source)
+        if first is not None and position is not None:
+            raise reader.fail(
+                f"nodes[{position}].name",
+                f"duplicate node name {node.name!r} (also nodes[{first}])",
+            )
+        at = first if position is None else position
+        raise reader.fail(
+            f"nodes[{at}].name" if at is not None else "",
+            f"node name {node.name!r} is the discovered host's: rename the node, or set "
+            "host_node_name in the agent's config",
+        )

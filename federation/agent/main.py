@@ -17,7 +17,12 @@ import yaml
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig, coordinator_endpoints, slurm_settings
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
-from federation.agent.discovery import InventoryError, discover_host_node, load_inventory
+from federation.agent.discovery import (
+    InventoryError,
+    check_node_names,
+    discover_host_node,
+    load_inventory,
+)
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, ensure_enrolled
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
@@ -116,6 +121,7 @@ def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
         )
     if config.inventory:
         nodes += load_inventory(config.inventory)
+        check_node_names(nodes, config.inventory)
     if not nodes:
         raise ConfigError("the site has no nodes: enable discover_host or give an inventory")
     return nodes

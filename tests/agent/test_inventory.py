@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from federation.agent.inventory import InventoryError, load_inventory
+from federation.agent.discovery.vendors import PLUGINS
+from federation.agent.inventory import VENDORS, InventoryError, check_node_names, load_inventory
 from federation.api.v1 import resources_pb2
 
 EXAMPLE = """\
@@ -257,6 +258,53 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
             f"{GPU_WITH}[3g.40gb]\n",
             "nodes[0].devices[0].partitions[0]: expected a mapping, got str",
         ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, vendor: nvida}\n",
+            "nodes[0].devices[0].vendor: unknown vendor 'nvida' "
+            "(expected one of amd, cambricon, huawei, intel, nvidia, xilinx)",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, memory_mib: -81920}\n",
+            "nodes[0].devices[0].memory_mib: must be non-negative, got -81920",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, memory_mib: 80.5}\n",
+            "nodes[0].devices[0].memory_mib: expected a non-negative integer, got 80.5",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, memory_mib: 80GiB}\n",
+            "nodes[0].devices[0].memory_mib: expected a non-negative integer, got '80GiB'",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, memory_mib: 1e30}\n",
+            "nodes[0].devices[0].memory_mib: expected a non-negative integer, got '1e30'",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n"
+            "      - {kind: GPU, memory_mib: 100000000000000000000}\n",
+            "nodes[0].devices[0].memory_mib: must be at most 1073741824, got 100000000000000000000",
+        ),
+        (
+            "nodes:\n  - name: a\n    memory_mib: 100000000000000000000\n",
+            "nodes[0].memory_mib: must be at most 1099511627776, got 100000000000000000000",
+        ),
+        (
+            "nodes:\n  - name: a\n    cpu_cores: .nan\n",
+            "nodes[0].cpu_cores: expected a finite number, got nan",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - {kind: GPU, tflops_fp16: .inf}\n",
+            "nodes[0].devices[0].tflops_fp16: expected a finite number, got inf",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n"
+            "      - {kind: GPU, count: 1000}\n      - {kind: NPU, count: 100}\n",
+            "nodes[0].devices[1].count: the node would have 1100 devices, more than the 1024 ",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 10000000000}}]\n",
+            "nodes[0].devices[0].partitions[0].count: must be at most 4294967295, got 10000000000",
+        ),
         ("nodes: {a: 1}\n", "nodes: expected a list, got dict"),
         ("nodes:\n  - just-a-name\n", "nodes[0]: expected a mapping, got str"),
         ("nodes: [\n", "cannot parse: "),
@@ -275,3 +323,43 @@ def test_missing_file_is_an_inventory_error(tmp_path: Path) -> None:
     path = tmp_path / "absent.yaml"
     with pytest.raises(InventoryError, match=r"absent\.yaml: cannot read: No such file"):
         load_inventory(path)
+
+
+def test_known_vendors_are_those_discovery_knows() -> None:
+    """The vendors an inventory may name are NVIDIA (NVML) and every discovery plugin's."""
+    assert set(VENDORS) == {"nvidia", *(plugin.vendor for plugin in PLUGINS)}
+
+
+def _node(name: str, provenance: resources_pb2.Provenance.ValueType) -> resources_pb2.Node:
+    return resources_pb2.Node(name=name, provenance=provenance)
+
+
+def test_inventory_node_named_as_the_host_is_refused(tmp_path: Path) -> None:
+    """An inventory node with the discovered host's name is an error naming that node."""
+    path = tmp_path / "inventory.yaml"
+    nodes = [
+        _node("gpu-box", resources_pb2.PROVENANCE_DISCOVERED),
+        _node("edge-1", resources_pb2.PROVENANCE_DECLARED),
+        _node("gpu-box", resources_pb2.PROVENANCE_DECLARED),
+    ]
+    with pytest.raises(InventoryError) as caught:
+        check_node_names(nodes, path)
+    assert str(caught.value) == (
+        f"{path}: nodes[1].name: node name 'gpu-box' is the discovered host's: rename the "
+        "node, or set host_node_name in the agent's config"
+    )
+
+
+def test_distinct_node_names_pass(tmp_path: Path) -> None:
+    """Distinct names, with or without a discovered host, pass; so does no node at all."""
+    declared = load_inventory(write(tmp_path, EXAMPLE))
+    check_node_names([_node("host", resources_pb2.PROVENANCE_DISCOVERED), *declared], tmp_path)
+    check_node_names(declared, tmp_path)
+    check_node_names([], tmp_path)
+
+
+def test_repeated_declared_names_are_refused(tmp_path: Path) -> None:
+    """Two declared nodes of one name (nodes built by hand): the later one is named."""
+    nodes = [_node(n, resources_pb2.PROVENANCE_DECLARED) for n in ("a", "b", "a")]
+    with pytest.raises(InventoryError, match=r"nodes\[2\]\.name: duplicate node name 'a' "):
+        check_node_names(nodes, tmp_path / "inv.yaml")

@@ -11,12 +11,20 @@ from __future__ import annotations
 from federation.agent.discovery.host import device_kind_name, discover_host_node
 from federation.agent.discovery.models import canonical_model
 from federation.agent.discovery.nvidia import discover_nvidia_gpus
-from federation.agent.inventory import KIND_NAMES, InventoryError, load_inventory
+from federation.agent.inventory import (
+    KIND_NAMES,
+    VENDORS,
+    InventoryError,
+    check_node_names,
+    load_inventory,
+)
 
 __all__ = [
     "KIND_NAMES",
+    "VENDORS",
     "InventoryError",
     "canonical_model",
+    "check_node_names",
     "device_kind_name",
     "discover_host_node",
     "discover_nvidia_gpus",
