@@ -1,21 +1,37 @@
-"""``fedctl jobs explain``: every site for every task, rejected by what or scored by term."""
+"""``fedctl jobs explain``: every site for every task, every filter that rejects it (each with
+its reason code) or its score by term, and the estimate it is ranked by against the one its
+site committed to.
+
+On a terminal the tables fit its width; piped, each prints whole at its natural width (nothing
+cut or wrapped, one row per line for grep). ``-o json`` (or ``--json``) prints the reply.
+"""
 
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 
+from rich.console import Console, Group, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
-from federation.cli.render import console, print_json, text
+from federation.cli.render import console, format_duration, print_json, text
 from federation.jobspec import state_name
 
 
 def add_parser(jobs_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    explain = jobs_sub.add_parser("explain", help="why each task runs (or waits) where it does")
+    explain = jobs_sub.add_parser(
+        "explain",
+        help="why each task runs (or waits) where it does: every filter that rejects each site",
+    )
     explain.add_argument("job_id")
+    explain.add_argument(
+        "-o", "--output", choices=["table", "json"], default="table", help="output format"
+    )
     explain.set_defaults(func=cmd_explain)
 
 
@@ -23,52 +39,134 @@ def _seconds(value: float) -> str:
     return f"{value:,.1f}s" if value < 3600 else f"{value / 3600:,.2f}h"
 
 
-def explanation_table(task: jobs_pb2.TaskExplanation) -> Table:
+def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
+    """The feasible sites best first, with their scores by term and estimates; None if none."""
+    feasible = sorted((s for s in task.sites if s.feasible), key=lambda s: (s.rank, s.site))
+    if not feasible:
+        return None
     where = f" at {task.site}" if task.site else ""
-    table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}"))
-    for column in (
-        "rank",
-        "site",
-        "score",
-        "queue",
-        "transfer",
-        "run",
-        "total",
-        "cost",
-        "terms / why not",
-    ):
+    table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}: feasible sites"))
+    for column in ("rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"):
         table.add_column(column, overflow="fold")
-    for site in sorted(task.sites, key=lambda s: (not s.feasible, s.rank, s.site)):
+    for site in feasible:
         est = site.estimate
-        if site.feasible:
-            terms = ", ".join(f"{k} {v:.0f}" for k, v in sorted(site.scores.items()))
-            cells = (
-                str(site.rank),
-                site.site,
-                f"{site.score:.1f}",
-                _seconds(est.queue_s),
-                _seconds(est.transfer_s),
-                _seconds(est.run_s),
-                _seconds(est.total_s),
-                f"${est.cost_usd:.2f}",
-                terms,
-            )
-        else:
-            cells = ("-", site.site, "-", "", "", "", "", "", f"[{site.plugin}] {site.reason}")
+        terms = ", ".join(f"{k} {v:.0f}" for k, v in sorted(site.scores.items()))
+        cells = (
+            str(site.rank),
+            site.site,
+            f"{site.score:.1f}",
+            _seconds(est.queue_s),
+            _seconds(est.transfer_s),
+            _seconds(est.run_s),
+            _seconds(est.total_s),
+            f"${est.cost_usd:.2f}",
+            terms,
+        )
         table.add_row(*map(text, cells))
     return table
+
+
+def rejections(site: jobs_pb2.SiteExplanation) -> list[jobs_pb2.SiteVerdict]:
+    """Every rejection of a site; a coordinator that sends only the first gives that one."""
+    if site.rejections:
+        return list(site.rejections)
+    return [
+        jobs_pb2.SiteVerdict(site=site.site, stage=site.plugin, code=site.code, reason=site.reason)
+    ]
+
+
+def rejections_table(task: jobs_pb2.TaskExplanation) -> Table | None:
+    """One row per filter (or check) that rejects a site: site | stage | code | reason."""
+    rejected = sorted((s for s in task.sites if not s.feasible), key=lambda s: s.site)
+    if not rejected:
+        return None
+    table = Table(title=text(f"task {task.task}: {len(rejected)} site(s) rejected"))
+    for column in ("site", "stage", "code", "reason"):
+        table.add_column(column, overflow="fold")
+    for site in rejected:
+        for verdict in rejections(site):
+            table.add_row(
+                *map(text, (site.site, verdict.stage, verdict.code or "-", verdict.reason))
+            )
+    return table
+
+
+def estimate_terms(e: jobs_pb2.Estimate) -> str:
+    """``3s queue + 1m 05s transfer + 24s run = 1m 32s, $0.40 on H100-80GB (±12%)``"""
+    line = (
+        f"{format_duration(e.queue_s)} queue + {format_duration(e.transfer_s)} transfer + "
+        f"{format_duration(e.run_s)} run = {format_duration(e.total_s)}, ${e.cost_usd:.2f}"
+    )
+    if e.device_model:
+        line += f" on {e.device_model}"
+    if e.run_error:
+        line += f" (±{e.run_error:.0%})"
+    return line
+
+
+def estimate_lines(task: jobs_pb2.TaskExplanation) -> list[Text]:
+    """The estimate the task is ranked by (placement's, now) against the one its site
+    committed to when it accepted, with the committed run time over the ranked one."""
+    lines = []
+    ranked = task.ranked_estimate if task.HasField("ranked_estimate") else None
+    if ranked is not None:
+        lines.append(text(f"  ranked by at {task.ranked_site} (now): {estimate_terms(ranked)}"))
+    if task.HasField("committed_estimate"):
+        committed = task.committed_estimate
+        line = f"  committed by {task.site}: {estimate_terms(committed)}"
+        if ranked is not None and ranked.run_s > 0:
+            line += f"; run {committed.run_s / ranked.run_s:.2f}x ranked"
+        lines.append(text(line))
+    return lines
+
+
+def explain_task(task: jobs_pb2.TaskExplanation) -> list[RenderableType]:
+    """Everything ``fedctl jobs explain`` shows for one task."""
+    parts: list[RenderableType] = []
+    head = Text.assemble(text(task.task, "bold"), text(f": {state_name(task.state)}"))
+    if task.site:
+        head.append_text(text(f" at {task.site}"))
+    if task.note:
+        head.append_text(text(f"; {task.note}"))
+    parts.append(head)
+    parts.extend(estimate_lines(task))
+    if task.sites and not any(s.feasible for s in task.sites):
+        parts.append(text("  no site can take it now"))
+    for table in (ranking_table(task), rejections_table(task)):
+        if table is not None:
+            parts.append(table)
+    return parts
+
+
+def explanation_table(task: jobs_pb2.TaskExplanation) -> Group:
+    """One task's explanation as one renderable."""
+    return Group(*explain_task(task))
+
+
+def print_whole(out: Console, renderables: Sequence[RenderableType]) -> None:
+    """Print each at its natural width, even wider than the console: nothing cut or wrapped."""
+    wide = out.options.update(width=1_000_000)
+    widths = [Measurement.get(out, wide, r).maximum for r in renderables]
+    width = out.width
+    out.width = max([width, *widths])  # print() never goes past the console's width
+    try:
+        for renderable in renderables:
+            out.print(renderable, crop=False)
+    finally:
+        out.width = width
 
 
 async def cmd_explain(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         reply = await stub.ExplainJob(job_service_pb2.ExplainJobRequest(job_id=args.job_id))
-    if args.json:
+    if args.json or args.output == "json":
         print_json(reply)
         return 0
-    for task in reply.tasks:
-        if task.note:
-            console.print(Text.assemble(text(task.task, "bold"), text(f": {task.note}")))
-        if task.sites:
-            console.print(explanation_table(task))
+    renderables = [part for task in reply.tasks for part in explain_task(task)]
+    if sys.stdout.isatty():
+        for renderable in renderables:
+            console.print(renderable)
+    else:
+        print_whole(console, renderables)
     return 0

@@ -38,7 +38,7 @@ from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
 from federation.metrics import OFFERS
 from federation.placement.estimates import Estimates, estimate
-from federation.placement.framework import Framework
+from federation.placement.framework import Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
 
@@ -268,8 +268,8 @@ class Scheduler:
         """Placement's verdicts, the sites to try (best first) and their estimates."""
         decision = self._framework.place(request, snapshot)
         verdicts = tuple(
-            jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason)
-            for r in decision.rejections
+            jobs_pb2.SiteVerdict(site=r.site, stage=r.plugin, reason=r.reason, code=r.code)
+            for r in decision.rejections  # the first per site: job records stay small
         )
         ranked = decision.ranked[: self._config.max_offers_per_round]
         if not ranked:
@@ -568,7 +568,8 @@ class Scheduler:
                 )
 
     def explain(self, job: jobs_pb2.Job) -> list[jobs_pb2.TaskExplanation]:
-        """For each task: every site, with the filter that rejected it or its score by term."""
+        """For each task: every site, with every filter that rejects it (each with its code)
+        or its score by term; and placement's estimate at its site against the committed one."""
         snapshot = self._sites.snapshot()
         out = []
         for task in job.tasks:
@@ -583,6 +584,7 @@ class Scheduler:
                 explanation.note = f"ended {jobs_pb2.JobState.Name(task.state)}: {task.reason}"
             elif task.state in job_state.AT_SITE:
                 explanation.note = "placed; the scores below are for the federation as it is now"
+            request = self._with_learned_speeds(request)  # as the scheduler ranks it
             decision = self._framework.place(request, snapshot)
             estimates = estimate(request, snapshot)
             for rank, (site, total) in enumerate(
@@ -596,13 +598,29 @@ class Scheduler:
                     estimate=estimate_proto(estimates, snapshot.site_index(site) or 0),
                     rank=rank,
                 )
-            for rejection in decision.rejections:
+            by_site: dict[str, list[Rejection]] = {}
+            for rejection in decision.every_rejection:  # by site, then in profile order
+                by_site.setdefault(rejection.site, []).append(rejection)
+            for site, every in by_site.items():
+                verdicts = [
+                    jobs_pb2.SiteVerdict(site=site, stage=r.plugin, reason=r.reason, code=r.code)
+                    for r in every
+                ]
                 explanation.sites.add(
-                    site=rejection.site,
-                    plugin=rejection.plugin,
-                    reason=rejection.reason,
-                    estimate=estimate_proto(estimates, snapshot.site_index(rejection.site) or 0),
+                    site=site,
+                    plugin=every[0].plugin,
+                    reason=every[0].reason,
+                    code=every[0].code,
+                    rejections=verdicts,
+                    estimate=estimate_proto(estimates, snapshot.site_index(site) or 0),
                 )
+            ranked_site = task.site or (decision.ranked[0] if decision.ranked else "")
+            index = snapshot.site_index(ranked_site) if ranked_site else None
+            if index is not None:
+                explanation.ranked_site = ranked_site
+                explanation.ranked_estimate.CopyFrom(estimate_proto(estimates, index))
+            if task.site and task.HasField("estimate"):
+                explanation.committed_estimate.CopyFrom(task.estimate)
             out.append(explanation)
         return out
 

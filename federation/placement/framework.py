@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -15,6 +16,67 @@ import numpy.typing as npt
 
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
+
+
+class Code(StrEnum):
+    """Machine-readable reasons a filter rejects a site, one per check (see ``REASON_CODES``).
+
+    ``fedctl jobs explain`` shows them beside each reason, and API clients may branch on them:
+    a code keeps its name and meaning, while the reason text beside it may change.
+    """
+
+    SITE_UNREACHABLE = "SITE_UNREACHABLE"
+    SITE_CORDONED = "SITE_CORDONED"
+    DOMAIN_NOT_ALLOWED = "DOMAIN_NOT_ALLOWED"
+    REGION_NOT_ALLOWED = "REGION_NOT_ALLOWED"
+    SITE_NOT_ALLOWED = "SITE_NOT_ALLOWED"
+    NO_NODES = "NO_NODES"
+    REQUIREMENTS_UNMET = "REQUIREMENTS_UNMET"
+    NO_DEVICE_OF_MODEL = "NO_DEVICE_OF_MODEL"
+    INSUFFICIENT_DEVICE_MEMORY = "INSUFFICIENT_DEVICE_MEMORY"
+    DEVICE_SELECTOR_UNMATCHED = "DEVICE_SELECTOR_UNMATCHED"
+    NODE_LABELS_UNMATCHED = "NODE_LABELS_UNMATCHED"
+    INSUFFICIENT_FREE_CAPACITY = "INSUFFICIENT_FREE_CAPACITY"
+    OVER_BUDGET = "OVER_BUDGET"
+    DATA_NOT_LOCAL = "DATA_NOT_LOCAL"
+    FILTER_REJECTED = "FILTER_REJECTED"
+
+
+REASON_CODES: Mapping[Code, tuple[str, str]] = {
+    Code.SITE_UNREACHABLE: ("SiteState", "the site's agent is not connected"),
+    Code.SITE_CORDONED: ("SiteState", "an operator cordoned the site: it takes no new work"),
+    Code.DOMAIN_NOT_ALLOWED: ("Constraints", "the site is outside the job's domains"),
+    Code.REGION_NOT_ALLOWED: ("Constraints", "the site is outside the job's regions"),
+    Code.SITE_NOT_ALLOWED: ("Constraints", "the site is not among the job's sites"),
+    Code.NO_NODES: ("Compatibility, CapacityFit", "the site reports no nodes"),
+    Code.REQUIREMENTS_UNMET: (
+        "Compatibility, CapacityFit",
+        "no node meets the task's software requirements (drivers, runtimes, frameworks), or"
+        " only such nodes have room",
+    ),
+    Code.NO_DEVICE_OF_MODEL: (
+        "CapacityFit",
+        "the site has no device of the kind, vendor and model(s) asked for, free or not",
+    ),
+    Code.INSUFFICIENT_DEVICE_MEMORY: (
+        "CapacityFit",
+        "the site has devices of that model, but none with the memory asked for",
+    ),
+    Code.DEVICE_SELECTOR_UNMATCHED: (
+        "CapacityFit",
+        "the site's devices of that model and memory all fail the task's device selector",
+    ),
+    Code.NODE_LABELS_UNMATCHED: ("CapacityFit", "no node has the job's node labels"),
+    Code.INSUFFICIENT_FREE_CAPACITY: (
+        "CapacityFit",
+        "matching hardware exists, but not enough of its CPU, memory or devices is free now"
+        " for every replica",
+    ),
+    Code.OVER_BUDGET: ("CostCap", "the estimated cost of one run exceeds the job's max_cost_usd"),
+    Code.DATA_NOT_LOCAL: ("DataLocal", "the site does not hold every input of the task"),
+    Code.FILTER_REJECTED: ("any", "a filter that gives no code of its own rejected the site"),
+}
+"""Every reason code: the filters that give it, and what it means."""
 
 
 class LazyReasons(Mapping[int, str]):
@@ -53,6 +115,42 @@ class Verdict:
     reasons: Mapping[int, str] = field(default_factory=dict)
     """Site index -> reason, for failing sites; a missing entry uses ``default_reason``."""
     default_reason: str = ""
+    codes: Mapping[int, str] = field(default_factory=dict)
+    """Site index -> reason code (a ``Code``), for failing sites; else ``default_code``."""
+    default_code: str = Code.FILTER_REJECTED
+    checks: tuple[Verdict, ...] = ()
+    """The independent checks ``mask`` is the conjunction of (see ``all_of``): a site that
+    fails several is rejected once by each, with each one's code and reason."""
+
+    @classmethod
+    def all_of(cls, n_sites: int, *checks: Verdict) -> Verdict:
+        """Sites that pass every check; ``reasons`` and ``codes`` are the first failing
+        check's, ``why`` gives them all."""
+        mask = np.ones(n_sites, dtype=bool)
+        for check in checks:
+            mask &= check.mask
+        failing = np.flatnonzero(~mask)
+
+        def first(site: int) -> Verdict:
+            return next(c for c in checks if not c.mask[site])
+
+        return cls(
+            mask=mask,
+            reasons=LazyReasons(failing, lambda site: first(site).reason(site)),
+            codes=LazyReasons(failing, lambda site: first(site).code(site)),
+            checks=checks,
+        )
+
+    def reason(self, site: int) -> str:
+        return self.reasons.get(site, self.default_reason)
+
+    def code(self, site: int) -> str:
+        return self.codes.get(site, self.default_code)
+
+    def why(self, site: int) -> list[tuple[str, str]]:
+        """(code, reason) of every check that fails ``site``, a failing site: at least one."""
+        failed = [pair for c in self.checks if not c.mask[site] for pair in c.why(site)]
+        return failed or [(self.code(site), self.reason(site))]
 
 
 class FilterPlugin(Protocol):
@@ -83,35 +181,50 @@ class Rejection:
     site: str
     plugin: str
     reason: str
+    code: str = ""
+    """Machine-readable reason: a ``Code``, or a code of a third-party plugin's own."""
 
 
 class Rejections(Sequence[Rejection]):
     """Rejections built only when read: at thousands of sites, writing every reason is
-    the slowest part of a decision, and most decisions only need the ranking."""
+    the slowest part of a decision, and most decisions only need the ranking.
+
+    ``parts`` are (plugin, the sites it rejected first, its verdict), giving the first
+    rejection of each site; with ``every``, parts are (plugin, None, verdict) and every
+    failing check of every filter is a rejection, by site, then in profile order.
+    """
 
     def __init__(
-        self, site_ids: tuple[str, ...], parts: list[tuple[str, npt.NDArray[np.int64], Verdict]]
+        self,
+        site_ids: tuple[str, ...],
+        parts: Sequence[tuple[str, npt.NDArray[np.int64] | None, Verdict]],
+        *,
+        every: bool = False,
     ) -> None:
         self._site_ids = site_ids
         self._parts = parts
+        self._every = every
         self._items: tuple[Rejection, ...] | None = None
 
     def _all(self) -> tuple[Rejection, ...]:
         if self._items is None:
-            items = [
-                Rejection(
-                    self._site_ids[i],
-                    plugin,
-                    verdict.reasons.get(int(i), verdict.default_reason),
-                )
-                for plugin, indices, verdict in self._parts
-                for i in indices
-            ]
+            items: list[Rejection] = []
+            for plugin, indices, verdict in self._parts:
+                failing = np.flatnonzero(~verdict.mask) if indices is None else indices
+                for i in failing.tolist():
+                    site = self._site_ids[i]
+                    if self._every:
+                        items.extend(Rejection(site, plugin, r, c) for c, r in verdict.why(i))
+                    else:
+                        items.append(Rejection(site, plugin, verdict.reason(i), verdict.code(i)))
+            # A stable sort: each site's rejections stay in profile order.
             self._items = tuple(sorted(items, key=lambda r: r.site))
         return self._items
 
     def __len__(self) -> int:
-        return sum(len(indices) for _, indices, _ in self._parts)
+        if self._every:
+            return len(self._all())
+        return sum(len(indices) for _, indices, _ in self._parts if indices is not None)
 
     def __getitem__(self, index: Any) -> Any:
         return self._all()[index]
@@ -133,8 +246,12 @@ class Decision:
     ranked: tuple[str, ...]
     scores: tuple[float, ...]
     rejections: Sequence[Rejection]
+    """The first filter (and its first failing check) that rejects each infeasible site."""
     terms: dict[str, tuple[float, ...]] = field(default_factory=dict)
     """Plugin name -> its normalised score for each ranked site (the breakdown of ``scores``)."""
+    every_rejection: Sequence[Rejection] = ()
+    """Every filter and check that rejects each site, by site, then in profile order; built
+    only when read (``fedctl jobs explain``), from the masks every decision computes anyway."""
 
 
 class Framework:
@@ -148,7 +265,8 @@ class Framework:
 
     def place(self, req: Request, snap: Snapshot) -> Decision:
         alive = np.ones(snap.n_sites, dtype=bool)
-        rejected: list[tuple[str, npt.NDArray[np.int64], Verdict]] = []
+        rejected: list[tuple[str, npt.NDArray[np.int64] | None, Verdict]] = []
+        verdicts: list[tuple[str, npt.NDArray[np.int64] | None, Verdict]] = []
         for plugin in self.filters:
             verdict = plugin.filter(req, snap)
             if verdict.mask.shape != alive.shape or verdict.mask.dtype != np.bool_:
@@ -156,6 +274,7 @@ class Framework:
             newly_rejected = np.flatnonzero(alive & ~verdict.mask)
             if len(newly_rejected):
                 rejected.append((plugin.name, newly_rejected, verdict))
+            verdicts.append((plugin.name, None, verdict))
             alive &= verdict.mask
         feasible = np.flatnonzero(alive).astype(np.int64)
         total = np.zeros(len(feasible), dtype=np.float64)
@@ -176,6 +295,7 @@ class Framework:
             scores=tuple(total[order].tolist()),
             rejections=Rejections(snap.site_ids, rejected),
             terms={name: tuple(v[order].tolist()) for name, v in terms.items()},
+            every_rejection=Rejections(snap.site_ids, verdicts, every=True),
         )
 
 

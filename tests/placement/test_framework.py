@@ -10,6 +10,7 @@ import numpy.typing as npt
 import pytest
 
 from federation.placement.framework import (
+    Code,
     Decision,
     Framework,
     PluginContractError,
@@ -169,8 +170,8 @@ def test_rejection_carries_the_first_plugin_that_rejected() -> None:
     )
     decision = framework.place(REQ, SNAP)
     assert decision.rejections == (
-        Rejection("a", "Reject", "first"),
-        Rejection("b", "RejectToo", "too"),
+        Rejection("a", "Reject", "first", Code.FILTER_REJECTED),
+        Rejection("b", "RejectToo", "too", Code.FILTER_REJECTED),
     )
     assert decision.ranked == ("c",)
 
@@ -179,8 +180,8 @@ def test_rejection_falls_back_to_the_default_reason() -> None:
     """A failing site without its own reason gets the verdict's default reason."""
     decision = Framework([Reject({"b", "c"}, {"c": "own"}, default="generic")], []).place(REQ, SNAP)
     assert decision.rejections == (
-        Rejection("b", "Reject", "generic"),
-        Rejection("c", "Reject", "own"),
+        Rejection("b", "Reject", "generic", Code.FILTER_REJECTED),
+        Rejection("c", "Reject", "own", Code.FILTER_REJECTED),
     )
 
 

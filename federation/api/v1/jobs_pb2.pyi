@@ -553,20 +553,27 @@ class SiteVerdict(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     STAGE_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     stage: _builtins.str
     """Placement plugin or negotiation step that rejected the site."""
     reason: _builtins.str
+    code: _builtins.str
+    """Machine-readable reason of a placement plugin, e.g. SITE_CORDONED or
+    INSUFFICIENT_DEVICE_MEMORY (the table: REASON_CODES in federation/placement/framework.py);
+    empty for negotiation steps, whose reason is the site's own words.
+    """
     def __init__(
         self,
         *,
         site: _builtins.str = ...,
         stage: _builtins.str = ...,
         reason: _builtins.str = ...,
+        code: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["reason", b"reason", "site", b"site", "stage", b"stage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "reason", b"reason", "site", b"site", "stage", b"stage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -823,6 +830,8 @@ class SiteExplanation(_message.Message):
     SCORES_FIELD_NUMBER: _builtins.int
     ESTIMATE_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
+    CODE_FIELD_NUMBER: _builtins.int
+    REJECTIONS_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     feasible: _builtins.bool
     plugin: _builtins.str
@@ -832,10 +841,18 @@ class SiteExplanation(_message.Message):
     """For feasible sites: the weighted total and each plugin's normalised score."""
     rank: _builtins.int
     """Rank among feasible sites, from 1."""
+    code: _builtins.str
+    """For rejected sites: the first filter's code (plugin and reason above are its too)."""
     @_builtins.property
     def scores(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     @_builtins.property
     def estimate(self) -> Global___Estimate: ...
+    @_builtins.property
+    def rejections(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteVerdict]:
+        """For rejected sites: every filter (and every check of one) that rejects it, in profile
+        order, each with its code and reason.
+        """
+
     def __init__(
         self,
         *,
@@ -847,10 +864,12 @@ class SiteExplanation(_message.Message):
         scores: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         estimate: Global___Estimate | None = ...,
         rank: _builtins.int = ...,
+        code: _builtins.str = ...,
+        rejections: _abc.Iterable[Global___SiteVerdict] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "feasible", b"feasible", "plugin", b"plugin", "rank", b"rank", "reason", b"reason", "score", b"score", "scores", b"scores", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "estimate", b"estimate", "feasible", b"feasible", "plugin", b"plugin", "rank", b"rank", "reason", b"reason", "rejections", b"rejections", "score", b"score", "scores", b"scores", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -865,13 +884,28 @@ class TaskExplanation(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     NOTE_FIELD_NUMBER: _builtins.int
     SITES_FIELD_NUMBER: _builtins.int
+    RANKED_SITE_FIELD_NUMBER: _builtins.int
+    RANKED_ESTIMATE_FIELD_NUMBER: _builtins.int
+    COMMITTED_ESTIMATE_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     state: Global___JobState.ValueType
     site: _builtins.str
     note: _builtins.str
     """Why the task is not being placed now (dependencies, cancellation), if so."""
+    ranked_site: _builtins.str
+    """The site ranked_estimate is for: the task's site when it has one, else the best-ranked."""
     @_builtins.property
     def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteExplanation]: ...
+    @_builtins.property
+    def ranked_estimate(self) -> Global___Estimate:
+        """Placement's estimate there now: what the task is ranked by."""
+
+    @_builtins.property
+    def committed_estimate(self) -> Global___Estimate:
+        """The estimate the site committed to when it accepted the task (TaskStatus.estimate);
+        unset before a site accepted.
+        """
+
     def __init__(
         self,
         *,
@@ -880,10 +914,13 @@ class TaskExplanation(_message.Message):
         site: _builtins.str = ...,
         note: _builtins.str = ...,
         sites: _abc.Iterable[Global___SiteExplanation] | None = ...,
+        ranked_site: _builtins.str = ...,
+        ranked_estimate: Global___Estimate | None = ...,
+        committed_estimate: Global___Estimate | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["committed_estimate", b"committed_estimate", "ranked_estimate", b"ranked_estimate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["note", b"note", "site", b"site", "sites", b"sites", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_estimate", b"committed_estimate", "note", b"note", "ranked_estimate", b"ranked_estimate", "ranked_site", b"ranked_site", "site", b"site", "sites", b"sites", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

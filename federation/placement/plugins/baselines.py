@@ -14,7 +14,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.placement.estimates import estimate
-from federation.placement.framework import Verdict
+from federation.placement.framework import Code, Verdict
 from federation.placement.plugins.capacity_fit import matching_classes
 from federation.placement.plugins.completion_time import lower_is_better
 from federation.placement.request import Request
@@ -109,4 +109,8 @@ class DataLocal:
                 holders[snap.holders(item.dataset)] = True
             mask &= holders
         names = ", ".join(sorted({i.dataset for i in req.inputs}))
-        return Verdict(mask=mask, default_reason=f"data-local: site does not hold {names}")
+        return Verdict(
+            mask=mask,
+            default_reason=f"data-local: site does not hold {names}",
+            default_code=Code.DATA_NOT_LOCAL,
+        )

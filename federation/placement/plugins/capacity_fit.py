@@ -8,6 +8,7 @@ of a shareable device, or as a hardware partition profile (MIG).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import ClassVar
 
 import numpy as np
@@ -15,7 +16,7 @@ import numpy.typing as npt
 
 from federation.jobspec import kind_name
 from federation.placement.compat import CompatTable, load_table_files
-from federation.placement.framework import LazyReasons, Verdict
+from federation.placement.framework import Code, LazyReasons, Verdict
 from federation.placement.plugins.compatibility import node_compat
 from federation.placement.request import Request
 from federation.placement.selectors import selector_class_mask
@@ -196,4 +197,88 @@ class CapacityFit:
                 room += f"; {int(devices[0][site])} matching free device(s)"
             return f"needs {describe_demand(req)}; site has {room}"
 
-        return Verdict(mask=mask, reasons=LazyReasons(np.flatnonzero(~mask), explain))
+        failing = np.flatnonzero(~mask)
+        return Verdict(
+            mask=mask,
+            reasons=LazyReasons(failing, explain),
+            codes=LazyReasons(failing, shortfall_code(req, snap, self.table)),
+        )
+
+
+def site_counts(snap: Snapshot) -> tuple[F64, F64]:
+    """Per site: its nodes, and its devices of each class (sites x classes), all states;
+    counted once per snapshot, for reason codes only."""
+    cached = snap.memo.get("site_counts")
+    if cached is None:
+        nodes = np.bincount(snap.node_site, minlength=snap.n_sites).astype(np.float64)
+        n_classes = len(snap.classes)
+        by_class = np.zeros((snap.n_sites, n_classes))
+        if n_classes:
+            flat = snap.device_site * n_classes + snap.device_class
+            counted = np.bincount(flat, minlength=snap.n_sites * n_classes)
+            by_class = counted.astype(np.float64).reshape(snap.n_sites, n_classes)
+        cached = snap.memo["site_counts"] = (nodes, by_class)
+    return cached  # type: ignore[return-value]
+
+
+def shortfall_code(req: Request, snap: Snapshot, table: CompatTable) -> Callable[[int], str]:
+    """The code for why a site lacks room, from the most basic lack to the most passing:
+    no nodes, no device of the model, none with the memory, none the selector takes, no node
+    with the labels, room only on nodes that miss the software requirements, and else too
+    little free now. Counted for every site at once, when the first code is read."""
+    counts: list[dict[str, F64]] = []
+
+    def per_site(values: F64) -> F64:
+        return np.bincount(snap.node_site, weights=values, minlength=snap.n_sites).astype(
+            np.float64
+        )
+
+    def count() -> dict[str, F64]:
+        nodes, by_class = site_counts(snap)
+        out = {"nodes": nodes}
+        if req.wants_accelerator:
+            vendor = req.accelerator_vendor.lower()
+            models = req.accelerator_models
+            model = np.array(
+                [
+                    c.kind == req.accelerator_kind
+                    and (not vendor or c.vendor == vendor)
+                    and (not models or c.model in models)
+                    for c in snap.classes
+                ],
+                dtype=bool,
+            )
+            memory = np.array(
+                [c.memory_mib >= req.accelerator_min_memory_mib for c in snap.classes], dtype=bool
+            )
+            full = matching_classes(req, snap)
+            out["model"] = by_class @ model
+            out["memory"] = by_class @ (model & memory)
+            out["selector"] = by_class @ full
+        if req.node_labels:
+            out["labelled"] = per_site(node_label_mask(req, snap).astype(np.float64))
+        if req.requires:
+            out["room"] = per_site(replicas_per_node(req, snap))
+            out["compatible_room"] = per_site(replicas_per_node(req, snap, table=table))
+        return out
+
+    def code(site: int) -> str:
+        if not counts:
+            counts.append(count())
+        c = counts[0]
+        if not c["nodes"][site]:
+            return Code.NO_NODES
+        if req.wants_accelerator:
+            if not c["model"][site]:
+                return Code.NO_DEVICE_OF_MODEL
+            if not c["memory"][site]:
+                return Code.INSUFFICIENT_DEVICE_MEMORY
+            if not c["selector"][site]:
+                return Code.DEVICE_SELECTOR_UNMATCHED
+        if req.node_labels and not c["labelled"][site]:
+            return Code.NODE_LABELS_UNMATCHED
+        if req.requires and c["room"][site] >= req.replicas > c["compatible_room"][site]:
+            return Code.REQUIREMENTS_UNMET
+        return Code.INSUFFICIENT_FREE_CAPACITY
+
+    return code

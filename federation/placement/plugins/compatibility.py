@@ -10,7 +10,7 @@ from typing import ClassVar
 import numpy as np
 
 from federation.placement.compat import CompatTable, load_table_files, unmet
-from federation.placement.framework import Verdict
+from federation.placement.framework import Code, Verdict
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
@@ -44,7 +44,15 @@ class Compatibility:
         ok, reasons = node_compat(req, snap, self.table)
         mask = np.bincount(snap.node_site[ok], minlength=snap.n_sites) > 0
         why: dict[int, str] = {}
+        codes: dict[int, str] = {}
         for node, site in enumerate(snap.node_site):
             if not mask[site] and int(site) not in why:
                 why[int(site)] = reasons[node]
-        return Verdict(mask=mask, reasons=why, default_reason="site has no nodes")
+                codes[int(site)] = Code.REQUIREMENTS_UNMET
+        return Verdict(
+            mask=mask,
+            reasons=why,
+            default_reason="site has no nodes",
+            codes=codes,
+            default_code=Code.NO_NODES,
+        )

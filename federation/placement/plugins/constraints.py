@@ -7,7 +7,7 @@ from typing import ClassVar
 import numpy as np
 
 from federation.jobspec import domain_name
-from federation.placement.framework import Verdict
+from federation.placement.framework import Code, LazyReasons, Verdict
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
@@ -16,24 +16,38 @@ class Constraints:
     name: ClassVar[str] = "Constraints"
 
     def filter(self, req: Request, snap: Snapshot) -> Verdict:
-        mask = np.ones(snap.n_sites, dtype=bool)
-        reasons: dict[int, str] = {}
+        """Each rule is a check of its own: a site that breaks two is rejected twice."""
+        checks: list[Verdict] = []
         if req.domains:
             ok = np.isin(snap.domain, list(req.domains))
             wanted = ", ".join(sorted(domain_name(d) for d in req.domains))
-            for i in np.flatnonzero(mask & ~ok):
-                reasons[int(i)] = (
-                    f"job wants domain {wanted}, site is {domain_name(int(snap.domain[i]))}"
+
+            def domain_reason(i: int) -> str:
+                return f"job wants domain {wanted}, site is {domain_name(int(snap.domain[i]))}"
+
+            checks.append(
+                Verdict(
+                    mask=ok,
+                    reasons=LazyReasons(np.flatnonzero(~ok), domain_reason),
+                    default_code=Code.DOMAIN_NOT_ALLOWED,
                 )
-            mask &= ok
+            )
         if req.regions:
             ok = np.isin(snap.region, list(req.regions))
-            for i in np.flatnonzero(mask & ~ok):
-                reasons[int(i)] = f"job wants region {', '.join(sorted(req.regions))}"
-            mask &= ok
+            checks.append(
+                Verdict(
+                    mask=ok,
+                    default_reason=f"job wants region {', '.join(sorted(req.regions))}",
+                    default_code=Code.REGION_NOT_ALLOWED,
+                )
+            )
         if req.sites:
             ok = np.isin(np.array(snap.site_ids, dtype=object), list(req.sites))
-            for i in np.flatnonzero(mask & ~ok):
-                reasons[int(i)] = f"job wants site {', '.join(sorted(req.sites))}"
-            mask &= ok
-        return Verdict(mask=mask, reasons=reasons)
+            checks.append(
+                Verdict(
+                    mask=ok,
+                    default_reason=f"job wants site {', '.join(sorted(req.sites))}",
+                    default_code=Code.SITE_NOT_ALLOWED,
+                )
+            )
+        return Verdict.all_of(snap.n_sites, *checks)

@@ -8,7 +8,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.placement.estimates import estimate
-from federation.placement.framework import Verdict
+from federation.placement.framework import Code, LazyReasons, Verdict
 from federation.placement.plugins.completion_time import lower_is_better
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
@@ -22,11 +22,15 @@ class CostCap:
             return Verdict(mask=np.ones(snap.n_sites, dtype=bool))
         cost = estimate(req, snap).cost_usd
         mask = cost <= req.max_cost_usd
-        reasons = {
-            int(i): f"estimated cost ${cost[i]:.2f} exceeds the job's ${req.max_cost_usd:.2f}"
-            for i in np.flatnonzero(~mask)
-        }
-        return Verdict(mask=mask, reasons=reasons)
+
+        def reason(i: int) -> str:
+            return f"estimated cost ${cost[i]:.2f} exceeds the job's ${req.max_cost_usd:.2f}"
+
+        return Verdict(
+            mask=mask,
+            reasons=LazyReasons(np.flatnonzero(~mask), reason),
+            default_code=Code.OVER_BUDGET,
+        )
 
 
 class Cost:

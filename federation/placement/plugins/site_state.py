@@ -4,9 +4,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-import numpy as np
-
-from federation.placement.framework import Verdict
+from federation.placement.framework import Code, Verdict
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
@@ -15,9 +13,17 @@ class SiteState:
     name: ClassVar[str] = "SiteState"
 
     def filter(self, req: Request, snap: Snapshot) -> Verdict:
-        mask = snap.is_connected & ~snap.is_cordoned
-        reasons = {
-            int(i): "site is cordoned" if snap.is_cordoned[i] else "site agent is not connected"
-            for i in np.flatnonzero(~mask)
-        }
-        return Verdict(mask=mask, reasons=reasons)
+        # Cordoned first: a cordoned site that is also disconnected is told so first.
+        return Verdict.all_of(
+            snap.n_sites,
+            Verdict(
+                mask=~snap.is_cordoned,
+                default_reason="site is cordoned",
+                default_code=Code.SITE_CORDONED,
+            ),
+            Verdict(
+                mask=snap.is_connected,
+                default_reason="site agent is not connected",
+                default_code=Code.SITE_UNREACHABLE,
+            ),
+        )
