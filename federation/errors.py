@@ -62,6 +62,20 @@ class JobNotFoundError(NotFoundError):
         )
 
 
+class QueueNotFoundError(NotFoundError):
+    reason = "QUEUE_NOT_FOUND"
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            f"no queue {queue[:64]!r}. To fix: list queues with 'fedctl queues list'", queue=queue
+        )
+
+
+class AlreadyExistsError(FederationError):
+    status = grpc.StatusCode.ALREADY_EXISTS
+    reason = "ALREADY_EXISTS"
+
+
 class SiteNotFoundError(NotFoundError):
     reason = "SITE_NOT_FOUND"
 

@@ -285,3 +285,16 @@ def serve_metrics(listen: str) -> int:
     host, _, port = listen.rpartition(":")
     server, _ = start_http_server(int(port), addr=host or "127.0.0.1")
     return int(server.server_port)
+
+
+# Coordinator: queues (kept when queues are listed, and by each scheduling cycle's fair share).
+QUEUE_USAGE = Gauge(
+    "federation_queue_usage",
+    "What a queue and the queues under it hold (cpu cores, memory_mib, devices by kind/model)",
+    ["queue", "resource"],
+)
+QUEUE_DOMINANT_SHARE = Gauge(
+    "federation_queue_dominant_share",
+    "A queue's largest share of any resource the federation has, over its weight",
+    ["queue"],
+)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 
-from federation.cli import demo, pki, remote, sim, top
+from federation.cli import demo, pki, queues, remote, sim, top
 from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
 
 
@@ -33,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     pki.add_parser(sub)
     remote.add_parsers(sub)
+    queues.add_parser(sub)
     demo.add_parser(sub)
     sim.add_parser(sub)
     top.add_parser(sub)

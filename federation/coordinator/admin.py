@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from federation.api.v1 import admin_service_pb2
+from federation.api.v1 import admin_service_pb2, queues_pb2
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.lost_sites import LostSites
+from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
 
@@ -29,11 +32,13 @@ class Admin:
         jobs: JobRepository,
         coordinators: Callable[[], Awaitable[list[admin_service_pb2.Coordinator]]],
         lost_sites: LostSites | None = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._coordinators = coordinators
         self._lost_sites = lost_sites
+        self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
 
     def sites(self) -> list[admin_service_pb2.Site]:
         return [self._sites.describe(name) for name in self._sites.names()]
@@ -54,3 +59,21 @@ class Admin:
         if not site:
             raise InvalidArgumentError([FieldViolation("site", "is required")])
         return await self._sites.set_cordoned(site, cordoned)
+
+    # Queues ------------------------------------------------------------------------------
+
+    async def create_queue(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+        return await self._sharing.book.create(queue)
+
+    async def update_queue(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+        return await self._sharing.book.update(queue)
+
+    async def delete_queue(self, name: str) -> None:
+        if not name:
+            raise InvalidArgumentError([FieldViolation("name", "is required")])
+        used_by = [job.id for job in self._jobs.active() if job.spec.queue == name]
+        await self._sharing.book.delete(name, used_by)
+
+    def queues(self) -> list[queues_pb2.QueueStatus]:
+        waiting = Counter(job.spec.queue for job in self._jobs.pending())
+        return self._sharing.status(self._sites.capacity(), waiting)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from federation.config import ConfigError
+from federation.coordinator.policy.priority import parse_priority_classes
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 from federation.store.etcd import DEFAULT_PREFIX
 
@@ -97,6 +99,9 @@ class CoordinatorConfig:
     """Refusals one identity may have held at once; further ones are sent at once."""
     max_request_bytes: int = 4 << 20
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
+    priority_classes: dict[str, Any] = field(default_factory=dict)
+    """Named priorities jobs may name: ``[priority_classes.urgent]`` with ``value`` (-1000 to
+    1000), ``preemptible`` (default true) and ``may_preempt`` (default false)."""
     max_spec_bytes: int = 256 * 1024
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
     record, and etcd refuses a request over 1.5 MiB."""
@@ -146,6 +151,7 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
     if not 1024 <= config.max_spec_bytes <= 1024 * 1024:
         raise ConfigError(f"{source}: max_spec_bytes must be between 1024 and 1048576")
     check_negotiation(config, source=source)
+    parse_priority_classes(config.priority_classes, source=source)
 
 
 def check_negotiation(config: CoordinatorConfig, *, source: str) -> None:

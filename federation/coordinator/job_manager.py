@@ -24,6 +24,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
@@ -90,8 +92,11 @@ class JobManager:
         max_unfinished_jobs_per_tenant: int = 0,
         learner: SpeedLearner | None = None,
         freed: Callable[[], None] | None = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self._jobs = jobs
+        self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
+        """Which queues a tenant may submit to, and the priority classes."""
         self._learner = learner
         """Told how long each task that succeeded on devices ran."""
         self._freed = freed or wake
@@ -136,6 +141,7 @@ class JobManager:
                 raise PermissionDeniedError(
                     f"{caller} may not submit jobs for tenant {spec.tenant!r}"
                 )
+            violations += self._sharing.spec_violations(spec, tenant_of(caller, spec), path)
             if spec.id:
                 job_id = job_id_for(tenant_of(caller, spec), spec.id)
                 if job_id in ids:
@@ -198,6 +204,7 @@ class JobManager:
         job.spec.CopyFrom(spec)
         job.spec.id = job.id
         job.spec.tenant = tenant
+        job.spec.priority = self._sharing.priority_of(spec)
         job.state = job_state.PENDING
         job.reason = "submitted"
         job.created_at.CopyFrom(now_timestamp())

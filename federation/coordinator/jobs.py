@@ -18,6 +18,7 @@ from google.protobuf import timestamp_pb2
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
+from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import (
     ConflictError,
     FederationError,
@@ -156,6 +157,8 @@ class JobRepository:
         self._pending_in_order = True
         self._held: set[tuple[str, str]] = set()
         """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
+        self.usage = QueueUsage()
+        """What each queue's tasks hold (placed, running, or with offers out)."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
@@ -166,13 +169,19 @@ class JobRepository:
         self._active[job.id] = (job, revision, events)
         self._index(job)
 
+    @property
+    def store(self) -> Store:
+        return self._store
+
     def unfinished(self, tenant: str) -> int:
         """How many of the tenant's jobs have not finished."""
         return self._unfinished[tenant]
 
     def _index(self, job: jobs_pb2.Job) -> None:
-        """Keep ``job`` in the pending index exactly while it has a PENDING task not held."""
+        """Keep ``job`` in the pending index exactly while it has a PENDING task not held,
+        and what it holds counted against its queue."""
         held = self._held
+        self.usage.update(job, held)
         if any(t.state == job_state.PENDING and (job.id, t.name) not in held for t in job.tasks):
             if job.id not in self._pending:
                 key = line_order(job)
@@ -458,6 +467,7 @@ class JobRepository:
         if (cached := self._active.pop(job_id, None)) is not None:
             self._unfinished[cached[0].spec.tenant] -= 1
         self._pending.pop(job_id, None)
+        self.usage.remove(job_id)
 
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""

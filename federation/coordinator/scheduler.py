@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +34,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
@@ -45,6 +48,8 @@ from federation.placement.snapshot import Snapshot
 log = structlog.get_logger()
 
 NEGOTIATE = "Negotiate"
+QUOTA = "Quota"
+"""The stage of a verdict that holds a task back for its queue's quota, at every site."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
@@ -119,10 +124,13 @@ class Scheduler:
         framework: Framework,
         config: SchedulerConfig,
         learner: SpeedLearner | None = None,
+        sharing: Sharing | None = None,
     ) -> None:
         self._jobs = jobs
         self._learner = learner or SpeedLearner()
         """Speeds learned from finished tasks: estimates and offers use them."""
+        self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
+        """Queues: who goes first, and which tasks their quotas hold back."""
         self._sites = sites
         self._framework = framework
         self._config = config
@@ -197,7 +205,8 @@ class Scheduler:
         pending: set[TaskKey] = set()
         swept = True
         slice_start = now
-        for job in self._jobs.pending():
+        tentative: Tentative = {}
+        for job in self._line(tentative):
             if time.monotonic() - slice_start > CYCLE_SLICE_S:
                 # Thousands of waiting tasks (one tenant's flood) must not stall every other
                 # call on the loop: let them in, then go on with the jobs still pending.
@@ -216,6 +225,13 @@ class Scheduler:
                     self._full = True
                     swept = False
                     break
+                need = task_demand(job, task.name) if job.spec.queue else None
+                if need is not None and (why := self._sharing.admission(job, need, tentative)):
+                    self._backoff(key)  # a task's end wakes it (``capacity_freed``)
+                    quota = [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
+                    if list(task.verdicts) != quota:
+                        nowhere.append((job.id, task.name, quota))
+                    continue
                 if snapshot is None:
                     # Built only when something waits: every view delta wakes the loop, and
                     # flattening the federation into arrays is the expensive part of a cycle.
@@ -241,6 +257,8 @@ class Scheduler:
                         nowhere.append((job.id, task.name, list(verdicts)))
                     continue
                 batch.append(_Negotiation(job.id, task.name, ranked, list(verdicts), estimates))
+                if need is not None:
+                    self._sharing.admit(job, need, tentative)
             if not swept:
                 break
         if swept:
@@ -254,6 +272,14 @@ class Scheduler:
             runner.add_done_callback(self._tasks.discard)
         if nowhere:
             await self._stay_pending(nowhere)
+
+    def _line(self, tentative: Tentative) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs in the order they get capacity: queues take turns by weighted
+        dominant share, each queue's jobs by priority, then submission."""
+        if not self._sharing.book.queues:
+            return self._jobs.pending()
+        capacity = self._sites.capacity()
+        return self._sharing.order(self._jobs.pending(), capacity, tentative)
 
     def _placements_on(self, snapshot: Snapshot) -> dict[Request, _Placement]:
         """Placements already made on ``snapshot``, by request: placement depends on nothing
@@ -830,6 +856,8 @@ def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:
     """One line for people: why no site took the task."""
     if not verdicts:
         return "no sites are connected"
+    if all(v.stage == QUOTA for v in verdicts):
+        return verdicts[0].reason  # its queue holds it back, whatever the sites have
     parts = [f"{v.site}: {v.reason}" for v in verdicts[:3]]
     more = f" (+{len(verdicts) - 3} more)" if len(verdicts) > 3 else ""
     return "no site can take it now: " + "; ".join(parts) + more

@@ -63,6 +63,10 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "CordonSite",
             "UncordonSite",
             "CreateJoinToken",
+            "CreateQueue",
+            "UpdateQueue",
+            "ListQueues",
+            "DeleteQueue",
         )
     },
     _LINK + "Connect": SITES,
@@ -168,6 +172,29 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
         return await self._current().enrollment.create_token(
             request.site, request.domain, request.ttl_s, str(current_caller())
         )
+
+    async def CreateQueue(
+        self, request: admin_pb.CreateQueueRequest, context: Context
+    ) -> admin_pb.CreateQueueResponse:
+        queue = await self._current().admin.create_queue(request.queue)
+        return admin_pb.CreateQueueResponse(queue=queue)
+
+    async def UpdateQueue(
+        self, request: admin_pb.UpdateQueueRequest, context: Context
+    ) -> admin_pb.UpdateQueueResponse:
+        queue = await self._current().admin.update_queue(request.queue)
+        return admin_pb.UpdateQueueResponse(queue=queue)
+
+    async def ListQueues(
+        self, request: admin_pb.ListQueuesRequest, context: Context
+    ) -> admin_pb.ListQueuesResponse:
+        return admin_pb.ListQueuesResponse(queues=self._current().admin.queues())
+
+    async def DeleteQueue(
+        self, request: admin_pb.DeleteQueueRequest, context: Context
+    ) -> admin_pb.DeleteQueueResponse:
+        await self._current().admin.delete_queue(request.name)
+        return admin_pb.DeleteQueueResponse()
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):

@@ -24,6 +24,9 @@ from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.lost_sites import LostSites
+from federation.coordinator.policy.priority import parse_priority_classes
+from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
@@ -101,6 +104,10 @@ async def start_services(
 
     sites = SiteRegistry(store, wake)
     learner = SpeedLearner()
+    book = QueueBook(store)
+    await book.load()
+    classes = parse_priority_classes(config.priority_classes, source="config")
+    sharing = Sharing(book, jobs.usage, classes)
     await sites.load()
     recovered = await jobs.load()
     scheduler = Scheduler(
@@ -115,6 +122,7 @@ async def start_services(
             offers_at_once=config.offers_at_once,
         ),
         learner,
+        sharing,
     )
     scheduler_ref.append(scheduler)
     manager = JobManager(
@@ -125,6 +133,7 @@ async def start_services(
         max_spec_bytes=config.max_spec_bytes,
         max_unfinished_jobs_per_tenant=config.max_unfinished_jobs_per_tenant,
         learner=learner,
+        sharing=sharing,
         freed=scheduler.capacity_freed,
     )
     await manager.recover()
@@ -149,7 +158,7 @@ async def start_services(
             config.missed_heartbeats,
             probe_endpoint=probe_endpoint,
         ),
-        admin=Admin(sites, jobs, coordinators, lost_sites),
+        admin=Admin(sites, jobs, coordinators, lost_sites, sharing),
         scheduler_task=scheduler_task,
         lost_sites=lost_sites,
         lost_sites_task=lost_sites_task,

@@ -13,6 +13,7 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, site_link_service_pb2
 from federation.coordinator.live_view import LiveView
+from federation.coordinator.policy.resources import capacity
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
@@ -151,6 +152,7 @@ class SiteRegistry:
         self._sites: dict[str, SiteEntry] = {}
         self._version = 0
         self._snapshot: tuple[int, Snapshot] | None = None
+        self._capacity: tuple[int, dict[str, float]] | None = None
         self._aggregates = FederationAggregates()
 
     async def load(self) -> None:
@@ -309,6 +311,14 @@ class SiteRegistry:
             ]
             self._snapshot = (self._version, build_snapshot(inputs))
         return self._snapshot[1]
+
+    def capacity(self) -> dict[str, float]:
+        """What the sites' views hold of each resource quotas count (``policy.resources``),
+        computed again only when some view or state changed."""
+        if self._capacity is None or self._capacity[0] != self._version:
+            nodes = [n for e in self._sites.values() if e.view is not None for n in e.view.nodes()]
+            self._capacity = (self._version, capacity(nodes))
+        return self._capacity[1]
 
     def describe(self, name: str, *, with_view: bool = True) -> admin_service_pb2.Site:
         entry = self.get(name)

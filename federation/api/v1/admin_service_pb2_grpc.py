@@ -60,6 +60,26 @@ class AdminServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenResponse.FromString,
                 _registered_method=True)
+        self.CreateQueue = channel.unary_unary(
+                '/federation.api.v1.AdminService/CreateQueue',
+                request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueResponse.FromString,
+                _registered_method=True)
+        self.UpdateQueue = channel.unary_unary(
+                '/federation.api.v1.AdminService/UpdateQueue',
+                request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueResponse.FromString,
+                _registered_method=True)
+        self.ListQueues = channel.unary_unary(
+                '/federation.api.v1.AdminService/ListQueues',
+                request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesResponse.FromString,
+                _registered_method=True)
+        self.DeleteQueue = channel.unary_unary(
+                '/federation.api.v1.AdminService/DeleteQueue',
+                request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServiceServicer:
@@ -96,6 +116,32 @@ class AdminServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateQueue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateQueue(self, request, context):
+        """Replaces a queue's tenant, weight, parent and quotas.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListQueues(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteQueue(self, request, context):
+        """Refused while unfinished jobs name the queue or other queues sit under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +169,26 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.CreateJoinToken,
                     request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenResponse.SerializeToString,
+            ),
+            'CreateQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateQueue,
+                    request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueResponse.SerializeToString,
+            ),
+            'UpdateQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateQueue,
+                    request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueResponse.SerializeToString,
+            ),
+            'ListQueues': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListQueues,
+                    request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesResponse.SerializeToString,
+            ),
+            'DeleteQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteQueue,
+                    request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -261,6 +327,114 @@ class AdminService:
             '/federation.api.v1.AdminService/CreateJoinToken',
             federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.AdminService/CreateQueue',
+            federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_admin__service__pb2.CreateQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.AdminService/UpdateQueue',
+            federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_admin__service__pb2.UpdateQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListQueues(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.AdminService/ListQueues',
+            federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_admin__service__pb2.ListQueuesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.AdminService/DeleteQueue',
+            federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_admin__service__pb2.DeleteQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -38,6 +38,12 @@ class AdminServiceStub:
     CordonSite: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CordonSiteRequest, _admin_service_pb2.CordonSiteResponse]
     UncordonSite: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.UncordonSiteRequest, _admin_service_pb2.UncordonSiteResponse]
     CreateJoinToken: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CreateJoinTokenRequest, _admin_service_pb2.CreateJoinTokenResponse]
+    CreateQueue: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CreateQueueRequest, _admin_service_pb2.CreateQueueResponse]
+    UpdateQueue: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.UpdateQueueRequest, _admin_service_pb2.UpdateQueueResponse]
+    """Replaces a queue's tenant, weight, parent and quotas."""
+    ListQueues: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.ListQueuesRequest, _admin_service_pb2.ListQueuesResponse]
+    DeleteQueue: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.DeleteQueueRequest, _admin_service_pb2.DeleteQueueResponse]
+    """Refused while unfinished jobs name the queue or other queues sit under it."""
 
 @_typing.type_check_only
 class AdminServiceAsyncStub(AdminServiceStub):
@@ -49,6 +55,12 @@ class AdminServiceAsyncStub(AdminServiceStub):
     CordonSite: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CordonSiteRequest, _admin_service_pb2.CordonSiteResponse]  # type: ignore[assignment]
     UncordonSite: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.UncordonSiteRequest, _admin_service_pb2.UncordonSiteResponse]  # type: ignore[assignment]
     CreateJoinToken: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CreateJoinTokenRequest, _admin_service_pb2.CreateJoinTokenResponse]  # type: ignore[assignment]
+    CreateQueue: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CreateQueueRequest, _admin_service_pb2.CreateQueueResponse]  # type: ignore[assignment]
+    UpdateQueue: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.UpdateQueueRequest, _admin_service_pb2.UpdateQueueResponse]  # type: ignore[assignment]
+    """Replaces a queue's tenant, weight, parent and quotas."""
+    ListQueues: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.ListQueuesRequest, _admin_service_pb2.ListQueuesResponse]  # type: ignore[assignment]
+    DeleteQueue: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.DeleteQueueRequest, _admin_service_pb2.DeleteQueueResponse]  # type: ignore[assignment]
+    """Refused while unfinished jobs name the queue or other queues sit under it."""
 
 class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
     """Federation operations, for operators."""
@@ -87,5 +99,35 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_service_pb2.CreateJoinTokenRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_service_pb2.CreateJoinTokenResponse, _abc.Awaitable[_admin_service_pb2.CreateJoinTokenResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def CreateQueue(
+        self,
+        request: _admin_service_pb2.CreateQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.CreateQueueResponse, _abc.Awaitable[_admin_service_pb2.CreateQueueResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def UpdateQueue(
+        self,
+        request: _admin_service_pb2.UpdateQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.UpdateQueueResponse, _abc.Awaitable[_admin_service_pb2.UpdateQueueResponse]]:
+        """Replaces a queue's tenant, weight, parent and quotas."""
+
+    @_abc_1.abstractmethod
+    def ListQueues(
+        self,
+        request: _admin_service_pb2.ListQueuesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.ListQueuesResponse, _abc.Awaitable[_admin_service_pb2.ListQueuesResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DeleteQueue(
+        self,
+        request: _admin_service_pb2.DeleteQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.DeleteQueueResponse, _abc.Awaitable[_admin_service_pb2.DeleteQueueResponse]]:
+        """Refused while unfinished jobs name the queue or other queues sit under it."""
 
 def add_AdminServiceServicer_to_server(servicer: AdminServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -507,12 +507,18 @@ class JobSpec(_message.Message):
     LABELS_FIELD_NUMBER: _builtins.int
     OBJECTIVE_FIELD_NUMBER: _builtins.int
     DISCONNECT_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
+    PRIORITY_CLASS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """Client-chosen id; the coordinator assigns one when empty."""
     name: _builtins.str
     tenant: _builtins.str
     """Tenant the job belongs to; taken from the caller's certificate for tenants."""
     priority: _builtins.int
+    queue: _builtins.str
+    """The queue the job waits in and counts against; empty: none (no quota applies)."""
+    priority_class: _builtins.str
+    """A priority class the operators configured; it sets the job's priority."""
     @_builtins.property
     def tasks(self) -> _containers.RepeatedCompositeFieldContainer[Global___TaskSpec]: ...
     @_builtins.property
@@ -535,10 +541,12 @@ class JobSpec(_message.Message):
         labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         objective: Global___Objective | None = ...,
         disconnect: Global___DisconnectPolicy | None = ...,
+        queue: _builtins.str = ...,
+        priority_class: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "disconnect", b"disconnect", "objective", b"objective"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "disconnect", b"disconnect", "id", b"id", "labels", b"labels", "name", b"name", "objective", b"objective", "priority", b"priority", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["constraints", b"constraints", "disconnect", b"disconnect", "id", b"id", "labels", b"labels", "name", b"name", "objective", b"objective", "priority", b"priority", "priority_class", b"priority_class", "queue", b"queue", "tasks", b"tasks", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,149 @@
+"""``fedctl queues``: create, update, list and delete the queues tenants submit to."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterable
+
+from rich.table import Table
+
+from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc, queues_pb2
+from federation.cli.connection import CliError, Connection
+from federation.cli.render import console, print_json, text
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    queues = sub.add_parser("queues", help="queues, their quotas, usage and fair share")
+    queues.set_defaults(func=cmd_list)
+    queues_sub = queues.add_subparsers(dest="queues_command")
+    queues_sub.add_parser("list", help="every queue with its usage and share").set_defaults(
+        func=cmd_list
+    )
+    for name, func in (("create", cmd_create), ("update", cmd_update)):
+        p = queues_sub.add_parser(name, help=f"{name} a queue (update replaces it whole)")
+        p.add_argument("name")
+        p.add_argument("--tenant", required=True, help="the tenant that owns it")
+        p.add_argument("--weight", type=float, default=1.0, help="fair-share weight (default 1)")
+        p.add_argument("--parent", default="", help="the queue it sits under")
+        p.add_argument(
+            "--quota",
+            action="append",
+            default=[],
+            metavar="RESOURCE=NOMINAL[+BORROW]",
+            help="e.g. gpu=8, gpu/A100-80GB=4+4, cpu=64, memory_mib=262144 (repeatable)",
+        )
+        p.set_defaults(func=func)
+    delete = queues_sub.add_parser("delete", help="delete a queue no unfinished job names")
+    delete.add_argument("name")
+    delete.set_defaults(func=cmd_delete)
+
+
+def parse_quota(text_: str) -> queues_pb2.Quota:
+    """``gpu=8`` or ``gpu/A100-80GB=4+2`` (nominal, then how much more it may borrow)."""
+    resource, sep, amounts = text_.partition("=")
+    nominal, _, borrow = amounts.partition("+")
+    try:
+        if not sep or not resource:
+            raise ValueError
+        return queues_pb2.Quota(
+            resource=resource.strip(),
+            nominal=float(nominal),
+            borrowing_limit=float(borrow) if borrow else 0.0,
+        )
+    except ValueError:
+        raise CliError(
+            f"--quota {text_!r}: write RESOURCE=NOMINAL or RESOURCE=NOMINAL+BORROW, e.g. gpu=8+4"
+        ) from None
+
+
+def _queue(args: argparse.Namespace) -> queues_pb2.Queue:
+    return queues_pb2.Queue(
+        name=args.name,
+        tenant=args.tenant,
+        weight=args.weight,
+        parent=args.parent,
+        quotas=[parse_quota(q) for q in args.quota],
+    )
+
+
+async def cmd_create(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=_queue(args)))
+    _done(args, reply.queue, "created")
+    return 0
+
+
+async def cmd_update(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.UpdateQueue(admin_service_pb2.UpdateQueueRequest(queue=_queue(args)))
+    _done(args, reply.queue, "updated")
+    return 0
+
+
+def _done(args: argparse.Namespace, queue: queues_pb2.Queue, what: str) -> None:
+    if args.json:
+        print_json(queue)
+    else:
+        console.print(text(f"queue {queue.name} {what}"))
+
+
+async def cmd_delete(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        await admin.DeleteQueue(admin_service_pb2.DeleteQueueRequest(name=args.name))
+    if not args.json:
+        console.print(text(f"queue {args.name} deleted"))
+    return 0
+
+
+async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        reply = await admin.ListQueues(admin_service_pb2.ListQueuesRequest())
+    if args.json:
+        print_json(list(reply.queues))
+    else:
+        console.print(queues_table(reply.queues))
+    return 0
+
+
+def queues_table(queues: Iterable[queues_pb2.QueueStatus]) -> Table:
+    table = Table(title="Queues")
+    for column in (
+        "queue",
+        "tenant",
+        "parent",
+        "weight",
+        "quota (used/nominal+borrow)",
+        "borrowed",
+        "dominant share",
+        "waiting jobs",
+    ):
+        table.add_column(column)
+    for status in queues:
+        queue = status.queue
+        quotas = ", ".join(
+            f"{q.resource} {status.usage.get(q.resource, 0):g}/{q.nominal:g}"
+            + (f"+{q.borrowing_limit:g}" if q.borrowing_limit else "")
+            for q in queue.quotas
+        )
+        borrowed = ", ".join(f"{r} {a:g}" for r, a in sorted(status.borrowed.items()))
+        share = (
+            f"{status.dominant_share:.2f} ({status.dominant_resource})"
+            if status.dominant_resource
+            else "0"
+        )
+        cells = (
+            queue.name,
+            queue.tenant,
+            queue.parent or "-",
+            f"{queue.weight:g}",
+            quotas or "no quota",
+            borrowed or "-",
+            share,
+            str(status.waiting_jobs),
+        )
+        table.add_row(*map(text, cells))
+    return table

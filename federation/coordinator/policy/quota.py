@@ -1,0 +1,67 @@
+"""May a task of a queue start now? Quotas, borrowing and the queue hierarchy, as one pure
+function over the queues and what each holds.
+
+A queue may always hold its *nominal* quota of a resource. Beyond it, up to its *borrowing
+limit* more, while the queues beside it (its cohort: the queues with the same parent) leave
+theirs idle: together the cohort holds no more of a resource than the sum of its nominal
+quotas. A queue's quotas bound the queues under it together, so a task is checked against its
+queue and every queue above it. Resources a queue sets no quota for are not limited by it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+from federation.api.v1 import queues_pb2
+from federation.coordinator.policy.resources import Demand
+
+EPSILON = 1e-9
+Held = Callable[[str], Mapping[str, float]]
+"""What a queue and the queues under it hold now, by resource."""
+
+
+def admission(
+    name: str, need: Demand, queues: Mapping[str, queues_pb2.Queue], held: Held
+) -> str | None:
+    """None when a task of queue ``name`` that needs ``need`` may start now; else why not,
+    in quota terms, for people (``fedctl jobs explain``)."""
+    current = name
+    while current:
+        queue = queues[current]
+        for quota in queue.quotas:
+            want = need.get(quota.resource, 0.0)
+            if not want:
+                continue
+            now = held(current).get(quota.resource, 0.0)
+            after = now + want
+            if after <= quota.nominal + EPSILON:
+                continue
+            what = f"{quota.resource} quota ({now:g}/{quota.nominal:g})"
+            if after > quota.nominal + quota.borrowing_limit + EPSILON:
+                limit = f", may borrow {quota.borrowing_limit:g}" if quota.borrowing_limit else ""
+                return f"queue {current} at its {what}{limit}; this task needs {want:g}"
+            used, pool = _cohort(current, quota.resource, queues, held)
+            if used + want > pool + EPSILON:
+                return (
+                    f"queue {current} at its nominal {what}, borrowing blocked: the queues "
+                    f"beside it hold {used:g} of their {pool:g} {quota.resource} together"
+                )
+        current = queue.parent
+    return None
+
+
+def _cohort(
+    name: str, resource: str, queues: Mapping[str, queues_pb2.Queue], held: Held
+) -> tuple[float, float]:
+    """What the queues beside ``name`` (itself included) that set a quota of ``resource``
+    hold of it together, and the sum of their nominal quotas of it."""
+    parent = queues[name].parent
+    used = pool = 0.0
+    for other in queues.values():
+        if other.parent != parent:
+            continue
+        nominal = next((q.nominal for q in other.quotas if q.resource == resource), None)
+        if nominal is not None:
+            pool += nominal
+            used += held(other.name).get(resource, 0.0)
+    return used, pool

@@ -1,0 +1,162 @@
+"""Queues, quotas, fair share and priority classes, as the submit path and the scheduler use
+them: one object over the queue book, the queues' usage and the configured classes."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+
+from federation.api.v1 import jobs_pb2, queues_pb2
+from federation.coordinator.policy.fair_share import dominant_share, fair_order
+from federation.coordinator.policy.priority import PriorityClass
+from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.quota import admission
+from federation.coordinator.policy.resources import Demand, demand
+from federation.coordinator.policy.usage import QueueUsage
+from federation.errors import FieldViolation
+from federation.metrics import QUEUE_DOMINANT_SHARE, QUEUE_USAGE
+
+Tentative = dict[str, dict[str, float]]
+"""Per queue, what a scheduling cycle admitted but has not yet handed to a negotiation."""
+
+
+class Sharing:
+    def __init__(
+        self,
+        book: QueueBook,
+        usage: QueueUsage,
+        classes: Mapping[str, PriorityClass] | None = None,
+    ) -> None:
+        self.book = book
+        self._usage = usage
+        self.classes = dict(classes or {})
+
+    # The submit path --------------------------------------------------------------------
+
+    def spec_violations(
+        self, spec: jobs_pb2.JobSpec, tenant: str, path: str
+    ) -> list[FieldViolation]:
+        """A queue the job's tenant does not own, or an unknown priority class."""
+        out = []
+        if spec.queue:
+            queue = self.book.queues.get(spec.queue)
+            if queue is None:
+                out.append(FieldViolation(f"{path}.queue", f"no queue {spec.queue[:64]!r}"))
+            elif queue.tenant != tenant:
+                out.append(
+                    FieldViolation(
+                        f"{path}.queue",
+                        f"queue {spec.queue} is not tenant {tenant}'s. To fix: submit to one "
+                        "of your own queues ('fedctl queues list')",
+                    )
+                )
+        if spec.priority_class:
+            known = self.classes.get(spec.priority_class)
+            if known is None:
+                names = ", ".join(sorted(self.classes)) or "none are configured"
+                out.append(
+                    FieldViolation(
+                        f"{path}.priority_class",
+                        f"unknown priority class {spec.priority_class[:64]!r} ({names})",
+                    )
+                )
+            elif spec.priority and spec.priority != known.value:
+                out.append(
+                    FieldViolation(
+                        f"{path}.priority",
+                        f"is {spec.priority} but class {known.name} sets {known.value}; "
+                        "give one or the other",
+                    )
+                )
+        return out
+
+    def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
+        """The job's priority: its class's, if it names one."""
+        known = self.classes.get(spec.priority_class)
+        return known.value if known is not None else spec.priority
+
+    # The scheduler ----------------------------------------------------------------------
+
+    def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
+        """What ``queue`` and every queue under it hold, with what this cycle admitted."""
+        out: dict[str, float] = {}
+        for name in self._subtree(queue):
+            for source in (self._usage.of(name), (tentative or {}).get(name, {})):
+                for resource, amount in source.items():
+                    out[resource] = out.get(resource, 0.0) + amount
+        return out
+
+    def _subtree(self, queue: str) -> list[str]:
+        names, i = [queue], 0
+        while i < len(names):
+            names += self.book.children(names[i])
+            i += 1
+        return names
+
+    def admission(self, job: jobs_pb2.Job, need: Demand, tentative: Tentative) -> str | None:
+        """None when the job's task that needs ``need`` may start now, else why not."""
+        queue = job.spec.queue
+        if not queue or queue not in self.book.queues:
+            return None
+        return admission(queue, need, self.book.queues, lambda q: self.held(q, tentative))
+
+    @staticmethod
+    def admit(job: jobs_pb2.Job, need: Demand, tentative: Tentative) -> None:
+        """Count ``need`` against the job's queue for the rest of this cycle."""
+        held = tentative.setdefault(job.spec.queue, {})
+        for resource, amount in need.items():
+            held[resource] = held.get(resource, 0.0) + amount
+
+    def share(self, queue: str, capacity: Mapping[str, float], tentative: Tentative) -> float:
+        weight = self.book.queues[queue].weight if queue in self.book.queues else 1.0
+        return dominant_share(self.held(queue, tentative), capacity, weight)[0]
+
+    def order(
+        self,
+        pending: Iterable[jobs_pb2.Job],
+        capacity: Mapping[str, float],
+        tentative: Tentative,
+    ) -> Iterator[jobs_pb2.Job]:
+        """``pending`` (in line order) with the queues taking turns by weighted dominant
+        share; within a queue the line order stays. One queue only: the line as it is."""
+        lines: dict[str, list[jobs_pb2.Job]] = {}
+        for job in pending:
+            lines.setdefault(job.spec.queue, []).append(job)
+        if len(lines) == 1:
+            yield from next(iter(lines.values()))
+            return
+        yield from fair_order(lines, lambda q: self.share(q, capacity, tentative))
+
+    def status(
+        self, capacity: Mapping[str, float], waiting: Mapping[str, int]
+    ) -> list[queues_pb2.QueueStatus]:
+        """Every queue with what it holds, borrows and its dominant share; the gauges too."""
+        out = []
+        for name in sorted(self.book.queues):
+            queue = self.book.queues[name]
+            held = self.held(name)
+            share, resource = dominant_share(held, capacity, queue.weight)
+            borrowed = {
+                q.resource: held.get(q.resource, 0.0) - q.nominal
+                for q in queue.quotas
+                if held.get(q.resource, 0.0) > q.nominal
+            }
+            out.append(
+                queues_pb2.QueueStatus(
+                    queue=queue,
+                    usage=held,
+                    borrowed=borrowed,
+                    dominant_share=share,
+                    dominant_resource=resource,
+                    waiting_jobs=waiting.get(name, 0),
+                )
+            )
+            QUEUE_DOMINANT_SHARE.labels(name).set(share)
+            for res, amount in held.items():
+                QUEUE_USAGE.labels(name, res).set(amount)
+        return out
+
+
+def task_demand(job: jobs_pb2.Job, task: str) -> dict[str, float]:
+    """What the job's task ``task`` holds while placed or running."""
+    spec = next(t for t in job.spec.tasks if t.name == task)
+    return demand(spec)

@@ -1,0 +1,119 @@
+"""The sharing rules as pure functions: demand, admission with borrowing and hierarchy, fair
+order by weighted dominant share, priority classes and queue checks."""
+
+from __future__ import annotations
+
+import pytest
+
+from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
+from federation.config import ConfigError
+from federation.coordinator.policy.fair_share import dominant_share, fair_order
+from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
+from federation.coordinator.policy.queues import queue_violations
+from federation.coordinator.policy.quota import admission
+from federation.coordinator.policy.resources import demand
+
+
+def q(name: str, *quotas: tuple[str, float, float], parent: str = "") -> queues_pb2.Queue:
+    return queues_pb2.Queue(
+        name=name,
+        tenant="t",
+        weight=1,
+        parent=parent,
+        quotas=[queues_pb2.Quota(resource=r, nominal=n, borrowing_limit=b) for r, n, b in quotas],
+    )
+
+
+def test_demand_counts_replicas_shares_and_a_single_model() -> None:
+    task = jobs_pb2.TaskSpec(name="t", replicas=2)
+    task.resources.cpu = 4
+    task.resources.memory_mib = 1000
+    task.resources.accelerator.kind = resources_pb2.DEVICE_KIND_GPU
+    task.resources.accelerator.count = 2
+    task.resources.accelerator.models.append("H100-80GB")
+    assert demand(task) == {"cpu": 8, "memory_mib": 2000, "gpu": 4, "gpu/H100-80GB": 4}
+    task.resources.accelerator.ClearField("count")
+    task.resources.accelerator.fraction = 0.25
+    task.resources.accelerator.models.append("A100-80GB")  # two models: no model quota
+    assert demand(task) == {"cpu": 8, "memory_mib": 2000, "gpu": 0.5}
+
+
+def test_admission_within_nominal_borrowing_and_its_limits() -> None:
+    queues = {"a": q("a", ("gpu", 2, 1)), "b": q("b", ("gpu", 2, 0))}
+    held = {"a": {"gpu": 2.0}, "b": {"gpu": 0.0}}
+
+    def holds(name: str) -> dict[str, float]:
+        return held[name]
+
+    assert admission("a", {"gpu": 1}, queues, holds) is None  # borrows b's idle nominal
+    assert admission("a", {"cpu": 64}, queues, holds) is None  # no cpu quota: not limited
+    why = admission("a", {"gpu": 2}, queues, holds)
+    assert why == "queue a at its gpu quota (2/2), may borrow 1; this task needs 2"
+    held["b"]["gpu"] = 2.0  # b uses its nominal: nothing to borrow
+    why = admission("a", {"gpu": 1}, queues, holds)
+    assert why is not None
+    assert "borrowing blocked" in why
+    assert admission("b", {"gpu": 1}, queues, holds) is not None  # b may not borrow at all
+
+
+def test_a_parent_bounds_its_children_together() -> None:
+    queues = {
+        "org": q("org", ("gpu", 3, 0)),
+        "x": q("x", parent="org"),
+        "y": q("y", parent="org"),
+    }
+    own = {"org": {}, "x": {"gpu": 2.0}, "y": {"gpu": 1.0}}
+
+    def subtree(name: str) -> dict[str, float]:
+        names = [name] + [n for n, queue in queues.items() if queue.parent == name]
+        return {"gpu": sum(own[n].get("gpu", 0.0) for n in names)}
+
+    why = admission("x", {"gpu": 1}, queues, subtree)
+    assert why is not None
+    assert why.startswith("queue org at its gpu quota (3/3)")
+    own["y"] = {}
+    assert admission("x", {"gpu": 1}, queues, subtree) is None
+
+
+def test_dominant_share_and_fair_order_follow_weights() -> None:
+    capacity = {"cpu": 100, "memory_mib": 1000, "gpu": 10}
+    assert dominant_share({"cpu": 10, "gpu": 5}, capacity, 1) == (0.5, "gpu")
+    assert dominant_share({"cpu": 10, "gpu": 5}, capacity, 2) == (0.25, "gpu")
+    held = {"light": 0.0, "heavy": 0.0}
+    weight = {"light": 1.0, "heavy": 3.0}
+    lines = {"light": [f"l{i}" for i in range(8)], "heavy": [f"h{i}" for i in range(8)]}
+
+    def share(queue: str) -> float:
+        return held[queue] / weight[queue]
+
+    order = []
+    for item in fair_order(lines, share):
+        order.append(item)
+        held["light" if item.startswith("l") else "heavy"] += 1
+        if len(order) == 8:
+            break
+    assert sum(item.startswith("h") for item in order) == 6  # 3:1, as the weights
+
+
+def test_priority_classes_are_checked() -> None:
+    classes = parse_priority_classes(
+        {"urgent": {"value": 900, "may_preempt": True}, "batch": {"value": -10}}, source="c"
+    )
+    assert classes["urgent"] == PriorityClass("urgent", 900, preemptible=True, may_preempt=True)
+    for bad, message in (
+        ({"x": {"value": 5000}}, "must be in"),
+        ({"x": {"value": "high"}}, "must be an integer"),
+        ({"x": {}}, "value is required"),
+        ({"x": {"value": 1, "preempt": True}}, "unknown setting"),
+        ({"x": 3}, "must be a table"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_priority_classes(bad, source="c")
+
+
+def test_queue_checks_name_each_field() -> None:
+    known = {"a": q("a", parent="b"), "b": q("b")}
+    bad = q("b", ("gpu", 1, 0), ("gpu", 2, 0), parent="a")
+    found = {v.field: v.description for v in queue_violations(bad, {**known, "b": bad})}
+    assert "cycle" in found["queue.parent"]
+    assert "appears twice" in found["queue.quotas[1].resource"]

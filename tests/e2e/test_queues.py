@@ -1,0 +1,294 @@
+"""Queues over real agents: quotas hold (also under concurrent batches), borrowing what others
+leave idle, fair share by weight, priority classes, and bad queues refused with the field."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import math
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import pytest_asyncio
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from rich.console import Console
+
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
+from federation.cli.queues import queues_table
+from federation.local import LocalFederation, SiteSpec
+
+from .conftest import admin, channel_as, jobs, python_task, spec, tenant_tls, wait_for_job
+from .test_cli import fedctl
+
+pytestmark = pytest.mark.xdist_group("e2e-queues")
+
+GPUS = 4
+SITE = SiteSpec(
+    "gpu-q",
+    "datacenter",
+    nodes=[
+        {
+            "name": "dgx",
+            "cpu_cores": 64,
+            "memory_mib": 524288,
+            "devices": [
+                {
+                    "kind": "GPU",
+                    "vendor": "nvidia",
+                    "model": "A100-80GB",
+                    "memory_mib": 81920,
+                    "count": GPUS,
+                }
+            ],
+        }
+    ],
+)
+RUNNING = jobs_pb2.JOB_STATE_RUNNING
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    root = tmp_path_factory.mktemp("queues")
+    config = root / "coordinator.toml"
+    config.write_text(
+        "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\n"
+        "[priority_classes.batch]\nvalue = -100\n"
+    )
+    federation = LocalFederation(root / "fed", [SITE], coordinator_args=["--config", str(config)])
+    try:
+        asyncio.run(federation.start())
+        yield federation
+    finally:
+        federation.stop()
+
+
+@pytest_asyncio.fixture
+async def operator(fed: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
+    async with fed.operator().channel() as channel:
+        yield channel
+
+
+def queue(name: str, tenant: str, *quotas: tuple[str, float, float], **extra: object):  # type: ignore[no-untyped-def]
+    return queues_pb2.Queue(
+        name=name,
+        tenant=tenant,
+        quotas=[queues_pb2.Quota(resource=r, nominal=n, borrowing_limit=b) for r, n, b in quotas],
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def gpu_job(name: str, queue_name: str, go: Path, **extra: object) -> jobs_pb2.JobSpec:
+    """A one-GPU job that runs until ``go`` exists."""
+    wait = f"import os, time\nwhile not os.path.exists({str(go)!r}): time.sleep(0.05)"
+    task = python_task("t", wait, resources={"accelerator": {"kind": "GPU", "count": 1}})
+    return spec(name, [task], queue=queue_name, **extra)
+
+
+def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
+    status = rpc_status.from_call(err)
+    assert status is not None
+    out = {}
+    for detail in status.details:
+        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
+            bad = error_details_pb2.BadRequest()
+            detail.Unpack(bad)
+            out.update({v.field: v.description for v in bad.field_violations})
+    return out
+
+
+async def states(channel: grpc.aio.Channel, ids: list[str]) -> dict[str, int]:
+    stub = jobs(channel)
+    return {i: (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=i))).job.state for i in ids}
+
+
+async def until(check, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.1)
+
+
+async def listed(operator: grpc.aio.Channel) -> dict[str, queues_pb2.QueueStatus]:
+    reply = await admin(operator).ListQueues(admin_service_pb2.ListQueuesRequest())
+    return {q.queue.name: q for q in reply.queues}
+
+
+BAD_QUEUES = [
+    ("negative nominal", queue("bad1", "t", ("gpu", -1, 0)), "queue.quotas[0].nominal"),
+    ("NaN borrowing", queue("bad2", "t", ("gpu", 1, math.nan)), "queue.quotas[0].borrowing_limit"),
+    ("unknown resource", queue("bad3", "t", ("tpu", 1, 0)), "queue.quotas[0].resource"),
+    ("no tenant", queue("bad4", ""), "queue.tenant"),
+    ("unknown parent", queue("bad5", "t", parent="nowhere"), "queue.parent"),
+    ("bad name", queue("Bad Name", "t"), "queue.name"),
+    ("negative weight", queue("bad6", "t", weight=-2.0), "queue.weight"),
+]
+
+
+@pytest.mark.parametrize(("case", "bad", "field"), BAD_QUEUES, ids=[c[0] for c in BAD_QUEUES])
+async def test_bad_queues_are_refused_with_the_field(
+    operator: grpc.aio.Channel, case: str, bad: queues_pb2.Queue, field: str
+) -> None:
+    before = await listed(operator)
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await admin(operator).CreateQueue(admin_service_pb2.CreateQueueRequest(queue=bad))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in violations(caught.value), violations(caught.value)
+    assert await listed(operator) == before  # nothing stored
+
+
+async def test_a_cycle_of_parents_is_refused(operator: grpc.aio.Channel) -> None:
+    stub = admin(operator)
+    await stub.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=queue("cyc-a", "t")))
+    await stub.CreateQueue(
+        admin_service_pb2.CreateQueueRequest(queue=queue("cyc-b", "t", parent="cyc-a"))
+    )
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.UpdateQueue(
+            admin_service_pb2.UpdateQueueRequest(queue=queue("cyc-a", "t", parent="cyc-b"))
+        )
+    assert "cycle" in violations(caught.value)["queue.parent"]
+    assert (await listed(operator))["cyc-a"].queue.parent == ""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await stub.DeleteQueue(admin_service_pb2.DeleteQueueRequest(name="cyc-a"))
+    assert caught.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # cyc-b sits under it
+    for name in ("cyc-b", "cyc-a"):
+        await stub.DeleteQueue(admin_service_pb2.DeleteQueueRequest(name=name))
+    assert "cyc-a" not in await listed(operator)
+
+
+async def test_submits_name_only_the_tenants_queues_and_known_classes(
+    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    await admin(operator).CreateQueue(
+        admin_service_pb2.CreateQueueRequest(queue=queue("owned-by-x", "tenant-x"))
+    )
+    async with channel_as(fed, tenant_tls(fed, "tenant-y")) as y:
+        for job, field in (
+            (gpu_job("other", "owned-by-x", tmp_path), "spec.queue"),
+            (gpu_job("nowhere", "no-such-queue", tmp_path), "spec.queue"),
+            (gpu_job("cls", "", tmp_path, priority_class="vip"), "spec.priority_class"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await jobs(y).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert field in violations(caught.value)
+        (tmp_path / "go").touch()
+        job = gpu_job("urgent", "", tmp_path / "go", priority_class="urgent")
+        reply = await jobs(y).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+        assert reply.job.spec.priority == 900
+        assert (await wait_for_job(y, reply.job.id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_a_quota_holds_under_concurrent_batches_and_says_why(
+    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """team-a may hold 1 GPU: of 6 one-GPU jobs sent as two batches at once, one runs at a
+    time and the others wait with the quota as their reason, though the site has 4."""
+    await admin(operator).CreateQueue(
+        admin_service_pb2.CreateQueueRequest(queue=queue("qa", "team-a", ("gpu", 1, 0)))
+    )
+    go = tmp_path / "go"
+    async with channel_as(fed, tenant_tls(fed, "team-a")) as a:
+        batches = [[gpu_job(f"b{b}-{i}", "qa", go) for i in range(3)] for b in range(2)]
+        replies = await asyncio.gather(
+            *(
+                jobs(a).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=batch))
+                for batch in batches
+            )
+        )
+        ids = [j.id for reply in replies for j in reply.jobs]
+
+        async def one_runs() -> bool:
+            return list((await states(a, ids)).values()).count(RUNNING) == 1
+
+        await until(one_runs)
+        await asyncio.sleep(1.0)  # time for any over-admission to show
+        now = await states(a, ids)
+        assert list(now.values()).count(RUNNING) == 1
+        waiting = next(i for i, s in now.items() if s != RUNNING)
+        job = (await jobs(a).GetJob(job_service_pb2.GetJobRequest(job_id=waiting))).job
+        assert "queue qa at its gpu quota (1/1)" in job.tasks[0].reason
+        status = (await listed(operator))["qa"]
+        assert status.usage["gpu"] == 1
+        assert status.waiting_jobs == 5
+        out = io.StringIO()
+        Console(file=out, width=200).print(queues_table([status]))
+        assert "gpu 1/1" in out.getvalue()
+        go.touch()
+        finished = [await wait_for_job(a, i) for i in ids]
+    assert all(j.state == jobs_pb2.JOB_STATE_SUCCEEDED for j in finished)
+    starts = sorted(j.tasks[0].started_at.ToNanoseconds() for j in finished)
+    ends = sorted(j.tasks[0].finished_at.ToNanoseconds() for j in finished)
+    assert starts[1] >= ends[0]  # the second started only after the first ended
+
+
+async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_weight(
+    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """Two queues with nominal 2 GPUs each: while team-d is idle, team-c borrows its share
+    (all 4 GPUs) and no more. Then both wait for more than fits, team-c's work submitted
+    first: freed GPUs go 1:3 by weight (first come would give team-c all 4, equal shares 2:2)."""
+    stub = admin(operator)
+    await stub.CreateQueue(
+        admin_service_pb2.CreateQueueRequest(queue=queue("qc", "team-c", ("gpu", 2, 2)))
+    )
+    await stub.CreateQueue(
+        admin_service_pb2.CreateQueueRequest(queue=queue("qd", "team-d", ("gpu", 2, 2), weight=3.0))
+    )
+    first, later = tmp_path / "first", tmp_path / "later"
+    async with (
+        channel_as(fed, tenant_tls(fed, "team-c")) as c,
+        channel_as(fed, tenant_tls(fed, "team-d")) as d,
+    ):
+        wave = [gpu_job(f"c{i}", "qc", first) for i in range(GPUS)]
+        wave += [gpu_job(f"c-more{i}", "qc", later) for i in range(GPUS)]
+        reply = await jobs(c).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=wave))
+        c_first = [j.id for j in reply.jobs[:GPUS]]
+        c_more = [j.id for j in reply.jobs[GPUS:]]
+
+        async def c_holds_all() -> bool:
+            return list((await states(c, c_first)).values()).count(RUNNING) == GPUS
+
+        await until(c_holds_all)  # 2 of its own and 2 borrowed
+        status = (await listed(operator))["qc"]
+        assert status.borrowed["gpu"] == 2
+        held_back = (await jobs(c).GetJob(job_service_pb2.GetJobRequest(job_id=c_more[0]))).job
+        assert "queue qc at its gpu quota (4/2), may borrow 2" in held_back.tasks[0].reason
+        d_specs = [gpu_job(f"d{i}", "qd", later) for i in range(GPUS)]
+        d_reply = await jobs(d).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=d_specs))
+        d_ids = [j.id for j in d_reply.jobs]
+        first.touch()  # team-c's first wave ends: its later jobs and team-d's contend
+
+        async def all_busy() -> bool:
+            now = await states(operator, [*c_more, *d_ids])
+            return list(now.values()).count(RUNNING) == GPUS
+
+        await until(all_busy)
+        assert list((await states(operator, d_ids)).values()).count(RUNNING) == 3
+        later.touch()
+        for job_id in [*c_first, *c_more, *d_ids]:
+            assert (await wait_for_job(operator, job_id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+
+def test_fedctl_queues_create_list_update_delete(fed: LocalFederation) -> None:
+    """The CLI round trip, with a bad quota refused before anything is sent."""
+    made = fedctl(fed, "queues", "create", "cli-q", "--tenant", "t", "--quota", "gpu=2+1")
+    assert made.returncode == 0, made.stderr
+    listed_json = fedctl(fed, "--json", "queues", "list")
+    (mine,) = [q for q in json.loads(listed_json.stdout) if q["queue"]["name"] == "cli-q"]
+    assert mine["queue"]["quotas"] == [{"resource": "gpu", "nominal": 2.0, "borrowing_limit": 1.0}]
+    updated = fedctl(fed, "queues", "update", "cli-q", "--tenant", "t", "--weight", "4")
+    assert updated.returncode == 0, updated.stderr
+    table = fedctl(fed, "queues", "list")
+    assert "cli-q" in table.stdout
+    assert "no quota" in table.stdout  # update replaced it whole
+    bad = fedctl(fed, "queues", "create", "cli-r", "--tenant", "t", "--quota", "gpu=lots")
+    assert bad.returncode != 0
+    assert "--quota 'gpu=lots'" in bad.stderr
+    assert fedctl(fed, "queues", "delete", "cli-q").returncode == 0
+    assert "cli-q" not in fedctl(fed, "queues", "list").stdout
