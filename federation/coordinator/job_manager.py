@@ -451,6 +451,7 @@ class JobManager:
             spec.estimated_duration_s,
             task.estimate.run_s,
             ran_s,
+            site=task.site,
         )
 
     def _after_report(

@@ -579,7 +579,7 @@ class Scheduler:
             job = self._jobs.cached(n.job_id)
             spec = next((t for t in job.spec.tasks if t.name == n.task), None) if job else None
             workload = spec.workload_class if spec is not None else ""
-            error = self._learner.error(workload, answer.device_model)
+            error = self._learner.error(workload, answer.device_model, site=site)
             if error != estimated.run_error:
                 n.estimates[site] = _copy_estimate(estimated, run_error=error)
 

@@ -22,7 +22,7 @@ from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
-from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.learning import LearningSaver, SpeedLearner
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
@@ -56,6 +56,8 @@ class Services:
     scheduler_task: asyncio.Task[None]
     lost_sites: LostSites
     lost_sites_task: asyncio.Task[None]
+    learning_task: asyncio.Task[None]
+    """Saves what the learner learned, in batches."""
     ended: NotLeaderError | None = None
     """Set when the term ended by stepping down: streams still open end with it."""
 
@@ -71,7 +73,7 @@ class Services:
             self.ended = step_down
             self.sites.close_sessions()
             self.hub.close(step_down)
-        for task in (self.lost_sites_task, self.scheduler_task):
+        for task in (self.lost_sites_task, self.scheduler_task, self.learning_task):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -104,6 +106,7 @@ async def start_services(
 
     sites = SiteRegistry(store, wake)
     learner = SpeedLearner()
+    await learner.load(store)  # what earlier terms learned
     book = QueueBook(store)
     await book.load()
     classes = parse_priority_classes(config.priority_classes, source="config")
@@ -143,6 +146,7 @@ async def start_services(
     lost_sites = LostSites(jobs, sites, wake, interval_s=config.heartbeat_interval_s)
     scheduler_task = asyncio.create_task(scheduler.run())
     lost_sites_task = asyncio.create_task(lost_sites.run())
+    learning_task = asyncio.create_task(LearningSaver(learner, store).run())
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
         jobs=jobs,
@@ -162,6 +166,7 @@ async def start_services(
         scheduler_task=scheduler_task,
         lost_sites=lost_sites,
         lost_sites_task=lost_sites_task,
+        learning_task=learning_task,
     )
 
 

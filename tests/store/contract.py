@@ -9,6 +9,9 @@ from typing import ClassVar
 
 import pytest
 
+from federation.api.v1 import queues_pb2
+from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
+from federation.coordinator.policy.queues import QueueBook
 from federation.store import (
     CasConflictError,
     Check,
@@ -432,3 +435,40 @@ class StoreContract:
         kv = await store.get("/a")
         assert kv is not None
         assert (kv.value, kv.lease) == (b"2", 0)
+
+    # State the coordinator keeps.
+
+    async def test_learned_speeds_read_back(self, store: Store) -> None:
+        """A coordinator's learned speeds, more than one commit's worth, read back whole in a
+        fresh learner (after a restart, or by a new leader)."""
+        learner = SpeedLearner(metrics=False)
+        for _ in range(MIN_TASKS):
+            learner.observe("training", "T4", 60.0, 200.0, 120.0, site="slow site")
+            learner.observe("training", "T4", 60.0, 200.0, 60.0, site="fast/site")
+        for i in range(MAX_PUTS_PER_COMMIT + 5):
+            for _ in range(MIN_TASKS):
+                learner.observe("inference", f"model {i}", 10.0, 10.0, 1.0 + i)
+        assert await learner.save(store) == MAX_PUTS_PER_COMMIT + 8
+        fresh = SpeedLearner(metrics=False)
+        assert await fresh.load(store) == MAX_PUTS_PER_COMMIT + 8
+        assert fresh.learned() == learner.learned()
+        for site in ("slow site", "fast/site"):
+            assert fresh.overrides("training", {}, site=site) == learner.overrides(
+                "training", {}, site=site
+            )
+
+    async def test_queues_read_back(self, store: Store) -> None:
+        """Queues written by one coordinator read back whole in a fresh book; a delete stays."""
+        book = QueueBook(store)
+        quota = queues_pb2.Quota(resource="gpu/A100-80GB", nominal=8, borrowing_limit=4)
+        await book.create(queues_pb2.Queue(name="org", tenant="t", quotas=[quota]))
+        await book.create(queues_pb2.Queue(name="team", tenant="t", parent="org", weight=2))
+        await book.update(queues_pb2.Queue(name="team", tenant="u", parent="org", weight=3))
+        fresh = QueueBook(store)
+        await fresh.load()
+        assert dict(fresh.queues) == dict(book.queues)
+        assert fresh.queues["team"].weight == 3
+        await fresh.delete("team", used_by=[])
+        again = QueueBook(store)
+        await again.load()
+        assert list(again.queues) == ["org"]
