@@ -80,6 +80,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="log-normal error on the durations the scheduler sees (default 0: exact)",
     )
     sim.add_argument(
+        "--learn",
+        action="store_true",
+        help="learn device speeds from finished tasks and estimate with them, as the "
+        "coordinator does (default: the speed table throughout)",
+    )
+    sim.add_argument(
         "--offers-at-once",
         type=int,
         default=_DEFAULTS.offers_at_once,
@@ -234,6 +240,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         offers_at_once=args.offers_at_once,
         max_offers_per_round=args.max_offers,
         seed=args.seed,
+        learn=args.learn,
     )
     started = time.perf_counter()
     try:

@@ -19,6 +19,7 @@ from federation.placement.plugins.compatibility import Compatibility
 from federation.placement.plugins.completion_time import CompletionTime
 from federation.placement.plugins.constraints import Constraints
 from federation.placement.plugins.cost import Cost, CostCap, Energy
+from federation.placement.plugins.energy import Consolidation
 from federation.placement.plugins.free_capacity import FreeCapacity
 from federation.placement.plugins.site_state import SiteState
 
@@ -36,6 +37,7 @@ SCORERS: Mapping[str, type[ScorePlugin]] = {
         StaticWeights,
         LeastLoaded,
         RunTimeOnly,
+        Consolidation,
     )
 }
 

@@ -7,8 +7,10 @@ ranked list up to ``max_offers_per_round``, then the task waits in PENDING) and 
 state machine (``job_state.check_transition`` on every change) govern; sites take an offer by
 the embedded core's rule (every replica on one node). What is simulated: the clock, the
 sites' capacity, input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the
-data there soonest, as the estimate computes) and runs (duration / the granted device's
-speed).
+data there soonest, as the estimate computes), runs (duration / the granted device's
+speed) and power: a device running a task draws its TDP (times the share it runs), and every
+other device of a node that holds some task draws ``idle_power_share`` of its TDP; a node that
+holds no task is powered down and draws nothing.
 
 A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
 same filters form a group, and when a site frees capacity only the first task of each group
@@ -17,6 +19,7 @@ that now fits there is placed again: the answer for the others could not have ch
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections.abc import Callable, Sequence
@@ -26,6 +29,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.coordinator import job_state
+from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Framework
@@ -40,6 +44,9 @@ F64 = npt.NDArray[np.float64]
 DONE, START, RETRY, ARRIVE = 0, 1, 2, 3
 _SCHEDULER = SchedulerConfig()
 Progress = Callable[[int, int], None]
+IDLE_POWER_SHARE = 0.25
+"""An idle device of a powered node draws this share of its TDP: its own idle draw (about
+10-15 % of TDP on the A100's and H100's spec sheets) plus its share of the host's."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +59,11 @@ class SimConfig:
     """Longest wait before a task every offered site declined is tried again."""
     seed: int = 0
     """Seeds the sites' random declines (``decline_rate``)."""
+    learn: bool = False
+    """Learn device speeds from finished tasks (the coordinator's ``SpeedLearner``) and
+    estimate with them, as the coordinator does; else every estimate uses the speed table."""
+    idle_power_share: float = IDLE_POWER_SHARE
+    """Share of its TDP an idle device draws while its node is powered (holds some task)."""
 
     def __post_init__(self) -> None:
         # With no site offered per round a task would be retried forever.
@@ -60,6 +72,8 @@ class SimConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.seed < 0:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
+        if not 0.0 <= self.idle_power_share <= 1.0:
+            raise ValueError(f"idle_power_share must be in [0, 1], got {self.idle_power_share}")
 
 
 @dataclass(slots=True)
@@ -93,6 +107,11 @@ class TaskRun:
     """The device speed placement's estimate assumed at its site (0: no devices asked)."""
     speed: float = 0.0
     """The speed of the slowest device it got there (0: none)."""
+    estimated_run_s: float = 0.0
+    """The run time the scheduler expected on the devices it got (its duration over the
+    speed it believed of the slowest, learned speeds included)."""
+    watts: float = 0.0
+    """Power its devices draw while it runs (TDP times the share held)."""
 
 
 @dataclass(slots=True)
@@ -119,6 +138,14 @@ class Outcome:
     declines: int = 0
     series: list[tuple[float, float, float, int]] = field(default_factory=list)
     """(time, devices running, devices held, tasks waiting) after every event."""
+    learned_speeds: dict[str, dict[str, float]] | None = None
+    """With ``learn``: the speeds learned by the end, workload class -> model -> speed."""
+    busy_energy_j: float = 0.0
+    """Joules drawn by devices running tasks (equals the tasks' ``energy_kwh``, summed)."""
+    idle_energy_j: float = 0.0
+    """Joules drawn by idle devices of powered nodes (nodes that hold some task)."""
+    powered_node_s: float = 0.0
+    """Node-seconds powered: summed over nodes, the time each held some task."""
 
 
 class Simulation:
@@ -183,6 +210,19 @@ class Simulation:
         self._blocked: dict[object, list[int]] = {}
         self._potential: dict[object, npt.NDArray[np.bool_]] = {}
         self._speeds: dict[tuple[str, tuple[tuple[str, float], ...]], F64] = {}
+        self.learner = SpeedLearner(metrics=False) if self.config.learn else None
+        self._learned: dict[str, dict[str, float]] = {}
+        """Learned speeds per workload class, until the next task finishes."""
+        # Power: a node is on while it holds some task (transfers included).
+        self.node_watts = np.bincount(
+            self.snap.device_node,
+            weights=self.snap.device_power_watts,
+            minlength=self.snap.n_nodes,
+        ).astype(np.float64)
+        self._node_tasks = np.zeros(self.snap.n_nodes, dtype=np.int64)
+        self._powered_nodes = 0
+        self._powered_watts = 0.0
+        self._running_watts = 0.0
 
     # The event loop.
 
@@ -212,6 +252,8 @@ class Simulation:
                 progress(handled, total)
         if progress is not None:
             progress(total, total)
+        if self.learner is not None:
+            self.out.learned_speeds = self.learner.learned()
         return self.out
 
     def _push(self, when: float, kind: int, task: int) -> None:
@@ -223,6 +265,10 @@ class Simulation:
         if dt > 0:
             self.out.busy_device_s += self._running * dt
             self.out.held_device_s += self._holding * dt
+            idle_watts = max(self._powered_watts - self._running_watts, 0.0)
+            self.out.busy_energy_j += self._running_watts * dt
+            self.out.idle_energy_j += self.config.idle_power_share * idle_watts * dt
+            self.out.powered_node_s += self._powered_nodes * dt
             if self._waiting:
                 self.out.waiting_s += dt
                 self.out.idle_while_waiting_device_s += self.state.free_devices * dt
@@ -255,6 +301,7 @@ class Simulation:
         self._move(run, job_state.RUNNING)
         run.started_s = self._now
         self._running += run.held
+        self._running_watts += run.watts
         self._push(self._now + run.run_s, DONE, i)
 
     def _done(self, i: int) -> None:
@@ -263,13 +310,22 @@ class Simulation:
         run.finished_s = self._now
         self._running -= run.held
         self._holding -= run.held
+        self._running_watts -= run.watts
         assert run.grant is not None
+        for node in run.grant.nodes:
+            self._node_tasks[node] -= 1
+            if not self._node_tasks[node]:
+                self._powered_nodes -= 1
+                self._powered_watts -= float(self.node_watts[node])
+        if not self._powered_nodes:  # nothing on: clear the sums' rounding
+            self._powered_watts = self._running_watts = 0.0
         held_h = (run.finished_s - run.placed_s) / 3600.0
         devices = len(run.grant.devices) * run.grant.device_share
         run.compute_usd = float(self.snap.price_per_device_hour[run.site]) * devices * held_h
         watts = self.snap.device_power_watts[list(run.grant.devices)].sum()
         run.energy_kwh = float(watts) * run.grant.device_share * run.run_s / 3.6e6
         self.state.release(run.grant)
+        self._learn(run)
         self._wake(run.site)
 
     # Placement and negotiation.
@@ -277,7 +333,8 @@ class Simulation:
     def _try(self, i: int) -> bool:
         """Place and negotiate; False when no site can take the task now."""
         run = self.runs[i]
-        decision = self.framework.place(run.request, self.snap)
+        req = self._estimating(run.request)
+        decision = self.framework.place(req, self.snap)
         if not decision.ranked:
             return False
         candidates = decision.ranked[: self.config.max_offers_per_round]
@@ -290,8 +347,8 @@ class Simulation:
             # answers of sites ranked below it change nothing (they would be released).
             for name in batch:
                 site = self.site_index[name]
-                if self._accepts(run.request, site):
-                    self._delegate(i, site)
+                if self._accepts(req, site):
+                    self._delegate(i, site, req)
                     return True
                 run.declines += 1
                 self.out.declines += 1
@@ -306,11 +363,14 @@ class Simulation:
         rate = self.decline_rate[site]
         return not (rate > 0 and self.rng.random() < rate)
 
-    def _delegate(self, i: int, site: int) -> None:
+    def _delegate(self, i: int, site: int, req: Request) -> None:
+        """Delegate task ``i`` to ``site``; ``req`` is its request as the scheduler estimates
+        it (learned speeds included), which the site packs by, as real sites read the
+        offer's speeds."""
         run = self.runs[i]
         # The site packs as the estimate assumed (the faster devices), as real sites do.
-        assumed = float(estimate(run.request, self.snap).device_speed[site])
-        run.grant = grant = self.state.allocate(run.request, site, assumed)
+        assumed = float(estimate(req, self.snap).device_speed[site])
+        run.grant = grant = self.state.allocate(req, site, assumed)
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
         run.site = site
@@ -319,9 +379,21 @@ class Simulation:
         classes = self.snap.device_class[list(grant.devices)]
         np.add.at(run.held, self.class_model[classes], grant.device_share)
         self._holding += run.held
-        speed = float(self._speed(run.request)[classes].min()) if len(classes) else 1.0
+        # Devices run at the table's speed times the topology's factors, whatever the
+        # scheduler believes.
+        true = self._speed(run.request)[classes] * self.state.speed_factor[list(grant.devices)]
+        speed = float(true.min()) if len(classes) else 1.0
         run.run_s = run.trace.duration_s / speed
         run.assumed_speed, run.speed = assumed, speed if len(classes) else 0.0
+        believed = float(class_speed(req, self.snap)[classes].min()) if len(classes) else 1.0
+        run.estimated_run_s = req.duration_s / believed
+        watts = self.snap.device_power_watts[list(grant.devices)].sum()
+        run.watts = float(watts) * grant.device_share
+        for node in grant.nodes:
+            if not self._node_tasks[node]:
+                self._powered_nodes += 1
+                self._powered_watts += float(self.node_watts[node])
+            self._node_tasks[node] += 1
         self._push(self._now + run.transfer_s, START, i)
 
     def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
@@ -347,6 +419,41 @@ class Simulation:
                 moved += sizes[best]
                 egress += sizes[best] / 1e9 * float(self.egress_usd_per_gb[holders[best]])
         return seconds, moved, egress
+
+    def _estimating(self, req: Request) -> Request:
+        """``req`` with the learned speeds where it sets none of its own (as the scheduler's
+        ``_with_learned_speeds``)."""
+        if self.learner is None:
+            return req
+        learned = self._learned.get(req.workload_class)
+        if learned is None:
+            learned = self._learned[req.workload_class] = self.learner.overrides(
+                req.workload_class, {}
+            )
+        if not learned:
+            return req
+        speeds = {**learned, **dict(req.speed)}
+        return dataclasses.replace(req, speed=tuple(sorted(speeds.items())))
+
+    def _learn(self, run: TaskRun) -> None:
+        """A task that succeeded on devices teaches the learner its slowest device's speed,
+        as the coordinator learns from the model its site committed."""
+        grant = run.grant
+        if self.learner is None or grant is None or not grant.devices or run.run_s <= 0:
+            return
+        devices = list(grant.devices)
+        true = self._speed(run.request)[self.snap.device_class[devices]]
+        slowest = devices[int(np.argmin(true * self.state.speed_factor[devices]))]
+        model = self.snap.classes[int(self.snap.device_class[slowest])].model
+        self.learner.observe(
+            run.request.workload_class,
+            model,
+            run.request.duration_s,
+            run.estimated_run_s,
+            run.run_s,
+            site=self.snap.site_ids[run.site],
+        )
+        self._learned.clear()
 
     def _speed(self, req: Request) -> F64:
         key = (req.workload_class, req.speed)

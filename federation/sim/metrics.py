@@ -17,8 +17,11 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.coordinator import job_state
-from federation.placement.estimates import estimate
+from federation.placement.estimates import class_speed, estimate
+from federation.placement.plugins.capacity_fit import matching_devices, replicas_per_device
 from federation.placement.registry import DEFAULT_FILTERS, build_framework
+from federation.placement.request import Request
+from federation.placement.snapshot import Snapshot
 from federation.sim.engine import Outcome, TaskRun
 from federation.sim.policies import feasibility_key
 from federation.sim.state import SiteState
@@ -30,9 +33,11 @@ SLOWDOWN_FLOOR_S = 10.0
 
 
 def task_bounds(state: SiteState, tasks: Sequence[TraceTask]) -> F64:
-    """Per task: its run time alone on its best device (NaN when no site could ever hold it)."""
+    """Per task: its run time alone on its best device (NaN when no site could ever hold it),
+    at the devices' true speeds (the topology's speed factors included)."""
     framework = build_framework(DEFAULT_FILTERS, {})
     empty = state.fresh().snap
+    factors = state.speed_factor if np.any(state.speed_factor != 1.0) else None
     per_unit: dict[object, float] = {}
     out = np.full(len(tasks), math.nan)
     for i, task in enumerate(tasks):
@@ -41,9 +46,25 @@ def task_bounds(state: SiteState, tasks: Sequence[TraceTask]) -> F64:
         if key not in per_unit:
             ranked = framework.place(req, empty).ranked
             sites = [empty.site_ids.index(name) for name in ranked]
-            per_unit[key] = float(estimate(req, empty).run_s[sites].min()) if sites else math.nan
+            run_s = (
+                estimate(req, empty).run_s if factors is None else _true_run_s(req, empty, factors)
+            )
+            per_unit[key] = float(run_s[sites].min()) if sites else math.nan
         out[i] = task.duration_s * per_unit[key]
     return out
+
+
+def _true_run_s(req: Request, empty: Snapshot, factors: F64) -> F64:
+    """Per site: ``req``'s run time on the truly fastest device that could hold it there."""
+    if not req.wants_accelerator or not len(empty.classes):
+        return np.full(empty.n_sites, req.duration_s)
+    usable = matching_devices(req, empty) & empty.device_available
+    if not req.accelerator_count:
+        usable &= replicas_per_device(req, empty) > 0
+    speed = class_speed(req, empty)[empty.device_class] * factors
+    best = np.zeros(empty.n_sites)
+    np.maximum.at(best, empty.device_site, np.where(usable, speed, 0.0))
+    return np.where(best > 0, req.duration_s / np.where(best > 0, best, 1.0), req.duration_s)
 
 
 def as_number(value: float) -> float | None:
@@ -141,6 +162,8 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
     compute = sum(r.compute_usd for r in finished)
     egress = sum(r.egress_usd for r in placed)
     promised = [r for r in placed if r.assumed_speed > 0]
+    busy_kwh = sum(r.energy_kwh for r in finished)
+    idle_kwh = outcome.idle_energy_j / 3.6e6
     slower = [r for r in promised if r.speed < r.assumed_speed * (1 - 1e-9)]
     deadline = [r for r in runs if r.trace.deadline_s > 0]
     missed = [
@@ -198,7 +221,10 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
             "egress": as_number(egress),
             "total": as_number(compute + egress),
         },
-        "energy_kwh": as_number(sum(r.energy_kwh for r in finished)),
+        "energy_kwh": as_number(busy_kwh),
+        "energy_idle_kwh": as_number(idle_kwh),
+        "energy_total_kwh": as_number(busy_kwh + idle_kwh),
+        "powered_node_hours": as_number(outcome.powered_node_s / 3600.0),
         "deadlines": {"tasks_with_deadline": len(deadline), "missed": len(missed)},
         "by_priority": by_priority,
         "slower_than_estimate": {
@@ -206,6 +232,43 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
             "on_slower_devices": len(slower),
             "share": len(slower) / len(promised) if promised else 0.0,
         },
+        "run_time_over_estimate": _spread(
+            np.array([r.run_s / r.estimated_run_s for r in placed if r.estimated_run_s > 0])
+        ),
+        **(
+            {}
+            if outcome.learned_speeds is None
+            else {
+                "learned_speeds": {
+                    wc: {model: as_number(v) for model, v in speeds.items()}
+                    for wc, speeds in outcome.learned_speeds.items()
+                }
+            }
+        ),
         "offers": outcome.offers,
         "declines": outcome.declines,
     }
+
+
+def against_default(per_policy: dict[str, dict[str, Any]], default: str) -> None:
+    """Add to each policy's figures its energy saved and JCT change against ``default``'s
+    (None for every policy when ``default`` was not replayed).
+
+    ``energy_saved_kwh_vs_default``: the default's total energy minus this policy's (positive:
+    saved); ``energy_saved_share_vs_default``: that over the default's total;
+    ``jct_change_vs_default``: mean JCT over the default's, minus 1 (positive: JCT lost).
+    """
+    base = per_policy.get(default)
+    for figures in per_policy.values():
+        saved = share = change = None
+        if base is not None:
+            base_kwh, kwh = base["energy_total_kwh"], figures["energy_total_kwh"]
+            if base_kwh is not None and kwh is not None:
+                saved = as_number(base_kwh - kwh)
+                share = as_number((base_kwh - kwh) / base_kwh) if base_kwh else None
+            base_jct, jct = base["jct_s"]["mean"], figures["jct_s"]["mean"]
+            if base_jct and jct is not None:
+                change = as_number(jct / base_jct - 1.0)
+        figures["energy_saved_kwh_vs_default"] = saved
+        figures["energy_saved_share_vs_default"] = share
+        figures["jct_change_vs_default"] = change

@@ -11,8 +11,14 @@ from typing import Any
 import numpy as np
 
 from federation.sim.engine import Outcome, SimConfig, Simulation
-from federation.sim.metrics import as_number, mean_job_bound, summarize, task_bounds
-from federation.sim.policies import profile
+from federation.sim.metrics import (
+    against_default,
+    as_number,
+    mean_job_bound,
+    summarize,
+    task_bounds,
+)
+from federation.sim.policies import DEFAULT_POLICY, profile
 from federation.sim.state import SiteState
 from federation.sim.topology import Topology
 from federation.sim.trace import TraceTask, check_against
@@ -69,6 +75,7 @@ def replay(
         result.wall_s[name] = time.perf_counter() - started
         result.outcomes[name] = outcome
         per_policy[name] = summarize(outcome, bounds)
+    against_default(per_policy, DEFAULT_POLICY)
     job_ids = {t.job_id for t in tasks}
     bound_mean = mean_job_bound(tasks, bounds)
     devices: dict[str, int] = {}
@@ -86,6 +93,9 @@ def replay(
         "trace": {"source": trace_source, "jobs": len(job_ids), "tasks": len(tasks)},
         "seed": seed,
         "estimate_error": estimate_error,
+        "learn": config.learn,
+        "idle_power_share": config.idle_power_share,
+        "default_policy": DEFAULT_POLICY,
         "lower_bound_mean_jct_s": as_number(bound_mean),
         "policies": per_policy,
     }

@@ -107,7 +107,6 @@ def print_tables(result: ReplayResult, console: Console) -> None:
         "WAN",
         "transfer/JCT",
         "cost $",
-        "energy kWh",
         "offers",
         "declines",
     ):
@@ -122,13 +121,55 @@ def print_tables(result: ReplayResult, console: Console) -> None:
             size(m["wan_bytes"]),
             _share(m["transfer_share_of_jct"]),
             f"{m['cost_usd']['total']:.2f}",
-            f"{m['energy_kwh']:.1f}",
             str(m["offers"]),
             str(m["declines"]),
         )
     console.print(resources)
+    console.print(energy_table(summary))
     for line in warnings(result):
         console.print(line, style="bold yellow", markup=False, highlight=False)
+
+
+def _signed_share(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:+.1f}%"
+
+
+def energy_table(summary: Mapping[str, Any]) -> Table:
+    """One row per policy: energy busy, idle and in all, and against the default policy the
+    kWh saved and the JCT lost, side by side."""
+    default = summary.get("default_policy", "completion-time")
+    idle = summary.get("idle_power_share", 0.0)
+    table = Table(
+        title=f"Energy (idle devices of nodes in use draw {100 * idle:.0f}% of TDP; nodes with"
+        f" no task are off) against {default}",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("policy", no_wrap=True)
+    for column in (
+        "busy kWh",
+        "idle kWh",
+        "energy kWh",
+        "node-h on",
+        "kWh saved",
+        "saved",
+        "JCT mean",
+        "JCT change",
+    ):
+        table.add_column(column, justify="right")
+    for name, m in summary["policies"].items():
+        saved = m.get("energy_saved_kwh_vs_default")
+        table.add_row(
+            name,
+            f"{m['energy_kwh']:.1f}",
+            f"{m['energy_idle_kwh']:.1f}",
+            f"{m['energy_total_kwh']:.1f}",
+            f"{m['powered_node_hours']:.0f}",
+            "-" if saved is None else f"{saved:+.1f}",
+            _signed_share(m.get("energy_saved_share_vs_default")),
+            duration(m["jct_s"]["mean"]),
+            _signed_share(m.get("jct_change_vs_default")),
+        )
+    return table
 
 
 def write_json(result: ReplayResult, out: IO[str]) -> None:

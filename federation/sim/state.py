@@ -133,6 +133,16 @@ class SiteState:
         self.n_devices = len(snap.device_node)
         self.free_devices = int(snap.device_available.sum())
         """Whole devices free now (a device with a share handed out is not free)."""
+        by_name = {s.name: s.speed_factor for s in topology.sites}
+        site_factor = np.array([by_name.get(name, 1.0) for name in snap.site_ids])
+        class_factor = np.array([topology.speed_factors.get(c.model, 1.0) for c in snap.classes])
+        self.speed_factor: F64 = (
+            site_factor[snap.node_site[snap.device_node]] * class_factor[snap.device_class]
+            if self.n_devices
+            else np.zeros(0)
+        )
+        """Per device: how fast it really runs against the speed table (the topology's
+        ``speed_factor`` of its site times ``speed_factors`` of its model)."""
 
     def fresh(self) -> SiteState:
         """An independent copy with every device free, for another replay."""

@@ -8,7 +8,7 @@ vendor, memory, fp16 TFLOPS and power.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +29,8 @@ from federation.sim.links import (
 
 F64 = npt.NDArray[np.float64]
 KIND_NAMES = frozenset(resources_pb2.DeviceKind.keys())
+MIN_SPEED_FACTOR = 0.001
+"""The slowest a ``speed_factor`` may make a device (a factor of 0 would never finish)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +105,9 @@ class SiteSpec:
     """Share of offers the site declines although it has room (busy with local work); 1 means
     it takes nothing (a site being drained)."""
     datasets: Mapping[str, int] | None = None
+    speed_factor: float = 1.0
+    """How fast its devices really run against their model's speed (the speed table's times
+    the topology's ``speed_factors``): slower hardware or software at this site."""
 
     @property
     def n_nodes(self) -> int:
@@ -125,6 +130,9 @@ class Topology:
     rtt_ms: F64
     link_known: npt.NDArray[np.bool_]
     source: str = "<topology>"
+    speed_factors: Mapping[str, float] = field(default_factory=dict)
+    """Model -> how fast it really runs against the speed table (default 1): the true speeds
+    the replay runs at, which the scheduler does not know (``--learn`` lets it learn them)."""
 
     @property
     def n_nodes(self) -> int:
@@ -139,6 +147,10 @@ class Topology:
     def holders(self, dataset: str) -> list[str]:
         """Sites that hold ``dataset``."""
         return [s.name for s in self.sites if s.datasets and dataset in s.datasets]
+
+    def true_speed_factor(self, site: int, model: str) -> float:
+        """How fast ``model`` really runs at site number ``site`` against the speed table."""
+        return self.sites[site].speed_factor * self.speed_factors.get(model, 1.0)
 
 
 def load_topology(path: Path) -> Topology:
@@ -161,6 +173,7 @@ def parse_topology(doc: object, source: str, base: Path) -> Topology:
         raise top.fail("sites", f"duplicate site name(s) {', '.join(duplicates)}")
     links = top.child("links")
     plan = _links(links, base, set(names)) if links else LinkPlan()
+    factors = _speed_factors(top, sites)
     top.done()
     ordered = tuple(sorted(sites, key=lambda s: s.name))
     bandwidth, rtt, known = link_matrix(
@@ -169,7 +182,22 @@ def parse_topology(doc: object, source: str, base: Path) -> Topology:
         [s.domain == resources_pb2.DOMAIN_EDGE for s in ordered],
         plan,
     )
-    return Topology(ordered, bandwidth, rtt, known, source)
+    return Topology(ordered, bandwidth, rtt, known, source, factors)
+
+
+def _speed_factors(top: Fields, sites: list[SiteSpec]) -> dict[str, float]:
+    """The top level's ``speed_factors``: model -> factor, each model one the sites have."""
+    given = top.child("speed_factors")
+    if given is None:
+        return {}
+    models = {d.model for s in sites for n in s.nodes for d in n.devices}
+    factors = {}
+    for model in given.names():
+        if model not in models:
+            raise given.fail(model, "no site has this model")
+        factors[model] = given.number(model, minimum=MIN_SPEED_FACTOR)
+    given.done()
+    return factors
 
 
 def _site(f: Fields) -> SiteSpec:
@@ -195,6 +223,7 @@ def _site(f: Fields) -> SiteSpec:
         egress_usd_per_gb=f.number("egress_usd_per_gb", 0.0),
         decline_rate=f.number("decline_rate", 0.0, maximum=1.0),
         datasets=datasets,
+        speed_factor=f.number("speed_factor", 1.0, minimum=MIN_SPEED_FACTOR),
     )
     f.done()
     return site
