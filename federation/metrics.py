@@ -298,3 +298,6 @@ QUEUE_DOMINANT_SHARE = Gauge(
     "A queue's largest share of any resource the federation has, over its weight",
     ["queue"],
 )
+PREEMPTIONS = Counter(
+    "federation_preemptions_total", "Tasks stopped to make room for higher-priority work"
+)

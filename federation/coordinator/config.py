@@ -99,6 +99,8 @@ class CoordinatorConfig:
     """Refusals one identity may have held at once; further ones are sent at once."""
     max_request_bytes: int = 4 << 20
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
+    preemption_min_run_s: float = 60.0
+    """A task runs at least this long before a higher-priority one may preempt it."""
     priority_classes: dict[str, Any] = field(default_factory=dict)
     """Named priorities jobs may name: ``[priority_classes.urgent]`` with ``value`` (-1000 to
     1000), ``preemptible`` (default true) and ``may_preempt`` (default false)."""
@@ -145,6 +147,7 @@ def check_settings(config: CoordinatorConfig, *, source: str) -> None:
         "client_refusal_hold_s",
         "client_held_refusals",
         "max_request_bytes",
+        "preemption_min_run_s",
     ):
         if not getattr(config, name) >= 0:
             raise ConfigError(f"{source}: {name} must be 0 (no limit) or more")

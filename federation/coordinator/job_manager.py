@@ -429,6 +429,10 @@ class JobManager:
                 return []
             current.exit_code = report.exit_code
             current.output_tail = report.output_tail[-MAX_OUTPUT_TAIL:]
+            if current.preempted_by:
+                if report.state != job_state.SUCCEEDED and not job.cancel_requested:
+                    return [back_from_preemption(job, current)]
+                current.preempted_by = ""  # it ended by itself first
             reason = (report.reason or _default_reason(report))[:MAX_REPORT_REASON]
             changes = [transition(job, report.task, report.state, reason)]
             if report.state == job_state.FAILED:
@@ -558,6 +562,23 @@ class _Effects:
     """The task moved on since the report was checked: fence the report off."""
     siblings: list[tuple[str, str, int]] = field(default_factory=list)
     """(site, task, epoch) of sibling tasks to cancel because this one failed."""
+
+
+def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change:
+    """A preempted task has stopped: back to PENDING, to restart from its newest checkpoint
+    (``request_for`` reads it) wherever it is placed next."""
+    by = task.preempted_by
+    task.preempted_by = ""
+    task.preemptions += 1
+    unplace(task)
+    del task.devices[:]
+    del task.nodes[:]
+    restart = (
+        f"restarts from checkpoint {task.checkpoint.path}"
+        if task.checkpoint.path
+        else "restarts from the start (no checkpoint)"
+    )
+    return transition(job, task.name, job_state.PENDING, f"preempted by {by}; {restart}")
 
 
 def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:

@@ -34,14 +34,16 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
 from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.resources import demand
 from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.errors import FederationError
-from federation.metrics import OFFERS
+from federation.metrics import OFFERS, PREEMPTIONS
 from federation.placement.estimates import Estimates, estimate
-from federation.placement.framework import Framework, Rejection
+from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
 
@@ -49,6 +51,10 @@ log = structlog.get_logger()
 
 NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
+PREEMPT = "Preempt"
+PREEMPTION_SETTLE_S = 10.0
+"""After its victims stopped, how long an urgent task waits for their room to show in the
+site's view before it may have more tasks stopped."""
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
@@ -75,6 +81,8 @@ class SchedulerConfig:
     max_concurrent_negotiations: int = 2048
     batch_window_s: float = 0.002
     """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
+    preemption_min_run_s: float = 60.0
+    """A task runs at least this long before it may be preempted, so work does not thrash."""
 
 
 @dataclass(slots=True)
@@ -143,6 +151,8 @@ class Scheduler:
         self._last_cycle = 0.0
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
+        self._preempting: dict[TaskKey, tuple[float, list[tuple[str, str, int]]]] = {}
+        """Per urgent task: when it last had tasks stopped, and those (job, task, epoch)."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -253,6 +263,7 @@ class Scheduler:
                 verdicts, ranked, estimates = placement
                 if not ranked:
                     self._backoff(key)
+                    verdicts += self._preempt_for(job, task.name, verdicts, snapshot)
                     if list(task.verdicts) != list(verdicts):  # else nothing to write
                         nowhere.append((job.id, task.name, list(verdicts)))
                     continue
@@ -273,10 +284,117 @@ class Scheduler:
         if nowhere:
             await self._stay_pending(nowhere)
 
+    def _preempt_for(
+        self,
+        job: jobs_pb2.Job,
+        task: str,
+        verdicts: tuple[jobs_pb2.SiteVerdict, ...],
+        snapshot: Snapshot,
+    ) -> tuple[jobs_pb2.SiteVerdict, ...]:
+        """If the job may preempt and stopping lower-priority tasks at a site that is only
+        short of room would let the task fit there, stop them (``preempt``): the task then
+        waits for that room, which it gets first (``Sharing.order``). Returns the verdict that
+        says so; nothing while earlier victims are still stopping."""
+        key = (job.id, task)
+        if not self._sharing.may_preempt(job):
+            return ()
+        decided_at, stopping = self._preempting.get(key, (0.0, []))
+        if any(self._still_stopping(victim) for victim in stopping):
+            return ()
+        if time.monotonic() - decided_at < PREEMPTION_SETTLE_S:
+            return ()  # the room its victims left is on its way in the site's view
+        short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        need = task_demand(job, task)
+        candidates = self._preemption_candidates(job, short)
+        choice = choose_victims(need, free_room(snapshot, short), candidates)
+        if choice is None:
+            return ()
+        site, victims = choice
+        self._preempting[key] = (time.monotonic(), [(v.job_id, v.task, v.epoch) for v in victims])
+        why = f"preempted by {job.id}/{task} (priority {job.spec.priority})"
+        runner = asyncio.create_task(self._preempt(victims, why))
+        self._tasks.add(runner)
+        runner.add_done_callback(self._tasks.discard)
+        named = ", ".join(f"{v.job_id}/{v.task}" for v in victims)
+        log.info("preempting", job=job.id, task=task, site=site, victims=named)
+        return (
+            jobs_pb2.SiteVerdict(
+                site=site,
+                stage=PREEMPT,
+                reason=f"stopping {len(victims)} lower-priority task(s) to make room: {named}",
+            ),
+        )
+
+    def _still_stopping(self, victim: tuple[str, str, int]) -> bool:
+        job = self._jobs.cached(victim[0])
+        if job is None:
+            return False
+        task = find_task(job, victim[1])
+        return task.epoch == victim[2] and bool(task.preempted_by)
+
+    def _preemption_candidates(self, urgent: jobs_pb2.Job, sites: set[str]) -> list[Candidate]:
+        """Tasks at ``sites`` that ``urgent`` may stop: lower priority, preemptible class,
+        running long enough, not already being stopped."""
+        now = time.time()
+        out = []
+        for job in self._jobs.at_sites(sites):
+            if job.cancel_requested or job.spec.priority >= urgent.spec.priority:
+                continue
+            if not self._sharing.preemptible(job):
+                continue
+            for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
+                if task.state not in job_state.AT_SITE or task.site not in sites:
+                    continue
+                if task.preempted_by:
+                    continue
+                started = task.started_at.ToSeconds() if task.HasField("started_at") else now
+                if now - started < self._config.preemption_min_run_s:
+                    continue  # delegated, not started: loses nothing, may go at once
+                saved = task.checkpoint.time.ToSeconds() if task.checkpoint.path else started
+                out.append(
+                    Candidate(
+                        job_id=job.id,
+                        task=task.name,
+                        site=task.site,
+                        epoch=task.epoch,
+                        priority=job.spec.priority,
+                        demand=demand(spec),
+                        lost_s=max(0.0, now - max(started, saved)),
+                    )
+                )
+        return out
+
+    async def _preempt(self, victims: list[Candidate], why: str) -> None:
+        """Mark each victim as being preempted (written first, so a new leader knows), then
+        tell its site to stop it; its final report puts it back to PENDING."""
+
+        def mark(victim: Candidate) -> Mutation:
+            def mutate(job: jobs_pb2.Job) -> list[Change]:
+                task = find_task(job, victim.task)
+                if task.epoch == victim.epoch and task.state in job_state.AT_SITE:
+                    task.preempted_by = why.removeprefix("preempted by ")
+                return []
+
+            return mutate
+
+        written = await self._jobs.update_many([(v.job_id, mark(v)) for v in victims])
+        for victim in victims:
+            job = written.get(victim.job_id)
+            if isinstance(job, FederationError) or job is None:
+                log.warning("preemption_not_written", job=victim.job_id, error=str(job))
+                continue
+            if not find_task(job, victim.task).preempted_by:
+                continue  # it ended or moved meanwhile
+            session = self._sites.session(victim.site)
+            if session is not None:
+                with contextlib.suppress(SessionClosedError):
+                    session.send(cancel_request(victim.job_id, victim.task, victim.epoch, why))
+            PREEMPTIONS.inc()
+
     def _line(self, tentative: Tentative) -> Iterator[jobs_pb2.Job]:
         """The waiting jobs in the order they get capacity: queues take turns by weighted
         dominant share, each queue's jobs by priority, then submission."""
-        if not self._sharing.book.queues:
+        if not self._sharing.book.queues and not self._sharing.classes:
             return self._jobs.pending()
         capacity = self._sites.capacity()
         return self._sharing.order(self._jobs.pending(), capacity, tentative)
@@ -335,6 +453,7 @@ class Scheduler:
     def _forget(self, key: TaskKey) -> None:
         self._backoff_s.pop(key, None)
         self._not_before.pop(key, None)
+        self._preempting.pop(key, None)
 
     async def _negotiate(self, batch: list[_Negotiation]) -> None:
         """Rounds of offers until every task is delegated or has run out of sites."""

@@ -121,6 +121,7 @@ async def start_services(
             offer_timeout_s=config.offer_timeout_s,
             reservation_lease_s=config.reservation_lease_s,
             retry_interval_s=config.retry_interval_s,
+            preemption_min_run_s=config.preemption_min_run_s,
             max_offers_per_round=config.max_offers_per_round,
             offers_at_once=config.offers_at_once,
         ),

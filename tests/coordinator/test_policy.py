@@ -8,6 +8,7 @@ import pytest
 from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
 from federation.config import ConfigError
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
+from federation.coordinator.policy.preemption import Candidate, choose_victims
 from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
 from federation.coordinator.policy.queues import queue_violations
 from federation.coordinator.policy.quota import admission
@@ -117,3 +118,24 @@ def test_queue_checks_name_each_field() -> None:
     found = {v.field: v.description for v in queue_violations(bad, {**known, "b": bad})}
     assert "cycle" in found["queue.parent"]
     assert "appears twice" in found["queue.quotas[1].resource"]
+
+
+def test_victims_are_the_fewest_cheapest_whole_tasks() -> None:
+    def task(job: str, site: str, priority: int, gpus: float, lost_s: float) -> Candidate:
+        return Candidate(job, "t", site, 1, priority, {"gpu": gpus}, lost_s)
+
+    need = {"gpu": 2.0}
+    free = {"a": {"gpu": 0.0}, "b": {"gpu": 1.0}}
+    candidates = [
+        task("a-low", "a", -100, 1, 5),
+        task("a-low-fresh", "a", -100, 1, 1),
+        task("a-mid", "a", 0, 1, 0),
+        task("b-gang", "b", 0, 2, 50),  # two replicas: stopped whole or not at all
+    ]
+    site, victims = choose_victims(need, free, candidates) or ("", [])
+    # a needs two victims (the low ones, least lost work first); b needs one, the gang whole.
+    assert site == "b"
+    assert [v.job_id for v in victims] == ["b-gang"]
+    site, victims = choose_victims(need, {"a": free["a"]}, candidates) or ("", [])
+    assert [v.job_id for v in victims] == ["a-low-fresh", "a-low"]
+    assert choose_victims({"gpu": 9.0}, free, candidates) is None

@@ -609,6 +609,8 @@ class TaskStatus(_message.Message):
     ISSUED_EPOCH_FIELD_NUMBER: _builtins.int
     MOVES_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    PREEMPTED_BY_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -623,6 +625,13 @@ class TaskStatus(_message.Message):
     """Highest epoch ever issued for the task; epoch is lower only after an original copy was kept."""
     moves: _builtins.int
     """How many times the task was moved away from a lost site."""
+    preempted_by: _builtins.str
+    """Set while the task is being stopped to make room for another job's task ("JOB/TASK"):
+    when its site reports it ended, it goes back to PENDING and restarts from its newest
+    checkpoint.
+    """
+    preemptions: _builtins.int
+    """How many times the task was preempted."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -672,10 +681,12 @@ class TaskStatus(_message.Message):
         issued_epoch: _builtins.int = ...,
         moves: _builtins.int = ...,
         nodes: _abc.Iterable[_builtins.str] | None = ...,
+        preempted_by: _builtins.str = ...,
+        preemptions: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -69,6 +69,17 @@ class Sharing:
                 )
         return out
 
+    def may_preempt(self, job: jobs_pb2.Job) -> bool:
+        """Whether the job's class lets it stop lower-priority work to start."""
+        known = self.classes.get(job.spec.priority_class)
+        return known is not None and known.may_preempt
+
+    def preemptible(self, job: jobs_pb2.Job) -> bool:
+        """Whether the job's tasks may be stopped for higher-priority work (without a class:
+        yes)."""
+        known = self.classes.get(job.spec.priority_class)
+        return known is None or known.preemptible
+
     def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
         """The job's priority: its class's, if it names one."""
         known = self.classes.get(spec.priority_class)
@@ -117,14 +128,20 @@ class Sharing:
         tentative: Tentative,
     ) -> Iterator[jobs_pb2.Job]:
         """``pending`` (in line order) with the queues taking turns by weighted dominant
-        share; within a queue the line order stays. One queue only: the line as it is."""
+        share; within a queue the line order stays. Jobs that may preempt go first, as
+        they may have had others stopped to make room for them."""
         lines: dict[str, list[jobs_pb2.Job]] = {}
+        urgent = []
         for job in pending:
-            lines.setdefault(job.spec.queue, []).append(job)
+            if self.may_preempt(job):
+                urgent.append(job)
+            else:
+                lines.setdefault(job.spec.queue, []).append(job)
+        yield from urgent
         if len(lines) == 1:
             yield from next(iter(lines.values()))
-            return
-        yield from fair_order(lines, lambda q: self.share(q, capacity, tentative))
+        elif lines:
+            yield from fair_order(lines, lambda q: self.share(q, capacity, tentative))
 
     def status(
         self, capacity: Mapping[str, float], waiting: Mapping[str, int]
