@@ -291,12 +291,16 @@ class Scheduler:
         verdicts: tuple[jobs_pb2.SiteVerdict, ...],
         snapshot: Snapshot,
     ) -> tuple[jobs_pb2.SiteVerdict, ...]:
-        """If the job may preempt and stopping lower-priority tasks at a site that is only
-        short of room would let the task fit there, stop them (``preempt``): the task then
-        waits for that room, which it gets first (``Sharing.order``). Returns the verdict that
-        says so; nothing while earlier victims are still stopping."""
+        """Stop tasks to make room, at a site that is only short of room, when the job may
+        preempt (lower-priority, preemptible tasks) or its queue is owed its nominal quota
+        (tasks of the queues that borrow it: ``Sharing.lenders``). The task then waits for
+        that room, which it gets first (``Sharing.order``). Returns the verdict that says so;
+        nothing while earlier victims are still stopping."""
         key = (job.id, task)
-        if not self._sharing.may_preempt(job):
+        need = task_demand(job, task)
+        urgent = self._sharing.may_preempt(job)
+        lenders = set() if urgent else self._sharing.lenders(job, need)
+        if not urgent and not lenders:
             return ()
         decided_at, stopping = self._preempting.get(key, (0.0, []))
         if any(self._still_stopping(victim) for victim in stopping):
@@ -304,14 +308,17 @@ class Scheduler:
         if time.monotonic() - decided_at < PREEMPTION_SETTLE_S:
             return ()  # the room its victims left is on its way in the site's view
         short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
-        need = task_demand(job, task)
-        candidates = self._preemption_candidates(job, short)
+        candidates = self._preemption_candidates(job, short, lenders)
         choice = choose_victims(need, free_room(snapshot, short), candidates)
         if choice is None:
             return ()
         site, victims = choice
         self._preempting[key] = (time.monotonic(), [(v.job_id, v.task, v.epoch) for v in victims])
-        why = f"preempted by {job.id}/{task} (priority {job.spec.priority})"
+        why = f"preempted by {job.id}/{task} " + (
+            f"(priority {job.spec.priority})"
+            if urgent
+            else f"(queue {job.spec.queue} takes back its nominal quota)"
+        )
         runner = asyncio.create_task(self._preempt(victims, why))
         self._tasks.add(runner)
         runner.add_done_callback(self._tasks.discard)
@@ -332,15 +339,21 @@ class Scheduler:
         task = find_task(job, victim[1])
         return task.epoch == victim[2] and bool(task.preempted_by)
 
-    def _preemption_candidates(self, urgent: jobs_pb2.Job, sites: set[str]) -> list[Candidate]:
-        """Tasks at ``sites`` that ``urgent`` may stop: lower priority, preemptible class,
-        running long enough, not already being stopped."""
+    def _preemption_candidates(
+        self, urgent: jobs_pb2.Job, sites: set[str], lenders: set[str]
+    ) -> list[Candidate]:
+        """Tasks at ``sites`` that ``urgent`` may stop, running long enough and not already
+        being stopped: with ``lenders``, those of the queues that borrow what its queue is
+        owed; else those of lower priority and a preemptible class."""
         now = time.time()
         out = []
         for job in self._jobs.at_sites(sites):
-            if job.cancel_requested or job.spec.priority >= urgent.spec.priority:
+            if job.cancel_requested:
                 continue
-            if not self._sharing.preemptible(job):
+            if lenders:
+                if job.spec.queue not in lenders:
+                    continue
+            elif job.spec.priority >= urgent.spec.priority or not self._sharing.preemptible(job):
                 continue
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
                 if task.state not in job_state.AT_SITE or task.site not in sites:

@@ -14,10 +14,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, spec, wait_for_job
+from .conftest import admin, jobs, spec, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-preemption")
 
@@ -193,3 +193,33 @@ async def test_a_gang_is_preempted_whole(operator: grpc.aio.Channel, tmp_path: P
     assert done.state == SUCCEEDED
     assert done.tasks[0].preemptions == 1
     assert len(markers_of(tmp_path, "done", "gang")) == 2  # each replica once, after restart
+
+
+async def test_a_queue_takes_back_the_quota_another_borrowed(
+    operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """team-l borrows the GPU that is team-o's nominal quota; when team-o submits, one of
+    team-l's tasks is stopped to give it back, and restarts from its checkpoint later."""
+    stub = admin(operator)
+    for name, tenant, borrow in (("lend", "team-l", 1.0), ("own", "team-o", 0.0)):
+        quota = queues_pb2.Quota(resource="gpu", nominal=1, borrowing_limit=borrow)
+        await stub.CreateQueue(
+            admin_service_pb2.CreateQueueRequest(
+                queue=queues_pb2.Queue(name=name, tenant=tenant, quotas=[quota])
+            )
+        )
+    for job_id in ("lend-1", "lend-2"):
+        job = batch_job(job_id, tmp_path)
+        job.tenant, job.queue = "team-l", "lend"
+        await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+    lent = ("team-l:lend-1", "team-l:lend-2")  # a tenant's chosen ids are its own
+    await checkpointed(operator, *lent)  # one of them on borrowed quota
+    owed = urgent_job("owed")
+    owed.tenant, owed.queue, owed.priority_class = "team-o", "own", ""
+    await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=owed))
+    assert (await wait_for_job(operator, "team-o:owed")).state == SUCCEEDED
+    stopped = [(await get(operator, j)).tasks[0].preemptions for j in lent]
+    assert sorted(stopped) == [0, 1]
+    (tmp_path / "go").touch()
+    for job_id in lent:
+        assert (await wait_for_job(operator, job_id)).state == SUCCEEDED

@@ -9,7 +9,7 @@ from federation.api.v1 import jobs_pb2, queues_pb2
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.quota import admission
+from federation.coordinator.policy.quota import EPSILON, admission
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
@@ -79,6 +79,33 @@ class Sharing:
         yes)."""
         known = self.classes.get(job.spec.priority_class)
         return known is None or known.preemptible
+
+    def lenders(self, job: jobs_pb2.Job, need: Demand) -> set[str]:
+        """When the job's queue (and every queue above it) is within its nominal quota of all
+        it needs, the queues beside them that borrow some of those resources, with the queues
+        under those: their tasks may be stopped to give the room back. Empty otherwise."""
+        current = job.spec.queue
+        if current not in self.book.queues:
+            return set()
+        borrowing: set[str] = set()
+        while current:
+            queue = self.book.queues[current]
+            held = self.held(current)
+            for quota in queue.quotas:
+                want = need.get(quota.resource, 0.0)
+                if want and held.get(quota.resource, 0.0) + want > quota.nominal + EPSILON:
+                    return set()  # it would borrow itself: nothing to reclaim
+            for other in self.book.queues.values():
+                if other.parent != queue.parent or other.name == current:
+                    continue
+                theirs = self.held(other.name)
+                if any(
+                    need.get(q.resource) and theirs.get(q.resource, 0.0) > q.nominal + EPSILON
+                    for q in other.quotas
+                ):
+                    borrowing.update(self._subtree(other.name))
+            current = queue.parent
+        return borrowing
 
     def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
         """The job's priority: its class's, if it names one."""
