@@ -531,7 +531,18 @@ class JobManager:
         await self.apply_reports(site, named)
         for job_id, task, epoch in sorted(delegated - held):
             await self._requeue(job_id, task, epoch, site)
+        for job_id, task, epoch in sorted(delegated & held):
+            self._preempt_again(site, job_id, task, epoch)
         self._wake()
+
+    def _preempt_again(self, site: str, job_id: str, task_name: str, epoch: int) -> None:
+        """A task marked for preemption whose stop may never have reached its site (the
+        leader changed, or the site reconnected, before it left): tell the site again."""
+        job = self._jobs.cached(job_id)
+        task = find_task(job, task_name) if job is not None else None
+        if task is not None and task.preempted_by and task.epoch == epoch:
+            reason = f"preempted by {task.preempted_by}"
+            self.tell_site(site, cancel_request(job_id, task_name, epoch, reason))
 
     async def _requeue(self, job_id: str, task_name: str, epoch: int, site: str) -> None:
         def mutate(job: jobs_pb2.Job) -> list[Change]:
@@ -539,6 +550,7 @@ class JobManager:
             if task.epoch != epoch or task.state not in (*job_state.AT_SITE, job_state.SCHEDULING):
                 return []
             unplace(task)
+            task.preempted_by = ""  # what it was stopped for is placed anew too
             reason = f"{site} no longer has the task; placing it again"
             if job.cancel_requested:
                 return [transition(job, task_name, job_state.CANCELLED, "cancelled")]

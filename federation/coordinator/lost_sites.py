@@ -218,6 +218,7 @@ def move_off(move: Move) -> Mutation:
         task.displaced.moved_at.GetCurrentTime()
         next_epoch(task)
         unplace(task)
+        task.preempted_by = ""  # moved anyway: its room there is gone with the site
         task.moves += 1
         del task.devices[:]
         del task.nodes[:]
