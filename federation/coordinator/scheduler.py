@@ -100,6 +100,8 @@ class _Negotiation:
     there (``committed``)."""
     slower: set[str] = field(default_factory=set)
     """Sites that accepted with a longer run time than placement estimated there."""
+    deferred: set[str] = field(default_factory=set)
+    """Slower sites let go once for untried sites estimated sooner (tried again last)."""
     settled: bool = False
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
     epoch: int = 0
@@ -499,8 +501,9 @@ class Scheduler:
     async def _rounds(self, batch: list[_Negotiation]) -> None:
         """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
         try:
+            # One round more than the sites ranked: a slower site let go is asked last.
             for first, stop in offer_rounds(
-                self._config.max_offers_per_round, self._config.offers_at_once
+                self._config.max_offers_per_round + 1, self._config.offers_at_once
             ):
                 open_ = [n for n in batch if not n.settled and first < len(n.candidates)]
                 if not open_:
@@ -618,6 +621,21 @@ class Scheduler:
             if n.key not in accepted:
                 continue
             best, *others = _by_promise(n, offered_to[n.key], accepted[n.key])
+            if not others and (sooner := sooner_untried(n, best[0], offered_to[n.key])):
+                # Its own answer is slower than a site not asked yet was estimated: ask
+                # that one first, and this one again last.
+                self._release(*best)
+                del accepted[n.key]
+                n.deferred.add(best[0])
+                n.candidates = (*n.candidates, best[0])
+                n.verdicts.append(
+                    _refusal(
+                        best[0],
+                        f"accepted, but would finish in {n.estimates[best[0]].total_s:.0f} s, "
+                        f"later than {sooner} was estimated to; asked last",
+                    )
+                )
+                continue
             n.chosen = best
             for site, reservation in others:
                 self._release(site, reservation)
@@ -901,6 +919,18 @@ def _by_promise(
         answers,
         key=lambda a: (a[0] in n.slower and total(a) > soonest, rank.index(a[0])),
     )
+
+
+def sooner_untried(n: _Negotiation, site: str, offered: list[str]) -> str | None:
+    """An untried site estimated to finish sooner than ``site`` answered it would, when
+    ``site`` accepted only slower than placement estimated (and was not let go once already);
+    else None. Placement ranked ``site`` first for an estimate its answer broke."""
+    if site not in n.slower or site in n.deferred or not offered:
+        return None
+    answered = n.estimates[site].total_s
+    untried = n.candidates[n.candidates.index(offered[-1]) + 1 :]
+    sooner = [s for s in untried if s in n.estimates and n.estimates[s].total_s < answered]
+    return min(sooner, key=lambda s: n.estimates[s].total_s) if sooner else None
 
 
 def _with_estimate(

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.scheduler import _by_promise, _commit_estimate, _Negotiation
+from federation.coordinator.scheduler import (
+    _by_promise,
+    _commit_estimate,
+    _Negotiation,
+    sooner_untried,
+)
 
 RANK = ["x", "y"]
 ANSWERS = [("y", "r-y"), ("x", "r-x")]  # in the order they arrived
@@ -50,3 +55,17 @@ def test_a_nonsense_run_time_leaves_the_estimate(run_s: float) -> None:
     _commit_estimate(n, "x", run_s)
     assert n.estimates["x"].run_s == 80
     assert not n.slower
+
+
+def test_a_lone_slower_acceptance_gives_way_to_an_untried_site_estimated_sooner() -> None:
+    """x alone was offered (the first round) and can only finish at 200 s: y, not asked yet,
+    was estimated at 150 s, so y is asked first and x again last; once only."""
+    n = negotiation()
+    _commit_estimate(n, "x", 180.0)
+    assert sooner_untried(n, "x", ["x"]) == "y"
+    assert sooner_untried(n, "x", ["x", "y"]) is None  # y was asked in the same round
+    n.deferred.add("x")
+    assert sooner_untried(n, "x", ["x"]) is None  # let go once already
+    fast = negotiation()
+    _commit_estimate(fast, "x", 120.0)  # 140 s: still sooner than y
+    assert sooner_untried(fast, "x", ["x"]) is None
