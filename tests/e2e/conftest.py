@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sys
-from collections.abc import AsyncIterator, Iterator, Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -91,17 +93,46 @@ SITES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    """One federation shared by a test module (tests use unique jobs and small demands)."""
-    fed = LocalFederation(
-        tmp_path_factory.mktemp("fed"), SITES, coordinator_args=["--metrics-listen", "127.0.0.1:0"]
-    )
+def gpu_site(name: str, count: int, model: str = "A100-80GB", **settings: object) -> SiteSpec:
+    """A datacenter site of one node with ``count`` declared NVIDIA GPUs of ``model``."""
+    device = {
+        "kind": "GPU",
+        "vendor": "nvidia",
+        "model": model,
+        "memory_mib": 81920,
+        "count": count,
+    }
+    node = {"name": "box", "cpu_cores": 64, "memory_mib": 524288, "devices": [device]}
+    return SiteSpec(name, "datacenter", nodes=[node], settings=settings)
+
+
+@contextlib.contextmanager
+def running(
+    root: Path, sites: Sequence[SiteSpec], coordinator_args: Sequence[str] = ()
+) -> Iterator[LocalFederation]:
+    """A local federation of ``sites``, started, and stopped afterwards."""
+    fed = LocalFederation(root, list(sites), coordinator_args=list(coordinator_args))
     try:
         asyncio.run(fed.start())
         yield fed
     finally:
         fed.stop()
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 45) -> None:
+    """Await ``check`` every 0.1 s until it holds; fail naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """One federation shared by a test module (tests use unique jobs and small demands)."""
+    args = ["--metrics-listen", "127.0.0.1:0"]
+    with running(tmp_path_factory.mktemp("fed"), SITES, args) as fed:
+        yield fed
 
 
 @pytest.fixture

@@ -4,10 +4,9 @@ newest checkpoint and finishes exactly once."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
@@ -15,33 +14,13 @@ import pytest
 import pytest_asyncio
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
-from federation.local import LocalFederation, SiteSpec
+from federation.local import LocalFederation
 
-from .conftest import admin, jobs, spec, wait_for_job
+from .conftest import admin, gpu_site, jobs, running, spec, until, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-preemption")
 
-SITE = SiteSpec(
-    "gpu-p",
-    "datacenter",
-    nodes=[
-        {
-            "name": "box",
-            "cpu_cores": 16,
-            "memory_mib": 65536,
-            "devices": [
-                {
-                    "kind": "GPU",
-                    "vendor": "nvidia",
-                    "model": "A100-80GB",
-                    "memory_mib": 81920,
-                    "count": 2,
-                }
-            ],
-        }
-    ],
-    settings={"kill_grace_s": 5.0},
-)
+SITE = gpu_site("gpu-p", 2, kill_grace_s=5.0)
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
 SUCCEEDED = jobs_pb2.JOB_STATE_SUCCEEDED
 
@@ -80,12 +59,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
         "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\npreemptible = false\n"
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    federation = LocalFederation(root / "fed", [SITE], coordinator_args=["--config", str(config)])
-    try:
-        asyncio.run(federation.start())
+    with running(root / "fed", [SITE], ["--config", str(config)]) as federation:
         yield federation
-    finally:
-        federation.stop()
 
 
 @pytest_asyncio.fixture
@@ -112,13 +87,6 @@ def urgent_job(job_id: str) -> jobs_pb2.JobSpec:
         "resources": {"accelerator": {"kind": "GPU", "count": 1}},
     }
     return spec(job_id, [task], id=job_id, priority_class="urgent")
-
-
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 45) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def get(channel: grpc.aio.Channel, job_id: str) -> jobs_pb2.Job:

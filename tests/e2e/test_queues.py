@@ -7,47 +7,37 @@ import asyncio
 import io
 import json
 import math
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import pytest_asyncio
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
 from federation.cli.queues import queues_table
-from federation.local import LocalFederation, SiteSpec
+from federation.local import LocalFederation
 
-from .conftest import admin, channel_as, jobs, python_task, spec, tenant_tls, wait_for_job
+from .conftest import (
+    admin,
+    channel_as,
+    gpu_site,
+    jobs,
+    python_task,
+    running,
+    spec,
+    tenant_tls,
+    until,
+    wait_for_job,
+)
 from .test_cli import fedctl
+from .test_refusals import violations
 
 pytestmark = pytest.mark.xdist_group("e2e-queues")
 
 GPUS = 4
-SITE = SiteSpec(
-    "gpu-q",
-    "datacenter",
-    nodes=[
-        {
-            "name": "dgx",
-            "cpu_cores": 64,
-            "memory_mib": 524288,
-            "devices": [
-                {
-                    "kind": "GPU",
-                    "vendor": "nvidia",
-                    "model": "A100-80GB",
-                    "memory_mib": 81920,
-                    "count": GPUS,
-                }
-            ],
-        }
-    ],
-)
+SITE = gpu_site("gpu-q", GPUS)
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
 
 
@@ -59,12 +49,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
         "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\n"
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    federation = LocalFederation(root / "fed", [SITE], coordinator_args=["--config", str(config)])
-    try:
-        asyncio.run(federation.start())
+    with running(root / "fed", [SITE], ["--config", str(config)]) as federation:
         yield federation
-    finally:
-        federation.stop()
 
 
 @pytest_asyncio.fixture
@@ -89,28 +75,9 @@ def gpu_job(name: str, queue_name: str, go: Path, **extra: object) -> jobs_pb2.J
     return spec(name, [task], queue=queue_name, **extra)
 
 
-def violations(err: grpc.aio.AioRpcError) -> dict[str, str]:
-    status = rpc_status.from_call(err)
-    assert status is not None
-    out = {}
-    for detail in status.details:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            out.update({v.field: v.description for v in bad.field_violations})
-    return out
-
-
 async def states(channel: grpc.aio.Channel, ids: list[str]) -> dict[str, int]:
     stub = jobs(channel)
     return {i: (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=i))).job.state for i in ids}
-
-
-async def until(check, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while not await check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.1)
 
 
 async def listed(operator: grpc.aio.Channel) -> dict[str, queues_pb2.QueueStatus]:
@@ -206,7 +173,7 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
         async def one_runs() -> bool:
             return list((await states(a, ids)).values()).count(RUNNING) == 1
 
-        await until(one_runs)
+        await until(one_runs, "one job running")
         await asyncio.sleep(1.0)  # time for any over-admission to show
         now = await states(a, ids)
         assert list(now.values()).count(RUNNING) == 1
@@ -254,7 +221,7 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
         async def c_holds_all() -> bool:
             return list((await states(c, c_first)).values()).count(RUNNING) == GPUS
 
-        await until(c_holds_all)  # 2 of its own and 2 borrowed
+        await until(c_holds_all, "team-c on every GPU")  # 2 of its own and 2 borrowed
         status = (await listed(operator))["qc"]
         assert status.borrowed["gpu"] == 2
         held_back = (await jobs(c).GetJob(job_service_pb2.GetJobRequest(job_id=c_more[0]))).job
@@ -268,7 +235,7 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
             now = await states(operator, [*c_more, *d_ids])
             return list(now.values()).count(RUNNING) == GPUS
 
-        await until(all_busy)
+        await until(all_busy, "every GPU busy")
         assert list((await states(operator, d_ids)).values()).count(RUNNING) == 3
         later.touch()
         for job_id in [*c_first, *c_more, *d_ids]:

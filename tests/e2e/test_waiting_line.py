@@ -14,7 +14,7 @@ import pytest_asyncio
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, spec, wait_for_job
+from .conftest import jobs, python_task, running, spec, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-waiting-line")
 
@@ -23,12 +23,8 @@ ONE_SLOT = SiteSpec("one-slot", "datacenter", nodes=[{"name": "n", "cpu_cores": 
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    federation = LocalFederation(tmp_path_factory.mktemp("line"), [ONE_SLOT])
-    try:
-        asyncio.run(federation.start())
+    with running(tmp_path_factory.mktemp("line"), [ONE_SLOT]) as federation:
         yield federation
-    finally:
-        federation.stop()
 
 
 @pytest_asyncio.fixture
