@@ -86,6 +86,16 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class _Cycle:
+    """What one scheduling cycle builds as it goes."""
+
+    tentative: Tentative = field(default_factory=dict)
+    """What it admitted against queues' quotas, not yet held by a negotiation."""
+    snapshot: Snapshot | None = None
+    placements: dict[Request, _Placement] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
 class _Negotiation:
     """One task on its way through the negotiation rounds of a batch."""
 
@@ -210,15 +220,13 @@ class Scheduler:
         self._full = room <= 0
         if self._full:
             return  # the next negotiation to end wakes the loop again
-        snapshot: Snapshot | None = None
-        placements: dict[Request, _Placement] = {}
+        cycle = _Cycle()
         batch: list[_Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         swept = True
         slice_start = now
-        tentative: Tentative = {}
-        for job in self._line(tentative):
+        for job in self._line(cycle.tentative):
             if time.monotonic() - slice_start > CYCLE_SLICE_S:
                 # Thousands of waiting tasks (one tenant's flood) must not stall every other
                 # call on the loop: let them in, then go on with the jobs still pending.
@@ -237,41 +245,11 @@ class Scheduler:
                     self._full = True
                     swept = False
                     break
-                need = task_demand(job, task.name) if job.spec.queue else None
-                if need is not None and (why := self._sharing.admission(job, need, tentative)):
-                    self._backoff(key)  # a task's end wakes it (``capacity_freed``)
-                    quota = [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
-                    if list(task.verdicts) != quota:
-                        nowhere.append((job.id, task.name, quota))
-                    continue
-                if snapshot is None:
-                    # Built only when something waits: every view delta wakes the loop, and
-                    # flattening the federation into arrays is the expensive part of a cycle.
-                    snapshot = self._sites.snapshot()
-                    placements = self._placements_on(snapshot)
-                try:
-                    request = request_for(job, task.name)
-                    if request is None:
-                        continue  # waits for its dependencies; a report of theirs wakes us
-                    request = self._with_learned_speeds(request)
-                    placement = placements.get(request)
-                    if placement is None:
-                        placement = placements[request] = self._place(request, snapshot)
-                except Exception:
-                    # One task's bad spec or a plugin's bug must not hold up the others.
-                    log.exception("placement_failed", job=job.id, task=task.name)
-                    self._backoff(key)
-                    continue
-                verdicts, ranked, estimates = placement
-                if not ranked:
-                    self._backoff(key)
-                    verdicts += self._preempt_for(job, task.name, verdicts, snapshot)
-                    if list(task.verdicts) != list(verdicts):  # else nothing to write
-                        nowhere.append((job.id, task.name, list(verdicts)))
-                    continue
-                batch.append(_Negotiation(job.id, task.name, ranked, list(verdicts), estimates))
-                if need is not None:
-                    self._sharing.admit(job, need, tentative)
+                outcome = self._consider(job, task.name, cycle)
+                if isinstance(outcome, _Negotiation):
+                    batch.append(outcome)
+                elif outcome is not None and list(task.verdicts) != outcome:
+                    nowhere.append((job.id, task.name, outcome))  # else nothing to write
             if not swept:
                 break
         if swept:
@@ -285,6 +263,43 @@ class Scheduler:
             runner.add_done_callback(self._tasks.discard)
         if nowhere:
             await self._stay_pending(nowhere)
+
+    def _consider(
+        self, job: jobs_pb2.Job, task: str, cycle: _Cycle
+    ) -> _Negotiation | list[jobs_pb2.SiteVerdict] | None:
+        """One waiting task, through its queue's quota and placement: a negotiation to
+        start, or the verdicts it waits with (backed off), or None (its dependencies have
+        not succeeded, or placing it failed)."""
+        key = (job.id, task)
+        need = task_demand(job, task) if job.spec.queue else None
+        if need is not None and (why := self._sharing.admission(job, need, cycle.tentative)):
+            self._backoff(key)  # a task's end wakes it (``capacity_freed``)
+            return [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
+        if cycle.snapshot is None:
+            # Built only when something waits: every view delta wakes the loop, and
+            # flattening the federation into arrays is the expensive part of a cycle.
+            cycle.snapshot = self._sites.snapshot()
+            cycle.placements = self._placements_on(cycle.snapshot)
+        try:
+            request = request_for(job, task)
+            if request is None:
+                return None  # waits for its dependencies; a report of theirs wakes us
+            request = self._with_learned_speeds(request)
+            placement = cycle.placements.get(request)
+            if placement is None:
+                placement = cycle.placements[request] = self._place(request, cycle.snapshot)
+        except Exception:
+            # One task's bad spec or a plugin's bug must not hold up the others.
+            log.exception("placement_failed", job=job.id, task=task)
+            self._backoff(key)
+            return None
+        verdicts, ranked, estimates = placement
+        if not ranked:
+            self._backoff(key)
+            return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
+        if need is not None:
+            self._sharing.admit(job, need, cycle.tentative)
+        return _Negotiation(job.id, task, ranked, list(verdicts), estimates)
 
     def _preempt_for(
         self,
