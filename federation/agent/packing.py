@@ -27,6 +27,7 @@ __all__ = [
     "Slot",
     "Usage",
     "describe_request",
+    "fragmentation",
     "place",
     "place_as_estimated",
     "request_problem",
@@ -38,9 +39,14 @@ _USABLE_HEALTH = frozenset(
     {resources_pb2.DEVICE_HEALTH_HEALTHY, resources_pb2.DEVICE_HEALTH_UNSPECIFIED}
 )
 
-# Best fit first: how tight the chosen device is, the devices, cpu and memory left over, then
-# the node name to break ties.
-_Rank = tuple[tuple[bool, float], int, float, int, str]
+GANG_MIX: tuple[tuple[int, int], ...] = ((2, 12), (4, 10), (8, 8))
+"""The representative workload that packing keeps room for: gangs of 2, 4 and 8 devices on one
+node, weighted by how often each comes (per cent of jobs, Microsoft Philly's mix; single
+devices, the other 70 %, fit any free device and so never find a node fragmented)."""
+
+# See ``_fit``: how tight the chosen device is, the fragmentation the choice adds, how scarce
+# the model it takes, then the devices, cpu and memory left over and the node name.
+_Rank = tuple[tuple[bool, float], int, int, int, float, int, str]
 # Devices missing, cpu and memory missing, then the node name: the node that comes closest.
 _Shortfall = tuple[int, float, int, str]
 
@@ -66,6 +72,8 @@ class _Pick:
     positions: tuple[int, ...] = ()
     tightness: tuple[bool, float] = (False, 0.0)
     """Lower is a tighter fit: (device not yet used in this mode, share the device keeps)."""
+    plenty: int = 0
+    """Free devices at the site of the scarcest model this pick may take (see ``_fit``)."""
     missing: int = 0
     """Devices short of the request; 0 when it fits."""
     have: str = ""
@@ -124,6 +132,14 @@ class _Matcher:
         if key not in self._verdicts:
             self._verdicts[key] = accepts(self._program, attributes)
         return self._verdicts[key]
+
+
+def fragmentation(free: int) -> int:
+    """How badly a node with ``free`` whole devices free serves ``GANG_MIX``: per gang size, the
+    free devices no gang of that size can use (``free % size``), weighted by how often such
+    gangs come. Fragmentation gradient descent's measure (Weng et al., ATC '23) for whole
+    devices; the simulator computes the same over arrays."""
+    return sum(weight * (free % size) for size, weight in GANG_MIX)
 
 
 def describe_request(acc: jobs_pb2.AcceleratorRequest) -> str:
@@ -211,8 +227,10 @@ def place(
 ) -> tuple[Slot, ...] | str:
     """Places every replica of a gang at once, or says why it does not fit.
 
-    Each replica goes to the schedulable node it fits on that would be left with the least free
-    capacity (best fit), so partly used nodes and devices fill up before empty ones are touched.
+    Each replica goes to the schedulable node where it fits best by ``_fit``'s rank: on partly
+    used devices first, then where it fragments the site least (so a small task fills a partly
+    used node rather than break up an idle one a gang could take), then on the most plentiful
+    model (the scarce one is kept for tasks that need it), then best fit.
 
     Args:
         nodes: The site's nodes.
@@ -234,7 +252,8 @@ def place(
     tentative = usage.copy()
     slots: list[Slot] = []
     for placed in range(replicas):
-        outcomes = [_fit(node, spec.resources, tentative, matches) for node in schedulable]
+        plenty = _plenty(schedulable, tentative)
+        outcomes = [_fit(node, spec.resources, tentative, matches, plenty) for node in schedulable]
         fits = [outcome for outcome in outcomes if isinstance(outcome, _Fit)]
         if not fits:
             reason = min(outcome for outcome in outcomes if isinstance(outcome, _Miss)).why
@@ -245,10 +264,40 @@ def place(
     return tuple(slots)
 
 
+def _plenty(nodes: Iterable[resources_pb2.Node], usage: Usage) -> Counter[str]:
+    """Whole devices free per model on ``nodes``: how plentiful each model is at the site."""
+    return Counter(
+        device.model
+        for node in nodes
+        for pos, device in enumerate(node.devices)
+        if _usable(device) and usage.is_whole_free((node.name, pos))
+    )
+
+
 def _fit(
-    node: resources_pb2.Node, res: jobs_pb2.ResourceRequest, usage: Usage, matches: _Matcher
+    node: resources_pb2.Node,
+    res: jobs_pb2.ResourceRequest,
+    usage: Usage,
+    matches: _Matcher,
+    plenty: Counter[str],
 ) -> _Fit | _Miss:
-    """Places one replica on ``node``, or says what it lacks."""
+    """Places one replica on ``node`` and ranks the choice, or says what the node lacks.
+
+    The rank, lowest first, weighs what the replica runs on against what it leaves behind.
+    Every device ``matches`` accepts already keeps the offer's promise (``place_as_estimated``),
+    so among them:
+
+    1. tightness: a share or partition slot on a device already cut up before a fresh device;
+    2. fragmentation added: ``fragmentation`` of the node's free whole devices after the pick
+       minus before, so a 1-device task takes one of the 3 free on a partly used node
+       (fragmentation falls) rather than one of an idle 8-device node that an 8-device gang
+       could have had (it rises most);
+    3. scarcity: the fewer devices of the scarcest matching model free at the site, the later
+       the node, so a task that several models serve leaves the scarce (often fast) cards to
+       the tasks that need them;
+    4. best fit: whole devices, cpu and memory left over (fewest free devices first keeps
+       CPU-only work off accelerator nodes), then the node name.
+    """
     acc = res.accelerator
     whole_free = [
         pos
@@ -256,11 +305,12 @@ def _fit(
         if _usable(device) and usage.is_whole_free((node.name, pos))
     ]
     if acc.fraction:
-        pick = _pick_share(node, acc, usage, matches)
+        pick = _pick_share(node, acc, usage, matches, plenty)
     elif acc.partition:
-        pick = _pick_partition(node, acc.partition, usage, matches)
+        pick = _pick_partition(node, acc.partition, usage, matches, plenty)
     elif acc.count:
-        pick = _pick_whole(node, acc, usage, [p for p in whole_free if matches(node.devices[p])])
+        matching = [p for p in whole_free if matches(node.devices[p])]
+        pick = _pick_whole(node, acc, usage, matching, plenty)
     else:
         pick = _Pick()  # no accelerator asked for
     cpu_free = node.cpu_cores - usage.cpu[node.name]
@@ -279,9 +329,11 @@ def _fit(
     if shortfall[2]:
         why = f"needs {res.memory_mib} MiB memory per replica; {best} {memory_free_mib} MiB free"
         return _Miss(shortfall, why)
-    # Fewer free devices first keeps CPU-only work off accelerator nodes.
+    taken = sum(usage.is_whole_free((node.name, pos)) for pos in pick.positions)
     rank: _Rank = (
         pick.tightness,
+        fragmentation(len(whole_free) - taken) - fragmentation(len(whole_free)),
+        -pick.plenty,
         len(whole_free) - acc.count,
         cpu_free - res.cpu,
         memory_free_mib - res.memory_mib,
@@ -305,9 +357,14 @@ def _group(node: resources_pb2.Node, pos: int) -> str:
 
 
 def _pick_whole(
-    node: resources_pb2.Node, acc: jobs_pb2.AcceleratorRequest, usage: Usage, matching: list[int]
+    node: resources_pb2.Node,
+    acc: jobs_pb2.AcceleratorRequest,
+    usage: Usage,
+    matching: list[int],
+    plenty: Counter[str],
 ) -> _Pick:
-    """``acc.count`` free matching devices, all in one interconnect group when asked."""
+    """``acc.count`` free matching devices, all in one interconnect group when asked; the
+    node's ``plenty`` is that of the scarcest model among them."""
     if acc.same_interconnect and acc.count > 1:
         per_group = Counter(_group(node, pos) for pos in matching)
         most = max(per_group.values(), default=0)
@@ -316,17 +373,22 @@ def _pick_whole(
         matching = [pos for pos in matching if per_group[_group(node, pos)] >= acc.count]
     if len(matching) < acc.count:
         return _Pick(missing=acc.count - len(matching), have=f"{len(matching)} free")
-    return _Pick(_choose_devices(node, matching, acc.count, usage))
+    scarcest = min(plenty[node.devices[pos].model] for pos in matching)
+    return _Pick(_choose_devices(node, matching, acc.count, usage, plenty), plenty=scarcest)
 
 
 def _pick_share(
-    node: resources_pb2.Node, acc: jobs_pb2.AcceleratorRequest, usage: Usage, matches: _Matcher
+    node: resources_pb2.Node,
+    acc: jobs_pb2.AcceleratorRequest,
+    usage: Usage,
+    matches: _Matcher,
+    plenty: Counter[str],
 ) -> _Pick:
     """The shareable matching device with the least free share that still holds the share's
-    fraction and its memory."""
+    fraction and its memory, then of the most plentiful model."""
     fraction = acc.fraction
     shared = [
-        (usage.free_fraction((node.name, pos)), device.index, pos)
+        (usage.free_fraction((node.name, pos)), -plenty[device.model], device.index, pos)
         for pos, device in enumerate(node.devices)
         if device.shareable and matches(device)
     ]
@@ -337,25 +399,26 @@ def _pick_share(
     fitting = [
         entry
         for entry in shared
-        if shares_fit(entry[0], fraction) >= 1 and memory_left(entry[2]) >= acc.memory_mib
+        if shares_fit(entry[0], fraction) >= 1 and memory_left(entry[3]) >= acc.memory_mib
     ]
     if not fitting:
         if not shared:
             return _Pick(missing=1, have="no matching shareable device")
-        most = max(free for free, _, _ in shared)
-        if acc.memory_mib and any(shares_fit(free, fraction) for free, _, _ in shared):
-            memory = max(memory_left(pos) for _, _, pos in shared)
+        most = max(entry[0] for entry in shared)
+        if acc.memory_mib and any(shares_fit(entry[0], fraction) for entry in shared):
+            memory = max(memory_left(entry[3]) for entry in shared)
             return _Pick(missing=1, have=f"at most {memory} MiB free on one shareable device")
         return _Pick(missing=1, have=f"at most {most:.4g} free on one shareable device")
-    free, _, pos = min(fitting)
-    return _Pick((pos,), tightness=(False, free - fraction))
+    free, scarcity, _, pos = min(fitting)
+    return _Pick((pos,), tightness=(False, free - fraction), plenty=-scarcity)
 
 
 def _pick_partition(
-    node: resources_pb2.Node, profile: str, usage: Usage, matches: _Matcher
+    node: resources_pb2.Node, profile: str, usage: Usage, matches: _Matcher, plenty: Counter[str]
 ) -> _Pick:
-    """A free slot of ``profile`` on a matching device, one already partitioned first."""
-    offered: list[tuple[tuple[bool, float], int, int, int]] = []
+    """A free slot of ``profile`` on a matching device, one already partitioned first, then of
+    the most plentiful model."""
+    offered: list[tuple[tuple[bool, float], int, int, int, int]] = []
     for pos, device in enumerate(node.devices):
         total = next((p.total for p in device.partitions if p.profile == profile), 0)
         if not total or not matches(device):
@@ -363,23 +426,29 @@ def _pick_partition(
         ref = (node.name, pos)
         free = usage.partitions_free(ref, device.partitions)[profile]
         in_use = usage.slots_held(ref) > 0
-        offered.append(((not in_use, (free - 1) / total), device.index, pos, free))
-    fitting = [entry for entry in offered if entry[3] >= 1]
+        scarcity = -plenty[device.model]
+        offered.append(((not in_use, (free - 1) / total), scarcity, device.index, pos, free))
+    fitting = [entry for entry in offered if entry[4] >= 1]
     if not fitting:
         if not offered:
             return _Pick(missing=1, have="no matching device with that profile")
         return _Pick(missing=1, have="0 free")
-    tightness, _, pos, _ = min(fitting)
-    return _Pick((pos,), tightness=tightness)
+    tightness, scarcity, _, pos, _ = min(fitting)
+    return _Pick((pos,), tightness=tightness, plenty=-scarcity)
 
 
 def _choose_devices(
-    node: resources_pb2.Node, candidates: list[int], count: int, usage: Usage
+    node: resources_pb2.Node,
+    candidates: list[int],
+    count: int,
+    usage: Usage,
+    plenty: Counter[str],
 ) -> tuple[int, ...]:
     """Picks ``count`` devices among ``candidates``.
 
     A whole interconnect group that can hold them all comes first (one NVLink/HCCS domain per
-    replica); then groups that already have allocations, the fullest first; then lowest index.
+    replica); then groups that already have allocations, the fullest first; then the model
+    with the most devices free at the site; then lowest index.
     """
     if not count:
         return ()
@@ -390,7 +459,7 @@ def _choose_devices(
     }
     in_use.discard("")
 
-    def preference(pos: int) -> tuple[bool, bool, int, str, int]:
+    def preference(pos: int) -> tuple[bool, bool, int, str, int, int]:
         g = group[pos]
         fits_whole = bool(g) and free_in_group[g] >= count
         return (
@@ -398,6 +467,7 @@ def _choose_devices(
             g not in in_use,
             free_in_group[g] if fits_whole else 0,
             g,
+            -plenty[node.devices[pos].model],
             node.devices[pos].index,
         )
 

@@ -7,7 +7,8 @@ sees the change without rebuilding anything.
 
 A site takes an offer by the embedded core's rule (``federation.agent.packing.place``): every
 replica must fit on one node. The room is counted per node as ``CapacityFit`` counts it, over
-the site's slice of the arrays only; nodes are chosen best fit, as the packer chooses them.
+the site's slice of the arrays only; nodes and devices are chosen by the packer's rank (tightest
+share, least fragmentation added, most plentiful model, best fit), over arrays.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from federation.agent.packing import GANG_MIX
 from federation.api.v1 import resources_pb2
 from federation.placement.estimates import class_speed
 from federation.placement.plugins.capacity_fit import EPSILON, matching_classes, node_label_mask
@@ -92,6 +94,15 @@ def site_views(topology: Topology) -> list[SiteInput]:
     return sites
 
 
+def fragmentation(free: I64) -> I64:
+    """``federation.agent.packing.fragmentation`` per node: the free devices that no gang of
+    each ``GANG_MIX`` size can use, weighted by how often such gangs come."""
+    out = np.zeros(len(free), dtype=np.int64)
+    for size, weight in GANG_MIX:
+        out += weight * (free % size)
+    return out
+
+
 def _ranges(owner: I64, n: int) -> tuple[I64, I64]:
     """Start and stop of each owner's run in ``owner`` (sorted)."""
     starts = np.searchsorted(owner, np.arange(n), side="left").astype(np.int64)
@@ -130,6 +141,9 @@ class SiteState:
             dtype=np.int64,
         )
         self.shareable = self._pristine.device_shareable
+        _, model = np.unique([c.model for c in snap.classes], return_inverse=True)
+        self.class_model: I64 = np.asarray(model, dtype=np.int64).reshape(-1)
+        """Per device class: its model's number (classes of one model count together)."""
         self.n_devices = len(snap.device_node)
         self.free_devices = int(snap.device_available.sum())
         """Whole devices free now (a device with a share handed out is not free)."""
@@ -218,52 +232,98 @@ class SiteState:
             candidates = np.flatnonzero(room >= 1)
             if not len(candidates):
                 raise RuntimeError(f"site {snap.site_ids[site]} has no room for {req}")
-            node = int(self._best_fit(req, a + candidates, min_speed))
+            plenty = self._plenty(site)
+            node = int(self._best_fit(req, a + candidates, min_speed, plenty))
             nodes.append(node)
-            devices.extend(self._take_devices(req, node, min_speed))
+            devices.extend(self._take_devices(req, node, min_speed, plenty))
             snap.node_cpu_free[node] -= req.cpu
             snap.node_memory_free_mib[node] -= req.memory_mib
         snap.memo.clear()
         return Grant(site, tuple(nodes), tuple(devices), req.cpu, req.memory_mib, req.fraction)
 
-    def _best_fit(self, req: Request, nodes: I64, min_speed: float) -> int:
-        """The node that is left with the least free capacity, as the embedded core's packer
-        ranks them: for a share, the share its device keeps; then free whole devices, CPU,
-        memory and name."""
+    def _plenty(self, site: int) -> I64:
+        """Per device class: whole devices of its model free on the site's schedulable nodes
+        (the packer's ``_plenty``)."""
+        snap = self.snap
+        pa, pb = self._span(
+            self.pair_lo, self.pair_hi, int(self.node_lo[site]), int(self.node_hi[site])
+        )
+        free = snap.pair_free[pa:pb] * snap.node_schedulable[snap.pair_node[pa:pb]]
+        model = self.class_model[snap.pair_class[pa:pb]]
+        per_model = np.bincount(model, weights=free, minlength=len(self.class_model))
+        return np.rint(per_model).astype(np.int64)[self.class_model]
+
+    def _best_fit(self, req: Request, nodes: I64, min_speed: float, plenty: I64) -> int:
+        """The best of ``nodes`` by the embedded core's packer's rank (``_fit`` there): for a
+        share, the share its device keeps; then the fragmentation the replica adds, the
+        scarcity of the scarcest model it may take, free whole devices left, CPU, memory and
+        name."""
         snap = self.snap
         running = np.concatenate(([0.0], np.cumsum(snap.pair_free)))
-        free_devices = running[self.pair_hi[nodes]] - running[self.pair_lo[nodes]]
+        free_devices = np.rint(running[self.pair_hi[nodes]] - running[self.pair_lo[nodes]])
+        free = free_devices.astype(np.int64)
+        if req.fraction:
+            shares = [self._tightest_share(req, int(n), min_speed, plenty) for n in nodes]
+            devices = np.array([d for d, _ in shares], dtype=np.int64)
+            taken = snap.device_available[devices].astype(np.int64)
+            scarcest = plenty[snap.device_class[devices]]
+        elif req.accelerator_count:
+            taken = np.full(len(nodes), req.accelerator_count, dtype=np.int64)
+            scarcest = self._scarcest(req, nodes, min_speed, plenty)
+        else:
+            taken = scarcest = np.zeros(len(nodes), dtype=np.int64)
         keys = [
             nodes,
             snap.node_memory_free_mib[nodes] - req.memory_mib,
             snap.node_cpu_free[nodes] - req.cpu,
             free_devices - req.accelerator_count,
+            -scarcest,
+            fragmentation(free - taken) - fragmentation(free),
         ]
         if req.fraction:
-            keys.append(np.array([self._tightest_share(req, int(n), min_speed)[1] for n in nodes]))
+            keys.append(np.array([left for _, left in shares]))
         return int(nodes[np.lexsort(keys)[0]])
 
-    def _tightest_share(self, req: Request, node: int, min_speed: float = 0.0) -> tuple[int, float]:
+    def _scarcest(self, req: Request, nodes: I64, min_speed: float, plenty: I64) -> I64:
+        """Per node of ``nodes``: ``plenty`` of the scarcest matching class with free devices
+        there."""
+        snap = self.snap
+        pa, pb = self._span(self.pair_lo, self.pair_hi, int(nodes.min()), int(nodes.max()) + 1)
+        pair_class = snap.pair_class[pa:pb]
+        usable = self.classes(req, min_speed)[pair_class] & (snap.pair_free[pa:pb] > 0)
+        lowest = np.full(int(nodes.max()) + 1 - int(nodes.min()), np.iinfo(np.int64).max)
+        where = snap.pair_node[pa:pb][usable] - int(nodes.min())
+        np.minimum.at(lowest, where, plenty[pair_class[usable]])
+        return lowest[nodes - int(nodes.min())]
+
+    def _tightest_share(
+        self, req: Request, node: int, min_speed: float, plenty: I64
+    ) -> tuple[int, float]:
         """The shareable matching device of ``node`` with the least free share that still
-        holds the request (then the lowest index), and the share it would keep."""
+        holds the request (then of the most plentiful model, then the lowest index), and the
+        share it would keep."""
         snap = self.snap
         lo, hi = int(self.device_lo[node]), int(self.device_hi[node])
         left = snap.device_free_fraction[lo:hi]
         matching = self.classes(req, min_speed)[snap.device_class[lo:hi]]
         shares = np.floor(left / req.fraction + EPSILON)  # the packer's shares_fit
         candidates = np.flatnonzero(matching & snap.device_shareable[lo:hi] & (shares >= 1))
-        best = int(candidates[np.lexsort((candidates, left[candidates]))[0]])
+        scarcity = -plenty[snap.device_class[lo:hi]][candidates]
+        best = int(candidates[np.lexsort((candidates, scarcity, left[candidates]))[0]])
         return lo + best, float(left[best] - req.fraction)
 
-    def _take_devices(self, req: Request, node: int, min_speed: float) -> list[int]:
+    def _take_devices(self, req: Request, node: int, min_speed: float, plenty: I64) -> list[int]:
         if not req.wants_accelerator:
             return []
         snap = self.snap
         lo, hi = int(self.device_lo[node]), int(self.device_hi[node])
         matching = self.classes(req, min_speed)[snap.device_class[lo:hi]]
         if req.accelerator_count:
-            free = np.flatnonzero(matching & snap.device_available[lo:hi])[: req.accelerator_count]
-            taken = [lo + int(d) for d in free]
+            free = np.flatnonzero(matching & snap.device_available[lo:hi])
+            # The most plentiful model first, then the lowest index (the packer's order).
+            scarcity = -plenty[snap.device_class[lo:hi]][free]
+            free = free[np.lexsort((free, scarcity))][: req.accelerator_count]
+            taken = sorted(lo + int(d) for d in free)
             for d in taken:
                 snap.device_available[d] = False
                 snap.device_shareable[d] = False
@@ -271,7 +331,7 @@ class SiteState:
                 snap.pair_free[self.device_pair[d]] -= 1
             self.free_devices -= len(taken)
             return taken
-        d, _ = self._tightest_share(req, node, min_speed)
+        d, _ = self._tightest_share(req, node, min_speed, plenty)
         if snap.device_available[d]:
             snap.device_available[d] = False
             snap.pair_free[self.device_pair[d]] -= 1
