@@ -163,6 +163,8 @@ class Scheduler:
         self._last_cycle = 0.0
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
+        self._freed_at_version: int | None = None
+        """The views' version when a task last ended, until they change after it."""
         self._preempting: dict[TaskKey, tuple[float, list[tuple[str, str, int]]]] = {}
         """Per urgent task: when it last had tasks stopped, and those (job, task, epoch)."""
 
@@ -171,9 +173,12 @@ class Scheduler:
 
     def capacity_freed(self) -> None:
         """A task ended: what it held goes to the first in line (``jobs.line_order``), not to
-        whichever waiting task's retry timer happens to come due first."""
+        whichever waiting task's retry timer happens to come due first. The site's report
+        may come before its view shows the room free, so the timers are cleared again at the
+        next change of the views (``_cycle``)."""
         self._not_before.clear()
         self._backoff_s.clear()
+        self._freed_at_version = self._sites.version
         self.wake()
 
     def _with_learned_speeds(self, request: Request) -> Request:
@@ -213,6 +218,11 @@ class Scheduler:
         return max(0.01, min(soonest - now, self._config.retry_interval_s))
 
     async def _cycle(self) -> None:
+        if self._freed_at_version is not None and self._sites.version != self._freed_at_version:
+            # The views changed since a task ended: the room it left shows now.
+            self._freed_at_version = None
+            self._not_before.clear()
+            self._backoff_s.clear()
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held
@@ -363,6 +373,7 @@ class Scheduler:
         being stopped: with ``lenders``, those of the queues that borrow what its queue is
         owed; else those of lower priority and a preemptible class."""
         now = time.time()
+        taken = {victim for _, victims in self._preempting.values() for victim in victims}
         out = []
         for job in self._jobs.at_sites(sites):
             if job.cancel_requested:
@@ -375,8 +386,8 @@ class Scheduler:
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
                 if task.state not in job_state.AT_SITE or task.site not in sites:
                     continue
-                if task.preempted_by:
-                    continue
+                if task.preempted_by or (job.id, task.name, task.epoch) in taken:
+                    continue  # stopping already, or chosen by another waiting task
                 started = task.started_at.ToSeconds() if task.HasField("started_at") else now
                 if now - started < self._config.preemption_min_run_s:
                     continue  # delegated, not started: loses nothing, may go at once

@@ -178,6 +178,11 @@ class SiteRegistry:
         self._version += 1
         self._on_change()
 
+    @property
+    def version(self) -> int:
+        """Grows with every change of a view or a site's state."""
+        return self._version
+
     def get(self, name: str) -> SiteEntry:
         entry = self._sites.get(name)
         if entry is None:

@@ -14,6 +14,7 @@ import pytest
 import pytest_asyncio
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
+from federation.coordinator.scheduler import PREEMPTION_SETTLE_S
 from federation.local import LocalFederation
 
 from .conftest import admin, gpu_site, jobs, running, spec, until, wait_for_job
@@ -190,4 +191,26 @@ async def test_a_queue_takes_back_the_quota_another_borrowed(
     assert sorted(stopped) == [0, 1]
     (tmp_path / "go").touch()
     for job_id in lent:
+        assert (await wait_for_job(operator, job_id)).state == SUCCEEDED
+
+
+async def test_urgent_jobs_at_once_each_stop_their_own_victim(
+    operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """Two urgent jobs submitted together choose different victims in the same pass, so
+    neither waits out the settle time for a victim the other already took."""
+    stub = jobs(operator)
+    for job_id in ("pair-a", "pair-b"):
+        await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=batch_job(job_id, tmp_path)))
+    await checkpointed(operator, "pair-a", "pair-b")
+    submitted = time.time()
+    urgent = [urgent_job("both-1"), urgent_job("both-2")]
+    await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=urgent))
+    done = [await wait_for_job(operator, job_id) for job_id in ("both-1", "both-2")]
+    assert all(job.state == SUCCEEDED for job in done)
+    started = max(job.tasks[0].started_at.ToSeconds() for job in done)
+    assert started - submitted < PREEMPTION_SETTLE_S
+    assert [(await get(operator, j)).tasks[0].preemptions for j in ("pair-a", "pair-b")] == [1, 1]
+    (tmp_path / "go").touch()
+    for job_id in ("pair-a", "pair-b"):
         assert (await wait_for_job(operator, job_id)).state == SUCCEEDED
