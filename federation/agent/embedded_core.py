@@ -487,7 +487,7 @@ class EmbeddedCore:
             for directory in dirs:
                 private_folder(directory, account)
             if task.checkpoints is not None:
-                self._reopen(task.checkpoints.restore_from)
+                self._reopen(task.key, task.checkpoints.restore_from)
                 task.checkpoints.prepare(account)
 
         try:
@@ -563,15 +563,17 @@ class EmbeddedCore:
         except OSError as exc:
             log.warning("work_folder_not_locked", job_id=key[0], task=key[1], error=str(exc))
 
-    def _reopen(self, checkpoint: Path | None) -> None:
+    def _reopen(self, key: TaskKey, checkpoint: Path | None) -> None:
         """A restart from a checkpoint of an ended epoch here passes through that epoch's
         folder again (locked by ``_lock``); the checkpoint's own folder stays its account's.
         Blocking: run it in a thread."""
         if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
             return
         parts = checkpoint.relative_to(self._work_dir).parts
+        if len(parts) < 4 or ".." in parts or parts[:2] != key[:2]:
+            return  # only an earlier epoch of this same task is opened again
         epoch_dir = self._work_dir.joinpath(*parts[:3])  # <job>/<task>/<epoch>
-        if len(parts) > 3 and epoch_dir.is_dir() and not epoch_dir.is_symlink():
+        if epoch_dir.is_dir() and not epoch_dir.is_symlink():
             epoch_dir.chmod(0o711)
 
     def _finish(

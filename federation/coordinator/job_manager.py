@@ -141,7 +141,9 @@ class JobManager:
                 raise PermissionDeniedError(
                     f"{caller} may not submit jobs for tenant {spec.tenant!r}"
                 )
-            violations += self._sharing.spec_violations(spec, tenant_of(caller, spec), path)
+            violations += self._sharing.spec_violations(
+                spec, tenant_of(caller, spec), path, by_tenant=caller.role is Role.TENANT
+            )
             if spec.id:
                 job_id = job_id_for(tenant_of(caller, spec), spec.id)
                 if job_id in ids:

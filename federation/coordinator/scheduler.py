@@ -52,9 +52,6 @@ log = structlog.get_logger()
 NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
 PREEMPT = "Preempt"
-PREEMPTION_SETTLE_S = 10.0
-"""After its victims stopped, how long an urgent task waits for their room to show in the
-site's view before it may have more tasks stopped."""
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
@@ -165,8 +162,8 @@ class Scheduler:
         self._placements: dict[Request, _Placement] = {}
         self._freed_at_version: int | None = None
         """The views' version when a task last ended, until they change after it."""
-        self._preempting: dict[TaskKey, tuple[float, list[tuple[str, str, int]]]] = {}
-        """Per urgent task: when it last had tasks stopped, and those (job, task, epoch)."""
+        self._preempting: dict[TaskKey, list[tuple[str, str, int]]] = {}
+        """Per waiting task, the (job, task, epoch) it had stopped while it waits."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -281,16 +278,16 @@ class Scheduler:
         start, or the verdicts it waits with (backed off), or None (its dependencies have
         not succeeded, or placing it failed)."""
         key = (job.id, task)
-        need = task_demand(job, task) if job.spec.queue else None
-        if need is not None and (why := self._sharing.admission(job, need, cycle.tentative)):
-            self._backoff(key)  # a task's end wakes it (``capacity_freed``)
-            return [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
-        if cycle.snapshot is None:
-            # Built only when something waits: every view delta wakes the loop, and
-            # flattening the federation into arrays is the expensive part of a cycle.
-            cycle.snapshot = self._sites.snapshot()
-            cycle.placements = self._placements_on(cycle.snapshot)
         try:
+            need = task_demand(job, task) if job.spec.queue else None
+            if need is not None and (why := self._sharing.admission(job, need, cycle.tentative)):
+                self._backoff(key)  # a task's end wakes it (``capacity_freed``)
+                return [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
+            if cycle.snapshot is None:
+                # Built only when something waits: every view delta wakes the loop, and
+                # flattening the federation into arrays is the expensive part of a cycle.
+                cycle.snapshot = self._sites.snapshot()
+                cycle.placements = self._placements_on(cycle.snapshot)
             request = request_for(job, task)
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
@@ -298,15 +295,15 @@ class Scheduler:
             placement = cycle.placements.get(request)
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
+            verdicts, ranked, estimates = placement
+            if not ranked:
+                self._backoff(key)
+                return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
         except Exception:
             # One task's bad spec or a plugin's bug must not hold up the others.
             log.exception("placement_failed", job=job.id, task=task)
             self._backoff(key)
             return None
-        verdicts, ranked, estimates = placement
-        if not ranked:
-            self._backoff(key)
-            return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
         if need is not None:
             self._sharing.admit(job, need, cycle.tentative)
         return _Negotiation(job.id, task, ranked, list(verdicts), estimates)
@@ -329,22 +326,22 @@ class Scheduler:
         lenders = set() if urgent else self._sharing.lenders(job, need)
         if not urgent and not lenders:
             return ()
-        decided_at, stopping = self._preempting.get(key, (0.0, []))
-        if any(self._still_stopping(victim) for victim in stopping):
+        if key in self._preempting:
+            # Once per waiting spell: the room is summed per site, not fitted per node, so a
+            # second round could stop more and more tasks for a task that never fits.
             return ()
-        if time.monotonic() - decided_at < PREEMPTION_SETTLE_S:
-            return ()  # the room its victims left is on its way in the site's view
         short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
         candidates = self._preemption_candidates(job, short, lenders)
         choice = choose_victims(need, free_room(snapshot, short), candidates)
         if choice is None:
             return ()
         site, victims = choice
-        self._preempting[key] = (time.monotonic(), [(v.job_id, v.task, v.epoch) for v in victims])
-        why = f"preempted by {job.id}/{task} " + (
-            f"(priority {job.spec.priority})"
+        self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
+        # Tenants see their own jobs only: the reason names no other job or queue.
+        why = (
+            f"a job of priority {job.spec.priority}"
             if urgent
-            else f"(queue {job.spec.queue} takes back its nominal quota)"
+            else "a queue taking back the nominal quota it lent"
         )
         runner = asyncio.create_task(self._preempt(victims, why))
         self._tasks.add(runner)
@@ -355,16 +352,10 @@ class Scheduler:
             jobs_pb2.SiteVerdict(
                 site=site,
                 stage=PREEMPT,
-                reason=f"stopping {len(victims)} lower-priority task(s) to make room: {named}",
+                reason=f"stopping {len(victims)} task(s) of lower priority or borrowed quota "
+                "to make room",
             ),
         )
-
-    def _still_stopping(self, victim: tuple[str, str, int]) -> bool:
-        job = self._jobs.cached(victim[0])
-        if job is None:
-            return False
-        task = find_task(job, victim[1])
-        return task.epoch == victim[2] and bool(task.preempted_by)
 
     def _preemption_candidates(
         self, urgent: jobs_pb2.Job, sites: set[str], lenders: set[str]
@@ -373,24 +364,28 @@ class Scheduler:
         being stopped: with ``lenders``, those of the queues that borrow what its queue is
         owed; else those of lower priority and a preemptible class."""
         now = time.time()
-        taken = {victim for _, victims in self._preempting.values() for victim in victims}
+        taken = {victim for victims in self._preempting.values() for victim in victims}
         out = []
         for job in self._jobs.at_sites(sites):
             if job.cancel_requested:
                 continue
+            if not self._sharing.preemptible(job):
+                continue
             if lenders:
                 if job.spec.queue not in lenders:
                     continue
-            elif job.spec.priority >= urgent.spec.priority or not self._sharing.preemptible(job):
+            elif job.spec.priority >= urgent.spec.priority:
                 continue
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
                 if task.state not in job_state.AT_SITE or task.site not in sites:
                     continue
                 if task.preempted_by or (job.id, task.name, task.epoch) in taken:
                     continue  # stopping already, or chosen by another waiting task
+                # A task delegated but not started loses nothing and may go at once.
                 started = task.started_at.ToSeconds() if task.HasField("started_at") else now
-                if now - started < self._config.preemption_min_run_s:
-                    continue  # delegated, not started: loses nothing, may go at once
+                ran_s = now - started if task.HasField("started_at") else math.inf
+                if ran_s < self._config.preemption_min_run_s:
+                    continue
                 saved = task.checkpoint.time.ToSeconds() if task.checkpoint.path else started
                 out.append(
                     Candidate(
@@ -413,7 +408,7 @@ class Scheduler:
             def mutate(job: jobs_pb2.Job) -> list[Change]:
                 task = find_task(job, victim.task)
                 if task.epoch == victim.epoch and task.state in job_state.AT_SITE:
-                    task.preempted_by = why.removeprefix("preempted by ")
+                    task.preempted_by = why
                 return []
 
             return mutate
@@ -429,7 +424,8 @@ class Scheduler:
             session = self._sites.session(victim.site)
             if session is not None:
                 with contextlib.suppress(SessionClosedError):
-                    session.send(cancel_request(victim.job_id, victim.task, victim.epoch, why))
+                    reason = f"preempted by {why}"
+                    session.send(cancel_request(victim.job_id, victim.task, victim.epoch, reason))
             PREEMPTIONS.inc()
 
     def _line(self, tentative: Tentative) -> Iterator[jobs_pb2.Job]:

@@ -101,12 +101,21 @@ def test_priority_classes_are_checked() -> None:
         {"urgent": {"value": 900, "may_preempt": True}, "batch": {"value": -10}}, source="c"
     )
     assert classes["urgent"] == PriorityClass("urgent", 900, preemptible=True, may_preempt=True)
+    assert classes["urgent"].allows(None)  # operators
+    assert not classes["urgent"].allows("team-a")  # it may preempt: listed tenants only
+    assert classes["batch"].allows("team-a")
+    listed = parse_priority_classes(
+        {"vip": {"value": 10, "preemptible": False, "tenants": ["team-a"]}}, source="c"
+    )
+    assert listed["vip"].allows("team-a")
+    assert not listed["vip"].allows("team-b")
     for bad, message in (
         ({"x": {"value": 5000}}, "must be in"),
         ({"x": {"value": "high"}}, "must be an integer"),
         ({"x": {}}, "value is required"),
         ({"x": {"value": 1, "preempt": True}}, "unknown setting"),
         ({"x": 3}, "must be a table"),
+        ({"x": {"value": 1, "tenants": "team-a"}}, "must be a list"),
     ):
         with pytest.raises(ConfigError, match=message):
             parse_priority_classes(bad, source="c")

@@ -14,7 +14,6 @@ import pytest
 import pytest_asyncio
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
-from federation.coordinator.scheduler import PREEMPTION_SETTLE_S
 from federation.local import LocalFederation
 
 from .conftest import admin, gpu_site, jobs, running, spec, until, wait_for_job
@@ -136,7 +135,8 @@ async def test_an_urgent_job_preempts_and_the_victim_restarts_from_its_checkpoin
         job_service_pb2.GetJobRequest(job_id=victim, include_events=True)
     )
     reasons = [e.reason for e in reply.events]
-    assert any(r.startswith("preempted by urgent-1/t") for r in reasons), reasons
+    assert any(r.startswith("preempted by a job of priority 900") for r in reasons), reasons
+    assert not any("urgent-1" in r for r in reasons)  # no other job is named to its tenant
     starts = markers_of(tmp_path, "start", victim)
     assert len(starts) == 2
     assert starts[0].read_text() == ""  # first start: fresh
@@ -197,19 +197,16 @@ async def test_a_queue_takes_back_the_quota_another_borrowed(
 async def test_urgent_jobs_at_once_each_stop_their_own_victim(
     operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
-    """Two urgent jobs submitted together choose different victims in the same pass, so
-    neither waits out the settle time for a victim the other already took."""
+    """Two urgent jobs submitted together choose different victims in the same pass (each
+    chooses once while it waits), so both victims are stopped and both urgent jobs run."""
     stub = jobs(operator)
     for job_id in ("pair-a", "pair-b"):
         await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=batch_job(job_id, tmp_path)))
     await checkpointed(operator, "pair-a", "pair-b")
-    submitted = time.time()
     urgent = [urgent_job("both-1"), urgent_job("both-2")]
     await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=urgent))
     done = [await wait_for_job(operator, job_id) for job_id in ("both-1", "both-2")]
     assert all(job.state == SUCCEEDED for job in done)
-    started = max(job.tasks[0].started_at.ToSeconds() for job in done)
-    assert started - submitted < PREEMPTION_SETTLE_S
     assert [(await get(operator, j)).tasks[0].preemptions for j in ("pair-a", "pair-b")] == [1, 1]
     (tmp_path / "go").touch()
     for job_id in ("pair-a", "pair-b"):

@@ -46,7 +46,7 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     root = tmp_path_factory.mktemp("queues")
     config = root / "coordinator.toml"
     config.write_text(
-        "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\n"
+        '[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\ntenants = ["tenant-y"]\n'
         "[priority_classes.batch]\nvalue = -100\n"
     )
     with running(root / "fed", [SITE], ["--config", str(config)]) as federation:
@@ -134,6 +134,12 @@ async def test_submits_name_only_the_tenants_queues_and_known_classes(
     await admin(operator).CreateQueue(
         admin_service_pb2.CreateQueueRequest(queue=queue("owned-by-x", "tenant-x"))
     )
+    async with channel_as(fed, tenant_tls(fed, "tenant-z")) as z:
+        # urgent may preempt: only the tenants the class lists may name it
+        job = gpu_job("not-listed", "", tmp_path, priority_class="urgent")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(z).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+        assert "spec.priority_class" in violations(caught.value)
     async with channel_as(fed, tenant_tls(fed, "tenant-y")) as y:
         for job, field in (
             (gpu_job("other", "owned-by-x", tmp_path), "spec.queue"),
@@ -144,6 +150,10 @@ async def test_submits_name_only_the_tenants_queues_and_known_classes(
                 await jobs(y).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert field in violations(caught.value)
+        raised = gpu_job("raised", "", tmp_path, priority=5)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(y).SubmitJob(job_service_pb2.SubmitJobRequest(spec=raised))
+        assert "spec.priority" in violations(caught.value)  # a tenant may only lower it
         (tmp_path / "go").touch()
         job = gpu_job("urgent", "", tmp_path / "go", priority_class="urgent")
         reply = await jobs(y).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))

@@ -78,7 +78,10 @@ def free_room(snapshot: Snapshot, sites: Iterable[str]) -> dict[str, dict[str, f
             room[CPU] = room.get(CPU, 0.0) + float(snapshot.node_cpu_free[node])
             room[MEMORY] = room.get(MEMORY, 0.0) + float(snapshot.node_memory_free_mib[node])
     for device in np.flatnonzero(snapshot.device_available):
-        site = site_of_node[snapshot.device_node[device]]
+        node = snapshot.device_node[device]
+        if not snapshot.node_schedulable[node]:
+            continue
+        site = site_of_node[node]
         kind = _KIND_NAMES.get(int(snapshot.device_kind[device]))
         if site in wanted and kind is not None:
             room = out[site]

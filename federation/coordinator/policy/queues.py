@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 from collections.abc import Collection, Mapping
 
@@ -86,6 +87,8 @@ class QueueBook:
         self._store = store
         self._queues: dict[str, queues_pb2.Queue] = {}
         self._revisions: dict[str, int] = {}
+        self._writing = asyncio.Lock()
+        """One write at a time: a check (a parent exists, no children) holds until it lands."""
 
     async def load(self) -> None:
         for kv in await self._store.range(QUEUES, limit=MAX_QUEUES):
@@ -108,6 +111,10 @@ class QueueBook:
         return [q.name for q in self._queues.values() if q.parent == name]
 
     async def create(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+        async with self._writing:
+            return await self._create(queue)
+
+    async def _create(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
         if queue.name in self._queues:
             raise AlreadyExistsError(f"queue {queue.name!r} already exists", queue=queue.name)
         if len(self._queues) >= MAX_QUEUES:
@@ -115,12 +122,17 @@ class QueueBook:
         return await self._write(queue, expect_revision=0)
 
     async def update(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
-        if queue.name not in self._queues:
-            raise QueueNotFoundError(queue.name)
-        return await self._write(queue, expect_revision=self._revisions[queue.name])
+        async with self._writing:
+            if queue.name not in self._queues:
+                raise QueueNotFoundError(queue.name)
+            return await self._write(queue, expect_revision=self._revisions[queue.name])
 
     async def delete(self, name: str, used_by: Collection[str]) -> None:
         """Delete ``name`` unless ``used_by`` (unfinished jobs naming it) or children."""
+        async with self._writing:
+            await self._delete(name, used_by)
+
+    async def _delete(self, name: str, used_by: Collection[str]) -> None:
         queue = self.get(name)
         if children := self.children(name):
             raise FailedPreconditionError(

@@ -26,7 +26,7 @@ def admission(
     """None when a task of queue ``name`` that needs ``need`` may start now; else why not,
     in quota terms, for people (``fedctl jobs explain``)."""
     current = name
-    while current:
+    while current in queues:  # a parent deleted meanwhile ends the walk as the top would
         queue = queues[current]
         for quota in queue.quotas:
             want = need.get(quota.resource, 0.0)

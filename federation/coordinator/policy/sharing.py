@@ -33,24 +33,35 @@ class Sharing:
     # The submit path --------------------------------------------------------------------
 
     def spec_violations(
-        self, spec: jobs_pb2.JobSpec, tenant: str, path: str
+        self, spec: jobs_pb2.JobSpec, tenant: str, path: str, *, by_tenant: bool
     ) -> list[FieldViolation]:
-        """A queue the job's tenant does not own, or an unknown priority class."""
+        """A queue the job's tenant does not own, a priority class unknown or not the
+        submitter's to name, or a tenant raising its own priority (``by_tenant``: a tenant
+        submits; its priority may only go down, a class raises it)."""
         out = []
         if spec.queue:
             queue = self.book.queues.get(spec.queue)
-            if queue is None:
-                out.append(FieldViolation(f"{path}.queue", f"no queue {spec.queue[:64]!r}"))
-            elif queue.tenant != tenant:
+            if queue is None or queue.tenant != tenant:
+                # The same words either way: no tenant learns another's queue names.
                 out.append(
                     FieldViolation(
                         f"{path}.queue",
-                        f"queue {spec.queue} is not tenant {tenant}'s. To fix: submit to one "
-                        "of your own queues ('fedctl queues list')",
+                        f"tenant {tenant} has no queue {spec.queue[:64]!r}. To fix: submit "
+                        "to one of its queues",
                     )
                 )
+        if by_tenant and spec.priority > 0:
+            out.append(
+                FieldViolation(
+                    f"{path}.priority",
+                    f"is {spec.priority}; a tenant may only lower its jobs' priority (at most "
+                    "0): name a priority class for more",
+                )
+            )
         if spec.priority_class:
             known = self.classes.get(spec.priority_class)
+            if known is not None and not known.allows(tenant if by_tenant else None):
+                known = None  # not the submitter's to name: as if there were no such class
             if known is None:
                 names = ", ".join(sorted(self.classes)) or "none are configured"
                 out.append(
@@ -85,10 +96,8 @@ class Sharing:
         it needs, the queues beside them that borrow some of those resources, with the queues
         under those: their tasks may be stopped to give the room back. Empty otherwise."""
         current = job.spec.queue
-        if current not in self.book.queues:
-            return set()
         borrowing: set[str] = set()
-        while current:
+        while current in self.book.queues:
             queue = self.book.queues[current]
             held = self.held(current)
             for quota in queue.quotas:
@@ -124,6 +133,8 @@ class Sharing:
         return out
 
     def _subtree(self, queue: str) -> list[str]:
+        if not queue:
+            return [""]  # jobs in no queue: not the parent of the top-level queues
         names, i = [queue], 0
         while i < len(names):
             names += self.book.children(names[i])
