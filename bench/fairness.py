@@ -218,7 +218,7 @@ class Tracker:
             self.running_at.setdefault(event.job_id, time.perf_counter())
         if event.reason.startswith("preempted by "):  # a victim back to PENDING
             self.reclaims += "takes back its nominal quota" in event.reason
-            self.for_urgent += "(priority " in event.reason
+            self.for_urgent += "a job of priority" in event.reason
         if event.reason.startswith("no site can take it now"):
             self.found_no_room.add(event.job_id)
 
