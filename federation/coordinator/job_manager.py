@@ -13,6 +13,7 @@ from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
+    MADE_ID,
     MAX_REPLY_BYTES,
     Change,
     JobRepository,
@@ -59,10 +60,10 @@ def job_id_for(tenant: str, chosen: str) -> str:
 
 
 def ids_to_look_up(caller: Identity, job_id: str) -> tuple[str, ...]:
-    """The ids ``job_id`` may mean to ``caller``: a tenant names its own jobs by the id it
-    chose, by their full id, or by the id the coordinator made."""
-    if caller.role is Role.TENANT and ":" not in job_id:
-        return (job_id_for(caller.name, job_id), job_id)
+    """The id ``job_id`` means to ``caller``: a tenant names its own jobs by the id it chose,
+    by their full id, or by the id the coordinator made (``j-…``, which no one may choose)."""
+    if caller.role is Role.TENANT and ":" not in job_id and not job_id.startswith(MADE_ID):
+        return (job_id_for(caller.name, job_id),)
     return (job_id,)
 
 
@@ -144,6 +145,13 @@ class JobManager:
             violations += self._sharing.spec_violations(
                 spec, tenant_of(caller, spec), path, by_tenant=caller.role is Role.TENANT
             )
+            if spec.id.startswith(MADE_ID):
+                violations.append(
+                    FieldViolation(
+                        f"{path}.id",
+                        f"ids starting with {MADE_ID!r} are the coordinator's; choose another",
+                    )
+                )
             if spec.id:
                 job_id = job_id_for(tenant_of(caller, spec), spec.id)
                 if job_id in ids:
@@ -217,7 +225,8 @@ class JobManager:
 
     async def get(self, caller: Identity, job_id: str) -> jobs_pb2.Job:
         visible = visible_to(caller)
-        for candidate in ids_to_look_up(caller, job_id):
+        candidates = ids_to_look_up(caller, job_id)
+        for candidate in candidates:
             with contextlib.suppress(JobNotFoundError):
                 job = await self._jobs.get(candidate)
                 if visible(job):

@@ -598,6 +598,10 @@ def line_order(job: jobs_pb2.Job) -> LineKey:
     return (-job.spec.priority, job.created_at.ToNanoseconds(), job.id)
 
 
+MADE_ID = "j-"
+"""How the ids the coordinator makes begin; no one may choose such an id."""
+
+
 def new_job_id() -> str:
     """Time-ordered, so listing by key lists jobs in submission order."""
-    return f"j-{int(time.time() * 1000):011x}-{secrets.token_hex(3)}"
+    return f"{MADE_ID}{int(time.time() * 1000):011x}-{secrets.token_hex(3)}"

@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import itertools
 import math
 import time
 from collections.abc import Iterator
@@ -51,8 +52,11 @@ log = structlog.get_logger()
 
 NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
-PREEMPT = "Preempt"
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
+PREEMPT = "Preempt"
+"""The stage of the verdict naming the tasks stopped to make room for a waiting one."""
+FRONT_OF_LINE = 64
+"""Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
@@ -173,10 +177,18 @@ class Scheduler:
         whichever waiting task's retry timer happens to come due first. The site's report
         may come before its view shows the room free, so the timers are cleared again at the
         next change of the views (``_cycle``)."""
-        self._not_before.clear()
-        self._backoff_s.clear()
+        self._clear_front_of_line()
         self._freed_at_version = self._sites.version
         self.wake()
+
+    def _clear_front_of_line(self) -> None:
+        """Let the first ``FRONT_OF_LINE`` waiting jobs be tried at once, whatever their retry
+        timers: freed room is theirs. Only the front: clearing every timer at each task end
+        would place every waiting task again, which a flood of short jobs makes costly."""
+        for job in itertools.islice(self._line({}), FRONT_OF_LINE):
+            for task in job.tasks:
+                self._not_before.pop((job.id, task.name), None)
+                self._backoff_s.pop((job.id, task.name), None)
 
     def _with_learned_speeds(self, request: Request) -> Request:
         """``request`` estimated with learned speeds where the task sets none of its own."""
@@ -218,8 +230,7 @@ class Scheduler:
         if self._freed_at_version is not None and self._sites.version != self._freed_at_version:
             # The views changed since a task ended: the room it left shows now.
             self._freed_at_version = None
-            self._not_before.clear()
-            self._backoff_s.clear()
+            self._clear_front_of_line()
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held
@@ -321,8 +332,10 @@ class Scheduler:
         that room, which it gets first (``Sharing.order``). Returns the verdict that says so;
         nothing while earlier victims are still stopping."""
         key = (job.id, task)
-        need = task_demand(job, task)
         urgent = self._sharing.may_preempt(job)
+        if not urgent and job.spec.queue not in self._sharing.book.queues:
+            return ()  # the common case, checked first: this runs for every waiting task
+        need = task_demand(job, task)
         lenders = set() if urgent else self._sharing.lenders(job, need)
         if not urgent and not lenders:
             return ()

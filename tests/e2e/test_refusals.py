@@ -87,6 +87,7 @@ BAD_SPECS = [
     ("name too long", spec("x" * 200, [python_task("t", "")]), "spec.name"),
     ("no tasks", spec("x", []), "spec.tasks"),
     ("bad id", spec("x", [python_task("t", "")], id="Not Valid!"), "spec.id"),
+    ("the coordinator's id form", spec("x", [python_task("t", "")], id="j-mine"), "spec.id"),
     (
         "selector too costly",
         spec("x", [python_task("t", "", resources={"accelerator": {"selector": FREEZES}})]),
