@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
 from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
@@ -157,12 +157,19 @@ class JobRepository:
         self._pending_in_order = True
         self._held: set[tuple[str, str]] = set()
         """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
+        self._finished: OrderedDict[str, jobs_pb2.Job] = OrderedDict()
+        """The newest jobs seen finishing (``FINISHED_KEPT``), as written."""
         self.usage = QueueUsage()
         """What each queue's tasks hold (placed, running, or with offers out)."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
             self._forget(job.id)
+            # Clients poll a job they just saw finish: answer them without a store read.
+            self._finished[job.id] = job
+            self._finished.move_to_end(job.id)
+            if len(self._finished) > FINISHED_KEPT:
+                self._finished.popitem(last=False)
             return
         if job.id not in self._active:
             self._unfinished[job.spec.tenant] += 1
@@ -268,6 +275,8 @@ class JobRepository:
     async def get(self, job_id: str) -> jobs_pb2.Job:
         if cached := self._active.get(job_id):
             return _copy(cached[0])
+        if (finished := self._finished.get(job_id)) is not None:
+            return _copy(finished)
         kv = await self._store.get(job_key(job_id))
         if kv is None:
             raise JobNotFoundError(job_id)
@@ -598,6 +607,8 @@ def line_order(job: jobs_pb2.Job) -> LineKey:
     return (-job.spec.priority, job.created_at.ToNanoseconds(), job.id)
 
 
+FINISHED_KEPT = 1024
+"""How many of the jobs that finished last are kept in memory, for GetJob."""
 MADE_ID = "j-"
 """How the ids the coordinator makes begin; no one may choose such an id."""
 

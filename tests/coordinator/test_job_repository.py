@@ -404,3 +404,23 @@ async def test_a_list_call_reads_a_bounded_number_of_jobs(repo: JobRepository) -
             break
     assert found == sorted(wanted)
     assert pages == 5  # 250 jobs, 60 read per call
+
+
+async def test_a_job_just_finished_is_read_without_the_store(
+    store: SqliteStore, repo: JobRepository, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Clients poll the job they saw finish: the newest finished jobs are answered from
+    memory, as written; an older one comes from the store."""
+    await repo.create([new_job("done"), new_job("old")])
+    await repo.update("old", move(("main", DEL, "d"), ("main", RUN, "r"), ("main", OK, "ok")))
+    monkeypatch.setattr(jobs, "FINISHED_KEPT", 1)
+    await repo.update("done", move(("main", DEL, "d"), ("main", RUN, "r"), ("main", OK, "ok")))
+
+    async def no_reads(key: str) -> None:
+        raise AssertionError(f"read {key} from the store")
+
+    monkeypatch.setattr(store, "get", no_reads)
+    finished = await repo.get("done")
+    assert finished.state == OK
+    with pytest.raises(AssertionError, match="read /jobs/old"):
+        await repo.get("old")  # pushed out by the newer one
