@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 
-from rich.console import Console, Group, RenderableType
-from rich.measure import Measurement
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
-from federation.cli.render import console, format_duration, print_json, text
+from federation.cli.render import console, format_duration, print_json, print_whole, text
 from federation.jobspec import state_name
 
 
@@ -141,19 +139,6 @@ def explain_task(task: jobs_pb2.TaskExplanation) -> list[RenderableType]:
 def explanation_table(task: jobs_pb2.TaskExplanation) -> Group:
     """One task's explanation as one renderable."""
     return Group(*explain_task(task))
-
-
-def print_whole(out: Console, renderables: Sequence[RenderableType]) -> None:
-    """Print each at its natural width, even wider than the console: nothing cut or wrapped."""
-    wide = out.options.update(width=1_000_000)
-    widths = [Measurement.get(out, wide, r).maximum for r in renderables]
-    width = out.width
-    out.width = max([width, *widths])  # print() never goes past the console's width
-    try:
-        for renderable in renderables:
-            out.print(renderable, crop=False)
-    finally:
-        out.width = width
 
 
 async def cmd_explain(args: argparse.Namespace, conn: Connection) -> int:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from google.protobuf import json_format
 from google.protobuf.message import Message
 from rich.console import Console, RenderableType
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -353,3 +354,16 @@ def job_details(reply: job_service_pb2.GetJobResponse) -> Iterator[RenderableTyp
     yield text("events", "bold")
     for event in reply.events:
         yield text("  " + event_line(event))
+
+
+def print_whole(out: Console, renderables: Sequence[RenderableType]) -> None:
+    """Print each at its natural width, even wider than the terminal: nothing cut or wrapped."""
+    wide = out.options.update(width=1_000_000)
+    widths = [Measurement.get(out, wide, r).maximum for r in renderables]
+    width = out.width
+    out.width = max([width, *widths])  # print() never goes past the console's width
+    try:
+        for renderable in renderables:
+            out.print(renderable, crop=False)
+    finally:
+        out.width = width

@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import grpc
-from rich.console import Console, Group, RenderableType
+from rich.console import Group, RenderableType
 from rich.live import Live
-from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -48,6 +47,7 @@ from federation.cli.render import (
     format_age,
     format_duration,
     print_data,
+    print_whole,
     site_state_name,
     text,
 )
@@ -398,19 +398,6 @@ def frame(snapshot: Snapshot | None, address: str, interval: float, error: str) 
     else:
         parts.extend(snapshot_tables(snapshot))
     return Group(*parts)
-
-
-def print_whole(out: Console, renderables: Sequence[RenderableType]) -> None:
-    """Print each at its natural width, even wider than the terminal: nothing cut or wrapped."""
-    wide = out.options.update(width=1_000_000)
-    widths = [Measurement.get(out, wide, r).maximum for r in renderables]
-    width = out.width
-    out.width = max([width, *widths])  # print() never goes past the console's width
-    try:
-        for renderable in renderables:
-            out.print(renderable, crop=False)
-    finally:
-        out.width = width
 
 
 # The command.

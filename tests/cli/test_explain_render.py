@@ -8,7 +8,8 @@ import io
 from rich.console import Console
 
 from federation.api.v1 import jobs_pb2
-from federation.cli.explain import explain_task, print_whole
+from federation.cli.explain import explain_task
+from federation.cli.render import print_whole
 
 LONG = "needs 2 replica(s) of 4 CPU, 1xGPU (H100-80GB); site has room for 0; " * 2
 
