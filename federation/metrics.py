@@ -287,7 +287,7 @@ def serve_metrics(listen: str) -> int:
     return int(server.server_port)
 
 
-# Coordinator: queues (kept when queues are listed, and by each scheduling cycle's fair share).
+# Coordinator: queues (refreshed by the scheduling loop every few seconds, and when listed).
 QUEUE_USAGE = Gauge(
     "federation_queue_usage",
     "What a queue and the queues under it hold (cpu cores, memory_mib, devices by kind/model)",

@@ -56,6 +56,8 @@ QUOTA = "Quota"
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
 FRONT_OF_LINE = 64
+QUEUE_GAUGES_EVERY_S = 5.0
+"""How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
 """Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
@@ -164,6 +166,7 @@ class Scheduler:
         self._last_cycle = 0.0
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
+        self._gauges_at = 0.0
         self._freed_at_version: int | None = None
         """The views' version when a task last ended, until they change after it."""
         self._preempting: dict[TaskKey, list[tuple[str, str, int]]] = {}
@@ -447,6 +450,9 @@ class Scheduler:
         if not self._sharing.book.queues and not self._sharing.classes:
             return self._jobs.pending()
         capacity = self._sites.capacity()
+        if time.monotonic() - self._gauges_at > QUEUE_GAUGES_EVERY_S:
+            self._gauges_at = time.monotonic()
+            self._sharing.export_gauges(capacity)
         return self._sharing.order(self._jobs.pending(), capacity, tentative)
 
     def _placements_on(self, snapshot: Snapshot) -> dict[Request, _Placement]:

@@ -4,15 +4,18 @@ order by weighted dominant share, priority classes and queue checks."""
 from __future__ import annotations
 
 import pytest
+from prometheus_client import REGISTRY
 
 from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
 from federation.config import ConfigError
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.preemption import Candidate, choose_victims
 from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
-from federation.coordinator.policy.queues import queue_violations
+from federation.coordinator.policy.queues import QueueBook, queue_violations
 from federation.coordinator.policy.quota import admission
 from federation.coordinator.policy.resources import demand
+from federation.coordinator.policy.sharing import Sharing
+from federation.coordinator.policy.usage import QueueUsage
 
 
 def q(name: str, *quotas: tuple[str, float, float], parent: str = "") -> queues_pb2.Queue:
@@ -148,3 +151,25 @@ def test_victims_are_the_fewest_cheapest_whole_tasks() -> None:
     site, victims = choose_victims(need, {"a": free["a"]}, candidates) or ("", [])
     assert [v.job_id for v in victims] == ["a-low-fresh", "a-low"]
     assert choose_victims({"gpu": 9.0}, free, candidates) is None
+
+
+def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"q": q("q", ("gpu", 4, 0))}
+    usage = QueueUsage()
+    job = jobs_pb2.Job(id="j1")
+    job.spec.queue = "q"
+    task = job.spec.tasks.add(name="t")
+    task.resources.accelerator.kind = resources_pb2.DEVICE_KIND_GPU
+    task.resources.accelerator.count = 2
+    job.tasks.add(name="t", state=jobs_pb2.JOB_STATE_RUNNING)
+    usage.update(job, set())
+    sharing = Sharing(book, usage)
+    sharing.export_gauges({"gpu": 8})
+    sample = REGISTRY.get_sample_value
+    assert sample("federation_queue_usage", {"queue": "q", "resource": "gpu"}) == 2
+    assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0.25
+    usage.remove("j1")
+    sharing.export_gauges({"gpu": 8})
+    assert sample("federation_queue_usage", {"queue": "q", "resource": "gpu"}) is None
+    assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0

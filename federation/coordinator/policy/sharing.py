@@ -184,7 +184,7 @@ class Sharing:
     def status(
         self, capacity: Mapping[str, float], waiting: Mapping[str, int]
     ) -> list[queues_pb2.QueueStatus]:
-        """Every queue with what it holds, borrows and its dominant share; the gauges too."""
+        """Every queue with what it holds, borrows and its dominant share."""
         out = []
         for name in sorted(self.book.queues):
             queue = self.book.queues[name]
@@ -205,10 +205,19 @@ class Sharing:
                     waiting_jobs=waiting.get(name, 0),
                 )
             )
-            QUEUE_DOMINANT_SHARE.labels(name).set(share)
-            for res, amount in held.items():
-                QUEUE_USAGE.labels(name, res).set(amount)
+        self.export_gauges(capacity)
         return out
+
+    def export_gauges(self, capacity: Mapping[str, float]) -> None:
+        """Every queue's usage and dominant share as gauges; a queue or resource that holds
+        nothing now has no series left over from before."""
+        QUEUE_USAGE.clear()
+        QUEUE_DOMINANT_SHARE.clear()
+        for name, queue in self.book.queues.items():
+            held = self.held(name)
+            QUEUE_DOMINANT_SHARE.labels(name).set(dominant_share(held, capacity, queue.weight)[0])
+            for resource, amount in held.items():
+                QUEUE_USAGE.labels(name, resource).set(amount)
 
 
 def task_demand(job: jobs_pb2.Job, task: str) -> dict[str, float]:
