@@ -40,6 +40,7 @@ from federation.errors import (
 )
 from federation.metrics import JOBS_SUBMITTED
 from federation.security.identity import Identity, Role
+from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
 
@@ -135,7 +136,9 @@ class JobManager:
             raise InvalidArgumentError([FieldViolation("specs", "the batch is empty")])
         violations: list[FieldViolation] = []
         ids: set[str] = set()
+        timeslice = TimeSlice()  # a batch of thousands must not stall other callers
         for i, spec in enumerate(specs):
+            await timeslice.share()
             path = f"specs[{i}]" if batch else "spec"
             violations += spec_violations(spec, path, self._max_spec_bytes)
             if caller.role is Role.TENANT and spec.tenant not in ("", caller.name):
@@ -163,7 +166,10 @@ class JobManager:
         if violations:
             raise InvalidArgumentError(violations)
         submitted_by = str(caller)
-        jobs = [self._new_job(caller, submitted_by, spec) for spec in specs]
+        jobs = []
+        for spec in specs:
+            await timeslice.share()
+            jobs.append(self._new_job(caller, submitted_by, spec))
         reply_bytes = sum(job.ByteSize() + 8 for job in jobs)
         if reply_bytes > MAX_REPLY_BYTES:
             raise InvalidArgumentError(
@@ -255,10 +261,11 @@ class JobManager:
                 and (not request.site or any(t.site == request.site for t in job.tasks))
             )
 
-        jobs, token = await self._jobs.list_page(
-            accepts, request.page_size or 100, request.page_token
+        reply = job_service_pb2.ListJobsResponse()
+        reply.next_page_token = await self._jobs.list_page(
+            accepts, reply.jobs, request.page_size or 100, request.page_token
         )
-        return job_service_pb2.ListJobsResponse(jobs=jobs, next_page_token=token)
+        return reply
 
     async def cancel(self, caller: Identity, job_id: str, reason: str) -> jobs_pb2.Job:
         job_id = (await self.get(caller, job_id)).id  # visibility check, and the full id

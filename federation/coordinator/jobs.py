@@ -14,6 +14,7 @@ from typing import TypeAlias
 
 import structlog
 from google.protobuf import timestamp_pb2
+from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.coordinator import job_state
@@ -29,6 +30,7 @@ from federation.errors import (
 )
 from federation.metrics import TASK_TRANSITIONS
 from federation.store import CasConflictError, Put, Store, StoreError
+from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
 
@@ -38,7 +40,7 @@ MAX_REPLY_BYTES = 3 << 20
 MAX_SCANNED = 10_000
 """Most stored jobs one ListJobs call reads, matching or not."""
 SCAN_BATCH = 100
-"""Jobs read from the store at a time: decoding them holds the event loop."""
+"""Jobs read from the store at a time."""
 OLD_EVENTS = "/events/"
 """Where earlier versions stored each event, beside a job stored alone: every job they created
 has its first event there. This version stores one ``JobRecord`` per job and cannot read those."""
@@ -70,6 +72,24 @@ def _field(number: int, payload: bytes) -> bytes:
 def _encoded_events(events: Iterable[jobs_pb2.JobEvent]) -> list[bytes]:
     """Each event as a ``JobRecord.events`` entry, ready to append to a record."""
     return [_field(2, event.SerializeToString()) for event in events]
+
+
+def _job_bytes(record: bytes) -> bytes:
+    """The encoded job of a stored record, its events left undecoded: ``_record_value`` writes
+    the job as the record's first field."""
+    if record[:1] == b"\x0a":  # field 1, length-delimited
+        size = shift = 0
+        at = 1
+        while at < len(record):
+            byte = record[at]
+            at += 1
+            size |= (byte & 0x7F) << shift
+            if not byte & 0x80:
+                if at + size <= len(record):
+                    return record[at : at + size]
+                break
+            shift += 7
+    return read_record(record).job.SerializeToString()
 
 
 def _record_value(job: jobs_pb2.Job, events: list[bytes]) -> bytes:
@@ -285,43 +305,54 @@ class JobRepository:
     async def list_page(
         self,
         accepts: Callable[[jobs_pb2.Job], bool],
+        into: RepeatedCompositeFieldContainer[jobs_pb2.Job],
         page_size: int,
         page_token: str,
         max_bytes: int = MAX_REPLY_BYTES,
         max_scanned: int = MAX_SCANNED,
-    ) -> tuple[list[jobs_pb2.Job], str]:
-        """Up to ``page_size`` jobs after ``page_token`` that ``accepts``, in id order, and
-        fewer if they would take more than ``max_bytes`` (but always at least one).
+    ) -> str:
+        """Add to ``into`` (a reply's repeated field: jobs are decoded straight into it) up to
+        ``page_size`` jobs after ``page_token`` that ``accepts``, in id order, and fewer if
+        they would take more than ``max_bytes`` (but always at least one); returns the next
+        page's token.
 
         At most ``max_scanned`` stored jobs are read per call, in batches that give the event
         loop back between them: a filter that matches little must not cost a scan of every
         job. A page cut short so has a next token though it may hold no jobs; otherwise the
         next token is set only when another matching job exists.
         """
-        out: list[jobs_pb2.Job] = []
-        size = scanned = 0
+        size = scanned = taken = 0
+        timeslice = TimeSlice()
         start = job_key(page_token) if page_token else ""
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=SCAN_BATCH)
             for kv in page:
-                job = read_record(kv.value).job
+                await timeslice.share()
+                encoded = _job_bytes(kv.value)
+                job = into.add()
+                job.ParseFromString(encoded)
                 scanned += 1
                 if accepts(job):
                     # Each job costs its size plus a few bytes of framing in the reply.
-                    size += job.ByteSize() + 8
-                    if len(out) == page_size or (out and size > max_bytes):
-                        return out, out[-1].id
-                    out.append(job)
+                    size += len(encoded) + 8
+                    if taken == page_size or (taken and size > max_bytes):
+                        del into[-1]
+                        return into[-1].id
+                    taken += 1
+                else:
+                    del into[-1]
                 if scanned >= max_scanned:
-                    return out, job.id
+                    return job.id
             if len(page) < SCAN_BATCH:
-                return out, ""
+                return ""
             start = page[-1].key
 
     async def create(self, jobs: list[jobs_pb2.Job]) -> None:
         """Store new jobs, each with its first event, in one atomic commit."""
         staged: list[_Staged] = []
+        timeslice = TimeSlice()
         for job in jobs:
+            await timeslice.share()
             events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
             job.last_event_sequence = 1
             encoded = _encoded_events(events)
@@ -341,7 +372,9 @@ class JobRepository:
     async def _commit_new(self, staged: list[_Staged]) -> int:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
         revision = await self._store.commit([stage.put for stage in staged])
+        timeslice = TimeSlice()
         for stage in staged:
+            await timeslice.share()
             self._cache(_copy(stage.job), revision, stage.encoded)
             self._hub.publish(stage.job, stage.events)
         return revision
@@ -395,7 +428,9 @@ class JobRepository:
                 await lock.acquire()
                 held.append(lock)
             staged: list[_Staged] = []
+            timeslice = TimeSlice()
             for job_id, mutate in composed.items():
+                await timeslice.share()
                 try:
                     job, stage = await self._mutated(job_id, mutate)
                 except FederationError as err:
@@ -484,7 +519,9 @@ class JobRepository:
         states = Counter(event.state for stage in staged for event in stage.events)
         for state, count in states.items():
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
+        timeslice = TimeSlice()
         for stage in staged:
+            await timeslice.share()
             job = stage.job
             self._cache(job, new_revision, stage.encoded)  # the caller gets it too: read-only
             if job_state.is_terminal(job.state):

@@ -47,6 +47,7 @@ from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
+from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
 
@@ -64,8 +65,6 @@ CHECKPOINT = "checkpoint:"
 TaskKey = tuple[str, str]
 MAX_REMEMBERED_PLACEMENTS = 10_000
 """Distinct requests whose placement on the current snapshot is kept for later cycles."""
-CYCLE_SLICE_S = 0.005
-"""A cycle gives the loop to other work after this long over waiting jobs."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,13 +245,11 @@ class Scheduler:
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         swept = True
-        slice_start = now
+        # Thousands of waiting tasks (one tenant's flood) must not stall every other call
+        # on the loop: rest now and then to let them in, and go on with the jobs still pending.
+        timeslice = TimeSlice(rest_s=SLICE_S)
         for job in self._line(cycle.tentative):
-            if time.monotonic() - slice_start > CYCLE_SLICE_S:
-                # Thousands of waiting tasks (one tenant's flood) must not stall every other
-                # call on the loop: let them in, then go on with the jobs still pending.
-                await asyncio.sleep(0)
-                slice_start = time.monotonic()
+            await timeslice.share()
             if job.cancel_requested:
                 continue
             for task in job.tasks:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from federation.api.v1 import jobs_pb2
+from federation.api.v1 import job_service_pb2, jobs_pb2, records_pb2
 from federation.coordinator import job_state, jobs
 from federation.coordinator.events import EventHub, Subscription
 from federation.coordinator.job_state import IllegalTransitionError
@@ -395,8 +395,9 @@ async def test_a_list_call_reads_a_bounded_number_of_jobs(repo: JobRepository) -
     pages = 0
     token = ""
     while True:
-        page, token = await repo.list_page(
-            lambda job: job.id in wanted, page_size=100, page_token=token, max_scanned=60
+        page = job_service_pb2.ListJobsResponse().jobs
+        token = await repo.list_page(
+            lambda job: job.id in wanted, page, page_size=100, page_token=token, max_scanned=60
         )
         found += [job.id for job in page]
         pages += 1
@@ -404,6 +405,16 @@ async def test_a_list_call_reads_a_bounded_number_of_jobs(repo: JobRepository) -
             break
     assert found == sorted(wanted)
     assert pages == 5  # 250 jobs, 60 read per call
+
+
+def test_a_page_takes_the_job_from_its_record_undecoded() -> None:
+    """Listing decodes only the job of each stored record, never its events: the bytes it
+    takes are the job's own, whatever the record's size."""
+    job = new_job("j" * 300)  # a job over 127 bytes: a length of more than one byte
+    events = [jobs_pb2.JobEvent(job_id=job.id, sequence=n) for n in range(1, 50)]
+    record = records_pb2.JobRecord(job=job, events=events).SerializeToString()
+    assert jobs._job_bytes(record) == job.SerializeToString()
+    assert jobs._job_bytes(records_pb2.JobRecord(events=events).SerializeToString()) == b""
 
 
 async def test_a_job_just_finished_is_read_without_the_store(
