@@ -116,6 +116,8 @@ class Undecodable:
     """What the request deserializer returns for bytes that are not the expected message."""
 
     message: str
+    size: int
+    """The bytes it came in: refused or not, they were received, and the byte rate counts them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,11 +139,13 @@ def _lenient(
 
     def deserialize(data: bytes) -> Any:
         if max_bytes and len(data) > max_bytes:
-            return Undecodable(f"the request is {len(data)} bytes; at most {max_bytes} allowed")
+            return Undecodable(
+                f"the request is {len(data)} bytes; at most {max_bytes} allowed", len(data)
+            )
         try:
             return _Received(deserializer(data), len(data))
         except Exception:
-            return Undecodable("the request is not a valid message for this method")
+            return Undecodable("the request is not a valid message for this method", len(data))
 
     return deserialize
 
@@ -253,6 +257,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
+                    if isinstance(request, Undecodable):
+                        # Charged too: a client that sends oversized requests over and over
+                        # is held back by its byte rate like any other.
+                        await enter(context, None, request.size)
                     received = _decoded(request)
                     holder = await enter(context, received.message, received.size)
                     response = await inner_uu(received.message, context)
@@ -271,6 +279,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             async def streaming(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
                 async with translate_errors(context, method):
                     if unary_request:
+                        if isinstance(request, Undecodable):
+                            await enter(context, None, request.size)  # charged, as above
                         received = _decoded(request)
                         request = received.message
                         holder = await enter(context, request, received.size, stream=True)

@@ -145,6 +145,23 @@ async def test_a_huge_spec_is_refused_for_its_size(tenant: grpc.aio.Channel) -> 
     assert not listed.jobs
 
 
+async def test_oversized_requests_spend_the_byte_rate(tenant: grpc.aio.Channel) -> None:
+    """Refused for its size or not, a request's bytes were received: a client that sends 5 MB
+    requests over and over is soon refused for its byte rate (16 MiB of burst), not answered
+    INVALID_ARGUMENT at once for ever."""
+    huge = spec("huge", [python_task("t", "", env={f"V{i}": "x" * 30_000 for i in range(170)})])
+    codes = []
+    for _ in range(6):
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await jobs(tenant).SubmitJob(job_service_pb2.SubmitJobRequest(spec=huge))
+        codes.append(caught.value.code())
+        if codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            assert "request and reply bytes per second" in (caught.value.details() or "")
+            break
+    assert codes[:3] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert codes[-1] == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 async def test_a_tenant_past_its_unfinished_jobs_is_refused(tenant: grpc.aio.Channel) -> None:
     """With at most 30 unfinished jobs, a batch that would make 35 is refused whole; one that
     makes 30 is taken."""
