@@ -34,7 +34,7 @@ from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Framework
 from federation.placement.request import Request
-from federation.sim.policies import build_policy, feasibility_key
+from federation.sim.policies import PROFILES, build_policy, feasibility_key
 from federation.sim.state import Grant, SiteState
 from federation.sim.trace import TraceTask
 
@@ -44,6 +44,12 @@ F64 = npt.NDArray[np.float64]
 DONE, START, RETRY, ARRIVE = 0, 1, 2, 3
 _SCHEDULER = SchedulerConfig()
 Progress = Callable[[int, int], None]
+WAIT_GAIN = 0.9
+"""A task waits for a busy site only if it would finish there by 0.9 of the time it would
+take where it can start now: estimates err, and a smaller gain is not worth the risk."""
+OVERRUN_LEFT = 0.1
+"""What a task that has run past its estimate is predicted to need still, as a share of the
+estimate."""
 IDLE_POWER_SHARE = 0.25
 """An idle device of a powered node draws this share of its TDP: its own idle draw (about
 10-15 % of TDP on the A100's and H100's spec sheets) plus its share of the host's."""
@@ -112,6 +118,9 @@ class TaskRun:
     speed it believed of the slowest, learned speeds included)."""
     watts: float = 0.0
     """Power its devices draw while it runs (TDP times the share held)."""
+    waited_for_busy: bool = False
+    """It waited for a busy site where it was predicted to finish sooner than where it could
+    have started at once."""
 
 
 @dataclass(slots=True)
@@ -208,6 +217,11 @@ class Simulation:
         self._holding = np.zeros(n_models)
         self._waiting = 0
         self._blocked: dict[object, list[int]] = {}
+        self.waits = PROFILES[policy].waits if policy in PROFILES else ""
+        self._at_site: list[set[int]] = [set() for _ in range(self.snap.n_sites)]
+        """Tasks each site holds (placed, not finished): what frees there, and when."""
+        self._waiting_for: dict[int, list[int]] = {}
+        """Tasks waiting for a busy site, by that site: tried again when it frees capacity."""
         self._potential: dict[object, npt.NDArray[np.bool_]] = {}
         self._speeds: dict[tuple[str, tuple[tuple[str, float], ...]], F64] = {}
         self.learner = SpeedLearner(metrics=False) if self.config.learn else None
@@ -312,6 +326,7 @@ class Simulation:
         self._holding -= run.held
         self._running_watts -= run.watts
         assert run.grant is not None
+        self._at_site[run.site].discard(i)
         for node in run.grant.nodes:
             self._node_tasks[node] -= 1
             if not self._node_tasks[node]:
@@ -333,10 +348,16 @@ class Simulation:
     def _try(self, i: int) -> bool:
         """Place and negotiate; False when no site can take the task now."""
         run = self.runs[i]
+        if run.state != job_state.PENDING:
+            return True  # placed meanwhile (retried while it also waited in a line)
         req = self._estimating(run.request)
         decision = self.framework.place(req, self.snap)
         if not decision.ranked:
             return False
+        if self.waits and (busy := self._sooner_by_waiting(i, req, decision.ranked)) is not None:
+            run.waited_for_busy = True
+            self._waiting_for.setdefault(busy, []).append(i)
+            return True
         candidates = decision.ranked[: self.config.max_offers_per_round]
         for first, stop in offer_rounds(len(candidates), self.config.offers_at_once):
             batch = candidates[first:stop]
@@ -357,6 +378,69 @@ class Simulation:
         self._push(self._now + run.backoff_s, RETRY, i)
         return True
 
+    def _sooner_by_waiting(self, i: int, req: Request, ranked: Sequence[str]) -> int | None:
+        """A site that is full now where the task would finish sooner, once what runs there
+        ends as predicted, than on the best site that can take it now (by ``WAIT_GAIN``);
+        None if there is none. Each such site's wait is found by releasing what it holds in
+        the predicted order, on trial, until the task fits on devices as fast as those its
+        estimate assumes, and only as far as a wait could still win."""
+        now_est = estimate(req, self.snap)
+        idle_est = estimate(req, self.empty)  # each site's run on its fastest devices
+        transfer = now_est.transfer_s if self.waits == "total" else np.zeros(self.snap.n_sites)
+        best = self.site_index[ranked[0]]
+        best_s = float(now_est.queue_s[best] + transfer[best] + now_est.run_s[best])
+        busy = self._potential_sites(i).copy()
+        busy[[self.site_index[name] for name in ranked]] = False
+        chosen, chosen_s, chosen_wait = None, WAIT_GAIN * best_s, 0.0
+        for site in map(int, np.flatnonzero(busy)):
+            after_s = float(transfer[site] + idle_est.run_s[site])
+            if after_s >= chosen_s:
+                continue
+            speed = float(idle_est.device_speed[site])
+            wait = self._frees_in(req, site, speed, chosen_s - after_s)
+            if wait is not None:
+                chosen, chosen_s, chosen_wait = site, wait + after_s, wait
+        if chosen is not None:
+            # Tried again then too, should what runs there overrun its estimate.
+            self._push(self._now + chosen_wait + 1.0, RETRY, i)
+        return chosen
+
+    def _frees_in(self, req: Request, site: int, speed: float, within_s: float) -> float | None:
+        """Seconds until ``req`` fits at ``site`` on devices at least ``speed`` fast, by the
+        predicted ends of the tasks there, once the tasks already waiting for the site have
+        taken what frees first; None if not within ``within_s``. Played out on trial."""
+        ends: list[tuple[float, int, Grant]] = []
+        for j in self._at_site[site]:
+            run = self.runs[j]
+            assert run.grant is not None
+            end = run.placed_s + run.transfer_s + run.estimated_run_s
+            end = max(end, self._now + OVERRUN_LEFT * run.estimated_run_s)
+            ends.append((end, j, run.grant))
+        heapq.heapify(ends)
+        ahead = [
+            k
+            for k in sorted(set(self._waiting_for.get(site, ())))
+            if self.runs[k].state == job_state.PENDING
+        ]
+        state = self.state
+        with state.trial(site):
+            while ends:
+                end, _, grant = heapq.heappop(ends)
+                if end - self._now >= within_s:
+                    return None
+                state.release(grant)
+                while ahead:  # the first in line for the site take what freed
+                    other = self._estimating(self.runs[ahead[0]].request)
+                    idle = estimate(other, self.empty)
+                    other_speed = float(idle.device_speed[site])
+                    if state.room(other, site, other_speed) < other.replicas:
+                        break
+                    taken = state.allocate(other, site, other_speed)
+                    heapq.heappush(ends, (end + float(idle.run_s[site]), ahead.pop(0), taken))
+                if state.room(req, site, speed) >= req.replicas:
+                    return end - self._now
+        return None
+
     def _accepts(self, req: Request, site: int) -> bool:
         if self.state.room(req, site) < req.replicas:
             return False
@@ -374,6 +458,7 @@ class Simulation:
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
         run.site = site
+        self._at_site[site].add(i)
         run.placed_s = self._now
         run.transfer_s, run.wan_bytes, run.egress_usd = self._transfer(run.request, site)
         classes = self.snap.device_class[list(grant.devices)]
@@ -484,7 +569,18 @@ class Simulation:
         )
 
     def _wake(self, site: int) -> None:
-        """Capacity freed at ``site``: place the waiting tasks that now fit, oldest first."""
+        """Capacity freed at ``site``: place the waiting tasks that now fit, oldest first;
+        first those that chose to wait for it."""
+        waiting = sorted(set(self._waiting_for.pop(site, ())))
+        for n, j in enumerate(waiting):
+            if self.runs[j].state != job_state.PENDING:
+                continue
+            if not self._try(j):
+                self._block(j)
+            elif self.runs[j].state == job_state.PENDING:
+                # What freed was not enough for the first in line: the rest wait on.
+                self._waiting_for.setdefault(site, []).extend(waiting[n + 1 :])
+                break
         woken = [
             (group[0], key) for key, group in self._blocked.items() if self._fits_at(group[0], site)
         ]

@@ -33,19 +33,26 @@ class Profile:
     filters: tuple[str, ...]
     scorers: Mapping[str, float]
     summary: str
+    waits: str = ""
+    """How a policy that ranks by estimated finish compares waiting for a busy site with
+    starting now elsewhere: ``total`` (queue, transfer and run) or ``no-transfer`` (queue
+    and run); empty: it never waits while some site can take the task now."""
 
 
 PROFILES: Mapping[str, Profile] = {
     "completion-time": Profile(
         DEFAULT_FILTERS,
         DEFAULT_SCORERS,
-        "the default: soonest estimated finish (queue + transfer + run), then cost, energy",
+        "the default: soonest estimated finish (queue + transfer + run, a busy site's predicted"
+        " wait included), then cost, energy",
+        waits="total",
     ),
     "energy": Profile(
         DEFAULT_FILTERS,
         ENERGY_SCORERS,
         "the default, but among sites within 5% of the soonest finish those with room on nodes"
         " already in use (Consolidation), and energy weighted up",
+        waits="total",
     ),
     "round-robin": Profile(
         DEFAULT_FILTERS, {"RoundRobin": 1.0}, "sites take turns by arrival order"
@@ -67,11 +74,14 @@ PROFILES: Mapping[str, Profile] = {
         (*DEFAULT_FILTERS, "DataLocal"),
         DEFAULT_SCORERS,
         "only sites holding the task's inputs (if any), ranked as the default",
+        waits="total",
     ),
     "greedy": Profile(
         DEFAULT_FILTERS,
         {"RunTimeOnly": 1.0, **_TIE_BREAKERS},
-        "bandwidth-unaware: soonest finish counting queue and run time, not transfer",
+        "bandwidth-unaware: soonest finish counting queue (predicted waits too) and run time,"
+        " not transfer",
+        waits="no-transfer",
     ),
 }
 DEFAULT_POLICIES: tuple[str, ...] = tuple(PROFILES)

@@ -14,6 +14,8 @@ share, least fragmentation added, most plentiful model, best fit), over arrays.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,12 +175,15 @@ class SiteState:
     def node_room(self, req: Request, site: int, min_speed: float = 0.0) -> F64:
         """Replicas of ``req`` each node of ``site`` can hold now (CapacityFit's count), on
         devices at least ``min_speed`` fast."""
+        return self.nodes_room(req, int(self.node_lo[site]), int(self.node_hi[site]), min_speed)
+
+    def nodes_room(self, req: Request, a: int, b: int, min_speed: float = 0.0) -> F64:
+        """``node_room`` for nodes ``a`` to ``b`` (exclusive) of one site."""
         if req.partition or req.same_interconnect or req.share_memory_mib:
             raise UnsupportedRequestError(
                 "the simulator models whole devices and fractions (without memory) only"
             )
         snap = self.snap
-        a, b = int(self.node_lo[site]), int(self.node_hi[site])
         fit = np.full(b - a, np.inf)
         if req.cpu > 0:
             fit = np.minimum(fit, np.floor(snap.node_cpu_free[a:b] / req.cpu + EPSILON))
@@ -338,6 +343,34 @@ class SiteState:
             self.free_devices -= 1
         snap.device_free_fraction[d] = max(0.0, snap.device_free_fraction[d] - req.fraction)
         return [d]
+
+    @contextmanager
+    def trial(self, site: int) -> Iterator[None]:
+        """Everything changed at ``site`` inside the block (releases to see what would fit
+        then) is put back as it was when it ends."""
+        snap = self.snap
+        a, b = int(self.node_lo[site]), int(self.node_hi[site])
+        da, db = self._span(self.device_lo, self.device_hi, a, b)
+        pa, pb = self._span(self.pair_lo, self.pair_hi, a, b)
+        saved = [
+            (array, lo, array[lo:hi].copy())
+            for array, lo, hi in (
+                (snap.node_cpu_free, a, b),
+                (snap.node_memory_free_mib, a, b),
+                (snap.device_free_fraction, da, db),
+                (snap.device_shareable, da, db),
+                (snap.device_available, da, db),
+                (snap.pair_free, pa, pb),
+            )
+        ]
+        free_devices = self.free_devices
+        try:
+            yield
+        finally:
+            for array, lo, values in saved:
+                array[lo : lo + len(values)] = values
+            self.free_devices = free_devices
+            snap.memo.clear()
 
     def release(self, grant: Grant) -> None:
         """Give back everything ``grant`` held."""
