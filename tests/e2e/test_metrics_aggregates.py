@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from federation.api.v1 import job_service_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, spec
+from .conftest import jobs, python_task, running, spec
 
 pytestmark = pytest.mark.xdist_group("e2e-metrics")
 
@@ -61,16 +61,10 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    federation = LocalFederation(
-        tmp_path_factory.mktemp("metrics"),
-        SITES,
-        coordinator_args=["--metrics-listen", "127.0.0.1:0"],
-    )
-    try:
-        asyncio.run(federation.start())
+    with running(
+        tmp_path_factory.mktemp("metrics"), SITES, ["--metrics-listen", "127.0.0.1:0"]
+    ) as federation:
         yield federation
-    finally:
-        federation.stop()
 
 
 def scrape(fed: LocalFederation) -> Samples:

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
-import pytest_asyncio
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.cli.render import estimate_line
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, spec, wait_for_job
+from .conftest import jobs, python_task, running, spec, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-promise")
 
@@ -36,19 +34,10 @@ SITE = SiteSpec(
 
 
 @pytest.fixture(scope="module")
-def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    federation = LocalFederation(tmp_path_factory.mktemp("promise"), [SITE])
-    try:
-        asyncio.run(federation.start())
-        yield federation
-    finally:
-        federation.stop()
-
-
-@pytest_asyncio.fixture
-async def operator(fed: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
-    async with fed.operator().channel() as channel:
-        yield channel
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """This module's own federation (``operator`` from conftest connects to it)."""
+    with running(tmp_path_factory.mktemp("promise"), [SITE]) as fed:
+        yield fed
 
 
 async def test_the_task_runs_on_the_device_its_estimate_named(
