@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
 from federation.local import LocalFederation
@@ -51,7 +50,7 @@ open(os.path.join(markers, "done-" + tag), "w").write(str(step))
 
 
 @pytest.fixture(scope="module")
-def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     root = tmp_path_factory.mktemp("preemption")
     config = root / "coordinator.toml"
     config.write_text(
@@ -59,14 +58,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
         "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\npreemptible = false\n"
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    with running(root / "fed", [SITE], ["--config", str(config)]) as federation:
-        yield federation
-
-
-@pytest_asyncio.fixture
-async def operator(fed: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
-    async with fed.operator().channel() as channel:
-        yield channel
+    with running(root / "fed", [SITE], ["--config", str(config)]) as fed:
+        yield fed
 
 
 def batch_job(job_id: str, markers: Path, replicas: int = 1) -> jobs_pb2.JobSpec:

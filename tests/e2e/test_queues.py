@@ -7,12 +7,11 @@ import asyncio
 import io
 import json
 import math
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-import pytest_asyncio
 from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
@@ -42,21 +41,15 @@ RUNNING = jobs_pb2.JOB_STATE_RUNNING
 
 
 @pytest.fixture(scope="module")
-def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     root = tmp_path_factory.mktemp("queues")
     config = root / "coordinator.toml"
     config.write_text(
         '[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\ntenants = ["tenant-y"]\n'
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    with running(root / "fed", [SITE], ["--config", str(config)]) as federation:
-        yield federation
-
-
-@pytest_asyncio.fixture
-async def operator(fed: LocalFederation) -> AsyncIterator[grpc.aio.Channel]:
-    async with fed.operator().channel() as channel:
-        yield channel
+    with running(root / "fed", [SITE], ["--config", str(config)]) as fed:
+        yield fed
 
 
 def queue(name: str, tenant: str, *quotas: tuple[str, float, float], **extra: object):  # type: ignore[no-untyped-def]
@@ -129,18 +122,18 @@ async def test_a_cycle_of_parents_is_refused(operator: grpc.aio.Channel) -> None
 
 
 async def test_submits_name_only_the_tenants_queues_and_known_classes(
-    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+    federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
     await admin(operator).CreateQueue(
         admin_service_pb2.CreateQueueRequest(queue=queue("owned-by-x", "tenant-x"))
     )
-    async with channel_as(fed, tenant_tls(fed, "tenant-z")) as z:
+    async with channel_as(federation, tenant_tls(federation, "tenant-z")) as z:
         # urgent may preempt: only the tenants the class lists may name it
         job = gpu_job("not-listed", "", tmp_path, priority_class="urgent")
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await jobs(z).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
         assert "spec.priority_class" in violations(caught.value)
-    async with channel_as(fed, tenant_tls(fed, "tenant-y")) as y:
+    async with channel_as(federation, tenant_tls(federation, "tenant-y")) as y:
         for job, field in (
             (gpu_job("other", "owned-by-x", tmp_path), "spec.queue"),
             (gpu_job("nowhere", "no-such-queue", tmp_path), "spec.queue"),
@@ -162,7 +155,7 @@ async def test_submits_name_only_the_tenants_queues_and_known_classes(
 
 
 async def test_a_quota_holds_under_concurrent_batches_and_says_why(
-    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+    federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
     """team-a may hold 1 GPU: of 6 one-GPU jobs sent as two batches at once, one runs at a
     time and the others wait with the quota as their reason, though the site has 4."""
@@ -170,7 +163,7 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
         admin_service_pb2.CreateQueueRequest(queue=queue("qa", "team-a", ("gpu", 1, 0)))
     )
     go = tmp_path / "go"
-    async with channel_as(fed, tenant_tls(fed, "team-a")) as a:
+    async with channel_as(federation, tenant_tls(federation, "team-a")) as a:
         batches = [[gpu_job(f"b{b}-{i}", "qa", go) for i in range(3)] for b in range(2)]
         replies = await asyncio.gather(
             *(
@@ -205,7 +198,7 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
 
 
 async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_weight(
-    fed: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
+    federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
     """Two queues with nominal 2 GPUs each: while team-d is idle, team-c borrows its share
     (all 4 GPUs) and no more. Then both wait for more than fits, team-c's work submitted
@@ -219,8 +212,8 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
     )
     first, later = tmp_path / "first", tmp_path / "later"
     async with (
-        channel_as(fed, tenant_tls(fed, "team-c")) as c,
-        channel_as(fed, tenant_tls(fed, "team-d")) as d,
+        channel_as(federation, tenant_tls(federation, "team-c")) as c,
+        channel_as(federation, tenant_tls(federation, "team-d")) as d,
     ):
         wave = [gpu_job(f"c{i}", "qc", first) for i in range(GPUS)]
         wave += [gpu_job(f"c-more{i}", "qc", later) for i in range(GPUS)]
@@ -252,20 +245,20 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
             assert (await wait_for_job(operator, job_id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
 
 
-def test_fedctl_queues_create_list_update_delete(fed: LocalFederation) -> None:
+def test_fedctl_queues_create_list_update_delete(federation: LocalFederation) -> None:
     """The CLI round trip, with a bad quota refused before anything is sent."""
-    made = fedctl(fed, "queues", "create", "cli-q", "--tenant", "t", "--quota", "gpu=2+1")
+    made = fedctl(federation, "queues", "create", "cli-q", "--tenant", "t", "--quota", "gpu=2+1")
     assert made.returncode == 0, made.stderr
-    listed_json = fedctl(fed, "--json", "queues", "list")
+    listed_json = fedctl(federation, "--json", "queues", "list")
     (mine,) = [q for q in json.loads(listed_json.stdout) if q["queue"]["name"] == "cli-q"]
     assert mine["queue"]["quotas"] == [{"resource": "gpu", "nominal": 2.0, "borrowing_limit": 1.0}]
-    updated = fedctl(fed, "queues", "update", "cli-q", "--tenant", "t", "--weight", "4")
+    updated = fedctl(federation, "queues", "update", "cli-q", "--tenant", "t", "--weight", "4")
     assert updated.returncode == 0, updated.stderr
-    table = fedctl(fed, "queues", "list")
+    table = fedctl(federation, "queues", "list")
     assert "cli-q" in table.stdout
     assert "no quota" in table.stdout  # update replaced it whole
-    bad = fedctl(fed, "queues", "create", "cli-r", "--tenant", "t", "--quota", "gpu=lots")
+    bad = fedctl(federation, "queues", "create", "cli-r", "--tenant", "t", "--quota", "gpu=lots")
     assert bad.returncode != 0
     assert "--quota 'gpu=lots'" in bad.stderr
-    assert fedctl(fed, "queues", "delete", "cli-q").returncode == 0
-    assert "cli-q" not in fedctl(fed, "queues", "list").stdout
+    assert fedctl(federation, "queues", "delete", "cli-q").returncode == 0
+    assert "cli-q" not in fedctl(federation, "queues", "list").stdout
