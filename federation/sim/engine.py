@@ -118,9 +118,6 @@ class TaskRun:
     speed it believed of the slowest, learned speeds included)."""
     watts: float = 0.0
     """Power its devices draw while it runs (TDP times the share held)."""
-    waited_for_busy: bool = False
-    """It waited for a busy site where it was predicted to finish sooner than where it could
-    have started at once."""
 
 
 @dataclass(slots=True)
@@ -355,7 +352,6 @@ class Simulation:
         if not decision.ranked:
             return False
         if self.waits and (busy := self._sooner_by_waiting(i, req, decision.ranked)) is not None:
-            run.waited_for_busy = True
             self._waiting_for.setdefault(busy, []).append(i)
             return True
         candidates = decision.ranked[: self.config.max_offers_per_round]

@@ -175,15 +175,12 @@ class SiteState:
     def node_room(self, req: Request, site: int, min_speed: float = 0.0) -> F64:
         """Replicas of ``req`` each node of ``site`` can hold now (CapacityFit's count), on
         devices at least ``min_speed`` fast."""
-        return self.nodes_room(req, int(self.node_lo[site]), int(self.node_hi[site]), min_speed)
-
-    def nodes_room(self, req: Request, a: int, b: int, min_speed: float = 0.0) -> F64:
-        """``node_room`` for nodes ``a`` to ``b`` (exclusive) of one site."""
         if req.partition or req.same_interconnect or req.share_memory_mib:
             raise UnsupportedRequestError(
                 "the simulator models whole devices and fractions (without memory) only"
             )
         snap = self.snap
+        a, b = int(self.node_lo[site]), int(self.node_hi[site])
         fit = np.full(b - a, np.inf)
         if req.cpu > 0:
             fit = np.minimum(fit, np.floor(snap.node_cpu_free[a:b] / req.cpu + EPSILON))
