@@ -284,6 +284,13 @@ class JobRepository:
         """Copies of the cached unfinished jobs."""
         return [_copy(job) for job, _, _ in self._active.values()]
 
+    def at_site(self) -> Iterator[jobs_pb2.Job]:
+        """The cached unfinished jobs with a task delegated to or running at a site (the
+        messages themselves: read them, never change them)."""
+        for job, _, _ in self._active.values():
+            if any(t.state in job_state.AT_SITE for t in job.tasks):
+                yield job
+
     def at_sites(self, sites: Collection[str]) -> list[jobs_pb2.Job]:
         """Copies of the unfinished jobs with a task delegated to or running at one of ``sites``."""
         return [

@@ -41,6 +41,14 @@ from federation.coordinator.policy.resources import demand
 from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
+from federation.coordinator.waits import (
+    WAIT_GAIN,
+    Holding,
+    Wait,
+    Waiter,
+    holdings,
+    sooner_by_waiting,
+)
 from federation.errors import FederationError
 from federation.metrics import OFFERS, PREEMPTIONS
 from federation.placement.estimates import Estimates, estimate
@@ -56,6 +64,8 @@ QUOTA = "Quota"
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
+WAIT = "Wait"
+"""The stage of the verdict of a task that waits for a busy site (``waits``)."""
 FRONT_OF_LINE = 64
 QUEUE_GAUGES_EVERY_S = 5.0
 """How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
@@ -85,6 +95,9 @@ class SchedulerConfig:
     """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
     preemption_min_run_s: float = 60.0
     """A task runs at least this long before it may be preempted, so work does not thrash."""
+    wait_gain: float = WAIT_GAIN
+    """A task waits for a busy site where it would finish by this share of its finish on the
+    best site free now (``waits``); 0: tasks never wait while some site can take them."""
 
 
 @dataclass(slots=True)
@@ -95,6 +108,8 @@ class _Cycle:
     """What it admitted against queues' quotas, not yet held by a negotiation."""
     snapshot: Snapshot | None = None
     placements: dict[Request, _Placement] = field(default_factory=dict)
+    holding: dict[str, list[Holding]] | None = None
+    """What the tasks at each site hold and until when, gathered once a wait is weighed."""
 
 
 @dataclass(slots=True)
@@ -170,6 +185,9 @@ class Scheduler:
         """The views' version when a task last ended, until they change after it."""
         self._preempting: dict[TaskKey, list[tuple[str, str, int]]] = {}
         """Per waiting task, the (job, task, epoch) it had stopped while it waits."""
+        self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
+        """Per busy site, the tasks that chose to wait for it, in the order they chose."""
+        self._waits_for: dict[TaskKey, str] = {}
 
     def wake(self) -> None:
         self._wake.set()
@@ -180,6 +198,8 @@ class Scheduler:
         may come before its view shows the room free, so the timers are cleared again at the
         next change of the views (``_cycle``)."""
         self._clear_front_of_line()
+        for key in self._waits_for:  # the room they wait for may be this
+            self._not_before.pop(key, None)
         self._freed_at_version = self._sites.version
         self.wake()
 
@@ -289,6 +309,7 @@ class Scheduler:
         start, or the verdicts it waits with (backed off), or None (its dependencies have
         not succeeded, or placing it failed)."""
         key = (job.id, task)
+        self._stop_waiting(key)
         try:
             need = task_demand(job, task) if job.spec.queue else None
             if need is not None and (why := self._sharing.admission(job, need, cycle.tentative)):
@@ -306,10 +327,13 @@ class Scheduler:
             placement = cycle.placements.get(request)
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
-            verdicts, ranked, estimates = placement
+            verdicts, ranked, estimates, busy = placement
             if not ranked:
                 self._backoff(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
+            if busy and (wait := self._sooner_by_waiting(request, placement, cycle)):
+                self._wait_for(key, wait)
+                return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
         except Exception:
             # One task's bad spec or a plugin's bug must not hold up the others.
             log.exception("placement_failed", job=job.id, task=task)
@@ -318,6 +342,45 @@ class Scheduler:
         if need is not None:
             self._sharing.admit(job, need, cycle.tentative)
         return _Negotiation(job.id, task, ranked, list(verdicts), estimates)
+
+    def _sooner_by_waiting(
+        self, request: Request, placement: _Placement, cycle: _Cycle
+    ) -> Wait | None:
+        """A busy site where the task would finish sooner by waiting (``waits``), or None."""
+        _, ranked, estimates, busy = placement
+        if cycle.snapshot is None:
+            return None
+        now = time.time()
+        if cycle.holding is None:
+            cycle.holding = holdings(self._jobs.at_site(), now)
+        waiting = {site: list(line.values()) for site, line in self._waiting.items()}
+        return sooner_by_waiting(
+            request,
+            cycle.snapshot,
+            busy,
+            estimates[ranked[0]].total_s,
+            cycle.holding,
+            waiting,
+            now,
+            self._config.wait_gain,
+        )
+
+    def _wait_for(self, key: TaskKey, wait: Wait) -> None:
+        """Hold the task back for ``wait.site``: a task's end wakes it (``capacity_freed``),
+        and it is weighed again by then anyway, should what runs there overrun."""
+        self._waiting.setdefault(wait.site, {})[key] = wait.waiter
+        self._waits_for[key] = wait.site
+        self._backoff_s.pop(key, None)
+        due = min(wait.wait_s + 1.0, self._config.retry_interval_s)
+        self._not_before[key] = time.monotonic() + due
+
+    def _stop_waiting(self, key: TaskKey) -> None:
+        site = self._waits_for.pop(key, None)
+        if site is not None:
+            line = self._waiting[site]
+            line.pop(key, None)
+            if not line:
+                del self._waiting[site]
 
     def _preempt_for(
         self,
@@ -470,12 +533,13 @@ class Scheduler:
         )
         ranked = decision.ranked[: self._config.max_offers_per_round]
         if not ranked:
-            return verdicts, (), {}
+            return verdicts, (), {}, ()
         estimates = estimate(request, snapshot)
         by_site = {
             site: estimate_proto(estimates, snapshot.site_index(site) or 0) for site in ranked
         }
-        return verdicts, ranked, by_site
+        busy = tuple(decision.short_of_room().tolist()) if self._config.wait_gain > 0 else ()
+        return verdicts, ranked, by_site, busy
 
     async def _stay_pending(
         self, nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]
@@ -507,6 +571,7 @@ class Scheduler:
         self._backoff_s.pop(key, None)
         self._not_before.pop(key, None)
         self._preempting.pop(key, None)
+        self._stop_waiting(key)
 
     async def _negotiate(self, batch: list[_Negotiation]) -> None:
         """Rounds of offers until every task is delegated or has run out of sites."""
@@ -905,7 +970,11 @@ def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
     return rounds
 
 
-_Placement = tuple[tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate]]
+_Placement = tuple[
+    tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate], tuple[int, ...]
+]
+"""Verdicts, the sites to try (best first), their estimates, and the sites short only of
+room (snapshot indices) that a wait may choose."""
 
 
 def _to_pending(
@@ -1056,11 +1125,34 @@ def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:
     """One line for people: why no site took the task."""
     if not verdicts:
         return "no sites are connected"
+    if verdicts[0].stage == WAIT:
+        return verdicts[0].reason
     if all(v.stage == QUOTA for v in verdicts):
         return verdicts[0].reason  # its queue holds it back, whatever the sites have
     parts = [f"{v.site}: {v.reason}" for v in verdicts[:3]]
     more = f" (+{len(verdicts) - 3} more)" if len(verdicts) > 3 else ""
     return "no site can take it now: " + "; ".join(parts) + more
+
+
+def _waiting_verdict(wait: Wait, now_site: str, now_s: float) -> jobs_pb2.SiteVerdict:
+    """Why the task waits although ``now_site`` could take it; figures are rounded so that
+    the record is written again only when they change notably."""
+    sooner = 5 * round(20 * (1 - wait.finish_s / now_s)) if now_s > 0 else 0
+    return jobs_pb2.SiteVerdict(
+        site=wait.site,
+        stage=WAIT,
+        reason=f"waits for room at {wait.site}, expected in {_about(wait.wait_s)}: it should"
+        f" finish there about {sooner} % sooner than at {now_site}, which could take it now",
+    )
+
+
+def _about(seconds: float) -> str:
+    """A duration to two figures, for people."""
+    if seconds < 90:
+        return f"{max(1, round(seconds))} s"
+    if seconds < 5400:
+        return f"{round(seconds / 60)} min"
+    return f"{seconds / 3600:.1f} h"
 
 
 def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:

@@ -99,9 +99,9 @@ def _site_max(values: F64, groups: tuple[npt.NDArray[np.int64], npt.NDArray[np.b
     return out
 
 
-def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64, F64]:
+def _run_s(req: Request, snap: Snapshot, *, free_only: bool = True) -> tuple[F64, F64, F64]:
     """Run time at each site on its fastest usable devices, their speed (0: none) and their
-    power per device."""
+    power per device; ``free_only`` False: on its fastest matching devices, free or not."""
     if not req.wants_accelerator or not len(snap.classes):
         zeros = np.zeros(snap.n_sites)
         return np.full(snap.n_sites, req.duration_s), zeros, zeros
@@ -109,11 +109,15 @@ def _run_s(req: Request, snap: Snapshot) -> tuple[F64, F64, F64]:
     power = np.array([float(c.attributes.get("power_tdp_watts", 0.0)) for c in snap.classes])
     if req.accelerator_count:
         # Per (node, class) pair: classes that match and have free devices there.
-        usable = matching_classes(req, snap)[snap.pair_class] & (snap.pair_free > 0)
+        usable = matching_classes(req, snap)[snap.pair_class]
+        if free_only:
+            usable = usable & (snap.pair_free > 0)
         groups = _groups(snap, snap.pair_site, "pairs")
         classes = snap.pair_class
     else:
-        usable = matching_devices(req, snap) & (replicas_per_device(req, snap) > 0)
+        usable = matching_devices(req, snap)
+        if free_only:
+            usable = usable & (replicas_per_device(req, snap) > 0)
         groups = _groups(snap, snap.device_site, "devices")
         classes = snap.device_class
     best = _site_max(speed[classes] * usable, groups)
@@ -145,6 +149,17 @@ def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bo
         moved += np.where(local, 0.0, np.array(sizes)[best])
         unknown |= ~snap.link_known[np.array(holders)[best], np.arange(snap.n_sites)]
     return seconds, moved, unknown
+
+
+def once_free(req: Request, snap: Snapshot) -> tuple[F64, F64]:
+    """Run time at each site on its fastest matching devices whether free or not, and their
+    speed: the run a task would get at a busy site once room frees there (memoised)."""
+    key = ("once_free", req)
+    cached = snap.memo.get(key)
+    if cached is None:
+        run_s, speed, _ = _run_s(req, snap, free_only=False)
+        cached = snap.memo[key] = (run_s, speed)
+    return cached  # type: ignore[return-value]
 
 
 def estimate(req: Request, snap: Snapshot) -> Estimates:

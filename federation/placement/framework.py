@@ -79,6 +79,10 @@ REASON_CODES: Mapping[Code, tuple[str, str]] = {
 """Every reason code: the filters that give it, and what it means."""
 
 
+CAPACITY_FILTER = "CapacityFit"
+"""The filter that checks free room (``plugins.capacity_fit``)."""
+
+
 class LazyReasons(Mapping[int, str]):
     """Reasons for the failing sites, each written when first read."""
 
@@ -252,6 +256,25 @@ class Decision:
     every_rejection: Sequence[Rejection] = ()
     """Every filter and check that rejects each site, by site, then in profile order; built
     only when read (``fedctl jobs explain``), from the masks every decision computes anyway."""
+    verdicts: tuple[tuple[str, Verdict], ...] = field(default=(), compare=False)
+    """Each filter's verdict, in profile order (the masks ``every_rejection`` reads)."""
+
+    def short_of_room(self) -> npt.NDArray[np.int64]:
+        """Sites that every filter would pass but for too little free capacity now: once
+        room frees there they could take the task (``coordinator.waits``)."""
+        if not self.verdicts:
+            return np.zeros(0, dtype=np.int64)
+        failures = np.zeros(len(self.verdicts[0][1].mask), dtype=np.int64)
+        room: Verdict | None = None
+        for name, verdict in self.verdicts:
+            failures += ~verdict.mask
+            if name == CAPACITY_FILTER:
+                room = verdict
+        if room is None:
+            return np.zeros(0, dtype=np.int64)
+        short = np.flatnonzero((failures == 1) & ~room.mask)
+        keep = [i for i in short.tolist() if room.code(i) == Code.INSUFFICIENT_FREE_CAPACITY]
+        return np.array(keep, dtype=np.int64)
 
 
 class Framework:
@@ -296,6 +319,7 @@ class Framework:
             rejections=Rejections(snap.site_ids, rejected),
             terms={name: tuple(v[order].tolist()) for name, v in terms.items()},
             every_rejection=Rejections(snap.site_ids, verdicts, every=True),
+            verdicts=tuple((name, verdict) for name, _, verdict in verdicts),
         )
 
 

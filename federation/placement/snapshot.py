@@ -103,6 +103,8 @@ class Snapshot:
     device_available: Bool
     # Defaults keep hand-built snapshots in tests short; build_snapshot fills them all.
     device_class: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
+    node_names: tuple[str, ...] = ()
+    """Per node, its name (a site's nodes are in name order where views are live)."""
     device_shareable: Bool = field(default_factory=lambda: np.zeros(0, bool))
     device_free_fraction: F64 = field(default_factory=lambda: np.zeros(0))
     device_memory_free_mib: F64 = field(default_factory=lambda: np.zeros(0))
@@ -246,6 +248,7 @@ class SitePart:
     node_memory_free_mib: F64
     node_schedulable: Bool
     node_labels: tuple[dict[str, str], ...]
+    node_names: tuple[str, ...]
     device_node: I64
     device_kind: I64
     device_vendor: Obj
@@ -276,6 +279,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
     mem_free: list[float] = []
     schedulable: list[bool] = []
     labels: list[dict[str, str]] = []
+    names: list[str] = []
     dev: dict[str, list[Any]] = {
         k: []
         for k in (
@@ -310,6 +314,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         mem_free.append(_capacity(float(node.memory_free_mib)))
         schedulable.append(node.schedulable)
         labels.append(node_labels(node))
+        names.append(node.name)
         for d in node.devices:
             device_index = len(dev["node"])
             key = _class_key(d)
@@ -347,6 +352,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         node_memory_free_mib=np.array(mem_free, dtype=np.float64),
         node_schedulable=np.array(schedulable, dtype=bool),
         node_labels=tuple(labels),
+        node_names=tuple(names),
         device_node=np.array(dev["node"], dtype=np.int64),
         device_kind=np.array(dev["kind"], dtype=np.int64),
         device_vendor=np.array(dev["vendor"], dtype=object),
@@ -440,6 +446,7 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
         node_memory_free_mib=joined("node_memory_free_mib", np.float64),
         node_schedulable=joined("node_schedulable", bool),
         node_labels=tuple(labels for p in parts for labels in p.node_labels),
+        node_names=tuple(name for p in parts for name in p.node_names),
         device_node=joined("device_node", np.int64, nodes),
         device_kind=joined("device_kind", np.int64),
         device_vendor=joined("device_vendor", object),

@@ -31,6 +31,7 @@ import numpy.typing as npt
 from federation.coordinator import job_state
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
+from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Framework
 from federation.placement.request import Request
@@ -44,12 +45,6 @@ F64 = npt.NDArray[np.float64]
 DONE, START, RETRY, ARRIVE = 0, 1, 2, 3
 _SCHEDULER = SchedulerConfig()
 Progress = Callable[[int, int], None]
-WAIT_GAIN = 0.9
-"""A task waits for a busy site only if it would finish there by 0.9 of the time it would
-take where it can start now: estimates err, and a smaller gain is not worth the risk."""
-OVERRUN_LEFT = 0.1
-"""What a task that has run past its estimate is predicted to need still, as a share of the
-estimate."""
 IDLE_POWER_SHARE = 0.25
 """An idle device of a powered node draws this share of its TDP: its own idle draw (about
 10-15 % of TDP on the A100's and H100's spec sheets) plus its share of the host's."""
@@ -63,6 +58,9 @@ class SimConfig:
     max_offers_per_round: int = _SCHEDULER.max_offers_per_round
     retry_interval_s: float = _SCHEDULER.retry_interval_s
     """Longest wait before a task every offered site declined is tried again."""
+    wait_gain: float = _SCHEDULER.wait_gain
+    """A task waits for a busy site where it would finish by this share of its finish where
+    it can start now (in profiles that wait)."""
     seed: int = 0
     """Seeds the sites' random declines (``decline_rate``)."""
     learn: bool = False
@@ -376,7 +374,7 @@ class Simulation:
 
     def _sooner_by_waiting(self, i: int, req: Request, ranked: Sequence[str]) -> int | None:
         """A site that is full now where the task would finish sooner, once what runs there
-        ends as predicted, than on the best site that can take it now (by ``WAIT_GAIN``);
+        ends as predicted, than on the best site that can take it now (by ``wait_gain``);
         None if there is none. Each such site's wait is found by releasing what it holds in
         the predicted order, on trial, until the task fits on devices as fast as those its
         estimate assumes, and only as far as a wait could still win."""
@@ -387,7 +385,7 @@ class Simulation:
         best_s = float(now_est.queue_s[best] + transfer[best] + now_est.run_s[best])
         busy = self._potential_sites(i).copy()
         busy[[self.site_index[name] for name in ranked]] = False
-        chosen, chosen_s, chosen_wait = None, WAIT_GAIN * best_s, 0.0
+        chosen, chosen_s, chosen_wait = None, self.config.wait_gain * best_s, 0.0
         for site in map(int, np.flatnonzero(busy)):
             after_s = float(transfer[site] + idle_est.run_s[site])
             if after_s >= chosen_s:

@@ -16,7 +16,7 @@ import numpy.typing as npt
 
 from federation.jobspec import kind_name
 from federation.placement.compat import CompatTable, load_table_files
-from federation.placement.framework import Code, LazyReasons, Verdict
+from federation.placement.framework import CAPACITY_FILTER, Code, LazyReasons, Verdict
 from federation.placement.plugins.compatibility import node_compat
 from federation.placement.request import Request
 from federation.placement.selectors import selector_class_mask
@@ -174,7 +174,7 @@ def describe_demand(req: Request) -> str:
 
 
 class CapacityFit:
-    name: ClassVar[str] = "CapacityFit"
+    name: ClassVar[str] = CAPACITY_FILTER
 
     def __init__(self, table: CompatTable | None = None) -> None:
         self.table = table or load_table_files()
