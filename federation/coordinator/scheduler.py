@@ -198,8 +198,6 @@ class Scheduler:
         may come before its view shows the room free, so the timers are cleared again at the
         next change of the views (``_cycle``)."""
         self._clear_front_of_line()
-        for key in self._waits_for:  # the room they wait for may be this
-            self._not_before.pop(key, None)
         self._freed_at_version = self._sites.version
         self.wake()
 
@@ -209,8 +207,10 @@ class Scheduler:
         would place every waiting task again, which a flood of short jobs makes costly."""
         for job in itertools.islice(self._line({}), FRONT_OF_LINE):
             for task in job.tasks:
-                self._not_before.pop((job.id, task.name), None)
-                self._backoff_s.pop((job.id, task.name), None)
+                key = (job.id, task.name)
+                if key not in self._waits_for:  # woken once the room shows (``_cycle``)
+                    self._not_before.pop(key, None)
+                    self._backoff_s.pop(key, None)
 
     def _with_learned_speeds(self, request: Request) -> Request:
         """``request`` estimated with learned speeds where the task sets none of its own."""
@@ -250,9 +250,13 @@ class Scheduler:
 
     async def _cycle(self) -> None:
         if self._freed_at_version is not None and self._sites.version != self._freed_at_version:
-            # The views changed since a task ended: the room it left shows now.
+            # The views changed since a task ended: the room it left shows now. Tasks that
+            # wait for a busy site are tried only now: before, the ended task no longer
+            # counts as holding the room that the site's view still shows taken.
             self._freed_at_version = None
             self._clear_front_of_line()
+            for key in self._waits_for:
+                self._not_before.pop(key, None)
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held

@@ -1,0 +1,104 @@
+"""Predicted waits through real agents: a long task waits for the busy fast site rather than
+start now on a slow one, and a short one does not."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
+from federation.local import LocalFederation
+
+from .conftest import admin, gpu_site, jobs, python_task, running, spec, until, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-waits")
+
+RUNNING = frozenset({jobs_pb2.JOB_STATE_RUNNING})
+H100 = {"accelerator": {"kind": "GPU", "count": 1, "models": ["H100-80GB"]}}
+ANY_GPU = {"accelerator": {"kind": "GPU", "count": 1}}
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """``fast``: one H100 (2.5x an A100 for training); ``slow``: one V100 (0.38x)."""
+    sites = [gpu_site("fast", 1, "H100-80GB"), gpu_site("slow", 1, "V100")]
+    with running(tmp_path_factory.mktemp("waits"), sites) as fed:
+        yield fed
+
+
+async def _submit(channel: grpc.aio.Channel, name: str, task: dict[str, object]) -> str:
+    reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec(name, [task])))
+    return reply.job.id
+
+
+async def _holding_the_h100(channel: grpc.aio.Channel, holder: str) -> None:
+    """Until the holder runs and the fast site's view shows its H100 taken (else a task
+    placed meanwhile is offered there and declined, as the view said it was free)."""
+    await wait_for_job(channel, holder, until=RUNNING)
+
+    async def taken() -> bool:
+        reply = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
+        (fast,) = [s for s in reply.sites if s.name == "fast"]
+        return all(d.allocated for n in fast.view.nodes for d in n.devices)
+
+    await until(taken, "the fast site's view to show its H100 taken", timeout_s=10)
+
+
+async def test_a_long_task_waits_for_the_fast_site(operator: grpc.aio.Channel) -> None:
+    """The H100 is held by a task due to end in 4 s (10 s of A100 work). A task of 1,000 s of
+    A100 work would take 2,632 s on the free V100 but 400 s on the H100 after the wait: it
+    waits, saying for what, and then runs on the H100."""
+    holder = await _submit(
+        operator,
+        "holder",
+        python_task("t", "import time; time.sleep(4)", resources=H100, estimated_duration_s=10),
+    )
+    await _holding_the_h100(operator, holder)
+    long = await _submit(
+        operator,
+        "long",
+        python_task("t", "print('ran')", resources=ANY_GPU, estimated_duration_s=1000),
+    )
+
+    async def waiting() -> bool:
+        reply = await jobs(operator).GetJob(job_service_pb2.GetJobRequest(job_id=long))
+        verdicts = reply.job.tasks[0].verdicts
+        return bool(verdicts) and verdicts[0].stage == "Wait"
+
+    await until(waiting, "the long task to wait for the fast site", timeout_s=10)
+    reply = await jobs(operator).GetJob(job_service_pb2.GetJobRequest(job_id=long))
+    task = reply.job.tasks[0]
+    assert task.state == jobs_pb2.JOB_STATE_PENDING
+    assert task.verdicts[0].site == "fast"
+    assert "waits for room at fast" in task.reason
+    done = await wait_for_job(operator, long)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
+    assert done.tasks[0].site == "fast"
+    assert done.tasks[0].estimate.device_model == "H100-80GB"
+    assert (await wait_for_job(operator, holder)).state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+
+async def test_a_short_task_starts_now_on_the_slow_site(operator: grpc.aio.Channel) -> None:
+    """The H100 is held for a predicted 400 s: a task of 10 s of A100 work (26 s on the V100)
+    does not wait for it."""
+    holder = await _submit(
+        operator,
+        "holder",
+        python_task("t", "import time; time.sleep(600)", resources=H100, estimated_duration_s=1000),
+    )
+    try:
+        await _holding_the_h100(operator, holder)
+        short = await _submit(
+            operator,
+            "short",
+            python_task("t", "print('ran')", resources=ANY_GPU, estimated_duration_s=10),
+        )
+        done = await wait_for_job(operator, short)
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
+        assert done.tasks[0].site == "slow"
+        assert not any(v.stage == "Wait" for v in done.tasks[0].verdicts)
+    finally:
+        await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=holder))
+        await wait_for_job(operator, holder)
