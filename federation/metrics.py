@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
 
 from federation.api.v1 import resources_pb2
+from federation.config import ConfigError
 
 JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
 TASK_TRANSITIONS = Counter(
@@ -281,9 +282,20 @@ def _set_or_remove(gauge: Gauge, site: str, part: float, whole: float) -> None:
 
 
 def serve_metrics(listen: str) -> int:
-    """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound port."""
+    """Serve /metrics on ``host:port`` (port 0 picks one); returns the bound port.
+
+    Raises:
+        ConfigError: The port is in use, or the host is not this machine's.
+    """
     host, _, port = listen.rpartition(":")
-    server, _ = start_http_server(int(port), addr=host or "127.0.0.1")
+    host = host.removeprefix("[").removesuffix("]") or "127.0.0.1"
+    try:
+        server, _ = start_http_server(int(port), addr=host)
+    except OSError as err:  # also a host that does not resolve (socket.gaierror)
+        raise ConfigError(
+            f"metrics_listen {listen}: cannot listen: {err.strerror or err}. To fix: stop what "
+            "holds the port, or choose another address"
+        ) from None
     return int(server.server_port)
 
 

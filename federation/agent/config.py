@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from federation.config import ConfigError, build
+from federation.agent.probe import MAX_PROBE_BYTES
+from federation.config import ConfigError, address, at_least, build, one_of, positive, within
 from federation.endpoints import parse_endpoints
 
 MANAGED_SBATCH_FLAGS = frozenset(
@@ -26,7 +25,7 @@ class GresModel:
     """Device model to publish, e.g. "A100-80GB"; default: the GRES type itself."""
     vendor: str = ""
     """e.g. "nvidia"; default "nvidia" for the ``gpu`` GRES, else empty."""
-    memory_mib: int = 0
+    memory_mib: int = field(default=0, metadata=at_least(0))
     """Memory of one device (Slurm does not know it); 0 when unknown."""
     attributes: dict[str, str] = field(default_factory=dict)
     """Device attributes such as cuda or compute_capability."""
@@ -46,9 +45,9 @@ class SlurmSettings:
     """More sbatch flags for every job, e.g. ``["--constraint=ib"]``."""
     conf: Path | None = None
     """slurm.conf given to every Slurm command as SLURM_CONF; default: the agent's own."""
-    poll_interval_s: float = 2.0
+    poll_interval_s: float = field(default=2.0, metadata=positive())
     """Time between two readings of Slurm's nodes, partition and jobs."""
-    command_timeout_s: float = 4.0
+    command_timeout_s: float = field(default=4.0, metadata=positive())
     """A Slurm command that takes longer fails (an offer must be answered within 5 s)."""
     gres: dict[str, GresModel] = field(default_factory=dict)
     """GRES type (``"a100"``, or ``"npu:910b"`` for another GRES name) → device description."""
@@ -62,40 +61,26 @@ def slurm_settings(table: object, *, source: str) -> SlurmSettings:
     """
     if not isinstance(table, Mapping):
         raise ConfigError(f"{source}: slurm must be a table")
-    values: dict[str, Any] = dict(table)
-    known = [f.name for f in dataclasses.fields(SlurmSettings)]
-    if unknown := sorted(set(values) - set(known)):
-        raise ConfigError(
-            f"{source}: unknown setting slurm.{unknown[0]}; known: {', '.join(known)}"
-        )
-    raw_gres = values.pop("gres", {})
-    if not isinstance(raw_gres, dict):
-        raise ConfigError(f"{source}: slurm.gres must be a table")
-    gres = {}
-    for name, entry in raw_gres.items():
-        if not isinstance(entry, dict):
-            raise ConfigError(f"{source}: slurm.gres.{name} must be a table")
-        gres[name] = build(GresModel, entry, source=f"{source}: slurm.gres.{name}")
-    settings = build(SlurmSettings, {**values, "gres": gres}, source=source)
-    if not all(isinstance(arg, str) for arg in settings.extra_sbatch_args):
-        raise ConfigError(f"{source}: slurm.extra_sbatch_args must be strings")
+    settings = build(SlurmSettings, table, source=source, path="slurm")
+    check_slurm(settings, source=source)
+    return settings
+
+
+def check_slurm(settings: SlurmSettings, *, source: str) -> None:
+    """Refuse sbatch flags the Slurm core sets itself (the rest ``build`` checks)."""
     managed = [a for a in settings.extra_sbatch_args if a.split("=", 1)[0] in MANAGED_SBATCH_FLAGS]
     if managed:
         raise ConfigError(
             f"{source}: slurm.extra_sbatch_args may not set {', '.join(managed)}: the Slurm "
             "core sets it itself"
         )
-    for key in ("poll_interval_s", "command_timeout_s"):
-        if not getattr(settings, key) > 0:
-            raise ConfigError(f"{source}: slurm.{key} must be positive")
-    return settings
 
 
 @dataclass(frozen=True, slots=True)
 class AgentConfig:
     site: str
     """The site's name; it must match the name its join token was minted for."""
-    domain: str
+    domain: str = field(metadata=one_of("edge", "datacenter", "cloud"))
     """edge, datacenter or cloud."""
     coordinator: str
     """mTLS address of the coordinator, host:port; with several coordinators (one leads,
@@ -127,15 +112,15 @@ class AgentConfig:
     """Device names as vendor tools print them → the model names jobs and tables use, e.g.
     ``"NVIDIA H100 80GB HBM3" = "H100-80GB"``: added to, and overriding, the shipped table
     (``federation/agent/discovery/data/model_names.yaml``)."""
-    rediscover_interval_s: float = 30.0
+    rediscover_interval_s: float = field(default=30.0, metadata=positive())
     """How often the host is discovered again (devices gone, new or unhealthy, and what they
     use now); SIGUSR1 asks at once. Readings are sent only when they moved by 5 points."""
     host_node_name: str = ""
-    price_per_device_hour: float = 0.0
+    price_per_device_hour: float = field(default=0.0, metadata=at_least(0))
     labels: dict[str, str] = field(default_factory=dict)
     server_name: str = ""
     """Name to verify in the coordinator's certificate when it differs from the address."""
-    metrics_listen: str = ""
+    metrics_listen: str = field(default="", metadata=address(empty=True))
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9465; empty serves none."""
     task_accounts: dict[str, str] = field(default_factory=dict)
     """Tenant → local account its tasks run as (the agent must run as root)."""
@@ -152,23 +137,23 @@ class AgentConfig:
     """Task work folders; default state_dir/work. With task accounts it must lie outside
     state_dir (which is private to the agent); each replica gets a folder only its account
     may enter."""
-    kill_grace_s: float = 5.0
+    kill_grace_s: float = field(default=5.0, metadata=at_least(0))
     """Time between SIGTERM and SIGKILL when a task is cancelled."""
-    datasets: dict[str, int] = field(default_factory=dict)
+    datasets: dict[str, int] = field(default_factory=dict, metadata=at_least(0))
     """Datasets this site holds, id -> bytes; placement counts moving them elsewhere."""
-    probe_listen: str = "127.0.0.1:0"
+    probe_listen: str = field(default="127.0.0.1:0", metadata=address())
     """Where the link probe server listens, host:port; port 0 picks a free one."""
-    probe_advertise: str = ""
+    probe_advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The probe endpoint peers should dial when it differs from the bound address (NAT,
     a wildcard listen address); empty advertises the bound address."""
-    probe_interval_s: float = 60.0
+    probe_interval_s: float = field(default=60.0, metadata=positive())
     """Time between two rounds of link measurements to every peer."""
-    probe_payload_bytes: int = 4 * 1024 * 1024
+    probe_payload_bytes: int = field(default=4 * 1024 * 1024, metadata=within(1, MAX_PROBE_BYTES))
     """Bytes sent by one throughput probe; more is more accurate and costs more traffic."""
     links: list[dict[str, object]] = field(default_factory=list)
     """Declared links, ``[[links]]`` tables with peer, bandwidth_mbps and rtt_ms: for peers
     the agent cannot measure. A declared link replaces a measurement of the same peer."""
-    scheduler: str = "embedded"
+    scheduler: str = field(default="embedded", metadata=one_of("embedded", "slurm"))
     """Local scheduler core: "embedded" runs tasks as processes on this site's nodes; "slurm"
     (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``."""
     slurm: SlurmSettings = field(default_factory=SlurmSettings)

@@ -21,7 +21,6 @@ import structlog
 
 from federation.agent.config import AgentConfig
 from federation.agent.probe import (
-    MAX_PROBE_BYTES,
     LinkProbeError,
     MeasureFn,
     Measurement,
@@ -77,10 +76,6 @@ def link_settings(config: AgentConfig, *, source: str) -> list[resources_pb2.Lin
                     f"{source}: probe_advertise {value!r} must be an IP address, the one this "
                     "agent reaches the coordinator from (peers are sent nowhere else)"
                 )
-    if not config.probe_interval_s > 0:
-        raise ConfigError(f"{source}: probe_interval_s must be positive")
-    if not 0 < config.probe_payload_bytes <= MAX_PROBE_BYTES:
-        raise ConfigError(f"{source}: probe_payload_bytes must be in 1..{MAX_PROBE_BYTES}")
     return declared_links(config.links, source=source)
 
 

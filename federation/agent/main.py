@@ -15,7 +15,7 @@ import structlog
 import yaml
 
 from federation.agent.accounts import task_accounts
-from federation.agent.config import AgentConfig, coordinator_endpoints, slurm_settings
+from federation.agent.config import AgentConfig, check_slurm, coordinator_endpoints
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
 from federation.agent.discovery import (
     InventoryError,
@@ -37,7 +37,6 @@ from federation.placement.compat import CompatTable, load_table_files
 
 log = structlog.get_logger()
 
-SCHEDULERS = ("embedded", "slurm")
 CoreFactory = Callable[[AgentConfig, StatusCallback, ChangeCallback], Awaitable[LocalCore]]
 """Builds (and starts) a local scheduler core for an agent config."""
 
@@ -94,22 +93,14 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
             "(--site, --coordinator, --ca, --state-dir) or set them in --config"
         )
     source = str(args.config) if args.config else "flags"
-    if "slurm" in values:
-        values["slurm"] = slurm_settings(values["slurm"], source=source)
-    config = build(AgentConfig, values, source=source)
+    folder = args.config.parent if args.config else None  # relative paths: beside the file
+    config = build(AgentConfig, values, source=source, folder=folder)
     try:
         coordinator_endpoints(config)
     except ValueError:
         raise ConfigError(f"{source}: coordinator: give at least one address") from None
-    if config.scheduler not in SCHEDULERS:
-        raise ConfigError(
-            f"{source}: scheduler must be one of {', '.join(SCHEDULERS)}, not {config.scheduler!r}"
-        )
+    check_slurm(config.slurm, source=source)
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
-    if not config.rediscover_interval_s > 0:
-        raise ConfigError(f"{source}: rediscover_interval_s must be positive")
-    if not all(isinstance(name, str) for name in config.model_names.values()):
-        raise ConfigError(f"{source}: model_names: each value must be a model name (a string)")
     return config
 
 
@@ -185,10 +176,10 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
+    if config.metrics_listen:  # before enrolling: a taken port refuses with nothing written
+        serve_metrics(config.metrics_listen)
     creds = await ensure_enrolled(config)
     config.state_dir.chmod(0o700)  # also when it existed with a looser mode
-    if config.metrics_listen:
-        serve_metrics(config.metrics_listen)
     probe = ProbeServer(config.probe_listen)
     try:
         bound = await probe.start()

@@ -84,7 +84,8 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
             f"missing settings: {', '.join(sorted(missing))}. To fix: pass --pki-dir and "
             "--data-dir, or set them in --config"
         )
-    config = build(CoordinatorConfig, values, source=source)
+    folder = args.config.parent if args.config else None  # relative paths: beside the file
+    config = build(CoordinatorConfig, values, source=source, folder=folder)
     check_settings(config, source=source)
     return config
 
@@ -94,14 +95,16 @@ def _split(value: str | None) -> list[str] | None:
 
 
 async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
+    # The metrics port first: when it is taken, nothing (the store above all) is touched yet.
+    metrics_port = serve_metrics(config.metrics_listen) if config.metrics_listen else None
     coordinator = await start_coordinator(config)
     ports: dict[str, int | str] = {
         "port": coordinator.port,
         "join_port": coordinator.join_port,
         "advertise": coordinator.me.address,
     }
-    if config.metrics_listen:
-        ports["metrics_port"] = serve_metrics(config.metrics_listen)
+    if metrics_port is not None:
+        ports["metrics_port"] = metrics_port
     if ready_file:
         tmp = ready_file.with_suffix(".tmp")
         tmp.write_text(json.dumps(ports))
@@ -130,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     try:
         asyncio.run(serve(config, args.ready_file))
-    except (StoreError, ListenError) as err:
+    except (StoreError, ListenError, ConfigError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from federation.config import ConfigError
+from federation.config import ConfigError, address, at_least, one_of, positive, within
 from federation.coordinator.policy.priority import parse_priority_classes
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 from federation.store.etcd import DEFAULT_PREFIX
@@ -23,35 +23,37 @@ class CoordinatorConfig:
     cert: Path
     """The coordinator's server certificate."""
     key: Path
-    listen: str = "127.0.0.1:7070"
+    listen: str = field(default="127.0.0.1:7070", metadata=address())
     """mTLS address for agents, clients and operators."""
-    join_listen: str = "127.0.0.1:7071"
+    join_listen: str = field(default="127.0.0.1:7071", metadata=address())
     """Server-only TLS address where agents redeem join tokens."""
-    probe_listen: str = ""
+    probe_listen: str = field(default="", metadata=address(empty=True))
     """Where agents measure their link to this coordinator (a TCP link probe, as agents run for
     each other); empty: the host of ``listen`` on a free port."""
-    probe_advertise: str = ""
+    probe_advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The probe address agents should dial; empty: the advertised host and the bound port."""
-    metrics_listen: str = ""
+    metrics_listen: str = field(default="", metadata=address(empty=True))
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9464; empty serves none."""
-    heartbeat_interval_s: float = 3.0
+    heartbeat_interval_s: float = field(default=3.0, metadata=positive())
     """How often agents send a heartbeat; also how often lost sites are looked at."""
-    missed_heartbeats: int = 3
+    missed_heartbeats: int = field(default=3, metadata=at_least(1))
     """Heartbeats a session may miss before it is dropped and its site is UNREACHABLE."""
-    offer_timeout_s: float = 5.0
-    reservation_lease_s: float = 10.0
-    retry_interval_s: float = 5.0
-    max_offers_per_round: int = 5
-    offers_at_once: int = 3
+    offer_timeout_s: float = field(default=5.0, metadata=positive())
+    reservation_lease_s: float = field(default=10.0, metadata=positive())
+    retry_interval_s: float = field(default=5.0, metadata=positive())
+    max_offers_per_round: int = field(default=5, metadata=at_least(1))
+    offers_at_once: int = field(default=3, metadata=at_least(1))
     """Sites offered a task at once after its best site declined (that one is offered alone);
     the best that accepts gets the commit, the rest a release."""
     placement_filters: list[str] = field(default_factory=lambda: list(DEFAULT_FILTERS))
     """Filter plugins, in order (see federation/placement/registry.py)."""
-    placement_scores: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_SCORERS))
+    placement_scores: dict[str, float] = field(
+        default_factory=lambda: dict(DEFAULT_SCORERS), metadata=at_least(0)
+    )
     """Score plugin -> weight."""
     compat_table: Path | None = None
     """A YAML file merged over the shipped compatibility table (driver/runtime/framework)."""
-    store: str = "sqlite"
+    store: str = field(default="sqlite", metadata=one_of("sqlite", "etcd"))
     """"sqlite": the embedded store in data_dir, one coordinator that always leads. "etcd":
     state in etcd, shared by several coordinators of which one leads (elected on a lease)."""
     etcd_endpoints: list[str] = field(default_factory=list)
@@ -63,108 +65,63 @@ class CoordinatorConfig:
     over mutual TLS (https:// endpoints), else in plaintext."""
     etcd_cert: Path | None = None
     etcd_key: Path | None = None
-    advertise: str = ""
+    advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The host:port clients and agents should dial for this coordinator's listen address;
     empty: the listen host (this machine's name for a wildcard) and the bound port."""
-    join_advertise: str = ""
+    join_advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The same for join_listen; empty: the advertised host and the bound join port."""
-    etcd_history_s: float = 300.0
+    etcd_history_s: float = field(default=300.0, metadata=at_least(0))
     """With etcd: how long of history to keep; older revisions are compacted away so that job
     writes do not pile up in etcd (watches further behind re-read; 0 leaves it to etcd)."""
-    leader_lease_s: float = 3.0
+    leader_lease_s: float = field(default=3.0, metadata=positive())
     """With etcd: ttl of the leader's lease, so a dead leader is replaced this long after its
     last keepalive (etcd rounds up to whole seconds and to its own minimum)."""
-    client_requests_per_s: float = 200.0
+    client_requests_per_s: float = field(default=200.0, metadata=at_least(0))
     """RPCs per second one tenant or operator identity may sustain; 0: no limit."""
-    client_request_burst: float = 400.0
+    client_request_burst: float = field(default=400.0, metadata=at_least(0))
     """RPCs an idle identity may send at once."""
-    client_jobs_per_s: float = 50.0
+    client_jobs_per_s: float = field(default=50.0, metadata=at_least(0))
     """Jobs per second one identity may submit (each spec of a batch counts); 0: no limit.
     Sustained, 50 a second from one tenant keeps another's calls within a few times their
     quiet latency (as tests/e2e/test_abuse.py measures)."""
-    client_job_burst: float = 1000.0
+    client_job_burst: float = field(default=1000.0, metadata=at_least(0))
     """Jobs an idle identity may submit at once."""
-    max_unfinished_jobs_per_tenant: int = 10_000
+    max_unfinished_jobs_per_tenant: int = field(default=10_000, metadata=at_least(0))
     """Jobs one tenant may have that have not finished; 0: no limit. Every waiting job costs
     each scheduling pass, so this bounds what one tenant can make the scheduler do."""
-    client_streams: int = 32
+    client_streams: int = field(default=32, metadata=at_least(0))
     """WatchJobs streams one identity may hold open at once; 0: no limit."""
-    client_bytes_per_s: float = 4 << 20
+    client_bytes_per_s: float = field(default=4 << 20, metadata=at_least(0))
     """Request and reply bytes per second one identity may sustain; 0: no limit."""
-    client_byte_burst: float = 16 << 20
+    client_byte_burst: float = field(default=16 << 20, metadata=at_least(0))
     """Request and reply bytes an idle identity may move at once."""
-    client_refusal_hold_s: float = 1.0
+    client_refusal_hold_s: float = field(default=1.0, metadata=at_least(0))
     """Longest a rate-limit refusal is held before it is sent; 0: sent at once."""
-    client_held_refusals: int = 64
+    client_held_refusals: int = field(default=64, metadata=at_least(0))
     """Refusals one identity may have held at once; further ones are sent at once."""
-    max_request_bytes: int = 4 << 20
+    max_request_bytes: int = field(default=4 << 20, metadata=at_least(0))
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
-    preemption_min_run_s: float = 60.0
+    preemption_min_run_s: float = field(default=60.0, metadata=at_least(0))
     """A task runs at least this long before a higher-priority one may preempt it."""
     priority_classes: dict[str, Any] = field(default_factory=dict)
     """Named priorities jobs may name: ``[priority_classes.urgent]`` with ``value`` (-1000 to
     1000), ``preemptible`` (default true) and ``may_preempt`` (default false)."""
-    max_spec_bytes: int = 256 * 1024
+    max_spec_bytes: int = field(default=256 * 1024, metadata=within(1024, 1024 * 1024))
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
     record, and etcd refuses a request over 1.5 MiB."""
 
 
-STORES = ("sqlite", "etcd")
-
-
 def check_settings(config: CoordinatorConfig, *, source: str) -> None:
-    """Refuse settings that cannot work: store, etcd, heartbeat and negotiation settings.
+    """Refuse settings that cannot work together (each one alone is checked by ``build``).
 
     Raises:
         ConfigError: Naming ``source`` and the setting.
     """
-    if config.store not in STORES:
-        raise ConfigError(
-            f"{source}: store must be one of {', '.join(STORES)}, not {config.store!r}"
-        )
     if config.store == "etcd" and not config.etcd_endpoints:
         raise ConfigError(f'{source}: store = "etcd" needs etcd_endpoints, e.g. ["127.0.0.1:2379"]')
     tls = (config.etcd_ca, config.etcd_cert, config.etcd_key)
     if any(tls) and not all(tls):
         raise ConfigError(f"{source}: give all of etcd_ca, etcd_cert and etcd_key, or none")
-    if not config.etcd_history_s >= 0:
-        raise ConfigError(f"{source}: etcd_history_s must be 0 or more")
-    if not config.leader_lease_s > 0:
-        raise ConfigError(f"{source}: leader_lease_s must be positive")
-    if not config.heartbeat_interval_s > 0:
-        raise ConfigError(f"{source}: heartbeat_interval_s must be positive")
-    if config.missed_heartbeats < 1:
-        raise ConfigError(f"{source}: missed_heartbeats must be at least 1")
-    for name in (
-        "client_requests_per_s",
-        "client_request_burst",
-        "client_jobs_per_s",
-        "client_job_burst",
-        "max_unfinished_jobs_per_tenant",
-        "client_streams",
-        "client_bytes_per_s",
-        "client_byte_burst",
-        "client_refusal_hold_s",
-        "client_held_refusals",
-        "max_request_bytes",
-        "preemption_min_run_s",
-    ):
-        if not getattr(config, name) >= 0:
-            raise ConfigError(f"{source}: {name} must be 0 (no limit) or more")
-    if not 1024 <= config.max_spec_bytes <= 1024 * 1024:
-        raise ConfigError(f"{source}: max_spec_bytes must be between 1024 and 1048576")
-    check_negotiation(config, source=source)
-    parse_priority_classes(config.priority_classes, source=source)
-
-
-def check_negotiation(config: CoordinatorConfig, *, source: str) -> None:
-    """Refuse negotiation settings that cannot work."""
-    for name in ("offer_timeout_s", "retry_interval_s"):
-        if not getattr(config, name) > 0:
-            raise ConfigError(f"{source}: {name} must be positive")
-    for name in ("offers_at_once", "max_offers_per_round"):
-        if getattr(config, name) < 1:
-            raise ConfigError(f"{source}: {name} must be at least 1")
     # A task offered to several sites at once is decided when all have answered or timed
     # out, so a site that accepted at once holds its reservation up to offer_timeout_s
     # before the commit: a shorter lease would let it lapse and refuse the commit.
@@ -173,3 +130,4 @@ def check_negotiation(config: CoordinatorConfig, *, source: str) -> None:
             f"{source}: reservation_lease_s ({config.reservation_lease_s:g}) must be longer "
             f"than offer_timeout_s ({config.offer_timeout_s:g})"
         )
+    parse_priority_classes(config.priority_classes, source=source)

@@ -54,7 +54,7 @@ def test_default_is_the_embedded_core(tmp_path: Path) -> None:
         ({"extra_sbatch_args": ["--hold"]}, "may not set --hold"),
         ({"extra_sbatch_args": ["--comment=x"]}, "may not set --comment=x"),
         ({"poll_interval_s": 0}, "poll_interval_s must be positive"),
-        ({"gres": {"a100": {"memory": 1}}}, "slurm.gres.a100: unknown setting 'memory'"),
+        ({"gres": {"a100": {"memory": 1}}}, "unknown setting slurm.gres.a100.memory"),
         ({"gres": {"a100": "A100"}}, "slurm.gres.a100 must be a table"),
     ],
 )
