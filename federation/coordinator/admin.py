@@ -15,6 +15,8 @@ from federation.errors import FieldViolation, InvalidArgumentError
 
 VERSION = "0.1.0"
 
+Forecasts = Callable[[list[str]], dict[str, admin_service_pb2.SiteForecast]]
+
 
 class Admin:
     """Answers the operator RPCs from the sites, the jobs and the list of coordinators.
@@ -24,6 +26,7 @@ class Admin:
         jobs: The job repository, for counts by state.
         coordinators: Lists every running coordinator, the leader marked.
         lost_sites: The lost-site monitor, whose pause the status shows; None: never paused.
+        forecasts: Per site, when room should free there (``Scheduler.forecasts``).
     """
 
     def __init__(
@@ -33,15 +36,23 @@ class Admin:
         coordinators: Callable[[], Awaitable[list[admin_service_pb2.Coordinator]]],
         lost_sites: LostSites | None = None,
         sharing: Sharing | None = None,
+        forecasts: Forecasts | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._coordinators = coordinators
         self._lost_sites = lost_sites
         self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
+        self._forecasts = forecasts
 
     def sites(self) -> list[admin_service_pb2.Site]:
-        return [self._sites.describe(name) for name in self._sites.names()]
+        names = self._sites.names()
+        sites = [self._sites.describe(name) for name in names]
+        if self._forecasts is not None:
+            forecasts = self._forecasts(names)
+            for site in sites:
+                site.forecast.CopyFrom(forecasts[site.name])
+        return sites
 
     async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
         coordinators = await self._coordinators()

@@ -8,6 +8,7 @@ from typing import Any
 
 from federation.config import ConfigError, address, at_least, one_of, positive, within
 from federation.coordinator.policy.priority import parse_priority_classes
+from federation.coordinator.waits import WAIT_GAIN
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 from federation.store.etcd import DEFAULT_PREFIX
 
@@ -103,6 +104,9 @@ class CoordinatorConfig:
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
     preemption_min_run_s: float = field(default=60.0, metadata=at_least(0))
     """A task runs at least this long before a higher-priority one may preempt it."""
+    wait_gain: float = field(default=WAIT_GAIN, metadata=within(0, 1))
+    """A task waits for a busy site where it would finish by this share of its finish on the
+    best site free now; 0: tasks never wait while some site can take them."""
     priority_classes: dict[str, Any] = field(default_factory=dict)
     """Named priorities jobs may name: ``[priority_classes.urgent]`` with ``value`` (-1000 to
     1000), ``preemptible`` (default true) and ``may_preempt`` (default false)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -93,7 +94,7 @@ class JobManager:
         max_spec_bytes: int = MAX_SPEC_BYTES,
         max_unfinished_jobs_per_tenant: int = 0,
         learner: SpeedLearner | None = None,
-        freed: Callable[[], None] | None = None,
+        freed: Callable[[str, float], None] | None = None,
         sharing: Sharing | None = None,
     ) -> None:
         self._jobs = jobs
@@ -101,8 +102,9 @@ class JobManager:
         """Which queues a tenant may submit to, and the priority classes."""
         self._learner = learner
         """Told how long each task that succeeded on devices ran."""
-        self._freed = freed or wake
-        """Called when a task ends: the capacity it held is for the first in line."""
+        self._freed = freed or (lambda site, ran_s: wake())
+        """Called when a task ends at a site, with how long it ran (NaN: unknown): the
+        capacity it held is for the first in line."""
         self._max_spec_bytes = max_spec_bytes
         self._max_unfinished = max_unfinished_jobs_per_tenant
         self._sites = sites
@@ -496,7 +498,7 @@ class JobManager:
             self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
         self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")
         if final:
-            self._freed()
+            self._freed(site, _ran_s(find_task(updated, report.task)))
 
     def _fence(self, site: str, report: site_link_service_pb2.TaskReport, final: bool) -> None:
         """A report for a delegation that is no longer current: stop it, never accept it."""
@@ -637,3 +639,10 @@ def current_event(job: jobs_pb2.Job) -> jobs_pb2.JobEvent:
         reason=job.reason,
         job_state=job.state,
     )
+
+
+def _ran_s(task: jobs_pb2.TaskStatus) -> float:
+    """How long a task that ended ran, NaN if it never started."""
+    if not (task.HasField("started_at") and task.HasField("finished_at")):
+        return math.nan
+    return (task.finished_at.ToNanoseconds() - task.started_at.ToNanoseconds()) / 1e9

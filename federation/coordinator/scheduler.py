@@ -18,14 +18,15 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.api.v1 import admin_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
+from federation.coordinator.forecast import SiteHistory
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
@@ -188,15 +189,19 @@ class Scheduler:
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
+        self.history = SiteHistory()
+        """How often tasks come to each site and how long they run there."""
 
     def wake(self) -> None:
         self._wake.set()
 
-    def capacity_freed(self) -> None:
-        """A task ended: what it held goes to the first in line (``jobs.line_order``), not to
-        whichever waiting task's retry timer happens to come due first. The site's report
-        may come before its view shows the room free, so the timers are cleared again at the
-        next change of the views (``_cycle``)."""
+    def capacity_freed(self, site: str = "", ran_s: float = math.nan) -> None:
+        """A task ended (at ``site``, after ``ran_s``): what it held goes to the first in line
+        (``jobs.line_order``), not to whichever waiting task's retry timer happens to come
+        due first. The site's report may come before its view shows the room free, so the
+        timers are cleared again at the next change of the views (``_cycle``)."""
+        if site:
+            self.history.ended(site, ran_s)
         self._clear_front_of_line()
         self._freed_at_version = self._sites.version
         self.wake()
@@ -377,6 +382,12 @@ class Scheduler:
         self._backoff_s.pop(key, None)
         due = min(wait.wait_s + 1.0, self._config.retry_interval_s)
         self._not_before[key] = time.monotonic() + due
+
+    def forecasts(self, sites: Iterable[str]) -> dict[str, admin_service_pb2.SiteForecast]:
+        """Per site: when room should next free there, what waits for it, and its history."""
+        now = time.time()
+        waiting = {site: len(line) for site, line in self._waiting.items()}
+        return self.history.forecasts(sites, holdings(self._jobs.at_site(), now), waiting, now)
 
     def _stop_waiting(self, key: TaskKey) -> None:
         site = self._waits_for.pop(key, None)
@@ -773,6 +784,7 @@ class Scheduler:
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
                 continue
+            self.history.arrived(site)
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )

@@ -33,14 +33,19 @@ async def _submit(channel: grpc.aio.Channel, name: str, task: dict[str, object])
     return reply.job.id
 
 
+async def _site(channel: grpc.aio.Channel, name: str) -> admin_service_pb2.Site:
+    reply = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
+    (site,) = [s for s in reply.sites if s.name == name]
+    return site
+
+
 async def _holding_the_h100(channel: grpc.aio.Channel, holder: str) -> None:
     """Until the holder runs and the fast site's view shows its H100 taken (else a task
     placed meanwhile is offered there and declined, as the view said it was free)."""
     await wait_for_job(channel, holder, until=RUNNING)
 
     async def taken() -> bool:
-        reply = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
-        (fast,) = [s for s in reply.sites if s.name == "fast"]
+        fast = await _site(channel, "fast")
         return all(d.allocated for n in fast.view.nodes for d in n.devices)
 
     await until(taken, "the fast site's view to show its H100 taken", timeout_s=10)
@@ -73,11 +78,19 @@ async def test_a_long_task_waits_for_the_fast_site(operator: grpc.aio.Channel) -
     assert task.state == jobs_pb2.JOB_STATE_PENDING
     assert task.verdicts[0].site == "fast"
     assert "waits for room at fast" in task.reason
+    forecast = (await _site(operator, "fast")).forecast
+    assert forecast.tasks == 1
+    assert forecast.waiting == 1
+    assert 0 <= forecast.next_free_s <= 4
     done = await wait_for_job(operator, long)
     assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
     assert done.tasks[0].site == "fast"
     assert done.tasks[0].estimate.device_model == "H100-80GB"
     assert (await wait_for_job(operator, holder)).state == jobs_pb2.JOB_STATE_SUCCEEDED
+    forecast = (await _site(operator, "fast")).forecast
+    assert (forecast.tasks, forecast.waiting, forecast.next_free_s) == (0, 0, -1)
+    assert forecast.arrivals_per_hour > 1.9  # two tasks, a few seconds ago
+    assert 0 < forecast.mean_run_s < 10  # the holder's 4 s and the long task's moment
 
 
 async def test_a_short_task_starts_now_on_the_slow_site(operator: grpc.aio.Channel) -> None:

@@ -63,6 +63,7 @@ class Site(_message.Message):
     VIEW_FIELD_NUMBER: _builtins.int
     CERTIFICATE_FINGERPRINT_FIELD_NUMBER: _builtins.int
     UNREACHABLE_S_FIELD_NUMBER: _builtins.int
+    FORECAST_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     domain: _resources_pb2.Domain.ValueType
     state: Global___SiteState.ValueType
@@ -77,6 +78,10 @@ class Site(_message.Message):
     def joined_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
     def view(self) -> _resources_pb2.SiteView: ...
+    @_builtins.property
+    def forecast(self) -> Global___SiteForecast:
+        """What the coordinator expects of the site's room (from the leader; empty on followers)."""
+
     def __init__(
         self,
         *,
@@ -90,14 +95,55 @@ class Site(_message.Message):
         view: _resources_pb2.SiteView | None = ...,
         certificate_fingerprint: _builtins.str = ...,
         unreachable_s: _builtins.float = ...,
+        forecast: Global___SiteForecast | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["joined_at", b"joined_at", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["forecast", b"forecast", "joined_at", b"joined_at", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "domain", b"domain", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "unreachable_s", b"unreachable_s", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "domain", b"domain", "forecast", b"forecast", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "unreachable_s", b"unreachable_s", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Site: _TypeAlias = Site  # noqa: Y015
+
+@_typing.final
+class SiteForecast(_message.Message):
+    """When room should free at a site, and how loaded it has been."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TASKS_FIELD_NUMBER: _builtins.int
+    NEXT_FREE_S_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    ARRIVALS_PER_HOUR_FIELD_NUMBER: _builtins.int
+    MEAN_RUN_S_FIELD_NUMBER: _builtins.int
+    tasks: _builtins.int
+    """Tasks delegated to or running at the site."""
+    next_free_s: _builtins.float
+    """Seconds until the first of them should end, by its committed estimate; negative when
+    none has an estimate.
+    """
+    waiting: _builtins.int
+    """Tasks waiting for room at the site although another site could take them now."""
+    arrivals_per_hour: _builtins.float
+    """Tasks delegated to the site per hour, over about the last hour (older ones fading)."""
+    mean_run_s: _builtins.float
+    """Mean measured run time of the tasks that ended there (recent ones weigh most); 0: none."""
+    def __init__(
+        self,
+        *,
+        tasks: _builtins.int = ...,
+        next_free_s: _builtins.float = ...,
+        waiting: _builtins.int = ...,
+        arrivals_per_hour: _builtins.float = ...,
+        mean_run_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arrivals_per_hour", b"arrivals_per_hour", "mean_run_s", b"mean_run_s", "next_free_s", b"next_free_s", "tasks", b"tasks", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SiteForecast: _TypeAlias = SiteForecast  # noqa: Y015
 
 @_typing.final
 class GetFederationStatusRequest(_message.Message):
