@@ -48,7 +48,9 @@ from federation.coordinator.waits import (
     Wait,
     Waiter,
     holdings,
+    predictable,
     sooner_by_waiting,
+    wait_at,
 )
 from federation.errors import FederationError
 from federation.metrics import OFFERS, PREEMPTIONS
@@ -362,7 +364,7 @@ class Scheduler:
         now = time.time()
         if cycle.holding is None:
             cycle.holding = holdings(self._jobs.at_site(), now)
-        waiting = {site: list(line.values()) for site, line in self._waiting.items()}
+        waiting = self._waiters()
         return sooner_by_waiting(
             request,
             cycle.snapshot,
@@ -388,6 +390,25 @@ class Scheduler:
         now = time.time()
         waiting = {site: len(line) for site, line in self._waiting.items()}
         return self.history.forecasts(sites, holdings(self._jobs.at_site(), now), waiting, now)
+
+    def _predicted_waits(
+        self, key: TaskKey, request: Request, snapshot: Snapshot, busy: Iterable[int]
+    ) -> dict[str, Wait]:
+        """For ``explain``: when task ``key`` would start and finish at each busy site."""
+        if not predictable(request):
+            return {}
+        now = time.time()
+        holding = holdings(self._jobs.at_site(), now)
+        waiting = self._waiters(but=key)
+        found = (wait_at(request, snapshot, i, holding, waiting, now) for i in busy)
+        return {wait.site: wait for wait in found if wait is not None}
+
+    def _waiters(self, but: TaskKey | None = None) -> dict[str, list[Waiter]]:
+        """Per busy site, the tasks waiting for it in the order they chose to (but ``but``)."""
+        return {
+            site: [waiter for key, waiter in line.items() if key != but]
+            for site, line in self._waiting.items()
+        }
 
     def _stop_waiting(self, key: TaskKey) -> None:
         site = self._waits_for.pop(key, None)
@@ -896,18 +917,22 @@ class Scheduler:
             by_site: dict[str, list[Rejection]] = {}
             for rejection in decision.every_rejection:  # by site, then in profile order
                 by_site.setdefault(rejection.site, []).append(rejection)
+            waits = self._predicted_waits(
+                (job.id, task.name), request, snapshot, decision.short_of_room()
+            )
             for site, every in by_site.items():
                 verdicts = [
                     jobs_pb2.SiteVerdict(site=site, stage=r.plugin, reason=r.reason, code=r.code)
                     for r in every
                 ]
+                now = estimate_proto(estimates, snapshot.site_index(site) or 0)
                 explanation.sites.add(
                     site=site,
                     plugin=every[0].plugin,
                     reason=every[0].reason,
                     code=every[0].code,
                     rejections=verdicts,
-                    estimate=estimate_proto(estimates, snapshot.site_index(site) or 0),
+                    estimate=_once_free(now, waits.get(site)),
                 )
             ranked_site = task.site or (decision.ranked[0] if decision.ranked else "")
             index = snapshot.site_index(ranked_site) if ranked_site else None
@@ -1093,6 +1118,19 @@ def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") 
     if placed.device_speed > 0:
         committed.device_speed = placed.device_speed / ratio
     n.estimates[site] = committed
+
+
+def _once_free(estimate: jobs_pb2.Estimate, wait: Wait | None) -> jobs_pb2.Estimate:
+    """A busy site's estimate once room frees there, the predicted wait as its queue time."""
+    if wait is None:
+        return estimate
+    return _copy_estimate(
+        estimate,
+        queue_s=wait.wait_s,
+        run_s=wait.waiter.run_s,
+        total_s=wait.finish_s,
+        device_speed=wait.waiter.speed,
+    )
 
 
 def _copy_estimate(estimate: jobs_pb2.Estimate, **changes: Any) -> jobs_pb2.Estimate:

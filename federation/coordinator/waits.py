@@ -129,35 +129,43 @@ def sooner_by_waiting(
     of ``now_s`` (when it would finish on the best site that can take it now); else None.
 
     Each site's wait is played out only as far as a wait could still win."""
-    if not busy or not predictable(req):
-        return None
-    run_s, speed = once_free(req, snap)
-    transfer = estimate(req, snap).transfer_s
     chosen: Wait | None = None
     within_s = gain * now_s
-    for site in busy:
-        after_s = float(transfer[site] + run_s[site])
-        if after_s >= within_s:
-            continue
-        name = snap.site_ids[site]
-        waiter = Waiter(req, float(speed[site]), float(run_s[site]))
-        found = frees_in(
-            waiter,
-            _Trial(snap, site),
-            holding.get(name, ()),
-            waiting.get(name, ()),
-            now,
-            within_s - after_s,
-        )
-        forecast = float(snap.queue_wait_s[site])
-        if found is None and 0 < forecast < within_s - after_s:
-            found = forecast  # what the site sees and the coordinator does not
+    for site in busy if predictable(req) else ():
+        found = wait_at(req, snap, site, holding, waiting, now, within_s)
         if found is not None:
-            wait_s = max(found, forecast)
-            if wait_s + after_s < within_s:
-                chosen = Wait(name, wait_s, wait_s + after_s, waiter)
-                within_s = chosen.finish_s
+            chosen, within_s = found, found.finish_s
     return chosen
+
+
+def wait_at(
+    req: Request,
+    snap: Snapshot,
+    site: int,
+    holding: Mapping[str, Sequence[Holding]],
+    waiting: Mapping[str, Sequence[Waiter]],
+    now: float,
+    within_s: float = math.inf,
+) -> Wait | None:
+    """When ``req`` would start and finish at busy ``site``, if it would finish within
+    ``within_s``; None if not, or if nothing there is due to end."""
+    run_s, speed = once_free(req, snap)
+    after_s = float(estimate(req, snap).transfer_s[site] + run_s[site])
+    if after_s >= within_s:
+        return None
+    name = snap.site_ids[site]
+    waiter = Waiter(req, float(speed[site]), float(run_s[site]))
+    trial = _Trial(snap, site)
+    found = frees_in(
+        waiter, trial, holding.get(name, ()), waiting.get(name, ()), now, within_s - after_s
+    )
+    forecast = float(snap.queue_wait_s[site])
+    if found is None and 0 < forecast < within_s - after_s:
+        found = forecast  # what the site sees and the coordinator does not
+    if found is None or max(found, forecast) + after_s >= within_s:
+        return None
+    wait_s = max(found, forecast)
+    return Wait(name, wait_s, wait_s + after_s, waiter)
 
 
 def frees_in(

@@ -78,6 +78,11 @@ async def test_a_long_task_waits_for_the_fast_site(operator: grpc.aio.Channel) -
     assert task.state == jobs_pb2.JOB_STATE_PENDING
     assert task.verdicts[0].site == "fast"
     assert "waits for room at fast" in task.reason
+    explained = await jobs(operator).ExplainJob(job_service_pb2.ExplainJobRequest(job_id=long))
+    (fast,) = [s for s in explained.tasks[0].sites if s.site == "fast"]
+    assert fast.code == "INSUFFICIENT_FREE_CAPACITY"
+    assert 0 <= fast.estimate.queue_s <= 4  # the predicted wait
+    assert fast.estimate.run_s == pytest.approx(400.0)
     forecast = (await _site(operator, "fast")).forecast
     assert forecast.tasks == 1
     assert forecast.waiting == 1
