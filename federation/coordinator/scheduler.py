@@ -69,6 +69,9 @@ PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
 WAIT = "Wait"
 """The stage of the verdict of a task that waits for a busy site (``waits``)."""
+WAIT_RECHECK_S = 30.0
+"""Longest a task waits for a busy site before its choice is weighed again; a task's end
+there wakes it sooner."""
 FRONT_OF_LINE = 64
 QUEUE_GAUGES_EVERY_S = 5.0
 """How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
@@ -191,6 +194,8 @@ class Scheduler:
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
+        self._freed_sites: set[str] = set()
+        """Sites where a task ended since the views last changed ("": unknown)."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
 
@@ -204,6 +209,7 @@ class Scheduler:
         timers are cleared again at the next change of the views (``_cycle``)."""
         if site:
             self.history.ended(site, ran_s)
+        self._freed_sites.add(site)
         self._clear_front_of_line()
         self._freed_at_version = self._sites.version
         self.wake()
@@ -262,8 +268,10 @@ class Scheduler:
             # counts as holding the room that the site's view still shows taken.
             self._freed_at_version = None
             self._clear_front_of_line()
-            for key in self._waits_for:
-                self._not_before.pop(key, None)
+            for key, site in self._waits_for.items():
+                if site in self._freed_sites or "" in self._freed_sites:
+                    self._not_before.pop(key, None)
+            self._freed_sites.clear()
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held
@@ -382,7 +390,7 @@ class Scheduler:
         self._waiting.setdefault(wait.site, {})[key] = wait.waiter
         self._waits_for[key] = wait.site
         self._backoff_s.pop(key, None)
-        due = min(wait.wait_s + 1.0, self._config.retry_interval_s)
+        due = min(wait.wait_s + 1.0, WAIT_RECHECK_S)
         self._not_before[key] = time.monotonic() + due
 
     def forecasts(self, sites: Iterable[str]) -> dict[str, admin_service_pb2.SiteForecast]:

@@ -37,6 +37,13 @@ would finish on the best site that can take it now: an estimate's error should n
 wait for nothing."""
 OVERRUN_LEFT = 0.1
 """A task past its estimated end is expected to need this share of its estimate more."""
+MAX_AHEAD = 16
+"""A site more tasks than this already wait for is not waited for: each task weighed plays
+out the whole line ahead of it (so a flood of waiters would cost its square), and a wait
+that far ahead rests on too many estimates to be worth it."""
+MAX_SITES_WEIGHED = 4
+"""Busy sites played out per task: those that could finish it soonest by a lower bound (the
+first end there, then its run), as playing one out costs about a millisecond."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +82,8 @@ class Wait:
 
 
 def holdings(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Holding]]:
-    """Per site, what its delegated and running tasks hold and when they should end."""
+    """Per site, what its delegated and running tasks hold and when they should end, the
+    soonest first."""
     out: dict[str, list[Holding]] = {}
     for job in jobs:
         specs: dict[str, jobs_pb2.TaskSpec] | None = None
@@ -85,6 +93,8 @@ def holdings(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Holding
             if specs is None:
                 specs = {t.name: t for t in job.spec.tasks}
             out.setdefault(task.site, []).append(_holding(task, specs[task.name], now))
+    for held in out.values():
+        held.sort(key=lambda h: h.end)
     return out
 
 
@@ -127,11 +137,28 @@ def sooner_by_waiting(
 ) -> Wait | None:
     """The busy site where ``req`` would finish soonest once room frees there, if by ``gain``
     of ``now_s`` (when it would finish on the best site that can take it now); else None.
+    ``holding`` lists each site's tasks soonest end first (``holdings``).
 
     Each site's wait is played out only as far as a wait could still win."""
-    chosen: Wait | None = None
     within_s = gain * now_s
-    for site in busy if predictable(req) else ():
+    if not predictable(req) or not len(busy):
+        return None
+    run_s, _ = once_free(req, snap)
+    after_s = estimate(req, snap).transfer_s + run_s
+    bounds = []
+    for site in busy:
+        name = snap.site_ids[site]
+        if len(waiting.get(name, ())) > MAX_AHEAD:
+            continue
+        held = holding.get(name, ())
+        forecast = float(snap.queue_wait_s[site])
+        first = max(held[0].end - now, forecast) if held else (forecast or math.inf)
+        if first + after_s[site] < within_s:
+            bounds.append((first + float(after_s[site]), site))
+    chosen: Wait | None = None
+    for bound, site in sorted(bounds)[:MAX_SITES_WEIGHED]:
+        if bound >= within_s:
+            break
         found = wait_at(req, snap, site, holding, waiting, now, within_s)
         if found is not None:
             chosen, within_s = found, found.finish_s
@@ -154,11 +181,12 @@ def wait_at(
     if after_s >= within_s:
         return None
     name = snap.site_ids[site]
+    ahead = waiting.get(name, ())
+    if len(ahead) > MAX_AHEAD:
+        return None
     waiter = Waiter(req, float(speed[site]), float(run_s[site]))
     trial = _Trial(snap, site)
-    found = frees_in(
-        waiter, trial, holding.get(name, ()), waiting.get(name, ()), now, within_s - after_s
-    )
+    found = frees_in(waiter, trial, holding.get(name, ()), ahead, now, within_s - after_s)
     forecast = float(snap.queue_wait_s[site])
     if found is None and 0 < forecast < within_s - after_s:
         found = forecast  # what the site sees and the coordinator does not

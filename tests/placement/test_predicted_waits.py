@@ -8,7 +8,13 @@ import dataclasses
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
-from federation.coordinator.waits import Holding, Waiter, holdings, sooner_by_waiting
+from federation.coordinator.waits import (
+    MAX_AHEAD,
+    Holding,
+    Waiter,
+    holdings,
+    sooner_by_waiting,
+)
 from federation.placement.estimates import estimate
 from federation.placement.framework import Code
 from federation.placement.registry import build_framework
@@ -97,3 +103,13 @@ def test_an_overrunning_task_is_expected_to_need_a_tenth_of_its_estimate_more() 
     assert held.end == NOW + 10.0
     assert held.cpu == 2.0
     assert held.nodes == ("n0",)
+
+
+def test_a_site_with_too_long_a_line_is_not_waited_for() -> None:
+    """Past ``MAX_AHEAD`` waiters the site is not weighed (each would replay the whole line),
+    even where, with tasks ending every second, the wait would pay."""
+    req = _gpu_task(100_000)
+    quick = Waiter(_gpu_task(1), 2.5, 0.4)
+    held = [_held_until(NOW + 1)]
+    assert _wait(req, _fleet(), held, [quick] * MAX_AHEAD) is not None
+    assert _wait(req, _fleet(), held, [quick] * (MAX_AHEAD + 1)) is None
