@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.coordinator.waits import MAX_AHEAD, Holding, Waiter, sooner_by_waiting
@@ -26,6 +28,7 @@ from federation.placement.request import Request
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 
 NOW = 1_000_000.0
+AHEAD = (0, MAX_AHEAD // 2, MAX_AHEAD)
 
 
 def fleet(n_busy: int) -> Snapshot:
@@ -79,13 +82,41 @@ def long_task() -> Request:
     return Request.from_spec(jobs_pb2.JobSpec(name="j", tasks=[task]), task)
 
 
-def median_ms(run: object, repeat: int) -> float:
+def median_ms(run: Callable[[], object], repeat: int) -> float:
     samples = []
     for _ in range(repeat):
         start = time.perf_counter()
-        run()  # type: ignore[operator]
+        run()
         samples.append((time.perf_counter() - start) * 1000)
     return statistics.median(samples)
+
+
+def measure(size: int, repeat: int) -> dict[str, float]:
+    """A placement decision and the weighing of a wait, at ``size`` busy sites."""
+    framework = build_framework()
+    req = long_task()
+    snap = fleet(size)
+    holding = {
+        name: [Holding(NOW + 60 + k, (f"n{k % 4}",), 0.0, 0.0, 1, "H100-80GB") for k in range(32)]
+        for name in snap.site_ids
+        if name != "slow"
+    }
+    busy = framework.place(req, snap).short_of_room().tolist()
+    now_s = float(estimate(req, snap).total_s[snap.site_index("slow") or 0])
+    # A request not placed on this snapshot yet, each time: nothing is reused.
+    fresh = (dataclasses.replace(req, duration_s=req.duration_s + i) for i in range(10**9))
+    row = {
+        "busy_sites": float(len(busy)),
+        "placement_ms": median_ms(lambda: framework.place(next(fresh), snap), repeat),
+    }
+    for ahead in AHEAD:
+        waiting = {name: [Waiter(req, 2.5, 40_000.0)] * ahead for name in holding}
+        weigh = functools.partial(sooner_by_waiting, req, snap, busy, now_s, holding, waiting, NOW)
+        row[f"wait_{ahead}_ahead_ms"] = median_ms(weigh, repeat)
+        row[f"wait_{ahead}_ahead_vs_placement"] = (
+            row[f"wait_{ahead}_ahead_ms"] / row["placement_ms"]
+        )
+    return row
 
 
 def main() -> None:
@@ -94,49 +125,17 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    framework = build_framework()
-    req = long_task()
-    results: dict[str, dict[str, float]] = {}
-    for size in (int(s) for s in args.sizes.split(",")):
-        snap = fleet(size)
-        holding = {
-            name: [
-                Holding(NOW + 60 + k, (f"n{k % 4}",), 0.0, 0.0, 1, "H100-80GB") for k in range(32)
-            ]
-            for name in snap.site_ids
-            if name != "slow"
-        }
-        decision = framework.place(req, snap)
-        busy = decision.short_of_room().tolist()
-        now_s = float(estimate(req, snap).total_s[snap.site_index("slow") or 0])
-        # A request not placed on this snapshot yet, each time: nothing reused.
-        fresh = iter(dataclasses.replace(req, duration_s=req.duration_s + i) for i in range(10**6))
-        place_ms = median_ms(lambda: framework.place(next(fresh), snap), args.repeat)
-        row = {"busy_sites": float(len(busy)), "placement_ms": place_ms}
-        for ahead in (0, MAX_AHEAD // 2, MAX_AHEAD):
-            waiting = {name: [Waiter(req, 2.5, 40_000.0)] * ahead for name in holding}
-            wait_ms = median_ms(
-                lambda w=waiting: sooner_by_waiting(req, snap, busy, now_s, holding, w, NOW),
-                args.repeat,
-            )
-            row[f"wait_{ahead}_ahead_ms"] = wait_ms
-            row[f"wait_{ahead}_ahead_vs_placement"] = wait_ms / place_ms
-        results[str(size)] = row
+    results = {size: measure(int(size), args.repeat) for size in args.sizes.split(",")}
     if args.json:
         json.dump(results, sys.stdout, indent=2)
         print()
         return
-    aheads = (0, MAX_AHEAD // 2, MAX_AHEAD)
-    print(
-        f"{'busy sites':>10} {'placement ms':>13} "
-        + " ".join(f"{f'wait, {a} ahead ms':>20}" for a in aheads)
-    )
+    heads = " ".join(f"{f'wait, {a} ahead ms':>20}" for a in AHEAD)
+    print(f"{'busy sites':>10} {'placement ms':>13} {heads}")
     for size, r in results.items():
         cells = " ".join(
-            f"{r[f'wait_{a}_ahead_ms']:>9.2f} ({r[f'wait_{a}_ahead_vs_placement']:>4.2f}x)".rjust(
-                20
-            )
-            for a in aheads
+            f"{r[f'wait_{a}_ahead_ms']:9.2f} ({r[f'wait_{a}_ahead_vs_placement']:5.2f}x)".rjust(20)
+            for a in AHEAD
         )
         print(f"{size:>10} {r['placement_ms']:>13.2f} {cells}")
 
