@@ -18,6 +18,7 @@ import structlog
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from federation import __version__
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
 from federation.agent.enroll import SiteCredentials, channel_options
@@ -33,7 +34,7 @@ from federation.security.tls import channel_credentials
 
 log = structlog.get_logger()
 
-AGENT_VERSION = "0.1.0"
+AGENT_VERSION = __version__
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
 
 

@@ -10,12 +10,15 @@ from pathlib import Path
 
 import grpc
 
+from federation import __version__
 from federation.cli import demo, pki, queues, remote, sim, top
 from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
+from federation.cli.output import add_to_every_command, output_of, quiet_on_closed_pipe
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedctl", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fedctl {__version__}")
     parser.add_argument(
         "--coordinator",
         help="host:port, or several coordinators as a,b,c: the leader is found among them "
@@ -29,7 +32,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ca", type=Path, help="CA certificate (env FEDCTL_CA)")
     parser.add_argument("--cert", type=Path, help="client certificate (env FEDCTL_CERT)")
     parser.add_argument("--key", type=Path, help="client key (env FEDCTL_KEY)")
-    parser.add_argument("--json", action="store_true", help="JSON output for scripts")
     sub = parser.add_subparsers(dest="command", required=True)
     pki.add_parser(sub)
     remote.add_parsers(sub)
@@ -37,18 +39,21 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     sim.add_parser(sub)
     top.add_parser(sub)
+    add_to_every_command(parser)  # -o and --json, before or after any subcommand
     return parser
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        sys.exit(run(args))
-    except CliError as err:
-        print(f"fedctl: {err}", file=sys.stderr)
-        sys.exit(1)
-    except KeyboardInterrupt:
-        sys.exit(130)
+    with quiet_on_closed_pipe():  # `--version` and `--help` print while parsing: inside too
+        args = build_parser().parse_args(argv)
+        try:
+            output_of(args)  # refuse --json with another -o before any work
+            sys.exit(run(args))
+        except CliError as err:
+            print(f"fedctl: {err}", file=sys.stderr)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            sys.exit(130)
 
 
 def run(args: argparse.Namespace) -> int:

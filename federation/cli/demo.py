@@ -26,6 +26,7 @@ from datacenter_agent.slurm_cluster import (
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import CliError
 from federation.cli.explain import explanation_table
+from federation.cli.output import output_of, show
 from federation.cli.remote import cmd_status
 from federation.cli.render import console, event_line, text
 from federation.coordinator.job_state import is_terminal
@@ -282,6 +283,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    if output_of(args).is_data:
+        raise CliError(
+            "fedctl demo shows a run to people and has no JSON or YAML. To fix: leave out "
+            "-o/--json, or run the other commands with -o json against a federation"
+        )
     root = args.dir or Path(tempfile.mkdtemp(prefix="federation-demo-"))
     slurm = None
     sites = DEMO_SITES
@@ -351,7 +357,7 @@ async def run_demo(fed: LocalFederation) -> int:
         async for event in events_of(watch):
             if event.job_id not in ids:
                 continue
-            console.print(text("  " + event_line(event)))
+            show(text("  " + event_line(event)))
             if is_terminal(event.job_state):
                 done.add(event.job_id)
             if not cancel_sent and done >= set(ids) - {big}:
@@ -370,11 +376,9 @@ async def run_demo(fed: LocalFederation) -> int:
         final = [(await stub.GetJob(job_service_pb2.GetJobRequest(job_id=i))).job for i in ids]
         pipeline = next(i for i, name in ids.items() if name == "camera-pipeline")
         why = await stub.ExplainJob(job_service_pb2.ExplainJobRequest(job_id=pipeline))
-    console.print(results_table(final))
+    show(results_table(final))
     console.print("why camera-pipeline's train task went where it did (as the federation is now):")
-    for task in why.tasks:
-        if task.task == "train":
-            console.print(explanation_table(task))
+    show(*(explanation_table(task) for task in why.tasks if task.task == "train"))
     ok = {job.spec.name: state_name(job.state) for job in final}
     expected = {"flaky-step": "FAILED", "too-big": "CANCELLED"}
     wrong = {n: s for n, s in ok.items() if s != expected.get(n, "SUCCEEDED")}

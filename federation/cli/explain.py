@@ -3,13 +3,12 @@ its reason code) or its score by term, and the estimate it is ranked by against 
 site committed to.
 
 On a terminal the tables fit its width; piped, each prints whole at its natural width (nothing
-cut or wrapped, one row per line for grep). ``-o json`` (or ``--json``) prints the reply.
+cut or wrapped, one row per line for grep). ``-o json|yaml`` (or ``--json``) prints the reply.
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -17,7 +16,8 @@ from rich.text import Text
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
-from federation.cli.render import console, format_duration, print_json, print_whole, text
+from federation.cli.output import output_of, show
+from federation.cli.render import format_duration, text
 from federation.jobspec import state_name
 
 
@@ -27,9 +27,6 @@ def add_parser(jobs_sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="why each task runs (or waits) where it does: every filter that rejects each site",
     )
     explain.add_argument("job_id")
-    explain.add_argument(
-        "-o", "--output", choices=["table", "json"], default="table", help="output format"
-    )
     explain.set_defaults(func=cmd_explain)
 
 
@@ -145,13 +142,9 @@ async def cmd_explain(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         reply = await stub.ExplainJob(job_service_pb2.ExplainJobRequest(job_id=args.job_id))
-    if args.json or args.output == "json":
-        print_json(reply)
-        return 0
-    renderables = [part for task in reply.tasks for part in explain_task(task)]
-    if sys.stdout.isatty():
-        for renderable in renderables:
-            console.print(renderable)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
     else:
-        print_whole(console, renderables)
+        show(*(part for task in reply.tasks for part in explain_task(task)))
     return 0

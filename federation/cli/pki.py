@@ -6,7 +6,8 @@ import argparse
 from pathlib import Path
 
 from federation.cli.connection import CliError
-from federation.cli.render import console, text
+from federation.cli.output import output_of, show
+from federation.cli.render import text
 from federation.security.identity import Identity, InvalidIdentityError, Role
 from federation.security.pki import PkiLayout, fingerprint, init_pki, issue_client_files
 
@@ -39,13 +40,28 @@ def cmd_init(args: argparse.Namespace) -> int:
         layout = init_pki(args.dir, server_sans=sans, operator=args.operator, force=args.force)
     except (FileExistsError, InvalidIdentityError, ValueError) as err:
         raise CliError(f"{err}") from None
+    ca_fingerprint = fingerprint(layout.ca_cert.read_bytes())
+    operator = layout.client_cert("operator-" + args.operator)
+    out = output_of(args)
+    if out.is_data:
+        out.data(
+            {
+                "ca": str(layout.ca_cert),
+                "ca_fingerprint": ca_fingerprint,
+                "ca_key": str(layout.ca_key),
+                "coordinator": str(layout.server_cert),
+                "coordinator_sans": sans,
+                "operator": str(operator),
+            }
+        )
+        return 0
     # Paths and names are the operator's own, but a '[' in a folder name is not markup either.
-    console.print(
-        text(f"CA            {layout.ca_cert}  ({fingerprint(layout.ca_cert.read_bytes())})")
+    show(
+        text(f"CA            {layout.ca_cert}  ({ca_fingerprint})"),
+        text(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}"),
+        text(f"operator      {operator}"),
+        text(f"keep {layout.ca_key} secret: it signs every site certificate", "dim"),
     )
-    console.print(text(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}"))
-    console.print(text(f"operator      {layout.client_cert('operator-' + args.operator)}"))
-    console.print(text(f"keep {layout.ca_key} secret: it signs every site certificate", "dim"))
     return 0
 
 
@@ -59,5 +75,9 @@ def cmd_issue(args: argparse.Namespace) -> int:
         cert, key = issue_client_files(PkiLayout(args.dir), identity)
     except (InvalidIdentityError, OSError, ValueError) as err:
         raise CliError(str(err)) from None
-    console.print(text(f"{identity}: {cert} (key {key})"))
+    out = output_of(args)
+    if out.is_data:
+        out.data({"identity": str(identity), "cert": str(cert), "key": str(key)})
+    else:
+        show(text(f"{identity}: {cert} (key {key})"))
     return 0

@@ -9,7 +9,8 @@ from rich.table import Table
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc, queues_pb2
 from federation.cli.connection import CliError, Connection
-from federation.cli.render import console, print_json, text
+from federation.cli.output import output_of, show
+from federation.cli.render import text
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -83,18 +84,22 @@ async def cmd_update(args: argparse.Namespace, conn: Connection) -> int:
 
 
 def _done(args: argparse.Namespace, queue: queues_pb2.Queue, what: str) -> None:
-    if args.json:
-        print_json(queue)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(queue)
     else:
-        console.print(text(f"queue {queue.name} {what}"))
+        show(text(f"queue {queue.name} {what}"))
 
 
 async def cmd_delete(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         await admin.DeleteQueue(admin_service_pb2.DeleteQueueRequest(name=args.name))
-    if not args.json:
-        console.print(text(f"queue {args.name} deleted"))
+    out = output_of(args)
+    if out.is_data:
+        out.data({"deleted": args.name})
+    else:
+        show(text(f"queue {args.name} deleted"))
     return 0
 
 
@@ -102,10 +107,11 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         reply = await admin.ListQueues(admin_service_pb2.ListQueuesRequest())
-    if args.json:
-        print_json(list(reply.queues))
+    out = output_of(args)
+    if out.is_data:
+        out.messages(list(reply.queues))
     else:
-        console.print(queues_table(reply.queues))
+        show(queues_table(reply.queues))
     return 0
 
 

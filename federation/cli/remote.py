@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
+from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -18,16 +20,14 @@ from federation.api.v1 import (
 )
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
+from federation.cli.output import output_of, show
 from federation.cli.render import (
-    console,
     coordinators_table,
     event_line,
     job_details,
     jobs_table,
     link_records,
     links_matrix,
-    print_data,
-    print_json,
     sites_table,
     text,
     unhealthy_devices_table,
@@ -91,15 +91,18 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         reply = await admin.GetFederationStatus(admin_service_pb2.GetFederationStatusRequest())
-    if args.json:
-        print_json(reply)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
         return 0
-    console.print(coordinators_table(reply))
-    console.print(sites_table(reply.sites))
+    views: list[RenderableType] = [
+        coordinators_table(reply),
+        sites_table(reply.sites, wide=out.is_wide),
+    ]
     if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
-        console.print(unhealthy)
+        views.append(unhealthy)
     if reply.rescheduling_paused:
-        console.print(
+        views.append(
             Text.assemble(text("rescheduling paused", "bold"), text(f": {reply.rescheduling_note}"))
         )
     counts = Table(title=text(f"Jobs (coordinator {reply.coordinator_version})"))
@@ -107,7 +110,8 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     counts.add_column("jobs", justify="right")
     for name, count in sorted(reply.jobs_by_state.items()):
         counts.add_row(text(name.removeprefix("JOB_STATE_")), text(str(count)))
-    console.print(counts)
+    views.append(counts)
+    show(*views)
     return 0
 
 
@@ -115,12 +119,14 @@ async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
-    if args.json:
-        print_json(list(reply.sites))
-    else:
-        console.print(sites_table(reply.sites))
-        if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
-            console.print(unhealthy)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(list(reply.sites))
+        return 0
+    views: list[RenderableType] = [sites_table(reply.sites, wide=out.is_wide)]
+    if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
+        views.append(unhealthy)
+    show(*views)
     return 0
 
 
@@ -129,10 +135,11 @@ async def cmd_site_links(args: argparse.Namespace, conn: Connection) -> int:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
     now = time.time()
-    if args.json:
-        print_data(link_records(reply.sites, now=now))
+    out = output_of(args)
+    if out.is_data:
+        out.data(link_records(reply.sites, now=now))
     else:
-        console.print(links_matrix(reply.sites, now=now))
+        show(links_matrix(reply.sites, now=now))
     return 0
 
 
@@ -147,10 +154,11 @@ async def _cordon(args: argparse.Namespace, conn: Connection, cordoned: bool) ->
             site = (
                 await admin.UncordonSite(admin_service_pb2.UncordonSiteRequest(site=args.site))
             ).site
-    if args.json:
-        print_json(site)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(site)
     else:
-        console.print(text(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}"))
+        show(text(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}"))
     return 0
 
 
@@ -174,10 +182,11 @@ async def cmd_token_create(args: argparse.Namespace, conn: Connection) -> int:
         from federation.security.pki import write_private_file
 
         write_private_file(args.out, reply.token.encode() + b"\n")
-    if args.json:
-        print_json(reply)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
     elif args.out:
-        console.print(
+        show(
             text(
                 f"token for {args.site} written to {args.out} "
                 f"(expires {reply.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC)"
@@ -202,11 +211,11 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
         else:
             reply = await jobs.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
             submitted = list(reply.jobs)
-    if args.json:
-        print_json(submitted)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(submitted)
     else:
-        for job in submitted:
-            console.print(text(f"submitted {job.id} ({job.spec.name})"))
+        show(*(text(f"submitted {job.id} ({job.spec.name})") for job in submitted))
     return 0
 
 
@@ -238,10 +247,11 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
             token = reply.next_page_token
             if not token:
                 break
-    if args.json:
-        print_json(found)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(found)
     else:
-        console.print(jobs_table(found))
+        show(jobs_table(found, wide=out.is_wide))
     return 0
 
 
@@ -251,11 +261,11 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         reply = await stub.GetJob(
             job_service_pb2.GetJobRequest(job_id=args.job_id, include_events=True)
         )
-    if args.json:
-        print_json(reply)
-        return 0
-    for renderable in job_details(reply):
-        console.print(renderable)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
+    else:
+        show(*job_details(reply, wide=out.is_wide))
     return 0
 
 
@@ -267,20 +277,24 @@ async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
                 job_service_pb2.CancelJobRequest(job_id=args.job_id, reason=args.reason)
             )
         ).job
-    if args.json:
-        print_json(job)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(job)
     else:
-        console.print(text(f"{job.id}: {state_name(job.state)} ({job.reason})"))
+        show(text(f"{job.id}: {state_name(job.state)} ({job.reason})"))
     return 0
 
 
 async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
+    out = output_of(args)
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         request = job_service_pb2.WatchJobsRequest(job_ids=args.job_ids, include_current=True)
         async for event in events_of(stub.WatchJobs(request)):
-            if args.json:
-                print_json(event)
+            if out.is_data:
+                out.messages(event, stream=True)
             else:
-                console.print(text(event_line(event)))
+                show(text(event_line(event)))
+            # A reader of a pipe sees each event as it happens, not when a buffer fills.
+            sys.stdout.flush()
     return 0

@@ -1,14 +1,11 @@
-"""Tables for people and JSON for scripts, from API messages."""
+"""Tables and lines for people, from API messages (``output`` prints them, or data instead)."""
 
 from __future__ import annotations
 
-import json
 import re
-import sys
 from collections.abc import Iterable, Iterator, Sequence
 
-from google.protobuf import json_format
-from google.protobuf.message import Message
+from google.protobuf import timestamp_pb2
 from rich.console import Console, RenderableType
 from rich.measure import Measurement
 from rich.table import Table
@@ -17,7 +14,20 @@ from rich.text import Text
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
 from federation.jobspec import domain_name, kind_name, state_name
 
-console = Console()
+
+class FedctlConsole(Console):
+    """A console that leaves a closed pipe to fedctl's ``main``.
+
+    rich answers a ``BrokenPipeError`` by exiting with status 1 from wherever it printed;
+    fedctl ends every closed pipe alike (``output.quiet_on_closed_pipe``).
+    """
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True  # print nothing more
+        raise BrokenPipeError
+
+
+console = FedctlConsole()
 
 # C0 (ESC among them), DEL and C1 drive the terminal: OSC 0 sets its title, OSC 8 makes a
 # hyperlink, CSI 2J clears the screen. Bidi overrides and U+2028/9 reorder or break a line.
@@ -35,21 +45,6 @@ def text(value: str, style: str = "") -> Text:
     """
     visible = _UNSAFE.sub(lambda m: m.group().encode("unicode_escape").decode(), value)
     return Text(visible, style=style)
-
-
-def print_json(messages: Message | Sequence[Message]) -> None:
-    def as_dict(m: Message) -> object:
-        return json_format.MessageToDict(m, preserving_proto_field_name=True)
-
-    doc = [as_dict(m) for m in messages] if isinstance(messages, Sequence) else as_dict(messages)
-    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
-
-
-def print_data(doc: object) -> None:
-    """Print plain data (dicts, lists, numbers) as JSON, as ``print_json`` does messages."""
-    json.dump(doc, sys.stdout, indent=2, sort_keys=True)
-    sys.stdout.write("\n")
 
 
 def site_state_name(value: int) -> str:
@@ -107,7 +102,12 @@ def coordinators_table(status: admin_service_pb2.GetFederationStatusResponse) ->
     return table
 
 
-def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
+SITE_WIDE_COLUMNS = ("region", "scheduler", "agent", "$/device-h", "joined (UTC)")
+"""What ``-o wide`` adds to the sites table."""
+
+
+def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) -> Table:
+    """One row per site; ``wide`` adds ``SITE_WIDE_COLUMNS``."""
     table = Table(title="Sites")
     for column in (
         "site",
@@ -120,6 +120,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
         "unreachable for",
         "link to us",
         "source",
+        *(SITE_WIDE_COLUMNS if wide else ()),
     ):
         table.add_column(column)
     for site in sites:
@@ -144,7 +145,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             if site.state == admin_service_pb2.SITE_STATE_UNREACHABLE
             else "-"
         )
-        cells = (
+        cells: tuple[str, ...] = (
             site.name,
             domain_name(site.domain),
             state,
@@ -156,8 +157,22 @@ def sites_table(sites: Sequence[admin_service_pb2.Site]) -> Table:
             coordinator_link(view.coordinator_link),
             source or "-",
         )
+        if wide:
+            price = view.price_per_device_hour
+            cells += (
+                view.region or "-",
+                view.scheduler or "-",
+                view.agent_version or "-",
+                f"{price:g}" if price else "-",
+                utc_time(site.joined_at) if site.HasField("joined_at") else "-",
+            )
         table.add_row(*map(text, cells))
     return table
+
+
+def utc_time(stamp: timestamp_pb2.Timestamp) -> str:
+    """``2025-03-01 14:02:09``: a moment in UTC, to the second."""
+    return f"{stamp.ToDatetime():%Y-%m-%d %H:%M:%S}"
 
 
 def coordinator_link(link: resources_pb2.Link) -> str:
@@ -287,9 +302,15 @@ def checkpoint_line(checkpoint: jobs_pb2.CheckpointRecord) -> str:
     )
 
 
-def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
+JOB_WIDE_COLUMNS = ("queue", "priority", "submitted by", "created (UTC)")
+"""What ``-o wide`` adds to the jobs table."""
+
+
+def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs", *, wide: bool = False) -> Table:
+    """One row per job, its tasks one line each; ``wide`` adds ``JOB_WIDE_COLUMNS``."""
     table = Table(title=text(title))
-    for column in ("job", "name", "tenant", "state", "tasks (site, state)", "reason"):
+    columns = ("job", "name", "tenant", "state", "tasks (site, state)", "reason")
+    for column in (*columns, *(JOB_WIDE_COLUMNS if wide else ())):
         table.add_column(column, overflow="fold")
     for job in jobs:
         # One line per task: the newlines are ours, any in a name or a site come out escaped.
@@ -301,7 +322,17 @@ def jobs_table(jobs: Sequence[jobs_pb2.Job], title: str = "Jobs") -> Table:
             for t in job.tasks
         )
         cells = (job.id, job.spec.name, job.spec.tenant, state_name(job.state))
-        table.add_row(*map(text, cells), tasks, text(job.reason))
+        more: tuple[str, ...] = ()
+        if wide:
+            spec = job.spec
+            priority = f"{spec.priority} ({spec.priority_class})" if spec.priority_class else ""
+            more = (
+                spec.queue or "-",
+                priority or str(spec.priority),
+                job.submitted_by or "-",
+                utc_time(job.created_at) if job.HasField("created_at") else "-",
+            )
+        table.add_row(*map(text, cells), tasks, text(job.reason), *map(text, more))
     return table
 
 
@@ -316,10 +347,12 @@ def event_line(event: jobs_pb2.JobEvent) -> str:
     )
 
 
-def job_details(reply: job_service_pb2.GetJobResponse) -> Iterator[RenderableType]:
+def job_details(
+    reply: job_service_pb2.GetJobResponse, *, wide: bool = False
+) -> Iterator[RenderableType]:
     """``fedctl jobs get``: the job's table, each task's details, then the job's events."""
     job = reply.job
-    yield jobs_table([job], title=f"Job {job.id}")
+    yield jobs_table([job], title=f"Job {job.id}", wide=wide)
     for task in job.tasks:
         yield Text.assemble(
             text(task.name, "bold"),

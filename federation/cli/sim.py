@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import math
 import os
 import sys
@@ -18,6 +20,8 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from federation.cli.connection import CliError
+from federation.cli.output import output_of
+from federation.cli.render import FedctlConsole
 from federation.sim.engine import SimConfig
 from federation.sim.fields import InputFileError
 from federation.sim.generate import DATA, Knobs, describe, generate, write_topology
@@ -32,6 +36,9 @@ from federation.sim.report import (
 )
 from federation.sim.topology import load_topology
 from federation.sim.trace import load_trace, write_trace
+
+WHOLE_WIDTH = 100_000
+"""Columns of the console the tables print to when piped: more than any table needs."""
 
 _DEFAULTS = SimConfig()
 _KNOBS = Knobs()
@@ -69,7 +76,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="comma-separated policies (default: all)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seeds estimate errors and declines")
-    sim.add_argument("--json", dest="sim_json", action="store_true", help="JSON output")
     sim.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots here")
     sim.add_argument("--records", type=Path, metavar="CSV", help="write one row per task here")
     sim.add_argument(
@@ -176,7 +182,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise CliError(str(err)) from None
     write_topology(args.out / "topology.yaml", topology)
     write_trace(args.out / "trace.csv", tasks)
-    stream = sys.stderr if args.json else sys.stdout
+    stream = sys.stderr if output_of(args).is_data else sys.stdout
     print(f"wrote {args.out / 'topology.yaml'}: {describe(topology)}", file=stream)
     print(f"wrote {args.out / 'trace.csv'}: {len(tasks)} jobs", file=stream)
     return 0
@@ -200,6 +206,15 @@ def _progress(enabled: bool, policies: list[str]) -> Iterator[PolicyProgress | N
             bar.update(ids[policy], completed=done, total=total)
 
         yield update
+
+
+def _can_draw() -> bool:
+    """Whether matplotlib is installed: the ``sim`` extra, left out of the base install."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _policies(text: str) -> list[str]:
@@ -230,12 +245,17 @@ def cmd_sim(args: argparse.Namespace) -> int:
         raise CliError(f"--estimate-error: must be a number >= 0, got {args.estimate_error:g}")
     if args.plots:
         _writable("--plots", args.plots, folder=True)
+        if not _can_draw():
+            raise CliError(
+                "--plots draws with matplotlib, which this install lacks. "
+                "To fix: pip install 'federation[sim]'"
+            )
     if args.records:
         _writable("--records", args.records, folder=False)
         inputs = {args.trace.resolve(), args.topology.resolve()}
         if args.records.resolve() in inputs:
             raise CliError(f"--records: {args.records} is an input file; it would be overwritten")
-    as_json = bool(args.json or args.sim_json)
+    out = output_of(args)
     config = SimConfig(
         offers_at_once=args.offers_at_once,
         max_offers_per_round=args.max_offers,
@@ -259,13 +279,20 @@ def cmd_sim(args: argparse.Namespace) -> int:
             )
     except (InputFileError, UnknownPolicyError) as err:
         raise CliError(str(err)) from None
-    if as_json:
-        write_json(result, sys.stdout)
+    if out.is_data:
+        if out.format == "yaml":
+            doc = io.StringIO()
+            write_json(result, doc)
+            out.data(json.loads(doc.getvalue()))
+        else:
+            write_json(result, sys.stdout)
         for line in warnings(result):
             print(line, file=sys.stderr)
     else:
-        # Wide enough for both tables when the output goes to a file or a pipe.
-        print_tables(result, Console() if sys.stdout.isatty() else Console(width=150))
+        # Piped, no line is cut or wrapped: a console wider than any table, which rich does
+        # not pad to its width (tables keep their natural width).
+        wide = None if sys.stdout.isatty() else WHOLE_WIDTH
+        print_tables(result, FedctlConsole(width=wide))
     if args.records:
         write_records(result, args.records)
     if args.plots:

@@ -3,7 +3,7 @@
 On a terminal the view redraws every ``--interval`` seconds in the alternate screen (rich's
 ``Live``) and reads keys from stdin in cbreak mode: ``q`` quits, as do Ctrl-C and SIGTERM, and
 the terminal's settings come back on the way out. Piped, or with ``--once``, it prints one
-snapshot with its tables at full width; ``-o json`` (or ``--json``) prints it as data.
+snapshot with its tables at full width; ``-o json|yaml`` (or ``--json``) prints it as data.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from federation.cli.connection import (
     on_leader,
     resolve_connection,
 )
+from federation.cli.output import output_of
 from federation.cli.render import (
     console,
     format_age,
     format_duration,
-    print_data,
     print_whole,
     site_state_name,
     text,
@@ -73,9 +73,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     top.add_argument(
         "--once", action="store_true", help="print one snapshot and exit (also when piped)"
-    )
-    top.add_argument(
-        "-o", "--output", choices=["table", "json"], default="table", help="snapshot format"
     )
     top.add_argument(
         "--max-jobs",
@@ -407,18 +404,18 @@ async def cmd_top(args: argparse.Namespace) -> int:
     if args.interval <= 0:
         raise CliError("--interval must be more than 0 seconds")
     conn = resolve_connection(args.coordinator, args.pki_dir, args.ca, args.cert, args.key)
-    as_json = args.json or args.output == "json"
+    out = output_of(args)
     channels = Channels(conn)
     try:
-        if as_json or args.once or not sys.stdout.isatty():
+        if out.is_data or args.once or not sys.stdout.isatty():
             try:
                 snapshot = await channels.snapshot(args.max_jobs)
             except grpc.aio.AioRpcError as err:
                 raise CliError(describe_rpc_error(err)) from None
-            if as_json:
-                print_data(snapshot_record(snapshot))
+            if out.is_data:
+                out.data(snapshot_record(snapshot))
             else:
-                print_whole(console, snapshot_tables(snapshot))
+                print_whole(console, snapshot_tables(snapshot))  # whole with --once too
             return 0
         await live(channels, args.interval, args.max_jobs)
         return 0

@@ -9,8 +9,9 @@ from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, resources_pb2
 from federation.cli.app import build_parser
+from federation.cli.output import Output
 from federation.cli.remote import cmd_site_links
-from federation.cli.render import format_age, link_records, links_matrix, print_data
+from federation.cli.render import format_age, link_records, links_matrix
 
 NOW = 1_700_000_000.0
 
@@ -82,7 +83,7 @@ def test_peer_without_a_site_gets_a_column() -> None:
 
 def test_json_records(capsys: pytest.CaptureFixture[str]) -> None:
     """--json gives one record per link, with age_s, and null age for a declared link."""
-    print_data(link_records(list(reply().sites), now=NOW))
+    Output("json").data(link_records(list(reply().sites), now=NOW))
     records = json.loads(capsys.readouterr().out)
     assert records == [
         {

@@ -10,13 +10,13 @@ from google.protobuf import timestamp_pb2
 from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
+from federation.cli.render import print_whole
 from federation.cli.top import (
     Snapshot,
     booked_share,
     devices_table,
     frame,
     jobs_table,
-    print_whole,
     sites_table,
     snapshot_record,
     until_stopped,
