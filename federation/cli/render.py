@@ -102,7 +102,15 @@ def coordinators_table(status: admin_service_pb2.GetFederationStatusResponse) ->
     return table
 
 
-SITE_WIDE_COLUMNS = ("region", "scheduler", "agent", "$/device-h", "joined (UTC)")
+SITE_WIDE_COLUMNS = (
+    "region",
+    "scheduler",
+    "agent",
+    "$/device-h",
+    "joined (UTC)",
+    "arrivals/h",
+    "mean run",
+)
 """What ``-o wide`` adds to the sites table."""
 
 
@@ -120,6 +128,8 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
         "unreachable for",
         "link to us",
         "source",
+        "tasks",
+        "next free",
         *(SITE_WIDE_COLUMNS if wide else ()),
     ):
         table.add_column(column)
@@ -156,6 +166,7 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
             unreachable,
             coordinator_link(view.coordinator_link),
             source or "-",
+            *forecast_cells(site.forecast),
         )
         if wide:
             price = view.price_per_device_hour
@@ -165,9 +176,18 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
                 view.agent_version or "-",
                 f"{price:g}" if price else "-",
                 utc_time(site.joined_at) if site.HasField("joined_at") else "-",
+                f"{site.forecast.arrivals_per_hour:.1f}",
+                format_duration(site.forecast.mean_run_s) if site.forecast.mean_run_s else "-",
             )
         table.add_row(*map(text, cells))
     return table
+
+
+def forecast_cells(forecast: admin_service_pb2.SiteForecast) -> tuple[str, str]:
+    """``3 (+2 waiting)`` tasks, and when the first should end (``-``: none with an estimate)."""
+    tasks = str(forecast.tasks) + (f" (+{forecast.waiting} waiting)" if forecast.waiting else "")
+    free = format_duration(forecast.next_free_s) if forecast.next_free_s >= 0 else "-"
+    return tasks, free
 
 
 def utc_time(stamp: timestamp_pb2.Timestamp) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from federation import __version__
 from federation.api.v1 import admin_service_pb2, queues_pb2
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.lost_sites import LostSites
@@ -12,8 +13,6 @@ from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
-
-VERSION = "0.1.0"
 
 Forecasts = Callable[[list[str]], dict[str, admin_service_pb2.SiteForecast]]
 
@@ -57,7 +56,7 @@ class Admin:
     async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
         coordinators = await self._coordinators()
         return admin_service_pb2.GetFederationStatusResponse(
-            coordinator_version=VERSION,
+            coordinator_version=__version__,
             sites=self.sites(),
             jobs_by_state=await self._jobs.count_by_state(),
             leader=next((c.address for c in coordinators if c.leader), ""),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from google.protobuf import timestamp_pb2
 from rich.console import Console
@@ -84,3 +86,32 @@ def test_a_checkpoint_line_says_where_what_and_whose() -> None:
     )
     assert line.startswith("/ck/s-7 (4096 bytes) at edge-p epoch 1, ")
     assert line.endswith(", 12s of work")
+
+
+def test_the_sites_table_shows_when_room_frees() -> None:
+    """Tasks there (and those waiting for it) and when the first should end; with ``wide``,
+    the arrivals per hour and the mean run time from history."""
+    busy = admin_service_pb2.Site(name="dc-fast", heartbeat_age_s=0.1)
+    busy.forecast.tasks = 3
+    busy.forecast.waiting = 2
+    busy.forecast.next_free_s = 75.0
+    busy.forecast.arrivals_per_hour = 12.25
+    busy.forecast.mean_run_s = 3900.0
+    idle = admin_service_pb2.Site(name="dc-idle", heartbeat_age_s=0.1)
+    idle.forecast.next_free_s = -1.0
+
+    def cells(lines: list[str], name: str) -> list[str]:
+        (row,) = [line for line in lines if name in line]
+        return [cell.strip() for cell in re.split("[│┃]", row)[1:-1]]
+
+    lines = text(sites_table([busy, idle]))
+    header = cells(lines, "next free")
+    assert cells(lines, "dc-fast")[header.index("tasks")] == "3 (+2 waiting)"
+    assert cells(lines, "dc-fast")[header.index("next free")] == "1m 15s"
+    assert cells(lines, "dc-idle")[header.index("next free")] == "-"
+    wide = Console(width=400, record=True)
+    wide.print(sites_table([busy], wide=True))
+    lines = wide.export_text().splitlines()
+    header = cells(lines, "mean run")
+    assert cells(lines, "dc-fast")[header.index("arrivals/h")] == "12.2"
+    assert cells(lines, "dc-fast")[header.index("mean run")] == "1h 05m"
