@@ -85,7 +85,7 @@ class SlurmCore:
         self._conf = Path(env["SLURM_CONF"]) if "SLURM_CONF" in env else None
         self._cli = SlurmCli(env, settings.command_timeout_s)
         self._settings = settings
-        self._site, self._work_dir = site, work_dir
+        self._site, self._work_dir = site, work_dir.absolute()  # batch scripts run elsewhere
         self._on_status, self._on_change = on_status, on_change
         self._kill_grace_s = kill_grace_s
         self._compat = compat or load_table_files()

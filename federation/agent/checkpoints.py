@@ -150,10 +150,14 @@ class TaskCheckpoints:
         """The newest checkpoint completed here, once there is one."""
 
     def env(self) -> dict[str, str]:
-        """``FEDERATION_CHECKPOINT_DIR``, and ``FEDERATION_RESTORE_FROM`` for a restart."""
-        env = {"FEDERATION_CHECKPOINT_DIR": str(self.directory)}
+        """``FEDERATION_CHECKPOINT_DIR``, and ``FEDERATION_RESTORE_FROM`` for a restart.
+
+        Both are absolute (against the agent's working folder) whatever the configured
+        folders are: a task runs in its own working folder, where a relative one is wrong.
+        """
+        env = {"FEDERATION_CHECKPOINT_DIR": os.path.abspath(self.directory)}
         if self._restore is not None and self._restore.path:
-            env["FEDERATION_RESTORE_FROM"] = self._restore.path
+            env["FEDERATION_RESTORE_FROM"] = os.path.abspath(self._restore.path)
         return env
 
     @property

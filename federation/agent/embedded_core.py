@@ -161,7 +161,7 @@ class EmbeddedCore:
             self._nodes[node.name] = resources_pb2.Node()
             self._nodes[node.name].CopyFrom(node)
         self._site = site
-        self._work_dir = work_dir
+        self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
         self._on_status = on_status
         self._on_change = on_change
         self._kill_grace_s = kill_grace_s

@@ -1,7 +1,16 @@
-"""Getting a site certificate: redeem a join token once, then keep the key and cert."""
+"""Getting a site certificate: redeem a join token once, then keep the key and cert.
+
+A join that fails for a reason that may pass (no coordinator listening yet, a TLS handshake
+with one still starting, a timeout, a follower mid-election) is tried again with jittered
+exponential backoff, for as long as it takes, whatever number of join addresses the agent
+has. A join the coordinator refuses for good (a token unknown, used or expired, a bad
+request) stops the agent with one line saying so: retrying it would only hide the mistake.
+"""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,15 +19,25 @@ import structlog
 
 from federation.agent.config import AgentConfig
 from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
-from federation.endpoints import LEADER_JOIN, Endpoints, call_leader, parse_endpoints
+from federation.endpoints import LEADER_JOIN, Endpoints, never_sent, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
 log = structlog.get_logger()
 
-JOIN_PATIENCE_S = 30.0
-"""With several coordinators: how long to keep looking for the leader (say, mid-election)."""
+JOIN_TIMEOUT_S = 30.0
+"""Deadline of one join call."""
+JOIN_MAX_BACKOFF_S = 10.0
+"""Longest wait between two joins (before jitter); the first waits are much shorter."""
+PERMANENT_JOIN_ERRORS = frozenset(
+    {
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.INVALID_ARGUMENT,
+    }
+)
+"""What a coordinator answers to a join that can never succeed: it is not tried again."""
 
 
 class EnrollmentError(RuntimeError):
@@ -79,14 +98,9 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
             address, creds_in, options=channel_options(config)
         ) as channel:
             stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
-            return await stub.Join(request, timeout=30)
+            return await stub.Join(request, timeout=JOIN_TIMEOUT_S)
 
-    endpoints = Endpoints(parse_endpoints(config.join_address), hint_key=LEADER_JOIN)
-    patience_s = JOIN_PATIENCE_S if len(endpoints.addresses) > 1 else 0.0
-    try:
-        reply = await call_leader(endpoints, join, patience_s=patience_s)
-    except grpc.aio.AioRpcError as err:
-        raise EnrollmentError(f"join refused: {err.code().name}: {err.details()}") from None
+    reply = await join_until_answered(config.join_address, join)
     if reply.site != config.site:
         raise EnrollmentError(
             f"the join token was minted for site {reply.site!r}, not {config.site!r}"
@@ -96,3 +110,53 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     write_public_file(creds.ca, reply.ca_bundle_pem)
     log.info("site_enrolled", site=reply.site, fingerprint=fingerprint(reply.certificate_pem))
     return creds
+
+
+def one_line(text: str) -> str:
+    return " ".join(text.split())
+
+
+async def join_until_answered(
+    join_address: str,
+    join: Callable[[str], Awaitable[site_link_service_pb2.JoinResponse]],
+    *,
+    max_backoff_s: float = JOIN_MAX_BACKOFF_S,
+) -> site_link_service_pb2.JoinResponse:
+    """Call ``join`` until a coordinator (the leader, with several) answers it.
+
+    Each failure is logged once (``join_failed``, with the error and the wait before the next
+    try); ``Endpoints`` picks the next address (a follower's hint first) and the wait.
+
+    Raises:
+        EnrollmentError: The coordinator refused the join for good (``PERMANENT_JOIN_ERRORS``).
+    """
+    endpoints = Endpoints(
+        parse_endpoints(join_address), hint_key=LEADER_JOIN, max_backoff_s=max_backoff_s
+    )
+    attempt, maybe_redeemed = 0, False
+    while True:
+        attempt += 1
+        address = endpoints.current
+        try:
+            reply = await join(address)
+        except grpc.aio.AioRpcError as err:
+            code, details = err.code(), one_line(err.details() or "")
+            if code in PERMANENT_JOIN_ERRORS:
+                message = f"join refused by {address}: {code.name}: {details}"
+                if maybe_redeemed:  # a join that timed out may have used the token
+                    message += " (an earlier join went unanswered and may have used the token)"
+                raise EnrollmentError(message) from None
+            maybe_redeemed = maybe_redeemed or not never_sent(err)
+            wait_s = endpoints.failed(err)
+            log.warning(
+                "join_failed",
+                address=address,
+                attempt=attempt,
+                code=code.name,
+                error=details,
+                retry_in_s=round(wait_s, 2),
+            )
+            await asyncio.sleep(wait_s)
+            continue
+        endpoints.succeeded()
+        return reply

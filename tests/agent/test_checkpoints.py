@@ -13,6 +13,7 @@ import pytest
 from federation.agent.checkpoints import (
     DEFAULT_DIR,
     CheckpointScanner,
+    TaskCheckpoints,
     checkpoint_dir,
     interval_s,
 )
@@ -158,3 +159,46 @@ async def test_no_policy_no_checkpoint_env(
     env = json.loads((tmp_path / "work/job-1/train/1/0/env.json").read_text())
     assert "FEDERATION_CHECKPOINT_DIR" not in env
     assert not (tmp_path / "work/job-1/train/1/checkpoints").exists()
+
+
+def test_the_checkpoint_env_is_absolute_for_a_relative_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A relative work folder (a relative state_dir) still gives tasks absolute paths."""
+    monkeypatch.chdir(tmp_path)
+    restore = jobs_pb2.CheckpointRecord(path="state/work/job-1/train/1/checkpoints/step-1")
+    checkpoints = TaskCheckpoints(
+        jobs_pb2.Checkpoint(), Path("state/work/job-1/train/2"), restore, lambda _: None
+    )
+    env = checkpoints.env()
+    assert env["FEDERATION_CHECKPOINT_DIR"] == str(
+        tmp_path / "state/work/job-1/train/2/checkpoints"
+    )
+    assert env["FEDERATION_RESTORE_FROM"] == str(tmp_path / restore.path)
+
+
+async def test_a_task_of_a_relative_work_folder_checkpoints(
+    recorder: Recorder, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A core given a relative work folder runs tasks (in their own folder) that checkpoint."""
+    monkeypatch.chdir(tmp_path)
+    core = EmbeddedCore(
+        [node("n")],
+        site="site-a",
+        work_dir=Path("state/work"),
+        on_status=recorder.on_status,
+        on_change=recorder.on_change,
+        kill_grace_s=2.0,
+    )
+    try:
+        o = offer(code=CHECKPOINTING)
+        o.spec.checkpoint.CopyFrom(jobs_pb2.Checkpoint(interval_s=0.1))
+        await run(core, o)
+        final = await recorder.final()
+    finally:
+        await core.shutdown(grace_s=0.5)
+    assert final.state == SUCCEEDED, final.output_tail
+    folder = tmp_path / "state/work/job-1/train/1/checkpoints"
+    env = json.loads((folder.parent / "0" / "env.json").read_text())
+    assert env["FEDERATION_CHECKPOINT_DIR"] == str(folder)
+    assert final.checkpoint.path == str(folder / "step-1")
