@@ -25,7 +25,12 @@ import numpy.typing as npt
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
 from federation.placement.estimates import class_speed, estimate, once_free
-from federation.placement.plugins.capacity_fit import EPSILON, matching_classes, node_label_mask
+from federation.placement.plugins.capacity_fit import (
+    EPSILON,
+    fit_replicas,
+    matching_classes,
+    node_label_mask,
+)
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
@@ -244,7 +249,9 @@ class _Trial:
         self._pair_class = snap.pair_class[first:last]
         self._free = snap.pair_free[first:last].copy()
         self._nodes = {name: i for i, name in enumerate(snap.node_names[lo:hi])}
-        self._usable: dict[tuple[Request, float], npt.NDArray[np.bool_]] = {}
+        self._usable: dict[
+            tuple[Request, float], tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]
+        ] = {}
 
     def release(self, held: Holding) -> None:
         for name in held.nodes:
@@ -261,37 +268,28 @@ class _Trial:
                 if same or pairs:
                     self._free[(same or pairs)[0]] += held.devices
 
-    def _fast(self, waiter: Waiter) -> npt.NDArray[np.bool_]:
-        """Per pair: devices ``waiter`` takes (matching, and as fast as it waits for)."""
+    def _masks(self, waiter: Waiter) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+        """Per pair, devices ``waiter`` takes (matching, and as fast as it waits for); per
+        node, whether it may go there (schedulable, with its labels)."""
         key = (waiter.request, waiter.speed)
         if key not in self._usable:
-            req = waiter.request
-            classes = matching_classes(req, self._snap) & (
-                class_speed(req, self._snap) >= waiter.speed - EPSILON
+            req, snap = waiter.request, self._snap
+            classes = matching_classes(req, snap) & (
+                class_speed(req, snap) >= waiter.speed - EPSILON
             )
-            self._usable[key] = classes[self._pair_class]
+            nodes = snap.node_schedulable & node_label_mask(req, snap)
+            self._usable[key] = (classes[self._pair_class], nodes[self._lo : self._hi])
         return self._usable[key]
 
     def _room(self, waiter: Waiter) -> F64:
         """Replicas of ``waiter`` each node of the site holds on trial."""
         req = waiter.request
-        fit = np.full(self._hi - self._lo, np.inf)
-        if req.cpu > 0:
-            fit = np.minimum(fit, np.floor(self._cpu / req.cpu + EPSILON))
-        if req.memory_mib > 0:
-            fit = np.minimum(fit, np.floor(self._memory / req.memory_mib + EPSILON))
+        fast, usable = self._masks(waiter)
+        devices = np.full(len(self._cpu), np.inf)
         if req.accelerator_count:
-            free = np.bincount(
-                self._pair_node, weights=self._free * self._fast(waiter), minlength=len(fit)
-            )
-            fit = np.minimum(fit, np.floor(free / req.accelerator_count + EPSILON))
-        snap = self._snap
-        usable = (
-            snap.node_schedulable[self._lo : self._hi]
-            & node_label_mask(req, snap)[self._lo : self._hi]
-        )
-        fit[~usable] = 0
-        return fit
+            free = np.bincount(self._pair_node, weights=self._free * fast, minlength=len(devices))
+            devices = np.floor(free / req.accelerator_count + EPSILON)
+        return fit_replicas(req, self._cpu, self._memory, devices, usable)
 
     def fits(self, waiter: Waiter) -> bool:
         return bool(self._room(waiter).sum() >= waiter.request.replicas)
@@ -304,7 +302,7 @@ class _Trial:
         names = list(self._nodes)
         nodes: list[str] = []
         model = ""
-        fast = self._fast(waiter)
+        fast, _ = self._masks(waiter)
         for node in np.argsort(-room, kind="stable").tolist():
             while len(nodes) < req.replicas and room[node] >= 1:
                 room[node] -= 1

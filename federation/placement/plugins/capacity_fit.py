@@ -24,6 +24,7 @@ from federation.placement.snapshot import Snapshot
 
 EPSILON = 1e-9
 F64 = npt.NDArray[np.float64]
+Bool = npt.NDArray[np.bool_]
 
 
 def matching_classes(req: Request, snap: Snapshot) -> npt.NDArray[np.bool_]:
@@ -136,14 +137,27 @@ def replicas_per_node(
 
 def _node_room(req: Request, snap: Snapshot) -> F64:
     """Replicas each node can hold, with no upper bound."""
-    fit = np.full(snap.n_nodes, np.inf)
+    return fit_replicas(
+        req,
+        snap.node_cpu_free,
+        snap.node_memory_free_mib,
+        accelerator_room(req, snap),
+        snap.node_schedulable & node_label_mask(req, snap),
+    )
+
+
+def fit_replicas(
+    req: Request, cpu_free: F64, memory_free_mib: F64, accelerator_room: F64, usable: Bool
+) -> F64:
+    """Per node, replicas of ``req`` its free CPU, memory and accelerators (as replicas)
+    hold; 0 on nodes not ``usable``. Predicted waits count room on trial with it too."""
+    fit = np.minimum(np.full(len(cpu_free), np.inf), accelerator_room)
     # The tolerance keeps 0.3 / 0.1 (2.9999999999999996) at 3, as the agent's packer counts.
     if req.cpu > 0:
-        fit = np.minimum(fit, np.floor(snap.node_cpu_free / req.cpu + EPSILON))
+        fit = np.minimum(fit, np.floor(cpu_free / req.cpu + EPSILON))
     if req.memory_mib > 0:
-        fit = np.minimum(fit, np.floor(snap.node_memory_free_mib / req.memory_mib + EPSILON))
-    fit = np.minimum(fit, accelerator_room(req, snap))
-    fit[~(snap.node_schedulable & node_label_mask(req, snap))] = 0
+        fit = np.minimum(fit, np.floor(memory_free_mib / req.memory_mib + EPSILON))
+    fit[~usable] = 0
     return np.asarray(fit, dtype=np.float64)
 
 
