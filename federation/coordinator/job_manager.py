@@ -466,9 +466,9 @@ class JobManager:
         assert self._learner is not None
         task = find_task(job, task_name)
         spec = next(t for t in job.spec.tasks if t.name == task_name)
-        if not (task.estimate.device_model and task.HasField("started_at")):
+        ran_s = _ran_s(task)
+        if not task.estimate.device_model or math.isnan(ran_s):
             return
-        ran_s = (task.finished_at.ToNanoseconds() - task.started_at.ToNanoseconds()) / 1e9
         self._learner.observe(
             spec.workload_class,
             task.estimate.device_model,

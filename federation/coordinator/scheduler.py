@@ -195,20 +195,19 @@ class Scheduler:
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
         self._freed_sites: set[str] = set()
-        """Sites where a task ended since the views last changed ("": unknown)."""
+        """Sites where a task ended since the views last changed."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
 
     def wake(self) -> None:
         self._wake.set()
 
-    def capacity_freed(self, site: str = "", ran_s: float = math.nan) -> None:
+    def capacity_freed(self, site: str, ran_s: float) -> None:
         """A task ended (at ``site``, after ``ran_s``): what it held goes to the first in line
         (``jobs.line_order``), not to whichever waiting task's retry timer happens to come
         due first. The site's report may come before its view shows the room free, so the
         timers are cleared again at the next change of the views (``_cycle``)."""
-        if site:
-            self.history.ended(site, ran_s)
+        self.history.ended(site, ran_s)
         self._freed_sites.add(site)
         self._clear_front_of_line()
         self._freed_at_version = self._sites.version
@@ -269,7 +268,7 @@ class Scheduler:
             self._freed_at_version = None
             self._clear_front_of_line()
             for key, site in self._waits_for.items():
-                if site in self._freed_sites or "" in self._freed_sites:
+                if site in self._freed_sites:
                     self._not_before.pop(key, None)
             self._freed_sites.clear()
         now = time.monotonic()
@@ -400,10 +399,10 @@ class Scheduler:
         return self.history.forecasts(sites, holdings(self._jobs.at_site(), now), waiting, now)
 
     def _predicted_waits(
-        self, key: TaskKey, request: Request, snapshot: Snapshot, busy: Iterable[int]
+        self, key: TaskKey, request: Request, snapshot: Snapshot, busy: list[int]
     ) -> dict[str, Wait]:
         """For ``explain``: when task ``key`` would start and finish at each busy site."""
-        if not predictable(request):
+        if not busy or not predictable(request):
             return {}
         now = time.time()
         holding = holdings(self._jobs.at_site(), now)
@@ -582,7 +581,10 @@ class Scheduler:
         by_site = {
             site: estimate_proto(estimates, snapshot.site_index(site) or 0) for site in ranked
         }
-        busy = tuple(decision.short_of_room().tolist()) if self._config.wait_gain > 0 else ()
+        # Only for tasks a wait can be predicted for: finding the busy sites reads every
+        # site's shortfall, which most placements never need.
+        weigh = self._config.wait_gain > 0 and predictable(request)
+        busy = tuple(decision.short_of_room().tolist()) if weigh else ()
         return verdicts, ranked, by_site, busy
 
     async def _stay_pending(
@@ -926,7 +928,7 @@ class Scheduler:
             for rejection in decision.every_rejection:  # by site, then in profile order
                 by_site.setdefault(rejection.site, []).append(rejection)
             waits = self._predicted_waits(
-                (job.id, task.name), request, snapshot, decision.short_of_room()
+                (job.id, task.name), request, snapshot, decision.short_of_room().tolist()
             )
             for site, every in by_site.items():
                 verdicts = [
