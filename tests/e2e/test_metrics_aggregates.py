@@ -14,31 +14,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from federation.api.v1 import job_service_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, running, spec
+from .conftest import gpu_site, jobs, python_task, running, spec
 
 pytestmark = pytest.mark.xdist_group("e2e-metrics")
 
 SITES = [
-    SiteSpec(
-        "gpu-m",
-        "datacenter",
-        nodes=[
-            {
-                "name": "dgx",
-                "cpu_cores": 64,
-                "memory_mib": 524288,
-                "devices": [
-                    {
-                        "kind": "GPU",
-                        "vendor": "nvidia",
-                        "model": "A100-80GB",
-                        "memory_mib": 81920,
-                        "count": 2,
-                    }
-                ],
-            }
-        ],
-    ),
+    gpu_site("gpu-m", 2),
     SiteSpec(
         "host-m",
         "edge",
