@@ -12,6 +12,8 @@ import pytest
 
 from federation.local import LocalFederation, SiteSpec
 
+from .conftest import until
+
 pytestmark = pytest.mark.xdist_group("e2e-join")
 
 SITE = SiteSpec(
@@ -51,8 +53,13 @@ async def test_an_agent_started_before_its_coordinator_joins_once_it_is_up(
     use_token(fed, monkeypatch, await fed.create_token(SITE.name, SITE.domain))
     assert fed.terminate("coordinator")
     await fed.start_site(SITE)
-    await asyncio.sleep(3.0)
     agent = fed.processes[SITE.name]
+
+    async def retried() -> bool:
+        assert agent.poll() is None, "the agent gave up while no coordinator listened"
+        return len(logged(fed, "join_failed")) >= 2
+
+    await until(retried, "the agent to fail its join twice and go on", timeout_s=15)
     assert agent.poll() is None, "the agent gave up while no coordinator listened"
     failures = logged(fed, "join_failed")
     assert len(failures) >= 2, failures
