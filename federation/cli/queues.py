@@ -11,6 +11,8 @@ from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc, queues_
 from federation.cli.connection import CliError, Connection
 from federation.cli.output import output_of, show
 from federation.cli.render import text
+from federation.coordinator.policy.resources import quota_key, quota_label
+from federation.jobspec import parse_domain
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,8 +32,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
             "--quota",
             action="append",
             default=[],
-            metavar="RESOURCE=NOMINAL[+BORROW]",
-            help="e.g. gpu=8, gpu/A100-80GB=4+4, cpu=64, memory_mib=262144 (repeatable)",
+            metavar="RESOURCE[@site/NAME|@domain/NAME]=NOMINAL[+BORROW]",
+            help="e.g. gpu=8, gpu/A100-80GB=4+4, cpu=64, memory_mib=262144, gpu@site/dc-1=2, "
+            "gpu@domain/cloud=4 (repeatable)",
         )
         p.set_defaults(func=func)
     delete = queues_sub.add_parser("delete", help="delete a queue no unfinished job names")
@@ -40,20 +43,29 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def parse_quota(text_: str) -> queues_pb2.Quota:
-    """``gpu=8`` or ``gpu/A100-80GB=4+2`` (nominal, then how much more it may borrow)."""
-    resource, sep, amounts = text_.partition("=")
+    """``gpu=8`` or ``gpu/A100-80GB=4+2`` (nominal, then how much more it may borrow), each
+    optionally at one site or in one domain: ``gpu@site/dc-1=2``, ``gpu@domain/cloud=4``."""
+    what, sep, amounts = text_.partition("=")
+    resource, _, scope = what.strip().partition("@")
+    where, _, name = scope.partition("/")
     nominal, _, borrow = amounts.partition("+")
     try:
-        if not sep or not resource:
+        if not sep or not resource or (scope and (where not in ("site", "domain") or not name)):
             raise ValueError
-        return queues_pb2.Quota(
-            resource=resource.strip(),
+        quota = queues_pb2.Quota(
+            resource=resource,
             nominal=float(nominal),
             borrowing_limit=float(borrow) if borrow else 0.0,
+            site=name if where == "site" else "",
         )
+        if where == "domain":
+            quota.domain = parse_domain(name)
+        return quota
     except ValueError:
         raise CliError(
-            f"--quota {text_!r}: write RESOURCE=NOMINAL or RESOURCE=NOMINAL+BORROW, e.g. gpu=8+4"
+            f"--quota {text_!r}: write RESOURCE=NOMINAL or RESOURCE=NOMINAL+BORROW, e.g. gpu=8+4, "
+            "with @site/NAME or @domain/edge|datacenter|cloud after RESOURCE to count one site "
+            "or domain only"
         ) from None
 
 
@@ -131,7 +143,7 @@ def queues_table(queues: Iterable[queues_pb2.QueueStatus]) -> Table:
     for status in queues:
         queue = status.queue
         quotas = ", ".join(
-            f"{q.resource} {status.usage.get(q.resource, 0):g}/{q.nominal:g}"
+            f"{quota_label(q)} {status.usage.get(quota_key(q), 0):g}/{q.nominal:g}"
             + (f"+{q.borrowing_limit:g}" if q.borrowing_limit else "")
             for q in queue.quotas
         )

@@ -20,6 +20,7 @@ from federation.coordinator.jobs import (
     JobRepository,
     Mutation,
     find_task,
+    forget_devices,
     new_job_id,
     now_timestamp,
     transition,
@@ -429,6 +430,8 @@ class JobManager:
             if report.devices:
                 del current.devices[:]
                 current.devices.extend(report.devices)
+                del current.models[:]
+                current.models.extend(self._sites.device_models(site, report.devices))
             if report.nodes:
                 del current.nodes[:]
                 current.nodes.extend(report.nodes)
@@ -603,8 +606,7 @@ def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change
     task.preempted_by = ""
     task.preemptions += 1
     unplace(task)
-    del task.devices[:]
-    del task.nodes[:]
+    forget_devices(task)
     restart = (
         f"restarts from checkpoint {task.checkpoint.path}"
         if task.checkpoint.path

@@ -19,6 +19,7 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
+from federation.coordinator.policy.resources import Demand
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import (
     ConflictError,
@@ -157,13 +158,23 @@ def unplace(task: jobs_pb2.TaskStatus) -> None:
     task.reservation_id = ""
 
 
+def forget_devices(task: jobs_pb2.TaskStatus) -> None:
+    """Forget the nodes and devices a site gave the task (it is to run elsewhere, or anew)."""
+    del task.devices[:]
+    del task.nodes[:]
+    del task.models[:]
+
+
 Mutation = Callable[[jobs_pb2.Job], list[Change]]
 
 
 class JobRepository:
     """Jobs in the store, with active jobs cached and one writer per job at a time."""
 
-    def __init__(self, store: Store, hub: EventHub) -> None:
+    def __init__(
+        self, store: Store, hub: EventHub, domain_of: Callable[[str], str] = lambda site: ""
+    ) -> None:
+        """``domain_of`` names a site's domain, for quotas scoped to a domain."""
         self._store = store
         self._hub = hub
         self._active: dict[str, _Cached] = {}
@@ -175,11 +186,12 @@ class JobRepository:
         # priority arrive in order, and only one that goes ahead marks the line unsorted.
         self._pending: dict[str, LineKey] = {}
         self._pending_in_order = True
-        self._held: set[tuple[str, str]] = set()
-        """(job id, task) of PENDING tasks whose offers are out: ``pending`` leaves them out."""
+        self._held: dict[tuple[str, str], Demand] = {}
+        """(job id, task) of PENDING tasks whose offers are out, with what each was admitted
+        with (counted against its queue meanwhile): ``pending`` leaves them out."""
         self._finished: OrderedDict[str, jobs_pb2.Job] = OrderedDict()
         """The newest jobs seen finishing (``FINISHED_KEPT``), as written."""
-        self.usage = QueueUsage()
+        self.usage = QueueUsage(domain_of)
         """What each queue's tasks hold (placed, running, or with offers out)."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
@@ -218,23 +230,24 @@ class JobRepository:
         else:
             self._pending.pop(job.id, None)
 
-    def hold(self, keys: Iterable[tuple[str, str]]) -> None:
-        """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them:
-        they stay PENDING in the store, since offers need no write."""
-        for key in keys:
-            self._held.add(key)
+    def hold(self, negotiations: Iterable[tuple[tuple[str, str], Demand]]) -> None:
+        """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them,
+        counting what each was admitted with against its queue: they stay PENDING in the
+        store, since offers need no write."""
+        for key, admitted in negotiations:
+            self._held[key] = admitted
             self._reindex(key[0])
 
     def release(self, keys: Iterable[tuple[str, str]]) -> None:
         """Undo ``hold``: the tasks are the scheduler's to pick up again if still PENDING."""
         for key in keys:
-            self._held.discard(key)
+            self._held.pop(key, None)
             self._reindex(key[0])
 
     @property
     def held(self) -> AbstractSet[tuple[str, str]]:
         """The (job id, task) held now (see ``hold``)."""
-        return self._held
+        return self._held.keys()
 
     def _reindex(self, job_id: str) -> None:
         if cached := self._active.get(job_id):

@@ -69,6 +69,9 @@ class LiveView:
             self._changes = 0
             self._sorted = list(compact.nodes)
 
+    def node(self, name: str) -> resources_pb2.Node | None:
+        return self._nodes.get(name)
+
     def nodes(self) -> list[resources_pb2.Node]:
         """The nodes in name order (read them, never change them)."""
         if self._sorted is None:

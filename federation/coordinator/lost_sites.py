@@ -26,6 +26,7 @@ from federation.coordinator.jobs import (
     JobRepository,
     Mutation,
     find_task,
+    forget_devices,
     next_epoch,
     transition,
     unplace,
@@ -220,8 +221,7 @@ def move_off(move: Move) -> Mutation:
         unplace(task)
         task.preempted_by = ""  # moved anyway: its room there is gone with the site
         task.moves += 1
-        del task.devices[:]
-        del task.nodes[:]
+        forget_devices(task)
         return [Change(change.task, change.state, change.reason, move.site, move.site)]
 
     return mutate

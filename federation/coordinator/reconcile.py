@@ -21,7 +21,14 @@ from federation.coordinator.disconnect import (
     original_wins,
     policy_of,
 )
-from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
+from federation.coordinator.jobs import (
+    Change,
+    JobRepository,
+    Mutation,
+    find_task,
+    forget_devices,
+    transition,
+)
 from federation.coordinator.sites import cancel_request
 
 log = structlog.get_logger()
@@ -129,8 +136,7 @@ def _take_back(
         task.site = site
         task.epoch = epoch
         task.reservation_id = ""
-        del task.devices[:]
-        del task.nodes[:]
+        forget_devices(task)
         changes.append(
             transition(
                 job, task_name, job_state.RUNNING, f"running at {site}: {reason}", taking_back=True

@@ -18,7 +18,7 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +39,7 @@ from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import demand
-from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
+from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
@@ -131,6 +131,10 @@ class _Negotiation:
     estimates: dict[str, jobs_pb2.Estimate]
     """Placement's estimate per site; a site that accepts with its own run time replaces it
     there (``committed``)."""
+    holds: dict[str, float] = field(default_factory=dict)
+    """What it counts against its queue while offers are out (``Admitted.holds``)."""
+    models: dict[str, list[str]] = field(default_factory=dict)
+    """Per site, the only device models its queues' quotas let it be given there."""
     slower: set[str] = field(default_factory=set)
     """Sites that accepted with a longer run time than placement estimated there."""
     deferred: set[str] = field(default_factory=set)
@@ -313,7 +317,7 @@ class Scheduler:
             for key in set(self._not_before) - pending - held:
                 self._forget(key)
         if batch:
-            self._jobs.hold(n.key for n in batch)
+            self._jobs.hold((n.key, n.holds) for n in batch)
             runner = asyncio.create_task(self._negotiate(batch))
             self._tasks.add(runner)
             runner.add_done_callback(self._tasks.discard)
@@ -349,7 +353,16 @@ class Scheduler:
             if not ranked:
                 self._backoff(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
-            if busy and (wait := self._sooner_by_waiting(request, placement, cycle)):
+            if need is None:
+                admitted = Admitted(list(ranked), {}, task_demand(job, task), [])
+            else:
+                admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
+                if not admitted.sites:
+                    self._backoff(key)  # a task's end wakes it (``capacity_freed``)
+                    return [*verdicts, *_quota_verdicts(admitted.refused)]
+                ranked = tuple(admitted.sites)
+                verdicts = (*verdicts, *_quota_verdicts(admitted.refused))
+            if busy and (wait := self._sooner_by_waiting(request, placement, ranked, cycle)):
                 self._wait_for(key, wait)
                 return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
         except Exception:
@@ -358,14 +371,46 @@ class Scheduler:
             self._backoff(key)
             return None
         if need is not None:
-            self._sharing.admit(job, need, cycle.tentative)
-        return _Negotiation(job.id, task, ranked, list(verdicts), estimates)
+            self._sharing.admit(job, admitted.holds, cycle.tentative)
+        return _Negotiation(
+            job.id,
+            task,
+            ranked,
+            list(verdicts),
+            estimates,
+            holds=admitted.holds,
+            models=admitted.models,
+        )
+
+    def _where(
+        self,
+        job: jobs_pb2.Job,
+        task: str,
+        need: dict[str, float],
+        ranked: Sequence[str],
+        snapshot: Snapshot,
+        tentative: Tentative,
+    ) -> Admitted:
+        """The sites of ``ranked`` (and models there) the quotas of the job's queues let the
+        task run at, with what it then counts against them (``Sharing.where``)."""
+        spec = next(t for t in job.spec.tasks if t.name == task)
+        acc = spec.resources.accelerator
+        accepted = set(acc.models)
+
+        def models_at(site: str) -> set[str]:
+            models = snapshot.device_models(acc.kind, site)
+            return models & accepted if accepted else models
+
+        return self._sharing.where(
+            job, spec, need, ranked, models_at, self._sites.domain_of, tentative
+        )
 
     def _sooner_by_waiting(
-        self, request: Request, placement: _Placement, cycle: _Cycle
+        self, request: Request, placement: _Placement, ranked: Sequence[str], cycle: _Cycle
     ) -> Wait | None:
-        """A busy site where the task would finish sooner by waiting (``waits``), or None."""
-        _, ranked, estimates, busy = placement
+        """A busy site where the task would finish sooner by waiting (``waits``) than at
+        ``ranked[0]``, or None."""
+        _, _, estimates, busy = placement
         if cycle.snapshot is None:
             return None
         now = time.time()
@@ -711,7 +756,7 @@ class Scheduler:
             # The site reads device speeds as the estimate did: learned ones included.
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
             for site in offered_to[n.key]:
-                own = _with_estimate(offer, n.estimates.get(site))
+                own = _for_site(offer, n.estimates.get(site), n.models.get(site))
                 offers.setdefault(site, []).append((n, own))
         # Sites answer in their own time: a task is decided once every site it was offered
         # to has answered, so a slow site holds up only the tasks offered to it.
@@ -1091,16 +1136,22 @@ def sooner_untried(n: _Negotiation, site: str, offered: list[str]) -> str | None
     return min(sooner, key=lambda s: n.estimates[s].total_s) if sooner else None
 
 
-def _with_estimate(
-    offer: site_link_service_pb2.Offer, estimated: jobs_pb2.Estimate | None
+def _for_site(
+    offer: site_link_service_pb2.Offer,
+    estimated: jobs_pb2.Estimate | None,
+    models: list[str] | None,
 ) -> site_link_service_pb2.Offer:
     """The offer for one site: with what placement estimated there, so the site packs onto
-    devices as fast as the estimate assumed (or answers its own run time)."""
-    if estimated is None:
+    devices as fast as the estimate assumed (or answers its own run time); and with only the
+    device ``models`` its queues' quotas leave the task there, if they rule some out."""
+    if estimated is None and not models:
         return offer
     own = site_link_service_pb2.Offer()
     own.CopyFrom(offer)
-    own.estimate.CopyFrom(estimated)
+    if estimated is not None:
+        own.estimate.CopyFrom(estimated)
+    if models:
+        own.spec.resources.accelerator.models[:] = models
     return own
 
 
@@ -1183,6 +1234,11 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
         return [transition(job, task_name, job_state.PENDING, reason)]
 
     return mutate
+
+
+def _quota_verdicts(refused: list[tuple[str, str]]) -> list[jobs_pb2.SiteVerdict]:
+    """Why the task's quotas keep it from each of these sites."""
+    return [jobs_pb2.SiteVerdict(site=site, stage=QUOTA, reason=why) for site, why in refused]
 
 
 def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:

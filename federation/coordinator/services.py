@@ -97,7 +97,6 @@ async def start_services(
         probe_endpoint: Where agents measure their link to this coordinator.
     """
     hub = EventHub()
-    jobs = JobRepository(store, hub)
     scheduler_ref: list[Scheduler] = []
 
     def wake() -> None:
@@ -105,6 +104,7 @@ async def start_services(
             scheduler_ref[0].wake()
 
     sites = SiteRegistry(store, wake)
+    jobs = JobRepository(store, hub, domain_of=sites.domain_of)
     learner = SpeedLearner()
     await learner.load(store)  # what earlier terms learned
     book = QueueBook(store)

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from federation.api.v1 import admin_service_pb2, site_link_service_pb2
+from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator.live_view import LiveView
 from federation.coordinator.policy.resources import capacity
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
+from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.store import Put, Store
@@ -306,6 +307,35 @@ class SiteRegistry:
             view = entry.view
             self._aggregates.site_view(name, view.nodes() if nodes else None, view.header.queue)
 
+    def domain_of(self, name: str) -> str:
+        """The domain ``name`` joined with ("edge"), or "" for a site not known."""
+        entry = self._sites.get(name)
+        return domain_name(entry.record.domain) if entry is not None else ""
+
+    def device_models(self, name: str, devices: Iterable[str]) -> list[str]:
+        """The model of each of ``devices`` ("node:kind:index", as sites report what they
+        gave a task) in the site's view; a device the view does not show is left out."""
+        entry = self._sites.get(name)
+        if entry is None or entry.view is None:
+            return []
+        out = []
+        for device in devices:
+            node_name, _, rest = device.partition(":")
+            kind, _, index = rest.partition(":")
+            index = index.partition("/")[0]  # "0/1g.10gb": a partition of device 0
+            node = entry.view.node(node_name)
+            found = node is not None and next(
+                (
+                    d.model
+                    for d in node.devices
+                    if _kind_name(d.kind) == kind and str(d.index) == index
+                ),
+                None,
+            )
+            if found:
+                out.append(found)
+        return out
+
     def snapshot(self) -> Snapshot:
         """The placement snapshot, rebuilt only when some view or state changed."""
         if self._snapshot is None or self._snapshot[0] != self._version:
@@ -376,3 +406,8 @@ class SiteRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._sites)
+
+
+def _kind_name(kind: int) -> str:
+    """ "GPU": a device kind as sites name it in the devices they report."""
+    return short_name(resources_pb2.DeviceKind, kind, "DEVICE_KIND_")

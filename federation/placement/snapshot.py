@@ -165,6 +165,20 @@ class Snapshot:
         found: list[int] = index.get(dataset, [])
         return found
 
+    def device_models(self, kind: int, site: str) -> set[str]:
+        """The models of ``site``'s devices of ``kind`` on schedulable nodes."""
+        cached = self.memo.get(("device_models", kind))
+        if not isinstance(cached, dict):
+            built: dict[str, set[str]] = {}
+            for device in np.flatnonzero(self.device_kind == kind):
+                node = self.device_node[device]
+                if self.node_schedulable[node]:
+                    name = self.site_ids[self.node_site[node]]
+                    built.setdefault(name, set()).add(str(self.device_model[device]))
+            self.memo[("device_models", kind)] = cached = built
+        models: set[str] = cached.get(site, set())
+        return models
+
     def site_index(self, site: str) -> int | None:
         position = int(np.searchsorted(np.array(self.site_ids, dtype=object), site))
         if position < self.n_sites and self.site_ids[position] == site:

@@ -360,7 +360,7 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
     await repo.create([new_job("j-1"), new_job("j-2", "a", "b"), new_job("j-3")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2", "j-3"]
 
-    repo.hold([("j-1", "main"), ("j-2", "a")])
+    repo.hold([(("j-1", "main"), {}), (("j-2", "a"), {})])
     assert [j.id for j in repo.pending()] == ["j-2", "j-3"]  # j-2 still has b
 
     await repo.update("j-3", move(("main", DEL, "x accepted")))  # no longer pending

@@ -163,7 +163,7 @@ def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
     task.resources.accelerator.kind = resources_pb2.DEVICE_KIND_GPU
     task.resources.accelerator.count = 2
     job.tasks.add(name="t", state=jobs_pb2.JOB_STATE_RUNNING)
-    usage.update(job, set())
+    usage.update(job, {})
     sharing = Sharing(book, usage)
     sharing.export_gauges({"gpu": 8})
     sample = REGISTRY.get_sample_value
@@ -173,3 +173,125 @@ def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
     sharing.export_gauges({"gpu": 8})
     assert sample("federation_queue_usage", {"queue": "q", "resource": "gpu"}) is None
     assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0
+
+
+def scoped(resource: str, nominal: float, *, site: str = "", domain: int = 0) -> queues_pb2.Quota:
+    return queues_pb2.Quota(resource=resource, nominal=nominal, site=site, domain=domain)
+
+
+def gpu_job(queue: str, count: int, *models: str) -> jobs_pb2.Job:
+    job = jobs_pb2.Job(id="j")
+    job.spec.queue = queue
+    task = job.spec.tasks.add(name="t")
+    task.resources.accelerator.kind = resources_pb2.DEVICE_KIND_GPU
+    task.resources.accelerator.count = count
+    task.resources.accelerator.models.extend(models)
+    job.tasks.add(name="t", state=jobs_pb2.JOB_STATE_PENDING)
+    return job
+
+
+def test_placed_tasks_count_at_their_site_domain_and_given_models() -> None:
+    """What a running task holds counts at its site and in its domain, by the models of the
+    devices the site reported giving it (or, until then, the model it accepted the offer
+    with): a task that lists two models is counted by the one it runs on."""
+    usage = QueueUsage(domain_of={"dc-1": "datacenter"}.__getitem__)
+    job = gpu_job("q", 2, "A100", "H100")
+    job.tasks[0].state = jobs_pb2.JOB_STATE_DELEGATED
+    job.tasks[0].site = "dc-1"
+    job.tasks[0].estimate.device_model = "A100"
+    usage.update(job, {})
+    held = {k: v for k, v in usage.of("q").items() if v}  # cores and memory: none asked
+    assert held == {
+        f"{r}{where}": 2
+        for r in ("gpu", "gpu/A100")
+        for where in ("", "@site/dc-1", "@domain/datacenter")
+    }
+    job.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    job.tasks[0].models.extend(["H100", "A100"])  # as the site reported: one device each
+    usage.update(job, {})
+    held = usage.of("q")
+    assert held["gpu/H100"] == 1 and held["gpu/A100@domain/datacenter"] == 1
+    usage.update(job, {("j", "t"): {"gpu": 5.0}})  # offers out: what it was admitted with
+    assert usage.of("q") == {"gpu": 5.0}
+
+
+def test_where_keeps_sites_and_models_within_scoped_quotas() -> None:
+    """A quota of one site, one domain or one model narrows where a task may go: sites past
+    it are refused with the quota's words, and a site with several models is offered only
+    those still within quota (a second model no longer sidesteps a model quota)."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    queue = q("q")
+    queue.quotas.extend(
+        [
+            scoped("gpu", 2, site="dc-1"),
+            scoped("gpu", 3, domain=resources_pb2.DOMAIN_CLOUD),
+            scoped("gpu/A100", 4),
+        ]
+    )
+    book._queues = {"q": queue}
+    usage = QueueUsage(domain_of={"dc-1": "datacenter", "dc-2": "datacenter"}.get)
+    sharing = Sharing(book, usage)
+    running = gpu_job("q", 2, "A100")
+    running.id = "r"
+    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    running.tasks[0].site = "dc-1"
+    usage.update(running, {})  # dc-1's quota is full; 2 of the 4 A100 are used
+
+    job = gpu_job("q", 2, "A100", "H100")
+    spec = job.spec.tasks[0]
+    need = demand(spec)
+    models = {"dc-1": {"A100"}, "dc-2": {"A100", "H100"}, "cloud-1": {"H100"}}
+    domains = {"dc-1": "datacenter", "dc-2": "datacenter", "cloud-1": "cloud"}
+    where = sharing.where(
+        job, spec, need, ["dc-1", "dc-2", "cloud-1"], models.__getitem__, domains.__getitem__, {}
+    )
+    assert where.sites == ["dc-2", "cloud-1"]
+    assert where.refused == [
+        ("dc-1", "queue q at its gpu at site dc-1 quota (2/2); this task needs 2")
+    ]
+    assert where.models == {}  # A100 still has room for 2 more
+    assert where.holds["gpu/A100@site/dc-2"] == 2 and where.holds["gpu/H100@domain/cloud"] == 2
+
+    more = gpu_job("q", 2, "A100")
+    more.id = "r2"
+    more.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    more.tasks[0].site = "dc-2"
+    usage.update(more, {})  # now all 4 A100 are used
+    where = sharing.where(
+        job, spec, need, ["dc-2", "cloud-1"], models.__getitem__, domains.__getitem__, {}
+    )
+    assert where.sites == ["dc-2", "cloud-1"]
+    assert where.models == {"dc-2": ["H100"]}
+    job.spec.tasks[0].resources.accelerator.count = 4  # past the cloud's 3
+    where = sharing.where(
+        job,
+        job.spec.tasks[0],
+        demand(job.spec.tasks[0]),
+        ["cloud-1"],
+        models.__getitem__,
+        domains.__getitem__,
+        {},
+    )
+    assert where.sites == [] and "gpu in domain cloud quota (0/3)" in where.refused[0][1]
+
+
+def test_scoped_quota_checks_name_the_field() -> None:
+    queue = q("q")
+    queue.quotas.extend(
+        [
+            scoped("gpu", 1, site="dc-1"),
+            scoped("gpu", 1, site="dc-1"),
+            queues_pb2.Quota(resource="gpu", site="Bad Name!"),
+            queues_pb2.Quota(resource="gpu", site="x", domain=resources_pb2.DOMAIN_EDGE),
+            queues_pb2.Quota(resource="cpu", domain=42),  # type: ignore[arg-type]
+            scoped("gpu", 1, site="dc-2"),  # another site: not a repeat
+        ]
+    )
+    fields = {v.field: v.description for v in queue_violations(queue, {})}
+    assert fields.keys() == {
+        "queue.quotas[1].resource",
+        "queue.quotas[2].site",
+        "queue.quotas[3].domain",
+        "queue.quotas[4].domain",
+    }
+    assert fields["queue.quotas[1].resource"] == "gpu at site dc-1 appears twice"

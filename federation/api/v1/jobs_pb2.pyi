@@ -611,6 +611,7 @@ class TaskStatus(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     PREEMPTED_BY_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_FIELD_NUMBER: _builtins.int
+    MODELS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -660,6 +661,12 @@ class TaskStatus(_message.Message):
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node of each replica, in replica order, as the site reported it."""
 
+    @_builtins.property
+    def models(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The model of each device in `devices`, as the site's view named it when it reported them
+        (what per-model quotas count).
+        """
+
     def __init__(
         self,
         *,
@@ -683,10 +690,11 @@ class TaskStatus(_message.Message):
         nodes: _abc.Iterable[_builtins.str] | None = ...,
         preempted_by: _builtins.str = ...,
         preemptions: _builtins.int = ...,
+        models: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

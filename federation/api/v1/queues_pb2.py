@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from federation.api.v1 import resources_pb2 as federation_dot_api_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x65ration/api/v1/queues.proto\x12\x11\x66\x65\x64\x65ration.api.v1\"o\n\x05Queue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06parent\x18\x04 \x01(\t\x12(\n\x06quotas\x18\x05 \x03(\x0b\x32\x18.federation.api.v1.Quota\"C\n\x05Quota\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\x0f\n\x07nominal\x18\x02 \x01(\x01\x12\x17\n\x0f\x62orrowing_limit\x18\x03 \x01(\x01\"\xd8\x02\n\x0bQueueStatus\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\x12\x38\n\x05usage\x18\x02 \x03(\x0b\x32).federation.api.v1.QueueStatus.UsageEntry\x12>\n\x08\x62orrowed\x18\x03 \x03(\x0b\x32,.federation.api.v1.QueueStatus.BorrowedEntry\x12\x16\n\x0e\x64ominant_share\x18\x04 \x01(\x01\x12\x19\n\x11\x64ominant_resource\x18\x05 \x01(\t\x12\x14\n\x0cwaiting_jobs\x18\x06 \x01(\r\x1a,\n\nUsageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rBorrowedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1e\x66\x65\x64\x65ration/api/v1/queues.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a!federation/api/v1/resources.proto\"o\n\x05Queue\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0e\n\x06weight\x18\x03 \x01(\x01\x12\x0e\n\x06parent\x18\x04 \x01(\t\x12(\n\x06quotas\x18\x05 \x03(\x0b\x32\x18.federation.api.v1.Quota\"|\n\x05Quota\x12\x10\n\x08resource\x18\x01 \x01(\t\x12\x0f\n\x07nominal\x18\x02 \x01(\x01\x12\x17\n\x0f\x62orrowing_limit\x18\x03 \x01(\x01\x12\x0c\n\x04site\x18\x04 \x01(\t\x12)\n\x06\x64omain\x18\x05 \x01(\x0e\x32\x19.federation.api.v1.Domain\"\xd8\x02\n\x0bQueueStatus\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\x12\x38\n\x05usage\x18\x02 \x03(\x0b\x32).federation.api.v1.QueueStatus.UsageEntry\x12>\n\x08\x62orrowed\x18\x03 \x03(\x0b\x32,.federation.api.v1.QueueStatus.BorrowedEntry\x12\x16\n\x0e\x64ominant_share\x18\x04 \x01(\x01\x12\x19\n\x11\x64ominant_resource\x18\x05 \x01(\t\x12\x14\n\x0cwaiting_jobs\x18\x06 \x01(\r\x1a,\n\nUsageEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a/\n\rBorrowedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,14 +36,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_QUEUESTATUS_USAGEENTRY']._serialized_options = b'8\001'
   _globals['_QUEUESTATUS_BORROWEDENTRY']._loaded_options = None
   _globals['_QUEUESTATUS_BORROWEDENTRY']._serialized_options = b'8\001'
-  _globals['_QUEUE']._serialized_start=53
-  _globals['_QUEUE']._serialized_end=164
-  _globals['_QUOTA']._serialized_start=166
-  _globals['_QUOTA']._serialized_end=233
-  _globals['_QUEUESTATUS']._serialized_start=236
-  _globals['_QUEUESTATUS']._serialized_end=580
-  _globals['_QUEUESTATUS_USAGEENTRY']._serialized_start=487
-  _globals['_QUEUESTATUS_USAGEENTRY']._serialized_end=531
-  _globals['_QUEUESTATUS_BORROWEDENTRY']._serialized_start=533
-  _globals['_QUEUESTATUS_BORROWEDENTRY']._serialized_end=580
+  _globals['_QUEUE']._serialized_start=88
+  _globals['_QUEUE']._serialized_end=199
+  _globals['_QUOTA']._serialized_start=201
+  _globals['_QUOTA']._serialized_end=325
+  _globals['_QUEUESTATUS']._serialized_start=328
+  _globals['_QUEUESTATUS']._serialized_end=672
+  _globals['_QUEUESTATUS_USAGEENTRY']._serialized_start=579
+  _globals['_QUEUESTATUS_USAGEENTRY']._serialized_end=623
+  _globals['_QUEUESTATUS_BORROWEDENTRY']._serialized_start=625
+  _globals['_QUEUESTATUS_BORROWEDENTRY']._serialized_end=672
 # @@protoc_insertion_point(module_scope)

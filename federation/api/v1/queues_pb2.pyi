@@ -4,6 +4,7 @@ isort:skip_file
 """
 
 from collections import abc as _abc
+from federation.api.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
@@ -62,13 +63,17 @@ Global___Queue: _TypeAlias = Queue  # noqa: Y015
 
 @_typing.final
 class Quota(_message.Message):
-    """How much of one resource a queue may hold at once."""
+    """How much of one resource a queue may hold at once: across the federation, or (with
+    `site` or `domain`) of what its tasks hold at that site or in that domain only.
+    """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     RESOURCE_FIELD_NUMBER: _builtins.int
     NOMINAL_FIELD_NUMBER: _builtins.int
     BORROWING_LIMIT_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    DOMAIN_FIELD_NUMBER: _builtins.int
     resource: _builtins.str
     """"cpu" (cores), "memory_mib", or a device kind in lower case ("gpu", "npu", "mlu",
     "fpga", "dpu") optionally with a model ("gpu/A100-80GB"), counted in devices (a share
@@ -80,16 +85,22 @@ class Quota(_message.Message):
     """How much more it may hold while other queues leave their nominal quota of this
     resource idle (borrowed capacity is given back as their tasks need it).
     """
+    site: _builtins.str
+    """Counts only tasks at this site (at most one of `site` and `domain`)."""
+    domain: _resources_pb2.Domain.ValueType
+    """Counts only tasks at sites of this domain."""
     def __init__(
         self,
         *,
         resource: _builtins.str = ...,
         nominal: _builtins.float = ...,
         borrowing_limit: _builtins.float = ...,
+        site: _builtins.str = ...,
+        domain: _resources_pb2.Domain.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowing_limit", b"borrowing_limit", "nominal", b"nominal", "resource", b"resource"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["borrowing_limit", b"borrowing_limit", "domain", b"domain", "nominal", b"nominal", "resource", b"resource", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

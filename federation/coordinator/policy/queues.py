@@ -8,8 +8,8 @@ from collections.abc import Collection, Mapping
 
 import structlog
 
-from federation.api.v1 import queues_pb2
-from federation.coordinator.policy.resources import resource_problem
+from federation.api.v1 import queues_pb2, resources_pb2
+from federation.coordinator.policy.resources import quota_key, quota_label, resource_problem
 from federation.coordinator.validation import name_problem
 from federation.errors import (
     AlreadyExistsError,
@@ -57,9 +57,15 @@ def queue_violations(
         where = f"{path}.quotas[{i}]"
         if problem := resource_problem(quota.resource):
             out.append(FieldViolation(f"{where}.resource", problem))
-        elif quota.resource in seen:
-            out.append(FieldViolation(f"{where}.resource", f"{quota.resource} appears twice"))
-        seen.add(quota.resource)
+        elif quota_key(quota) in seen:
+            out.append(FieldViolation(f"{where}.resource", f"{quota_label(quota)} appears twice"))
+        seen.add(quota_key(quota))
+        if quota.site and quota.domain:
+            out.append(FieldViolation(f"{where}.domain", "give a site or a domain, not both"))
+        if quota.site and (problem := name_problem(quota.site)):
+            out.append(FieldViolation(f"{where}.site", problem))
+        if quota.domain not in resources_pb2.Domain.values():
+            out.append(FieldViolation(f"{where}.domain", f"unknown domain {quota.domain}"))
         for name in ("nominal", "borrowing_limit"):
             value = getattr(quota, name)
             if not (math.isfinite(value) and 0 <= value <= MAX_AMOUNT):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from federation.api.v1 import queues_pb2
-from federation.coordinator.policy.resources import Demand
+from federation.coordinator.policy.resources import Demand, quota_key, quota_label
 
 EPSILON = 1e-9
 Held = Callable[[str], Mapping[str, float]]
@@ -29,39 +29,40 @@ def admission(
     while current in queues:  # a parent deleted meanwhile ends the walk as the top would
         queue = queues[current]
         for quota in queue.quotas:
-            want = need.get(quota.resource, 0.0)
+            key = quota_key(quota)
+            want = need.get(key, 0.0)
             if not want:
                 continue
-            now = held(current).get(quota.resource, 0.0)
+            now = held(current).get(key, 0.0)
             after = now + want
             if after <= quota.nominal + EPSILON:
                 continue
-            what = f"{quota.resource} quota ({now:g}/{quota.nominal:g})"
+            what = f"{quota_label(quota)} quota ({now:g}/{quota.nominal:g})"
             if after > quota.nominal + quota.borrowing_limit + EPSILON:
                 limit = f", may borrow {quota.borrowing_limit:g}" if quota.borrowing_limit else ""
                 return f"queue {current} at its {what}{limit}; this task needs {want:g}"
-            used, pool = _cohort(current, quota.resource, queues, held)
+            used, pool = _cohort(current, key, queues, held)
             if used + want > pool + EPSILON:
                 return (
                     f"queue {current} at its nominal {what}, borrowing blocked: the queues "
-                    f"beside it hold {used:g} of their {pool:g} {quota.resource} together"
+                    f"beside it hold {used:g} of their {pool:g} {quota_label(quota)} together"
                 )
         current = queue.parent
     return None
 
 
 def _cohort(
-    name: str, resource: str, queues: Mapping[str, queues_pb2.Queue], held: Held
+    name: str, key: str, queues: Mapping[str, queues_pb2.Queue], held: Held
 ) -> tuple[float, float]:
-    """What the queues beside ``name`` (itself included) that set a quota of ``resource``
+    """What the queues beside ``name`` (itself included) that set a quota counting ``key``
     hold of it together, and the sum of their nominal quotas of it."""
     parent = queues[name].parent
     used = pool = 0.0
     for other in queues.values():
         if other.parent != parent:
             continue
-        nominal = next((q.nominal for q in other.quotas if q.resource == resource), None)
+        nominal = next((q.nominal for q in other.quotas if quota_key(q) == key), None)
         if nominal is not None:
             pool += nominal
-            used += held(other.name).get(resource, 0.0)
+            used += held(other.name).get(key, 0.0)
     return used, pool

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
-from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
+from federation.jobspec import domain_name
 
 CPU = "cpu"
 MEMORY = "memory_mib"
@@ -32,9 +33,10 @@ def resource_problem(resource: str) -> str | None:
     )
 
 
-def demand(task: jobs_pb2.TaskSpec) -> dict[str, float]:
+def demand(task: jobs_pb2.TaskSpec, models: Sequence[str] = ()) -> dict[str, float]:
     """What ``task`` holds with all its replicas: cores, memory, devices of its kind (a share
-    counts as its fraction), and devices of its model when it accepts one model only."""
+    counts as its fraction), and devices by model: ``models`` names the model of each device
+    it was given (``TaskStatus.models``); without them, the one model it accepts, if only one."""
     replicas = task.replicas or 1
     res = task.resources
     out = {CPU: res.cpu * replicas, MEMORY: float(res.memory_mib * replicas)}
@@ -43,9 +45,57 @@ def demand(task: jobs_pb2.TaskSpec) -> dict[str, float]:
     if devices and acc.kind in KINDS:
         kind = KINDS[acc.kind]
         out[kind] = devices * replicas
-        if len(acc.models) == 1:
+        if models:
+            each = 1.0 if acc.count else devices  # one entry per device given, or per share
+            for model in models:
+                out[f"{kind}/{model}"] = out.get(f"{kind}/{model}", 0.0) + each
+        elif len(acc.models) == 1:
             out[f"{kind}/{acc.models[0]}"] = devices * replicas
     return out
+
+
+def kind_of(task: jobs_pb2.TaskSpec) -> str | None:
+    """The device kind ``task`` counts against ("gpu"), or None when it wants no device."""
+    acc = task.resources.accelerator
+    if acc.count or acc.fraction or acc.partition:
+        return KINDS.get(acc.kind)
+    return None
+
+
+def at(holds: Demand, site: str, domain: str) -> dict[str, float]:
+    """``holds`` counted also where they are held: at ``site`` and in ``domain`` (the keys
+    that quotas scoped to a site or a domain count, see ``quota_key``)."""
+    out = dict(holds)
+    for resource, amount in holds.items():
+        out[f"{resource}@site/{site}"] = amount
+        if domain:
+            out[f"{resource}@domain/{domain}"] = amount
+    return out
+
+
+def add(into: dict[str, float], holds: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Add ``holds`` to ``into`` and return it."""
+    for resource, amount in holds:
+        into[resource] = into.get(resource, 0.0) + amount
+    return into
+
+
+def quota_key(quota: queues_pb2.Quota) -> str:
+    """What ``quota`` counts: its resource, at its site or in its domain when it names one."""
+    if quota.site:
+        return f"{quota.resource}@site/{quota.site}"
+    if quota.domain:
+        return f"{quota.resource}@domain/{domain_name(quota.domain)}"
+    return quota.resource
+
+
+def quota_label(quota: queues_pb2.Quota) -> str:
+    """``quota_key`` for people: "gpu", "gpu at site dc-1", "gpu in domain cloud"."""
+    if quota.site:
+        return f"{quota.resource} at site {quota.site}"
+    if quota.domain:
+        return f"{quota.resource} in domain {domain_name(quota.domain)}"
+    return quota.resource
 
 
 def capacity(view_nodes: list[resources_pb2.Node]) -> dict[str, float]:

@@ -3,20 +3,37 @@ them: one object over the queue book, the queues' usage and the configured class
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 from federation.api.v1 import jobs_pb2, queues_pb2
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.quota import EPSILON, admission
-from federation.coordinator.policy.resources import Demand, demand
+from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
 from federation.metrics import QUEUE_DOMINANT_SHARE, QUEUE_USAGE
 
 Tentative = dict[str, dict[str, float]]
 """Per queue, what a scheduling cycle admitted but has not yet handed to a negotiation."""
+
+
+@dataclass(slots=True)
+class Admitted:
+    """Where a task placed at candidate sites may run by its queues' site, domain and model
+    quotas (``Sharing.where``)."""
+
+    sites: list[str]
+    """The candidate sites it may run at, in the order given."""
+    models: dict[str, list[str]]
+    """Per site, the only models it may be given there, where its quotas rule some out."""
+    holds: dict[str, float]
+    """What it counts against its queue until it is placed: at every site it may be offered
+    to, with every model it may be given there (so no offer in flight over-admits)."""
+    refused: list[tuple[str, str]]
+    """(site, why) for each candidate its quotas keep it from."""
 
 
 class Sharing:
@@ -101,15 +118,15 @@ class Sharing:
             queue = self.book.queues[current]
             held = self.held(current)
             for quota in queue.quotas:
-                want = need.get(quota.resource, 0.0)
-                if want and held.get(quota.resource, 0.0) + want > quota.nominal + EPSILON:
+                want = need.get(quota_key(quota), 0.0)
+                if want and held.get(quota_key(quota), 0.0) + want > quota.nominal + EPSILON:
                     return set()  # it would borrow itself: nothing to reclaim
             for other in self.book.queues.values():
                 if other.parent != queue.parent or other.name == current:
                     continue
                 theirs = self.held(other.name)
                 if any(
-                    need.get(q.resource) and theirs.get(q.resource, 0.0) > q.nominal + EPSILON
+                    need.get(quota_key(q)) and theirs.get(quota_key(q), 0.0) > q.nominal + EPSILON
                     for q in other.quotas
                 ):
                     borrowing.update(self._subtree(other.name))
@@ -147,6 +164,59 @@ class Sharing:
         if not queue or queue not in self.book.queues:
             return None
         return admission(queue, need, self.book.queues, lambda q: self.held(q, tentative))
+
+    def where(
+        self,
+        job: jobs_pb2.Job,
+        spec: jobs_pb2.TaskSpec,
+        need: Demand,
+        sites: Sequence[str],
+        models_at: Callable[[str], Collection[str]],
+        domain_of: Callable[[str], str],
+        tentative: Tentative,
+    ) -> Admitted:
+        """Which of ``sites`` (and which models there: ``models_at``, those it accepts) the
+        job's task may run at, by the quotas of its queues that count a resource at one site,
+        in one domain, or of one model. The task's ``need`` has passed ``admission``."""
+        quotas = [q for name in self._chain(job.spec.queue) for q in self.book.queues[name].quotas]
+        kind = kind_of(spec)
+        by_model = kind is not None and any(q.resource.startswith(f"{kind}/") for q in quotas)
+        if not by_model and not any(q.site or q.domain for q in quotas):
+            return Admitted(list(sites), {}, dict(need), [])
+        base = {r: amount for r, amount in need.items() if "/" not in r}
+        admitted = Admitted([], {}, dict(base), [])
+        for site in sites:
+            domain = domain_of(site)
+            if by_model and kind is not None:
+                options = [
+                    (m, at({**base, f"{kind}/{m}": base[kind]}, site, domain))
+                    for m in sorted(models_at(site))
+                ]
+            else:
+                options = [("", at(need, site, domain))]
+            kept, why = [], ""
+            for model, holds in options:
+                refusal = self.admission(job, holds, tentative)
+                if refusal is None:
+                    kept.append(model)
+                    admitted.holds.update(holds)
+                else:
+                    why = why or refusal
+            if not kept:
+                admitted.refused.append((site, why or "no device model it accepts there"))
+                continue
+            admitted.sites.append(site)
+            if by_model and len(kept) < len(options):
+                admitted.models[site] = kept
+        return admitted
+
+    def _chain(self, queue: str) -> list[str]:
+        """``queue`` and the queues above it."""
+        out = []
+        while queue in self.book.queues and queue not in out:
+            out.append(queue)
+            queue = self.book.queues[queue].parent
+        return out
 
     @staticmethod
     def admit(job: jobs_pb2.Job, need: Demand, tentative: Tentative) -> None:
@@ -191,14 +261,14 @@ class Sharing:
             held = self.held(name)
             share, resource = dominant_share(held, capacity, queue.weight)
             borrowed = {
-                q.resource: held.get(q.resource, 0.0) - q.nominal
+                quota_key(q): held.get(quota_key(q), 0.0) - q.nominal
                 for q in queue.quotas
-                if held.get(q.resource, 0.0) > q.nominal
+                if held.get(quota_key(q), 0.0) > q.nominal
             }
             out.append(
                 queues_pb2.QueueStatus(
                     queue=queue,
-                    usage=held,
+                    usage=_shown(queue, held),
                     borrowed=borrowed,
                     dominant_share=share,
                     dominant_resource=resource,
@@ -216,8 +286,15 @@ class Sharing:
         for name, queue in self.book.queues.items():
             held = self.held(name)
             QUEUE_DOMINANT_SHARE.labels(name).set(dominant_share(held, capacity, queue.weight)[0])
-            for resource, amount in held.items():
+            for resource, amount in _shown(queue, held).items():
                 QUEUE_USAGE.labels(name, resource).set(amount)
+
+
+def _shown(queue: queues_pb2.Queue, held: Mapping[str, float]) -> dict[str, float]:
+    """What ``queue`` holds federation-wide, and what its scoped quotas count: not what it
+    holds at every site and in every domain (a series each would be too many)."""
+    counted = {quota_key(q) for q in queue.quotas}
+    return {r: amount for r, amount in held.items() if "@" not in r or r in counted}
 
 
 def task_demand(job: jobs_pb2.Job, task: str) -> dict[str, float]:

@@ -2,29 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from collections.abc import Set as AbstractSet
+from collections.abc import Callable, Mapping
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
-from federation.coordinator.policy.resources import demand
+from federation.coordinator.policy.resources import Demand, add, at, demand
 
 
 class QueueUsage:
     """Per queue, the resources of its jobs' tasks that are placed or running, or whose
-    offers are out (so a negotiation in flight already counts: no over-admission)."""
+    offers are out (so a negotiation in flight already counts: no over-admission).
 
-    def __init__(self) -> None:
+    A placed task counts at its site and in its domain too, with the models of the devices
+    it was given; a negotiation counts what it was admitted with (``Scheduler``: at every
+    site it may be offered to, with every model it may be given there)."""
+
+    def __init__(self, domain_of: Callable[[str], str] = lambda site: "") -> None:
+        self._domain_of = domain_of
         self._jobs: dict[str, tuple[str, dict[str, float]]] = {}
         self._queues: dict[str, dict[str, float]] = {}
 
-    def update(self, job: jobs_pb2.Job, negotiating: AbstractSet[tuple[str, str]]) -> None:
+    def update(self, job: jobs_pb2.Job, negotiating: Mapping[tuple[str, str], Demand]) -> None:
         """``job`` changed (or its tasks' negotiations began or ended)."""
         holds: dict[str, float] = {}
         for spec, status in zip(job.spec.tasks, job.tasks, strict=False):
-            if status.state in job_state.AT_SITE or (job.id, status.name) in negotiating:
-                for resource, amount in demand(spec).items():
-                    holds[resource] = holds.get(resource, 0.0) + amount
+            admitted = negotiating.get((job.id, status.name))
+            if admitted is not None:
+                add(holds, admitted.items())
+            elif status.state in job_state.AT_SITE:
+                placed = demand(spec, _models(spec, status))
+                add(holds, at(placed, status.site, self._domain_of(status.site)).items())
         self.remove(job.id)
         if holds:
             self._jobs[job.id] = (job.spec.queue, holds)
@@ -50,3 +57,13 @@ class QueueUsage:
                 totals[resource] = left
         if not totals:
             self._queues.pop(queue, None)
+
+
+def _models(spec: jobs_pb2.TaskSpec, status: jobs_pb2.TaskStatus) -> list[str]:
+    """The model of each device the task holds: as its site reported them, or until it has,
+    the model its site accepted the offer with (one per device, or per share)."""
+    if status.models or not status.estimate.device_model:
+        return list(status.models)
+    acc = spec.resources.accelerator
+    entries = (acc.count or 1) * (spec.replicas or 1)
+    return [status.estimate.device_model] * entries
