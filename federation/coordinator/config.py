@@ -104,6 +104,10 @@ class CoordinatorConfig:
     """Largest client request (sites' Connect messages excepted), refused before parsing."""
     preemption_min_run_s: float = field(default=60.0, metadata=at_least(0))
     """A task runs at least this long before a higher-priority one may preempt it."""
+    reclaim_min_run_s: float = field(default=120.0, metadata=at_least(0))
+    """A task on borrowed quota runs at least this long before the queue it borrowed from
+    takes it back: longer than for priority, as a queue often borrows only while the one it
+    borrows from has nothing placeable, and that may change within seconds."""
     wait_gain: float = field(default=WAIT_GAIN, metadata=within(0, 1))
     """A task waits for a busy site where it would finish by this share of its finish on the
     best site free now; 0: tasks never wait while some site can take them."""

@@ -101,6 +101,8 @@ class SchedulerConfig:
     """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
     preemption_min_run_s: float = 60.0
     """A task runs at least this long before it may be preempted, so work does not thrash."""
+    reclaim_min_run_s: float = 120.0
+    """A task on borrowed quota runs at least this long before its lender takes it back."""
     wait_gain: float = WAIT_GAIN
     """A task waits for a busy site where it would finish by this share of its finish on the
     best site free now (``waits``); 0: tasks never wait while some site can take them."""
@@ -529,6 +531,7 @@ class Scheduler:
         owed; else those of lower priority and a preemptible class."""
         now = time.time()
         taken = {victim for victims in self._preempting.values() for victim in victims}
+        min_run_s = self._config.reclaim_min_run_s if lenders else self._config.preemption_min_run_s
         out = []
         for job in self._jobs.at_sites(sites):
             if job.cancel_requested:
@@ -548,7 +551,7 @@ class Scheduler:
                 # A task delegated but not started loses nothing and may go at once.
                 started = task.started_at.ToSeconds() if task.HasField("started_at") else now
                 ran_s = now - started if task.HasField("started_at") else math.inf
-                if ran_s < self._config.preemption_min_run_s:
+                if ran_s < min_run_s:
                     continue
                 saved = task.checkpoint.time.ToSeconds() if task.checkpoint.path else started
                 out.append(

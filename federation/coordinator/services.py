@@ -122,6 +122,7 @@ async def start_services(
             reservation_lease_s=config.reservation_lease_s,
             retry_interval_s=config.retry_interval_s,
             preemption_min_run_s=config.preemption_min_run_s,
+            reclaim_min_run_s=config.reclaim_min_run_s,
             wait_gain=config.wait_gain,
             max_offers_per_round=config.max_offers_per_round,
             offers_at_once=config.offers_at_once,

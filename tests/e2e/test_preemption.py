@@ -22,6 +22,7 @@ pytestmark = pytest.mark.xdist_group("e2e-preemption")
 SITE = gpu_site("gpu-p", 2, kill_grace_s=5.0)
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
 SUCCEEDED = jobs_pb2.JOB_STATE_SUCCEEDED
+RECLAIM_MIN_RUN_S = 3.0
 
 # Counts steps, a checkpoint per step, from the restored step on; stops at the file "go".
 # Markers: start-TAG holds where it restored from, stopped-TAG when SIGTERM came, done-TAG.
@@ -55,6 +56,7 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFedera
     config = root / "coordinator.toml"
     config.write_text(
         "preemption_min_run_s = 0.0\n"
+        f"reclaim_min_run_s = {RECLAIM_MIN_RUN_S}\n"
         "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\npreemptible = false\n"
         "[priority_classes.batch]\nvalue = -100\n"
     )
@@ -161,7 +163,8 @@ async def test_a_queue_takes_back_the_quota_another_borrowed(
     operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
     """team-l borrows the GPU that is team-o's nominal quota; when team-o submits, one of
-    team-l's tasks is stopped to give it back, and restarts from its checkpoint later."""
+    team-l's tasks is stopped to give it back (once it has run ``reclaim_min_run_s``, though
+    priority preemption here needs no time), and restarts from its checkpoint later."""
     stub = admin(operator)
     for name, tenant, borrow in (("lend", "team-l", 1.0), ("own", "team-o", 0.0)):
         quota = queues_pb2.Quota(resource="gpu", nominal=1, borrowing_limit=borrow)
@@ -182,6 +185,11 @@ async def test_a_queue_takes_back_the_quota_another_borrowed(
     assert (await wait_for_job(operator, "team-o:owed")).state == SUCCEEDED
     stopped = [(await get(operator, j)).tasks[0].preemptions for j in lent]
     assert sorted(stopped) == [0, 1]
+    victim = lent[stopped.index(1)].replace(":", "_")
+    [first_start, *_] = markers_of(tmp_path, "start", victim)
+    [sigterm] = markers_of(tmp_path, "stopped", victim)
+    ran_s = sigterm.stat().st_mtime - first_start.stat().st_mtime
+    assert ran_s >= RECLAIM_MIN_RUN_S - 0.2, f"reclaimed after {ran_s:.2f} s"
     (tmp_path / "go").touch()
     for job_id in lent:
         assert (await wait_for_job(operator, job_id)).state == SUCCEEDED
