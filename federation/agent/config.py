@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from federation.agent.owner_share import OwnerShareSettings
 from federation.agent.probe import MAX_PROBE_BYTES
 from federation.config import ConfigError, address, at_least, build, one_of, positive, within
 from federation.endpoints import parse_endpoints
@@ -158,6 +159,8 @@ class AgentConfig:
     (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``."""
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     """How to use Slurm when ``scheduler = "slurm"``: the ``[slurm]`` table."""
+    owner_share: OwnerShareSettings = field(default_factory=OwnerShareSettings)
+    """Room kept for the site owner's tenants: the ``[owner_share]`` table."""
 
 
 def coordinator_endpoints(config: AgentConfig) -> tuple[str, ...]:

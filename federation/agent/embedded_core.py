@@ -12,6 +12,7 @@ import math
 import os
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
@@ -24,11 +25,13 @@ from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes
+from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
+from federation.resources import capacity, owner_share_refusal
 
 log = structlog.get_logger()
 
@@ -153,6 +156,7 @@ class EmbeddedCore:
         kill_grace_s: float = 5.0,
         accounts: TaskAccounts | None = None,
         compat: CompatTable | None = None,
+        owner_share: resources_pb2.OwnerShare | None = None,
     ) -> None:
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -168,6 +172,7 @@ class EmbeddedCore:
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
         self._compat = compat or load_table_files()
+        self._owner_share = owner_share or resources_pb2.OwnerShare()
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[TaskKey, _Task] = {}
@@ -258,6 +263,8 @@ class EmbeddedCore:
             if isinstance(nodes, str)
             else place_as_estimated(nodes, offer.spec, self._usage(), offer.estimate.device_speed)
         )
+        if not isinstance(placed, str):
+            placed = self._owner_share_refusal(offer.tenant, placed.slots) or placed
         if isinstance(placed, str):
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
@@ -411,6 +418,28 @@ class EmbeddedCore:
         if (offer.job_id, offer.task, offer.epoch) in self._tasks:
             return f"epoch {offer.epoch} of the task was already committed here"
         return ""
+
+    def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
+        """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
+        share = self._owner_share
+        if not share.keep or tenant in share.tenants:
+            return None
+        guests = [
+            s for r in self._reservations.values() if r.tenant not in share.tenants for s in r.slots
+        ]
+        guests += [
+            s
+            for t in self._tasks.values()
+            if t.active and t.tenant not in share.tenants
+            for s in t.slots
+        ]
+        return owner_share_refusal(
+            share,
+            tenant,
+            held(slots, self._nodes),
+            held(guests, self._nodes),
+            capacity(self._nodes.values()),
+        )
 
     def _usage(self) -> Usage:
         held = [slot for r in self._reservations.values() for slot in r.slots]

@@ -28,6 +28,7 @@ from federation.agent.enroll import EnrollmentError, ensure_enrolled
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
+from federation.agent.owner_share import check_owner_share, owner_share
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
@@ -100,6 +101,7 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
     except ValueError:
         raise ConfigError(f"{source}: coordinator: give at least one address") from None
     check_slurm(config.slurm, source=source)
+    check_owner_share(config.owner_share, source=source)
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
     return config
 
@@ -148,6 +150,7 @@ async def embedded_core(
         kill_grace_s=config.kill_grace_s,
         accounts=accounts,
         compat=compat_table(config),
+        owner_share=owner_share(config.owner_share),
     )
 
 

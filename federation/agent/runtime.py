@@ -24,6 +24,7 @@ from federation.agent.core import LocalCore
 from federation.agent.enroll import SiteCredentials, channel_options
 from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
+from federation.agent.owner_share import owner_share
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.endpoints import Endpoints, is_not_leader, leader_hint
@@ -126,6 +127,7 @@ class AgentRuntime:
             probe_endpoint=self._probe_endpoint,
             datasets=c.datasets,
             coordinator_link=self._coordinator_link(),
+            owner_share=owner_share(c.owner_share) if c.owner_share.keep else None,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:

@@ -18,13 +18,13 @@ import functools
 import itertools
 import math
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
 
-from federation.api.v1 import admin_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.forecast import SiteHistory
 from federation.coordinator.jobs import (
@@ -38,7 +38,7 @@ from federation.coordinator.jobs import (
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.resources import demand
+from federation.coordinator.policy.resources import add, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
@@ -58,12 +58,14 @@ from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
+from federation.resources import owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
 
 NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
+OWNER_SHARE = "OwnerShare"
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
@@ -118,6 +120,9 @@ class _Cycle:
     placements: dict[Request, _Placement] = field(default_factory=dict)
     holding: dict[str, list[Holding]] | None = None
     """What the tasks at each site hold and until when, gathered once a wait is weighed."""
+    guests: dict[str, dict[str, float]] | None = None
+    """Per site that keeps an owner share, what other tenants' tasks hold there (with what
+    this cycle sent there), gathered once a task of another tenant may go there."""
 
 
 @dataclass(slots=True)
@@ -359,11 +364,16 @@ class Scheduler:
                 admitted = Admitted(list(ranked), {}, task_demand(job, task), [])
             else:
                 admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
-                if not admitted.sites:
-                    self._backoff(key)  # a task's end wakes it (``capacity_freed``)
-                    return [*verdicts, *_quota_verdicts(admitted.refused)]
-                ranked = tuple(admitted.sites)
-                verdicts = (*verdicts, *_quota_verdicts(admitted.refused))
+            kept, kept_for_owners = self._within_owner_shares(job, task, admitted.sites, cycle)
+            refused = [
+                *_verdicts(QUOTA, admitted.refused),
+                *_verdicts(OWNER_SHARE, kept_for_owners),
+            ]
+            if not kept:
+                self._backoff(key)  # a task's end wakes it (``capacity_freed``)
+                return [*verdicts, *refused]
+            ranked = tuple(kept)
+            verdicts = (*verdicts, *refused)
             if busy and (wait := self._sooner_by_waiting(request, placement, ranked, cycle)):
                 self._wait_for(key, wait)
                 return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
@@ -374,6 +384,10 @@ class Scheduler:
             return None
         if need is not None:
             self._sharing.admit(job, admitted.holds, cycle.tentative)
+        if cycle.guests is not None and ranked:
+            for site in ranked:  # wherever it may go: no second guest in this cycle over-asks
+                if site in cycle.guests:
+                    add(cycle.guests[site], task_demand(job, task).items())
         return _Negotiation(
             job.id,
             task,
@@ -406,6 +420,46 @@ class Scheduler:
         return self._sharing.where(
             job, spec, need, ranked, models_at, self._sites.domain_of, tentative
         )
+
+    def _within_owner_shares(
+        self, job: jobs_pb2.Job, task: str, sites: Sequence[str], cycle: _Cycle
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Of ``sites``, those whose owner share leaves the job's tenant room for the task;
+        and (site, why) for the others. The site checks it again when offered the task."""
+        shares = self._sites.owner_shares()
+        tenant = job.spec.tenant
+        if not shares or all(tenant in shares[s].tenants for s in sites if s in shares):
+            return list(sites), []
+        if cycle.guests is None:
+            cycle.guests = self._guests(shares)
+        need = task_demand(job, task)
+        kept, refused = [], []
+        for site in sites:
+            share = shares.get(site)
+            why = share and owner_share_refusal(
+                share, tenant, need, cycle.guests[site], self._sites.site_capacity(site)
+            )
+            if why:
+                refused.append((site, why))
+            else:
+                kept.append(site)
+        return kept, refused
+
+    def _guests(
+        self, shares: Mapping[str, resources_pb2.OwnerShare]
+    ) -> dict[str, dict[str, float]]:
+        """Per site that keeps an owner share, what other tenants' tasks hold there."""
+        out: dict[str, dict[str, float]] = {site: {} for site in shares}
+        for job in self._jobs.at_site():
+            for spec, status in zip(job.spec.tasks, job.tasks, strict=False):
+                share = shares.get(status.site)
+                if (
+                    share is not None
+                    and status.state in job_state.AT_SITE
+                    and job.spec.tenant not in share.tenants
+                ):
+                    add(out[status.site], demand(spec, status.models).items())
+        return out
 
     def _sooner_by_waiting(
         self, request: Request, placement: _Placement, ranked: Sequence[str], cycle: _Cycle
@@ -1239,9 +1293,9 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
     return mutate
 
 
-def _quota_verdicts(refused: list[tuple[str, str]]) -> list[jobs_pb2.SiteVerdict]:
-    """Why the task's quotas keep it from each of these sites."""
-    return [jobs_pb2.SiteVerdict(site=site, stage=QUOTA, reason=why) for site, why in refused]
+def _verdicts(stage: str, refused: list[tuple[str, str]]) -> list[jobs_pb2.SiteVerdict]:
+    """Why ``stage`` keeps the task from each of these sites."""
+    return [jobs_pb2.SiteVerdict(site=site, stage=stage, reason=why) for site, why in refused]
 
 
 def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:

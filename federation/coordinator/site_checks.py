@@ -28,6 +28,7 @@ from federation.coordinator.validation import MAX_DEVICES_PER_REPLICA, MAX_REPLI
 from federation.envelopes import MAX_MESSAGES
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.placement.selector_cost import MAX_ATTRIBUTE_CHARS, MAX_DEVICE_ATTRIBUTES
+from federation.resources import resource_problem
 from federation.security.interceptors import MAX_VIOLATIONS
 
 MAX_FIGURE = 1e12
@@ -342,6 +343,18 @@ def _view(check: _Check, view: resources_pb2.SiteView, path: str, peer: str) -> 
                 )
     if view.probe_endpoint and (problem := probe_endpoint_problem(view.probe_endpoint, peer)):
         check.add(f"{path}.probe_endpoint", problem)
+    _owner_share(check, view.owner_share, f"{path}.owner_share")
+
+
+def _owner_share(check: _Check, share: resources_pb2.OwnerShare, path: str) -> None:
+    if check.count(share.tenants, path, "tenants", MAX_LABELS):
+        check.texts(share.tenants, path, "tenants", MAX_TEXT_CHARS)
+    if check.count(share.keep, path, "keep", MAX_LABELS):
+        for resource, amount in share.keep.items():
+            if problem := resource_problem(resource):
+                check.add(f"{path}.keep", problem)
+            elif not 0 <= amount <= MAX_FIGURE:  # NaN fails too
+                check.add(f"{path}.keep[{_quoted(resource)}]", f"must be in [0, {MAX_FIGURE:g}]")
 
 
 def _nodes(check: _Check, nodes: Sequence[resources_pb2.Node], path: str, name: str) -> None:

@@ -13,11 +13,11 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator.live_view import LiveView
-from federation.coordinator.policy.resources import capacity
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
+from federation.resources import capacity
 from federation.store import Put, Store
 
 log = structlog.get_logger()
@@ -154,6 +154,8 @@ class SiteRegistry:
         self._version = 0
         self._snapshot: tuple[int, Snapshot] | None = None
         self._capacity: tuple[int, dict[str, float]] | None = None
+        self._site_capacity: dict[str, tuple[int, dict[str, float]]] = {}
+        self._shares: tuple[int, dict[str, resources_pb2.OwnerShare]] | None = None
         self._aggregates = FederationAggregates()
 
     async def load(self) -> None:
@@ -306,6 +308,27 @@ class SiteRegistry:
         else:
             view = entry.view
             self._aggregates.site_view(name, view.nodes() if nodes else None, view.header.queue)
+
+    def owner_shares(self) -> dict[str, resources_pb2.OwnerShare]:
+        """Per site whose view keeps room for its owner's tenants, that owner share."""
+        if self._shares is None or self._shares[0] != self._version:
+            shares = {
+                name: e.view.header.owner_share
+                for name, e in self._sites.items()
+                if e.view is not None and e.view.header.owner_share.keep
+            }
+            self._shares = (self._version, shares)
+        return self._shares[1]
+
+    def site_capacity(self, name: str) -> dict[str, float]:
+        """What the site's view holds of each resource (``resources.capacity``)."""
+        entry = self._sites.get(name)
+        if entry is None or entry.view is None:
+            return {}
+        cached = self._site_capacity.get(name)
+        if cached is None or cached[0] != self._version:
+            cached = self._site_capacity[name] = (self._version, capacity(entry.view.nodes()))
+        return cached[1]
 
     def domain_of(self, name: str) -> str:
         """The domain ``name`` joined with ("edge"), or "" for a site not known."""

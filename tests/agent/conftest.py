@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -36,7 +37,9 @@ async def make_core(
     """Builds cores wired to the recorder; shuts them down (killing children) afterwards."""
     cores: list[EmbeddedCore] = []
 
-    def build(nodes: list[resources_pb2.Node], kill_grace_s: float = 2.0) -> EmbeddedCore:
+    def build(
+        nodes: list[resources_pb2.Node], kill_grace_s: float = 2.0, **extra: Any
+    ) -> EmbeddedCore:
         core = EmbeddedCore(
             nodes,
             site="site-a",
@@ -44,6 +47,7 @@ async def make_core(
             on_status=recorder.on_status,
             on_change=recorder.on_change,
             kill_grace_s=kill_grace_s,
+            **extra,
         )
         cores.append(core)
         return core

@@ -484,6 +484,7 @@ class SiteView(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
     COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
+    OWNER_SHARE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -513,6 +514,12 @@ class SiteView(_message.Message):
         unset until measured. The agent paces its measured readings by it.
         """
 
+    @_builtins.property
+    def owner_share(self) -> Global___OwnerShare:
+        """Room the site keeps for its owner's tenants (the site declines other tenants' offers
+        that would eat into it); unset when it keeps none.
+        """
+
     def __init__(
         self,
         *,
@@ -530,14 +537,65 @@ class SiteView(_message.Message):
         agent_version: _builtins.str = ...,
         probe_endpoint: _builtins.str = ...,
         coordinator_link: Global___Link | None = ...,
+        owner_share: Global___OwnerShare | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "queue", b"queue"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SiteView: _TypeAlias = SiteView  # noqa: Y015
+
+@_typing.final
+class OwnerShare(_message.Message):
+    """Room a site keeps for its owner's tenants: other tenants' tasks may together hold only
+    what is left of each resource named.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class KeepEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    TENANTS_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def tenants(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def keep(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """Resource ("cpu", "memory_mib", "gpu", "gpu/A100-80GB") -> amount kept for the tenants."""
+
+    def __init__(
+        self,
+        *,
+        tenants: _abc.Iterable[_builtins.str] | None = ...,
+        keep: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "tenants", b"tenants"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___OwnerShare: _TypeAlias = OwnerShare  # noqa: Y015
 
 @_typing.final
 class SiteViewDelta(_message.Message):

@@ -6,7 +6,7 @@ import heapq
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
-from federation.coordinator.policy.resources import KINDS
+from federation.resources import KINDS
 
 T = TypeVar("T")
 BASE = ("cpu", "memory_mib", *KINDS.values())

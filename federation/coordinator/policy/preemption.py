@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from federation.coordinator.policy.resources import CPU, KINDS, MEMORY, Demand
+from federation.coordinator.policy.resources import Demand
 from federation.placement.snapshot import Snapshot
+from federation.resources import CPU, KINDS, MEMORY
 
 EPSILON = 1e-9
 _KIND_NAMES: dict[int, str] = {int(kind): name for kind, name in KINDS.items()}

@@ -9,7 +9,7 @@ from collections.abc import Collection, Mapping
 import structlog
 
 from federation.api.v1 import queues_pb2, resources_pb2
-from federation.coordinator.policy.resources import quota_key, quota_label, resource_problem
+from federation.coordinator.policy.resources import quota_key, quota_label
 from federation.coordinator.validation import name_problem
 from federation.errors import (
     AlreadyExistsError,
@@ -18,6 +18,7 @@ from federation.errors import (
     InvalidArgumentError,
     QueueNotFoundError,
 )
+from federation.resources import resource_problem
 from federation.store import CasConflictError, Delete, Put, Store
 
 log = structlog.get_logger()
