@@ -15,6 +15,11 @@ holds no task is powered down and draws nothing.
 A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
 same filters form a group, and when a site frees capacity only the first task of each group
 that now fits there is placed again: the answer for the others could not have changed.
+
+With queues or priority classes in the topology, waiting tasks are taken as the coordinator's
+scheduling cycle takes them (``_cycle``): in its line (``Sharing.order``), each through its
+queues' quotas, then placement, then preemption where it may stop others (``_preempt_for``).
+A stopped task waits again and restarts from its last checkpoint.
 """
 
 from __future__ import annotations
@@ -30,19 +35,21 @@ import numpy.typing as npt
 
 from federation.coordinator import job_state
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
-from federation.placement.framework import Framework
+from federation.placement.framework import Code, Framework
 from federation.placement.request import Request
 from federation.sim.policies import PROFILES, build_policy, feasibility_key
-from federation.sim.state import Grant, SiteState
+from federation.sim.queues import Shares, Tally
+from federation.sim.state import Grant, SiteState, site_views
 from federation.sim.trace import TraceTask
 
 F64 = npt.NDArray[np.float64]
 # Event kinds, in the order they are handled at one instant: capacity frees before anything
-# new is placed on it.
-DONE, START, RETRY, ARRIVE = 0, 1, 2, 3
+# new is placed on it, and a scheduling cycle (with queues) sees everything that happened.
+DONE, START, RETRY, ARRIVE, CYCLE = 0, 1, 2, 3, 4
 _SCHEDULER = SchedulerConfig()
 Progress = Callable[[int, int], None]
 IDLE_POWER_SHARE = 0.25
@@ -68,6 +75,11 @@ class SimConfig:
     estimate with them, as the coordinator does; else every estimate uses the speed table."""
     idle_power_share: float = IDLE_POWER_SHARE
     """Share of its TDP an idle device draws while its node is powered (holds some task)."""
+    preemption_min_run_s: float = _SCHEDULER.preemption_min_run_s
+    """A task runs this long before it may be preempted (with queues or priority classes)."""
+    reclaim_min_run_s: float = _SCHEDULER.reclaim_min_run_s
+    """A task on borrowed quota runs this long before the queue it borrowed from takes it
+    back."""
 
     def __post_init__(self) -> None:
         # With no site offered per round a task would be retried forever.
@@ -78,6 +90,9 @@ class SimConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
         if not 0.0 <= self.idle_power_share <= 1.0:
             raise ValueError(f"idle_power_share must be in [0, 1], got {self.idle_power_share}")
+        for name in ("preemption_min_run_s", "reclaim_min_run_s"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)
@@ -116,6 +131,15 @@ class TaskRun:
     speed it believed of the slowest, learned speeds included)."""
     watts: float = 0.0
     """Power its devices draw while it runs (TDP times the share held)."""
+    remaining_s: float = 0.0
+    """Its run time left on a device of speed 1.0: its duration, less what it checkpointed
+    before it was preempted."""
+    event: int = 0
+    """The sequence number of its next START or DONE (cancelled when it is preempted)."""
+    preemptions: int = 0
+    lost_device_s: float = 0.0
+    """Device-seconds of run lost to preemption: run since the last checkpoint, times the
+    devices held."""
 
 
 @dataclass(slots=True)
@@ -150,6 +174,8 @@ class Outcome:
     """Joules drawn by idle devices of powered nodes (nodes that hold some task)."""
     powered_node_s: float = 0.0
     """Node-seconds powered: summed over nodes, the time each held some task."""
+    sharing: Tally | None = None
+    """With queues or priority classes: per tenant, shares over the contended time."""
 
 
 class Simulation:
@@ -192,6 +218,7 @@ class Simulation:
                 t,
                 t.request(i, None if estimated_s is None else estimated_s[i]),
                 held=np.zeros(n_models),
+                remaining_s=t.duration_s,
             )
             for i, t in enumerate(tasks)
         ]
@@ -232,6 +259,30 @@ class Simulation:
         self._powered_nodes = 0
         self._powered_watts = 0.0
         self._running_watts = 0.0
+        # Queues and preemption (``_cycle``), when the topology has queues or classes.
+        topology = state.topology
+        self.shares = None
+        if topology.queues or topology.priority_classes:
+            nodes = [node for site in site_views(topology) for node in site.view.nodes]
+            self.shares = Shares(topology, tasks, nodes)
+            self.out.sharing = self.shares.tally
+        self._index = {(t.job_id, t.task): i for i, t in enumerate(tasks)}
+        self._cancelled: set[int] = set()
+        """Sequence numbers of events of preempted tasks, skipped when they come."""
+        self._pending: set[int] = set()
+        """Tasks that arrived and wait (fit somewhere, not placed)."""
+        self._fresh: list[int] = []
+        """Tasks the next cycle tries: arrived or due again since the last."""
+        self._full = False
+        """The next cycle tries every waiting task: room or quota freed."""
+        self._cycle_due = False
+        self._retry_at: dict[int, float] = {}
+        """When each task backed off or waiting for a busy site is due again."""
+        self._preempted_for: set[int] = set()
+        """Waiting tasks that had others stopped for them (once while they wait)."""
+        self._recheck: dict[int, float] = {}
+        """When each waiting task that may preempt is tried again: as the coordinator's
+        backoff would, once the first task it could stop has run long enough."""
 
     # The event loop.
 
@@ -242,9 +293,18 @@ class Simulation:
         handled = 0
         total = len(self.runs)
         last_arrival = max((r.trace.submit_s for r in self.runs), default=0.0)
-        handlers = {DONE: self._done, START: self._start, RETRY: self._retry, ARRIVE: self._arrive}
+        handlers = {
+            DONE: self._done,
+            START: self._start,
+            RETRY: self._retry,
+            ARRIVE: self._arrive,
+            CYCLE: self._cycle,
+        }
         while self._events:
-            when, kind, _, i = heapq.heappop(self._events)
+            when, kind, sequence, i = heapq.heappop(self._events)
+            if sequence in self._cancelled:
+                self._cancelled.discard(sequence)
+                continue
             self._advance(when)
             if (
                 kind == ARRIVE
@@ -265,9 +325,15 @@ class Simulation:
             self.out.learned_speeds = self.learner.learned()
         return self.out
 
-    def _push(self, when: float, kind: int, task: int) -> None:
+    def _push(self, when: float, kind: int, task: int) -> int:
         self._sequence += 1
         heapq.heappush(self._events, (when, kind, self._sequence, task))
+        return self._sequence
+
+    def _due(self, i: int, when: float) -> None:
+        """Task ``i`` is held back (backed off, or waiting for a busy site) until ``when``."""
+        self._push(when, RETRY, i)
+        self._retry_at[i] = when
 
     def _advance(self, when: float) -> None:
         dt = when - self._now
@@ -281,11 +347,15 @@ class Simulation:
             if self._waiting:
                 self.out.waiting_s += dt
                 self.out.idle_while_waiting_device_s += self.state.free_devices * dt
+            if self.shares is not None:
+                self.shares.advance(dt)
         self._now = max(self._now, when)
 
     def _move(self, run: TaskRun, new: int) -> None:
         job_state.check_transition(run.state, new)
         run.state = new
+        if self.shares is not None:
+            self.shares.moved(run.request.sequence, new)  # the request's sequence: its index
 
     # What happens to a task.
 
@@ -295,6 +365,9 @@ class Simulation:
             run.never_fits = True  # stays PENDING for good, as in the coordinator
             return
         self._waiting += 1
+        if self.shares is not None:
+            self._wait_again(i)
+            return
         group = self._blocked.get(self.keys[i])
         if group:
             heapq.heappush(group, i)  # tasks ahead of it with the same needs fit nowhere
@@ -302,7 +375,11 @@ class Simulation:
             self._block(i)
 
     def _retry(self, i: int) -> None:
-        if self.runs[i].state == job_state.PENDING and not self._try(i):
+        if self.shares is not None:
+            if self.runs[i].state == job_state.PENDING:
+                self._fresh.append(i)
+                self._want_cycle()
+        elif self.runs[i].state == job_state.PENDING and not self._try(i):
             self._block(i)
 
     def _start(self, i: int) -> None:
@@ -311,15 +388,25 @@ class Simulation:
         run.started_s = self._now
         self._running += run.held
         self._running_watts += run.watts
-        self._push(self._now + run.run_s, DONE, i)
+        run.event = self._push(self._now + run.run_s, DONE, i)
 
     def _done(self, i: int) -> None:
         run = self.runs[i]
         self._move(run, job_state.SUCCEEDED)
         run.finished_s = self._now
-        self._running -= run.held
+        self._leave(i, run.run_s, running=True)
+        self._learn(run)
+        if self.shares is None:
+            self._wake(run.site)
+
+    def _leave(self, i: int, ran_s: float, *, running: bool) -> None:
+        """Task ``i`` gives back what it held at its site, after ``ran_s`` of run (billed from
+        its placement, powered for its run)."""
+        run = self.runs[i]
+        if running:
+            self._running -= run.held
+            self._running_watts -= run.watts
         self._holding -= run.held
-        self._running_watts -= run.watts
         assert run.grant is not None
         self._at_site[run.site].discard(i)
         for node in run.grant.nodes:
@@ -329,14 +416,19 @@ class Simulation:
                 self._powered_watts -= float(self.node_watts[node])
         if not self._powered_nodes:  # nothing on: clear the sums' rounding
             self._powered_watts = self._running_watts = 0.0
-        held_h = (run.finished_s - run.placed_s) / 3600.0
+        held_h = (self._now - run.placed_s) / 3600.0
         devices = len(run.grant.devices) * run.grant.device_share
-        run.compute_usd = float(self.snap.price_per_device_hour[run.site]) * devices * held_h
+        run.compute_usd += float(self.snap.price_per_device_hour[run.site]) * devices * held_h
         watts = self.snap.device_power_watts[list(run.grant.devices)].sum()
-        run.energy_kwh = float(watts) * run.grant.device_share * run.run_s / 3.6e6
+        run.energy_kwh += float(watts) * run.grant.device_share * ran_s / 3.6e6
         self.state.release(run.grant)
-        self._learn(run)
-        self._wake(run.site)
+        if self.shares is not None:
+            # Room and quota freed: every waiting task is weighed again, those that chose to
+            # wait for this site at once (as the coordinator's ``capacity_freed``).
+            for j in self._waiting_for.pop(run.site, ()):
+                self._retry_at.pop(j, None)
+            self._full = True
+            self._want_cycle()
 
     # Placement and negotiation.
 
@@ -369,7 +461,7 @@ class Simulation:
                 self.out.declines += 1
         self._move(run, job_state.PENDING)
         run.backoff_s = min(run.backoff_s * 2, self.config.retry_interval_s)
-        self._push(self._now + run.backoff_s, RETRY, i)
+        self._due(i, self._now + run.backoff_s)
         return True
 
     def _sooner_by_waiting(self, i: int, req: Request, ranked: Sequence[str]) -> int | None:
@@ -396,7 +488,7 @@ class Simulation:
                 chosen, chosen_s, chosen_wait = site, wait + after_s, wait
         if chosen is not None:
             # Tried again then too, should what runs there overrun its estimate.
-            self._push(self._now + chosen_wait + 1.0, RETRY, i)
+            self._due(i, self._now + chosen_wait + 1.0)
         return chosen
 
     def _frees_in(
@@ -458,10 +550,16 @@ class Simulation:
         run.grant = grant = self.state.allocate(req, site, assumed)
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
+        if self.shares is not None:
+            self._pending.discard(i)
+            self._preempted_for.discard(i)
+            self.shares.waiting[self.shares.tally.tenant_of[i]] -= 1
         run.site = site
         self._at_site[site].add(i)
         run.placed_s = self._now
-        run.transfer_s, run.wan_bytes, run.egress_usd = self._transfer(run.request, site)
+        run.transfer_s, wan_bytes, egress_usd = self._transfer(run.request, site)
+        run.wan_bytes += wan_bytes  # a restart reads its inputs again
+        run.egress_usd += egress_usd
         classes = self.snap.device_class[list(grant.devices)]
         np.add.at(run.held, self.class_model[classes], grant.device_share)
         self._holding += run.held
@@ -469,7 +567,7 @@ class Simulation:
         # scheduler believes.
         true = self._speed(run.request)[classes] * self.state.speed_factor[list(grant.devices)]
         speed = float(true.min()) if len(classes) else 1.0
-        run.run_s = run.trace.duration_s / speed
+        run.run_s = run.remaining_s / speed
         run.assumed_speed, run.speed = assumed, speed if len(classes) else 0.0
         believed = float(class_speed(req, self.snap)[classes].min()) if len(classes) else 1.0
         run.estimated_run_s = req.duration_s / believed
@@ -480,7 +578,7 @@ class Simulation:
                 self._powered_nodes += 1
                 self._powered_watts += float(self.node_watts[node])
             self._node_tasks[node] += 1
-        self._push(self._now + run.transfer_s, START, i)
+        run.event = self._push(self._now + run.transfer_s, START, i)
 
     def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
         """Seconds, bytes over the WAN and egress cost to bring the inputs to ``site``."""
@@ -527,6 +625,8 @@ class Simulation:
         grant = run.grant
         if self.learner is None or grant is None or not grant.devices or run.run_s <= 0:
             return
+        if run.preemptions:
+            return  # it ran only what was left of the duration its estimate is for
         devices = list(grant.devices)
         true = self._speed(run.request)[self.snap.device_class[devices]]
         slowest = devices[int(np.argmin(true * self.state.speed_factor[devices]))]
@@ -546,6 +646,144 @@ class Simulation:
         if key not in self._speeds:
             self._speeds[key] = class_speed(req, self.snap)
         return self._speeds[key]
+
+    # Queues and preemption: the coordinator's scheduling cycle.
+
+    def _wait_again(self, i: int) -> None:
+        """Task ``i`` arrived, or was stopped: it waits in line for the next cycle."""
+        assert self.shares is not None
+        self._pending.add(i)
+        self.shares.waiting[self.shares.tally.tenant_of[i]] += 1
+        self._fresh.append(i)
+        self._want_cycle()
+
+    def _want_cycle(self) -> None:
+        if not self._cycle_due:
+            self._cycle_due = True
+            self._push(self._now, CYCLE, -1)
+
+    def _cycle(self, _: int) -> None:
+        """Waiting tasks in the coordinator's line (``Sharing.order``), each through its
+        queues' quotas, then placement, then preemption when it fits nowhere for want of room
+        (as ``Scheduler._consider``). Only tasks that arrived or came due are tried unless room
+        or quota freed: for the others nothing changed since the last cycle."""
+        assert self.shares is not None
+        shares = self.shares
+        tasks = self._pending if self._full else self._fresh
+        self._cycle_due, self._full, self._fresh = False, False, []
+        failed: set[object] = set()
+        """Requests that fit nowhere now: those after them with the same needs do not either."""
+        for i in shares.order(tasks):
+            run = self.runs[i]
+            if run.state != job_state.PENDING or self._retry_at.get(i, -math.inf) > self._now:
+                continue  # placed meanwhile, backed off, or waiting for a busy site
+            if shares.admission(i) is not None:
+                continue  # over its quota: a task's end wakes it
+            key = self.keys[i]
+            if key not in failed:
+                if self._try(i):
+                    continue
+                failed.add(key)
+            if self._preempt_for(i):
+                failed.clear()  # room freed
+                self._try(i)  # first in line for it
+
+    def _preempt_for(self, i: int) -> bool:
+        """Stop tasks to make room for waiting task ``i`` at a site only short of room, as
+        ``Scheduler._preempt_for``: when it may preempt (tasks of lower priority), or when its
+        queue is owed its nominal quota (tasks of the queues that borrow it,
+        ``Sharing.lenders``); victims by ``choose_victims``. Once while it waits (room is
+        summed per site, not fitted per node). True when it stopped some."""
+        assert self.shares is not None
+        shares = self.shares
+        urgent = shares.may_preempt(i)
+        if i in self._preempted_for or (not urgent and shares.queue(i) not in shares.queues):
+            return False
+        lenders = set() if urgent else shares.lenders(i)
+        if not urgent and not lenders:
+            return False
+        decision = self.framework.place(self._estimating(self.runs[i].request), self.snap)
+        short = {r.site for r in decision.rejections if r.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        found = [
+            found
+            for site in sorted(short)
+            for j in sorted(self._at_site[self.site_index[site]])
+            if (found := self._candidate(j, i, lenders)) is not None
+        ]
+        need, room = shares.demand(i), free_room(self.snap, short)
+        choice = choose_victims(need, room, [c for c, ready_s in found if ready_s <= self._now])
+        if choice is None:
+            # Some have not run long enough yet: the coordinator's backoff tries again.
+            later = min((ready_s for _, ready_s in found if ready_s > self._now), default=None)
+            if (
+                later is not None
+                and self._recheck.get(i) != later
+                and choose_victims(need, room, [c for c, _ in found]) is not None
+            ):
+                self._recheck[i] = later
+                self._push(later, RETRY, i)
+            return False
+        self._preempted_for.add(i)
+        for victim in choice[1]:
+            self._stop(self._index[victim.job_id, victim.task])
+        return True
+
+    def _candidate(self, j: int, i: int, lenders: set[str]) -> tuple[Candidate, float] | None:
+        """Task ``j`` as a victim for waiting task ``i``, and from when: if it is of a
+        preemptible class, and of a queue in ``lenders`` (from when it has run
+        ``reclaim_min_run_s``) or else of lower priority (``preemption_min_run_s``), as
+        ``Scheduler._preemption_candidates``."""
+        assert self.shares is not None
+        shares = self.shares
+        run = self.runs[j]
+        if not shares.preemptible(j):
+            return None
+        if lenders:
+            if shares.queue(j) not in lenders:
+                return None
+        elif shares.priority(j) >= shares.priority(i):
+            return None
+        # A task placed but not started (its input still moving) loses nothing.
+        config = self.config
+        min_run_s = config.reclaim_min_run_s if lenders else config.preemption_min_run_s
+        ready_s = run.started_s + min_run_s if run.state == job_state.RUNNING else -math.inf
+        candidate = Candidate(
+            job_id=run.trace.job_id,
+            task=run.trace.task,
+            site=self.snap.site_ids[run.site],
+            epoch=run.epoch,
+            priority=shares.priority(j),
+            demand=shares.demand(j),
+            lost_s=self._since_checkpoint(run),
+        )
+        return candidate, ready_s
+
+    def _since_checkpoint(self, run: TaskRun) -> float:
+        """Seconds ``run`` has run since its last checkpoint (every ``checkpoint_interval_s``
+        of run since it started; none: since it started)."""
+        if run.state != job_state.RUNNING:
+            return 0.0
+        ran_s = self._now - run.started_s
+        every = run.trace.checkpoint_interval_s
+        return ran_s - math.floor(ran_s / every) * every if every > 0 else ran_s
+
+    def _stop(self, j: int) -> None:
+        """Preempt task ``j``: it gives back its room, waits again, and keeps the run up to
+        its last checkpoint (its site stops it at once: no grace for a last checkpoint)."""
+        run = self.runs[j]
+        running = run.state == job_state.RUNNING
+        ran_s = self._now - run.started_s if running else 0.0
+        lost_s = self._since_checkpoint(run)
+        assert run.grant is not None
+        run.lost_device_s += lost_s * len(run.grant.devices) * run.grant.device_share
+        if running:  # what it checkpointed is done
+            run.remaining_s = (run.run_s - ran_s + lost_s) * (run.speed or 1.0)
+        run.preemptions += 1
+        self._cancelled.add(run.event)
+        self._move(run, job_state.PENDING)
+        self._leave(j, ran_s, running=running)
+        self._waiting += 1
+        self._wait_again(j)
 
     # Waiting tasks.
 

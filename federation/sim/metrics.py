@@ -24,6 +24,7 @@ from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 from federation.sim.engine import Outcome, TaskRun
 from federation.sim.policies import feasibility_key
+from federation.sim.queues import jain_index
 from federation.sim.state import SiteState
 from federation.sim.trace import TraceTask
 
@@ -247,6 +248,41 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
         ),
         "offers": outcome.offers,
         "declines": outcome.declines,
+        **({} if outcome.sharing is None else {"sharing": sharing_figures(outcome, jobs)}),
+    }
+
+
+def sharing_figures(outcome: Outcome, jobs: dict[str, Any]) -> dict[str, Any]:
+    """Per tenant: jobs, JCT, its mean dominant share while every tenant had a task waiting,
+    the preemptions its tasks suffered and the device-hours of run they lost; and Jain's
+    index over the tenants' mean shares divided by their weights."""
+    tally = outcome.sharing
+    assert tally is not None
+    tenant_of_job: dict[str, int] = {}
+    for run, tenant in zip(outcome.tasks, tally.tenant_of, strict=True):
+        tenant_of_job.setdefault(run.trace.job_id, tenant)
+    job_tenant = np.array([tenant_of_job[j] for j in jobs["ids"]], dtype=np.int64)
+    contended = tally.contended_s > 0
+    mean = tally.share_s / tally.contended_s if contended else np.full(len(tally.tenants), np.nan)
+    tenants: dict[str, Any] = {}
+    for t, name in enumerate(tally.tenants):
+        mine = job_tenant == t
+        done = mine & jobs["done"]
+        runs = [r for r, k in zip(outcome.tasks, tally.tenant_of, strict=True) if k == t]
+        tenants[name] = {
+            "weight": as_number(tally.weights[t]) if tally.fair[t] else None,
+            "jobs": int(mine.sum()),
+            "jobs_completed": int(done.sum()),
+            "jct_s": _spread(jobs["jct"][done]),
+            "mean_share": as_number(mean[t]),
+            "preemptions": sum(r.preemptions for r in runs),
+            "device_hours_lost": as_number(sum(r.lost_device_s for r in runs) / 3600.0),
+        }
+    jain = jain_index(mean[tally.fair] / tally.weights[tally.fair]) if contended else None
+    return {
+        "contended_hours": as_number(tally.contended_s / 3600.0),
+        "jain_index": None if jain is None else as_number(jain),
+        "tenants": tenants,
     }
 
 

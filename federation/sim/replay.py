@@ -19,6 +19,7 @@ from federation.sim.metrics import (
     task_bounds,
 )
 from federation.sim.policies import DEFAULT_POLICY, profile
+from federation.sim.queues import resolve
 from federation.sim.state import SiteState
 from federation.sim.topology import Topology
 from federation.sim.trace import TraceTask, check_against
@@ -61,6 +62,7 @@ def replay(
     for name in policies:
         profile(name)  # unknown names fail before any work
     check_against(tasks, topology, trace_source)
+    tasks = resolve(tasks, topology, trace_source)
     config = config or SimConfig(seed=seed)
     base = SiteState(topology)
     bounds = task_bounds(base, tasks)

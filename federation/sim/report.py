@@ -126,6 +126,8 @@ def print_tables(result: ReplayResult, console: Console) -> None:
         )
     console.print(resources)
     console.print(energy_table(summary))
+    if any("sharing" in m for m in policies.values()):
+        console.print(sharing_table(policies))
     for line in warnings(result):
         console.print(line, style="bold yellow", markup=False, highlight=False)
 
@@ -169,6 +171,41 @@ def energy_table(summary: Mapping[str, Any]) -> Table:
             duration(m["jct_s"]["mean"]),
             _signed_share(m.get("jct_change_vs_default")),
         )
+    return table
+
+
+def sharing_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:
+    """One row per policy and tenant: jobs, JCT, mean dominant share while every tenant had
+    work waiting, preemptions suffered and the device-hours they lost; Jain's index over the
+    weight-normalised shares on each policy's first row."""
+    table = Table(
+        title="Tenants (shares while every tenant has a task waiting; Jain's index over share"
+        " / weight)",
+        box=box.SIMPLE_HEAD,
+    )
+    table.add_column("policy", no_wrap=True)
+    table.add_column("tenant", no_wrap=True)
+    for column in ("weight", "jobs done", "JCT mean", "JCT p95", "share", "preempted"):
+        table.add_column(column, justify="right")
+    for column in ("dev-h lost", "contended", "Jain"):
+        table.add_column(column, justify="right")
+    for name, m in policies.items():
+        sharing = m["sharing"]
+        for n, (tenant, t) in enumerate(sharing["tenants"].items()):
+            jain = sharing["jain_index"]
+            table.add_row(
+                name if n == 0 else "",
+                tenant,
+                "-" if t["weight"] is None else f"{t['weight']:g}",
+                f"{t['jobs_completed']}/{t['jobs']}",
+                duration(t["jct_s"]["mean"]),
+                duration(t["jct_s"]["p95"]),
+                _share(t["mean_share"]),
+                str(t["preemptions"]),
+                f"{t['device_hours_lost']:.2f}",
+                duration(sharing["contended_hours"] * 3600.0) if n == 0 else "",
+                ("-" if jain is None else f"{jain:.3f}") if n == 0 else "",
+            )
     return table
 
 

@@ -15,7 +15,8 @@ import numpy as np
 import numpy.typing as npt
 import yaml
 
-from federation.api.v1 import resources_pb2
+from federation.api.v1 import queues_pb2, resources_pb2
+from federation.coordinator.policy.priority import PriorityClass
 from federation.jobspec import parse_domain
 from federation.sim.fields import Fields, InputFileError, read_text
 from federation.sim.links import (
@@ -26,6 +27,7 @@ from federation.sim.links import (
     load_rtt_csv,
     load_throughput_csv,
 )
+from federation.sim.queues import parse_classes, parse_queues
 
 F64 = npt.NDArray[np.float64]
 KIND_NAMES = frozenset(resources_pb2.DeviceKind.keys())
@@ -133,6 +135,10 @@ class Topology:
     speed_factors: Mapping[str, float] = field(default_factory=dict)
     """Model -> how fast it really runs against the speed table (default 1): the true speeds
     the replay runs at, which the scheduler does not know (``--learn`` lets it learn them)."""
+    queues: Mapping[str, queues_pb2.Queue] = field(default_factory=dict)
+    """Queues by name, as ``fedctl queues create`` makes them (none: no quotas, no fair share)."""
+    priority_classes: Mapping[str, PriorityClass] = field(default_factory=dict)
+    """Priority classes by name, as the coordinator's config gives them."""
 
     @property
     def n_nodes(self) -> int:
@@ -174,6 +180,7 @@ def parse_topology(doc: object, source: str, base: Path) -> Topology:
     links = top.child("links")
     plan = _links(links, base, set(names)) if links else LinkPlan()
     factors = _speed_factors(top, sites)
+    queues, classes = parse_queues(top), parse_classes(top)
     top.done()
     ordered = tuple(sorted(sites, key=lambda s: s.name))
     bandwidth, rtt, known = link_matrix(
@@ -182,7 +189,7 @@ def parse_topology(doc: object, source: str, base: Path) -> Topology:
         [s.domain == resources_pb2.DOMAIN_EDGE for s in ordered],
         plan,
     )
-    return Topology(ordered, bandwidth, rtt, known, source, factors)
+    return Topology(ordered, bandwidth, rtt, known, source, factors, queues, classes)
 
 
 def _speed_factors(top: Fields, sites: list[SiteSpec]) -> dict[str, float]:

@@ -42,7 +42,13 @@ COLUMNS: dict[str, str] = {
     "workload_class": "row of the speed table: training or inference (default training)",
     "domains": "allowed domains, |-separated: edge, datacenter, cloud (default: any)",
     "max_cost_usd": "budget; sites whose estimated cost is higher are filtered out",
+    "tenant": "tenant that submits the job (default: the queue's; none without a queue)",
+    "queue": "queue of the topology the job waits in (default: the tenant's only queue)",
+    "priority_class": "priority class of the topology; sets the job's priority (default: none)",
+    "checkpoint_interval_s": "seconds of run between checkpoints (default 0: none)",
 }
+SHARING = ("tenant", "queue", "priority_class", "checkpoint_interval_s")
+"""Columns about queues and preemption: written only when some task sets them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +75,12 @@ class TraceTask:
     workload_class: str = "training"
     domains: frozenset[int] = frozenset()
     max_cost_usd: float = 0.0
+    tenant: str = ""
+    queue: str = ""
+    priority_class: str = ""
+    checkpoint_interval_s: float = 0.0
+    """Seconds of run between two checkpoints; a preempted task loses the run since its last
+    (0: it never checkpoints, so it loses all of it)."""
 
     def request(self, sequence: int, duration_s: float | None = None) -> Request:
         """The placement request, with the scheduler's view of the duration."""
@@ -157,6 +169,7 @@ def load_trace(path: Path) -> list[TraceTask]:
     if not rows:
         raise InputFileError(f"{path}: no rows")
     seen: dict[tuple[str, str], int] = {}
+    first: dict[str, TraceTask] = {}
     for t in rows:
         key = (t.job_id, t.task)
         if key in seen:
@@ -164,6 +177,14 @@ def load_trace(path: Path) -> list[TraceTask]:
                 f"{path}:{t.line}: task {t.task!r} of job {t.job_id!r} repeats line {seen[key]}"
             )
         seen[key] = t.line
+        # Queues and classes belong to the job, as in a job spec: its rows must agree.
+        job = first.setdefault(t.job_id, t)
+        for column in ("tenant", "queue", "priority_class"):
+            if getattr(t, column) != getattr(job, column):
+                raise InputFileError(
+                    f"{path}:{t.line}: column {column!r}: {getattr(t, column)!r}, but job "
+                    f"{t.job_id!r} has {getattr(job, column)!r} on line {job.line}"
+                )
     return sorted(rows, key=lambda t: (t.submit_s, t.line))
 
 
@@ -217,6 +238,10 @@ def _task(r: _Row) -> TraceTask:
         workload_class=workload_class,
         domains=frozenset(domains),
         max_cost_usd=r.number("max_cost_usd", 0.0),
+        tenant=r.text("tenant"),
+        queue=r.text("queue"),
+        priority_class=r.text("priority_class"),
+        checkpoint_interval_s=r.number("checkpoint_interval_s", 0.0),
     )
 
 
@@ -264,10 +289,13 @@ def write_trace(path: Path, tasks: Iterable[TraceTask]) -> None:
     domain_names = {
         int(v): k.removeprefix("DOMAIN_").lower() for k, v in resources_pb2.Domain.items()
     }
+    tasks = list(tasks)
+    used = {c for c in SHARING for t in tasks if getattr(t, c)}
     with path.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(COLUMNS))
+        writer = csv.DictWriter(f, fieldnames=[c for c in COLUMNS if c not in SHARING or c in used])
         writer.writeheader()
         for t in tasks:
+            sharing = {c: getattr(t, c) or "" for c in used}
             writer.writerow(
                 {
                     "job_id": t.job_id,
@@ -289,5 +317,6 @@ def write_trace(path: Path, tasks: Iterable[TraceTask]) -> None:
                     "workload_class": t.workload_class,
                     "domains": "|".join(sorted(domain_names[d] for d in t.domains)),
                     "max_cost_usd": f"{t.max_cost_usd:g}" if t.max_cost_usd else "",
+                    **sharing,
                 }
             )
