@@ -210,7 +210,8 @@ def test_placed_tasks_count_at_their_site_domain_and_given_models() -> None:
     job.tasks[0].models.extend(["H100", "A100"])  # as the site reported: one device each
     usage.update(job, {})
     held = usage.of("q")
-    assert held["gpu/H100"] == 1 and held["gpu/A100@domain/datacenter"] == 1
+    assert held["gpu/H100"] == 1
+    assert held["gpu/A100@domain/datacenter"] == 1
     usage.update(job, {("j", "t"): {"gpu": 5.0}})  # offers out: what it was admitted with
     assert usage.of("q") == {"gpu": 5.0}
 
@@ -250,7 +251,8 @@ def test_where_keeps_sites_and_models_within_scoped_quotas() -> None:
         ("dc-1", "queue q at its gpu at site dc-1 quota (2/2); this task needs 2")
     ]
     assert where.models == {}  # A100 still has room for 2 more
-    assert where.holds["gpu/A100@site/dc-2"] == 2 and where.holds["gpu/H100@domain/cloud"] == 2
+    assert where.holds["gpu/A100@site/dc-2"] == 2
+    assert where.holds["gpu/H100@domain/cloud"] == 2
 
     more = gpu_job("q", 2, "A100")
     more.id = "r2"
@@ -272,7 +274,8 @@ def test_where_keeps_sites_and_models_within_scoped_quotas() -> None:
         domains.__getitem__,
         {},
     )
-    assert where.sites == [] and "gpu in domain cloud quota (0/3)" in where.refused[0][1]
+    assert where.sites == []
+    assert "gpu in domain cloud quota (0/3)" in where.refused[0][1]
 
 
 def test_scoped_quota_checks_name_the_field() -> None:
