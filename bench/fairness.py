@@ -1,18 +1,24 @@
 """Fair share under contention, and urgent work that preempts it, over real agents.
 
-A real coordinator and three sites (8 declared GPUs in all) as processes over mTLS on
-loopback. Three tenants own queues of weights 1:1:2 (nominal GPU quotas 2, 2 and 4, each may
-borrow 2 more) and each submits more one-GPU jobs than fit: real processes that work 5-9 s,
-writing a checkpoint each second of work (the agent reports them), and that restart from the
-newest reported checkpoint after a preemption. Once every GPU runs a tenant's job, and while
-every queue has jobs waiting, the queues' dominant shares are sampled every 0.5 s
-(ListQueues). Then a burst of urgent jobs (a priority class that may preempt; no queue)
-arrives on the full fleet; the agents give victims ``kill_grace_s`` = 2 s after SIGTERM. At
-the end every job must have finished, once. Baselines from the same run: the same burst of
-urgent jobs on the idle fleet (a start without preemption), the work victims would have lost
-without checkpoints, one GPU's share of the fleet.
+A real coordinator and three sites (24 declared GPUs by default, ``--gpus``) as processes over
+mTLS on loopback. Three tenants own queues of weights 1:1:2 (nominal GPU quotas a quarter, a
+quarter and half of the fleet, each may borrow a quarter more). While one job per GPU (in no
+queue) holds the fleet, each tenant submits, at once, more one-GPU jobs than fit: real
+processes that work 5-9 s (seeded), write a checkpoint each second of work (the agent reports
+them), and restart from the newest reported checkpoint after a preemption; then the holding
+jobs all end, so every queue waits as the GPUs free. Once every GPU runs a tenant's job, and
+while every queue has jobs waiting, the run is sampled every 0.25 s. Each task process records
+when it started and ended and on which GPU, and the tenants' shares come from those records:
+the share of the fleet's GPU time each tenant's processes held over the 2 s up to each sample
+(``share_deviation_max``), and at the sample itself (``share_deviation_instant_max``). Then a
+burst of urgent jobs (a priority class that may preempt; no queue) arrives on the full fleet;
+the agents give victims ``kill_grace_s`` = 2 s after SIGTERM. At the end every job must have
+finished, once. Baselines from the same run: the same burst of urgent jobs on the idle fleet
+(a start without preemption), the work victims would have lost without checkpoints, one GPU's
+share of the fleet.
 
-    python bench/fairness.py [--seconds 30] [--jobs-per-tenant N] [--urgent 8] [--json]
+    python bench/fairness.py [--gpus 24] [--seconds 60] [--work 5 9] [--urgent N]
+        [--reclaim-min-run-s 120] [--json]
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import json
 import math
 import random
@@ -55,39 +62,66 @@ KILL_GRACE_S = 2.0
 """The agents' SIGTERM-to-SIGKILL grace for a victim's last checkpoint."""
 START_GOAL_MARGIN_S = 5.0
 SHARE_GOAL = 0.05
-SAMPLE_EVERY_S = 0.5
+SAMPLE_EVERY_S = 0.25
+SHARE_WINDOW_S = 2.0
+"""The goal's share is a tenant's GPU time over this long up to each sample (see README)."""
 CHECKPOINT_EVERY_S = 1.0
 """Seconds of work between a task's checkpoints; the agent looks for new ones as often."""
 WORK_S = (5.0, 9.0)
 """A tenant job's work, drawn uniformly (seeded) so the jobs do not end in lockstep."""
 URGENT_WORK_S = 3.0
+TAIL_S = 15.0
+"""Work each queue has left, per GPU of its share, when the contention sampling ends: the
+urgent burst must still find the fleet full and every queue waiting."""
 DRAIN_MARGIN_S = 60.0
 
 TENANTS = {"team-a": 1.0, "team-b": 1.0, "team-c": 2.0}
 """Tenant (and its queue's name) -> weight."""
-BORROW = 2.0
+BORROW_SHARE = 0.25
+"""What each queue may borrow beyond its nominal quota, as a share of the fleet."""
+RECLAIM_MIN_RUN_S = 120.0
+"""The coordinator's default, longer than any job here: a lent GPU comes back when the job
+that borrowed it ends. At 0 the queues took GPUs back from each other all through the
+contention, about as often as jobs ended (see README)."""
+
+NODE_GPUS = 8
+SITE_LAYOUT = (
+    ("dc-1", "datacenter", "dgx", "A100-80GB", 3),
+    ("dc-2", "datacenter", "hgx", "A100-80GB", 2),
+    ("cloud-1", "cloud", "p5", "H100-80GB", 1),
+)
+"""Site, domain, node name, GPU model, and the site's part of the fleet (3:2:1)."""
 
 
 def gpu_node(name: str, gpus: int, model: str) -> dict[str, Any]:
     device = {"kind": "GPU", "vendor": "nvidia", "model": model, "memory_mib": 81920}
     return {
         "name": name,
-        "cpu_cores": 32,
+        "cpu_cores": 16 * gpus,
         "memory_mib": 262144,
         "devices": [{**device, "count": gpus}],
     }
 
 
-SETTINGS = {"kill_grace_s": KILL_GRACE_S}
-SITES = [
-    SiteSpec("dc-1", "datacenter", [gpu_node("dgx", 4, "A100-80GB")], settings=SETTINGS),
-    SiteSpec("dc-2", "datacenter", [gpu_node("hgx", 2, "A100-80GB")], settings=SETTINGS),
-    SiteSpec("cloud-1", "cloud", [gpu_node("p5", 2, "H100-80GB")], settings=SETTINGS),
-]
-GPUS = sum(d["count"] for s in SITES for n in s.nodes for d in n["devices"])
+def fleet(gpus: int) -> list[SiteSpec]:
+    """``gpus`` declared GPUs over the three sites (3:2:1), in nodes of up to 8."""
+    parts = [layout[4] for layout in SITE_LAYOUT]
+    counts = [gpus * part // sum(parts) for part in parts]
+    counts[0] += gpus - sum(counts)
+    settings = {"kill_grace_s": KILL_GRACE_S}
+    sites = []
+    for (site, domain, node, model, _), count in zip(SITE_LAYOUT, counts, strict=True):
+        nodes = [
+            gpu_node(f"{node}-{i}", min(NODE_GPUS, count - first), model)
+            for i, first in enumerate(range(0, count, NODE_GPUS))
+        ]
+        sites.append(SiteSpec(site, domain, nodes, settings=settings))
+    return sites
+
 
 COORDINATOR_CONFIG = """\
 preemption_min_run_s = 0.0
+reclaim_min_run_s = {reclaim_min_run_s!r}
 [priority_classes.urgent]
 value = 900
 may_preempt = true
@@ -98,20 +132,28 @@ value = -100
 
 # Works ``work`` seconds in all, counting from the progress its restore point holds; writes
 # a checkpoint (its progress) each ``every`` seconds of work when the task declares a policy.
-# Markers in the folder argv[1], NAME-EPOCH: start- (restored progress), stopped- (progress
-# when SIGTERM came), done- (progress at the end).
-TASK = """
-import os, signal, sys, time
-markers, name, work, every = sys.argv[1], sys.argv[2], float(sys.argv[3]), float(sys.argv[4])
-tag = name + "-" + os.environ["FEDERATION_EPOCH"]
+# Markers in the folder argv[1], KIND-NAME-EPOCH, each a JSON object: the progress, the wall
+# clock, the GPU (site/devices) and the job's id when written. start- (restored progress),
+# stopped- (progress when SIGTERM came), done- (progress at the end).
+MARK = """
+import json, os, signal, sys, time
+env = os.environ
+tag = sys.argv[2] + "-" + env["FEDERATION_EPOCH"]
+gpu = env["FEDERATION_SITE"] + "/" + env["FEDERATION_DEVICES"]
+def mark(kind, value):
+    with open(os.path.join(sys.argv[1], kind + "-" + tag), "w") as f:
+        at = time.time()
+        json.dump({"progress": value, "at": at, "gpu": gpu, "job": env["FEDERATION_JOB_ID"]}, f)
+"""
+TASK = (
+    MARK
+    + """
+work, every = float(sys.argv[3]), float(sys.argv[4])
 t0 = time.time()
 restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
 base = float(open(restore).read()) if restore else 0.0
 def progress():
     return base + time.time() - t0
-def mark(kind, value):
-    with open(os.path.join(markers, kind + "-" + tag), "w") as f:
-        f.write(repr(value))
 def stop(*_):
     mark("stopped", progress())
     sys.exit(143)
@@ -131,6 +173,17 @@ while progress() < work:
         open(path + ".done", "w").close()
 mark("done", progress())
 """
+)
+# Holds its GPU until the file argv[3] exists.
+HOLD = (
+    MARK
+    + """
+mark("start", 0.0)
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.02)
+mark("done", 0.0)
+"""
+)
 
 
 def tenant_channel(fed: LocalFederation, tenant: str) -> grpc.aio.Channel:
@@ -157,8 +210,22 @@ def job(
     return job_spec_from_dict(doc)
 
 
+def hold_job(name: str, markers: Path, release: Path) -> jobs_pb2.JobSpec:
+    """A job in no queue that holds one GPU until ``release`` exists."""
+    task = {
+        "name": "t",
+        "command": [sys.executable, "-c", HOLD, str(markers), name, str(release)],
+        "resources": {"cpu": 1, "memory_mib": 128, "accelerator": {"kind": "GPU", "count": 1}},
+    }
+    return job_spec_from_dict({"name": name, "tasks": [task], "priority_class": "batch"})
+
+
 def p99(values: list[float]) -> float:
     return float(np.percentile(values, 99)) if values else math.nan
+
+
+def quantile(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
 
 
 class Phases:
@@ -217,7 +284,7 @@ class Tracker:
         if event.job_state == jobs_pb2.JOB_STATE_RUNNING:
             self.running_at.setdefault(event.job_id, time.perf_counter())
         if event.reason.startswith("preempted by "):  # a victim back to PENDING
-            self.reclaims += "takes back its nominal quota" in event.reason
+            self.reclaims += "taking back the nominal quota" in event.reason
             self.for_urgent += "a job of priority" in event.reason
         if event.reason.startswith("no site can take it now"):
             self.found_no_room.add(event.job_id)
@@ -234,21 +301,37 @@ FINAL = frozenset(
 )
 
 
+@dataclass(frozen=True)
+class Setup:
+    """What one run measures with."""
+
+    gpus: int
+    seconds: float
+    work_s: tuple[float, float]
+    jobs: dict[str, int]
+    """Jobs per tenant."""
+    urgent: int
+    reclaim_min_run_s: float
+    seed: int
+
+    @property
+    def target(self) -> dict[str, float]:
+        """Each tenant's weight share."""
+        return {name: w / sum(TENANTS.values()) for name, w in TENANTS.items()}
+
+
 async def queues_now(admin: admin_service_pb2_grpc.AdminServiceAsyncStub) -> dict[str, Any]:
     reply = await admin.ListQueues(admin_service_pb2.ListQueuesRequest())
     return {q.queue.name: q for q in reply.queues if q.queue.name in TENANTS}
 
 
-async def urgent_burst(
+async def burst(
     stub: job_service_pb2_grpc.JobServiceAsyncStub,
     tracker: Tracker,
-    names: list[str],
-    markers: Path,
-    work_s: float,
+    specs: list[jobs_pb2.JobSpec],
     phases: Phases,
 ) -> dict[str, float]:
-    """Submit the urgent jobs at once; seconds from submit to RUNNING for each, by job id."""
-    specs = [job(name, markers, work_s, urgent=True) for name in names]
+    """Submit the jobs at once; seconds from submit to RUNNING for each, by job id."""
     submitted = time.perf_counter()
     reply = await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
     ids = {j.id for j in reply.jobs}
@@ -262,17 +345,9 @@ async def urgent_burst(
     return {i: tracker.running_at[i] - submitted for i in ids if i in tracker.running_at}
 
 
-async def measure(
-    seconds: float,
-    jobs_per_tenant: int,
-    urgent: int,
-    seed: int,
-    phases: Phases,
-    workdir: Path | None = None,
-) -> dict[str, Any]:
-    rng = random.Random(seed)
-    weight_sum = sum(TENANTS.values())
-    target = {name: w / weight_sum for name, w in TENANTS.items()}
+async def measure(setup: Setup, phases: Phases, workdir: Path | None = None) -> dict[str, Any]:
+    rng = random.Random(setup.seed)
+    gpus = setup.gpus
     with contextlib.ExitStack() as stack:
         if workdir is None:
             root = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-fairness-")))
@@ -282,21 +357,25 @@ async def measure(
         markers = root / "markers"
         markers.mkdir()
         config = root / "coordinator.toml"
-        config.write_text(COORDINATOR_CONFIG)
-        fed = LocalFederation(root / "fed", SITES, coordinator_args=["--config", str(config)])
+        config.write_text(COORDINATOR_CONFIG.format(reclaim_min_run_s=setup.reclaim_min_run_s))
+        sites = fleet(gpus)
+        fed = LocalFederation(root / "fed", sites, coordinator_args=["--config", str(config)])
         tracker = Tracker()
         follower: asyncio.Task[None] | None = None
         channels: list[grpc.aio.Channel] = []
         try:
-            phases.start("starting coordinator and 3 sites", None)
+            phases.start(f"starting coordinator and {len(sites)} sites", None)
             await fed.start()
             operator = fed.operator().channel()
             channels.append(operator)
             admin = admin_service_pb2_grpc.AdminServiceStub(operator)
             ops = job_service_pb2_grpc.JobServiceStub(operator)
             for name, weight in TENANTS.items():
-                nominal = GPUS * target[name]
-                quota = queues_pb2.Quota(resource="gpu", nominal=nominal, borrowing_limit=BORROW)
+                quota = queues_pb2.Quota(
+                    resource="gpu",
+                    nominal=gpus * setup.target[name],
+                    borrowing_limit=gpus * BORROW_SHARE,
+                )
                 queue = queues_pb2.Queue(name=name, tenant=name, weight=weight, quotas=[quota])
                 await admin.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=queue))
             watch = ops.WatchJobs(job_service_pb2.WatchJobsRequest())
@@ -310,10 +389,22 @@ async def measure(
             await asyncio.sleep(0.2)  # the watch subscribes before the first submit
 
             # Baseline: the same burst of urgent jobs on the idle fleet (no preemption).
-            idle_n = min(urgent, GPUS)
+            idle_n = min(setup.urgent, gpus)
             phases.start("urgent burst on the idle fleet", idle_n)
-            idle_names = [f"idle-{i:02d}" for i in range(idle_n)]
-            idle = await urgent_burst(ops, tracker, idle_names, markers, 0.5, phases)
+            specs = [job(f"idle-{i:02d}", markers, 0.5, urgent=True) for i in range(idle_n)]
+            idle = await burst(ops, tracker, specs, phases)
+            phases.start("idle fleet: waiting for the burst to end", idle_n)
+            while tracker.finished(set(idle)) < len(idle):
+                phases.update(tracker.finished(set(idle)))
+                await asyncio.sleep(0.1)
+
+            # The fleet is busy while the tenants submit, and frees at once after: every
+            # queue waits when the GPUs free, and the first submit to arrive does not take
+            # (borrow) the fleet before the others are in.
+            phases.start("keeping the fleet busy", gpus)
+            release = root / "release"
+            specs = [hold_job(f"hold-{i:02d}", markers, release) for i in range(gpus)]
+            holds = await burst(ops, tracker, specs, phases)
 
             # Contention: every tenant submits more than fits, all at once.
             submits = []
@@ -321,54 +412,58 @@ async def measure(
                 channel = tenant_channel(fed, name)
                 channels.append(channel)
                 specs = [
-                    job(f"{name}-{i:03d}", markers, rng.uniform(*WORK_S), queue=name)
-                    for i in range(jobs_per_tenant)
+                    job(f"{name}-{i:03d}", markers, rng.uniform(*setup.work_s), queue=name)
+                    for i in range(setup.jobs[name])
                 ]
                 stub = job_service_pb2_grpc.JobServiceStub(channel)
                 submits.append(stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs)))
             replies = await asyncio.gather(*submits)
             owner = {j.id: j.spec.queue for reply in replies for j in reply.jobs}
-            # Steady: every GPU runs a tenant's job (offers in flight count in a queue's
-            # usage, and the first ones may ask more than the sites have).
-            phases.start("filling the fleet", GPUS)
+            await asyncio.sleep(0.5)  # a scheduling pass finds every tenant's jobs waiting
+            release.touch()
+            # Steady: every GPU runs a tenant's job.
+            phases.start("filling the fleet", gpus)
             deadline = time.perf_counter() + 60.0
-            while (busy := tracker.running(set(owner))) < GPUS:
+            while (busy := tracker.running(set(owner))) < gpus:
                 phases.update(busy)
                 if time.perf_counter() > deadline:
                     break
                 await asyncio.sleep(0.1)
 
-            phases.start(f"contention, sampling every {SAMPLE_EVERY_S} s", seconds)
-            by_tenant = {name: {i for i, o in owner.items() if o == name} for name in TENANTS}
+            phases.start(f"contention, sampling every {SAMPLE_EVERY_S} s", setup.seconds)
             samples: list[dict[str, Any]] = []
             start = time.perf_counter()
-            while (elapsed := time.perf_counter() - start) < seconds:
+            while (elapsed := time.perf_counter() - start) < setup.seconds:
+                at = time.time()
                 held = await queues_now(admin)
                 if any(q.waiting_jobs == 0 for q in held.values()):
                     break  # a queue ran dry: no longer contended
                 samples.append(
                     {
-                        "t": round(elapsed, 2),
-                        "held": {n: q.usage.get("gpu", 0.0) for n, q in held.items()},
-                        "share": {n: q.dominant_share * TENANTS[n] for n, q in held.items()},
-                        "running": {n: tracker.running(by_tenant[n]) for n in TENANTS},
+                        "at": at,
+                        "admitted": {n: q.usage.get("gpu", 0.0) for n, q in held.items()},
+                        "admitted_share": {
+                            n: q.dominant_share * TENANTS[n] for n, q in held.items()
+                        },
                     }
                 )
                 phases.update(elapsed)
                 await asyncio.sleep(
                     max(0.0, start + len(samples) * SAMPLE_EVERY_S - time.perf_counter())
                 )
-            contended_s = time.perf_counter() - start
             held = await queues_now(admin)
             busy_at_burst = sum(q.usage.get("gpu", 0.0) for q in held.values())
 
-            phases.start("urgent burst on the full fleet", urgent)
-            urgent_names = [f"urgent-{i:02d}" for i in range(urgent)]
-            starts = await urgent_burst(ops, tracker, urgent_names, markers, URGENT_WORK_S, phases)
+            phases.start("urgent burst on the full fleet", setup.urgent)
+            specs = [
+                job(f"urgent-{i:02d}", markers, URGENT_WORK_S, urgent=True)
+                for i in range(setup.urgent)
+            ]
+            starts = await burst(ops, tracker, specs, phases)
 
-            everything = set(owner) | set(idle) | set(starts)
-            total = len(owner) + idle_n + urgent
-            work_left = sum(WORK_S) / 2 * len(owner) / GPUS
+            everything = set(owner) | set(idle) | set(holds) | set(starts)
+            total = len(owner) + idle_n + gpus + setup.urgent
+            work_left = sum(setup.work_s) / 2 * len(owner) / gpus
             phases.start("draining: jobs finished", total)
             deadline = time.perf_counter() + work_left + DRAIN_MARGIN_S
             while tracker.finished(everything) < total and time.perf_counter() < deadline:
@@ -391,51 +486,172 @@ async def measure(
                 await channel.close()
             fed.stop()
         return report(
-            markers=markers,
+            setup=setup,
+            marks=read_markers(markers),
             final=final,
-            names={j.id: j.spec.name for j in final.values()},
             tracker=tracker,
             idle=idle,
             starts=starts,
             samples=samples,
-            contended_s=contended_s,
             busy_at_burst=busy_at_burst,
-            jobs_per_tenant=jobs_per_tenant,
-            urgent=urgent,
         )
 
 
-def read_markers(folder: Path) -> dict[str, dict[str, dict[int, float]]]:
-    """kind -> job name -> epoch -> the progress the marker holds."""
-    out: dict[str, dict[str, dict[int, float]]] = {}
+Marks = dict[str, dict[str, dict[int, dict[str, Any]]]]
+
+
+def read_markers(folder: Path) -> Marks:
+    """kind -> job name -> epoch -> the marker (progress, wall clock, GPU)."""
+    out: Marks = {}
     for path in folder.iterdir():
         kind, rest = path.name.split("-", 1)
         name, epoch = rest.rsplit("-", 1)
-        out.setdefault(kind, {}).setdefault(name, {})[int(epoch)] = float(path.read_text())
+        out.setdefault(kind, {}).setdefault(name, {})[int(epoch)] = json.loads(path.read_text())
     return out
+
+
+@dataclass(frozen=True)
+class Run:
+    """One task process: its job, GPU, and when it started and ended (wall clock)."""
+
+    name: str
+    gpu: str
+    start: float
+    end: float
+    """``math.inf`` when the process left no end marker."""
+
+
+def process_runs(marks: Marks) -> list[Run]:
+    """Every task process the markers tell of."""
+    ended = {**marks.get("done", {})}
+    for name, epochs in marks.get("stopped", {}).items():
+        ended[name] = {**ended.get(name, {}), **epochs}
+    runs = []
+    for name, epochs in marks.get("start", {}).items():
+        for epoch, mark in epochs.items():
+            end = ended.get(name, {}).get(epoch)
+            runs.append(Run(name, mark["gpu"], mark["at"], end["at"] if end else math.inf))
+    return runs
+
+
+def tenant_of(name: str) -> str | None:
+    return next((t for t in TENANTS if name.startswith(f"{t}-")), None)
+
+
+def held_over(runs: list[Run], since: float, until: float) -> float:
+    """GPU-seconds ``runs`` held between ``since`` and ``until`` (one GPU each)."""
+    return sum(max(0.0, min(r.end, until) - max(r.start, since)) for r in runs)
+
+
+def running_at(runs: list[Run], at: float) -> int:
+    return sum(1 for r in runs if r.start <= at < r.end)
+
+
+def turnover(runs: list[Run], since: float, until: float) -> tuple[list[float], int]:
+    """Per GPU, the idle time from each process's end within [since, until] to the next
+    start on that GPU; and how many processes started on a GPU still held by another."""
+    by_gpu: dict[str, list[Run]] = {}
+    for r in runs:
+        by_gpu.setdefault(r.gpu, []).append(r)
+    gaps, overlaps = [], 0
+    for line in by_gpu.values():
+        line.sort(key=lambda r: r.start)
+        for before, after in itertools.pairwise(line):
+            if after.start < before.end:
+                overlaps += 1
+            elif since <= before.end <= until:
+                gaps.append(after.start - before.end)
+    return gaps, overlaps
+
+
+def shares(
+    setup: Setup, runs: list[Run], samples: list[dict[str, Any]]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The share figures from the task processes at the samples, and the samples with them."""
+    gpus, target = setup.gpus, setup.target
+    by_tenant: dict[str, list[Run]] = {t: [] for t in TENANTS}
+    for r in runs:
+        if (tenant := tenant_of(r.name)) is not None:
+            by_tenant[tenant].append(r)
+    if not samples:
+        return {}, []
+    first, last = samples[0]["at"], samples[-1]["at"]
+    rows = []
+    instant, windowed, steady, admitted = [], [], [], []
+    worst: dict[str, Any] = {}
+    worst_instant: dict[str, Any] = {}
+    for s in samples:
+        at = s["at"]
+        running = {t: running_at(by_tenant[t], at) for t in TENANTS}
+        row = {
+            "t": round(at - first, 2),
+            "at": round(at, 3),
+            "running": running,
+            "idle_gpus": gpus - running_at(runs, at),
+            "admitted": s["admitted"],
+        }
+        instant.append(max(abs(running[t] / gpus - target[t]) for t in TENANTS))
+        if instant[-1] > worst_instant.get("deviation", -1.0):
+            worst_instant = {"t": row["t"], "deviation": instant[-1], "running": running}
+        admitted.append(max(abs(s["admitted_share"][t] - target[t]) for t in TENANTS))
+        if at - SHARE_WINDOW_S >= first:  # the window lies within the contention
+            window = {
+                t: held_over(by_tenant[t], at - SHARE_WINDOW_S, at) / (gpus * SHARE_WINDOW_S)
+                for t in TENANTS
+            }
+            gap = max(abs(window[t] - target[t]) for t in TENANTS)
+            windowed.append(gap)
+            if at - first >= setup.work_s[1]:  # every job placed at the fill has ended
+                steady.append(gap)
+            row["window_share"] = {t: round(v, 4) for t, v in window.items()}
+            if gap > worst.get("deviation", -1.0):
+                worst = {"t": row["t"], "deviation": gap, "window_share": row["window_share"]}
+        rows.append(row)
+    span = max(last - first, 1e-9)
+    mean_share = {t: held_over(by_tenant[t], first, last) / (gpus * span) for t in TENANTS}
+    gaps, overlaps = turnover(runs, first, last)
+    idle = [row["idle_gpus"] for row in rows]
+    figures = {
+        "share_deviation_max": max(windowed, default=math.nan),
+        "share_deviation_mean": float(np.mean(windowed)) if windowed else math.nan,
+        "share_over_goal": sum(1 for d in windowed if d > SHARE_GOAL) / max(1, len(windowed)),
+        "share_deviation_steady_max": max(steady, default=math.nan),
+        "share_deviation_instant_max": max(instant),
+        "share_deviation_instant_mean": float(np.mean(instant)),
+        "share_deviation_instant_p95": quantile(instant, 95),
+        "share_deviation_instant_max_at": worst_instant,
+        "share_deviation_admitted_max": max(admitted),
+        "share_deviation_admitted_mean": float(np.mean(admitted)),
+        "share_deviation_of_mean": max(abs(mean_share[t] - target[t]) for t in TENANTS),
+        "mean_share": mean_share,
+        "share_deviation_max_at": worst,
+        "share_samples": len(samples),
+        "share_window_samples": len(windowed),
+        "gpus_idle_mean": float(np.mean(idle)),
+        "gpus_idle_max": max(idle),
+        "turnover_gaps": len(gaps),
+        "turnover_gap_p50_s": quantile(gaps, 50),
+        "turnover_gap_p95_s": quantile(gaps, 95),
+        "turnover_gap_max_s": max(gaps, default=math.nan),
+        "gpu_overlaps": overlaps,
+    }
+    return figures, rows
 
 
 def report(
     *,
-    markers: Path,
+    setup: Setup,
+    marks: Marks,
     final: dict[str, jobs_pb2.Job],
-    names: dict[str, str],
     tracker: Tracker,
     idle: dict[str, float],
     starts: dict[str, float],
     samples: list[dict[str, Any]],
-    contended_s: float,
     busy_at_burst: float,
-    jobs_per_tenant: int,
-    urgent: int,
 ) -> dict[str, Any]:
-    marks = read_markers(markers)
-    target = {name: w / sum(TENANTS.values()) for name, w in TENANTS.items()}
-    deviation = [max(abs(s["share"][n] - target[n]) for n in TENANTS) for s in samples]
-    mean_share = {n: sum(s["share"][n] for s in samples) / max(1, len(samples)) for n in TENANTS}
-    deviation_running = [
-        max(abs(s["running"][n] / GPUS - target[n]) for n in TENANTS) for s in samples
-    ]
+    names = {j.id: j.spec.name for j in final.values()}
+    runs = process_runs(marks)
+    share_figures, rows = shares(setup, runs, samples)
     done, started, stopped = (marks.get(k, {}) for k in ("done", "start", "stopped"))
     lost = sorted(
         n
@@ -450,27 +666,28 @@ def report(
     for name, epochs in stopped.items():
         for epoch, at_stop in epochs.items():
             later = [e for e in started.get(name, {}) if e > epoch]
-            restored = started[name][min(later)] if later else 0.0
-            lost_s.append(max(0.0, at_stop - restored))
-            no_checkpoint_s += at_stop
+            restored = started[name][min(later)]["progress"] if later else 0.0
+            lost_s.append(max(0.0, at_stop["progress"] - restored))
+            no_checkpoint_s += at_stop["progress"]
     # An urgent job that found no free room can start only once some task stops: the
     # coordinator preempts for it (or a task ends by itself first).
     needed = [s for i, s in starts.items() if i in tracker.found_no_room]
+    contended_s = samples[-1]["at"] - samples[0]["at"] if samples else 0.0
     return {
-        "gpus": GPUS,
+        "gpus": setup.gpus,
+        "sites": [
+            (s.name, sum(n["devices"][0]["count"] for n in s.nodes)) for s in fleet(setup.gpus)
+        ],
         "tenants": dict(TENANTS),
-        "jobs_per_tenant": jobs_per_tenant,
-        "urgent_jobs": urgent,
-        "share_deviation_max": max(deviation, default=math.nan),
-        "share_deviation_mean": float(np.mean(deviation)) if deviation else math.nan,
-        "share_deviation_running_max": max(deviation_running, default=math.nan),
-        "share_deviation_of_mean": max(abs(mean_share[n] - target[n]) for n in TENANTS)
-        if samples
-        else math.nan,
-        "mean_share": mean_share,
+        "jobs_per_tenant": setup.jobs,
+        "work_s": list(setup.work_s),
+        "urgent_jobs": setup.urgent,
+        "reclaim_min_run_s": setup.reclaim_min_run_s,
         "share_goal": SHARE_GOAL,
-        "one_gpu_share": 1 / GPUS,
-        "share_samples": len(deviation),
+        "one_gpu_share": 1 / setup.gpus,
+        "share_window_s": SHARE_WINDOW_S,
+        "sample_every_s": SAMPLE_EVERY_S,
+        **share_figures,
         "contended_s": contended_s,
         "gpus_busy_at_burst": busy_at_burst,
         "urgent_start_p99_s": p99(needed),
@@ -484,6 +701,7 @@ def report(
         "preemptions_for_urgent": tracker.for_urgent,
         "preemptions_reclaiming_quota": tracker.reclaims,
         "victim_stops_seen": sum(len(e) for e in stopped.values()),
+        "processes_without_end": sum(1 for r in runs if math.isinf(r.end)),
         "lost_tasks": len(lost),
         "lost_task_names": lost,
         "run_twice": len(twice),
@@ -493,7 +711,7 @@ def report(
         "work_lost_without_checkpoints_gpu_s": no_checkpoint_s,
         "checkpoint_every_s": CHECKPOINT_EVERY_S,
         "kill_grace_s": KILL_GRACE_S,
-        "samples": samples,
+        "samples": rows,
     }
 
 
@@ -503,7 +721,7 @@ def no_nan(value: Any) -> Any:
         return None
     if isinstance(value, dict):
         return {k: no_nan(v) for k, v in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return [no_nan(v) for v in value]
     return value
 
@@ -512,15 +730,43 @@ def table(r: dict[str, Any]) -> str:
     def ok(value: float, goal: float) -> str:
         return "-" if math.isnan(value) else "yes" if value <= goal else "NO"
 
+    nan = math.nan
     rows = [
         (
             "share_deviation_max",
-            f"{r['share_deviation_max']:.3f}",
+            f"{r.get('share_deviation_max', nan):.3f}",
             f"<= {SHARE_GOAL}",
-            ok(r["share_deviation_max"], SHARE_GOAL),
-            f"one GPU = {r['one_gpu_share']:.3f}; mean {r['share_deviation_mean']:.3f}; "
-            f"of the mean shares {r['share_deviation_of_mean']:.3f}; "
-            f"by running jobs {r['share_deviation_running_max']:.3f}",
+            ok(r.get("share_deviation_max", nan), SHARE_GOAL),
+            f"over {r['share_window_s']:g} s; one GPU = {r['one_gpu_share']:.3f}; "
+            f"mean {r.get('share_deviation_mean', nan):.3f}; "
+            f"{r.get('share_over_goal', nan):.0%} of samples over; "
+            f"of the mean shares {r.get('share_deviation_of_mean', nan):.3f}",
+        ),
+        (
+            "  after the fill",
+            f"{r.get('share_deviation_steady_max', nan):.3f}",
+            "",
+            "",
+            f"the same from {r['work_s'][1]:g} s on (every job placed at the fill ended)",
+        ),
+        (
+            "  instant",
+            f"{r.get('share_deviation_instant_max', nan):.3f}",
+            "",
+            "",
+            f"processes at the sample; mean {r.get('share_deviation_instant_mean', nan):.3f}, "
+            f"p95 {r.get('share_deviation_instant_p95', nan):.3f}; "
+            f"admitted (ListQueues) {r.get('share_deviation_admitted_max', nan):.3f}",
+        ),
+        (
+            "  turnover gap p50",
+            f"{r.get('turnover_gap_p50_s', nan):.2f}",
+            "",
+            "",
+            f"s a freed GPU idles; p95 {r.get('turnover_gap_p95_s', nan):.2f}, "
+            f"max {r.get('turnover_gap_max_s', nan):.2f}; "
+            f"GPUs idle mean {r.get('gpus_idle_mean', nan):.2f}, "
+            f"max {r.get('gpus_idle_max', 0)}; overlaps {r.get('gpu_overlaps', 0)}",
         ),
         (
             "urgent_start_p99_s",
@@ -553,26 +799,43 @@ def table(r: dict[str, Any]) -> str:
     ]
     lines = [f"{'figure':<22} {'measured':>9} {'goal':>7} {'met':>4}  baseline / detail"]
     lines += [f"{a:<22} {b:>9} {c:>7} {d:>4}  {e}" for a, b, c, d, e in rows]
+    jobs = "/".join(str(n) for n in r["jobs_per_tenant"].values())
     lines.append(
-        f"({r['gpus']} GPUs, weights 1:1:2, {r['jobs_per_tenant']} jobs per tenant; "
-        f"{r['share_samples']} share samples over {r['contended_s']:.1f} s of contention; "
-        f"{r['gpus_busy_at_burst']:g} GPUs busy when {r['urgent_jobs']} urgent jobs came)"
+        f"({r['gpus']} GPUs, weights 1:1:2, {jobs} jobs of {r['work_s'][0]:g}-"
+        f"{r['work_s'][1]:g} s; {r.get('share_samples', 0)} samples over "
+        f"{r['contended_s']:.1f} s of contention; {r['gpus_busy_at_burst']:g} GPUs busy when "
+        f"{r['urgent_jobs']} urgent jobs came; reclaim_min_run_s {r['reclaim_min_run_s']:g})"
     )
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=30.0, help="contention to sample")
+    parser.add_argument("--gpus", type=int, default=24, help="declared GPUs over the 3 sites")
+    parser.add_argument("--seconds", type=float, default=60.0, help="contention to sample")
+    parser.add_argument(
+        "--work",
+        type=float,
+        nargs=2,
+        default=WORK_S,
+        metavar=("MIN", "MAX"),
+        help="seconds of work of a tenant's job, drawn uniformly",
+    )
     parser.add_argument(
         "--jobs-per-tenant",
         type=int,
         default=None,
-        help="default: enough for the heaviest queue to stay busy through the contention "
-        "and the burst",
+        help="jobs of a weight-1 tenant (team-c submits twice as many); default: enough for "
+        "every queue to stay busy through the contention and the burst",
     )
     parser.add_argument(
-        "--urgent", type=int, default=GPUS, help="urgent jobs in the burst (default: one per GPU)"
+        "--urgent", type=int, default=None, help="urgent jobs in the burst (default: one per GPU)"
+    )
+    parser.add_argument(
+        "--reclaim-min-run-s",
+        type=float,
+        default=RECLAIM_MIN_RUN_S,
+        help="the coordinator's reclaim_min_run_s",
     )
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument(
@@ -583,16 +846,32 @@ def main() -> None:
     )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.seconds <= 0 or args.urgent < 1:
-        parser.error("--seconds must be > 0 and --urgent >= 1")
-    heaviest = GPUS * max(TENANTS.values()) / sum(TENANTS.values())
-    jobs = args.jobs_per_tenant or math.ceil(heaviest * (args.seconds + 15) / (sum(WORK_S) / 2))
+    low, high = args.work
+    if args.gpus < 6 or args.seconds <= 0 or not 0 < low <= high:
+        parser.error("--gpus must be >= 6, --seconds > 0 and 0 < --work MIN <= MAX")
+    urgent = args.urgent or args.gpus
+    if urgent < 1 or args.reclaim_min_run_s < 0:
+        parser.error("--urgent must be >= 1 and --reclaim-min-run-s >= 0")
+    weights = sum(TENANTS.values())
+    if args.jobs_per_tenant:
+        jobs = {t: math.ceil(args.jobs_per_tenant * w) for t, w in TENANTS.items()}
+    else:
+        # Each queue's GPUs, busy from the fill through the contention and the tail.
+        generations = 1 + (args.seconds + TAIL_S) / ((low + high) / 2)
+        jobs = {t: math.ceil(args.gpus * w / weights * generations) for t, w in TENANTS.items()}
+    setup = Setup(
+        gpus=args.gpus,
+        seconds=args.seconds,
+        work_s=(low, high),
+        jobs=jobs,
+        urgent=urgent,
+        reclaim_min_run_s=args.reclaim_min_run_s,
+        seed=args.seed,
+    )
     console = Console(stderr=True)
     phases = Phases(console.is_terminal, console)
     with phases.running():
-        results = asyncio.run(
-            measure(args.seconds, jobs, args.urgent, args.seed, phases, args.workdir)
-        )
+        results = asyncio.run(measure(setup, phases, args.workdir))
     if args.json:
         json.dump(no_nan(results), sys.stdout, indent=2)
         print()
