@@ -36,7 +36,7 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
+from federation.coordinator.policy.preemption import Candidate, choose_victims, fits, free_room
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import add, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
@@ -207,6 +207,8 @@ class Scheduler:
         self._waits_for: dict[TaskKey, str] = {}
         self._freed_sites: set[str] = set()
         """Sites where a task ended since the views last changed."""
+        self._connected = 0
+        """How many sites had a live session at the last cycle."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
 
@@ -282,6 +284,13 @@ class Scheduler:
                 if site in self._freed_sites:
                     self._not_before.pop(key, None)
             self._freed_sites.clear()
+        connected = self._sites.connected_count()
+        if connected > self._connected:
+            # Sites came (back): the first in line try them now, not at their retry timers;
+            # after a failover, while what the last leader stopped for them is still
+            # stopping, so they count its room rather than stop more (``_preempt_for``).
+            self._clear_front_of_line()
+        self._connected = connected
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held
@@ -551,12 +560,21 @@ class Scheduler:
             # second round could stop more and more tasks for a task that never fits.
             return ()
         short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        room, stopping = self._room_coming_free(snapshot, short)
+        for site, stopped in stopping.items():
+            if fits(need, room[site]):
+                # Tasks already being stopped make the room (stopped before this leader's
+                # term, say): they become its victims, and it stops no more while it waits.
+                self._preempting[key] = stopped
+                reason = f"waits for {len(stopped)} task(s) being stopped to make room"
+                return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
         candidates = self._preemption_candidates(job, short, lenders)
-        choice = choose_victims(need, free_room(snapshot, short), candidates)
+        choice = choose_victims(need, room, candidates)
         if choice is None:
             return ()
         site, victims = choice
         self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
+        self._preempting[key] += stopping.get(site, [])  # theirs counts too: no other's
         # Tenants see their own jobs only: the reason names no other job or queue.
         why = (
             f"a job of priority {job.spec.priority}"
@@ -620,6 +638,26 @@ class Scheduler:
                     )
                 )
         return out
+
+    def _room_coming_free(
+        self, snapshot: Snapshot, sites: set[str]
+    ) -> tuple[dict[str, dict[str, float]], dict[str, list[tuple[str, str, int]]]]:
+        """Per site of ``sites``, its free room plus the room of its tasks being stopped that
+        no waiting task chose (marked before this leader's term, which starts with no
+        ``_preempting``, or for a task that no longer waits); and those tasks. Their room comes
+        free soon: stopping others for it would stop them for nothing."""
+        room = free_room(snapshot, sites)
+        taken = {victim for victims in self._preempting.values() for victim in victims}
+        stopping: dict[str, list[tuple[str, str, int]]] = {}
+        for job in self._jobs.at_sites(sites):
+            for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
+                victim = (job.id, task.name, task.epoch)
+                if not task.preempted_by or task.state not in job_state.AT_SITE:
+                    continue
+                if task.site in room and victim not in taken:
+                    stopping.setdefault(task.site, []).append(victim)
+                    add(room[task.site], demand(spec).items())
+        return room, stopping
 
     async def _preempt(self, victims: list[Candidate], why: str) -> None:
         """Mark each victim as being preempted (written first, so a new leader knows), then

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from federation.local import LocalFederation, SiteSpec
 from federation.security.identity import Identity, Role
 from federation.security.pki import issue_client_files
 from federation.security.tls import TlsFiles, channel_credentials
-from federation.testing.etcd import LocalEtcd
+from federation.testing.etcd import LocalEtcd, etcd_binary
 from federation.watch import events_of
 
 SITES = [
@@ -145,6 +146,24 @@ def etcd(tmp_path: Path) -> Iterator[LocalEtcd]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_etcd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalEtcd]:
+    """One real etcd member for the whole run (per xdist worker): each federation on it keeps
+    its keys under an ``etcd_prefix()`` of its own, so none sees another's."""
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (apt-get install -y etcd-server)")
+    server = LocalEtcd.start(tmp_path_factory.mktemp("shared-etcd"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def etcd_prefix() -> str:
+    """A key prefix no other federation uses (all the same length, so none nests in another)."""
+    return f"/e2e-{uuid.uuid4().hex}"
 
 
 def tls_for(fed: LocalFederation, identity: Identity) -> TlsFiles:

@@ -1,5 +1,8 @@
 """Queues over real agents: quotas hold (also under concurrent batches), borrowing what others
-leave idle, fair share by weight, priority classes, and bad queues refused with the field."""
+leave idle, fair share by weight, priority classes, and bad queues refused with the field.
+
+Each test runs on the embedded store and on etcd (one coordinator under a key prefix of its own
+in the run's shared etcd), except those that check only validation or the CLI."""
 
 from __future__ import annotations
 
@@ -17,10 +20,12 @@ from rich.console import Console
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
 from federation.cli.queues import queues_table
 from federation.local import LocalFederation
+from federation.testing.cluster import etcd_coordinator_args
 
 from .conftest import (
     admin,
     channel_as,
+    etcd_prefix,
     gpu_site,
     jobs,
     python_task,
@@ -40,16 +45,26 @@ SITE = gpu_site("gpu-q", GPUS)
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
 
 
-@pytest.fixture(scope="module")
-def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    root = tmp_path_factory.mktemp("queues")
+@pytest.fixture(scope="module", params=["sqlite", "etcd"])
+def federation(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LocalFederation]:
+    root = tmp_path_factory.mktemp(f"queues-{request.param}")
     config = root / "coordinator.toml"
     config.write_text(
         '[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\ntenants = ["tenant-y"]\n'
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    with running(root / "fed", [SITE], ["--config", str(config)]) as fed:
+    args = ["--config", str(config)]
+    if request.param == "etcd":
+        etcd = request.getfixturevalue("shared_etcd")
+        args += etcd_coordinator_args(etcd.endpoint, etcd_prefix(), 3.0)
+    with running(root / "fed", [SITE], args) as fed:
         yield fed
+
+
+# Validation and the CLI do not depend on the store: once is enough.
+SQLITE_ONLY = pytest.mark.parametrize("federation", ["sqlite"], indirect=True)
 
 
 def queue(name: str, tenant: str, *quotas: tuple[str, float, float], **extra: object):  # type: ignore[no-untyped-def]
@@ -89,6 +104,7 @@ BAD_QUEUES = [
 ]
 
 
+@SQLITE_ONLY
 @pytest.mark.parametrize(("case", "bad", "field"), BAD_QUEUES, ids=[c[0] for c in BAD_QUEUES])
 async def test_bad_queues_are_refused_with_the_field(
     operator: grpc.aio.Channel, case: str, bad: queues_pb2.Queue, field: str
@@ -245,6 +261,7 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
             assert (await wait_for_job(operator, job_id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
 
 
+@SQLITE_ONLY
 def test_fedctl_queues_create_list_update_delete(federation: LocalFederation) -> None:
     """The CLI round trip, with a bad quota refused before anything is sent."""
     made = fedctl(federation, "queues", "create", "cli-q", "--tenant", "t", "--quota", "gpu=2+1")

@@ -49,12 +49,12 @@ def choose_victims(
         have = dict(free[site])
         chosen: list[Candidate] = []
         for candidate in sorted(pool, key=lambda c: (c.priority, c.lost_s, c.job_id, c.task)):
-            if _fits(need, have):
+            if fits(need, have):
                 break
             chosen.append(candidate)
             for resource, amount in candidate.demand.items():
                 have[resource] = have.get(resource, 0.0) + amount
-        if not chosen or not _fits(need, have):
+        if not chosen or not fits(need, have):
             continue
         cost = (len(chosen), sum(c.lost_s for c in chosen), site)
         if best is None or cost < best[0]:
@@ -62,7 +62,8 @@ def choose_victims(
     return (best[0][2], best[1]) if best is not None else None
 
 
-def _fits(need: Demand, have: Mapping[str, float]) -> bool:
+def fits(need: Demand, have: Mapping[str, float]) -> bool:
+    """Whether ``have`` holds ``need`` of every resource."""
     return all(have.get(resource, 0.0) + EPSILON >= amount for resource, amount in need.items())
 
 
