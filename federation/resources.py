@@ -32,6 +32,13 @@ def resource_problem(resource: str) -> str | None:
     )
 
 
+def add(into: dict[str, float], holds: Iterable[tuple[str, float]]) -> dict[str, float]:
+    """Add ``holds`` (resource, amount) to ``into`` and return it."""
+    for resource, amount in holds:
+        into[resource] = into.get(resource, 0.0) + amount
+    return into
+
+
 def capacity(view_nodes: Iterable[resources_pb2.Node]) -> dict[str, float]:
     """What nodes have of each resource: what dominant shares are shares of."""
     out: dict[str, float] = {}

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from federation.agent.usage import Slot
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, at_least
-from federation.resources import CPU, KINDS, MEMORY, resource_problem
+from federation.resources import CPU, KINDS, MEMORY, add, resource_problem
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +43,12 @@ def held(slots: Iterable[Slot], nodes: Mapping[str, resources_pb2.Node]) -> dict
     """What ``slots`` hold, by resource as owner shares (and quotas) count it: a share of a
     device counts as its fraction."""
     out: dict[str, float] = {}
-
-    def add(resource: str, amount: float) -> None:
-        out[resource] = out.get(resource, 0.0) + amount
-
     for slot in slots:
-        add(CPU, slot.cpu)
-        add(MEMORY, slot.memory_mib)
+        add(out, [(CPU, slot.cpu), (MEMORY, slot.memory_mib)])
         node = nodes.get(slot.node)
-        for position in slot.device_positions if node is not None else ():
-            device = node.devices[position]  # type: ignore[union-attr]
+        devices = [node.devices[p] for p in slot.device_positions] if node is not None else []
+        for device in devices:
             if (kind := KINDS.get(device.kind)) is not None:
-                add(kind, slot.fraction or 1.0)
-                add(f"{kind}/{device.model}", slot.fraction or 1.0)
+                amount = slot.fraction or 1.0
+                add(out, [(kind, amount), (f"{kind}/{device.model}", amount)])
     return out

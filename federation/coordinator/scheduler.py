@@ -36,9 +36,15 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.policy.preemption import Candidate, choose_victims, fits, free_room
+from federation.coordinator.policy.preemption import (
+    Candidate,
+    choose_victims,
+    fits,
+    free_room,
+    may_stop,
+)
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.resources import add, demand
+from federation.coordinator.policy.resources import demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
@@ -58,7 +64,7 @@ from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
-from federation.resources import owner_share_refusal
+from federation.resources import add, owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
@@ -608,12 +614,9 @@ class Scheduler:
         for job in self._jobs.at_sites(sites):
             if job.cancel_requested:
                 continue
-            if not self._sharing.preemptible(job):
-                continue
-            if lenders:
-                if job.spec.queue not in lenders:
-                    continue
-            elif job.spec.priority >= urgent.spec.priority:
+            if not self._sharing.preemptible(job) or not may_stop(
+                job.spec.priority, job.spec.queue, urgent.spec.priority, lenders
+            ):
                 continue
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
                 if task.state not in job_state.AT_SITE or task.site not in sites:

@@ -35,7 +35,7 @@ import numpy.typing as npt
 
 from federation.coordinator import job_state
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room
+from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room, may_stop
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
@@ -736,12 +736,9 @@ class Simulation:
         assert self.shares is not None
         shares = self.shares
         run = self.runs[j]
-        if not shares.preemptible(j):
-            return None
-        if lenders:
-            if shares.queue(j) not in lenders:
-                return None
-        elif shares.priority(j) >= shares.priority(i):
+        if not shares.preemptible(j) or not may_stop(
+            shares.priority(j), shares.queue(j), shares.priority(i), lenders
+        ):
             return None
         # A task placed but not started (its input still moving) loses nothing.
         config = self.config

@@ -9,7 +9,7 @@ work) wins. A task is stopped whole with all its replicas, never part of a gang.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,6 +34,13 @@ class Candidate:
     demand: Mapping[str, float]
     lost_s: float
     """Work it would lose: seconds since its last checkpoint (or since it started)."""
+
+
+def may_stop(priority: int, queue: str, urgent_priority: int, lenders: Collection[str]) -> bool:
+    """Whether a preemptible task of ``priority`` in ``queue`` may be stopped for a waiting
+    task: one of the ``lenders`` when its queue takes back what it lent (whatever the
+    priority), else one of lower priority than ``urgent_priority``."""
+    return queue in lenders if lenders else priority < urgent_priority
 
 
 def choose_victims(

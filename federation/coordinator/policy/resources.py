@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 from federation.api.v1 import jobs_pb2, queues_pb2
 from federation.jobspec import domain_name
@@ -19,9 +19,8 @@ def demand(task: jobs_pb2.TaskSpec, models: Sequence[str] = ()) -> dict[str, flo
     res = task.resources
     out = {CPU: res.cpu * replicas, MEMORY: float(res.memory_mib * replicas)}
     acc = res.accelerator
-    devices = acc.count or acc.fraction or (1.0 if acc.partition else 0.0)
-    if devices and acc.kind in KINDS:
-        kind = KINDS[acc.kind]
+    if (kind := kind_of(task)) is not None:
+        devices = acc.count or acc.fraction or 1.0  # a partition: one slot of one device
         out[kind] = devices * replicas
         if models:
             each = 1.0 if acc.count else devices  # one entry per device given, or per share
@@ -51,26 +50,23 @@ def at(holds: Demand, site: str, domain: str) -> dict[str, float]:
     return out
 
 
-def add(into: dict[str, float], holds: Iterable[tuple[str, float]]) -> dict[str, float]:
-    """Add ``holds`` to ``into`` and return it."""
-    for resource, amount in holds:
-        into[resource] = into.get(resource, 0.0) + amount
-    return into
-
-
 def quota_key(quota: queues_pb2.Quota) -> str:
     """What ``quota`` counts: its resource, at its site or in its domain when it names one."""
-    if quota.site:
-        return f"{quota.resource}@site/{quota.site}"
-    if quota.domain:
-        return f"{quota.resource}@domain/{domain_name(quota.domain)}"
-    return quota.resource
+    scope, name = _scope(quota)
+    return f"{quota.resource}@{scope}/{name}" if scope else quota.resource
 
 
 def quota_label(quota: queues_pb2.Quota) -> str:
     """``quota_key`` for people: "gpu", "gpu at site dc-1", "gpu in domain cloud"."""
+    scope, name = _scope(quota)
+    where = {"site": "at site", "domain": "in domain"}.get(scope)
+    return f"{quota.resource} {where} {name}" if where else quota.resource
+
+
+def _scope(quota: queues_pb2.Quota) -> tuple[str, str]:
+    """("site", its name), ("domain", its name), or ("", "") for the whole federation."""
     if quota.site:
-        return f"{quota.resource} at site {quota.site}"
+        return "site", quota.site
     if quota.domain:
-        return f"{quota.resource} in domain {domain_name(quota.domain)}"
-    return quota.resource
+        return "domain", domain_name(quota.domain)
+    return "", ""

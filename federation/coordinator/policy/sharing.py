@@ -15,6 +15,7 @@ from federation.coordinator.policy.resources import Demand, at, demand, kind_of,
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
 from federation.metrics import QUEUE_DOMINANT_SHARE, QUEUE_USAGE
+from federation.resources import add
 
 Tentative = dict[str, dict[str, float]]
 """Per queue, what a scheduling cycle admitted but has not yet handed to a negotiation."""
@@ -112,9 +113,8 @@ class Sharing:
         """When the job's queue (and every queue above it) is within its nominal quota of all
         it needs, the queues beside them that borrow some of those resources, with the queues
         under those: their tasks may be stopped to give the room back. Empty otherwise."""
-        current = job.spec.queue
         borrowing: set[str] = set()
-        while current in self.book.queues:
+        for current in self._chain(job.spec.queue):
             queue = self.book.queues[current]
             held = self.held(current)
             for quota in queue.quotas:
@@ -130,7 +130,6 @@ class Sharing:
                     for q in other.quotas
                 ):
                     borrowing.update(self._subtree(other.name))
-            current = queue.parent
         return borrowing
 
     def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
@@ -145,8 +144,7 @@ class Sharing:
         out: dict[str, float] = {}
         for name in self._subtree(queue):
             for source in (self._usage.of(name), (tentative or {}).get(name, {})):
-                for resource, amount in source.items():
-                    out[resource] = out.get(resource, 0.0) + amount
+                add(out, source.items())
         return out
 
     def _subtree(self, queue: str) -> list[str]:
@@ -221,9 +219,7 @@ class Sharing:
     @staticmethod
     def admit(job: jobs_pb2.Job, need: Demand, tentative: Tentative) -> None:
         """Count ``need`` against the job's queue for the rest of this cycle."""
-        held = tentative.setdefault(job.spec.queue, {})
-        for resource, amount in need.items():
-            held[resource] = held.get(resource, 0.0) + amount
+        add(tentative.setdefault(job.spec.queue, {}), need.items())
 
     def share(self, queue: str, capacity: Mapping[str, float], tentative: Tentative) -> float:
         weight = self.book.queues[queue].weight if queue in self.book.queues else 1.0

@@ -6,7 +6,8 @@ from collections.abc import Callable, Mapping
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import job_state
-from federation.coordinator.policy.resources import Demand, add, at, demand
+from federation.coordinator.policy.resources import Demand, at, demand
+from federation.resources import add
 
 
 class QueueUsage:
