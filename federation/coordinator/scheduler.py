@@ -44,7 +44,7 @@ from federation.coordinator.policy.preemption import (
     may_stop,
 )
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.resources import demand
+from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.validation import TASK_OUTPUT
@@ -355,8 +355,9 @@ class Scheduler:
         key = (job.id, task)
         self._stop_waiting(key)
         try:
-            need = task_demand(job, task) if job.spec.queue else None
-            if need is not None and (why := self._sharing.admission(job, need, cycle.tentative)):
+            need = task_demand(job, task)
+            queued = bool(job.spec.queue)
+            if queued and (why := self._sharing.admission(job, need, cycle.tentative)):
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
                 return [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
             if cycle.snapshot is None:
@@ -375,11 +376,11 @@ class Scheduler:
             if not ranked:
                 self._backoff(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
-            if need is None:
-                admitted = Admitted(list(ranked), {}, task_demand(job, task), [])
-            else:
+            if queued:
                 admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
-            kept, kept_for_owners = self._within_owner_shares(job, task, admitted.sites, cycle)
+            else:
+                admitted = Admitted(list(ranked), {}, need, [])
+            kept, kept_for_owners = self._within_owner_shares(job, need, admitted.sites, cycle)
             refused = [
                 *_verdicts(QUOTA, admitted.refused),
                 *_verdicts(OWNER_SHARE, kept_for_owners),
@@ -397,12 +398,13 @@ class Scheduler:
             log.exception("placement_failed", job=job.id, task=task)
             self._backoff(key)
             return None
-        if need is not None:
+        if queued:
             self._sharing.admit(job, admitted.holds, cycle.tentative)
-        if cycle.guests is not None and ranked:
+        if cycle.guests is not None:
+            shares = self._sites.owner_shares()
             for site in ranked:  # wherever it may go: no second guest in this cycle over-asks
-                if site in cycle.guests:
-                    add(cycle.guests[site], task_demand(job, task).items())
+                if site in cycle.guests and job.spec.tenant not in shares[site].tenants:
+                    add(cycle.guests[site], need.items())
         return _Negotiation(
             job.id,
             task,
@@ -437,17 +439,17 @@ class Scheduler:
         )
 
     def _within_owner_shares(
-        self, job: jobs_pb2.Job, task: str, sites: Sequence[str], cycle: _Cycle
+        self, job: jobs_pb2.Job, need: Demand, sites: Sequence[str], cycle: _Cycle
     ) -> tuple[list[str], list[tuple[str, str]]]:
-        """Of ``sites``, those whose owner share leaves the job's tenant room for the task;
-        and (site, why) for the others. The site checks it again when offered the task."""
+        """Of ``sites``, those whose owner share leaves the job's tenant room for a task that
+        needs ``need``; and (site, why) for the others. The site checks it again when offered
+        the task."""
         shares = self._sites.owner_shares()
         tenant = job.spec.tenant
         if not shares or all(tenant in shares[s].tenants for s in sites if s in shares):
             return list(sites), []
         if cycle.guests is None:
             cycle.guests = self._guests(shares)
-        need = task_demand(job, task)
         kept, refused = [], []
         for site in sites:
             share = shares.get(site)
