@@ -64,6 +64,8 @@ class LocalSlurmCluster:
         partition: Name of the one (default) partition.
         partition_options: More ``PartitionName`` settings, e.g. ``{"MaxTime": "60"}``.
         conf_lines: More slurm.conf lines.
+        cred_expire_s: Lifetime of job credentials, which is also how long Slurm waits before
+            it starts a job it requeued again; 0 leaves Slurm's default (120 s).
     """
 
     def __init__(
@@ -74,12 +76,14 @@ class LocalSlurmCluster:
         partition: str = "gpu",
         partition_options: Mapping[str, str] | None = None,
         conf_lines: tuple[str, ...] = (),
+        cred_expire_s: int = 0,
     ) -> None:
         self.root = root
         self.node = node or LocalNode()
         self.partition = partition
         self._partition_options = dict(partition_options or {})
         self._conf_lines = conf_lines
+        self._cred_expire_s = cred_expire_s
         self._processes: dict[str, subprocess.Popen[bytes]] = {}
         self.host = socket.gethostname().split(".")[0]
 
@@ -121,7 +125,8 @@ class LocalSlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            f"AuthInfo=socket={self.root}/munge/munge.socket",
+            f"AuthInfo=socket={self.root}/munge/munge.socket"
+            + (f",cred_expire={self._cred_expire_s}" if self._cred_expire_s else ""),
             f"StateSaveLocation={self.root}/state",
             f"SlurmdSpoolDir={self.root}/spool",
             f"SlurmctldPidFile={self.root}/slurmctld.pid",

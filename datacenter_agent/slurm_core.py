@@ -9,7 +9,10 @@
   checked everything it checks at submission (account, QoS, partition limits); a decline carries
   Slurm's own words. The view counts held jobs as used, as Slurm does not.
 * **Runs.** The job is followed through ``scontrol show job``; cancel sends SIGTERM first (so
-  the task can checkpoint), then ``scancel`` after the grace time.
+  the task can checkpoint), then ``scancel`` after the grace time. A job Slurm preempts or
+  loses with its node is requeued in Slurm, not reported ended (see ``slurm_tasks``).
+* **Checkpoints.** The embedded core's: the same folder, variables, watcher and reports
+  (``federation.agent.checkpoints``); a requeued job restarts from the newest one.
 * **Health.** When Slurm cannot be read the site is *degraded*: the view shows one unschedulable
   node labelled ``health=degraded`` with Slurm's error as ``health_reason``, and offers are
   declined with it.
@@ -28,7 +31,14 @@ import structlog
 
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, slurm_env
 from datacenter_agent.slurm_holds import HeldJobs, Reservation
-from datacenter_agent.slurm_job import TaskKey, is_held, job_outcome, parse_comment
+from datacenter_agent.slurm_job import (
+    RESTORE_FILE,
+    TaskKey,
+    is_held,
+    job_dir,
+    job_outcome,
+    parse_comment,
+)
 from datacenter_agent.slurm_offer import (
     accepted,
     foresee,
@@ -39,6 +49,7 @@ from datacenter_agent.slurm_offer import (
 from datacenter_agent.slurm_reading import read_slurm
 from datacenter_agent.slurm_tasks import SlurmTask, follow
 from datacenter_agent.slurm_view import ClusterView, Partition
+from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.config import SlurmSettings
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.node_fit import qualifying_nodes
@@ -206,11 +217,26 @@ class SlurmCore:
         )
         if isinstance(foreseen, str):
             return foreseen
+        checkpoints = None
+        if spec.HasField("checkpoint"):
+            checkpoints = TaskCheckpoints(
+                spec.checkpoint,
+                job_dir(self._work_dir, key),
+                offer.restore if offer.HasField("restore") else None,
+                lambda _: self._checkpointed(key),
+            )
         slurm_id = await submit_held(
-            self._cli, spec, key, site=self._site, work_dir=self._work_dir, args=foreseen.args
+            self._cli,
+            spec,
+            key,
+            site=self._site,
+            work_dir=self._work_dir,
+            args=foreseen.args,
+            checkpoints=checkpoints,
         )
         placed = place(nodes, spec, self._usage())  # what the view counts held
-        reservation = Reservation(key, slurm_id, () if isinstance(placed, str) else placed, lease_s)
+        slots = () if isinstance(placed, str) else placed
+        reservation = Reservation(key, slurm_id, slots, lease_s, checkpoints)
         self._held.hold(reservation)
         expected_start_s = max(0.0, foreseen.start - time.time())
         log.info(
@@ -243,6 +269,9 @@ class SlurmCore:
             return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
         self._held.take(reservation.id)
         task = SlurmTask(key, reservation.slurm_id, reservation.id, reservation.slots)
+        if reservation.checkpoints is not None:
+            task.checkpoints = reservation.checkpoints
+            task.restore_file = job_dir(self._work_dir, key) / RESTORE_FILE
         self._tasks[key] = task
         try:
             await self._cli.run("scontrol", "release", reservation.slurm_id)
@@ -393,7 +422,7 @@ class SlurmCore:
                 else:
                     await self._held.cancel(slurm_id)
             elif slurm_id in mine:
-                await follow(mine[slurm_id], record, self._report)
+                await follow(mine[slurm_id], record, self._cli, self._report)
             elif slurm_id not in held:
                 await self._adopt(key, slurm_id, record)
         self._held.to_cancel &= seen
@@ -401,7 +430,7 @@ class SlurmCore:
             if not task.is_active:
                 continue
             if task.slurm_id not in seen and task.created < began:
-                await follow(task, None, self._report, cli=self._cli)
+                await follow(task, None, self._cli, self._report)
             elif task.cancel_reason is not None and not task.cancel_sent and not task.stopping:
                 self._spawn(self._stop(task, task.cancel_reason))  # Slurm missed the last try
         self._adopted = True
@@ -422,9 +451,15 @@ class SlurmCore:
         task = SlurmTask(key, slurm_id, f"slurm-{slurm_id}", ())
         self._tasks[key] = task
         log.info("task_adopted", job_id=key[0], task=key[1], epoch=key[2], slurm_job=slurm_id)
-        await follow(task, record, self._report)
+        await follow(task, record, self._cli, self._report)
 
     # Plumbing ------------------------------------------------------------------------------
+
+    def _checkpointed(self, key: TaskKey) -> None:
+        """A task completed a checkpoint: report it (the report carries the newest)."""
+        task = self._tasks.get(key)
+        if task is not None:
+            self._report(task)
 
     def _report(self, task: SlurmTask) -> None:
         try:
@@ -455,6 +490,9 @@ class SlurmCore:
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
         await self._held.close()
+        for known in self._tasks.values():
+            if known.checkpoints is not None:
+                known.checkpoints.stop()
         for task in list(self._background):
             task.cancel()
         await asyncio.gather(*self._background, return_exceptions=True)

@@ -16,6 +16,7 @@ import structlog
 
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
 from datacenter_agent.slurm_job import TaskKey
+from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.packing import Slot
 
 log = structlog.get_logger()
@@ -30,6 +31,8 @@ class Reservation:
     slots: tuple[Slot, ...]
     """Where the view counts the held capacity (Slurm itself counts none for a held job)."""
     lease_s: float
+    checkpoints: TaskCheckpoints | None = None
+    """The task's checkpoint folder and watcher, when it declares a checkpoint policy."""
     timer: asyncio.TimerHandle | None = None
 
     @property

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import re
 import shlex
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
@@ -37,6 +38,10 @@ RUNNING_STATES = frozenset(
     {"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT", "RESIZING"}
 )
 """Slurm job states in which the task holds its allocation (ours: RUNNING)."""
+INTERRUPTED_STATES = frozenset({"PREEMPTED", "NODE_FAIL", "BOOT_FAIL"})
+"""Slurm ended the job for reasons not the task's own: the site requeues it."""
+RESTORE_FILE = "restore-from"
+"""In the job's folder: the checkpoint a requeued job restarts from (the agent writes it)."""
 
 RESERVED_ENV_PREFIXES = ("FEDERATION_", "SLURM_", "SBATCH_", "SRUN_")
 RESERVED_ENV = frozenset(
@@ -71,6 +76,11 @@ def parse_comment(comment: str, site: str) -> TaskKey | None:
     if match is None or match.group("site") != site:
         return None
     return match.group("job"), match.group("task"), int(match.group("epoch"))
+
+
+def job_dir(work_dir: Path, key: TaskKey) -> Path:
+    """The folder a task's job runs in, as the embedded core's: ``work_dir/JOB/TASK/EPOCH``."""
+    return work_dir / key[0] / key[1] / str(key[2])
 
 
 def job_name(key: TaskKey) -> str:
@@ -127,12 +137,28 @@ def task_env(spec: jobs_pb2.TaskSpec) -> dict[str, str]:
     }
 
 
-def batch_script(spec: jobs_pb2.TaskSpec, key: TaskKey, *, site: str, checkpoint_dir: Path) -> str:
+def batch_script(
+    spec: jobs_pb2.TaskSpec,
+    key: TaskKey,
+    *,
+    site: str,
+    checkpoint_env: Mapping[str, str] | None = None,
+    restore_file: Path | None = None,
+) -> str:
     """The ``sh`` batch script: the task's env, the federation's variables, then its command.
 
     Slurm itself sets ``CUDA_VISIBLE_DEVICES`` to the GPUs it allocated; the script adds
     ``FEDERATION_DEVICES`` (``node:GPU:index``) and, with several replicas, starts them with
     ``srun`` so each sees its own ``FEDERATION_REPLICA``.
+
+    Args:
+        spec: The task.
+        key: Its job, name and epoch.
+        site: This site's name.
+        checkpoint_env: ``FEDERATION_CHECKPOINT_DIR`` (and ``FEDERATION_RESTORE_FROM``) for a
+            task with a checkpoint policy.
+        restore_file: Where the agent names the checkpoint a requeued job restarts from; the
+            script reads it each time the job starts.
     """
     replicas = spec.replicas or 1
     exports = dict(task_env(spec))
@@ -142,14 +168,19 @@ def batch_script(spec: jobs_pb2.TaskSpec, key: TaskKey, *, site: str, checkpoint
         FEDERATION_EPOCH=str(key[2]),
         FEDERATION_SITE=site,
         FEDERATION_REPLICAS=str(replicas),
-        FEDERATION_CHECKPOINT_DIR=str(checkpoint_dir),
-        FEDERATION_RESTORE_PATH=str(checkpoint_dir),
+        **(checkpoint_env or {}),
     )
     lines = [
         "#!/bin/sh",
         f"# The federation's task {key[1]} of job {key[0]}, epoch {key[2]}, at site {site}.",
         *(f"export {name}={shlex.quote(value)}" for name, value in exports.items()),
     ]
+    if restore_file is not None:
+        file = shlex.quote(str(restore_file))
+        lines.append(
+            f'if [ -s {file} ]; then FEDERATION_RESTORE_FROM="$(cat {file})"; '
+            "export FEDERATION_RESTORE_FROM; fi"
+        )
     command = " ".join(shlex.quote(arg) for arg in spec.command)
     if replicas == 1:
         lines += [_DEVICES_PRELUDE, "export FEDERATION_REPLICA=0", f"exec {command}"]
@@ -168,6 +199,8 @@ class Outcome:
     state: State
     exit_code: int = 0
     reason: str = ""
+    interrupted: bool = False
+    """Slurm ended it for reasons not the task's own (preempted, its node failed)."""
 
     @property
     def is_final(self) -> bool:
@@ -213,7 +246,8 @@ def job_outcome(record: Record) -> Outcome:
         "REVOKED": "was revoked by a sibling cluster (REVOKED)",
     }
     if state in final_reasons:
-        return Outcome(jobs_pb2.JOB_STATE_FAILED, code, f"{job} {final_reasons[state]}")
+        reason = f"{job} {final_reasons[state]}"
+        return Outcome(jobs_pb2.JOB_STATE_FAILED, code, reason, state in INTERRUPTED_STATES)
     return Outcome(jobs_pb2.JOB_STATE_DELEGATED)
 
 

@@ -18,15 +18,18 @@ from pathlib import Path
 
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
 from datacenter_agent.slurm_job import (
+    RESTORE_FILE,
     TaskKey,
     batch_script,
     job_comment,
+    job_dir,
     job_name,
     parse_test_only,
     resource_args,
 )
 from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
 from datacenter_agent.slurm_view import GRES_KINDS
+from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.config import SlurmSettings
 from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -165,30 +168,38 @@ async def submit_held(
     site: str,
     work_dir: Path,
     args: list[str],
+    checkpoints: TaskCheckpoints | None = None,
 ) -> str:
     """Writes the task's batch script and submits it held; returns the Slurm job id.
 
-    The job runs in ``work_dir/JOB/TASK/EPOCH`` (its output in ``slurm-ID.out`` there); its
-    checkpoints go to ``work_dir/JOB/TASK/checkpoint``, shared by the task's epochs here.
+    The job runs in ``work_dir/JOB/TASK/EPOCH`` (its output in ``slurm-ID.out`` there), with
+    its checkpoint folder there as the embedded core's. It is submitted ``--requeue``, so
+    Slurm puts it back in its queue when it is preempted or its node fails, and so can we.
 
     Raises:
         SlurmError: sbatch refused the job; its message says why.
     """
-    job_dir = work_dir / key[0] / key[1] / str(key[2])
-    checkpoint_dir = work_dir / key[0] / key[1] / "checkpoint"
-    script = batch_script(spec, key, site=site, checkpoint_dir=checkpoint_dir)
-    await asyncio.to_thread(_write_script, job_dir, checkpoint_dir, script)
+    folder = job_dir(work_dir, key)
+    script = batch_script(
+        spec,
+        key,
+        site=site,
+        checkpoint_env=checkpoints.env() if checkpoints is not None else None,
+        restore_file=folder / RESTORE_FILE if checkpoints is not None else None,
+    )
+    await asyncio.to_thread(_write_script, folder, script, checkpoints)
     out = await cli.run(
         "sbatch",
         "--parsable",
         "--hold",
+        "--requeue",
         f"--job-name={job_name(key)}",
         f"--comment={job_comment(site, key)}",
-        f"--chdir={job_dir}",
-        f"--output={job_dir}/slurm-%j.out",
+        f"--chdir={folder}",
+        f"--output={folder}/slurm-%j.out",
         "--export=ALL",
         *args,
-        str(job_dir / "job.sh"),
+        str(folder / "job.sh"),
     )
     return out.stdout.strip().split(";")[0]
 
@@ -216,9 +227,10 @@ def with_partition(settings: SlurmSettings, partition: str) -> SlurmSettings:
     return dataclasses.replace(settings, partition=partition)
 
 
-def _write_script(job_dir: Path, checkpoint_dir: Path, script: str) -> None:
-    job_dir.mkdir(parents=True, exist_ok=True)
-    checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    path = job_dir / "job.sh"
+def _write_script(folder: Path, script: str, checkpoints: TaskCheckpoints | None) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    if checkpoints is not None:
+        checkpoints.prepare(None)  # Slurm runs the job as the agent's account
+    path = folder / "job.sh"
     path.write_text(script)
     path.chmod(0o700)

@@ -4,11 +4,17 @@ Each reading of ``scontrol show job`` moves a task from DELEGATED (pending in Sl
 (with the devices Slurm gave it) to a final state with its exit code and the tail of its
 output file. A job Slurm no longer lists is looked up in ``sacct``; without accounting, it ends
 FAILED with Slurm's own words for why it cannot be found.
+
+A job Slurm requeues (preempted, or its node failed) goes back to DELEGATED and is followed on;
+one that Slurm ended for such a reason instead (``PREEMPTED``, ``NODE_FAIL``) is requeued with
+``scontrol requeue``. Either way the coordinator never hears that it ended, and the next run
+restores from the newest checkpoint the last one completed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,8 +22,16 @@ from pathlib import Path
 
 import structlog
 
-from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist
-from datacenter_agent.slurm_job import Outcome, State, TaskKey, job_devices, job_outcome
+from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
+from datacenter_agent.slurm_job import (
+    Outcome,
+    State,
+    TaskKey,
+    job_devices,
+    job_outcome,
+    slurm_state,
+)
+from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import task_report
 from federation.agent.packing import Slot
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
@@ -50,6 +64,12 @@ class SlurmTask:
     stopping: bool = False
     created: float = field(default_factory=time.monotonic)
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    checkpoints: TaskCheckpoints | None = None
+    """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
+    restore_file: Path | None = None
+    """Where the batch script finds the checkpoint a requeued job restarts from."""
+    restarts: int = 0
+    """How many times Slurm had requeued the job when it was last seen starting."""
 
     @property
     def is_active(self) -> bool:
@@ -66,39 +86,121 @@ class SlurmTask:
             reason=self.reason,
             devices=self.devices,
             nodes=self.nodes,
+            checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
         )
 
 
 Report = Callable[[SlurmTask], None]
 
 
-async def follow(
-    task: SlurmTask, record: Record | None, report: Report, *, cli: SlurmCli | None = None
-) -> None:
+async def follow(task: SlurmTask, record: Record | None, cli: SlurmCli, report: Report) -> None:
     """Applies one reading of the task's job; ``record`` None means Slurm no longer lists it."""
     if not task.is_active:
         return
     if record is None:
-        outcome, output = await _vanished(task, cli), ""
+        outcome, output, started_at = await _vanished(task, cli), "", time.time()
     else:
         outcome, output = job_outcome(record), record.value("StdOut")
-    if outcome.state == jobs_pb2.JOB_STATE_RUNNING and task.state != jobs_pb2.JOB_STATE_RUNNING:
-        task.state = jobs_pb2.JOB_STATE_RUNNING
-        task.devices = job_devices(record) if record is not None else []
-        task.nodes = expand_hostlist(record.value("NodeList")) if record is not None else []
-        job_id, name, epoch = task.key
-        log.info(
-            "task_started",
-            job_id=job_id,
-            task=name,
-            epoch=epoch,
-            slurm_job=task.slurm_id,
-            devices=task.devices,
+        started_at = _started_at(record)
+        # Requeued: waiting again, or (read too rarely to see it wait) started again. While
+        # its processes end on SIGTERM it shows COMPLETING, already counted: not yet.
+        requeued = outcome.state == jobs_pb2.JOB_STATE_DELEGATED or (
+            _restarts(record) > task.restarts and slurm_state(record) != "COMPLETING"
         )
-        report(task)
+        if task.state == jobs_pb2.JOB_STATE_RUNNING and requeued:
+            await _before_restart(task, started_at)
+            _back_in_queue(task, f"Slurm requeued job {task.slurm_id}", report)
+    if outcome.state == jobs_pb2.JOB_STATE_RUNNING and task.state != jobs_pb2.JOB_STATE_RUNNING:
+        assert record is not None  # a vanished job has ended
+        _started(task, record, started_at, report)
     elif outcome.is_final:
-        tail = await asyncio.to_thread(read_tail, Path(output)) if output else ""
-        finish(task, outcome, tail, report)
+        await _ended(task, outcome, output, cli, started_at, report)
+
+
+def _started(task: SlurmTask, record: Record, started_at: float, report: Report) -> None:
+    task.state = jobs_pb2.JOB_STATE_RUNNING
+    task.devices = job_devices(record)
+    task.nodes = expand_hostlist(record.value("NodeList"))
+    task.restarts = _restarts(record)
+    if task.checkpoints is not None:
+        task.checkpoints.start(started_at)
+    job_id, name, epoch = task.key
+    log.info(
+        "task_started",
+        job_id=job_id,
+        task=name,
+        epoch=epoch,
+        slurm_job=task.slurm_id,
+        devices=task.devices,
+        restarts=task.restarts,
+    )
+    report(task)
+
+
+async def _ended(
+    task: SlurmTask,
+    outcome: Outcome,
+    output: str,
+    cli: SlurmCli,
+    started_at: float,
+    report: Report,
+) -> None:
+    """Ends the task, unless Slurm ended its job for reasons not the task's own: then the job
+    is requeued (``scontrol requeue``), and only if Slurm refuses does the task end FAILED."""
+    if outcome.interrupted and task.cancel_reason is None:
+        await _before_restart(task, started_at)
+        try:
+            await cli.run("scontrol", "requeue", task.slurm_id)
+        except SlurmError as err:
+            why = f"{outcome.reason}; Slurm would not requeue it: {err.message}"
+            outcome = dataclasses.replace(outcome, reason=why)
+        else:
+            _back_in_queue(task, f"{outcome.reason}; requeued", report)
+            return
+    if task.checkpoints is not None:
+        await task.checkpoints.last_look(started_at)
+    tail = await asyncio.to_thread(read_tail, Path(output)) if output else ""
+    finish(task, outcome, tail, report)
+
+
+async def _before_restart(task: SlurmTask, started_at: float) -> None:
+    """The job will run again: report what its run checkpointed; the next run restores from
+    the newest checkpoint (the batch script reads it from ``restore_file``)."""
+    if task.checkpoints is None:
+        return
+    await task.checkpoints.last_look(started_at)
+    task.checkpoints.restarted()
+    latest = task.checkpoints.latest
+    if latest is not None and task.restore_file is not None:
+        await asyncio.to_thread(_replace_file, task.restore_file, latest.path)
+
+
+def _back_in_queue(task: SlurmTask, reason: str, report: Report) -> None:
+    task.state, task.reason = jobs_pb2.JOB_STATE_DELEGATED, reason
+    job_id, name, epoch = task.key
+    log.info(
+        "task_requeued", job_id=job_id, task=name, epoch=epoch, slurm_job=task.slurm_id, why=reason
+    )
+    report(task)
+
+
+def _restarts(record: Record) -> int:
+    """How many times Slurm has requeued the job."""
+    value = record.value("Restarts")
+    return int(value) if value.isdigit() else 0
+
+
+def _started_at(record: Record | None) -> float:
+    """When the job's run started (wall clock), as Slurm says; now if it does not say."""
+    started = parse_time(record.value("StartTime")) if record is not None else None
+    return started if started is not None else time.time()
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Writes ``text`` to ``path`` at once: a job starting meanwhile reads the old or the new."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def finish(task: SlurmTask, outcome: Outcome, output_tail: str, report: Report) -> None:
@@ -122,26 +224,24 @@ def finish(task: SlurmTask, outcome: Outcome, output_tail: str, report: Report) 
     report(task)
 
 
-async def _vanished(task: SlurmTask, cli: SlurmCli | None) -> Outcome:
+async def _vanished(task: SlurmTask, cli: SlurmCli) -> Outcome:
     """What accounting says of a job ``scontrol`` no longer lists (after ``MinJobAge``)."""
-    why = "no accounting to ask"
-    if cli is not None:
-        try:
-            out = await cli.run(
-                "sacct", "-j", task.slurm_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode"
-            )
-        except SlurmError as err:
-            why = err.message
-        else:
-            for line in out.stdout.splitlines():
-                job_id, _, rest = line.partition("|")
-                state, _, code = rest.partition("|")
-                if job_id.strip() == task.slurm_id:
-                    pairs = (("JobId", job_id), ("JobState", state), ("ExitCode", code))
-                    outcome = job_outcome(Record(pairs))
-                    if outcome.is_final:
-                        return outcome
-            why = f"sacct does not list job {task.slurm_id} as ended"
+    try:
+        out = await cli.run(
+            "sacct", "-j", task.slurm_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode"
+        )
+    except SlurmError as err:
+        why = err.message
+    else:
+        for line in out.stdout.splitlines():
+            job_id, _, rest = line.partition("|")
+            state, _, code = rest.partition("|")
+            if job_id.strip() == task.slurm_id:
+                pairs = (("JobId", job_id), ("JobState", state), ("ExitCode", code))
+                outcome = job_outcome(Record(pairs))
+                if outcome.is_final:
+                    return outcome
+        why = f"sacct does not list job {task.slurm_id} as ended"
     reason = f"Slurm no longer lists job {task.slurm_id} ({why})"
     return Outcome(jobs_pb2.JOB_STATE_FAILED, 0, reason)
 

@@ -102,6 +102,11 @@ class CheckpointScanner:
             found.append((done_ns, self._record(target, size, done_ns)))
         return [record for _, record in sorted(found, key=lambda item: item[0])]
 
+    def rebase(self, base_progress_s: float, started_at: float) -> None:
+        """The task starts again in this folder (from ``base_progress_s`` of work, at
+        ``started_at``); checkpoints already found are not found again."""
+        self._base_progress_s, self._started_at = base_progress_s, started_at
+
     def _record(self, target: Path, size: int, done_ns: int) -> jobs_pb2.CheckpointRecord:
         time = timestamp_pb2.Timestamp()
         time.FromNanoseconds(done_ns)
@@ -109,19 +114,6 @@ class CheckpointScanner:
         return jobs_pb2.CheckpointRecord(
             path=str(target.absolute()), bytes=size, time=time, progress_s=progress
         )
-
-
-async def watch(scanner: CheckpointScanner, every_s: float, report: CheckpointCallback) -> None:
-    """Scan every ``every_s`` seconds until cancelled, reporting each new checkpoint."""
-    while True:
-        await asyncio.sleep(every_s)
-        try:
-            found = await asyncio.to_thread(scanner.scan)
-        except OSError as exc:
-            log.warning("checkpoint_scan_failed", dir=str(scanner.directory), error=str(exc))
-            continue
-        for record in found:
-            report(record)
 
 
 class TaskCheckpoints:
@@ -145,6 +137,8 @@ class TaskCheckpoints:
         self._every_s = interval_s(policy)
         self._restore = restore
         self._on_checkpoint = on_checkpoint
+        self._scanner: CheckpointScanner | None = None
+        self._scanning = asyncio.Lock()
         self._watcher: asyncio.Task[None] | None = None
         self.latest: jobs_pb2.CheckpointRecord | None = None
         """The newest checkpoint completed here, once there is one."""
@@ -178,16 +172,63 @@ class TaskCheckpoints:
             )
 
     def start(self, started_at: float) -> None:
-        """Watch the folder from now; ``started_at`` is when the task started (wall clock)."""
-        base = self._restore.progress_s if self._restore is not None else 0.0
-        scanner = CheckpointScanner(self.directory, base, started_at)
-        self._watcher = asyncio.create_task(watch(scanner, self._every_s, self._found))
+        """Watch the folder from now; ``started_at`` is when the task started (wall clock).
+
+        A task started again in the same folder (``restarted``) keeps its scanner, so the
+        checkpoints already reported are not reported again.
+        """
+        self._watcher = asyncio.create_task(self._watch(self._scanner_from(started_at)))
 
     def stop(self) -> None:
         """Stop watching (the task ended)."""
         if self._watcher is not None:
             self._watcher.cancel()
             self._watcher = None
+
+    async def last_look(self, started_at: float) -> None:
+        """Stop watching after one more look, so a checkpoint completed as the task ended (in
+        its SIGTERM grace) is reported; a look under way reports first.
+
+        Args:
+            started_at: When the task started, for a task that was never watched (it ended
+                before it was seen running).
+        """
+        async with self._scanning:
+            self.stop()
+        await self._scan(self._scanner or self._scanner_from(started_at))
+
+    def restarted(self) -> None:
+        """The task will start again in this folder (its Slurm job was requeued): it restores
+        from the newest checkpoint completed here, if any; ``start`` it again when it runs."""
+        self.stop()
+        if self.latest is not None:
+            self._restore = self.latest
+
+    def _scanner_from(self, started_at: float) -> CheckpointScanner:
+        """The folder's scanner, counting work from the restored checkpoint's on at
+        ``started_at``."""
+        base = self._restore.progress_s if self._restore is not None else 0.0
+        if self._scanner is None:
+            self._scanner = CheckpointScanner(self.directory, base, started_at)
+        else:
+            self._scanner.rebase(base, started_at)
+        return self._scanner
+
+    async def _watch(self, scanner: CheckpointScanner) -> None:
+        """Scan every interval until cancelled, reporting each new checkpoint."""
+        while True:
+            await asyncio.sleep(self._every_s)
+            await self._scan(scanner)
+
+    async def _scan(self, scanner: CheckpointScanner) -> None:
+        async with self._scanning:
+            try:
+                found = await asyncio.to_thread(scanner.scan)
+            except OSError as exc:
+                log.warning("checkpoint_scan_failed", dir=str(scanner.directory), error=str(exc))
+                return
+            for record in found:
+                self._found(record)
 
     def _found(self, record: jobs_pb2.CheckpointRecord) -> None:
         self.latest = record

@@ -6,6 +6,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import TypeVar
 
 from federation.api.v1 import jobs_pb2, resources_pb2
@@ -36,6 +37,44 @@ def gpu_task(
             ),
         ),
     )
+
+
+# Counts steps from the restored one on, completing a checkpoint per step, until the file
+# "go" exists. Markers (TAG = epoch-restarts): start-TAG holds FEDERATION_RESTORE_FROM,
+# stopped-TAG appears when SIGTERM comes, and half a second later the checkpoint final-TAG.
+CHECKPOINTING = """
+import os, signal, sys, time
+markers = os.environ["MARKERS"]
+tag = os.environ["FEDERATION_EPOCH"] + "-" + os.environ.get("SLURM_RESTART_COUNT", "0")
+folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
+restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
+step = int(open(restore).read()) if restore else 0
+def save(name):
+    path = os.path.join(folder, name)
+    open(path, "w").write(str(step))
+    open(path + ".done", "w").close()
+def stop(*_):
+    open(os.path.join(markers, "stopped-" + tag), "w").close()
+    time.sleep(0.5)  # a last checkpoint takes a while to write
+    save("final-" + tag)
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+open(os.path.join(markers, "start-" + tag), "w").write(restore)
+while not os.path.exists(os.path.join(markers, "go")):
+    step += 1
+    save("step-%04d" % step)
+    time.sleep(0.2)
+print("done at step", step)
+"""
+
+
+def checkpointing(markers: Path, gpus: int = 1) -> jobs_pb2.TaskSpec:
+    """A task running CHECKPOINTING, its markers in ``markers``, looked at every 0.2 s."""
+    markers.mkdir(exist_ok=True)
+    spec = gpu_task(CHECKPOINTING, gpus=gpus)
+    spec.env["MARKERS"] = str(markers)
+    spec.checkpoint.interval_s = 0.2
+    return spec
 
 
 async def eventually(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:

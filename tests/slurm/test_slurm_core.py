@@ -2,131 +2,30 @@
 
 from __future__ import annotations
 
-import itertools
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_cli import parse_records
 from datacenter_agent.slurm_cluster import LocalSlurmCluster, free_port
-from datacenter_agent.slurm_core import DEGRADED_NODE, SlurmCore
-from federation.agent.config import GresModel, SlurmSettings
+from datacenter_agent.slurm_core import DEGRADED_NODE
+from federation.agent.config import SlurmSettings
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
-from .conftest import NODE, PARTITION
+from .conftest import NODE
+from .cores import RUNNING, MakeCore, slurm_job
 from .tasks import eventually, gpu_task
 
 pytestmark = pytest.mark.xdist_group("slurm")
 
-RUNNING = jobs_pb2.JOB_STATE_RUNNING
-FINAL = (jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED)
-SETTINGS = SlurmSettings(
-    partition=PARTITION,
-    poll_interval_s=0.2,
-    gres={"a100": GresModel(model="A100-80GB", vendor="nvidia", memory_mib=81920)},
-)
 SHOW_ENV = (
     "import os, time; "
     "print('CUDA_VISIBLE_DEVICES=' + os.environ.get('CUDA_VISIBLE_DEVICES', '-')); "
     "print('FEDERATION_DEVICES=' + os.environ['FEDERATION_DEVICES']); "
-    "print('FEDERATION_RESTORE_PATH=' + os.environ['FEDERATION_RESTORE_PATH']); "
+    "print('FEDERATION_CHECKPOINT_DIR=' + os.environ.get('FEDERATION_CHECKPOINT_DIR', '-')); "
     "print('SLURM_JOB_ID=' + os.environ['SLURM_JOB_ID']); "
     "time.sleep(1); raise SystemExit(3)"
 )
-_sites = itertools.count(1)
-
-
-@dataclass
-class Harness:
-    """A core under test and every report it made."""
-
-    core: SlurmCore
-    site: str
-    reports: list[site_link_service_pb2.TaskReport] = field(default_factory=list)
-    is_closed: bool = False
-
-    async def shutdown(self) -> None:
-        """Lets go of the core as an exiting agent does; its Slurm jobs keep running."""
-        if not self.is_closed:
-            self.is_closed = True
-            await self.core.shutdown(1.0)
-
-    def last(self, job_id: str) -> site_link_service_pb2.TaskReport | None:
-        return next((r for r in reversed(self.reports) if r.job_id == job_id), None)
-
-    async def until_final(self, job_id: str) -> site_link_service_pb2.TaskReport:
-        def ended() -> bool:
-            report = self.last(job_id)
-            return report is not None and report.state in FINAL
-
-        await eventually(ended, f"{job_id} ended")
-        report = self.last(job_id)
-        assert report is not None
-        return report
-
-    async def offer(
-        self, job_id: str, spec: jobs_pb2.TaskSpec, lease_s: float = 30
-    ) -> site_link_service_pb2.OfferAnswer:
-        return await self.core.offer(
-            site_link_service_pb2.Offer(
-                job_id=job_id, task="main", epoch=1, spec=spec, lease_s=lease_s
-            )
-        )
-
-    async def run(self, job_id: str, spec: jobs_pb2.TaskSpec) -> str:
-        """Offers and commits; returns the Slurm job id."""
-        answer = await self.offer(job_id, spec)
-        assert answer.accepted, answer.reason
-        commit = site_link_service_pb2.Commit(
-            reservation_id=answer.reservation_id, job_id=job_id, task="main", epoch=1
-        )
-        assert (await self.core.commit(commit)).started
-        return answer.reservation_id.removeprefix("slurm-")
-
-
-MakeCore = Callable[..., Awaitable[Harness]]
-
-
-@pytest.fixture
-async def make_core(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> AsyncIterator[MakeCore]:
-    """Starts Slurm cores (each its own site) on the session's cluster; closes them after."""
-    harnesses: list[Harness] = []
-
-    async def make(
-        settings: SlurmSettings = SETTINGS, environ: dict[str, str] | None = None, site: str = ""
-    ) -> Harness:
-        site = site or f"site-{next(_sites)}"
-        reports: list[site_link_service_pb2.TaskReport] = []
-        core = SlurmCore(
-            settings,
-            site=site,
-            work_dir=tmp_path / "work",
-            on_status=reports.append,
-            on_change=lambda: None,
-            kill_grace_s=1.0,
-            environ=environ or slurm_cluster.env,
-        )
-        await core.start()
-        harness = Harness(core, site, reports)
-        harnesses.append(harness)
-        return harness
-
-    yield make
-    for harness in harnesses:
-        if not harness.is_closed:
-            for task in harness.core.tasks():
-                if task.state not in FINAL:
-                    await harness.core.cancel(task.job_id, task.task, 0, "test over")
-        await harness.shutdown()
-
-
-def slurm_job(cluster: LocalSlurmCluster, slurm_id: str) -> dict[str, str]:
-    """What ``scontrol show job`` says of one job now."""
-    records = parse_records(cluster.run("scontrol", "show", "job", "-o", slurm_id))
-    return dict(records[0].pairs)
 
 
 async def test_view_comes_from_slurm(make_core: MakeCore) -> None:
@@ -190,7 +89,7 @@ async def test_committed_task_runs_under_slurm_with_its_gpus(make_core: MakeCore
     assert "CUDA_VISIBLE_DEVICES=0,1" in report.output_tail
     assert f"FEDERATION_DEVICES={NODE.name}:GPU:0,{NODE.name}:GPU:1" in report.output_tail
     assert f"SLURM_JOB_ID={slurm_id}" in report.output_tail
-    assert re.search(r"FEDERATION_RESTORE_PATH=\S+/runs/main/checkpoint", report.output_tail)
+    assert "FEDERATION_CHECKPOINT_DIR=-" in report.output_tail  # no checkpoint policy
 
 
 async def test_gang_replicas_get_their_own_gpus(make_core: MakeCore) -> None:
@@ -268,29 +167,41 @@ async def test_too_big_is_declined_with_slurms_reason(
     assert f"federation:{harness.site}:" not in listed
 
 
-async def test_cancel_signals_first_then_stops(
+async def test_cancel_signals_first_and_reports_the_last_checkpoint(
     make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
 ) -> None:
-    """Cancel sends SIGTERM (the task saves a checkpoint), and the task ends CANCELLED."""
-    ready = tmp_path / "ready"
+    """Cancel (the coordinator preempting the task) sends SIGTERM; the checkpoint the task
+    completes in its grace is in the final report, though the next scan was a minute away."""
+    ready, stopped = tmp_path / "ready", tmp_path / "stopped"
     code = (
         "import os, signal, sys, time\n"
         "def save(*_):\n"
-        "    open(os.environ['FEDERATION_CHECKPOINT_DIR'] + '/step', 'w').write('42')\n"
+        f"    open({str(stopped)!r}, 'w').close()\n"
+        "    name = os.path.join(os.environ['FEDERATION_CHECKPOINT_DIR'], 'last')\n"
+        "    open(name, 'w').write('42')\n"
+        "    open(name + '.done', 'w').close()\n"
         "    print('checkpoint saved', flush=True); sys.exit(0)\n"
         "signal.signal(signal.SIGTERM, save)\n"
         f"open({str(ready)!r}, 'w').close()\n"
         "print('started', flush=True); time.sleep(60)\n"
     )
+    spec = gpu_task(code)
+    spec.checkpoint.interval_s = 60
     harness = await make_core()
-    slurm_id = await harness.run("stopme", gpu_task(code))
+    slurm_id = await harness.run("stopme", spec)
     # RUNNING comes from Slurm; wait until the task itself has its handler in place.
     await eventually(ready.exists, "ready")
-    await harness.core.cancel("stopme", "main", 0, "cancelled by test")
+    await harness.core.cancel("stopme", "main", 0, "preempted by a job of priority 900")
     report = harness.last("stopme")
     assert report is not None
-    assert (report.state, report.reason) == (jobs_pb2.JOB_STATE_CANCELLED, "cancelled by test")
+    assert (report.state, report.reason) == (
+        jobs_pb2.JOB_STATE_CANCELLED,
+        "preempted by a job of priority 900",
+    )
+    assert stopped.exists()  # SIGTERM came first: the task's handler ran
     assert "checkpoint saved" in report.output_tail
+    folder = tmp_path / "work/stopme/main/1/checkpoints"
+    assert (report.checkpoint.path, report.checkpoint.bytes) == (str(folder / "last"), 2)
     assert slurm_job(slurm_cluster, slurm_id)["JobState"] in ("COMPLETED", "CANCELLED")
 
 

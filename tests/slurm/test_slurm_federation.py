@@ -25,12 +25,13 @@ from federation.local import LocalFederation, SiteSpec
 from federation.watch import events_of
 
 from .conftest import GRES, MAX_MEM_PER_NODE_MIB, NODE, PARTITION
-from .tasks import WAIT_S, eventually, until
+from .tasks import CHECKPOINTING, WAIT_S, eventually, until
 
 pytestmark = pytest.mark.xdist_group("slurm")
 
 SITE = "dc-slurm"
 BROKEN = "dc-broken"
+SUCCEEDED = jobs_pb2.JOB_STATE_SUCCEEDED
 TERMINAL = (jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED)
 
 
@@ -43,10 +44,18 @@ def slurm_site(name: str, cluster: LocalSlurmCluster, partition: str) -> SiteSpe
 def federation(
     slurm_cluster: LocalSlurmCluster, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalFederation]:
-    """A coordinator, a Slurm site on the test cluster, and one whose partition is wrong."""
+    """A coordinator, a Slurm site on the test cluster, and one whose partition is wrong.
+    Jobs of the class ``urgent`` may preempt others at once."""
+    root = tmp_path_factory.mktemp("fed")
+    config = root / "coordinator.toml"
+    config.write_text(
+        "preemption_min_run_s = 0.0\n"
+        "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\npreemptible = false\n"
+    )
     fed = LocalFederation(
-        tmp_path_factory.mktemp("fed"),
+        root,
         [slurm_site(SITE, slurm_cluster, PARTITION), slurm_site(BROKEN, slurm_cluster, "nope")],
+        coordinator_args=["--config", str(config)],
     )
     try:
         asyncio.run(fed.start())
@@ -61,15 +70,15 @@ async def operator(federation: LocalFederation) -> AsyncIterator[grpc.aio.Channe
         yield channel
 
 
-def gpu_job(name: str, code: str, **resources: object) -> jobs_pb2.JobSpec:
-    """A one-task job running ``python -c code`` on one A100."""
+def gpu_job(name: str, code: str, gpus: int = 1, **resources: object) -> jobs_pb2.JobSpec:
+    """A one-task job running ``python -c code`` on ``gpus`` A100s."""
     task = {
         "name": "main",
         "command": [sys.executable, "-c", code],
         "resources": {
             "cpu": 1,
             "memory_mib": 256,
-            "accelerator": {"kind": "GPU", "count": 1, "models": ["A100-80GB"]},
+            "accelerator": {"kind": "GPU", "count": gpus, "models": ["A100-80GB"]},
             **resources,
         },
     }
@@ -195,6 +204,55 @@ async def test_cancel_reaches_scancel(
     assert "checkpoint saved" in task.output_tail
     [ended] = slurm_jobs_of(slurm_cluster, job_id)
     assert ended["JobState"] in ("COMPLETED", "CANCELLED")
+
+
+async def test_a_preempted_slurm_task_restarts_from_its_last_checkpoint(
+    operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """An urgent job needs a GPU the Slurm job of a checkpointing task holds: the site sends
+    it SIGTERM, reports the checkpoint it saves then, and the task goes back to PENDING; placed
+    again (a new epoch, a new Slurm job), it restores from that checkpoint and finishes.
+
+    The victim is placed again at once, beside the urgent job; which of the two Slurm starts
+    first is the order their held jobs were released in, so both are only awaited at the end.
+    """
+    markers = tmp_path / "markers"
+    spec = gpu_job("victim", CHECKPOINTING, gpus=2)
+    spec.tasks[0].env["MARKERS"] = str(markers)
+    spec.tasks[0].checkpoint.interval_s = 0.2
+    markers.mkdir()
+    victim = await submit(operator, spec)
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+
+    async def read() -> jobs_pb2.Job:
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=victim))).job
+
+    def checkpointed(job: jobs_pb2.Job) -> bool:
+        return job.tasks[0].state == jobs_pb2.JOB_STATE_RUNNING and bool(
+            job.tasks[0].checkpoint.path
+        )
+
+    first = (await until(read, checkpointed, "victim running with a checkpoint")).tasks[0]
+    urgent = gpu_job("urgent", "import time; time.sleep(1)")
+    urgent.priority_class = "urgent"
+    urgent_id = await submit(operator, urgent)
+
+    def restarts() -> list[Path]:
+        return [m for m in markers.glob("start-*") if m.name != f"start-{first.epoch}-0"]
+
+    await eventually(lambda: bool(restarts()), "victim restarted")
+    (markers / "go").touch()
+    job = await wait_job(operator, victim)
+    [task] = job.tasks
+    assert job.state == SUCCEEDED, task.reason
+    assert task.preemptions == 1
+    assert (await wait_job(operator, urgent_id)).state == SUCCEEDED
+    [restarted] = restarts()
+    assert restarted.name == f"start-{task.epoch}-0"
+    assert (markers / f"stopped-{first.epoch}-0").exists()  # SIGTERM came first
+    saved = Path(restarted.read_text())
+    assert saved.name == f"final-{first.epoch}-0"  # the checkpoint saved on SIGTERM
+    assert saved.parent.parent.name == str(first.epoch)
 
 
 async def test_drained_node_disappears_from_the_view(

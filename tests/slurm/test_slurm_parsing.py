@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import subprocess
 from datetime import datetime
 from pathlib import Path
 
@@ -173,6 +174,7 @@ def test_queue_counts_partition_jobs_and_waits() -> None:
         ("TIMEOUT", "0:15", jobs_pb2.JOB_STATE_FAILED, -15, "time limit 00:05:00 (TIMEOUT)"),
         ("NODE_FAIL", "0:0", jobs_pb2.JOB_STATE_FAILED, 0, "lost its node (NODE_FAIL"),
         ("PREEMPTED", "0:15", jobs_pb2.JOB_STATE_FAILED, -15, "preempted"),
+        ("BOOT_FAIL", "0:0", jobs_pb2.JOB_STATE_FAILED, 0, "could not boot its node"),
         ("OUT_OF_MEMORY", "0:125", jobs_pb2.JOB_STATE_FAILED, -125, "OUT_OF_MEMORY"),
         ("CANCELLED by 0", "0:15", jobs_pb2.JOB_STATE_CANCELLED, -15, "cancelled in Slurm"),
     ],
@@ -188,6 +190,7 @@ def test_slurm_states_map_onto_ours(
     outcome = job_outcome(job)
     assert outcome.state == ours
     assert words in outcome.reason
+    assert outcome.interrupted == (state in ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL"))
     if outcome.is_final:
         assert outcome.exit_code == code
         assert outcome.reason.startswith("Slurm job 7 ")
@@ -264,12 +267,36 @@ def test_batch_script_sets_env_and_protects_ours() -> None:
     spec.env.update(
         {"MSG": "it's $HOME", "CUDA_VISIBLE_DEVICES": "0,1,2,3", "FEDERATION_EPOCH": "99"}
     )
-    script = batch_script(spec, ("j1", "main", 3), site="dc-a", checkpoint_dir=Path("/ck"))
+    script = batch_script(spec, ("j1", "main", 3), site="dc-a")
     assert "export MSG='it'\"'\"'s $HOME'" in script
     assert "CUDA_VISIBLE_DEVICES=0,1,2,3" not in script
     assert "FEDERATION_EPOCH=3\n" in script
-    assert "FEDERATION_RESTORE_PATH=/ck\n" in script
+    assert "FEDERATION_CHECKPOINT_DIR" not in script
+    assert "FEDERATION_RESTORE_FROM" not in script
     assert script.rstrip().splitlines()[-1].startswith("exec ")
+
+
+def test_batch_script_restores_from_the_file_the_agent_writes(tmp_path: Path) -> None:
+    """With a checkpoint policy the script exports the folder, and each start of the job
+    restores from the checkpoint the agent last named in its restore file, if any."""
+    spec = gpu_task(
+        "import os; print(os.environ['FEDERATION_CHECKPOINT_DIR'], "
+        "os.environ.get('FEDERATION_RESTORE_FROM', '-'))"
+    )
+    restore = tmp_path / "restore from"
+    env = {"FEDERATION_CHECKPOINT_DIR": "/ck", "FEDERATION_RESTORE_FROM": "/moved/step-1"}
+    script = tmp_path / "job.sh"
+    script.write_text(
+        batch_script(spec, ("j1", "main", 3), site="dc-a", checkpoint_env=env, restore_file=restore)
+    )
+
+    def run() -> str:
+        done = subprocess.run(["sh", str(script)], capture_output=True, text=True, check=True)
+        return done.stdout.strip()
+
+    assert run() == "/ck /moved/step-1"
+    restore.write_text("/ck/step 2")
+    assert run() == "/ck /ck/step 2"
 
 
 def gres_node(*types: tuple[str, str]) -> resources_pb2.Node:
