@@ -23,7 +23,7 @@ import grpc
 import yaml
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
-from federation.cli.connection import Connection, on_leader
+from federation.cli.connection import LEADER_PATIENCE_S, Connection, on_leader
 from federation.jobspec import parse_domain
 from federation.security.pki import PkiLayout, init_pki, write_private_file
 from federation.security.tls import TlsFiles
@@ -192,7 +192,8 @@ class LocalFederation:
                 admin = admin_service_pb2_grpc.AdminServiceStub(channel)
                 return (await admin.CreateJoinToken(request)).token
 
-        return await on_leader(self.operator(), create)
+        # Even a lone coordinator on etcd must first elect itself: wait for it to lead.
+        return await on_leader(self.operator(), create, patience_s=LEADER_PATIENCE_S)
 
     async def start_site(self, site: SiteSpec) -> None:
         """Write the site's inventory and config, join it with a fresh token, start it."""
