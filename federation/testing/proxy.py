@@ -36,11 +36,16 @@ class PausableProxy:
         """Forward again, what was held back included."""
         self._flowing.set()
 
+    def cut(self) -> None:
+        """End every open connection at once, with whatever it holds back: a partition that
+        ends in broken connections, so what was sent into it never arrives."""
+        for pump in list(self._pumps):
+            pump.cancel()
+
     async def close(self) -> None:
         assert self._server is not None
         self._server.close()
-        for pump in list(self._pumps):
-            pump.cancel()
+        self.cut()
         await asyncio.gather(*self._pumps, return_exceptions=True)
 
     async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -36,7 +36,7 @@ import pytest
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation
 from federation.testing.cluster import etcd_coordinator_args, leader_name, site_state
-from federation.testing.proxy import PausableProxy, proxy_to
+from federation.testing.proxy import proxy_to
 
 from .conftest import etcd_prefix, gpu_site, jobs, spec, until, wait_for_job
 
@@ -193,13 +193,6 @@ async def finished(channel: grpc.aio.Channel, job_id: str, timeout_s: float = 30
         ) from None
 
 
-def cut(proxy: PausableProxy) -> None:
-    """End every connection through the proxy at once, with whatever it holds: a partition
-    that ends in broken connections, so what the coordinator sent into it never arrives."""
-    for pump in list(proxy._pumps):
-        pump.cancel()
-
-
 async def test_a_failover_mid_preemption_loses_nothing(
     fed: LocalFederation, tmp_path: Path
 ) -> None:
@@ -255,7 +248,7 @@ async def test_a_failover_mid_preemption_loses_nothing(
         assert runs_of(markers, VICTIMS[PROXIED])[0].termed is None  # its stop is in the proxy
         (markers / "release-gpu-a").touch()  # it ends with no leader to report to
         (markers / "release-gpu-b").touch()  # it ends as soon as it is told
-        cut(proxy)
+        proxy.cut()
         proxy.target_port = fed.coordinators[successor][0]
         proxy.heal()
         if not ha:
