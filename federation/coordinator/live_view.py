@@ -39,14 +39,17 @@ class LiveView:
         self._sorted: list[resources_pb2.Node] | None = None
         self._part: SitePart | None = None
 
-    def apply(self, delta: resources_pb2.SiteViewDelta) -> None:
+    def apply(self, delta: resources_pb2.SiteViewDelta) -> bool:
         """Upserted nodes replace the old ones whole, removed ones go, and the queue, links and
-        coordinator link are replaced when the delta says so. The delta is copied, not kept."""
+        coordinator link are replaced when the delta says so. The delta is copied, not kept.
+        Returns whether some node has room now that it had not (``room_grew``)."""
+        grew = False
         for name in delta.removed_nodes:
             self._nodes.pop(name, None)
         for node in delta.upserted_nodes:
             own = resources_pb2.Node()
             own.CopyFrom(node)
+            grew = grew or room_grew(self._nodes.get(node.name), own)
             self._nodes[node.name] = own
         if changed := len(delta.removed_nodes) + len(delta.upserted_nodes):
             self._changes += changed
@@ -68,6 +71,7 @@ class LiveView:
             self._nodes = {node.name: node for node in compact.nodes}
             self._changes = 0
             self._sorted = list(compact.nodes)
+        return grew
 
     def node(self, name: str) -> resources_pb2.Node | None:
         return self._nodes.get(name)
@@ -94,6 +98,30 @@ class LiveView:
         """Make ``out`` the whole view, nodes in name order."""
         out.CopyFrom(self.header)
         out.nodes.extend(self.nodes())
+
+
+def room_grew(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
+    """Whether ``new`` has room to book that ``old`` (the same node before) had not: a task
+    that did not fit there may fit now. Only what tasks book counts, not measured use."""
+    if old is None:
+        return True
+    if new.schedulable and not old.schedulable:
+        return True
+    if new.cpu_free > old.cpu_free or new.memory_free_mib > old.memory_free_mib:
+        return True
+    before = {device.id: device for device in old.devices}
+    healthy = resources_pb2.DEVICE_HEALTH_HEALTHY
+    for device in new.devices:
+        was = before.get(device.id)
+        if was is None or (was.allocated and not device.allocated):
+            return True
+        if device.free_fraction > was.free_fraction:
+            return True
+        if device.health == healthy and was.health != healthy:
+            return True
+        if sum(p.free for p in device.partitions) > sum(p.free for p in was.partitions):
+            return True
+    return False
 
 
 def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:

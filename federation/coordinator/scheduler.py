@@ -204,17 +204,16 @@ class Scheduler:
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
         self._gauges_at = 0.0
-        self._freed_at_version: int | None = None
-        """The views' version when a task last ended, until they change after it."""
         self._preempting: dict[TaskKey, list[tuple[str, str, int]]] = {}
         """Per waiting task, the (job, task, epoch) it had stopped while it waits."""
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
-        self._freed_sites: set[str] = set()
-        """Sites where a task ended since the views last changed."""
-        self._connected = 0
-        """How many sites had a live session at the last cycle."""
+        self._front_due = False
+        """The front of the line is to be tried at the next cycle (``_clear_front_of_line``)."""
+        self._frees = 0
+        """How often room came free (a task ended, a view showed more, a reservation was let
+        go): a negotiation compares it."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
 
@@ -223,22 +222,27 @@ class Scheduler:
 
     def capacity_freed(self, site: str, ran_s: float) -> None:
         """A task ended (at ``site``, after ``ran_s``): what it held goes to the first in line
-        (``jobs.line_order``), not to whichever waiting task's retry timer happens to come
-        due first. The site's report may come before its view shows the room free, so the
-        timers are cleared again at the next change of the views (``_cycle``)."""
+        (``Sharing.order``), not to whichever waiting task's retry timer happens to come
+        due first: its queue's quota is free now. The site's report may come before its
+        view shows the room free, so the front is tried again when it does (``_cycle``)."""
         self.history.ended(site, ran_s)
-        self._freed_sites.add(site)
-        self._clear_front_of_line()
-        self._freed_at_version = self._sites.version
+        self._frees += 1
+        self._front_due = True
         self.wake()
 
     def _clear_front_of_line(self) -> None:
         """Let the first ``FRONT_OF_LINE`` waiting jobs be tried at once, whatever their retry
         timers: freed room is theirs. Only the front: clearing every timer at each task end
-        would place every waiting task again, which a flood of short jobs makes costly."""
-        for job in itertools.islice(self._line({}), FRONT_OF_LINE):
+        would place every waiting task again, which a flood of short jobs makes costly.
+        The front is the cycle's fair order with each job counted as admitted: without that
+        the queue with the smallest share fills the whole front, and only its tasks would
+        be tried when many GPUs free at once."""
+        tentative: Tentative = {}
+        for job in itertools.islice(self._line(tentative), FRONT_OF_LINE):
             for task in job.tasks:
                 key = (job.id, task.name)
+                if task.state == job_state.PENDING and job.spec.queue:
+                    self._sharing.admit(job, task_demand(job, task.name), tentative)
                 if key not in self._waits_for:  # woken once the room shows (``_cycle``)
                     self._not_before.pop(key, None)
                     self._backoff_s.pop(key, None)
@@ -280,23 +284,24 @@ class Scheduler:
         return max(0.01, min(soonest - now, self._config.retry_interval_s))
 
     async def _cycle(self) -> None:
-        if self._freed_at_version is not None and self._sites.version != self._freed_at_version:
-            # The views changed since a task ended: the room it left shows now. Tasks that
-            # wait for a busy site are tried only now: before, the ended task no longer
-            # counts as holding the room that the site's view still shows taken.
-            self._freed_at_version = None
+        freed = self._sites.take_freed()
+        if freed:
+            # Views show room they had not (a task ended, a reservation was let go, a site
+            # came back): it goes to the first in line, not to whichever retry timer comes
+            # due first. Tasks that wait for a busy site are tried only now: before, the
+            # site's view still showed the room taken. After a failover, sites coming back
+            # let the first in line count the room of what the last leader was stopping
+            # for them rather than stop more (``_preempt_for``).
+            self._frees += 1
+        if freed or self._front_due:
+            # Here, as a cycle starts, not where the room came free: a cycle under way
+            # (it rests now and then) would back off again the tasks it finds held back
+            # by what was just let go, undoing the clearing.
+            self._front_due = False
             self._clear_front_of_line()
             for key, site in self._waits_for.items():
-                if site in self._freed_sites:
+                if site in freed:
                     self._not_before.pop(key, None)
-            self._freed_sites.clear()
-        connected = self._sites.connected_count()
-        if connected > self._connected:
-            # Sites came (back): the first in line try them now, not at their retry timers;
-            # after a failover, while what the last leader stopped for them is still
-            # stopping, so they count its room rather than stop more (``_preempt_for``).
-            self._clear_front_of_line()
-        self._connected = connected
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending().
         held = self._jobs.held
@@ -309,38 +314,43 @@ class Scheduler:
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         swept = True
-        # Thousands of waiting tasks (one tenant's flood) must not stall every other call
-        # on the loop: rest now and then to let them in, and go on with the jobs still pending.
-        timeslice = TimeSlice(rest_s=SLICE_S)
-        for job in self._line(cycle.tentative):
-            await timeslice.share()
-            if job.cancel_requested:
-                continue
-            for task in job.tasks:
-                key = (job.id, task.name)
-                if task.state != job_state.PENDING or key in held:
+        # What the queues hold as the cycle starts, all through it: negotiations and tasks
+        # that end while it rests would let a task later in line take room or quota that one
+        # it already refused (on what was held then) should have had. Next cycle, theirs.
+        with self._sharing.as_of_now():
+            # Thousands of waiting tasks (one tenant's flood) must not stall every other call
+            # on the loop: rest now and then to let them in, and go on with the jobs still
+            # pending.
+            timeslice = TimeSlice(rest_s=SLICE_S)
+            for job in self._line(cycle.tentative):
+                await timeslice.share()
+                if job.cancel_requested:
                     continue
-                pending.add(key)
-                if self._not_before.get(key, 0.0) > now:
-                    continue
-                if len(batch) >= room:
-                    self._full = True
-                    swept = False
+                for task in job.tasks:
+                    key = (job.id, task.name)
+                    if task.state != job_state.PENDING or key in held:
+                        continue
+                    pending.add(key)
+                    if self._not_before.get(key, 0.0) > now:
+                        continue
+                    if len(batch) >= room:
+                        self._full = True
+                        swept = False
+                        break
+                    outcome = self._consider(job, task.name, cycle)
+                    if isinstance(outcome, _Negotiation):
+                        batch.append(outcome)
+                    elif outcome is not None and list(task.verdicts) != outcome:
+                        nowhere.append((job.id, task.name, outcome))  # else nothing to write
+                if not swept:
                     break
-                outcome = self._consider(job, task.name, cycle)
-                if isinstance(outcome, _Negotiation):
-                    batch.append(outcome)
-                elif outcome is not None and list(task.verdicts) != outcome:
-                    nowhere.append((job.id, task.name, outcome))  # else nothing to write
-            if not swept:
-                break
         if swept:
             # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
             for key in set(self._not_before) - pending - held:
                 self._forget(key)
         if batch:
             self._jobs.hold((n.key, n.holds) for n in batch)
-            runner = asyncio.create_task(self._negotiate(batch))
+            runner = asyncio.create_task(self._negotiate(batch, self._frees))
             self._tasks.add(runner)
             runner.add_done_callback(self._tasks.discard)
         if nowhere:
@@ -764,8 +774,10 @@ class Scheduler:
         self._preempting.pop(key, None)
         self._stop_waiting(key)
 
-    async def _negotiate(self, batch: list[_Negotiation]) -> None:
-        """Rounds of offers until every task is delegated or has run out of sites."""
+    async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:
+        """Rounds of offers until every task is delegated or has run out of sites. ``frees``:
+        ``_frees`` when the batch was formed."""
+        unsettled: list[_Negotiation] = []
         try:
             await self._rounds(batch)
             unsettled = [n for n in batch if not n.settled]
@@ -779,6 +791,13 @@ class Scheduler:
                 log.warning("requeue_failed", tasks=len(unsettled), error=str(err))
         finally:
             self._let_go(batch)
+        if unsettled and self._frees != frees:
+            # Room came free while they were out (reservations let go, above all), and the
+            # front of the line it went to was tried while they were held: what they count
+            # against their queues kept the others back by quota. Now that they are let go,
+            # the front is tried again, with them in their places.
+            self._front_due = True
+            self.wake()
 
     def _let_go(self, negotiations: list[_Negotiation]) -> None:
         """These negotiations are over: their room is free, and tasks left PENDING can be
@@ -1029,6 +1048,9 @@ class Scheduler:
                 n.estimates[site] = _copy_estimate(estimated, run_error=error)
 
     def _release(self, site: str, reservation_id: str) -> None:
+        # Room another task of the negotiation may have been refused for: it goes to the
+        # front of the line once the negotiation ends (``_negotiate``).
+        self._frees += 1
         session = self._sites.session(site)
         if session is not None:
             with contextlib.suppress(SessionClosedError):

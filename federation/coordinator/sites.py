@@ -157,6 +157,8 @@ class SiteRegistry:
         self._site_capacity: dict[str, tuple[int, dict[str, float]]] = {}
         self._shares: tuple[int, dict[str, resources_pb2.OwnerShare]] | None = None
         self._aggregates = FederationAggregates()
+        self._freed: set[str] = set()
+        """Sites with room that they had not when the scheduler last asked (``take_freed``)."""
 
     async def load(self) -> None:
         now = time.monotonic()
@@ -185,6 +187,12 @@ class SiteRegistry:
     def version(self) -> int:
         """Grows with every change of a view or a site's state."""
         return self._version
+
+    def take_freed(self) -> set[str]:
+        """The sites whose views showed room they had not since the last call: a node that
+        came, came back, or has devices, cores or memory free that were booked."""
+        freed, self._freed = self._freed, set()
+        return freed
 
     def get(self, name: str) -> SiteEntry:
         entry = self._sites.get(name)
@@ -216,6 +224,8 @@ class SiteRegistry:
         record.cordoned = cordoned
         await self._store.commit([self.record_put(record)])
         entry.record = record
+        if not cordoned:
+            self._freed.add(name)
         self._changed()
         log.info("site_cordoned" if cordoned else "site_uncordoned", site=name)
         return self.describe(name)
@@ -232,6 +242,7 @@ class SiteRegistry:
         entry.view = LiveView(hello.view, copy=False)  # connect lets go of the rest
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
+        self._freed.add(session.site)
         self._aggregate(entry)
         self._changed()
         return previous
@@ -284,12 +295,14 @@ class SiteRegistry:
         entry = self.get(site)
         if update.HasField("full"):
             entry.view = LiveView(update.full)
+            self._freed.add(site)
         else:
             if entry.view is None or update.generation != entry.generation + 1:
                 raise FailedPreconditionError(
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
-            entry.view.apply(update.delta)
+            if entry.view.apply(update.delta):
+                self._freed.add(site)
         entry.generation = update.generation
         entry.last_seen = time.monotonic()
         delta = update.delta

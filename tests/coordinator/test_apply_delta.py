@@ -196,3 +196,49 @@ def test_the_full_view_is_copied_not_kept() -> None:
     full.site = "changed"
     assert live.view().nodes[0].cpu_free == 8.0
     assert live.header.site == "s"
+
+
+def changed(base: resources_pb2.Node, **edits: object) -> resources_pb2.Node:
+    out = resources_pb2.Node()
+    out.CopyFrom(base)
+    for field_name, value in edits.items():
+        if isinstance(value, dict):
+            getattr(out, field_name).update(value)
+        elif isinstance(value, resources_pb2.MeasuredUse):
+            getattr(out, field_name).CopyFrom(value)
+        else:
+            setattr(out, field_name, value)
+    return out
+
+
+def test_a_delta_says_whether_room_grew() -> None:
+    """Room that tasks may book counts (freed cores, memory, devices, a node back or new);
+    measured use, labels, a node leaving and a queue change do not."""
+    booked = node("a")
+    booked.cpu_free = 2.0
+    booked.devices[0].allocated = True
+    booked.devices[0].health = resources_pb2.DEVICE_HEALTH_HEALTHY
+
+    def grew(**edits: object) -> bool:
+        live = LiveView(view(booked))
+        return live.apply(resources_pb2.SiteViewDelta(upserted_nodes=[changed(booked, **edits)]))
+
+    assert grew(cpu_free=4.0)
+    assert grew(memory_free_mib=2048)
+    assert not grew(cpu_free=1.0)
+    assert not grew(labels={"driver": "550"})
+    assert not grew(measured=resources_pb2.MeasuredUse(compute=0.1))
+    freed = changed(booked)
+    freed.devices[0].allocated = False
+    assert LiveView(view(booked)).apply(resources_pb2.SiteViewDelta(upserted_nodes=[freed]))
+    sick = changed(booked)
+    sick.devices[0].health = resources_pb2.DEVICE_HEALTH_UNHEALTHY
+    live = LiveView(view(sick))
+    assert live.apply(resources_pb2.SiteViewDelta(upserted_nodes=[booked]))  # healthy again
+    cordoned = changed(booked, schedulable=False)
+    assert LiveView(view(cordoned)).apply(resources_pb2.SiteViewDelta(upserted_nodes=[booked]))
+    assert LiveView(view(booked)).apply(resources_pb2.SiteViewDelta(upserted_nodes=[node("b")]))
+    live = LiveView(view(booked, node("b")))
+    assert not live.apply(resources_pb2.SiteViewDelta(removed_nodes=["b"]))
+    queue = resources_pb2.QueueState(pending_tasks=1)
+    assert not live.apply(resources_pb2.SiteViewDelta(has_queue=True, queue=queue))

@@ -3,6 +3,7 @@ them: one object over the queue book, the queues' usage and the configured class
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -47,6 +48,8 @@ class Sharing:
         self.book = book
         self._usage = usage
         self.classes = dict(classes or {})
+        self._as_of: dict[str, dict[str, float]] | None = None
+        """What the queues held when ``as_of_now`` began, while it lasts."""
 
     # The submit path --------------------------------------------------------------------
 
@@ -139,11 +142,23 @@ class Sharing:
 
     # The scheduler ----------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def as_of_now(self) -> Iterator[None]:
+        """Within: every look at what queues hold sees what they held as it began (and what
+        is admitted meanwhile, through ``Tentative``). Only tasks ending and negotiations
+        ending change it meanwhile, both lowering it: this never over-admits."""
+        self._as_of = self._usage.copy()
+        try:
+            yield
+        finally:
+            self._as_of = None
+
     def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
         """What ``queue`` and every queue under it hold, with what this cycle admitted."""
         out: dict[str, float] = {}
         for name in self._subtree(queue):
-            for source in (self._usage.of(name), (tentative or {}).get(name, {})):
+            own = self._usage.of(name) if self._as_of is None else self._as_of.get(name, {})
+            for source in (own, (tentative or {}).get(name, {})):
                 add(out, source.items())
         return out
 

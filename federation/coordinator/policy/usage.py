@@ -48,6 +48,10 @@ class QueueUsage:
         """What ``queue``'s own jobs hold ("" for jobs in no queue)."""
         return self._queues.get(queue, {})
 
+    def copy(self) -> dict[str, dict[str, float]]:
+        """Per queue, what its own jobs hold now."""
+        return {queue: dict(totals) for queue, totals in self._queues.items()}
+
     def _add(self, queue: str, holds: Mapping[str, float], sign: float) -> None:
         totals = self._queues.setdefault(queue, {})
         for resource, amount in holds.items():
