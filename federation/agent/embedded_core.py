@@ -579,7 +579,13 @@ class EmbeddedCore:
         finally:
             for future in [*waits, cancelled]:
                 future.cancel()
-        await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+        stopped = await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+        ended_by_itself = not any(stopped) and all(p.returncode == 0 for p in task.replicas)
+        if state == jobs_pb2.JOB_STATE_CANCELLED and ended_by_itself:
+            # Every replica had ended by itself, with 0, before the stop could reach it: the
+            # work is done, and a preempted task must not run again. (One that exits 0 once
+            # signalled has not said so: it may have saved a checkpoint and quit.)
+            state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
     def _lock(self, key: TaskKey) -> None:

@@ -117,6 +117,8 @@ class ReplicaProcess:
         self._tail = bytearray()
         self._reader = asyncio.create_task(self._read_output())
         self._pidfd: int | None = None
+        self._leader_gone = False
+        """The leader exited (seen on its pidfd): its output may still be draining."""
         self._watch_leader()
         self._done = asyncio.create_task(self._run())
 
@@ -173,6 +175,11 @@ class ReplicaProcess:
         return self._proc.returncode
 
     @property
+    def exited(self) -> bool:
+        """Whether the leader has exited (its output may still be draining)."""
+        return self._leader_gone or self._proc.returncode is not None
+
+    @property
     def output_tail(self) -> str:
         """The last 4 KiB of stdout and stderr together, decoded leniently."""
         return self._tail.decode("utf-8", errors="replace")
@@ -181,10 +188,14 @@ class ReplicaProcess:
         """Waits for the replica to exit; returns its exit code (negative: killed by signal)."""
         return await asyncio.shield(self._done)
 
-    async def terminate(self, grace_s: float) -> None:
-        """Sends SIGTERM to the process group, then SIGKILL if it outlives ``grace_s``."""
+    async def terminate(self, grace_s: float) -> bool:
+        """Sends SIGTERM to the process group, then SIGKILL if it outlives ``grace_s``.
+        Returns whether it had to: False when the leader had already exited by itself."""
         if self._done.done():
-            return
+            return False
+        if self.exited:
+            await asyncio.shield(self._done)  # its stragglers are killed; output drains
+            return False
         self._signal_group(signal.SIGTERM)
         try:
             await asyncio.wait_for(asyncio.shield(self._done), timeout=grace_s)
@@ -192,6 +203,7 @@ class ReplicaProcess:
             log.info("replica_killed", pid=self.pid, grace_s=grace_s)
             self._signal_group(signal.SIGKILL)
             await asyncio.shield(self._done)
+        return True
 
     def _signal_group(self, sig: signal.Signals) -> None:
         # The group may already be gone; that is the outcome we wanted.
@@ -215,6 +227,7 @@ class ReplicaProcess:
         asyncio.get_running_loop().add_reader(self._pidfd, self._leader_exited)
 
     def _leader_exited(self) -> None:
+        self._leader_gone = True
         self._unwatch_leader()
         self._signal_group(signal.SIGKILL)
 

@@ -344,6 +344,30 @@ async def test_cancel_sends_sigterm(
     assert core.queue().running_tasks == 0
 
 
+async def test_a_task_that_ended_by_itself_before_the_stop_succeeded(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, beacon: Beacon
+) -> None:
+    """A stop (a preemption, say) that comes once every replica has exited 0 by itself, but
+    before the core has seen it (a detached child still holds the output open), finds the
+    work done: SUCCEEDED, so the coordinator does not run it again."""
+    body = (
+        "import os, subprocess, sys\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'],\n"
+        "                 start_new_session=True)\n"
+        "send(f'done {os.getpid()}')\n"
+    )
+    core = make_core([node("n")])
+    await run(core, offer(code=beacon.child(body)))
+    pid = int((await beacon.expect("done")).split()[1])
+    for _ in range(1000):  # until the leader has exited (a zombie until the core reaps it)
+        if not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.wait_for(core.cancel("job-1", "train", 0, "preempted"), 10)
+    report = await recorder.final()
+    assert (report.state, report.exit_code) == (SUCCEEDED, 0)
+
+
 async def test_cancel_kills_a_child_ignoring_sigterm(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder, beacon: Beacon
 ) -> None:

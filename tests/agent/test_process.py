@@ -113,8 +113,22 @@ async def test_terminate_after_exit_is_a_noop(tmp_path: Path) -> None:
     """Terminating a replica that already exited keeps its exit code."""
     proc = await start("pass", tmp_path)
     assert await asyncio.wait_for(proc.wait(), 10) == 0
-    await proc.terminate(grace_s=0.1)
+    assert not await proc.terminate(grace_s=0.1)  # nothing to stop
     assert proc.returncode == 0
+
+
+async def test_terminate_says_whether_it_stopped_the_replica(tmp_path: Path) -> None:
+    """A replica whose leader exited by itself is not counted as stopped, even while its
+    output still drains; a running one is."""
+    running = await start("import time; time.sleep(60)", tmp_path)
+    assert await asyncio.wait_for(running.terminate(grace_s=5), 20)
+    ended = await start("pass", tmp_path)
+    for _ in range(200):  # the leader's exit seen, whether or not wait() has returned
+        if ended.exited:
+            break
+        await asyncio.sleep(0.01)
+    assert not await ended.terminate(grace_s=5)
+    assert ended.returncode == 0
 
 
 async def test_stragglers_die_with_the_leader(tmp_path: Path) -> None:
