@@ -125,6 +125,9 @@ def explain_task(task: jobs_pb2.TaskExplanation) -> list[RenderableType]:
         head.append_text(text(f"; {task.note}"))
     parts.append(head)
     parts.extend(estimate_lines(task))
+    for verdict in task.held_back:
+        where = f" at {verdict.site}" if verdict.site else ""
+        parts.append(text(f"  held back{where} ({verdict.stage}): {verdict.reason}"))
     if task.sites and not any(s.feasible for s in task.sites):
         parts.append(text("  no site can take it now"))
     for table in (ranking_table(task), rejections_table(task)):

@@ -1118,7 +1118,23 @@ class Scheduler:
                 explanation.ranked_estimate.CopyFrom(estimate_proto(estimates, index))
             if task.site and task.HasField("estimate"):
                 explanation.committed_estimate.CopyFrom(task.estimate)
+            if task.state == job_state.PENDING:
+                explanation.held_back.extend(self._held_back(job, task))
             out.append(explanation)
+        return out
+
+    def _held_back(
+        self, job: jobs_pb2.Job, task: jobs_pb2.TaskStatus
+    ) -> list[jobs_pb2.SiteVerdict]:
+        """What keeps a waiting task back beside placement (``TaskExplanation.held_back``):
+        its queue's quota as it stands now, then what the scheduler last found of the rest."""
+        out = []
+        if job.spec.queue and (
+            why := self._sharing.admission(job, task_demand(job, task.name), {})
+        ):
+            out.append(jobs_pb2.SiteVerdict(stage=QUOTA, reason=why))
+        found = (v for v in task.verdicts if v.stage in (QUOTA, OWNER_SHARE, PREEMPT))
+        out += [v for v in found if v.site or v.stage != QUOTA]  # the queue's own: now
         return out
 
     async def _commit(

@@ -18,6 +18,7 @@ import pytest
 from rich.console import Console
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
+from federation.cli.explain import explanation_table
 from federation.cli.queues import queues_table
 from federation.local import LocalFederation
 from federation.testing.cluster import etcd_coordinator_args
@@ -199,6 +200,13 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
         waiting = next(i for i, s in now.items() if s != RUNNING)
         job = (await jobs(a).GetJob(job_service_pb2.GetJobRequest(job_id=waiting))).job
         assert "queue qa at its gpu quota (1/1)" in job.tasks[0].reason
+        explained = await jobs(a).ExplainJob(job_service_pb2.ExplainJobRequest(job_id=waiting))
+        (held_back,) = explained.tasks[0].held_back
+        assert (held_back.stage, held_back.site) == ("Quota", "")
+        assert held_back.reason.startswith("queue qa at its gpu quota (1/1)")
+        shown = io.StringIO()
+        Console(file=shown, width=200).print(explanation_table(explained.tasks[0]))
+        assert "held back (Quota): queue qa at its gpu quota (1/1)" in shown.getvalue()
         status = (await listed(operator))["qa"]
         assert status.usage["gpu"] == 1
         assert status.waiting_jobs == 5

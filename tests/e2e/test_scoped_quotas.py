@@ -118,6 +118,11 @@ async def test_a_site_quota_sends_the_rest_elsewhere(
             return words in (await get(channel, [waiting]))[0].tasks[0].reason
 
         await until(says_why, "the pinned job to wait for its site quota")
+        request = job_service_pb2.ExplainJobRequest(job_id=waiting)
+        explained = await jobs(channel).ExplainJob(request)
+        [held_back] = explained.tasks[0].held_back
+        assert (held_back.site, held_back.stage) == ("sq-mixed", "Quota")
+        assert held_back.reason.startswith(words.removeprefix("sq-mixed: "))
         go.touch()
         await all_succeed(channel, [*ids, waiting])
 

@@ -914,6 +914,7 @@ class TaskExplanation(_message.Message):
     RANKED_SITE_FIELD_NUMBER: _builtins.int
     RANKED_ESTIMATE_FIELD_NUMBER: _builtins.int
     COMMITTED_ESTIMATE_FIELD_NUMBER: _builtins.int
+    HELD_BACK_FIELD_NUMBER: _builtins.int
     task: _builtins.str
     state: Global___JobState.ValueType
     site: _builtins.str
@@ -933,6 +934,14 @@ class TaskExplanation(_message.Message):
         unset before a site accepted.
         """
 
+    @_builtins.property
+    def held_back(self) -> _containers.RepeatedCompositeFieldContainer[Global___SiteVerdict]:
+        """While it waits: what holds it back beside placement, in quota terms. Its queue's quota
+        now (stage "Quota", no site), and as the scheduler last found: site, domain or model
+        quotas ("Quota" at a site), a site owner's share ("OwnerShare"), tasks being stopped to
+        make room for it ("Preempt").
+        """
+
     def __init__(
         self,
         *,
@@ -944,10 +953,11 @@ class TaskExplanation(_message.Message):
         ranked_site: _builtins.str = ...,
         ranked_estimate: Global___Estimate | None = ...,
         committed_estimate: Global___Estimate | None = ...,
+        held_back: _abc.Iterable[Global___SiteVerdict] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["committed_estimate", b"committed_estimate", "ranked_estimate", b"ranked_estimate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_estimate", b"committed_estimate", "note", b"note", "ranked_estimate", b"ranked_estimate", "ranked_site", b"ranked_site", "site", b"site", "sites", b"sites", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["committed_estimate", b"committed_estimate", "held_back", b"held_back", "note", b"note", "ranked_estimate", b"ranked_estimate", "ranked_site", b"ranked_site", "site", b"site", "sites", b"sites", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
