@@ -303,8 +303,10 @@ class Scheduler:
                 if site in freed:
                     self._not_before.pop(key, None)
         now = time.monotonic()
-        # Tasks under negotiation are the ones the repository holds out of pending().
-        held = self._jobs.held
+        # Tasks under negotiation are the ones the repository holds out of pending(); as the
+        # cycle starts: one let go while it rests is neither tried now nor taken for gone
+        # (forgetting it would forget the tasks being stopped for it, and stop more).
+        held = set(self._jobs.held)
         room = self._config.max_concurrent_negotiations - len(held)
         self._full = room <= 0
         if self._full:
