@@ -293,15 +293,15 @@ class Scheduler:
             # let the first in line count the room of what the last leader was stopping
             # for them rather than stop more (``_preempt_for``).
             self._frees += 1
+            for key, site in self._waits_for.items():
+                if site in freed:
+                    self._not_before.pop(key, None)
         if freed or self._front_due:
             # Here, as a cycle starts, not where the room came free: a cycle under way
             # (it rests now and then) would back off again the tasks it finds held back
             # by what was just let go, undoing the clearing.
             self._front_due = False
             self._clear_front_of_line()
-            for key, site in self._waits_for.items():
-                if site in freed:
-                    self._not_before.pop(key, None)
         now = time.monotonic()
         # Tasks under negotiation are the ones the repository holds out of pending(); as the
         # cycle starts: one let go while it rests is neither tried now nor taken for gone

@@ -154,11 +154,22 @@ class Sharing:
             self._as_of = None
 
     def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
-        """What ``queue`` and every queue under it hold, with what this cycle admitted."""
+        """What ``queue`` and every queue under it hold, with what this cycle admitted (as
+        the cycle began, within ``as_of_now``)."""
+        as_of = self._as_of
+        if as_of is None:
+            return self._held(queue, self._usage.of, tentative)
+        return self._held(queue, lambda name: as_of.get(name, {}), tentative)
+
+    def _held(
+        self,
+        queue: str,
+        own: Callable[[str], Mapping[str, float]],
+        tentative: Tentative | None = None,
+    ) -> dict[str, float]:
         out: dict[str, float] = {}
         for name in self._subtree(queue):
-            own = self._usage.of(name) if self._as_of is None else self._as_of.get(name, {})
-            for source in (own, (tentative or {}).get(name, {})):
+            for source in (own(name), (tentative or {}).get(name, {})):
                 add(out, source.items())
         return out
 
@@ -269,7 +280,7 @@ class Sharing:
         out = []
         for name in sorted(self.book.queues):
             queue = self.book.queues[name]
-            held = self.held(name)
+            held = self._held(name, self._usage.of)  # now, even while a cycle rests
             share, resource = dominant_share(held, capacity, queue.weight)
             borrowed = {
                 quota_key(q): held.get(quota_key(q), 0.0) - q.nominal
@@ -295,7 +306,7 @@ class Sharing:
         QUEUE_USAGE.clear()
         QUEUE_DOMINANT_SHARE.clear()
         for name, queue in self.book.queues.items():
-            held = self.held(name)
+            held = self._held(name, self._usage.of)  # now, even while a cycle rests
             QUEUE_DOMINANT_SHARE.labels(name).set(dominant_share(held, capacity, queue.weight)[0])
             for resource, amount in _shown(queue, held).items():
                 QUEUE_USAGE.labels(name, resource).set(amount)
