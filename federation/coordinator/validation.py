@@ -7,6 +7,7 @@ import re
 from collections.abc import Collection, Iterator
 
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.placement.compat import validate_requires
 from federation.placement.selectors import SelectorError, check_selector
@@ -24,6 +25,8 @@ MAX_PRIORITY = 1000
 MAX_LABELS = 64
 MAX_CHECKPOINT_DIR = 255
 MAX_INTERVAL_S = 1e7
+MAX_ATTEMPTS = 100
+MAX_BACKOFF_S = 86400.0
 MAX_SPEC_BYTES = 256 * 1024
 """Default for the coordinator's ``max_spec_bytes``."""
 MAX_ENTRIES = 64
@@ -134,6 +137,19 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
             yield FieldViolation(f"{path}.speed[{model}]", f"must be positive, got {factor}")
     if task.HasField("checkpoint"):
         yield from _checkpoint_violations(task.checkpoint, f"{path}.checkpoint")
+    if task.HasField("retry"):
+        yield from _retry_violations(task.retry, f"{path}.retry")
+
+
+def _retry_violations(retry: jobs_pb2.RetryPolicy, path: str) -> Iterator[FieldViolation]:
+    yield from _number(path, "max_attempts", retry.max_attempts, 0, MAX_ATTEMPTS)
+    yield from _number(path, "backoff_s", retry.backoff_s, 0, MAX_BACKOFF_S)
+    yield from _number(path, "max_backoff_s", retry.max_backoff_s, 0, MAX_BACKOFF_S)
+    if 0 < retry.max_backoff_s < retry.backoff_s:
+        yield FieldViolation(
+            f"{path}.max_backoff_s",
+            f"is shorter than backoff_s ({_show(retry.max_backoff_s)} < {_show(retry.backoff_s)})",
+        )
 
 
 def _checkpoint_violations(checkpoint: jobs_pb2.Checkpoint, path: str) -> Iterator[FieldViolation]:
@@ -296,6 +312,17 @@ def spec_violations(
     if spec.HasField("disconnect"):
         policy = spec.disconnect
         out.extend(_number(path, "disconnect.lost_after_s", policy.lost_after_s, 0, MAX_INTERVAL_S))
+        out.extend(_number(path, "disconnect.stop_after_s", policy.stop_after_s, 0, MAX_INTERVAL_S))
+        lost_after_s = policy.lost_after_s or DEFAULT_LOST_AFTER_S
+        if policy.stop_after_s > lost_after_s:
+            # The replacement would start while the cut-off copy still runs.
+            out.append(
+                FieldViolation(
+                    f"{path}.disconnect.stop_after_s",
+                    f"is longer than lost_after_s ({_show(policy.stop_after_s)} > "
+                    f"{_show(lost_after_s)}): a replacement would run beside the cut-off copy",
+                )
+            )
         if policy.reconcile not in jobs_pb2.Reconcile.values():
             out.append(
                 FieldViolation(

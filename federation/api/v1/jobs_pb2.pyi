@@ -325,6 +325,7 @@ class TaskSpec(_message.Message):
     WORKLOAD_CLASS_FIELD_NUMBER: _builtins.int
     SPEED_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
+    RETRY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -360,6 +361,10 @@ class TaskSpec(_message.Message):
     def checkpoint(self) -> Global___Checkpoint:
         """Where and how often the task saves its progress; unset: it does not checkpoint."""
 
+    @_builtins.property
+    def retry(self) -> Global___RetryPolicy:
+        """How often a task that fails is run again; unset: once."""
+
     def __init__(
         self,
         *,
@@ -377,14 +382,48 @@ class TaskSpec(_message.Message):
         workload_class: _builtins.str = ...,
         speed: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         checkpoint: Global___Checkpoint | None = ...,
+        retry: Global___RetryPolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class RetryPolicy(_message.Message):
+    """Runs again for a task that fails (a non-zero exit, a timeout, its node failing under it).
+    Preemption, a lost site and an agent that stopped it while cut off do not use up attempts:
+    those copies are placed again whatever the policy.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    BACKOFF_S_FIELD_NUMBER: _builtins.int
+    MAX_BACKOFF_S_FIELD_NUMBER: _builtins.int
+    max_attempts: _builtins.int
+    """Runs in all, the first included; zero or one: no retry."""
+    backoff_s: _builtins.float
+    """Seconds before the second attempt; each later one waits twice the one before. Zero: 10."""
+    max_backoff_s: _builtins.float
+    """Longest wait between two attempts; zero: 600."""
+    def __init__(
+        self,
+        *,
+        max_attempts: _builtins.int = ...,
+        backoff_s: _builtins.float = ...,
+        max_backoff_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "max_attempts", b"max_attempts", "max_backoff_s", b"max_backoff_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetryPolicy: _TypeAlias = RetryPolicy  # noqa: Y015
 
 @_typing.final
 class Checkpoint(_message.Message):
@@ -426,21 +465,29 @@ class DisconnectPolicy(_message.Message):
     LOST_AFTER_S_FIELD_NUMBER: _builtins.int
     REPLACE_FIELD_NUMBER: _builtins.int
     RECONCILE_FIELD_NUMBER: _builtins.int
+    STOP_AFTER_S_FIELD_NUMBER: _builtins.int
     lost_after_s: _builtins.float
     """Seconds a site may stay unreachable before its tasks are placed elsewhere; zero: 60."""
     replace: _builtins.bool
     """Place the tasks of a lost site elsewhere; unset means true. False leaves them waiting."""
     reconcile: Global___Reconcile.ValueType
+    stop_after_s: _builtins.float
+    """Seconds an agent cut off from every coordinator keeps the job's tasks running before it
+    stops them itself (at most one copy runs at a time); zero: they keep running until the
+    site is back (at least one copy runs all along). At most lost_after_s: the coordinator
+    places a replacement only after this plus a margin.
+    """
     def __init__(
         self,
         *,
         lost_after_s: _builtins.float = ...,
         replace: _builtins.bool | None = ...,
         reconcile: Global___Reconcile.ValueType = ...,
+        stop_after_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_replace", b"_replace", "replace", b"replace"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replace", b"_replace", "lost_after_s", b"lost_after_s", "reconcile", b"reconcile", "replace", b"replace"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replace", b"_replace", "lost_after_s", b"lost_after_s", "reconcile", b"reconcile", "replace", b"replace", "stop_after_s", b"stop_after_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__replace: _TypeAlias = _typing.Literal["replace"]  # noqa: Y015
     _WhichOneofArgType__replace: _TypeAlias = _typing.Literal["_replace", b"_replace"]  # noqa: Y015
@@ -612,6 +659,8 @@ class TaskStatus(_message.Message):
     PREEMPTED_BY_FIELD_NUMBER: _builtins.int
     PREEMPTIONS_FIELD_NUMBER: _builtins.int
     MODELS_FIELD_NUMBER: _builtins.int
+    FAILED_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    RETRY_AT_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -633,6 +682,8 @@ class TaskStatus(_message.Message):
     """
     preemptions: _builtins.int
     """How many times the task was preempted."""
+    failed_attempts: _builtins.int
+    """Attempts that failed so far (retry.max_attempts counts them)."""
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -667,6 +718,10 @@ class TaskStatus(_message.Message):
         (what per-model quotas count).
         """
 
+    @_builtins.property
+    def retry_at(self) -> _timestamp_pb2.Timestamp:
+        """Set while a failed task waits out its retry backoff: it is not placed before."""
+
     def __init__(
         self,
         *,
@@ -691,10 +746,12 @@ class TaskStatus(_message.Message):
         preempted_by: _builtins.str = ...,
         preemptions: _builtins.int = ...,
         models: _abc.Iterable[_builtins.str] | None = ...,
+        failed_attempts: _builtins.int = ...,
+        retry_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "started_at", b"started_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -87,6 +87,7 @@ class TaskReport(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
+    INTERRUPTED_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -94,6 +95,11 @@ class TaskReport(_message.Message):
     exit_code: _builtins.int
     output_tail: _builtins.str
     reason: _builtins.str
+    interrupted: _builtins.bool
+    """The site stopped this copy for a reason of its own, not the task's (it was cut off from
+    every coordinator for the job's disconnect.stop_after_s): the coordinator places the task
+    again without counting a failed attempt.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -117,10 +123,11 @@ class TaskReport(_message.Message):
         devices: _abc.Iterable[_builtins.str] | None = ...,
         checkpoint: _jobs_pb2.CheckpointRecord | None = ...,
         nodes: _abc.Iterable[_builtins.str] | None = ...,
+        interrupted: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "interrupted", b"interrupted", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -396,12 +403,17 @@ class Offer(_message.Message):
     RESTORE_FIELD_NUMBER: _builtins.int
     NODE_LABELS_FIELD_NUMBER: _builtins.int
     ESTIMATE_FIELD_NUMBER: _builtins.int
+    STOP_AFTER_DISCONNECT_S_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
     tenant: _builtins.str
     lease_s: _builtins.float
     """How long the site may hold a reservation without a commit."""
+    stop_after_disconnect_s: _builtins.float
+    """The job's disconnect.stop_after_s: cut off from every coordinator this long, the agent
+    stops the task itself and reports it interrupted. Zero: it keeps running.
+    """
     @_builtins.property
     def spec(self) -> _jobs_pb2.TaskSpec: ...
     @_builtins.property
@@ -432,10 +444,11 @@ class Offer(_message.Message):
         restore: _jobs_pb2.CheckpointRecord | None = ...,
         node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         estimate: _jobs_pb2.Estimate | None = ...,
+        stop_after_disconnect_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -666,6 +679,7 @@ class CoordinatorMessage(_message.Message):
     ACK_FIELD_NUMBER: _builtins.int
     RESYNC_FIELD_NUMBER: _builtins.int
     PROBE_PEERS_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -684,6 +698,12 @@ class CoordinatorMessage(_message.Message):
     def resync(self) -> Global___ResyncRequest: ...
     @_builtins.property
     def probe_peers(self) -> Global___ProbePeers: ...
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat:
+        """The answer to each agent heartbeat: the agent knows it is in touch with a coordinator
+        (disconnect.stop_after_s counts from the last message it received).
+        """
+
     def __init__(
         self,
         *,
@@ -696,12 +716,13 @@ class CoordinatorMessage(_message.Message):
         ack: Global___TaskStatusAck | None = ...,
         resync: Global___ResyncRequest | None = ...,
         probe_peers: Global___ProbePeers | None = ...,
+        heartbeat: Global___Heartbeat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
