@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
+from federation.coordinator import retries
 from federation.jobspec import domain_name, kind_name, state_name
 
 
@@ -388,6 +389,13 @@ def job_details(
             yield text("  " + estimate_line(task))
         if task.checkpoint.path:
             yield text("  checkpoint: " + checkpoint_line(task.checkpoint))
+        spec = next((t for t in job.spec.tasks if t.name == task.name), None)
+        if spec is not None and task.failed_attempts and retries.max_attempts(spec) > 1:
+            later = (
+                f", next not before {utc_time(task.retry_at)}" if task.HasField("retry_at") else ""
+            )
+            most = retries.max_attempts(spec)
+            yield text(f"  failed attempts: {task.failed_attempts} of {most}{later}")
         if task.displaced.site:
             yield text(
                 f"  last moved away from: epoch {task.displaced.epoch} at {task.displaced.site}"

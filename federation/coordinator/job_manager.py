@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.coordinator import job_state, retries
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     MADE_ID,
@@ -19,6 +20,7 @@ from federation.coordinator.jobs import (
     Change,
     JobRepository,
     Mutation,
+    find_spec,
     find_task,
     forget_devices,
     new_job_id,
@@ -457,8 +459,14 @@ class JobManager:
                     return [back_from_preemption(job, current)]
                 current.preempted_by = ""  # it ended by itself first
             reason = (report.reason or _default_reason(report))[:MAX_REPORT_REASON]
-            changes = [transition(job, report.task, report.state, reason)]
-            if report.state == job_state.FAILED:
+            interrupted = report.interrupted and report.state != job_state.SUCCEEDED
+            if interrupted and not job.cancel_requested:
+                return [placed_again(job, current, f"stopped by {site}: {reason}")]
+            if report.state == job_state.FAILED and not job.cancel_requested:
+                changes = [failed_attempt(job, current, reason)]
+            else:
+                changes = [transition(job, report.task, report.state, reason)]
+            if current.state == job_state.FAILED:
                 changes += self._stop_tasks(job, f"task {report.task} failed", effects.siblings)
             return changes
 
@@ -468,7 +476,7 @@ class JobManager:
         """A task that succeeded on devices: how fast its device model ran its workload."""
         assert self._learner is not None
         task = find_task(job, task_name)
-        spec = next(t for t in job.spec.tasks if t.name == task_name)
+        spec = find_spec(job, task_name)
         ran_s = _ran_s(task)
         if not task.estimate.device_model or math.isnan(ran_s):
             return
@@ -613,6 +621,34 @@ def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change
         else "restarts from the start (no checkpoint)"
     )
     return transition(job, task.name, job_state.PENDING, f"preempted by {by}; {restart}")
+
+
+def placed_again(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Change:
+    """A copy its site stopped for a reason of its own: back to PENDING, no attempt used."""
+    unplace(task)
+    forget_devices(task)
+    restart = f"from checkpoint {task.checkpoint.path}" if task.checkpoint.path else "anew"
+    return transition(job, task.name, job_state.PENDING, f"{why}; placing it again {restart}")
+
+
+def failed_attempt(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Change:
+    """A failed run: counted, and back to PENDING after its backoff while the task has
+    attempts left; FAILED once it has none."""
+    spec = find_spec(job, task.name)
+    task.failed_attempts += 1
+    most = retries.max_attempts(spec)
+    if most == 1:
+        return transition(job, task.name, job_state.FAILED, why)
+    if task.failed_attempts >= most:
+        reason = f"attempt {task.failed_attempts} of {most} failed ({why}); none left"
+        return transition(job, task.name, job_state.FAILED, reason)
+    delay_s = retries.backoff_s(spec, task.failed_attempts)
+    task.retry_at.FromNanoseconds(time.time_ns() + int(delay_s * 1e9))
+    task.ClearField("started_at")  # the next attempt's run time is its own (speed learning)
+    unplace(task)
+    forget_devices(task)
+    reason = f"attempt {task.failed_attempts} of {most} failed ({why}); next in {delay_s:g}s"
+    return transition(job, task.name, job_state.PENDING, reason)
 
 
 def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:

@@ -123,6 +123,14 @@ def find_task(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskStatus:
     raise JobNotFoundError(f"{job.id}/{name}")
 
 
+def find_spec(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskSpec:
+    """The spec of task ``name`` of ``job``."""
+    for spec in job.spec.tasks:
+        if spec.name == name:
+            return spec
+    raise JobNotFoundError(f"{job.id}/{name}")
+
+
 def transition(
     job: jobs_pb2.Job,
     task_name: str,

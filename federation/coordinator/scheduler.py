@@ -25,12 +25,13 @@ from typing import Any
 import structlog
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.coordinator import job_state, retries
 from federation.coordinator.forecast import SiteHistory
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
     Mutation,
+    find_spec,
     find_task,
     transition,
     unplace,
@@ -77,6 +78,8 @@ PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
 WAIT = "Wait"
 """The stage of the verdict of a task that waits for a busy site (``waits``)."""
+RETRY = "Retry"
+"""The stage of what holds back a failed task waiting out its backoff (explain only)."""
 WAIT_RECHECK_S = 30.0
 """Longest a task waits for a busy site before its choice is weighed again; a task's end
 there wakes it sooner."""
@@ -238,9 +241,12 @@ class Scheduler:
         the queue with the smallest share fills the whole front, and only its tasks would
         be tried when many GPUs free at once."""
         tentative: Tentative = {}
+        wall = time.time()
         for job in itertools.islice(self._line(tentative), FRONT_OF_LINE):
             for task in job.tasks:
                 key = (job.id, task.name)
+                if retries.due_in_s(task, wall) > 0:
+                    continue  # its backoff after a failed attempt holds
                 if task.state == job_state.PENDING and job.spec.queue:
                     self._sharing.admit(job, task_demand(job, task.name), tentative)
                 if key not in self._waits_for:  # woken once the room shows (``_cycle``)
@@ -302,7 +308,7 @@ class Scheduler:
             # by what was just let go, undoing the clearing.
             self._front_due = False
             self._clear_front_of_line()
-        now = time.monotonic()
+        now, wall = time.monotonic(), time.time()
         # Tasks under negotiation are the ones the repository holds out of pending(); as the
         # cycle starts: one let go while it rests is neither tried now nor taken for gone
         # (forgetting it would forget the tasks being stopped for it, and stop more).
@@ -333,6 +339,12 @@ class Scheduler:
                     if task.state != job_state.PENDING or key in held:
                         continue
                     pending.add(key)
+                    if (retry_in_s := retries.due_in_s(task, wall)) > 0:
+                        # Waits out the backoff after a failed attempt; the timer wakes us.
+                        self._not_before[key] = max(
+                            self._not_before.get(key, 0.0), now + retry_in_s
+                        )
+                        continue
                     if self._not_before.get(key, 0.0) > now:
                         continue
                     if len(batch) >= room:
@@ -438,7 +450,7 @@ class Scheduler:
     ) -> Admitted:
         """The sites of ``ranked`` (and models there) the quotas of the job's queues let the
         task run at, with what it then counts against them (``Sharing.where``)."""
-        spec = next(t for t in job.spec.tasks if t.name == task)
+        spec = find_spec(job, task)
         acc = spec.resources.accelerator
         accepted = set(acc.models)
 
@@ -1131,6 +1143,9 @@ class Scheduler:
         """What keeps a waiting task back beside placement (``TaskExplanation.held_back``):
         its queue's quota as it stands now, then what the scheduler last found of the rest."""
         out = []
+        if (wait_s := retries.due_in_s(task, time.time())) > 0:
+            after = f"attempt {task.failed_attempts} failed; the next starts in {wait_s:.0f}s"
+            out.append(jobs_pb2.SiteVerdict(stage=RETRY, reason=after))
         if job.spec.queue and (
             why := self._sharing.admission(job, task_demand(job, task.name), {})
         ):
@@ -1359,6 +1374,7 @@ def _mark_delegated(
         if estimated is not None:
             task.estimate.CopyFrom(estimated)
         del task.verdicts[:]
+        task.ClearField("retry_at")  # its backoff, if it had one, is over
         change = transition(job, task_name, job_state.DELEGATED, f"{site} accepted")
         return [change]
 
@@ -1417,7 +1433,7 @@ def _about(seconds: float) -> str:
 
 def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
     """Dependencies of a task that have not succeeded yet."""
-    spec = next(t for t in job.spec.tasks if t.name == task_name)
+    spec = find_spec(job, task_name)
     states = {t.name: t.state for t in job.tasks}
     return [d for d in spec.depends_on if states.get(d) != job_state.SUCCEEDED]
 

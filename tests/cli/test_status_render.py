@@ -9,8 +9,14 @@ from google.protobuf import timestamp_pb2
 from rich.console import Console
 from rich.table import Table
 
-from federation.api.v1 import admin_service_pb2, jobs_pb2
-from federation.cli.render import checkpoint_line, event_line, format_duration, sites_table
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
+from federation.cli.render import (
+    checkpoint_line,
+    event_line,
+    format_duration,
+    job_details,
+    sites_table,
+)
 
 
 def text(table: Table) -> list[str]:
@@ -115,3 +121,18 @@ def test_the_sites_table_shows_when_room_frees() -> None:
     header = cells(lines, "mean run")
     assert cells(lines, "dc-fast")[header.index("arrivals/h")] == "12.2"
     assert cells(lines, "dc-fast")[header.index("mean run")] == "1h 05m"
+
+
+def test_a_task_shows_its_failed_attempts_and_when_the_next_may_start() -> None:
+    job = jobs_pb2.Job(id="j")
+    job.spec.tasks.add(name="t").retry.max_attempts = 3
+    job.tasks.add(
+        name="t",
+        state=jobs_pb2.JOB_STATE_PENDING,
+        failed_attempts=1,
+        retry_at=timestamp_pb2.Timestamp(seconds=1_700_000_000),
+    )
+    out = Console(width=200, record=True)
+    for renderable in job_details(job_service_pb2.GetJobResponse(job=job)):
+        out.print(renderable)
+    assert "failed attempts: 1 of 3, next not before 2023-11-14 22:13:20" in out.export_text()

@@ -129,6 +129,56 @@ CASES: list[tuple[str, Mutation, str, str]] = [
         "'1BAD' is not a valid environment variable",
     ),
     (
+        "retry-attempts-high",
+        _set("tasks[0].retry.max_attempts", 101),
+        "spec.tasks[0].retry.max_attempts",
+        "between 0 and 100, got 101",
+    ),
+    (
+        "retry-backoff-negative",
+        _set("tasks[0].retry.backoff_s", -1.0),
+        "spec.tasks[0].retry.backoff_s",
+        "between 0 and 86400, got -1",
+    ),
+    (
+        "retry-backoff-nan",
+        _set("tasks[0].retry.backoff_s", float("nan")),
+        "spec.tasks[0].retry.backoff_s",
+        "got nan",
+    ),
+    (
+        "retry-cap-below-backoff",
+        _call(
+            lambda s: s.tasks[0].retry.MergeFrom(
+                jobs_pb2.RetryPolicy(backoff_s=60, max_backoff_s=5)
+            )
+        ),
+        "spec.tasks[0].retry.max_backoff_s",
+        "shorter than backoff_s (5 < 60)",
+    ),
+    (
+        "stop-after-beyond-default-lost-after",
+        _set("disconnect.stop_after_s", 61.0),
+        "spec.disconnect.stop_after_s",
+        "longer than lost_after_s (61 > 60): a replacement would run beside the cut-off copy",
+    ),
+    (
+        "stop-after-beyond-lost-after",
+        _call(
+            lambda s: s.disconnect.MergeFrom(
+                jobs_pb2.DisconnectPolicy(lost_after_s=20, stop_after_s=30)
+            )
+        ),
+        "spec.disconnect.stop_after_s",
+        "(30 > 20)",
+    ),
+    (
+        "stop-after-negative",
+        _set("disconnect.stop_after_s", -1.0),
+        "spec.disconnect.stop_after_s",
+        "between 0 and 10000000, got -1",
+    ),
+    (
         "replicas-high",
         _set("tasks[0].replicas", 1025),
         "spec.tasks[0].replicas",
@@ -298,6 +348,15 @@ def test_names_at_the_edges_of_the_pattern_are_accepted(name: str) -> None:
     spec = valid_spec()
     spec.id = name
     spec.tasks[0].name = name
+    assert spec_violations(spec) == []
+
+
+def test_retries_and_a_stop_within_lost_after_are_accepted() -> None:
+    spec = valid_spec()
+    spec.tasks[0].retry.MergeFrom(
+        jobs_pb2.RetryPolicy(max_attempts=5, backoff_s=5, max_backoff_s=5)
+    )
+    spec.disconnect.MergeFrom(jobs_pb2.DisconnectPolicy(lost_after_s=30, stop_after_s=30))
     assert spec_violations(spec) == []
 
 
