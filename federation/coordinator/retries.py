@@ -1,7 +1,6 @@
 """Runs again for failed tasks: how many a task gets, and how long it waits before each.
 
-A task's ``retry`` policy counts failures only: a non-zero exit, a timeout, a node that failed
-under it. Copies stopped for other reasons (preemption, a lost site, an agent cut off from every
+A task's ``retry`` policy counts failures only: a non-zero exit or a timeout. Copies stopped for other reasons (preemption, a lost site, an agent cut off from every
 coordinator) are placed again without using up an attempt.
 """
 

@@ -394,7 +394,7 @@ Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
 
 @_typing.final
 class RetryPolicy(_message.Message):
-    """Runs again for a task that fails (a non-zero exit, a timeout, its node failing under it).
+    """Runs again for a task that fails (a non-zero exit, or its timeout_s).
     Preemption, a lost site and an agent that stopped it while cut off do not use up attempts:
     those copies are placed again whatever the policy.
     """
