@@ -7,6 +7,9 @@ import sys
 
 import structlog
 
+LEVELS = ("debug", "info", "warning", "error", "critical")
+"""What ``--log-level`` takes (any case)."""
+
 
 def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
     """Configure structlog: JSON for daemons, the console renderer on a terminal.

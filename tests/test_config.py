@@ -183,3 +183,13 @@ def test_a_metrics_port_in_use_is_one_line(tmp_path: Path, taken_port: int, modu
     [line] = done.stderr.splitlines()
     assert f"metrics_listen 127.0.0.1:{taken_port}: cannot listen" in line
     assert not written.exists()
+
+
+@pytest.mark.parametrize("module", ["federation.coordinator", "edge_agent", "datacenter_agent"])
+def test_an_unknown_log_level_is_a_usage_error_not_a_traceback(module: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", module, "--log-level", "bogus"], capture_output=True, text=True
+    )
+    assert run.returncode == 2
+    assert "argument --log-level: invalid choice: 'bogus'" in run.stderr
+    assert "Traceback" not in run.stderr

@@ -32,7 +32,7 @@ from federation.agent.owner_share import check_owner_share, owner_share
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
-from federation.logging import configure_logging
+from federation.logging import LEVELS, configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatTable, load_table_files
 
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Names
     p.add_argument("--price-per-device-hour", type=float)
     p.add_argument("--no-host", action="store_true", help="do not publish this machine as a node")
     p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9465")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LEVELS)
     p.add_argument("--log-json", action="store_true", default=None)
     return p.parse_args(argv)
 

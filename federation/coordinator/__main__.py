@@ -16,7 +16,7 @@ import structlog
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig, check_settings
 from federation.coordinator.server import ListenError, start_coordinator
-from federation.logging import configure_logging
+from federation.logging import LEVELS, configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatError
 from federation.placement.registry import UnknownPluginError, build_framework
@@ -48,7 +48,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="heartbeats missed before a site is UNREACHABLE (default 3)",
     )
     p.add_argument("--ready-file", type=Path, help="write the bound ports here as JSON")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LEVELS)
     p.add_argument("--log-json", action="store_true", default=None, help="JSON logs")
     return p.parse_args(argv)
 
