@@ -1,7 +1,8 @@
 """Runs again for failed tasks: how many a task gets, and how long it waits before each.
 
-A task's ``retry`` policy counts failures only: a non-zero exit or a timeout. Copies stopped for other reasons (preemption, a lost site, an agent cut off from every
-coordinator) are placed again without using up an attempt.
+A task's ``retry`` policy counts failures only: a non-zero exit or a timeout. Copies stopped for
+other reasons (preemption, a lost site, an agent cut off from every coordinator) are placed
+again without using up an attempt.
 """
 
 from __future__ import annotations
