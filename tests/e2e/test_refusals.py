@@ -89,6 +89,16 @@ BAD_SPECS = [
     ("bad id", spec("x", [python_task("t", "")], id="Not Valid!"), "spec.id"),
     ("the coordinator's id form", spec("x", [python_task("t", "")], id="j-mine"), "spec.id"),
     (
+        "a stop after a disconnect later than the replacement",
+        spec("x", [python_task("t", "")], disconnect={"lost_after_s": 10, "stop_after_s": 20}),
+        "spec.disconnect.stop_after_s",
+    ),
+    (
+        "retries beyond the limit",
+        spec("x", [python_task("t", "", retry={"max_attempts": 1000})]),
+        "spec.tasks[0].retry.max_attempts",
+    ),
+    (
         "selector too costly",
         spec("x", [python_task("t", "", resources={"accelerator": {"selector": FREEZES}})]),
         "spec.tasks[0].resources.accelerator.selector",
