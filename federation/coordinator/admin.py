@@ -5,8 +5,11 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+from google.protobuf import text_format
+
 from federation import __version__
 from federation.api.v1 import admin_service_pb2, queues_pb2
+from federation.coordinator import audit
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.queues import QueueBook
@@ -65,25 +68,34 @@ class Admin:
             rescheduling_note=self._lost_sites.note if self._lost_sites is not None else "",
         )
 
-    async def cordon(self, site: str, cordoned: bool) -> admin_service_pb2.Site:
+    async def cordon(self, caller: str, site: str, cordoned: bool) -> admin_service_pb2.Site:
         if not site:
             raise InvalidArgumentError([FieldViolation("site", "is required")])
-        return await self._sites.set_cordoned(site, cordoned)
+        action = "site.cordon" if cordoned else "site.uncordon"
+        return await self._sites.set_cordoned(site, cordoned, [audit.entry(caller, action, site)])
 
     # Queues ------------------------------------------------------------------------------
 
-    async def create_queue(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
-        return await self._sharing.book.create(queue)
+    async def create_queue(self, caller: str, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+        recorded = audit.entry(caller, "queue.create", queue.name, _described(queue))
+        return await self._sharing.book.create(queue, [recorded])
 
-    async def update_queue(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
-        return await self._sharing.book.update(queue)
+    async def update_queue(self, caller: str, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+        recorded = audit.entry(caller, "queue.update", queue.name, _described(queue))
+        return await self._sharing.book.update(queue, [recorded])
 
-    async def delete_queue(self, name: str) -> None:
+    async def delete_queue(self, caller: str, name: str) -> None:
         if not name:
             raise InvalidArgumentError([FieldViolation("name", "is required")])
         used_by = [job.id for job in self._jobs.active() if job.spec.queue == name]
-        await self._sharing.book.delete(name, used_by)
+        recorded = audit.entry(caller, "queue.delete", name)
+        await self._sharing.book.delete(name, used_by, [recorded])
 
     def queues(self) -> list[queues_pb2.QueueStatus]:
         waiting = Counter(job.spec.queue for job in self._jobs.pending())
         return self._sharing.status(self._sites.capacity(), waiting)
+
+
+def _described(queue: queues_pb2.Queue) -> str:
+    """A queue as one line of text, for its audit entry."""
+    return text_format.MessageToString(queue, as_one_line=True)

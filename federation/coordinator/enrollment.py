@@ -11,6 +11,7 @@ import structlog
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from federation.api.v1 import admin_service_pb2, records_pb2, resources_pb2, site_link_service_pb2
+from federation.coordinator import audit
 from federation.coordinator.jobs import now_timestamp
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import (
@@ -25,6 +26,8 @@ from federation.store import CasConflictError, Delete, Put, Store
 
 log = structlog.get_logger()
 
+JOINER = "join-token"
+"""Who joins, in the audit trail: the bearer of a token, known by no certificate yet."""
 TOKENS = "/tokens/"
 CERTIFICATES = "/certificates/"
 DEFAULT_TOKEN_TTL_S = 3600.0
@@ -67,7 +70,13 @@ class Enrollment:
             created_by=created_by,
         )
         record.expires_at.FromSeconds(int(time.time() + ttl_s))
-        await self._store.commit([Put(_token_key(token), record.SerializeToString())])
+        expires = f"expires {record.expires_at.ToDatetime():%Y-%m-%d %H:%M:%S} UTC"
+        await self._store.commit(
+            [
+                Put(_token_key(token), record.SerializeToString()),
+                audit.entry(created_by, "token.create", site, expires),
+            ]
+        )
         log.info("join_token_created", site=site, by=created_by, ttl_s=ttl_s)
         return admin_service_pb2.CreateJoinTokenResponse(token=token, expires_at=record.expires_at)
 
@@ -113,6 +122,15 @@ class Enrollment:
                     Delete(kv.key, expect_revision=kv.mod_revision),
                     self._sites.record_put(site),
                     Put(CERTIFICATES + issued.serial_hex, issued.SerializeToString()),
+                    audit.entry(
+                        JOINER, "token.redeem", record.site, f"created by {record.created_by}"
+                    ),
+                    audit.entry(
+                        JOINER,
+                        "certificate.issue",
+                        issued.serial_hex,
+                        f"{identity}, valid until {cert.not_valid_after_utc:%Y-%m-%d %H:%M:%S} UTC",
+                    ),
                 ]
             )
         except CasConflictError:

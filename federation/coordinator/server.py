@@ -22,6 +22,8 @@ from federation.agent.probe import ProbeServer
 from federation.api.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
+    audit_service_pb2,
+    audit_service_pb2_grpc,
     job_service_pb2,
     job_service_pb2_grpc,
     site_link_service_pb2,
@@ -38,6 +40,7 @@ from federation.coordinator.servicers import (
     METHOD_ROLES,
     OPEN_METHODS,
     AdminServicer,
+    AuditServicer,
     JobServicer,
     SiteLinkServicer,
 )
@@ -55,6 +58,7 @@ log = structlog.get_logger()
 SERVICE_NAMES = (
     job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
     admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
+    audit_service_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
 )
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -200,6 +204,7 @@ def _servers(
     current = leadership.current
     job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(current), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(current), server)
+    audit_service_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer(current), server)
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
         SiteLinkServicer(current, serves_connect=True), server
     )

@@ -14,6 +14,12 @@ from federation.api.v1 import (
     admin_service_pb2_grpc as admin_grpc,
 )
 from federation.api.v1 import (
+    audit_service_pb2 as audit_pb,
+)
+from federation.api.v1 import (
+    audit_service_pb2_grpc as audit_grpc,
+)
+from federation.api.v1 import (
     job_service_pb2 as job_pb,
 )
 from federation.api.v1 import (
@@ -25,6 +31,7 @@ from federation.api.v1 import (
 from federation.api.v1 import (
     site_link_service_pb2_grpc as link_grpc,
 )
+from federation.coordinator import audit
 from federation.coordinator.services import Services
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
@@ -38,6 +45,7 @@ Current: TypeAlias = Callable[[], Services]
 _JOBS = "/federation.api.v1.JobService/"
 _ADMIN = "/federation.api.v1.AdminService/"
 _LINK = "/federation.api.v1.SiteLinkService/"
+_AUDIT = "/federation.api.v1.AuditService/"
 CLIENTS = frozenset({Role.OPERATOR, Role.TENANT})
 OPERATORS = frozenset({Role.OPERATOR})
 SITES = frozenset({Role.SITE})
@@ -69,6 +77,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "DeleteQueue",
         )
     },
+    _AUDIT + "ListAuditEvents": OPERATORS,
     _LINK + "Connect": SITES,
 }
 JOB_COUNTS: dict[str, Callable[[Any], int]] = {
@@ -157,13 +166,13 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def CordonSite(
         self, request: admin_pb.CordonSiteRequest, context: Context
     ) -> admin_pb.CordonSiteResponse:
-        site = await self._current().admin.cordon(request.site, True)
+        site = await self._current().admin.cordon(str(current_caller()), request.site, True)
         return admin_pb.CordonSiteResponse(site=site)
 
     async def UncordonSite(
         self, request: admin_pb.UncordonSiteRequest, context: Context
     ) -> admin_pb.UncordonSiteResponse:
-        site = await self._current().admin.cordon(request.site, False)
+        site = await self._current().admin.cordon(str(current_caller()), request.site, False)
         return admin_pb.UncordonSiteResponse(site=site)
 
     async def CreateJoinToken(
@@ -176,13 +185,13 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def CreateQueue(
         self, request: admin_pb.CreateQueueRequest, context: Context
     ) -> admin_pb.CreateQueueResponse:
-        queue = await self._current().admin.create_queue(request.queue)
+        queue = await self._current().admin.create_queue(str(current_caller()), request.queue)
         return admin_pb.CreateQueueResponse(queue=queue)
 
     async def UpdateQueue(
         self, request: admin_pb.UpdateQueueRequest, context: Context
     ) -> admin_pb.UpdateQueueResponse:
-        queue = await self._current().admin.update_queue(request.queue)
+        queue = await self._current().admin.update_queue(str(current_caller()), request.queue)
         return admin_pb.UpdateQueueResponse(queue=queue)
 
     async def ListQueues(
@@ -193,8 +202,18 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def DeleteQueue(
         self, request: admin_pb.DeleteQueueRequest, context: Context
     ) -> admin_pb.DeleteQueueResponse:
-        await self._current().admin.delete_queue(request.name)
+        await self._current().admin.delete_queue(str(current_caller()), request.name)
         return admin_pb.DeleteQueueResponse()
+
+
+class AuditServicer(audit_grpc.AuditServiceServicer):
+    def __init__(self, current: Current) -> None:
+        self._current = current
+
+    async def ListAuditEvents(
+        self, request: audit_pb.ListAuditEventsRequest, context: Context
+    ) -> audit_pb.ListAuditEventsResponse:
+        return await audit.list_events(self._current().jobs.store, request)
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):

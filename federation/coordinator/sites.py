@@ -18,7 +18,7 @@ from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.resources import capacity
-from federation.store import Put, Store
+from federation.store import Op, Put, Store
 
 log = structlog.get_logger()
 
@@ -217,12 +217,15 @@ class SiteRegistry:
             entry.record = record
         self._changed()
 
-    async def set_cordoned(self, name: str, cordoned: bool) -> admin_service_pb2.Site:
+    async def set_cordoned(
+        self, name: str, cordoned: bool, also: Sequence[Op] = ()
+    ) -> admin_service_pb2.Site:
+        """Cordon or uncordon ``name``, writing ``also`` (its audit entry) in the same commit."""
         entry = self.get(name)
         record = admin_service_pb2.Site()
         record.CopyFrom(entry.record)
         record.cordoned = cordoned
-        await self._store.commit([self.record_put(record)])
+        await self._store.commit([self.record_put(record), *also])
         entry.record = record
         if not cordoned:
             self._freed.add(name)

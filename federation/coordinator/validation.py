@@ -314,7 +314,7 @@ def spec_violations(
         out.extend(_number(path, "disconnect.lost_after_s", policy.lost_after_s, 0, MAX_INTERVAL_S))
         out.extend(_number(path, "disconnect.stop_after_s", policy.stop_after_s, 0, MAX_INTERVAL_S))
         lost_after_s = policy.lost_after_s or DEFAULT_LOST_AFTER_S
-        if policy.stop_after_s > lost_after_s:
+        if policy.stop_after_s > 0 and policy.stop_after_s > lost_after_s:
             # The replacement would start while the cut-off copy still runs.
             out.append(
                 FieldViolation(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 
 import structlog
 
@@ -19,7 +19,7 @@ from federation.errors import (
     QueueNotFoundError,
 )
 from federation.resources import resource_problem
-from federation.store import CasConflictError, Delete, Put, Store
+from federation.store import CasConflictError, Delete, Op, Put, Store
 
 log = structlog.get_logger()
 
@@ -117,29 +117,31 @@ class QueueBook:
     def children(self, name: str) -> list[str]:
         return [q.name for q in self._queues.values() if q.parent == name]
 
-    async def create(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+    async def create(self, queue: queues_pb2.Queue, also: Sequence[Op] = ()) -> queues_pb2.Queue:
+        """Store a new queue, and ``also`` (its audit entry) in the same commit."""
         async with self._writing:
-            return await self._create(queue)
+            return await self._create(queue, also)
 
-    async def _create(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+    async def _create(self, queue: queues_pb2.Queue, also: Sequence[Op] = ()) -> queues_pb2.Queue:
         if queue.name in self._queues:
             raise AlreadyExistsError(f"queue {queue.name!r} already exists", queue=queue.name)
         if len(self._queues) >= MAX_QUEUES:
             raise FailedPreconditionError(f"at most {MAX_QUEUES} queues")
-        return await self._write(queue, expect_revision=0)
+        return await self._write(queue, expect_revision=0, also=also)
 
-    async def update(self, queue: queues_pb2.Queue) -> queues_pb2.Queue:
+    async def update(self, queue: queues_pb2.Queue, also: Sequence[Op] = ()) -> queues_pb2.Queue:
         async with self._writing:
             if queue.name not in self._queues:
                 raise QueueNotFoundError(queue.name)
-            return await self._write(queue, expect_revision=self._revisions[queue.name])
+            revision = self._revisions[queue.name]
+            return await self._write(queue, expect_revision=revision, also=also)
 
-    async def delete(self, name: str, used_by: Collection[str]) -> None:
+    async def delete(self, name: str, used_by: Collection[str], also: Sequence[Op] = ()) -> None:
         """Delete ``name`` unless ``used_by`` (unfinished jobs naming it) or children."""
         async with self._writing:
-            await self._delete(name, used_by)
+            await self._delete(name, used_by, also)
 
-    async def _delete(self, name: str, used_by: Collection[str]) -> None:
+    async def _delete(self, name: str, used_by: Collection[str], also: Sequence[Op] = ()) -> None:
         queue = self.get(name)
         if children := self.children(name):
             raise FailedPreconditionError(
@@ -153,14 +155,16 @@ class QueueBook:
             )
         try:
             await self._store.commit(
-                [Delete(queue_key(name), expect_revision=self._revisions[name])]
+                [Delete(queue_key(name), expect_revision=self._revisions[name]), *also]
             )
         except CasConflictError:
             raise FailedPreconditionError(f"queue {name} changed meanwhile; try again") from None
         del self._queues[name], self._revisions[name]
         log.info("queue_deleted", queue=queue.name)
 
-    async def _write(self, queue: queues_pb2.Queue, *, expect_revision: int) -> queues_pb2.Queue:
+    async def _write(
+        self, queue: queues_pb2.Queue, *, expect_revision: int, also: Sequence[Op] = ()
+    ) -> queues_pb2.Queue:
         known = {**self._queues, queue.name: queue}
         if violations := queue_violations(queue, known):
             raise InvalidArgumentError(violations)
@@ -171,7 +175,7 @@ class QueueBook:
             queue_key(queue.name), stored.SerializeToString(), expect_revision=expect_revision
         )
         try:
-            revision = await self._store.commit([put])
+            revision = await self._store.commit([put, *also])
         except CasConflictError:
             raise FailedPreconditionError(
                 f"queue {queue.name} changed meanwhile; try again"
