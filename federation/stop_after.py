@@ -36,11 +36,12 @@ def gone_after_s(stop_after_s: float, heartbeat_s: float) -> float:
     that asks for ``stop_after_s`` has ended.
 
     The agent counts from the last coordinator message it handled, the coordinator from losing
-    the session, which is never sooner than it sent that message. The margin after the
-    agent's own wait covers, in order: that message reaching the agent late (in flight, or
-    behind a busy event loop), one heartbeat interval; the agent noticing the cut up to one
-    watchdog tick late; the stop itself, SIGTERM then SIGKILL after at most ``STOP_GRACE_S``;
-    the processes being gone; and the two clocks running apart over the wait.
+    the session, which is never sooner than it sent that message (a new leader counts from the
+    start of its term, which comes after the old leader stepped down and ended its sessions).
+    The margin after the agent's own wait covers, in order: that message reaching the agent
+    late (in flight, or behind a busy event loop), one heartbeat interval; the agent noticing
+    the cut up to one watchdog tick late; the stop itself, SIGTERM then SIGKILL after at most
+    ``STOP_GRACE_S``; the processes being gone; and the two clocks running apart over the wait.
     """
     waited_s = stops_after_s(stop_after_s, heartbeat_s)
     margin_s = heartbeat_s + WATCHDOG_S + STOP_GRACE_S + EXIT_S + CLOCK_DRIFT * waited_s

@@ -89,7 +89,7 @@ class LocalCore(Protocol):
         """Stops, and waits for, every task whose offer's ``stop_after_disconnect_s`` is
         positive and at most ``cut_off_s``, the seconds the agent has been cut off from every
         coordinator. Each ends CANCELLED and is reported ``interrupted``; SIGKILL follows
-        SIGTERM after at most ``stop_after.STOP_GRACE_S``. Tasks already stopping are left be.
+        SIGTERM after at most ``stop_after.STOP_GRACE_S``. Tasks already stopping are left alone.
         """
         ...
 

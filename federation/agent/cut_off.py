@@ -51,8 +51,9 @@ class CutOffWatch:
         self._heartbeat_s = heartbeat_s
 
     def cut_off_s(self) -> float:
-        """Seconds since the agent last heard from a coordinator, once that silence is more
-        than the gap between heartbeat answers; 0 while in touch, and until it first was."""
+        """Seconds since the agent last heard from a coordinator, once that silence is longer
+        than ``IN_TOUCH_HEARTBEATS`` heartbeat intervals; 0 while in touch, and until it first
+        was."""
         if self._heard_at is None:
             return 0.0
         silent_s = self._clock() - self._heard_at
