@@ -56,6 +56,7 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
+from federation.stop_after import STOP_GRACE_S
 
 log = structlog.get_logger()
 
@@ -236,7 +237,9 @@ class SlurmCore:
         )
         placed = place(nodes, spec, self._usage())  # what the view counts held
         slots = () if isinstance(placed, str) else placed
-        reservation = Reservation(key, slurm_id, slots, lease_s, checkpoints)
+        reservation = Reservation(
+            key, slurm_id, slots, lease_s, checkpoints, offer.stop_after_disconnect_s
+        )
         self._held.hold(reservation)
         expected_start_s = max(0.0, foreseen.start - time.time())
         log.info(
@@ -269,6 +272,7 @@ class SlurmCore:
             return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
         self._held.take(reservation.id)
         task = SlurmTask(key, reservation.slurm_id, reservation.id, reservation.slots)
+        task.stop_after_s = reservation.stop_after_s
         if reservation.checkpoints is not None:
             task.checkpoints = reservation.checkpoints
             task.restore_file = job_dir(self._work_dir, key) / RESTORE_FILE
@@ -310,12 +314,48 @@ class SlurmCore:
         victims = [t for key, t in self._tasks.items() if targeted(key) and t.is_active]
         if not victims and not held:
             log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
-        await asyncio.gather(*(self._stop(victim, reason) for victim in victims))
+        await asyncio.gather(
+            *(self._stop(victim, reason, self._kill_grace_s) for victim in victims)
+        )
         if held:
             self._changed()
 
-    async def _stop(self, task: SlurmTask, reason: str) -> None:
-        """SIGTERM to a running job, ``scancel`` after the grace time; waits for its end."""
+    async def stop_cut_off(self, cut_off_s: float) -> None:
+        """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
+        coordinator, waiting or running, and waits for their end: CANCELLED, reported
+        interrupted. Slurm's own KillWait may make the end later than the coordinator counts."""
+        victims = [
+            t
+            for t in self._tasks.values()
+            if t.is_active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
+        ]
+        for victim in victims:
+            job_id, name, epoch = victim.key
+            log.warning(
+                "task_stopped_cut_off",
+                job_id=job_id,
+                task=name,
+                epoch=epoch,
+                slurm_job=victim.slurm_id,
+                cut_off_s=round(cut_off_s, 1),
+                stop_after_s=victim.stop_after_s,
+            )
+            victim.interrupted = True
+        grace_s = min(self._kill_grace_s, STOP_GRACE_S)
+        await asyncio.gather(
+            *(
+                self._stop(
+                    victim,
+                    f"cut off from every coordinator for {cut_off_s:.0f} s "
+                    f"(disconnect.stop_after_s {victim.stop_after_s:g})",
+                    grace_s,
+                )
+                for victim in victims
+            )
+        )
+
+    async def _stop(self, task: SlurmTask, reason: str, grace_s: float) -> None:
+        """SIGTERM to a running job, ``scancel`` after ``grace_s``; waits for its end."""
         task.cancel_reason, task.stopping = reason, True
         try:
             if task.state == jobs_pb2.JOB_STATE_RUNNING:
@@ -325,7 +365,7 @@ class SlurmCore:
                     log.warning("slurm_signal_failed", slurm_job=task.slurm_id, error=err.message)
                 else:
                     log.info("task_signalled", slurm_job=task.slurm_id, signal="TERM")
-                    await self._until_finished(task, self._kill_grace_s)
+                    await self._until_finished(task, grace_s)
             if task.is_active:
                 try:
                     await self._cli.run("scancel", task.slurm_id)
@@ -432,7 +472,8 @@ class SlurmCore:
             if task.slurm_id not in seen and task.created < began:
                 await follow(task, None, self._cli, self._report)
             elif task.cancel_reason is not None and not task.cancel_sent and not task.stopping:
-                self._spawn(self._stop(task, task.cancel_reason))  # Slurm missed the last try
+                # Slurm missed the last try
+                self._spawn(self._stop(task, task.cancel_reason, self._kill_grace_s))
         self._adopted = True
 
     async def _adopt(self, key: TaskKey, slurm_id: str, record: Record) -> None:

@@ -33,6 +33,8 @@ class Reservation:
     lease_s: float
     checkpoints: TaskCheckpoints | None = None
     """The task's checkpoint folder and watcher, when it declares a checkpoint policy."""
+    stop_after_s: float = 0.0
+    """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
     timer: asyncio.TimerHandle | None = None
 
     @property

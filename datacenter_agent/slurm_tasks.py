@@ -70,6 +70,11 @@ class SlurmTask:
     """Where the batch script finds the checkpoint a requeued job restarts from."""
     restarts: int = 0
     """How many times Slurm had requeued the job when it was last seen starting."""
+    stop_after_s: float = 0.0
+    """Cut off from every coordinator this long, the site stops the task; 0: it does not.
+    Not known for a job adopted after a restart (the offer is gone): that one runs on."""
+    interrupted: bool = False
+    """Stopped because the site was cut off (``SlurmCore.stop_cut_off``)."""
 
     @property
     def is_active(self) -> bool:
@@ -87,6 +92,7 @@ class SlurmTask:
             devices=self.devices,
             nodes=self.nodes,
             checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
+            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
         )
 
 

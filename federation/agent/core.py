@@ -29,8 +29,10 @@ def task_report(
     devices: list[str],
     nodes: list[str] | None = None,
     checkpoint: jobs_pb2.CheckpointRecord | None = None,
+    interrupted: bool = False,
 ) -> site_link_service_pb2.TaskReport:
-    """A task's state as every core reports it to the coordinator."""
+    """A task's state as every core reports it to the coordinator; ``interrupted``: the site
+    stopped it for a reason of its own (see ``LocalCore.stop_cut_off``)."""
     job_id, task, epoch = key
     return site_link_service_pb2.TaskReport(
         job_id=job_id,
@@ -43,6 +45,7 @@ def task_report(
         devices=devices,
         nodes=nodes or [],
         checkpoint=checkpoint,
+        interrupted=interrupted,
     )
 
 
@@ -80,6 +83,14 @@ class LocalCore(Protocol):
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
         """Stops a task (epoch 0 means any epoch); a no-op for an unknown task."""
+        ...
+
+    async def stop_cut_off(self, cut_off_s: float) -> None:
+        """Stops, and waits for, every task whose offer's ``stop_after_disconnect_s`` is
+        positive and at most ``cut_off_s``, the seconds the agent has been cut off from every
+        coordinator. Each ends CANCELLED and is reported ``interrupted``; SIGKILL follows
+        SIGTERM after at most ``stop_after.STOP_GRACE_S``. Tasks already stopping are left alone.
+        """
         ...
 
     def tasks(self) -> list[site_link_service_pb2.TaskReport]:

@@ -32,6 +32,7 @@ from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
+from federation.stop_after import STOP_GRACE_S
 
 log = structlog.get_logger()
 
@@ -62,6 +63,8 @@ class Reservation:
     """How long the task runs on the devices held (0: not said), as the answer told."""
     device_model: str = ""
     """The model of the slowest device held, as the answer told."""
+    stop_after_s: float = 0.0
+    """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
 
 
 @dataclass(slots=True, eq=False)
@@ -86,6 +89,10 @@ class _Task:
     checkpoints: TaskCheckpoints | None = None
     """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
     tenant: str = ""
+    stop_after_s: float = 0.0
+    """Cut off from every coordinator this long, the site stops the task; 0: it does not."""
+    interrupted: bool = False
+    """Stopped because the site was cut off (``stop_cut_off``), not for the task's sake."""
 
     @property
     def active(self) -> bool:
@@ -101,6 +108,8 @@ class _Task:
             devices=self.devices,
             nodes=[slot.node for slot in self.slots],
             checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
+            # Only once stopped: a task that ended by itself first did not lose its run.
+            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
         )
 
 
@@ -281,6 +290,7 @@ class EmbeddedCore:
             tenant=offer.tenant,
             run_s=placed.run_s,
             device_model=placed.device_model,
+            stop_after_s=offer.stop_after_disconnect_s,
         )
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
@@ -328,7 +338,7 @@ class EmbeddedCore:
         task = _Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
-        task.tenant = reservation.tenant
+        task.tenant, task.stop_after_s = reservation.tenant, reservation.stop_after_s
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
                 reservation.spec.checkpoint,
@@ -381,6 +391,34 @@ class EmbeddedCore:
         if not victims and not dropped:
             log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
         await self._stop(victims, reason, self._kill_grace_s)
+
+    async def stop_cut_off(self, cut_off_s: float) -> None:
+        """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
+        coordinator, and waits until they have ended CANCELLED, reported interrupted: the
+        coordinator places them elsewhere once they are surely gone (``stop_after``)."""
+        victims = [
+            t
+            for t in self._tasks.values()
+            if t.active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
+        ]
+        for victim in victims:
+            job_id, name, epoch = victim.key
+            log.warning(
+                "task_stopped_cut_off",
+                job_id=job_id,
+                task=name,
+                epoch=epoch,
+                cut_off_s=round(cut_off_s, 1),
+                stop_after_s=victim.stop_after_s,
+            )
+            victim.interrupted = True
+            victim.cancel_reason = (
+                f"cut off from every coordinator for {cut_off_s:.0f} s "
+                f"(disconnect.stop_after_s {victim.stop_after_s:g})"
+            )
+            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
+            victim.cancelled.set()
+        await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
     def forget(self, job_id: str, task: str, epoch: int) -> None:
         """Drops a finished task's record; a running task is kept."""

@@ -2,7 +2,8 @@
 
 The agent opens the stream (so it works behind NAT), says hello with its full view and every
 task it holds, then sends view deltas, heartbeats, answers and task reports. When the stream
-breaks it reconnects with jittered backoff; tasks keep running meanwhile. Given several
+breaks it reconnects with jittered backoff; tasks keep running meanwhile, except those of jobs
+that ask to be stopped after ``disconnect.stop_after_s`` cut off (``CutOffWatch``). Given several
 coordinators, it tries them in order and follows a follower's hint to the leader
 (``federation.endpoints`` decides where to go next and how long to wait).
 """
@@ -21,6 +22,7 @@ from grpc_status import rpc_status
 from federation import __version__
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
+from federation.agent.cut_off import CutOffWatch
 from federation.agent.enroll import SiteCredentials, channel_options
 from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
@@ -85,6 +87,7 @@ class AgentRuntime:
         self._endpoints = Endpoints(coordinator_endpoints(config))
         self._leaving = False
         self._session_over = asyncio.Event()
+        self._cut_off = CutOffWatch(core)
         self.connected = asyncio.Event()
 
     # Called by the core ----------------------------------------------------------------
@@ -173,7 +176,15 @@ class AgentRuntime:
     # The session -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Keep a session up until cancelled or left; raise ``AgentRejectedError`` if refused."""
+        """Keep a session up until cancelled or left; raise ``AgentRejectedError`` if refused.
+        Meanwhile stop the tasks that must not outlive a cut (``CutOffWatch``)."""
+        watch = asyncio.create_task(self._cut_off.run())
+        try:
+            await self._keep_session()
+        finally:
+            watch.cancel()
+
+    async def _keep_session(self) -> None:
         while not self._leaving:
             error: grpc.aio.AioRpcError | None = None
             coordinator = self._endpoints.current
@@ -284,12 +295,15 @@ class AgentRuntime:
                 self._links.set_peers(message.probe_peers.peers)
             else:
                 log.debug("probe_peers_ignored", reason="no link monitor")
+        elif body == "heartbeat":
+            pass  # the answer to ours: a coordinator is there (heard, below)
         else:
             # Offers, commits, releases and cancels may be slow (a real scheduler answers
             # them): handle each in its own task so the stream keeps flowing.
             task = asyncio.create_task(self._answer(message, outbox))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
+        self._cut_off.heard(self._heartbeat_s)
 
     async def _answer(
         self, message: pb.CoordinatorMessage, outbox: asyncio.Queue[pb.AgentMessage | None]

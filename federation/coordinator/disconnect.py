@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
+from federation.stop_after import gone_after_s
 
 DEFAULT_LOST_AFTER_S = 60.0
 """Grace a job's tasks get when its policy sets no ``lost_after_s``."""
@@ -28,6 +29,8 @@ class Policy:
     """Whether the tasks of a lost site are placed elsewhere at all."""
     reconcile: jobs_pb2.Reconcile.ValueType = KEEP_REPLACEMENT
     """Which copy survives when the original comes back."""
+    stop_after_s: float = 0.0
+    """Seconds a cut-off site keeps the tasks running before it stops them; 0: it does not."""
 
     @property
     def reconcile_name(self) -> str:
@@ -42,12 +45,22 @@ def policy_of(spec: jobs_pb2.JobSpec) -> Policy:
         lost_after_s=given.lost_after_s if given.lost_after_s > 0 else DEFAULT_LOST_AFTER_S,
         replace=given.replace if given.HasField("replace") else True,
         reconcile=given.reconcile or KEEP_REPLACEMENT,
+        stop_after_s=given.stop_after_s,
     )
 
 
-def is_due(policy: Policy, lost_for_s: float) -> bool:
+def replace_after_s(policy: Policy, heartbeat_s: float) -> float:
+    """How long a task's site must have been away before the task is placed elsewhere:
+    ``lost_after_s``, and with ``stop_after_s`` no sooner than the cut-off copy is surely gone
+    (``heartbeat_s``: the interval at which agents hear from the coordinator)."""
+    if policy.stop_after_s <= 0:
+        return policy.lost_after_s
+    return max(policy.lost_after_s, gone_after_s(policy.stop_after_s, heartbeat_s))
+
+
+def is_due(policy: Policy, lost_for_s: float, heartbeat_s: float) -> bool:
     """Whether a task whose site has been away ``lost_for_s`` seconds should move now."""
-    return policy.replace and lost_for_s >= policy.lost_after_s
+    return policy.replace and lost_for_s >= replace_after_s(policy, heartbeat_s)
 
 
 def is_partitioned(connected: int, unreachable: int) -> bool:

@@ -2,8 +2,9 @@
 
 Every ``interval_s`` the leader looks at the sites without a session. A task delegated to or
 running at such a site moves back to PENDING, with a new epoch, once the site has been away
-for its job's ``disconnect.lost_after_s`` (and the job allows replacing it); the scheduler then
-places it elsewhere, restarting from its newest recorded checkpoint. The copy left behind is
+for its job's ``disconnect.lost_after_s`` (and the job allows replacing it), and with
+``disconnect.stop_after_s`` once the site has surely stopped its copy; the scheduler then places
+it elsewhere, restarting from its newest recorded checkpoint. The copy left behind is
 remembered (``TaskStatus.displaced``) for the job's reconcile rule, and fenced off if the site
 comes back with it. While more than half of the sites the coordinator should reach are
 unreachable at once, it suspects itself cut off and moves nothing until enough come back.
@@ -59,6 +60,8 @@ class LostSites:
         sites: The site registry: which sites are offline, since when, and why.
         wake: Wakes the scheduler after tasks were moved back to PENDING.
         interval_s: Time between two looks.
+        heartbeat_s: The interval at which agents hear from the coordinator (it answers each
+            heartbeat): how late a cut-off site may notice it (``disconnect.stop_after_s``).
         clock: Monotonic clock (tests pass their own).
     """
 
@@ -68,12 +71,15 @@ class LostSites:
         sites: SiteRegistry,
         wake: Callable[[], None],
         interval_s: float,
+        *,
+        heartbeat_s: float,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._jobs = jobs
         self._sites = sites
         self._wake = wake
         self._interval_s = interval_s
+        self._heartbeat_s = heartbeat_s
         self._clock = clock
         self.paused = False
         """Whether moving is paused because most sites are unreachable at once."""
@@ -102,7 +108,7 @@ class LostSites:
         moves = [
             move
             for job in self._jobs.at_sites(offline.keys())
-            for move in due_moves(job, offline, now)
+            for move in due_moves(job, offline, now, self._heartbeat_s)
         ]
         done = [move for move in moves if await self._move(move)]
         if done:
@@ -171,8 +177,10 @@ class LostSites:
         return True
 
 
-def due_moves(job: jobs_pb2.Job, offline: dict[str, OfflineSite], now: float) -> list[Move]:
-    """The tasks of ``job`` at offline sites whose grace is over.
+def due_moves(
+    job: jobs_pb2.Job, offline: dict[str, OfflineSite], now: float, heartbeat_s: float
+) -> list[Move]:
+    """The tasks of ``job`` at offline sites whose grace is over (``is_due``).
 
     A cancelled job's tasks are not placed again: past the grace they end CANCELLED without
     waiting for their site (whatever it still runs is stopped when it returns).
@@ -190,7 +198,7 @@ def due_moves(job: jobs_pb2.Job, offline: dict[str, OfflineSite], now: float) ->
                 reason = f"cancelled; site {site.name} {how} for {away_s:.0f}s"
                 out.append(Move(job.id, task.name, site.name, task.epoch, reason, is_cancel=True))
             continue
-        if not is_due(policy, away_s):
+        if not is_due(policy, away_s, heartbeat_s):
             continue
         where = (
             f"from checkpoint {task.checkpoint.path}" if task.checkpoint.path else "from scratch"

@@ -146,7 +146,13 @@ async def start_services(
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
     # partition rule) count from now.
     sites.presume_unreachable({job_site for job_site, *_ in _held(jobs)})
-    lost_sites = LostSites(jobs, sites, wake, interval_s=config.heartbeat_interval_s)
+    lost_sites = LostSites(
+        jobs,
+        sites,
+        wake,
+        interval_s=config.heartbeat_interval_s,
+        heartbeat_s=config.heartbeat_interval_s,
+    )
     scheduler_task = asyncio.create_task(scheduler.run())
     lost_sites_task = asyncio.create_task(lost_sites.run())
     learning_task = asyncio.create_task(LearningSaver(learner, store).run())

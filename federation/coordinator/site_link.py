@@ -203,6 +203,10 @@ class SiteLink:
     ) -> None:
         site = session.site
         if body == "heartbeat":
+            if not session.closed:
+                # Answered, so the agent knows it is in touch: a cut-off agent stops the tasks
+                # of jobs with disconnect.stop_after_s, counting from the last message it heard.
+                session.send(pb.CoordinatorMessage(heartbeat=request.heartbeat))
             return
         if body == "view":
             update = request.view

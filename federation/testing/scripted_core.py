@@ -94,6 +94,8 @@ class ScriptedCore:
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None: ...
 
+    async def stop_cut_off(self, cut_off_s: float) -> None: ...
+
     def tasks(self) -> list[site_link_service_pb2.TaskReport]:
         return []
 

@@ -92,6 +92,7 @@ def offer(
     env: dict[str, str] | None = None,
     requires: Mapping[str, str] | None = None,
     node_labels: Mapping[str, str] | None = None,
+    stop_after_s: float = 0,
 ) -> site_link_service_pb2.Offer:
     """An offer of one task that runs ``code`` (or ``command``) per replica."""
     accelerator = jobs_pb2.AcceleratorRequest(
@@ -121,6 +122,7 @@ def offer(
         spec=spec,
         lease_s=lease_s,
         node_labels=node_labels or {},
+        stop_after_disconnect_s=stop_after_s,
     )
 
 

@@ -18,6 +18,7 @@ from federation.coordinator.disconnect import (
     is_partitioned,
     original_wins,
     policy_of,
+    replace_after_s,
 )
 from federation.jobspec import job_spec_from_dict
 
@@ -41,10 +42,15 @@ def spec_with(disconnect: dict[str, object] | None) -> jobs_pb2.JobSpec:
             {"reconcile": "keep_original"}, Policy(60.0, True, KEEP_ORIGINAL), id="original"
         ),
         pytest.param({"reconcile": "best"}, Policy(60.0, True, BEST), id="best"),
+        pytest.param(
+            {"lost_after_s": 8, "stop_after_s": 3},
+            Policy(8.0, True, KEEP_REPLACEMENT, stop_after_s=3.0),
+            id="stop",
+        ),
     ],
 )
 def test_policy_defaults(disconnect: dict[str, object] | None, expected: Policy) -> None:
-    """Unset fields take the defaults: 60 s, replace, keep the replacement."""
+    """Unset fields take the defaults: 60 s, replace, keep the replacement, keep running."""
     assert policy_of(spec_with(disconnect)) == expected
 
 
@@ -62,11 +68,40 @@ def test_reconcile_names_read_as_specs_spell_them() -> None:
         (Policy(lost_after_s=3, replace=False), 1000.0, False),
         (Policy(), 59.0, False),
         (Policy(), 61.0, True),
+        # stop_after_s well within lost_after_s: the copy is gone by then.
+        (Policy(stop_after_s=30), 59.9, False),
+        (Policy(stop_after_s=30), 60.0, True),
+        # stop_after_s = lost_after_s: 60 s, and the margin at a 3 s heartbeat (heartbeat 3,
+        # watchdog 1, stop grace 5, exit 1, clock drift 0.06).
+        (Policy(stop_after_s=60), 70.0, False),
+        (Policy(stop_after_s=60), 70.1, True),
+        # Shorter than two heartbeats: the agent waits those out (6 s), the coordinator too.
+        (Policy(lost_after_s=5, stop_after_s=1), 15.9, False),
+        (Policy(lost_after_s=5, stop_after_s=1), 16.1, True),
+        (Policy(lost_after_s=5, stop_after_s=1, replace=False), 1000.0, False),
     ],
 )
 def test_a_task_moves_once_its_grace_is_over(policy: Policy, away_s: float, due: bool) -> None:
-    """A task moves when its site has been away for lost_after_s, and never without replace."""
-    assert is_due(policy, away_s) is due
+    """A task moves when its site has been away for lost_after_s, and with stop_after_s not
+    before the cut-off site has surely stopped its copy; never without replace."""
+    assert is_due(policy, away_s, heartbeat_s=3.0) is due
+
+
+@pytest.mark.parametrize(
+    ("policy", "heartbeat_s", "after_s"),
+    [
+        (Policy(lost_after_s=8), 0.5, 8.0),
+        (Policy(lost_after_s=8, stop_after_s=3), 0.5, 10.503),
+        (Policy(lost_after_s=8, stop_after_s=3), 3.0, 16.006),
+        (Policy(lost_after_s=30, stop_after_s=3), 3.0, 30.0),
+    ],
+)
+def test_replacement_waits_for_the_cut_off_copy(
+    policy: Policy, heartbeat_s: float, after_s: float
+) -> None:
+    """The wait is lost_after_s, or stop_after_s plus the margin when that is longer; a slower
+    heartbeat means a longer margin."""
+    assert replace_after_s(policy, heartbeat_s) == pytest.approx(after_s)
 
 
 @pytest.mark.parametrize(

@@ -38,7 +38,9 @@ class World:
         self.sites = SiteRegistry(store, lambda: None)
         self.clock = Clock()
         self.wakes = 0
-        self.monitor = LostSites(self.jobs, self.sites, self._wake, 1.0, clock=self.clock)
+        self.monitor = LostSites(
+            self.jobs, self.sites, self._wake, 1.0, heartbeat_s=1.0, clock=self.clock
+        )
         self.sessions: dict[str, SiteSession] = {}
 
     def _wake(self) -> None:
@@ -69,6 +71,7 @@ class World:
             policy.lost_after_s = float(str(disconnect.get("lost_after_s", 0)))
             if "replace" in disconnect:
                 policy.replace = bool(disconnect["replace"])
+            policy.stop_after_s = float(str(disconnect.get("stop_after_s", 0)))
         job.tasks.add(name="t", state=job_state.PENDING)
         await self.jobs.create([job])
         return await self.jobs.update(job_id, _to_running(site))
@@ -119,6 +122,28 @@ async def test_task_moves_after_its_grace_with_a_new_epoch(world: World) -> None
     (moved,) = [e for e in logs if e["event"] == "task_moved_off_lost_site"]
     assert (moved["old_epoch"], moved["epoch"], moved["log_level"]) == (1, 2, "warning")
     assert await world.monitor.check() == []  # moved once
+
+
+async def test_with_stop_after_the_task_waits_until_its_copy_is_surely_gone(
+    world: World,
+) -> None:
+    """stop_after_s as long as lost_after_s: the task moves only after the margin too (at a
+    1 s heartbeat: 1 + 1 s watchdog + 5 s stop grace + 1 s exit + clock drift); a job that
+    says nothing of stop_after moves at lost_after_s, as before."""
+    for name in ("a", "b"):
+        world.connect(name)
+    await world.running("stops", "a", {"lost_after_s": 5, "stop_after_s": 5})
+    await world.running("keeps", "a", {"lost_after_s": 5})
+    world.lose("a")
+    world.clock.offset_s = 5.5
+    assert [move.job_id for move in await world.monitor.check()] == ["keeps"]
+    world.clock.offset_s = 12.9
+    assert await world.monitor.check() == []
+    assert (await world.jobs.get("stops")).tasks[0].state == job_state.RUNNING
+    world.clock.offset_s = 13.1
+    (move,) = await world.monitor.check()
+    assert (move.job_id, move.epoch) == ("stops", 1)
+    assert move.reason == "site a unreachable for 13s; placing again from checkpoint /ck/1"
 
 
 async def test_default_grace_is_sixty_seconds(world: World) -> None:

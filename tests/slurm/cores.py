@@ -57,9 +57,15 @@ class Harness:
         *,
         epoch: int = 1,
         restore: jobs_pb2.CheckpointRecord | None = None,
+        stop_after_s: float = 0,
     ) -> site_link_service_pb2.OfferAnswer:
         offer = site_link_service_pb2.Offer(
-            job_id=job_id, task="main", epoch=epoch, spec=spec, lease_s=lease_s
+            job_id=job_id,
+            task="main",
+            epoch=epoch,
+            spec=spec,
+            lease_s=lease_s,
+            stop_after_disconnect_s=stop_after_s,
         )
         if restore is not None:
             offer.restore.CopyFrom(restore)
@@ -72,9 +78,12 @@ class Harness:
         *,
         epoch: int = 1,
         restore: jobs_pb2.CheckpointRecord | None = None,
+        stop_after_s: float = 0,
     ) -> str:
         """Offers and commits; returns the Slurm job id."""
-        answer = await self.offer(job_id, spec, epoch=epoch, restore=restore)
+        answer = await self.offer(
+            job_id, spec, epoch=epoch, restore=restore, stop_after_s=stop_after_s
+        )
         assert answer.accepted, answer.reason
         commit = site_link_service_pb2.Commit(
             reservation_id=answer.reservation_id, job_id=job_id, task="main", epoch=epoch

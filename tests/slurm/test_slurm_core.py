@@ -224,6 +224,27 @@ async def test_cancel_kills_a_task_that_ignores_the_signal(
     assert slurm_job(slurm_cluster, slurm_id)["JobState"] == "CANCELLED"
 
 
+async def test_a_cut_off_site_stops_the_jobs_that_ask_for_it(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
+) -> None:
+    """Cut off past a job's stop_after_s, the site scancels its Slurm job and reports it
+    CANCELLED and interrupted, with why; a job that does not ask runs on."""
+    ready = tmp_path / "ready"
+    code = f"import time; open({str(ready)!r}, 'w').close(); time.sleep(60)"
+    harness = await make_core()
+    stops = await harness.run("stops", gpu_task(code), stop_after_s=2)
+    keeps = await harness.run("keeps", gpu_task("import time; time.sleep(60)"))
+    await eventually(ready.exists, "the job that stops running")
+    await harness.core.stop_cut_off(2.6)
+    report = harness.last("stops")
+    assert report is not None
+    assert (report.state, report.interrupted) == (jobs_pb2.JOB_STATE_CANCELLED, True)
+    assert report.reason == "cut off from every coordinator for 3 s (disconnect.stop_after_s 2)"
+    assert slurm_job(slurm_cluster, stops)["JobState"] == "CANCELLED"
+    assert slurm_job(slurm_cluster, keeps)["JobState"] in ("PENDING", "RUNNING")
+    assert [r.interrupted for r in harness.core.tasks() if r.job_id == "keeps"] == [False]
+
+
 async def test_drained_node_leaves_the_view(
     make_core: MakeCore, slurm_cluster: LocalSlurmCluster
 ) -> None:
