@@ -501,6 +501,12 @@ class EmbeddedCore:
         job_id, name, epoch = key
         return self._work_dir / job_id / name / str(epoch)
 
+    def _run_dir(self, key: TaskKey, replica: int) -> Path:
+        """The agent's own folder for a replica's supervisor files (output tail, exit status):
+        beside the epoch's folder, where no task can reach."""
+        job_id, name, epoch = key
+        return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
+
     async def _start_replicas(self, task: _Task) -> None:
         base = self._task_dir(task.key)
         dirs = [base / str(replica) for replica in range(len(task.slots))]
@@ -513,6 +519,7 @@ class EmbeddedCore:
             # The folders above the replicas' are the agent's, so no task can put a link
             # where another task's folder goes; each replica's is its account's alone.
             agent_folder(base)
+            private_folder(self._run_dir(task.key, 0).parent, None)
             for directory in dirs:
                 private_folder(directory, account)
             if task.checkpoints is not None:
@@ -524,10 +531,18 @@ class EmbeddedCore:
         except OSError as exc:
             # No replica ran, so there is no exit code to report.
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
+        job_id, name, epoch = task.key
         for replica, cwd in enumerate(dirs):
-            env = self._replica_env(task, replica)
             task.replicas.append(
-                await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env, account=account)
+                await ReplicaProcess.start(
+                    task.spec.command,
+                    cwd=cwd,
+                    env=self._replica_env(task, replica),
+                    run_dir=self._run_dir(task.key, replica),
+                    account=account,
+                    grace_s=self._kill_grace_s,
+                    label=f"{job_id}/{name}/{epoch}/{replica}",
+                )
             )
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
