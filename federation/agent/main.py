@@ -131,7 +131,8 @@ def compat_table(config: AgentConfig) -> CompatTable:
 async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
-    """The default core: tasks run as processes on the site's discovered and declared nodes."""
+    """The default core: tasks run as processes on the site's discovered and declared nodes,
+    taking over those the agent before it left running."""
     work_dir = config.work_dir or config.state_dir / "work"
     accounts = task_accounts(
         accounts=config.task_accounts,
@@ -141,7 +142,7 @@ async def embedded_core(
         state_dir=config.state_dir,
         work_dir=work_dir,
     )
-    return EmbeddedCore(
+    core = EmbeddedCore(
         site_nodes(config),
         site=config.site,
         work_dir=work_dir,
@@ -151,7 +152,10 @@ async def embedded_core(
         accounts=accounts,
         compat=compat_table(config),
         owner_share=owner_share(config.owner_share),
+        state_dir=config.state_dir,
     )
+    await core.adopt()  # before the first hello, which reports the tasks adopted
+    return core
 
 
 def host_watcher(config: AgentConfig, core: LocalCore, links: LinkMonitor) -> HostWatcher | None:
@@ -245,8 +249,9 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     if watcher is not None:
         await watcher.close()
     await probe.close()
-    await core.shutdown(config.kill_grace_s)
-    await core.close()
+    if config.stop_tasks_on_exit:
+        await core.shutdown(config.kill_grace_s)
+    await core.close()  # the embedded core's tasks run on, for the next agent to adopt
     return code
 
 
