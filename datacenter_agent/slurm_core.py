@@ -56,7 +56,7 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
-from federation.stop_after import STOP_GRACE_S
+from federation.stop_after import STOP_GRACE_S, stop_reason
 
 log = structlog.get_logger()
 
@@ -346,8 +346,7 @@ class SlurmCore:
             *(
                 self._stop(
                     victim,
-                    f"cut off from every coordinator for {cut_off_s:.0f} s "
-                    f"(disconnect.stop_after_s {victim.stop_after_s:g})",
+                    stop_reason(cut_off_s, victim.stop_after_s),
                     grace_s,
                 )
                 for victim in victims

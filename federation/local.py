@@ -215,6 +215,8 @@ class LocalFederation:
             "token_file": token_file,
             "discover_host": site.discover_host,
             "kill_grace_s": 2.0,
+            # Stopping a local federation stops its work too; a site may say otherwise
+            "stop_tasks_on_exit": True,
             # On loopback, one user: tasks run as the agent (with the site key in reach)
             "run_tasks_as_agent": True,
             "price_per_device_hour": site.price_per_device_hour,

@@ -9,6 +9,8 @@ same numbers, so the cut-off copy is gone before its replacement starts.
 
 from __future__ import annotations
 
+import math
+
 WATCHDOG_S = 1.0
 """How often an agent looks at how long it has been cut off."""
 STOP_GRACE_S = 5.0
@@ -46,3 +48,12 @@ def gone_after_s(stop_after_s: float, heartbeat_s: float) -> float:
     waited_s = stops_after_s(stop_after_s, heartbeat_s)
     margin_s = heartbeat_s + WATCHDOG_S + STOP_GRACE_S + EXIT_S + CLOCK_DRIFT * waited_s
     return waited_s + margin_s
+
+
+def stop_reason(cut_off_s: float, stop_after_s: float) -> str:
+    """Why a site stopped a task of a job with ``stop_after_s``: cut off for ``cut_off_s``, or
+    (``math.inf``) its agent is stopping and, once gone, could not stop it in time."""
+    policy = f"disconnect.stop_after_s {stop_after_s:g}"
+    if math.isinf(cut_off_s):
+        return f"the agent is stopping and could not stop it later ({policy})"
+    return f"cut off from every coordinator for {cut_off_s:.0f} s ({policy})"

@@ -140,6 +140,10 @@ class AgentConfig:
     may enter."""
     kill_grace_s: float = field(default=5.0, metadata=at_least(0))
     """Time between SIGTERM and SIGKILL when a task is cancelled."""
+    stop_tasks_on_exit: bool = False
+    """Stop the embedded core's tasks when the agent stops (SIGTERM, SIGINT). By default they
+    run on under their supervisors and the agent started next adopts them: an agent restart or
+    upgrade kills no work. (Slurm jobs always stay with Slurm.)"""
     datasets: dict[str, int] = field(default_factory=dict, metadata=at_least(0))
     """Datasets this site holds, id -> bytes; placement counts moving them elsewhere."""
     probe_listen: str = field(default="127.0.0.1:0", metadata=address())

@@ -2,6 +2,10 @@
 
 Held capacity is never tracked incrementally: it is recomputed from the reservations and the
 unfinished tasks whenever it is needed, so it cannot drift from them.
+
+Each replica runs under a supervisor that outlives the agent (``federation.agent.supervisor``),
+and each task is recorded in state_dir (``federation.agent.task_records``): an agent stopped on
+purpose leaves its tasks running, and the next one adopts them with their epochs.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.supervisor import LEAVING
+from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
-from federation.stop_after import STOP_GRACE_S
+from federation.stop_after import STOP_GRACE_S, stop_reason
 
 log = structlog.get_logger()
 
@@ -93,12 +99,19 @@ class _Task:
     """Cut off from every coordinator this long, the site stops the task; 0: it does not."""
     interrupted: bool = False
     """Stopped because the site was cut off (``stop_cut_off``), not for the task's sake."""
+    started_at: float = 0.0
+    """Wall-clock time its replicas started."""
+    restore: jobs_pb2.CheckpointRecord | None = None
+    final: site_link_service_pb2.TaskReport | None = None
+    """Its final report, once it has ended (the very one recorded and sent)."""
 
     @property
     def active(self) -> bool:
         return self.state not in _FINAL
 
     def report(self) -> site_link_service_pb2.TaskReport:
+        if self.final is not None:
+            return self.final
         return task_report(
             self.key,
             self.state,
@@ -150,6 +163,8 @@ class EmbeddedCore:
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is stopped.
         accounts: Who runs each tenant's tasks.
         compat: How software requirements are read (the shipped table by default).
+        state_dir: Where tasks are recorded for a restarted agent to adopt (``adopt``); None:
+            tasks are not recorded and die with this process.
     """
 
     name = "embedded"
@@ -166,6 +181,7 @@ class EmbeddedCore:
         accounts: TaskAccounts | None = None,
         compat: CompatTable | None = None,
         owner_share: resources_pb2.OwnerShare | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -187,6 +203,7 @@ class EmbeddedCore:
         self._tasks: dict[TaskKey, _Task] = {}
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
+        self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Nodes with free cpu/memory and devices reflecting all held capacity.
@@ -338,7 +355,8 @@ class EmbeddedCore:
         task = _Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
-        task.tenant, task.stop_after_s = reservation.tenant, reservation.stop_after_s
+        task.tenant, task.restore = reservation.tenant, reservation.restore
+        task.stop_after_s = reservation.stop_after_s
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
                 reservation.spec.checkpoint,
@@ -350,6 +368,10 @@ class EmbeddedCore:
         self._changed()
         try:
             await self._start_replicas(task)
+        except asyncio.CancelledError:  # the agent is going: no record, so no adoption
+            for replica in task.replicas:
+                replica.kill()
+            raise
         except ReplicaStartError as exc:
             await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
             if task.cancel_reason is not None:
@@ -357,9 +379,10 @@ class EmbeddedCore:
             else:
                 self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
             return site_link_service_pb2.CommitAnswer(started=True)
-        task.state = jobs_pb2.JOB_STATE_RUNNING
+        task.state, task.started_at = jobs_pb2.JOB_STATE_RUNNING, time.time()
+        self._save(task)
         if task.checkpoints is not None:
-            task.checkpoints.start(time.time())
+            task.checkpoints.start(task.started_at)
         log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
         self._report(task)
         # Held so the supervisor is not garbage-collected while it runs.
@@ -412,10 +435,7 @@ class EmbeddedCore:
                 stop_after_s=victim.stop_after_s,
             )
             victim.interrupted = True
-            victim.cancel_reason = (
-                f"cut off from every coordinator for {cut_off_s:.0f} s "
-                f"(disconnect.stop_after_s {victim.stop_after_s:g})"
-            )
+            victim.cancel_reason = stop_reason(cut_off_s, victim.stop_after_s)
             victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
@@ -427,11 +447,16 @@ class EmbeddedCore:
             log.warning("forget_ignored", job_id=job_id, task=task, epoch=epoch, state="running")
         elif known is not None:
             del self._tasks[known.key]
+            if self._records is not None:
+                self._records.drop(known.reservation_id)
 
     async def close(self) -> None:
-        """Drops reservations and their timers; running tasks go on and are still reported."""
+        """Drops reservations and their timers; running tasks go on and are still reported,
+        and are left to the next agent on this state_dir when this one exits."""
         for reservation_id in list(self._reservations):
             self._drop_reservation(reservation_id)
+        if self._records is not None:
+            self._records.leave()
         log.info("core_closed", running_tasks=self.queue().running_tasks)
 
     async def shutdown(self, grace_s: float) -> None:
@@ -439,6 +464,107 @@ class EmbeddedCore:
         victims = [t for t in self._tasks.values() if t.active]
         await self._stop(victims, "agent shutting down", grace_s)
         await self.close()
+
+    async def adopt(self) -> None:
+        """Takes over the tasks recorded in state_dir by the agent before this one.
+
+        Tasks it left on purpose (its core closed) are adopted with their epochs: a replica
+        whose supervisor still runs (the same pid and start time) is watched again, one that
+        ended meanwhile reports how; a task that had ended keeps its final report. Tasks of an
+        agent that crashed are stopped, if any process is left, and forgotten: the coordinator
+        places them again, as it does for every task a site no longer reports.
+        """
+        if self._records is None:
+            return
+        previous = self._records.claim()
+        handed_over = previous is not None and previous[2] == LEAVING
+        for record in self._records.load():
+            if record.final is not None:
+                self._adopt_final(record)
+                continue
+            replicas = [
+                ReplicaProcess.adopt(r.pid, r.start_ticks, self._run_dir(record.key, i))
+                for i, r in enumerate(record.replicas)
+            ]
+            if not handed_over or any(p.ended and p.ended.why == "agent_died" for p in replicas):
+                for replica in replicas:
+                    replica.kill()
+                await asyncio.gather(*(replica.wait() for replica in replicas))
+                self._records.drop(record.reservation_id)
+                job_id, name, epoch = record.key
+                log.warning("task_not_adopted", job_id=job_id, task=name, epoch=epoch)
+                continue
+            for replica in replicas:
+                replica.claim()
+            self._adopt_running(record, replicas)
+        self._changed()
+
+    def _adopted(self, record: TaskRecord) -> _Task:
+        task = _Task(
+            record.key,
+            record.reservation_id,
+            record.spec,
+            record.slots,
+            record.devices,
+            self._kill_grace_s,
+        )
+        task.tenant, task.restore, task.started_at = (
+            record.tenant,
+            record.restore,
+            record.started_at,
+        )
+        self._tasks[record.key] = task
+        return task
+
+    def _adopt_final(self, record: TaskRecord) -> None:
+        """A task that ended before the restart: its final report, until acknowledged."""
+        assert record.final is not None
+        task = self._adopted(record)
+        task.final, task.state = record.final, record.final.state
+        task.finished.set()
+
+    def _adopt_running(self, record: TaskRecord, replicas: list[ReplicaProcess]) -> None:
+        task = self._adopted(record)
+        task.replicas, task.state = replicas, jobs_pb2.JOB_STATE_RUNNING
+        if record.spec.HasField("checkpoint"):
+            task.checkpoints = TaskCheckpoints(
+                record.spec.checkpoint,
+                self._task_dir(record.key),
+                record.restore,
+                lambda _: self._report(task),
+            )
+            task.checkpoints.start(record.started_at)
+        job_id, name, epoch = record.key
+        log.info(
+            "task_adopted",
+            job_id=job_id,
+            task=name,
+            epoch=epoch,
+            supervisors=[p.pid for p in replicas],
+            ended=[p.exited for p in replicas],
+        )
+        task.supervisor = asyncio.create_task(self._supervise(task))
+
+    def _save(self, task: _Task) -> None:
+        """Records the task for a later agent; a failure costs its adoption, not the task."""
+        if self._records is None:
+            return
+        record = TaskRecord(
+            task.key,
+            task.reservation_id,
+            task.spec,
+            task.slots,
+            task.devices,
+            task.tenant,
+            task.started_at,
+            task.restore,
+            tuple(ReplicaRecord(p.pid, p.start_ticks) for p in task.replicas),
+            task.final,
+        )
+        try:
+            self._records.save(record)
+        except OSError as exc:
+            log.error("task_record_failed", job_id=task.key[0], task=task.key[1], error=str(exc))
 
     def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
         """Why an offer is declined before placement is even tried, or ""."""
@@ -539,6 +665,12 @@ class EmbeddedCore:
         job_id, name, epoch = key
         return self._work_dir / job_id / name / str(epoch)
 
+    def _run_dir(self, key: TaskKey, replica: int) -> Path:
+        """The agent's own folder for a replica's supervisor files (output tail, exit status):
+        beside the epoch's folder, where no task can reach."""
+        job_id, name, epoch = key
+        return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
+
     async def _start_replicas(self, task: _Task) -> None:
         base = self._task_dir(task.key)
         dirs = [base / str(replica) for replica in range(len(task.slots))]
@@ -551,6 +683,7 @@ class EmbeddedCore:
             # The folders above the replicas' are the agent's, so no task can put a link
             # where another task's folder goes; each replica's is its account's alone.
             agent_folder(base)
+            private_folder(self._run_dir(task.key, 0).parent, None)
             for directory in dirs:
                 private_folder(directory, account)
             if task.checkpoints is not None:
@@ -562,10 +695,19 @@ class EmbeddedCore:
         except OSError as exc:
             # No replica ran, so there is no exit code to report.
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
+        job_id, name, epoch = task.key
         for replica, cwd in enumerate(dirs):
-            env = self._replica_env(task, replica)
             task.replicas.append(
-                await ReplicaProcess.start(task.spec.command, cwd=cwd, env=env, account=account)
+                await ReplicaProcess.start(
+                    task.spec.command,
+                    cwd=cwd,
+                    env=self._replica_env(task, replica),
+                    run_dir=self._run_dir(task.key, replica),
+                    account=account,
+                    grace_s=self._kill_grace_s,
+                    owner=self._records.owner if self._records is not None else None,
+                    label=f"{job_id}/{name}/{epoch}/{replica}",
+                )
             )
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
@@ -592,7 +734,9 @@ class EmbeddedCore:
         waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
         cancelled = asyncio.ensure_future(task.cancelled.wait())
         timeout_s = task.spec.timeout_s
-        deadline = loop.time() + timeout_s if timeout_s > 0 else None
+        # From its start, which an adopted task had before this agent did.
+        ran_s = max(0.0, time.time() - task.started_at)
+        deadline = loop.time() + timeout_s - ran_s if timeout_s > 0 else None
         state: State = jobs_pb2.JOB_STATE_SUCCEEDED
         exit_code, reason, tail_of = 0, "", 0
         try:
@@ -611,7 +755,13 @@ class EmbeddedCore:
                 failures = [(replica, code) for replica, code in exits if code != 0]
                 if failures:
                     tail_of, exit_code = failures[0]
-                    reason = f"replica {tail_of} {describe_exit(exit_code)}"
+                    ended = task.replicas[tail_of].ended
+                    why = ended.why if ended is not None else ""
+                    reason = (
+                        f"replica {tail_of}: {why}"
+                        if why
+                        else f"replica {tail_of} {describe_exit(exit_code)}"
+                    )
                     state = jobs_pb2.JOB_STATE_FAILED
                     break
         finally:
@@ -656,6 +806,8 @@ class EmbeddedCore:
         task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
         if task.checkpoints is not None:
             task.checkpoints.stop()
+        task.final = task.report()
+        self._save(task)  # before it is reported: a restarted agent reports it again
         self._lock(task.key)
         task.finished.set()
         log.info(

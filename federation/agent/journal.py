@@ -3,8 +3,9 @@
 A site cut off from its coordinator keeps running its tasks and holds their statuses in
 memory; the journal makes the final ones survive an agent restart too, so a task that finished
 during a partition is reported on the next hello instead of being placed and run again.
-Statuses of tasks that were still running are not kept: tasks die with their agent, and the
-coordinator places them again.
+Statuses of tasks that are still running are not kept here: the embedded core records its own
+tasks to adopt them after a restart (``federation.agent.task_records``), and Slurm keeps its
+jobs.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -131,7 +132,8 @@ def compat_table(config: AgentConfig) -> CompatTable:
 async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
-    """The default core: tasks run as processes on the site's discovered and declared nodes."""
+    """The default core: tasks run as processes on the site's discovered and declared nodes,
+    taking over those the agent before it left running."""
     work_dir = config.work_dir or config.state_dir / "work"
     accounts = task_accounts(
         accounts=config.task_accounts,
@@ -141,7 +143,7 @@ async def embedded_core(
         state_dir=config.state_dir,
         work_dir=work_dir,
     )
-    return EmbeddedCore(
+    core = EmbeddedCore(
         site_nodes(config),
         site=config.site,
         work_dir=work_dir,
@@ -151,7 +153,10 @@ async def embedded_core(
         accounts=accounts,
         compat=compat_table(config),
         owner_share=owner_share(config.owner_share),
+        state_dir=config.state_dir,
     )
+    await core.adopt()  # before the first hello, which reports the tasks adopted
+    return core
 
 
 def host_watcher(config: AgentConfig, core: LocalCore, links: LinkMonitor) -> HostWatcher | None:
@@ -236,6 +241,10 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
         log.error("agent_rejected", error=str(err))
         code = 1
     else:
+        if not config.stop_tasks_on_exit:
+            # Tasks outlive the agent, but one whose job wants at most one copy must not: an
+            # agent that is gone cannot stop it once the coordinator places a replacement.
+            await core.stop_cut_off(math.inf)
         await runtime.leave("agent stopping")
     session.cancel()
     stopper.cancel()
@@ -245,8 +254,9 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     if watcher is not None:
         await watcher.close()
     await probe.close()
-    await core.shutdown(config.kill_grace_s)
-    await core.close()
+    if config.stop_tasks_on_exit:
+        await core.shutdown(config.kill_grace_s)
+    await core.close()  # the embedded core's tasks run on, for the next agent to adopt
     return code
 
 

@@ -1,26 +1,38 @@
-"""One replica of a task, run as a real child process in its own process group."""
+"""One replica of a task, run by a supervisor process that outlives the agent.
+
+The supervisor (``federation.agent.supervisor``) starts the replica as the leader of a new
+session, as the task's account, keeps its output tail and exit status in files of the replica's
+run folder, and goes on when the agent stops: a restarted agent adopts it by its pid and start
+time (``ReplicaProcess.adopt``), or reads how the replica ended from those files.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
+from federation.agent import supervisor
 from federation.agent.accounts import Account
+from federation.agent.supervisor import TAIL_BYTES as TAIL_BYTES
+from federation.agent.supervisor import process_start
 
 log = structlog.get_logger()
 
-TAIL_BYTES = 4096
-_READ_CHUNK = 64 * 1024
-# After the leader exits, how long to let the reader drain what is left in the pipe.
-_DRAIN_S = 1.0
+_ANSWER_TIMEOUT_S = 30.0
+"""How long a supervisor may take to start its replica and say so."""
+OUTPUT_FILE = "output"
+EXIT_FILE = "exit"
 
 
 def describe_exit(returncode: int) -> str:
@@ -42,34 +54,17 @@ class ReplicaStartError(Exception):
         self.exit_code = exit_code
 
 
-# Runs in the child before the task's program: take the task's account (no supplementary
-# groups: the agent's would let the task read what they may), make new files private, ask Linux
-# for SIGKILL when the agent dies (PR_SET_PDEATHSIG survives exec but not a change of user, so
-# it comes after), then become the program. A crashed agent must leave no task behind: the
-# coordinator places a restarted agent's tasks again, and a leftover copy would run them twice.
-# The agent never forks with user=/preexec_fn: forking a process that runs gRPC threads aborts,
-# and CPython uses vfork only when the child switches no user.
-_LAUNCHER = """
-import ctypes, os, signal, sys
-agent, uid, gid = (int(arg) for arg in sys.argv[1:4])
-try:
-    if uid >= 0:
-        os.setgroups([])
-        os.setgid(gid)
-        os.setuid(uid)
-except OSError as err:
-    print(f"cannot run as uid {uid}: {err.strerror}", file=sys.stderr)
-    os._exit(126)
-os.umask(0o077)
-ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)
-if os.getppid() != agent:
-    os._exit(137)
-try:
-    os.execv(sys.argv[4], sys.argv[5:])
-except OSError as err:
-    print(f"cannot start {sys.argv[5]}: {err.strerror}", file=sys.stderr)
-    os._exit(126)
-"""
+@dataclass(frozen=True, slots=True)
+class ReplicaExit:
+    """How a replica ended, as its supervisor recorded it."""
+
+    returncode: int
+    """Its exit code (negative: killed by that signal)."""
+    stopped: bool = False
+    """It was signalled to stop while it ran."""
+    why: str = ""
+    """Why the supervisor ended it on its own ("agent_died": its agent crashed), or why its
+    end is not known; "" when it ended by itself or on the agent's stop."""
 
 
 def _resolve(program: str, cwd: Path, env: Mapping[str, str]) -> str:
@@ -88,39 +83,36 @@ def _resolve(program: str, cwd: Path, env: Mapping[str, str]) -> str:
     return str(path)
 
 
-def _launch_argv(
-    argv: Sequence[str], cwd: Path, env: Mapping[str, str], account: Account | None
-) -> list[str]:
-    if not cwd.is_dir():
-        raise ReplicaStartError(f"working directory not found: {cwd}", 126)
-    if sys.platform != "linux":
-        if account is not None:
-            raise ReplicaStartError("task accounts need Linux", 126)
-        return list(argv)
-    program = _resolve(argv[0], cwd, env)
-    uid, gid = (account.uid, account.gid) if account is not None else (-1, -1)
-    ids = [str(os.getpid()), str(uid), str(gid)]
-    return [sys.executable, "-I", "-S", "-c", _LAUNCHER, *ids, program, *argv]
-
-
 class ReplicaProcess:
-    """A running replica: its exit code, the tail of its output, and a way to stop it.
+    """A replica under its supervisor: its exit code, the tail of its output, a way to stop it.
 
-    The replica is the leader of a new session, so signals reach everything it started. Its
-    lifetime is its process group's: when the leader exits, stragglers it left behind are killed
-    (as a batch scheduler does), which also closes the output pipe they would hold open.
+    The replica leads its own session, so signals reach everything it started; when it exits,
+    stragglers it left behind are killed (as a batch scheduler does). ``pid`` and
+    ``start_ticks`` name the supervisor for good: recorded, they let a later agent adopt it.
     """
 
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        """Watches an already started process; use ``start`` to create one."""
-        self._proc = proc
-        self._tail = bytearray()
-        self._reader = asyncio.create_task(self._read_output())
-        self._pidfd: int | None = None
-        self._leader_gone = False
-        """The leader exited (seen on its pidfd): its output may still be draining."""
-        self._watch_leader()
-        self._done = asyncio.create_task(self._run())
+    def __init__(
+        self,
+        pid: int,
+        start_ticks: int,
+        pidfd: int | None,
+        run_dir: Path,
+        child: subprocess.Popen[bytes] | None = None,
+    ) -> None:
+        """Watches a supervisor through ``pidfd`` (None: it is gone); use ``start`` or
+        ``adopt``. ``child`` keeps the Popen of a supervisor this agent started, to reap it."""
+        self.pid = pid
+        self.start_ticks = start_ticks
+        self.run_dir = run_dir
+        self._pidfd = pidfd
+        self._child = child
+        self._ended: ReplicaExit | None = None
+        self._tail = ""
+        self._done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        if pidfd is None:
+            self._supervisor_exited()
+        else:
+            asyncio.get_running_loop().add_reader(pidfd, self._supervisor_exited)
 
     @classmethod
     async def start(
@@ -129,9 +121,20 @@ class ReplicaProcess:
         *,
         cwd: Path,
         env: Mapping[str, str],
+        run_dir: Path,
         account: Account | None = None,
+        grace_s: float = 5.0,
+        owner: Path | None = None,
+        label: str = "",
     ) -> ReplicaProcess:
         """Starts ``argv`` in ``cwd`` with exactly ``env``, as ``account`` when given.
+
+        Args:
+            run_dir: The agent's folder for the supervisor's files (created if missing).
+            grace_s: Between SIGTERM and SIGKILL when the supervisor is told to stop it.
+            owner: The file naming the agent that owns the replica (see ``supervisor``); None:
+                the replica dies with this process.
+            label: Shown in the supervisor's command line, for operators.
 
         Raises:
             ReplicaStartError: The program is missing, not executable, or cannot be started.
@@ -141,117 +144,180 @@ class ReplicaProcess:
         if account is not None:
             home = account.home or str(cwd)  # an allocated uid has no home of its own
             env = {**env, "HOME": home, "USER": account.name, "LOGNAME": account.name}
-        launch = _launch_argv(argv, cwd, env, account)
+        child, spec = _spawn(argv, cwd, env, run_dir, account, grace_s, owner, label)
+        pidfd = os.pidfd_open(child.pid)  # our child, not reaped yet: it is that process
         try:
-            proc = await asyncio.create_subprocess_exec(
-                *launch,
-                cwd=cwd,
-                env=dict(env),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.STDOUT,
-                start_new_session=True,
+            answer = await asyncio.wait_for(
+                asyncio.to_thread(_exchange, child, spec), _ANSWER_TIMEOUT_S
             )
-        except FileNotFoundError as exc:
-            if exc.filename is not None and Path(exc.filename) == cwd:
-                raise ReplicaStartError(f"working directory not found: {cwd}", 126) from exc
-            raise ReplicaStartError(f"command not found: {argv[0]}", 127) from exc
-        except PermissionError as exc:
-            raise ReplicaStartError(f"permission denied: {argv[0]}", 126) from exc
-        except (OSError, ValueError) as exc:  # ValueError: a NUL byte or '=' in a name
-            message = getattr(exc, "strerror", None) or exc
-            raise ReplicaStartError(f"cannot start {argv[0]}: {message}", 126) from exc
-        log.debug("replica_started", pid=proc.pid, argv=list(argv), cwd=str(cwd))
-        return cls(proc)
+        except BaseException:
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # its replica dies with it
+            os.close(pidfd)
+            await asyncio.to_thread(child.wait)
+            raise
+        if not answer.startswith("ok "):
+            os.close(pidfd)
+            await asyncio.to_thread(child.wait)
+            _, code, message = [*answer.split(" ", 2), "", ""][:3]
+            raise ReplicaStartError(message or "the supervisor failed", int(code or 126))
+        start_ticks = process_start(child.pid) or 0
+        log.debug(
+            "replica_started",
+            supervisor=child.pid,
+            pid=int(answer.split()[1]),
+            argv=list(argv),
+            cwd=str(cwd),
+        )
+        return cls(child.pid, start_ticks, pidfd, run_dir, child)
 
-    @property
-    def pid(self) -> int:
-        """Process id of the leader, which is also its process group id."""
-        return self._proc.pid
+    @classmethod
+    def adopt(cls, pid: int, start_ticks: int, run_dir: Path) -> ReplicaProcess:
+        """The replica a supervisor started by an earlier agent runs, if that supervisor
+        (``pid``, started at ``start_ticks``) still runs; else how it ended, from its files.
+        A pid now held by another process is never taken for it."""
+        try:
+            pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            pidfd = None
+        if pidfd is not None and process_start(pid) != start_ticks:
+            os.close(pidfd)
+            pidfd = None
+        return cls(pid, start_ticks, pidfd, run_dir)
 
     @property
     def returncode(self) -> int | None:
-        """Exit code once the leader has exited (negative: killed by that signal)."""
-        return self._proc.returncode
+        """Exit code once the replica has ended (negative: killed by that signal)."""
+        return self._ended.returncode if self._ended is not None else None
+
+    @property
+    def ended(self) -> ReplicaExit | None:
+        """How it ended, once it has."""
+        return self._ended
 
     @property
     def exited(self) -> bool:
-        """Whether the leader has exited (its output may still be draining)."""
-        return self._leader_gone or self._proc.returncode is not None
+        """Whether the replica has ended and its supervisor has recorded it."""
+        return self._ended is not None
 
     @property
     def output_tail(self) -> str:
         """The last 4 KiB of stdout and stderr together, decoded leniently."""
-        return self._tail.decode("utf-8", errors="replace")
+        return self._tail if self._ended is not None else _read_tail(self.run_dir)
 
     async def wait(self) -> int:
-        """Waits for the replica to exit; returns its exit code (negative: killed by signal)."""
+        """Waits for the replica to end; returns its exit code (negative: killed by signal)."""
         return await asyncio.shield(self._done)
 
     async def terminate(self, grace_s: float) -> bool:
-        """Sends SIGTERM to the process group, then SIGKILL if it outlives ``grace_s``.
-        Returns whether it had to: False when the leader had already exited by itself."""
-        if self._done.done():
-            return False
-        if self.exited:
-            await asyncio.shield(self._done)  # its stragglers are killed; output drains
-            return False
-        self._signal_group(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._done), timeout=grace_s)
-        except TimeoutError:
-            log.info("replica_killed", pid=self.pid, grace_s=grace_s)
-            self._signal_group(signal.SIGKILL)
-            await asyncio.shield(self._done)
-        return True
+        """Has the supervisor send SIGTERM to the process group, then SIGKILL if it outlives
+        ``grace_s``. Returns whether it had to: False when the replica had ended by itself."""
+        if self._ended is None:
+            self._signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(asyncio.shield(self._done), timeout=grace_s)
+            except TimeoutError:
+                log.info("replica_killed", supervisor=self.pid, grace_s=grace_s)
+                self._signal(signal.SIGUSR1)
+                await asyncio.shield(self._done)
+        assert self._ended is not None
+        return self._ended.stopped
 
-    def _signal_group(self, sig: signal.Signals) -> None:
-        # The group may already be gone; that is the outcome we wanted.
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._proc.pid, sig)
+    def kill(self) -> None:
+        """Has the supervisor SIGKILL the replica's process group now; ``wait`` for the end."""
+        self._signal(signal.SIGUSR1)
 
-    def _watch_leader(self) -> None:
-        """Kills stragglers as soon as the leader exits.
+    def claim(self) -> None:
+        """Tells an adopted supervisor that the agent the owner file names now owns it."""
+        self._signal(signal.SIGUSR2)
 
-        ``Process.wait()`` also waits for the output pipe to close, which a straggler keeps open,
-        so the leader's exit is watched on a pidfd (Linux). Elsewhere stragglers are killed only
-        when the pipe closes or the replica is terminated.
-        """
-        try:
-            self._pidfd = os.pidfd_open(self._proc.pid)
-        except ProcessLookupError:  # already exited
-            self._signal_group(signal.SIGKILL)
-            return
-        except (AttributeError, OSError):
-            return
-        asyncio.get_running_loop().add_reader(self._pidfd, self._leader_exited)
+    def _signal(self, sig: signal.Signals) -> None:
+        # Through the pidfd: a supervisor that has exited meanwhile is never mistaken for
+        # whatever process took its pid.
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
 
-    def _leader_exited(self) -> None:
-        self._leader_gone = True
-        self._unwatch_leader()
-        self._signal_group(signal.SIGKILL)
-
-    def _unwatch_leader(self) -> None:
+    def _supervisor_exited(self) -> None:
         if self._pidfd is not None:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
+        if self._child is not None:
+            self._child.poll()  # reap it
+        self._ended = _read_exit(self.run_dir, self.pid)
+        self._tail = _read_tail(self.run_dir)
+        log.debug("replica_exited", supervisor=self.pid, returncode=self._ended.returncode)
+        self._done.set_result(self._ended.returncode)
 
-    async def _read_output(self) -> None:
-        stream = self._proc.stdout
-        assert stream is not None  # stdout=PIPE
-        while chunk := await stream.read(_READ_CHUNK):
-            self._tail += chunk
-            del self._tail[:-TAIL_BYTES]
 
-    async def _run(self) -> int:
-        returncode = await self._proc.wait()
-        self._unwatch_leader()
-        self._signal_group(signal.SIGKILL)
-        try:
-            await asyncio.wait_for(asyncio.shield(self._reader), timeout=_DRAIN_S)
-        except TimeoutError:
-            # A straggler in another session still holds the pipe; stop reading from it.
-            self._reader.cancel()
-        log.debug("replica_exited", pid=self.pid, returncode=returncode)
-        return returncode
+def _spawn(
+    argv: Sequence[str],
+    cwd: Path,
+    env: Mapping[str, str],
+    run_dir: Path,
+    account: Account | None,
+    grace_s: float,
+    owner: Path | None,
+    label: str,
+) -> tuple[subprocess.Popen[bytes], bytes]:
+    """Starts a supervisor for ``argv``; returns it and the spec to give it."""
+    if sys.platform != "linux":
+        raise ReplicaStartError("tasks run only on Linux (pidfds, /proc)", 126)
+    if not cwd.is_dir():
+        raise ReplicaStartError(f"working directory not found: {cwd}", 126)
+    run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    for name in (OUTPUT_FILE, EXIT_FILE):  # a supervisor that dies unheard leaves neither
+        (run_dir / name).unlink(missing_ok=True)
+    spec = {
+        "argv": list(argv),
+        "program": _resolve(argv[0], cwd, env),
+        "env": dict(env),
+        "uid": account.uid if account is not None else -1,
+        "gid": account.gid if account is not None else -1,
+        "grace_s": grace_s,
+        "agent_pid": os.getpid(),
+        "owner": str(owner) if owner is not None else "",
+        "output": str(run_dir / OUTPUT_FILE),
+        "exit": str(run_dir / EXIT_FILE),
+    }
+    # Its own session, so it outlives the agent, and a clean environment, as it runs as the
+    # agent's user: the task's goes to the replica only. Started by vfork (no user change).
+    child = subprocess.Popen(
+        [sys.executable, "-I", "-S", supervisor.__file__, label or str(cwd)],
+        cwd=cwd,
+        env={},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    return child, json.dumps(spec).encode()
+
+
+def _exchange(child: subprocess.Popen[bytes], spec: bytes) -> str:
+    """Gives the supervisor its spec and reads its answer (blocking: run it in a thread)."""
+    assert child.stdin is not None
+    assert child.stdout is not None
+    with contextlib.suppress(BrokenPipeError):
+        child.stdin.write(spec)
+        child.stdin.close()
+    with child.stdout:
+        return child.stdout.readline().decode(errors="replace").strip()
+
+
+def _read_tail(run_dir: Path) -> str:
+    try:
+        return (run_dir / OUTPUT_FILE).read_bytes()[-TAIL_BYTES:].decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _read_exit(run_dir: Path, pid: int) -> ReplicaExit:
+    """What the supervisor recorded; a replica whose supervisor left no record was killed
+    with it (the replica's parent-death signal)."""
+    try:
+        status = json.loads((run_dir / EXIT_FILE).read_bytes())
+        return ReplicaExit(int(status["returncode"]), bool(status["stopped"]), str(status["why"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        why = f"its supervisor (pid {pid}) ended without recording how the replica ended"
+        return ReplicaExit(-signal.SIGKILL, False, why)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -39,8 +40,16 @@ async def gone(pid: int, timeout_s: float = 5.0) -> bool:
 
 async def start(code: str, tmp_path: Path, **env: str) -> ReplicaProcess:
     return await ReplicaProcess.start(
-        [sys.executable, "-c", code], cwd=tmp_path, env={**os.environ, **env}
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env={**os.environ, **env},
+        run_dir=run_dir(tmp_path),
     )
+
+
+def run_dir(tmp_path: Path) -> Path:
+    """A fresh folder for one supervisor's files."""
+    return Path(tempfile.mkdtemp(dir=tmp_path, prefix="run-"))
 
 
 async def test_exit_code_output_cwd_and_env(tmp_path: Path) -> None:
@@ -159,7 +168,9 @@ async def test_unstartable_program_raises_start_error(
 ) -> None:
     """A missing program is a ReplicaStartError with a shell-style exit code, not an OSError."""
     with pytest.raises(ReplicaStartError, match=message) as caught:
-        await ReplicaProcess.start(argv, cwd=tmp_path, env=dict(os.environ))
+        await ReplicaProcess.start(
+            argv, cwd=tmp_path, env=dict(os.environ), run_dir=run_dir(tmp_path)
+        )
     assert caught.value.exit_code == exit_code
 
 
@@ -168,7 +179,9 @@ async def test_not_executable_raises_start_error(tmp_path: Path) -> None:
     script = tmp_path / "script.sh"
     script.write_text("#!/bin/sh\necho hi\n")
     with pytest.raises(ReplicaStartError, match="permission denied") as caught:
-        await ReplicaProcess.start([str(script)], cwd=tmp_path, env=dict(os.environ))
+        await ReplicaProcess.start(
+            [str(script)], cwd=tmp_path, env=dict(os.environ), run_dir=run_dir(tmp_path)
+        )
     assert caught.value.exit_code == 126
 
 
@@ -176,10 +189,14 @@ async def test_bad_environment_or_directory_raises_start_error(tmp_path: Path) -
     """An invalid variable name or a missing working directory is a ReplicaStartError."""
     argv = [sys.executable, "-c", "pass"]
     with pytest.raises(ReplicaStartError, match="cannot start"):
-        await ReplicaProcess.start(argv, cwd=tmp_path, env={"BAD=NAME": "x"})
+        await ReplicaProcess.start(
+            argv, cwd=tmp_path, env={"BAD=NAME": "x"}, run_dir=run_dir(tmp_path)
+        )
     missing = tmp_path / "missing"
     with pytest.raises(ReplicaStartError, match=f"working directory not found: {missing}"):
-        await ReplicaProcess.start(argv, cwd=missing, env=dict(os.environ))
+        await ReplicaProcess.start(
+            argv, cwd=missing, env=dict(os.environ), run_dir=run_dir(tmp_path)
+        )
 
 
 @pytest.mark.parametrize(

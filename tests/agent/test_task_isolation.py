@@ -270,15 +270,16 @@ async def test_two_hundred_launches_as_another_account_all_start(
     cwd = site_dirs[0].parent  # a folder every account may enter
     try:
         codes: list[int] = []
-        for _ in range(10):
+        for round_ in range(10):
             batch = [
                 ReplicaProcess.start(
                     ["/bin/sh", "-c", "test $(id -u) = $1", "sh", str(uid)],
                     cwd=cwd,
                     env={"PATH": "/usr/bin:/bin"},
+                    run_dir=tmp_path / f"run-{round_}-{i}",
                     account=shared,
                 )
-                for uid in [accounts[A].pw_uid] * 20
+                for i, uid in enumerate([accounts[A].pw_uid] * 20)
             ]
             started = await asyncio.gather(*batch)
             codes += await asyncio.gather(*(p.wait() for p in started))

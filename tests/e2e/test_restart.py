@@ -1,8 +1,11 @@
-"""Killing the coordinator with SIGKILL mid-run loses no accepted job and runs none twice."""
+"""Killing the coordinator with SIGKILL mid-run loses no accepted job and runs none twice; an
+agent restarted with SIGTERM adopts its running task, which an agent killed with SIGKILL takes
+with it."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -105,3 +108,48 @@ async def test_agent_sigkill_takes_its_tasks_and_they_run_again(
     assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
     assert done.tasks[0].epoch >= 2
     assert read_marker(marker) == ["done"]
+
+
+async def test_agent_sigterm_and_restart_adopts_its_running_task(tmp_path: Path) -> None:
+    """SIGTERM and restart an agent under a running task: the same process (same pid) goes on
+    and finishes, at the same epoch, and the job succeeds; the task ran once."""
+    site = dataclasses.replace(SITES[0], settings={"stop_tasks_on_exit": False})
+    fed = LocalFederation(tmp_path / "fed", [site])
+    starts, marker, go = tmp_path / "starts", tmp_path / "marker", tmp_path / "go"
+    code = (
+        "import os, time\n"
+        f"open({str(starts)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+        f"open({str(marker)!r}, 'a').write(f'done {{os.getpid()}}\\n')\n"
+        "print('finished', os.getpid())\n"
+    )
+    task = python_task("t", code, resources={"accelerator": {"kind": "NPU", "count": 1}})
+    try:
+        await fed.start()
+        async with fed.operator().channel() as channel:
+            job = (
+                await jobs(channel).SubmitJob(
+                    job_service_pb2.SubmitJobRequest(spec=spec("adopted", [task]))
+                )
+            ).job
+            running = await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
+            for _ in range(200):
+                if read_marker(starts):
+                    break
+                await asyncio.sleep(0.05)
+            [pid] = (int(line) for line in read_marker(starts))
+            assert fed.terminate(site.name), "the agent ignored SIGTERM"
+            assert psutil.pid_exists(pid), "the task died with its agent"
+            await fed.start_site(site)
+            await fed.wait_connected()
+            go.touch()
+            done = await wait_for_job(channel, job.id)
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+        assert done.tasks[0].epoch == running.tasks[0].epoch
+        assert done.tasks[0].moves == 0
+        assert done.tasks[0].output_tail == f"finished {pid}\n"
+        assert read_marker(starts) == [str(pid)], "the task started again"
+        assert read_marker(marker) == ["done", str(pid)]
+    finally:
+        go.touch()  # its agent does not stop it
+        fed.stop()

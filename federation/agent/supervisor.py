@@ -1,0 +1,318 @@
+"""The supervisor of one replica: it runs the replica and outlives the agent that started it.
+
+The agent starts it as ``python -I -S supervisor.py LABEL`` (standard library only, no
+``PYTHON*`` variables: it runs as the agent's user with a tenant's spec in hand) in a session
+of its own, and writes a JSON launch spec to its stdin. The supervisor starts the replica as
+the leader of another new session, as the tenant's account, answers ``ok PID`` (or
+``error CODE MESSAGE``) on stdout, then keeps the last ``TAIL_BYTES`` of the replica's output in
+a file and, once the replica has exited and the stragglers it left are killed, writes its exit
+status to another, atomically. A restarted agent reads both, or adopts the supervisor while it
+runs. The replica dies with its supervisor (parent-death signal).
+
+Signals from the agent:
+
+- SIGTERM: stop the replica: SIGTERM to its process group, SIGKILL after ``grace_s``.
+- SIGUSR1: SIGKILL the replica's process group now.
+- SIGUSR2: another agent owns the replica now: read the owner file and watch that agent.
+
+When the agent it watches dies, the replica is killed at once (a crashed agent leaves no task
+behind: the coordinator places its tasks again) unless the owner file says that very agent left
+on purpose (``PID START leaving``): then it runs on until the next agent claims it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+TAIL_BYTES = 4096
+_READ_CHUNK = 64 * 1024
+_FLUSH_S = 1.0
+"""At most this often the output file is rewritten while the replica runs."""
+_DRAIN_S = 1.0
+"""After the replica exits, how long to read what is left in its output pipe."""
+_PR_SET_PDEATHSIG = 1
+
+LEAVING = "leaving"
+RUNNING = "running"
+
+
+def process_start(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (``/proc/PID/stat``); None if gone.
+
+    With the pid it names one process for good: a recycled pid starts later.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return None
+    # The name (field 2) may hold spaces and parentheses: count fields after its last ')'.
+    return int(fields[fields.rindex(b")") + 2 :].split()[19])
+
+
+def read_owner(path: str) -> tuple[int, int, str] | None:
+    """``(pid, start, state)`` of the agent the owner file names, None if unreadable."""
+    try:
+        with open(path, encoding="ascii") as owner:
+            pid, start, state = owner.read().split()
+        return int(pid), int(start), state
+    except (OSError, ValueError):
+        return None
+
+
+def write_atomically(path: str, data: bytes, *, sync: bool = False) -> None:
+    """Readers see the old content or the new one, never a part."""
+    temporary = f"{path}.tmp"
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temporary, path)
+
+
+def _die_with_supervisor(supervisor: int) -> None:
+    # Runs in the replica after it took its account (a change of user clears the setting).
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != supervisor:
+        os._exit(137)
+
+
+def _start(spec: dict[str, Any], stdout: int) -> subprocess.Popen[bytes]:
+    uid, gid = spec["uid"], spec["gid"]
+    ids: dict[str, Any] = {"user": uid, "group": gid, "extra_groups": []} if uid >= 0 else {}
+    supervisor = os.getpid()
+    return subprocess.Popen(
+        spec["argv"],
+        executable=spec["program"],
+        env=spec["env"],
+        stdin=subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        umask=0o077,
+        preexec_fn=lambda: _die_with_supervisor(supervisor),
+        **ids,
+    )
+
+
+class Supervisor:
+    """Starts one replica and watches it until it exits, then records how it ended."""
+
+    _replica: subprocess.Popen[bytes]
+    _leader: int
+    """A pidfd of the replica's leader."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self._spec = spec
+        self._signals: list[int] = []
+        # Before anything else: a stop sent as soon as the agent has its answer is not lost.
+        wake_r, wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        signal.set_wakeup_fd(wake_w)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(sig, lambda number, _: self._signals.append(number))
+        self._selector = selectors.DefaultSelector()
+        self._wake = wake_r
+        self._selector.register(wake_r, selectors.EVENT_READ, "signal")
+        self._agent: tuple[int, int] | None = None
+        self._agent_fd: int | None = None
+        self._output, self._output_w = os.pipe2(os.O_CLOEXEC)
+        os.set_blocking(self._output, False)
+        self._selector.register(self._output, selectors.EVENT_READ, "output")
+        self._tail = bytearray()
+        self._flushed_at = 0.0
+        self._dirty = False
+        self._stopped = False
+        """The replica was signalled to stop while it ran."""
+        self._why = ""
+        """Why the replica was killed for a reason of the supervisor's own, or ""."""
+        self._kill_at: float | None = None
+
+    def start(self) -> str:
+        """Starts the replica; the answer for the agent (``ok PID`` or ``error CODE WHY``)."""
+        program = self._spec["argv"][0]
+        if not self._watch_agent(self._spec["agent_pid"]) or os.getppid() != self._agent_pid():
+            return "error 126 the agent is gone"
+        try:
+            self._replica = _start(self._spec, self._output_w)
+        except FileNotFoundError:
+            return f"error 127 command not found: {program}"
+        except PermissionError:
+            return f"error 126 permission denied: {program}"
+        except (OSError, ValueError, subprocess.SubprocessError) as err:
+            return f"error 126 cannot start {program}: {getattr(err, 'strerror', '') or err}"
+        finally:
+            os.close(self._output_w)
+        self._leader = os.pidfd_open(self._replica.pid)
+        self._selector.register(self._leader, selectors.EVENT_READ, "leader")
+        return f"ok {self._replica.pid}"
+
+    def run(self) -> None:
+        """Until the leader exits: output, signals, the agent's death; then the end."""
+        try:
+            while not self._leader_exited():
+                self._step()
+        except Exception as err:  # a bug here must not leave the replica unwatched
+            self._why = f"supervisor failed: {err!r}"
+            self._signal_group(signal.SIGKILL)
+        self._finish()
+
+    def _step(self) -> None:
+        for key, _ in self._selector.select(self._timeout()):
+            if key.data == "output":
+                self._read_output()
+            elif key.data == "agent":
+                self._agent_gone()
+            elif key.data == "signal":
+                with contextlib.suppress(BlockingIOError):
+                    os.read(self._wake, 512)
+        self._handle_signals()
+        if self._kill_at is not None and time.monotonic() >= self._kill_at:
+            self._signal_group(signal.SIGKILL)
+            self._kill_at = None
+        self._flush(force=False)
+
+    def _timeout(self) -> float | None:
+        due = [self._kill_at] if self._kill_at is not None else []
+        if self._dirty:
+            due.append(self._flushed_at + _FLUSH_S)
+        return max(0.0, min(due) - time.monotonic()) if due else None
+
+    def _leader_exited(self) -> bool:
+        flags = os.WEXITED | os.WNOHANG | os.WNOWAIT  # seen, not reaped: its group id stays ours
+        return os.waitid(os.P_PID, self._replica.pid, flags) is not None
+
+    def _signal_group(self, sig: int) -> None:
+        # The leader is not reaped before its group is killed, so the group id is still ours.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self._replica.pid, sig)
+
+    def _stop(self, sig: int) -> None:
+        if not self._leader_exited():
+            self._stopped = True
+            self._signal_group(sig)
+
+    def _handle_signals(self) -> None:
+        while self._signals:
+            number = self._signals.pop(0)
+            if number == signal.SIGTERM:
+                self._stop(signal.SIGTERM)
+                if self._kill_at is None:
+                    self._kill_at = time.monotonic() + self._spec["grace_s"]
+            elif number == signal.SIGUSR1:
+                self._stop(signal.SIGKILL)
+            elif number == signal.SIGUSR2:
+                self._claimed()
+
+    def _agent_pid(self) -> int:
+        return self._agent[0] if self._agent is not None else 0
+
+    def _watch_agent(self, pid: int, start: int | None = None) -> bool:
+        """Watch agent ``pid`` (started at ``start``, when given) from now; False if it is
+        gone already."""
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            return False
+        started = process_start(pid)  # read once the pidfd holds the process
+        if started is None or start not in (None, started):
+            os.close(fd)
+            return False
+        self._unwatch_agent()
+        self._agent, self._agent_fd = (pid, started), fd
+        self._selector.register(fd, selectors.EVENT_READ, "agent")
+        return True
+
+    def _unwatch_agent(self) -> None:
+        if self._agent_fd is not None:
+            self._selector.unregister(self._agent_fd)
+            os.close(self._agent_fd)
+            self._agent_fd = None
+
+    def _claimed(self) -> None:
+        """SIGUSR2: the agent the owner file names, if it is running, is ours now."""
+        owner = read_owner(self._spec["owner"]) if self._spec["owner"] else None
+        if owner is None or owner[2] != RUNNING or owner[:2] == self._agent:
+            return
+        pid, start, _ = owner
+        if not self._watch_agent(pid, start) and self._agent_fd is None:
+            self._agent_died()  # orphaned, and the agent that claimed it died already
+
+    def _agent_gone(self) -> None:
+        """The agent watched exited: run on if it left on purpose, or another took over."""
+        gone = self._agent
+        self._unwatch_agent()
+        owner = read_owner(self._spec["owner"]) if self._spec["owner"] else None
+        if owner is not None and (owner[:2] != gone or owner[2] == LEAVING):
+            return  # a next agent adopts it (SIGUSR2), or stops it (SIGUSR1)
+        self._agent_died()
+
+    def _agent_died(self) -> None:
+        self._why = "agent_died"
+        self._stop(signal.SIGKILL)
+
+    def _read_output(self) -> bool:
+        """Reads what is there; False at end of file."""
+        try:
+            chunk = os.read(self._output, _READ_CHUNK)
+        except BlockingIOError:
+            return True
+        if not chunk:
+            self._selector.unregister(self._output)
+            return False
+        self._tail += chunk
+        del self._tail[:-TAIL_BYTES]
+        self._dirty = True
+        return True
+
+    def _flush(self, *, force: bool) -> None:
+        now = time.monotonic()
+        if self._dirty and (force or now - self._flushed_at >= _FLUSH_S):
+            write_atomically(self._spec["output"], bytes(self._tail))
+            self._flushed_at, self._dirty = now, False
+
+    def _finish(self) -> None:
+        self._signal_group(signal.SIGKILL)  # stragglers: the replica's lifetime is its leader's
+        returncode = self._replica.wait()
+        self._selector.unregister(self._leader)
+        self._selector.unregister(self._wake)
+        self._unwatch_agent()
+        deadline = time.monotonic() + _DRAIN_S
+        draining = self._output in self._selector.get_map()
+        while draining and (left := deadline - time.monotonic()) > 0:
+            # A straggler in another session may hold the pipe open: read for a while only.
+            if not self._selector.select(left):
+                break
+            draining = self._read_output()
+        self._flush(force=True)
+        status = {"returncode": returncode, "stopped": self._stopped, "why": self._why}
+        write_atomically(self._spec["exit"], json.dumps(status).encode(), sync=True)
+
+
+def main() -> None:
+    spec = json.loads(sys.stdin.buffer.read())
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    supervisor = Supervisor(spec)
+    answer = supervisor.start()
+    os.write(1, answer.encode() + b"\n")
+    os.dup2(devnull, 1)  # the agent reads to the end of the answer
+    if answer.startswith("ok"):
+        supervisor.run()
+
+
+if __name__ == "__main__":
+    main()

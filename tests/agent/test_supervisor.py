@@ -1,0 +1,195 @@
+"""The supervisor of a replica, against real processes: its files, its signals, and what it does
+when its agent goes away (on purpose, or not)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from federation.agent.process import TAIL_BYTES, ReplicaProcess
+from federation.agent.task_records import TaskRecords
+
+from .test_process import gone
+
+
+async def start(code: str, tmp_path: Path, grace_s: float = 5.0) -> ReplicaProcess:
+    return await ReplicaProcess.start(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        env=dict(os.environ),
+        run_dir=tmp_path / "run",
+        grace_s=grace_s,
+    )
+
+
+def exit_status(tmp_path: Path) -> dict[str, object]:
+    status: dict[str, object] = json.loads((tmp_path / "run" / "exit").read_text())
+    return status
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def first_line(path: Path, timeout_s: float = 10.0) -> str:
+    """The first line written to ``path`` (the supervisor writes its output file at most once a
+    second, whole)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(FileNotFoundError):
+            if text := await asyncio.to_thread(path.read_text):
+                return text.split("\n")[0]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"nothing written to {path}")
+
+
+async def test_exit_status_and_output_are_files(tmp_path: Path) -> None:
+    """The replica's exit code is written to a file once it ended, its output tail to another,
+    and the supervisor is a session leader of its own, apart from the replica's session."""
+    proc = await start(
+        "import os; print('pid', os.getpid(), os.getsid(0)); raise SystemExit(3)", tmp_path
+    )
+    assert os.getsid(proc.pid) == proc.pid
+    assert await asyncio.wait_for(proc.wait(), 10) == 3
+    assert exit_status(tmp_path) == {"returncode": 3, "stopped": False, "why": ""}
+    _, pid, sid = (tmp_path / "run" / "output").read_text().split()
+    assert pid == sid != str(proc.pid)
+    assert proc.output_tail.startswith("pid ")
+
+
+async def test_output_file_is_bounded_and_written_while_it_runs(tmp_path: Path) -> None:
+    """While the replica runs its output file holds its newest output, never more than 4 KiB."""
+    code = (
+        "import sys, time\n"
+        "sys.stdout.write('x' * 100000 + 'END\\n'); sys.stdout.flush()\n"
+        "time.sleep(60)\n"
+    )
+    proc = await start(code, tmp_path)
+    output = tmp_path / "run" / "output"
+    for _ in range(100):  # written at most once a second
+        if proc.output_tail.endswith("END\n"):
+            break
+        await asyncio.sleep(0.05)
+    assert proc.output_tail.endswith("END\n")
+    assert output.stat().st_size == TAIL_BYTES
+    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def test_sigterm_to_the_supervisor_stops_the_replica_with_its_grace(
+    tmp_path: Path,
+) -> None:
+    """SIGTERM sent to the supervisor (as an operator would) reaches the replica; one that
+    ignores it is SIGKILLed after the grace the supervisor was given."""
+    code = (
+        "import os, signal, time\n"
+        "signal.signal(signal.SIGTERM, lambda *_: print('term', flush=True))\n"
+        "print(os.getpid(), flush=True)\n"
+        "time.sleep(60); time.sleep(60)\n"
+    )
+    proc = await start(code, tmp_path, grace_s=0.5)
+    replica = int(await first_line(tmp_path / "run" / "output"))
+    started = time.monotonic()
+    os.kill(proc.pid, signal.SIGTERM)
+    assert await asyncio.wait_for(proc.wait(), 10) == -signal.SIGKILL
+    assert time.monotonic() - started >= 0.5
+    assert exit_status(tmp_path) == {"returncode": -9, "stopped": True, "why": ""}
+    assert "term" in proc.output_tail
+    assert not alive(replica)
+
+
+# An agent in a process of its own: starts a replica that sleeps, says which, then leaves
+# on purpose ("leave": its core closed) or crashes.
+AGENT = """
+import asyncio, os, sys
+from pathlib import Path
+from federation.agent.process import ReplicaProcess
+from federation.agent.task_records import TaskRecords
+
+async def main():
+    records, work, how = TaskRecords(Path(sys.argv[1])), Path(sys.argv[2]), sys.argv[3]
+    records.claim()
+    code = "import os, time; print(os.getpid(), flush=True); time.sleep(60)"
+    proc = await ReplicaProcess.start(
+        [sys.executable, "-c", code], cwd=work, env=dict(os.environ), run_dir=work / "run",
+        owner=records.owner,
+    )
+    print(proc.pid, proc.start_ticks, flush=True)
+    while not proc.output_tail:  # the replica runs
+        await asyncio.sleep(0.05)
+    if how == "leave":
+        records.leave()
+        sys.exit(0)
+    os._exit(1)
+
+asyncio.run(main())
+"""
+
+
+async def run_agent(tmp_path: Path, how: str) -> tuple[int, int, int]:
+    """Runs ``AGENT`` to its end; its supervisor's pid and start, and the replica's pid."""
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-c", AGENT, str(tmp_path / "state"), str(tmp_path), how],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert done.stdout, done.stderr
+    supervisor, start = (int(word) for word in done.stdout.splitlines()[-1].split())
+    return supervisor, start, int(await first_line(tmp_path / "run" / "output"))
+
+
+async def test_an_agent_that_leaves_leaves_its_replica_running_for_the_next(
+    tmp_path: Path,
+) -> None:
+    """Its agent gone on purpose, the replica runs on; the next agent adopts its supervisor
+    (same pid and start) and can still stop it."""
+    supervisor, start, replica = await run_agent(tmp_path, "leave")
+    await asyncio.sleep(1.0)  # time enough to notice the agent is gone
+    assert alive(supervisor)
+    assert alive(replica)
+    TaskRecords(tmp_path / "state").claim()
+    adopted = ReplicaProcess.adopt(supervisor, start, tmp_path / "run")
+    adopted.claim()
+    assert not adopted.exited
+    assert await asyncio.wait_for(adopted.terminate(grace_s=5), 10)
+    assert adopted.returncode == -signal.SIGTERM
+    assert await gone(replica)
+
+
+async def test_an_agent_that_crashes_takes_its_replica(tmp_path: Path) -> None:
+    """Its agent gone without leaving, the supervisor kills the replica and records why."""
+    supervisor, start, replica = await run_agent(tmp_path, "crash")
+    assert await gone(replica)
+    assert await gone(supervisor)
+    assert exit_status(tmp_path) == {"returncode": -9, "stopped": True, "why": "agent_died"}
+    ended = ReplicaProcess.adopt(supervisor, start, tmp_path / "run")
+    assert await asyncio.wait_for(ended.wait(), 10) == -signal.SIGKILL
+    assert ended.ended is not None
+    assert ended.ended.why == "agent_died"
+
+
+async def test_a_recycled_pid_is_not_adopted(tmp_path: Path) -> None:
+    """A pid whose start time is not the one recorded is someone else: not signalled, and the
+    replica is known to have ended with its supervisor, which left no exit status."""
+    proc = await start("import time; time.sleep(60)", tmp_path)
+    other = ReplicaProcess.adopt(proc.pid, proc.start_ticks + 1, tmp_path / "other")
+    assert other.exited
+    assert other.returncode == -signal.SIGKILL
+    assert other.ended is not None
+    assert "ended without recording" in other.ended.why
+    await other.terminate(grace_s=0.1)  # signals nothing
+    assert alive(proc.pid)
+    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
