@@ -153,3 +153,48 @@ async def test_agent_sigterm_and_restart_adopts_its_running_task(tmp_path: Path)
     finally:
         go.touch()  # its agent does not stop it
         fed.stop()
+
+
+async def test_an_agent_that_stops_takes_its_at_most_once_tasks_with_it(tmp_path: Path) -> None:
+    """A task of a job with disconnect.stop_after_s does not outlive its agent (once gone, the
+    agent could not stop it before its replacement): it is stopped, reported interrupted and
+    placed again at once, without using an attempt, and runs to its end once the site is back."""
+    site = dataclasses.replace(SITES[0], settings={"stop_tasks_on_exit": False})
+    fed = LocalFederation(tmp_path / "fed", [site])
+    starts, go = tmp_path / "starts", tmp_path / "go"
+    code = (
+        "import os, time\n"
+        f"open({str(starts)!r}, 'a').write(f'{{os.getpid()}}\\n')\n"
+        f"while not os.path.exists({str(go)!r}): time.sleep(0.05)\n"
+    )
+    task = python_task("t", code, resources={"accelerator": {"kind": "NPU", "count": 1}})
+    job_spec = spec("at-most-once", [task], disconnect={"lost_after_s": 60, "stop_after_s": 30})
+    try:
+        await fed.start()
+        async with fed.operator().channel() as channel:
+            stub = jobs(channel)
+            job = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))).job
+            await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
+            for _ in range(200):
+                if read_marker(starts):
+                    break
+                await asyncio.sleep(0.05)
+            [pid] = (int(line) for line in read_marker(starts))
+            assert fed.terminate(site.name), "the agent ignored SIGTERM"
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+            request = job_service_pb2.GetJobRequest(job_id=job.id, include_events=True)
+            got = await stub.GetJob(request)
+            assert got.job.tasks[0].state == jobs_pb2.JOB_STATE_PENDING, got.job.tasks[0].reason
+            assert any(
+                e.state == jobs_pb2.JOB_STATE_PENDING and "the agent is stopping" in e.reason
+                for e in got.events
+            ), [e.reason for e in got.events]
+            await fed.start_site(site)
+            go.touch()
+            done = await wait_for_job(channel, job.id)
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+        assert done.tasks[0].failed_attempts == 0
+        assert len(read_marker(starts)) == 2
+    finally:
+        go.touch()
+        fed.stop()
