@@ -42,6 +42,8 @@ async def main():
         await asyncio.sleep(0.05)
     if how == "crash":
         os._exit(1)
+    if how == "stop":
+        await core.shutdown(0.5)
     await core.close()
 
 asyncio.run(main())
@@ -153,6 +155,20 @@ async def test_the_tasks_of_a_crashed_agent_are_not_adopted(
     assert core.tasks() == []
     assert recorder.reports == []
     assert allocated(core) == {"n": []}
+    assert not records(tmp_path)
+
+
+async def test_tasks_stopped_with_their_agent_are_not_reported_again(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """With stop_tasks_on_exit the agent stops its tasks as it goes; the next one does not
+    report that stop (the coordinator would take it for a cancel): it places them again."""
+    pid = await first_agent(tmp_path, "stop")
+    assert not alive(pid)
+    core = make_core([node("n", devices=2)], state_dir=tmp_path / "state")
+    await core.adopt()
+    assert core.tasks() == []
+    assert recorder.reports == []
     assert not records(tmp_path)
 
 
