@@ -19,7 +19,7 @@ import psutil
 
 from federation.agent.embedded_core import EmbeddedCore
 
-from .cores import FAILED, RUNNING, SUCCEEDED, Recorder, allocated, node, offer
+from .cores import CANCELLED, FAILED, RUNNING, SUCCEEDED, Recorder, allocated, node, offer
 
 TESTS = Path(__file__).parents[1]
 
@@ -119,6 +119,19 @@ async def test_a_restarted_agent_adopts_a_running_task(
     assert records(tmp_path), "the final report is kept until acknowledged"
     core.forget("job-1", "train", 7)
     assert not records(tmp_path)
+
+
+async def test_an_adopted_task_is_still_stopped_when_told(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """A cancel (the coordinator's, or its fencing of a stale epoch) stops an adopted task."""
+    pid = await first_agent(tmp_path, "leave")
+    core = make_core([node("n", devices=2)], state_dir=tmp_path / "state", kill_grace_s=0.5)
+    await core.adopt()
+    await asyncio.wait_for(core.cancel("job-1", "train", 7, "stale epoch"), 10)
+    final = await recorder.final()
+    assert (final.state, final.reason) == (CANCELLED, "stale epoch")
+    assert not alive(pid)
 
 
 async def test_a_task_that_ended_while_no_agent_ran_is_reported(
