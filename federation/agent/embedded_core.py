@@ -460,9 +460,14 @@ class EmbeddedCore:
         log.info("core_closed", running_tasks=self.queue().running_tasks)
 
     async def shutdown(self, grace_s: float) -> None:
-        """Stops every running task (SIGTERM, SIGKILL after ``grace_s``), then closes."""
+        """Stops every running task (SIGTERM, SIGKILL after ``grace_s``), then closes. The
+        tasks stopped are forgotten, as a crashed agent's are: the coordinator places them
+        again rather than take the stop for a cancel."""
         victims = [t for t in self._tasks.values() if t.active]
         await self._stop(victims, "agent shutting down", grace_s)
+        if self._records is not None:
+            for victim in victims:
+                self._records.drop(victim.reservation_id)
         await self.close()
 
     async def adopt(self) -> None:

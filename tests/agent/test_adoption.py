@@ -19,7 +19,7 @@ import psutil
 
 from federation.agent.embedded_core import EmbeddedCore
 
-from .cores import FAILED, RUNNING, SUCCEEDED, Recorder, allocated, node, offer
+from .cores import CANCELLED, FAILED, RUNNING, SUCCEEDED, Recorder, allocated, node, offer
 
 TESTS = Path(__file__).parents[1]
 
@@ -42,6 +42,8 @@ async def main():
         await asyncio.sleep(0.05)
     if how == "crash":
         os._exit(1)
+    if how == "stop":
+        await core.shutdown(0.5)
     await core.close()
 
 asyncio.run(main())
@@ -119,6 +121,19 @@ async def test_a_restarted_agent_adopts_a_running_task(
     assert not records(tmp_path)
 
 
+async def test_an_adopted_task_is_still_stopped_when_told(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """A cancel (the coordinator's, or its fencing of a stale epoch) stops an adopted task."""
+    pid = await first_agent(tmp_path, "leave")
+    core = make_core([node("n", devices=2)], state_dir=tmp_path / "state", kill_grace_s=0.5)
+    await core.adopt()
+    await asyncio.wait_for(core.cancel("job-1", "train", 7, "stale epoch"), 10)
+    final = await recorder.final()
+    assert (final.state, final.reason) == (CANCELLED, "stale epoch")
+    assert not alive(pid)
+
+
 async def test_a_task_that_ended_while_no_agent_ran_is_reported(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
 ) -> None:
@@ -153,6 +168,20 @@ async def test_the_tasks_of_a_crashed_agent_are_not_adopted(
     assert core.tasks() == []
     assert recorder.reports == []
     assert allocated(core) == {"n": []}
+    assert not records(tmp_path)
+
+
+async def test_tasks_stopped_with_their_agent_are_not_reported_again(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """With stop_tasks_on_exit the agent stops its tasks as it goes; the next one does not
+    report that stop (the coordinator would take it for a cancel): it places them again."""
+    pid = await first_agent(tmp_path, "stop")
+    assert not alive(pid)
+    core = make_core([node("n", devices=2)], state_dir=tmp_path / "state")
+    await core.adopt()
+    assert core.tasks() == []
+    assert recorder.reports == []
     assert not records(tmp_path)
 
 
