@@ -240,7 +240,8 @@ async def test_a_cut_off_site_stops_the_jobs_that_ask_for_it(
     assert report is not None
     assert (report.state, report.interrupted) == (jobs_pb2.JOB_STATE_CANCELLED, True)
     assert report.reason == "cut off from every coordinator for 3 s (disconnect.stop_after_s 2)"
-    assert slurm_job(slurm_cluster, stops)["JobState"] == "CANCELLED"
+    # Slurm says FAILED when the job died of the SIGTERM before the scancel came.
+    assert slurm_job(slurm_cluster, stops)["JobState"] in ("CANCELLED", "FAILED")
     assert slurm_job(slurm_cluster, keeps)["JobState"] in ("PENDING", "RUNNING")
     assert [r.interrupted for r in harness.core.tasks() if r.job_id == "keeps"] == [False]
 
