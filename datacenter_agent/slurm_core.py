@@ -56,7 +56,7 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
-from federation.stop_after import STOP_GRACE_S, stop_reason
+from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
@@ -329,29 +329,15 @@ class SlurmCore:
             for t in self._tasks.values()
             if t.is_active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
         ]
-        for victim in victims:
-            job_id, name, epoch = victim.key
-            log.warning(
-                "task_stopped_cut_off",
-                job_id=job_id,
-                task=name,
-                epoch=epoch,
-                slurm_job=victim.slurm_id,
-                cut_off_s=round(cut_off_s, 1),
-                stop_after_s=victim.stop_after_s,
-            )
-            victim.interrupted = True
         grace_s = min(self._kill_grace_s, STOP_GRACE_S)
-        await asyncio.gather(
-            *(
-                self._stop(
-                    victim,
-                    stop_reason(cut_off_s, victim.stop_after_s),
-                    grace_s,
-                )
-                for victim in victims
+        stops = []
+        for victim in victims:
+            victim.interrupted = True
+            reason = announce_stop(
+                victim.key, cut_off_s, victim.stop_after_s, slurm_job=victim.slurm_id
             )
-        )
+            stops.append(self._stop(victim, reason, grace_s))
+        await asyncio.gather(*stops)
 
     async def _stop(self, task: SlurmTask, reason: str, grace_s: float) -> None:
         """SIGTERM to a running job, ``scancel`` after ``grace_s``; waits for its end."""

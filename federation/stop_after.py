@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import math
 
+import structlog
+
+log = structlog.get_logger()
+
 WATCHDOG_S = 1.0
 """How often an agent looks at how long it has been cut off."""
 STOP_GRACE_S = 5.0
@@ -50,9 +54,22 @@ def gone_after_s(stop_after_s: float, heartbeat_s: float) -> float:
     return waited_s + margin_s
 
 
-def stop_reason(cut_off_s: float, stop_after_s: float) -> str:
-    """Why a site stopped a task of a job with ``stop_after_s``: cut off for ``cut_off_s``, or
-    (``math.inf``) its agent is stopping and, once gone, could not stop it in time."""
+def announce_stop(
+    key: tuple[str, str, int], cut_off_s: float, stop_after_s: float, **more: object
+) -> str:
+    """Logs that a core stops task ``key`` of a job with ``stop_after_s`` (cut off for
+    ``cut_off_s``, or ``math.inf``: its agent is stopping and, once gone, could not stop it in
+    time), and returns why, for the task's report."""
+    job_id, task, epoch = key
+    log.warning(
+        "task_stopped_cut_off",
+        job_id=job_id,
+        task=task,
+        epoch=epoch,
+        cut_off_s=round(cut_off_s, 1),
+        stop_after_s=stop_after_s,
+        **more,
+    )
     policy = f"disconnect.stop_after_s {stop_after_s:g}"
     if math.isinf(cut_off_s):
         return f"the agent is stopping and could not stop it later ({policy})"

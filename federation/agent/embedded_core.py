@@ -38,7 +38,7 @@ from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
-from federation.stop_after import STOP_GRACE_S, stop_reason
+from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
@@ -425,17 +425,8 @@ class EmbeddedCore:
             if t.active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
         ]
         for victim in victims:
-            job_id, name, epoch = victim.key
-            log.warning(
-                "task_stopped_cut_off",
-                job_id=job_id,
-                task=name,
-                epoch=epoch,
-                cut_off_s=round(cut_off_s, 1),
-                stop_after_s=victim.stop_after_s,
-            )
             victim.interrupted = True
-            victim.cancel_reason = stop_reason(cut_off_s, victim.stop_after_s)
+            victim.cancel_reason = announce_stop(victim.key, cut_off_s, victim.stop_after_s)
             victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
