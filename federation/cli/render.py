@@ -390,11 +390,11 @@ def job_details(
         if task.checkpoint.path:
             yield text("  checkpoint: " + checkpoint_line(task.checkpoint))
         spec = next((t for t in job.spec.tasks if t.name == task.name), None)
-        if spec is not None and task.failed_attempts and retries.max_attempts(spec) > 1:
+        most = retries.max_attempts(spec) if spec is not None else 1
+        if task.failed_attempts and most > 1:
             later = (
                 f", next not before {utc_time(task.retry_at)}" if task.HasField("retry_at") else ""
             )
-            most = retries.max_attempts(spec)
             yield text(f"  failed attempts: {task.failed_attempts} of {most}{later}")
         if task.displaced.site:
             yield text(

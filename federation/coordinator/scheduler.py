@@ -875,7 +875,7 @@ class Scheduler:
                 continue
             n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
             active.append(n)
-            spec = next(t for t in job.spec.tasks if t.name == n.task)
+            spec = find_spec(job, n.task)
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,

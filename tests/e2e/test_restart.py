@@ -15,9 +15,20 @@ import pytest
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.local import LocalFederation
 
-from .conftest import SITES, jobs, python_task, read_marker, spec, wait_for_job
+from .conftest import SITES, jobs, python_task, read_marker, spec, until, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-restart")
+
+
+async def started_pid(starts: Path) -> int:
+    """The pid the task wrote in ``starts`` once it started (one line, one start)."""
+
+    async def started() -> bool:
+        return bool(read_marker(starts))
+
+    await until(started, "the task to start", timeout_s=10)
+    [pid] = (int(line) for line in read_marker(starts))
+    return pid
 
 
 @pytest.fixture
@@ -133,11 +144,7 @@ async def test_agent_sigterm_and_restart_adopts_its_running_task(tmp_path: Path)
                 )
             ).job
             running = await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
-            for _ in range(200):
-                if read_marker(starts):
-                    break
-                await asyncio.sleep(0.05)
-            [pid] = (int(line) for line in read_marker(starts))
+            pid = await started_pid(starts)
             assert fed.terminate(site.name), "the agent ignored SIGTERM"
             assert psutil.pid_exists(pid), "the task died with its agent"
             await fed.start_site(site)
@@ -175,11 +182,7 @@ async def test_an_agent_that_stops_takes_its_at_most_once_tasks_with_it(tmp_path
             stub = jobs(channel)
             job = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))).job
             await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
-            for _ in range(200):
-                if read_marker(starts):
-                    break
-                await asyncio.sleep(0.05)
-            [pid] = (int(line) for line in read_marker(starts))
+            pid = await started_pid(starts)
             assert fed.terminate(site.name), "the agent ignored SIGTERM"
             assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
             request = job_service_pb2.GetJobRequest(job_id=job.id, include_events=True)
