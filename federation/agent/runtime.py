@@ -347,6 +347,9 @@ class AgentRuntime:
             log.info("session_left", reason=reason)
 
     async def close(self) -> None:
+        # The agent is going: tasks it stops from now on (stop_tasks_on_exit) are placed
+        # again by the coordinator, which saw the site leave; their stops are not reports.
+        self._journal = None
         for task in list(self._handlers):
             task.cancel()
         with contextlib.suppress(Exception):

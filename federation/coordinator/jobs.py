@@ -246,6 +246,14 @@ class JobRepository:
             self._held[key] = admitted
             self._reindex(key[0])
 
+    def refused(self, key: tuple[str, str]) -> None:
+        """Every site ``key`` was offered to refused it: it stays held until its negotiation
+        ends, but counts against its queue no more. A cycle that runs meanwhile must not take
+        the queue for holding room it never got (its share too high, its quota too full)."""
+        if key in self._held:
+            self._held[key] = {}
+            self._reindex(key[0])
+
     def release(self, keys: Iterable[tuple[str, str]]) -> None:
         """Undo ``hold``: the tasks are the scheduler's to pick up again if still PENDING."""
         for key in keys:

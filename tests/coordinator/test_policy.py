@@ -87,16 +87,51 @@ def test_dominant_share_and_fair_order_follow_weights() -> None:
     weight = {"light": 1.0, "heavy": 3.0}
     lines = {"light": [f"l{i}" for i in range(8)], "heavy": [f"h{i}" for i in range(8)]}
 
-    def share(queue: str) -> float:
-        return held[queue] / weight[queue]
+    def turn(queue: str, item: str) -> tuple[bool, float]:
+        return False, held[queue] / weight[queue]
 
     order = []
-    for item in fair_order(lines, share):
+    for item in fair_order(lines, turn):
         order.append(item)
         held["light" if item.startswith("l") else "heavy"] += 1
         if len(order) == 8:
             break
     assert sum(item.startswith("h") for item in order) == 6  # 3:1, as the weights
+
+
+def test_what_a_queue_is_owed_goes_before_what_another_would_borrow() -> None:
+    """qc holds 1 of its nominal 2 GPUs, qd (weight 3) its whole 2: qc's next task is owed and
+    goes first, though qd's weighted share is lower; then qd, by share, before qc borrows.
+    Without the rule qd would borrow the GPU qc takes back."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"qc": q("qc", ("gpu", 2, 2)), "qd": q("qd", ("gpu", 2, 2))}
+    book._queues["qd"].weight = 3
+    usage = QueueUsage()
+    for i, name in enumerate(["qc", "qd", "qd"]):
+        running = gpu_job(name, 1)
+        running.id = f"running-{i}"
+        running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+        usage.update(running, {})
+    sharing = Sharing(book, usage)
+    waiting = []
+    for name in ["qd", "qd", "qc", "qc"]:
+        job = gpu_job(name, 1)
+        job.id = f"{name}-{len(waiting)}"
+        waiting.append(job)
+    tentative: dict[str, dict[str, float]] = {}
+    order = []
+    for job in sharing.order(waiting, {"gpu": 4}, tentative):
+        order.append(job.id)
+        sharing.admit(job, {"gpu": 1}, tentative)
+    # qc at 2 of 2 and qd at 2 of 2: both would borrow; qd's share (3/4/3) beats qc's (3/4).
+    assert order == ["qc-2", "qd-0", "qd-1", "qc-3"]
+    assert sharing.lenders(waiting[0], {"gpu": 1}) == set()  # qd would borrow itself
+    assert sharing.lenders(waiting[2], {"gpu": 1}) == set()  # qd borrows nothing
+    borrowed = gpu_job("qd", 1)
+    borrowed.id = "borrowed"
+    borrowed.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    usage.update(borrowed, {})
+    assert sharing.lenders(waiting[2], {"gpu": 1}) == {"qd"}  # owed what qd borrows
 
 
 def test_priority_classes_are_checked() -> None:

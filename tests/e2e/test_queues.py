@@ -224,16 +224,18 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
 async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_weight(
     federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
-    """Two queues with nominal 2 GPUs each: while team-d is idle, team-c borrows its share
-    (all 4 GPUs) and no more. Then both wait for more than fits, team-c's work submitted
-    first: freed GPUs go 1:3 by weight (first come would give team-c all 4, equal shares 2:2)."""
+    """Three queues beside each other: team-c's and team-d's with a nominal GPU each, team-e's
+    with 2, idle. While team-d is idle too, team-c borrows (all 4 GPUs) and no more. Then both
+    wait for more than fits, team-c's work submitted first: each gets its own GPU first, and
+    team-e's idle 2 go to team-d by weight 3:1 (equal weights would split them 1:1, first come
+    would give them to team-c). ``test_policy`` shows what each queue is owed going first."""
     stub = admin(operator)
-    await stub.CreateQueue(
-        admin_service_pb2.CreateQueueRequest(queue=queue("qc", "team-c", ("gpu", 2, 2)))
-    )
-    await stub.CreateQueue(
-        admin_service_pb2.CreateQueueRequest(queue=queue("qd", "team-d", ("gpu", 2, 2), weight=3.0))
-    )
+    for made in (
+        queue("qc", "team-c", ("gpu", 1, 3)),
+        queue("qd", "team-d", ("gpu", 1, 3), weight=3.0),
+        queue("qe", "team-e", ("gpu", 2, 0)),
+    ):
+        await stub.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=made))
     first, later = tmp_path / "first", tmp_path / "later"
     async with (
         channel_as(federation, tenant_tls(federation, "team-c")) as c,
@@ -248,11 +250,11 @@ async def test_borrowing_uses_what_others_leave_idle_and_fair_share_splits_by_we
         async def c_holds_all() -> bool:
             return list((await states(c, c_first)).values()).count(RUNNING) == GPUS
 
-        await until(c_holds_all, "team-c on every GPU")  # 2 of its own and 2 borrowed
+        await until(c_holds_all, "team-c on every GPU")  # 1 of its own and 3 borrowed
         status = (await listed(operator))["qc"]
-        assert status.borrowed["gpu"] == 2
+        assert status.borrowed["gpu"] == 3
         held_back = (await jobs(c).GetJob(job_service_pb2.GetJobRequest(job_id=c_more[0]))).job
-        assert "queue qc at its gpu quota (4/2), may borrow 2" in held_back.tasks[0].reason
+        assert "queue qc at its gpu quota (4/1), may borrow 3" in held_back.tasks[0].reason
         d_specs = [gpu_job(f"d{i}", "qd", later) for i in range(GPUS)]
         d_reply = await jobs(d).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=d_specs))
         d_ids = [j.id for j in d_reply.jobs]

@@ -1,4 +1,6 @@
-"""Weighted dominant-resource fairness between queues (as Armada and Volcano's DRF do)."""
+"""Weighted dominant-resource fairness between queues (as Armada and Volcano's DRF do), after
+what queues are owed: a task within its queue's nominal quota goes before any that would
+borrow (as Kueue admits), or the borrower would be given room its lender takes back."""
 
 from __future__ import annotations
 
@@ -26,17 +28,21 @@ def dominant_share(
     return best / (weight or 1.0), which
 
 
-def fair_order(lines: Mapping[str, Iterable[T]], share: Callable[[str], float]) -> Iterator[T]:
-    """The items of every queue's line, each next one from the queue with the smallest share
-    now: ``share`` is asked again each time a queue's turn comes round, so a queue whose
-    tasks were just admitted falls back behind the others (ties go to the queue's name)."""
+def fair_order(
+    lines: Mapping[str, Iterable[T]], turn: Callable[[str, T], tuple[bool, float]]
+) -> Iterator[T]:
+    """The items of every queue's line, each next one from the queue whose turn comes first:
+    ``turn(queue, its next item)`` is (whether that item would borrow, the queue's share now)
+    and is asked again each time the queue's turn comes round, so a queue whose tasks were
+    just admitted falls back behind the others (ties go to the queue's name)."""
     iterators = {queue: iter(items) for queue, items in lines.items()}
-    heap = [(share(queue), queue) for queue in iterators]
-    heapq.heapify(heap)
+    heap: list[tuple[tuple[bool, float], str, T]] = []
+    for queue, items in iterators.items():
+        if (item := next(items, None)) is not None:
+            heap.append((turn(queue, item), queue, item))
+    heapq.heapify(heap)  # queue names are unique: items are never compared
     while heap:
-        _, queue = heapq.heappop(heap)
-        item = next(iterators[queue], None)
-        if item is None:
-            continue
+        _, queue, item = heapq.heappop(heap)
         yield item
-        heapq.heappush(heap, (share(queue), queue))
+        if (item := next(iterators[queue], None)) is not None:
+            heapq.heappush(heap, (turn(queue, item), queue, item))

@@ -51,6 +51,23 @@ def admission(
     return None
 
 
+def within_nominal(
+    name: str, need: Demand, queues: Mapping[str, queues_pb2.Queue], held: Held
+) -> bool:
+    """Whether a task of queue ``name`` that needs ``need`` fits within the nominal quotas of
+    its queue and every queue above it: what it would take is owed to it, not borrowed."""
+    current = name
+    while current in queues:
+        queue = queues[current]
+        for quota in queue.quotas:
+            key = quota_key(quota)
+            want = need.get(key, 0.0)
+            if want and held(current).get(key, 0.0) + want > quota.nominal + EPSILON:
+                return False
+        current = queue.parent
+    return True
+
+
 def _cohort(
     name: str, key: str, queues: Mapping[str, queues_pb2.Queue], held: Held
 ) -> tuple[float, float]:

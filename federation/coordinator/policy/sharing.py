@@ -4,14 +4,16 @@ them: one object over the queue book, the queues' usage and the configured class
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from federation.api.v1 import jobs_pb2, queues_pb2
+from federation.coordinator import job_state
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.quota import EPSILON, admission
+from federation.coordinator.policy.quota import EPSILON, admission, within_nominal
 from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
@@ -116,14 +118,11 @@ class Sharing:
         """When the job's queue (and every queue above it) is within its nominal quota of all
         it needs, the queues beside them that borrow some of those resources, with the queues
         under those: their tasks may be stopped to give the room back. Empty otherwise."""
+        if not within_nominal(job.spec.queue, need, self.book.queues, self.held):
+            return set()  # it would borrow itself: nothing to reclaim
         borrowing: set[str] = set()
         for current in self._chain(job.spec.queue):
             queue = self.book.queues[current]
-            held = self.held(current)
-            for quota in queue.quotas:
-                want = need.get(quota_key(quota), 0.0)
-                if want and held.get(quota_key(quota), 0.0) + want > quota.nominal + EPSILON:
-                    return set()  # it would borrow itself: nothing to reclaim
             for other in self.book.queues.values():
                 if other.parent != queue.parent or other.name == current:
                     continue
@@ -247,9 +246,16 @@ class Sharing:
         """Count ``need`` against the job's queue for the rest of this cycle."""
         add(tentative.setdefault(job.spec.queue, {}), need.items())
 
-    def share(self, queue: str, capacity: Mapping[str, float], tentative: Tentative) -> float:
+    def turn(
+        self, job: jobs_pb2.Job, capacity: Mapping[str, float], tentative: Tentative
+    ) -> tuple[bool, float]:
+        """When the job's queue's turn comes (``fair_order``): whether its next task would
+        borrow, then the queue's weighted dominant share."""
+        queue = job.spec.queue
+        held = functools.partial(self.held, tentative=tentative)
+        borrows = not within_nominal(queue, next_need(job), self.book.queues, held)
         weight = self.book.queues[queue].weight if queue in self.book.queues else 1.0
-        return dominant_share(self.held(queue, tentative), capacity, weight)[0]
+        return borrows, dominant_share(held(queue), capacity, weight)[0]
 
     def order(
         self,
@@ -257,9 +263,10 @@ class Sharing:
         capacity: Mapping[str, float],
         tentative: Tentative,
     ) -> Iterator[jobs_pb2.Job]:
-        """``pending`` (in line order) with the queues taking turns by weighted dominant
-        share; within a queue the line order stays. Jobs that may preempt go first, as
-        they may have had others stopped to make room for them."""
+        """``pending`` (in line order) with the queues taking turns: tasks within their
+        queue's nominal quota before those that would borrow, each by weighted dominant share;
+        within a queue the line order stays. Jobs that may preempt go first, as they may
+        have had others stopped to make room for them."""
         lines: dict[str, list[jobs_pb2.Job]] = {}
         urgent = []
         for job in pending:
@@ -271,7 +278,7 @@ class Sharing:
         if len(lines) == 1:
             yield from next(iter(lines.values()))
         elif lines:
-            yield from fair_order(lines, lambda q: self.share(q, capacity, tentative))
+            yield from fair_order(lines, lambda _, job: self.turn(job, capacity, tentative))
 
     def status(
         self, capacity: Mapping[str, float], waiting: Mapping[str, int]
@@ -317,6 +324,14 @@ def _shown(queue: queues_pb2.Queue, held: Mapping[str, float]) -> dict[str, floa
     holds at every site and in every domain (a series each would be too many)."""
     counted = {quota_key(q) for q in queue.quotas}
     return {r: amount for r, amount in held.items() if "@" not in r or r in counted}
+
+
+def next_need(job: jobs_pb2.Job) -> dict[str, float]:
+    """What the job's first waiting task needs (its first task's, before it has a status)."""
+    waiting = next((t.name for t in job.tasks if t.state == job_state.PENDING), None)
+    if waiting is not None:
+        return task_demand(job, waiting)
+    return demand(job.spec.tasks[0]) if job.spec.tasks else {}
 
 
 def task_demand(job: jobs_pb2.Job, task: str) -> dict[str, float]:
