@@ -24,6 +24,8 @@ from federation.api.v1 import (
     admin_service_pb2_grpc,
     audit_service_pb2,
     audit_service_pb2_grpc,
+    certificate_service_pb2,
+    certificate_service_pb2_grpc,
     job_service_pb2,
     job_service_pb2_grpc,
     site_link_service_pb2,
@@ -41,6 +43,7 @@ from federation.coordinator.servicers import (
     OPEN_METHODS,
     AdminServicer,
     AuditServicer,
+    CertificateServicer,
     JobServicer,
     SiteLinkServicer,
 )
@@ -59,6 +62,7 @@ SERVICE_NAMES = (
     job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
     admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
     audit_service_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
+    certificate_service_pb2.DESCRIPTOR.services_by_name["CertificateService"].full_name,
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
 )
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
@@ -205,6 +209,9 @@ def _servers(
     job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(current), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(current), server)
     audit_service_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer(current), server)
+    certificate_service_pb2_grpc.add_CertificateServiceServicer_to_server(
+        CertificateServicer(current), server
+    )
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
         SiteLinkServicer(current, serves_connect=True), server
     )

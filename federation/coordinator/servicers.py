@@ -20,6 +20,12 @@ from federation.api.v1 import (
     audit_service_pb2_grpc as audit_grpc,
 )
 from federation.api.v1 import (
+    certificate_service_pb2 as certificate_pb,
+)
+from federation.api.v1 import (
+    certificate_service_pb2_grpc as certificate_grpc,
+)
+from federation.api.v1 import (
     job_service_pb2 as job_pb,
 )
 from federation.api.v1 import (
@@ -46,6 +52,7 @@ _JOBS = "/federation.api.v1.JobService/"
 _ADMIN = "/federation.api.v1.AdminService/"
 _LINK = "/federation.api.v1.SiteLinkService/"
 _AUDIT = "/federation.api.v1.AuditService/"
+_CERTIFICATES = "/federation.api.v1.CertificateService/"
 CLIENTS = frozenset({Role.OPERATOR, Role.TENANT})
 OPERATORS = frozenset({Role.OPERATOR})
 SITES = frozenset({Role.SITE})
@@ -78,6 +85,11 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
         )
     },
     _AUDIT + "ListAuditEvents": OPERATORS,
+    _CERTIFICATES + "RenewCertificate": frozenset(Role),
+    **{
+        _CERTIFICATES + m: OPERATORS
+        for m in ("ListCertificates", "RevokeCertificates", "GetRevocationList")
+    },
     _LINK + "Connect": SITES,
 }
 JOB_COUNTS: dict[str, Callable[[Any], int]] = {
@@ -214,6 +226,31 @@ class AuditServicer(audit_grpc.AuditServiceServicer):
         self, request: audit_pb.ListAuditEventsRequest, context: Context
     ) -> audit_pb.ListAuditEventsResponse:
         return await audit.list_events(self._current().jobs.store, request)
+
+
+class CertificateServicer(certificate_grpc.CertificateServiceServicer):
+    def __init__(self, current: Current) -> None:
+        self._current = current
+
+    async def RenewCertificate(
+        self, request: certificate_pb.RenewCertificateRequest, context: Context
+    ) -> certificate_pb.RenewCertificateResponse:
+        raise NotImplementedError
+
+    async def ListCertificates(
+        self, request: certificate_pb.ListCertificatesRequest, context: Context
+    ) -> certificate_pb.ListCertificatesResponse:
+        raise NotImplementedError
+
+    async def RevokeCertificates(
+        self, request: certificate_pb.RevokeCertificatesRequest, context: Context
+    ) -> certificate_pb.RevokeCertificatesResponse:
+        raise NotImplementedError
+
+    async def GetRevocationList(
+        self, request: certificate_pb.GetRevocationListRequest, context: Context
+    ) -> certificate_pb.GetRevocationListResponse:
+        raise NotImplementedError
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):

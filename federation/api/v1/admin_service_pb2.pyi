@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from federation.api.v1 import queues_pb2 as _queues_pb2
+from federation.api.v1 import records_pb2 as _records_pb2
 from federation.api.v1 import resources_pb2 as _resources_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -220,6 +221,9 @@ class GetFederationStatusResponse(_message.Message):
     COORDINATORS_FIELD_NUMBER: _builtins.int
     RESCHEDULING_PAUSED_FIELD_NUMBER: _builtins.int
     RESCHEDULING_NOTE_FIELD_NUMBER: _builtins.int
+    SOONEST_EXPIRING_CERTIFICATE_FIELD_NUMBER: _builtins.int
+    SERVER_CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
+    CA_NOT_AFTER_FIELD_NUMBER: _builtins.int
     coordinator_version: _builtins.str
     leader: _builtins.str
     """Advertised address of the leader (the coordinator that answers)."""
@@ -239,6 +243,18 @@ class GetFederationStatusResponse(_message.Message):
     def coordinators(self) -> _containers.RepeatedCompositeFieldContainer[Global___Coordinator]:
         """Every running coordinator, the leader included, by address."""
 
+    @_builtins.property
+    def soonest_expiring_certificate(self) -> _records_pb2.IssuedCertificate:
+        """The certificate not revoked and not yet expired that the coordinator issued (at a join or
+        a renewal) which expires first; unset when there is none.
+        """
+
+    @_builtins.property
+    def server_certificate_not_after(self) -> _timestamp_pb2.Timestamp:
+        """When the coordinator's own server certificate and the issuing CA's expire."""
+
+    @_builtins.property
+    def ca_not_after(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -249,10 +265,13 @@ class GetFederationStatusResponse(_message.Message):
         coordinators: _abc.Iterable[Global___Coordinator] | None = ...,
         rescheduling_paused: _builtins.bool = ...,
         rescheduling_note: _builtins.str = ...,
+        soonest_expiring_certificate: _records_pb2.IssuedCertificate | None = ...,
+        server_certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
+        ca_not_after: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ca_not_after", b"ca_not_after", "server_certificate_not_after", b"server_certificate_not_after", "soonest_expiring_certificate", b"soonest_expiring_certificate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "rescheduling_note", b"rescheduling_note", "rescheduling_paused", b"rescheduling_paused", "sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_not_after", b"ca_not_after", "coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "rescheduling_note", b"rescheduling_note", "rescheduling_paused", b"rescheduling_paused", "server_certificate_not_after", b"server_certificate_not_after", "sites", b"sites", "soonest_expiring_certificate", b"soonest_expiring_certificate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -62,7 +62,7 @@ Global___JoinTokenRecord: _TypeAlias = JoinTokenRecord  # noqa: Y015
 
 @_typing.final
 class IssuedCertificate(_message.Message):
-    """A certificate the federation CA issued through Join."""
+    """A certificate the coordinator issued: at a join or a renewal."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -72,10 +72,14 @@ class IssuedCertificate(_message.Message):
     NOT_AFTER_FIELD_NUMBER: _builtins.int
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     REVOKED_FIELD_NUMBER: _builtins.int
+    RENEWED_FROM_FIELD_NUMBER: _builtins.int
     serial_hex: _builtins.str
     identity: _builtins.str
     fingerprint: _builtins.str
     revoked: _builtins.bool
+    """Revoked by serial or with every certificate of its identity."""
+    renewed_from: _builtins.str
+    """The serial of the certificate whose holder renewed it; empty for a join."""
     @_builtins.property
     def not_after(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -89,14 +93,52 @@ class IssuedCertificate(_message.Message):
         not_after: _timestamp_pb2.Timestamp | None = ...,
         issued_at: _timestamp_pb2.Timestamp | None = ...,
         revoked: _builtins.bool = ...,
+        renewed_from: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["issued_at", b"issued_at", "not_after", b"not_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "identity", b"identity", "issued_at", b"issued_at", "not_after", b"not_after", "revoked", b"revoked", "serial_hex", b"serial_hex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "identity", b"identity", "issued_at", b"issued_at", "not_after", b"not_after", "renewed_from", b"renewed_from", "revoked", b"revoked", "serial_hex", b"serial_hex"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IssuedCertificate: _TypeAlias = IssuedCertificate  # noqa: Y015
+
+@_typing.final
+class Revocation(_message.Message):
+    """A revocation: of one certificate, or of every certificate of an identity issued up to
+    revoked_at (a certificate's issue time is its notBefore plus the CA's clock-skew margin).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERIAL_HEX_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    REVOKED_AT_FIELD_NUMBER: _builtins.int
+    REVOKED_BY_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    serial_hex: _builtins.str
+    """Exactly one of serial_hex and identity is set."""
+    identity: _builtins.str
+    revoked_by: _builtins.str
+    reason: _builtins.str
+    @_builtins.property
+    def revoked_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        serial_hex: _builtins.str = ...,
+        identity: _builtins.str = ...,
+        revoked_at: _timestamp_pb2.Timestamp | None = ...,
+        revoked_by: _builtins.str = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["revoked_at", b"revoked_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "reason", b"reason", "revoked_at", b"revoked_at", "revoked_by", b"revoked_by", "serial_hex", b"serial_hex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Revocation: _TypeAlias = Revocation  # noqa: Y015
 
 @_typing.final
 class JobRecord(_message.Message):
