@@ -137,3 +137,28 @@ class NotLeaderError(UnavailableError):
             leader=leader,
             leader_join=leader_join,
         )
+
+
+class CertificateNotFoundError(NotFoundError):
+    reason = "CERTIFICATE_NOT_FOUND"
+
+    def __init__(self, serial_hex: str) -> None:
+        super().__init__(
+            f"no certificate with serial {serial_hex[:64]!r} was issued by the coordinator. "
+            "To fix: list them with 'fedctl pki list'; revoke one issued offline by its "
+            "identity (--tenant, --operator or --site)",
+            serial=serial_hex,
+        )
+
+
+class CertificateRevokedError(UnauthenticatedError):
+    """The peer's certificate is revoked: every call and stream of it is refused."""
+
+    reason = "CERTIFICATE_REVOKED"
+
+    def __init__(self, serial_hex: str, revoked_at: str, why: str) -> None:
+        super().__init__(
+            f"certificate {serial_hex} was revoked at {revoked_at} UTC: {why}. To fix: ask an "
+            "operator for a new certificate",
+            serial=serial_hex,
+        )

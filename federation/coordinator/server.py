@@ -51,6 +51,7 @@ from federation.coordinator.services import ListCoordinators, start_services
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.interceptors import AuthInterceptor
 from federation.security.pki import CertificateAuthority
+from federation.security.revocation import RevocationBook, follow, load
 from federation.security.throttle import Throttle, ThrottleLimits
 from federation.security.tls import TlsFiles, server_credentials
 from federation.store import SqliteStore, Store
@@ -126,13 +127,17 @@ class Coordinator:
     election_task: asyncio.Task[None] | None = None
     history_task: asyncio.Task[None] | None = None
     """Compacts etcd's history (etcd only)."""
+    revocations: RevocationBook | None = None
+    """Every revocation, checked on every call, leader or not."""
+    revocation_task: asyncio.Task[None] | None = None
+    """Keeps ``revocations`` current from the store's watch."""
     probe: ProbeServer | None = None
     probe_endpoint: str = ""
     """Where agents measure their link to this coordinator (told in each welcome)."""
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
         """Step down (giving the lease back at once), stop serving, close the store."""
-        for task in (self.election_task, self.history_task):
+        for task in (self.election_task, self.history_task, self.revocation_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -169,6 +174,7 @@ def _servers(
     leadership: Leadership,
     health: tuple[health_aio.HealthServicer, health_aio.HealthServicer],
     tls: TlsFiles,
+    revocations: RevocationBook,
 ) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
     """The mTLS server and the join server, bound, not started; and their ports."""
     throttle = Throttle(
@@ -193,6 +199,7 @@ def _servers(
                 job_counts=JOB_COUNTS,
                 max_request_bytes=config.max_request_bytes,
                 large_methods={CONNECT_METHOD},
+                revocations=revocations,
             )
         ],
         options=[
@@ -248,15 +255,21 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     tls = TlsFiles(ca=config.ca_cert, cert=config.cert, key=config.key)
     health = (health_aio.HealthServicer(), health_aio.HealthServicer())
     leadership = Leadership(health, SERVICE_NAMES)
-    server, join_server, port, join_port = _servers(config, leadership, health, tls)
+    revocations = RevocationBook()
+    # Read before serving, so no revoked peer is let in while the watch starts.
+    read_at = await load(store, revocations)
+    server, join_server, port, join_port = _servers(config, leadership, health, tls, revocations)
     address = advertised(config.listen, port, config.advertise)
     host = address.rsplit(":", 1)[0]
     me = CoordinatorInfo(address, config.join_advertise or f"{host}:{join_port}")
     coordinator = Coordinator(server, join_server, port, join_port, store, leadership, me)
+    coordinator.revocations = revocations
     coordinator.probe, coordinator.probe_endpoint = await _start_probe(config, host)
     if config.store == "sqlite":
         leadership.leader = lambda: me
-        services = await start_services(store, config, ca, _only(me), coordinator.probe_endpoint)
+        services = await start_services(
+            store, config, ca, _only(me), coordinator.probe_endpoint, revocations=revocations
+        )
         await leadership.lead(services)
     else:
         election = LeaderElection(
@@ -268,6 +281,7 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
         )
         leadership.leader = election.leader
         coordinator.election = election
+    coordinator.revocation_task = asyncio.create_task(follow(store, revocations, read_at))
     await server.start()
     await join_server.start()
     await leadership.serve_health()
@@ -304,8 +318,14 @@ async def _elected(
     election = coordinator.election
     assert election is not None
     fenced = FencedStore(coordinator.store, revision, election.leader)
+    assert coordinator.revocations is not None
     services = await start_services(
-        fenced, config, ca, _members(election), coordinator.probe_endpoint
+        fenced,
+        config,
+        ca,
+        _members(election),
+        coordinator.probe_endpoint,
+        revocations=coordinator.revocations,
     )
     await coordinator.leadership.lead(services, fence=fenced)
 

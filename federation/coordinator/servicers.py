@@ -240,17 +240,17 @@ class CertificateServicer(certificate_grpc.CertificateServiceServicer):
     async def ListCertificates(
         self, request: certificate_pb.ListCertificatesRequest, context: Context
     ) -> certificate_pb.ListCertificatesResponse:
-        raise NotImplementedError
+        return await self._current().certificates.list(request)
 
     async def RevokeCertificates(
         self, request: certificate_pb.RevokeCertificatesRequest, context: Context
     ) -> certificate_pb.RevokeCertificatesResponse:
-        raise NotImplementedError
+        return await self._current().certificates.revoke(str(current_caller()), request)
 
     async def GetRevocationList(
         self, request: certificate_pb.GetRevocationListRequest, context: Context
     ) -> certificate_pb.GetRevocationListResponse:
-        raise NotImplementedError
+        return await self._current().certificates.revocation_list()
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):

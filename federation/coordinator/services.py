@@ -17,6 +17,7 @@ import structlog
 from federation.api.v1 import admin_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.admin import Admin
+from federation.coordinator.certificates import Certificates
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
@@ -33,6 +34,7 @@ from federation.coordinator.sites import SiteRegistry
 from federation.errors import NotLeaderError
 from federation.placement.registry import build_framework
 from federation.security.pki import CertificateAuthority
+from federation.security.revocation import RevocationBook
 from federation.store import Store
 
 log = structlog.get_logger()
@@ -51,6 +53,7 @@ class Services:
     scheduler: Scheduler
     manager: JobManager
     enrollment: Enrollment
+    certificates: Certificates
     link: SiteLink
     admin: Admin
     scheduler_task: asyncio.Task[None]
@@ -86,6 +89,8 @@ async def start_services(
     ca: CertificateAuthority,
     coordinators: ListCoordinators,
     probe_endpoint: str = "",
+    *,
+    revocations: RevocationBook,
 ) -> Services:
     """Load sites and jobs from ``store``, recover interrupted offers, start scheduling.
 
@@ -95,6 +100,8 @@ async def start_services(
         ca: Signs site certificates at Join.
         coordinators: Lists every running coordinator, for the federation status.
         probe_endpoint: Where agents measure their link to this coordinator.
+        revocations: The coordinator's revocations (it outlives the term), which a
+            revocation made in this term joins at once.
     """
     hub = EventHub()
     scheduler_ref: list[Scheduler] = []
@@ -164,6 +171,7 @@ async def start_services(
         scheduler=scheduler,
         manager=manager,
         enrollment=Enrollment(store, sites, ca),
+        certificates=Certificates(store, ca, revocations),
         link=SiteLink(
             sites,
             manager,

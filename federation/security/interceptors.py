@@ -6,6 +6,7 @@ may call it; a method missing from the table is refused (deny by default).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
@@ -28,13 +29,20 @@ from federation.errors import (
     UnauthenticatedError,
 )
 from federation.security.identity import Identity, InvalidIdentityError, Role
+from federation.security.revocation import (
+    OpenStream,
+    PeerCertificate,
+    RevocationBook,
+    peer_certificate_of,
+)
 from federation.security.throttle import RateLimitedError, Throttle
-from federation.security.tls import peer_identity
+from federation.security.tls import peer_certificate
 
 log = structlog.get_logger()
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 _CALLER: contextvars.ContextVar[Identity] = contextvars.ContextVar("caller")
+_PEER: contextvars.ContextVar[PeerCertificate] = contextvars.ContextVar("peer")
 
 
 def current_caller() -> Identity:
@@ -157,8 +165,12 @@ def _decoded(request: Any) -> _Received:
     return request
 
 
-async def _decoded_stream(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
+async def _decoded_stream(
+    requests: AsyncIterator[Any], watched: OpenStream | None
+) -> AsyncIterator[Any]:
     async for request in requests:
+        if watched is not None and watched.revoked is not None:
+            raise watched.refusal()  # each message is checked, not just the stream's start
         yield _decoded(request).message
 
 
@@ -180,6 +192,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         job_counts: Mapping[str, JobCount] | None = None,
         max_request_bytes: int = 0,
         large_methods: Collection[str] = (),
+        revocations: RevocationBook | None = None,
     ) -> None:
         """Create the interceptor.
 
@@ -192,6 +205,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             max_request_bytes: Largest request message of any method but ``large_methods``
                 (0: gRPC's own limit only), refused before it is parsed.
             large_methods: Methods whose messages may be as large as gRPC allows (Connect).
+            revocations: Revoked certificates, refused on every call; a stream of one is
+                ended when its revocation arrives.
         """
         self._roles = roles
         self._open = frozenset(open_methods)
@@ -199,20 +214,25 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._job_counts = dict(job_counts or {})
         self._max_request_bytes = max_request_bytes
         self._large = frozenset(large_methods)
+        self._revocations = revocations
 
     def _authorize(
         self, method: str, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Identity | None:
-        if method in self._open:
-            return _peer(context) if self._roles is not None else None
+    ) -> PeerCertificate | None:
+        if method in self._open and self._roles is None:
+            return None
         if self._roles is None:
             raise PermissionDeniedError(f"{method} is not served on this port")
-        identity = _peer(context)
-        if identity is None:
+        cert = _peer(context)
+        if cert is not None and self._revocations is not None:
+            self._revocations.check(cert)  # open methods too: a revoked peer gets nothing
+        if method in self._open:
+            return cert
+        if cert is None:
             raise UnauthenticatedError("a client certificate from the federation CA is required")
-        if identity.role not in self._roles.get(method, ()):
-            raise PermissionDeniedError(f"{identity} may not call {method.rsplit('/', 1)[-1]}")
-        return identity
+        if cert.identity.role not in self._roles.get(method, ()):
+            raise PermissionDeniedError(f"{cert.identity} may not call {method.rsplit('/', 1)[-1]}")
+        return cert
 
     async def intercept_service(
         self,
@@ -225,6 +245,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         method: str = handler_call_details.method
         authorize = self._authorize
         throttle = self._throttle
+        revocations = self._revocations
         job_count = self._job_counts.get(method)
 
         async def enter(
@@ -233,7 +254,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             size: int = 0,
             stream: bool = False,
         ) -> Identity | None:
-            identity = authorize(method, context)
+            cert = authorize(method, context)
+            identity = cert.identity if cert is not None else None
+            if cert is not None:
+                _PEER.set(cert)
             if identity is not None:
                 _CALLER.set(identity)
             structlog.contextvars.bind_contextvars(
@@ -285,8 +309,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                         request = received.message
                         holder = await enter(context, request, received.size, stream=True)
                     else:
-                        request = _decoded_stream(request)
                         holder = await enter(context, None, stream=True)
+                    cert = _PEER.get(None)
+                    watched = (
+                        revocations.open_stream(cert)
+                        if revocations is not None and cert is not None
+                        else None
+                    )
+                    if not unary_request:
+                        request = _decoded_stream(request, watched)
                     try:
                         responses = inner_s(request, context)
                         if inspect.isawaitable(responses):
@@ -295,8 +326,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                             await responses
                             return
                         async for response in responses:
+                            if watched is not None and watched.revoked is not None:
+                                raise watched.refusal()
                             yield response
+                    except asyncio.CancelledError:
+                        if watched is None or watched.revoked is None:
+                            raise
+                        # Cancelled by the revocation, not by gRPC: answer it instead.
+                        task = asyncio.current_task()
+                        if task is not None:
+                            task.uncancel()
+                        raise watched.refusal() from None
                     finally:
+                        if revocations is not None and watched is not None:
+                            revocations.close_stream(watched)
                         if throttle is not None and holder is not None:
                             throttle.close_stream(holder)
 
@@ -310,9 +353,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return handler  # stream-unary: none in our API
 
 
-def _peer(context: grpc.aio.ServicerContext[Any, Any]) -> Identity | None:
+def _peer(context: grpc.aio.ServicerContext[Any, Any]) -> PeerCertificate | None:
+    pem = peer_certificate(context)
     try:
-        return peer_identity(context)
+        return None if pem is None else peer_certificate_of(pem)
     except InvalidIdentityError as err:
         raise UnauthenticatedError(
             f"client certificate carries no federation identity: {err}"
