@@ -1,10 +1,12 @@
-"""``fedctl pki``: make the federation CA and certificates offline."""
+"""``fedctl pki``: make the federation CA and certificates offline (``init``, ``issue``); revoke
+and list them through the coordinator (``revoke``, ``list``, ``crl``)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from federation.cli import certificates
 from federation.cli.connection import CliError
 from federation.cli.output import output_of, show
 from federation.cli.render import text
@@ -32,6 +34,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     role.add_argument("--tenant")
     role.add_argument("--operator")
     issue.set_defaults(func=cmd_issue)
+    certificates.add_parsers(pki_sub)
 
 
 def cmd_init(args: argparse.Namespace) -> int:

@@ -1,0 +1,141 @@
+"""``fedctl pki revoke|list|crl``: the coordinator's certificates and revocations, online."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+from rich.table import Table
+
+from federation.api.v1 import certificate_service_pb2 as pb
+from federation.api.v1 import certificate_service_pb2_grpc as pb_grpc
+from federation.api.v1 import records_pb2
+from federation.cli.connection import CliError, Connection
+from federation.cli.output import message_data, output_of, show
+from federation.cli.render import text, utc_time
+from federation.security.pki import write_public_file
+
+
+def add_parsers(pki_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    revoke = pki_sub.add_parser(
+        "revoke", help="revoke a certificate, or every certificate of an identity up to now"
+    )
+    target = revoke.add_mutually_exclusive_group(required=True)
+    target.add_argument("--serial", help="one certificate, by its serial in hex")
+    target.add_argument("--site", help="every certificate of this site issued up to now")
+    target.add_argument("--tenant", help="every certificate of this tenant issued up to now")
+    target.add_argument("--operator", help="every certificate of this operator issued up to now")
+    revoke.add_argument("--reason", required=True, help="why, for the audit trail")
+    revoke.set_defaults(func=cmd_revoke)
+    listing = pki_sub.add_parser("list", help="issued certificates with their state, revocations")
+    listing.add_argument("--identity", default="", help="only this identity's, e.g. site:edge-1")
+    listing.add_argument("--limit", type=int, default=100, help="at most this many (max 1000)")
+    listing.add_argument("--page-token", default="", help="go on from where a page ended")
+    listing.set_defaults(func=cmd_list)
+    crl = pki_sub.add_parser("crl", help="the revocations as an X.509 CRL (PEM) signed by the CA")
+    crl.add_argument("--file", type=Path, help="write it here (default: print it)")
+    crl.set_defaults(func=cmd_crl)
+
+
+def _revoke_request(args: argparse.Namespace) -> pb.RevokeCertificatesRequest:
+    if args.serial:
+        return pb.RevokeCertificatesRequest(serial_hex=args.serial, reason=args.reason)
+    role = next(r for r in ("site", "tenant", "operator") if getattr(args, r))
+    identity = f"{role}:{getattr(args, role)}"
+    return pb.RevokeCertificatesRequest(identity=identity, reason=args.reason)
+
+
+async def cmd_revoke(args: argparse.Namespace, conn: Connection) -> int:
+    request = _revoke_request(args)
+    async with conn.channel() as channel:
+        reply = await pb_grpc.CertificateServiceStub(channel).RevokeCertificates(request)
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
+        return 0
+    target = reply.revocation.serial_hex or reply.revocation.identity
+    serials = ", ".join(reply.serials) or "none"
+    show(
+        text(f"revoked {target} at {utc_time(reply.revocation.revoked_at)} UTC"),
+        text(f"recorded certificates revoked: {serials}", "dim"),
+    )
+    return 0
+
+
+def certificate_state(cert: records_pb2.IssuedCertificate, now: float) -> str:
+    if cert.revoked:
+        return "revoked"
+    return "expired" if cert.not_after.seconds < now else "active"
+
+
+async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
+    request = pb.ListCertificatesRequest(
+        limit=max(args.limit, 0), page_token=args.page_token, identity=args.identity
+    )
+    async with conn.channel() as channel:
+        reply = await pb_grpc.CertificateServiceStub(channel).ListCertificates(request)
+    now = time.time()
+    out = output_of(args)
+    if out.is_data:
+        certs = message_data(list(reply.certificates))
+        assert isinstance(certs, list)
+        for data, cert in zip(certs, reply.certificates, strict=True):
+            data["state"] = certificate_state(cert, now)
+        out.data(
+            {
+                "certificates": certs,
+                "revocations": message_data(list(reply.revocations)),
+                "next_page_token": reply.next_page_token,
+            }
+        )
+        return 0
+    show(certificates_table(reply.certificates, now))
+    if reply.revocations:
+        show(revocations_table(reply.revocations))
+    if reply.next_page_token:
+        show(text(f"more: fedctl pki list --page-token {reply.next_page_token}"))
+    return 0
+
+
+def certificates_table(certs: Iterable[records_pb2.IssuedCertificate], now: float) -> Table:
+    table = Table(title=text("Certificates the coordinator issued (newest first, UTC)"))
+    for column in ("serial", "identity", "issued", "expires", "state"):
+        table.add_column(column, overflow="fold")
+    for cert in certs:
+        cells = (
+            cert.serial_hex,
+            cert.identity,
+            utc_time(cert.issued_at),
+            utc_time(cert.not_after),
+            certificate_state(cert, now),
+        )
+        table.add_row(*map(text, cells))
+    return table
+
+
+def revocations_table(revocations: Iterable[records_pb2.Revocation]) -> Table:
+    table = Table(title=text("Revocations (newest first, UTC)"))
+    for column in ("revoked", "certificates", "by", "reason"):
+        table.add_column(column, overflow="fold")
+    for r in revocations:
+        what = f"serial {r.serial_hex}" if r.serial_hex else f"{r.identity}, issued up to then"
+        table.add_row(*map(text, (utc_time(r.revoked_at), what, r.revoked_by, r.reason)))
+    return table
+
+
+async def cmd_crl(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = pb_grpc.CertificateServiceStub(channel)
+        reply = await stub.GetRevocationList(pb.GetRevocationListRequest())
+    if args.file is None:
+        sys.stdout.write(reply.crl_pem.decode())
+        return 0
+    try:
+        write_public_file(args.file, reply.crl_pem)
+    except OSError as err:
+        raise CliError(f"cannot write {args.file}: {err.strerror or err}") from None
+    show(text(f"CRL written to {args.file}"))
+    return 0
