@@ -27,8 +27,21 @@ from federation.api.v1 import (
 from federation.api.v1 import site_link_service_pb2_grpc as link_grpc
 from federation.local import LocalFederation
 from federation.security.pki import serial_hex
+from federation.security.tls import channel_credentials
+from federation.testing.cluster import etcd_coordinator_args, leader_name
+from federation.testing.etcd import etcd_binary
 
-from .conftest import admin, channel_as, jobs, python_task, site_tls, spec, tenant_tls, until
+from .conftest import (
+    admin,
+    channel_as,
+    etcd_prefix,
+    jobs,
+    python_task,
+    site_tls,
+    spec,
+    tenant_tls,
+    until,
+)
 
 pytestmark = pytest.mark.xdist_group("e2e-revocation")
 
@@ -262,3 +275,47 @@ def test_fedctl_pki_revoke_list_and_crl(federation: LocalFederation, tmp_path: P
     x509.load_pem_x509_crl(crl_file.read_bytes())
     printed = fedctl("crl")
     assert printed.stdout.startswith("-----BEGIN X509 CRL-----")
+
+
+async def test_every_coordinator_sharing_the_store_refuses_within_a_second(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if etcd_binary() is None:
+        pytest.skip("etcd is not installed (apt-get install -y etcd-server)")
+    etcd = request.getfixturevalue("shared_etcd")
+    fed = LocalFederation(
+        tmp_path / "fed",
+        [],
+        coordinator_args=etcd_coordinator_args(etcd.endpoint, etcd_prefix(), 3.0),
+    )
+    try:
+        for name in ("coord-a", "coord-b"):
+            await fed.start_coordinator(name=name)
+        leader = await leader_name(fed)
+        follower = next(name for name in fed.coordinators if name != leader)
+        tls = tenant_tls(fed, "rev-ha")
+
+        async def refusal(name: str) -> grpc.StatusCode:
+            channel = grpc.aio.secure_channel(fed.address_of(name), channel_credentials(tls))
+            async with channel:
+                try:
+                    await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+            return grpc.StatusCode.OK
+
+        assert await refusal(follower) == grpc.StatusCode.UNAVAILABLE  # not the leader
+        async with grpc.aio.secure_channel(
+            fed.address_of(leader), channel_credentials(fed.operator().tls)
+        ) as operator:
+            await revoke(operator, identity="tenant:rev-ha", reason="left")
+        started = time.monotonic()
+        for name in (leader, follower):
+
+            async def refused(name: str = name) -> bool:
+                return await refusal(name) == grpc.StatusCode.UNAUTHENTICATED
+
+            await until(refused, f"{name} to refuse", timeout_s=1.0)
+        assert time.monotonic() - started < 1.0
+    finally:
+        fed.stop()
