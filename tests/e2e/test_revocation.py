@@ -87,6 +87,9 @@ async def test_a_revoked_tenant_is_refused_and_its_watch_ends_within_a_second(
         submitted = await stub.SubmitJob(
             job_service_pb2.SubmitJobRequest(spec=spec("watched", [SLEEPER]))
         )
+        # Finished, so the watch gets nothing after the current state: only the revocation
+        # can end it.
+        await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=submitted.job.id))
         watch = stub.WatchJobs(
             job_service_pb2.WatchJobsRequest(job_ids=[submitted.job.id], include_current=True)
         )
@@ -120,7 +123,6 @@ async def test_a_revoked_tenant_is_refused_and_its_watch_ends_within_a_second(
     async with channel_as(federation, fresh) as channel:
         listed = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
         assert [j.id for j in listed.jobs] == [submitted.job.id]
-        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=submitted.job.id))
 
 
 async def test_an_operator_revoked_is_refused_and_others_are_not(
