@@ -1,15 +1,28 @@
-"""``fedctl pki``: make the federation CA and certificates offline."""
+"""``fedctl pki``: make the federation CA and certificates offline; renew one online."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from federation.cli.connection import CliError
+from federation.api.v1 import certificate_service_pb2, certificate_service_pb2_grpc
+from federation.cli.connection import CliError, Connection
 from federation.cli.output import output_of, show
-from federation.cli.render import text
-from federation.security.identity import Identity, InvalidIdentityError, Role
-from federation.security.pki import PkiLayout, fingerprint, init_pki, issue_client_files
+from federation.cli.render import text, time_left, utc_time
+from federation.security.identity import (
+    Identity,
+    InvalidIdentityError,
+    Role,
+    identity_from_certificate,
+)
+from federation.security.key_pair_files import finish_replacement, replace_key_pair
+from federation.security.pki import (
+    PkiLayout,
+    fingerprint,
+    init_pki,
+    issue_client_files,
+    make_csr,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,6 +45,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     role.add_argument("--tenant")
     role.add_argument("--operator")
     issue.set_defaults(func=cmd_issue)
+    renew = pki_sub.add_parser(
+        "renew",
+        help="renew the certificate fedctl connects with (--cert, --key): a new key, a new "
+        "expiry; both files are replaced (0600)",
+    )
+    renew.set_defaults(func=cmd_renew)
 
 
 def cmd_init(args: argparse.Namespace) -> int:
@@ -80,4 +99,45 @@ def cmd_issue(args: argparse.Namespace) -> int:
         out.data({"identity": str(identity), "cert": str(cert), "key": str(key)})
     else:
         show(text(f"{identity}: {cert} (key {key})"))
+    return 0
+
+
+async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
+    cert, key = conn.tls.cert, conn.tls.key
+    finish_replacement(cert, key)  # a renewal a crash interrupted: its pair is the one
+    try:
+        identity = identity_from_certificate(cert.read_bytes())
+    except (OSError, InvalidIdentityError) as err:
+        raise CliError(f"{cert}: {err}") from None
+    key_pem, csr_pem = make_csr(str(identity))
+    request = certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem)
+    async with conn.channel() as channel:
+        stub = certificate_service_pb2_grpc.CertificateServiceStub(channel)
+        reply = await stub.RenewCertificate(request)
+    try:
+        replace_key_pair(cert, key, reply.certificate_pem, key_pem)
+    except OSError as err:
+        raise CliError(
+            f"renewed (serial {reply.serial_hex}) but the files could not be written: {err}. "
+            f"To fix: make {cert.parent} writable and renew again"
+        ) from None
+    out = output_of(args)
+    if out.is_data:
+        out.data(
+            {
+                "identity": str(identity),
+                "serial": reply.serial_hex,
+                "not_after": reply.not_after.ToJsonString(),
+                "cert": str(cert),
+                "key": str(key),
+            }
+        )
+        return 0
+    show(
+        text(
+            f"renewed {identity}: serial {reply.serial_hex}, valid until "
+            f"{utc_time(reply.not_after)} UTC ({time_left(reply.not_after)})"
+        ),
+        text(f"wrote {cert} and {key}", "dim"),
+    )
     return 0

@@ -11,18 +11,26 @@ every 10 s) to prove the same thing in about 35 s.
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from federation.api.v1 import (
     admin_service_pb2,
     audit_service_pb2,
     audit_service_pb2_grpc,
+    certificate_service_pb2,
+    certificate_service_pb2_grpc,
     job_service_pb2,
     jobs_pb2,
     resources_pb2,
@@ -30,6 +38,8 @@ from federation.api.v1 import (
     site_link_service_pb2_grpc,
 )
 from federation.local import LocalFederation
+from federation.security.identity import identity_from_certificate
+from federation.security.pki import make_csr
 from federation.security.tls import TlsFiles
 
 from .conftest import (
@@ -41,9 +51,11 @@ from .conftest import (
     read_marker,
     site_tls,
     spec,
+    tenant_tls,
     until,
     wait_for_job,
 )
+from .test_refusals import enrol_ghost, violations
 
 pytestmark = pytest.mark.xdist_group("e2e-renewal")
 
@@ -66,6 +78,12 @@ async def renewals(channel: grpc.aio.Channel) -> list[audit_service_pb2.AuditEve
     request = audit_service_pb2.ListAuditEventsRequest(action_prefix="certificate.renew")
     trail = audit_service_pb2_grpc.AuditServiceStub(channel)
     return list(reversed((await trail.ListAuditEvents(request)).events))
+
+
+def certificates(
+    channel: grpc.aio.Channel,
+) -> certificate_service_pb2_grpc.CertificateServiceStub:
+    return certificate_service_pb2_grpc.CertificateServiceStub(channel)
 
 
 def hello(site: str) -> AsyncIterator[site_link_service_pb2.ConnectRequest]:
@@ -164,3 +182,114 @@ async def _started(starts: Path) -> bool:
 
 async def _changed(cert: Path, serial: str) -> bool:
     return await asyncio.to_thread(lambda: cert.exists() and serial_of(cert) != serial)
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """A federation of one site with the default certificate lifetimes."""
+    federation = LocalFederation(tmp_path_factory.mktemp("fed"), [SITES[0]])
+    try:
+        asyncio.run(federation.start())
+        yield federation
+    finally:
+        federation.stop()
+
+
+def fedctl(fed: LocalFederation, tls: TlsFiles, *args: str) -> subprocess.CompletedProcess[str]:
+    command = [
+        sys.executable,
+        "-m",
+        "federation.cli",
+        "--coordinator",
+        fed.address,
+        "--ca",
+        str(tls.ca),
+        "--cert",
+        str(tls.cert),
+        "--key",
+        str(tls.key),
+        *args,
+    ]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+async def test_fedctl_pki_renew_for_a_tenant(fed: LocalFederation) -> None:
+    """``fedctl pki renew`` replaces a tenant's pair (0600) with one for a new key that works,
+    its renewal recorded as renewed from the old serial."""
+    tls = tenant_tls(fed, "renewing")
+    old_serial, old_key = serial_of(tls.cert), tls.key.read_bytes()
+    renewed = await asyncio.to_thread(fedctl, fed, tls, "pki", "renew", "-o", "json")
+    assert renewed.returncode == 0, renewed.stderr
+    reply = json.loads(renewed.stdout)
+    assert reply["identity"] == "tenant:renewing"
+    assert reply["serial"] == serial_of(tls.cert) != old_serial
+    assert tls.key.read_bytes() != old_key
+    assert tls.cert.stat().st_mode & 0o777 == tls.key.stat().st_mode & 0o777 == 0o600
+    async with channel_as(fed, tls) as channel:  # the new pair works
+        await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
+    async with fed.operator().channel() as channel:
+        [event] = [e for e in await renewals(channel) if e.target == reply["serial"]]
+    assert event.identity == "tenant:renewing"
+    assert event.detail.startswith(f"renewed from {old_serial},")
+    table = await asyncio.to_thread(fedctl, fed, tls, "pki", "renew")
+    assert table.returncode == 0, table.stderr
+    assert "renewed tenant:renewing" in table.stdout
+    assert "left" in table.stdout
+
+
+async def test_a_csr_for_another_identity_gets_the_callers(fed: LocalFederation) -> None:
+    """The CSR's subject is ignored: a tenant asking for an operator's name is renewed as
+    itself."""
+    tls = tenant_tls(fed, "ambitious")
+    _, csr_pem = make_csr("operator:admin")
+    async with channel_as(fed, tls) as channel:
+        reply = await certificates(channel).RenewCertificate(
+            certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem)
+        )
+    assert str(identity_from_certificate(reply.certificate_pem)) == "tenant:ambitious"
+    assert reply.ca_bundle_pem == fed.pki.ca_cert.read_bytes()
+
+
+@pytest.mark.parametrize("csr", ["same-key", "garbage", "empty"])
+async def test_bad_renewals_are_refused_and_store_nothing(fed: LocalFederation, csr: str) -> None:
+    """A CSR for the current key, a garbage one and none at all: INVALID_ARGUMENT naming
+    csr_pem in one line, and no renewal recorded."""
+    tls = tenant_tls(fed, f"bad-{csr}")
+    key = serialization.load_pem_private_key(tls.key.read_bytes(), password=None)
+    assert isinstance(key, ec.EllipticCurvePrivateKey)
+    same_key = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "x")]))
+        .sign(key, hashes.SHA256())
+        .public_bytes(serialization.Encoding.PEM)
+    )
+    csr_pem = {"same-key": same_key, "garbage": b"-----BEGIN nonsense", "empty": b""}[csr]
+    async with fed.operator().channel() as operator:
+        before = len(await renewals(operator))
+        async with channel_as(fed, tls) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await certificates(channel).RenewCertificate(
+                    certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem)
+                )
+        assert len(await renewals(operator)) == before
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "\n" not in (caught.value.details() or "")
+    assert list(violations(caught.value)) == ["csr_pem"]
+    if csr == "same-key":
+        assert "key of the certificate being renewed" in violations(caught.value)["csr_pem"]
+
+
+async def test_an_old_site_certificate_cannot_renew(fed: LocalFederation, tmp_path: Path) -> None:
+    """Once a site renewed, its previous certificate may not renew again."""
+    old = await enrol_ghost(fed, "ghost-renewing", tmp_path)
+    async with channel_as(fed, old) as channel:
+        first = await certificates(channel).RenewCertificate(
+            certificate_service_pb2.RenewCertificateRequest(csr_pem=make_csr("x")[1])
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await certificates(channel).RenewCertificate(
+                certificate_service_pb2.RenewCertificateRequest(csr_pem=make_csr("x")[1])
+            )
+    assert first.serial_hex
+    assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "newer certificate" in (caught.value.details() or "")
