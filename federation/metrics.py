@@ -33,6 +33,19 @@ RESCHEDULING_PAUSED = Gauge(
     "1 while moving tasks off lost sites is paused (most sites unreachable at once)",
 )
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
+CERTIFICATE_EXPIRY = Gauge(
+    "federation_certificate_expiry_timestamp_seconds",
+    "When certificates expire, Unix time (certificate: issued, the soonest of those the "
+    "coordinator issued, not revoked and not expired, 0 for none; server; ca)",
+    ["certificate"],
+)
+CERTIFICATES_RENEWED = Counter(
+    "federation_certificates_renewed_total", "Certificates renewed, by role", ["role"]
+)
+AGENT_CERTIFICATE_EXPIRY = Gauge(
+    "federation_agent_certificate_expiry_timestamp_seconds",
+    "When this site's certificate expires, Unix time (the agent renews it at two thirds)",
+)
 
 
 RUN_TIME_RATIO = Histogram(

@@ -21,6 +21,7 @@ from federation.agent.config import AgentConfig
 from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
 from federation.endpoints import LEADER_JOIN, Endpoints, never_sent, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
+from federation.security.key_pair_files import finish_replacement
 from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
@@ -75,6 +76,7 @@ def channel_options(config: AgentConfig) -> list[tuple[str, str | int]]:
 async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     """Return the site's credentials, joining with the token first if there are none."""
     creds = credential_paths(config.state_dir)
+    finish_replacement(creds.cert, creds.key)  # a renewal a crash interrupted
     if creds.cert.exists() and creds.key.exists() and creds.ca.exists():
         return creds
     token = config.token

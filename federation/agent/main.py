@@ -30,6 +30,7 @@ from federation.agent.host_watch import HostWatcher, export_gauges, readings_pac
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.owner_share import check_owner_share, owner_share
+from federation.agent.renewal import CertificateRenewer
 from federation.agent.runtime import AgentRejectedError, AgentRuntime
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
@@ -230,6 +231,10 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     if isinstance(core, EmbeddedCore):
         export_gauges(config.site, core.nodes())
     session = asyncio.create_task(runtime.run())
+    renewer = CertificateRenewer(
+        creds, config.site, runtime.session_channel, runtime.credentials_renewed
+    )
+    renewing = asyncio.create_task(renewer.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -246,6 +251,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             # agent that is gone cannot stop it once the coordinator places a replacement.
             await core.stop_cut_off(math.inf)
         await runtime.leave("agent stopping")
+    renewing.cancel()
     session.cancel()
     stopper.cancel()
     await runtime.close()

@@ -6,6 +6,11 @@ breaks it reconnects with jittered backoff; tasks keep running meanwhile, except
 that ask to be stopped after ``disconnect.stop_after_s`` cut off (``CutOffWatch``). Given several
 coordinators, it tries them in order and follows a follower's hint to the leader
 (``federation.endpoints`` decides where to go next and how long to wait).
+
+When the site's certificate is renewed (``credentials_renewed``) the agent makes before it
+breaks: it opens a new session with the new certificate while the old one is still up, and
+closes the old one once the new one is established (the coordinator, seeing the new hello,
+ends the old stream too). The site never shows unreachable, and task reports keep flowing.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import grpc
 import structlog
@@ -43,6 +49,26 @@ FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMIS
 
 class AgentRejectedError(RuntimeError):
     """The coordinator refused this agent's identity; retrying cannot help."""
+
+
+@dataclass
+class _Stream:
+    """One Connect stream and what serves it, so it can outlive its session's turn."""
+
+    channel: grpc.aio.Channel
+    call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse]
+    outbox: asyncio.Queue[pb.AgentMessage | None]
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        self.call.cancel()
+        # A call the coordinator already ended (a follower's refusal) is not cancelled, so
+        # end its request stream here rather than leave it waiting.
+        self.outbox.put_nowait(None)
+        await asyncio.gather(*self.tasks, return_exceptions=True)  # its errors are moot now
+        await self.channel.close()
 
 
 class AgentRuntime:
@@ -88,6 +114,9 @@ class AgentRuntime:
         self._leaving = False
         self._session_over = asyncio.Event()
         self._cut_off = CutOffWatch(core)
+        self._channel: grpc.aio.Channel | None = None
+        self._renewed = asyncio.Event()
+        self._retiring: _Stream | None = None
         self.connected = asyncio.Event()
 
     # Called by the core ----------------------------------------------------------------
@@ -183,14 +212,28 @@ class AgentRuntime:
             await self._keep_session()
         finally:
             watch.cancel()
+            await self._retire()
+
+    async def session_channel(self) -> grpc.aio.Channel:
+        """The channel of the established session, once there is one (for renewals)."""
+        while True:
+            await self.connected.wait()
+            if self._channel is not None:
+                return self._channel
+            await asyncio.sleep(0.1)  # between a session's end and its `connected` cleared
+
+    def credentials_renewed(self) -> None:
+        """The certificate and key files hold a new pair: move the session onto it."""
+        self._renewed.set()
 
     async def _keep_session(self) -> None:
         while not self._leaving:
             error: grpc.aio.AioRpcError | None = None
             coordinator = self._endpoints.current
             self._session_over.clear()
+            handed_over = False
             try:
-                await self._session(coordinator)
+                handed_over = await self._session(coordinator)
             except grpc.aio.AioRpcError as err:
                 if err.code() in FATAL_CODES:
                     raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
@@ -211,48 +254,75 @@ class AgentRuntime:
                     )
             finally:
                 self._outbox = None
+                self._channel = None
                 self._session_over.set()
             if self._leaving:
                 return
+            if handed_over:
+                continue  # at once, with the new certificate; the old stream is still up
             if self.connected.is_set():
                 self._endpoints.succeeded()  # it worked until now: come back quickly
                 self.connected.clear()
             await asyncio.sleep(self._endpoints.failed(error))
 
-    async def _session(self, coordinator: str) -> None:
+    async def _session(self, coordinator: str) -> bool:
+        """Serve one stream until it ends (raising its error), or until the certificate is
+        renewed: then return True, leaving the stream open for the next session to retire."""
         outbox: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
         self._welcomed.clear()
+        self._renewed.clear()  # this session presents the newest pair on disk
         view = self.full_view()
         self._generation += 1
         self._mark_sent(view)
         hello = pb.Hello(view=view, generation=self._generation, tasks=self.hello_tasks())
         outbox.put_nowait(pb.AgentMessage(hello=hello))
-        async with grpc.aio.secure_channel(
+        channel = grpc.aio.secure_channel(
             coordinator,
             channel_credentials(self._creds.tls),
             options=channel_options(self._config),
-        ) as channel:
-            stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
-            call = stub.Connect(envelopes(outbox, _request))
-            self._outbox = outbox
-            helpers = [
-                asyncio.create_task(self._heartbeats(outbox)),
-                asyncio.create_task(self._views(outbox)),
-            ]
-            try:
-                async for envelope in call:
-                    if not self.connected.is_set():
-                        self.connected.set()
-                        log.info("session_established", coordinator=coordinator)
-                    for message in envelope.messages:
-                        self._dispatch(message, outbox)
-            finally:
-                for task in helpers:
-                    task.cancel()
-                call.cancel()
-                # A call the coordinator already ended (a follower's refusal) is not
-                # cancelled, so end its request stream here rather than leave it waiting.
-                outbox.put_nowait(None)
+        )
+        stub = site_link_service_pb2_grpc.SiteLinkServiceStub(channel)
+        stream = _Stream(channel, stub.Connect(envelopes(outbox, _request)), outbox)
+        self._outbox = outbox
+        self._channel = channel
+        reader = asyncio.create_task(self._read(stream, coordinator))
+        stream.tasks += [
+            asyncio.create_task(self._heartbeats(outbox)),
+            asyncio.create_task(self._views(outbox)),
+            reader,
+        ]
+        renewed = asyncio.create_task(self._renewed.wait())
+        handed_over = False
+        try:
+            await asyncio.wait({reader, renewed}, return_when=asyncio.FIRST_COMPLETED)
+            if not reader.done():
+                await self._retire()  # a renewal before the last one's handover ended
+                self._retiring, handed_over = stream, True
+                log.info("session_renewing", coordinator=coordinator)
+                return True
+            reader.result()  # the stream's error, if it ended with one
+            return False
+        finally:
+            renewed.cancel()
+            if not handed_over:
+                await stream.close()
+
+    async def _read(self, stream: _Stream, coordinator: str) -> None:
+        async for envelope in stream.call:
+            if stream is not self._retiring and self._retiring is not None:
+                await self._retire()  # this session is established: the old one may go
+            if not self.connected.is_set():
+                self.connected.set()
+                log.info("session_established", coordinator=coordinator)
+            for message in envelope.messages:
+                self._dispatch(message, stream.outbox)
+
+    async def _retire(self) -> None:
+        """Close the stream a renewal left open, if any."""
+        retiring, self._retiring = self._retiring, None
+        if retiring is not None:
+            await retiring.close()
+            log.info("session_retired")
 
     async def _heartbeats(self, outbox: asyncio.Queue[pb.AgentMessage | None]) -> None:
         # At the coordinator's pace, which its welcome tells: a short interval must not wait

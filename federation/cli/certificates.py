@@ -1,4 +1,4 @@
-"""``fedctl pki revoke|list|crl``: the coordinator's certificates and revocations, online."""
+"""``fedctl pki renew|revoke|list|crl``: the coordinator's certificates and revocations, online."""
 
 from __future__ import annotations
 
@@ -15,11 +15,19 @@ from federation.api.v1 import certificate_service_pb2_grpc as pb_grpc
 from federation.api.v1 import records_pb2
 from federation.cli.connection import CliError, Connection
 from federation.cli.output import message_data, output_of, show
-from federation.cli.render import text, utc_time
-from federation.security.pki import write_public_file
+from federation.cli.render import text, time_left, utc_time
+from federation.security.identity import InvalidIdentityError, identity_from_certificate
+from federation.security.key_pair_files import finish_replacement, replace_key_pair
+from federation.security.pki import make_csr, write_public_file
 
 
 def add_parsers(pki_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    renew = pki_sub.add_parser(
+        "renew",
+        help="renew the certificate fedctl connects with (--cert, --key): a new key, a new "
+        "expiry; both files are replaced (0600)",
+    )
+    renew.set_defaults(func=cmd_renew)
     revoke = pki_sub.add_parser(
         "revoke", help="revoke a certificate, or every certificate of an identity up to now"
     )
@@ -138,4 +146,45 @@ async def cmd_crl(args: argparse.Namespace, conn: Connection) -> int:
     except OSError as err:
         raise CliError(f"cannot write {args.file}: {err.strerror or err}") from None
     show(text(f"CRL written to {args.file}"))
+    return 0
+
+
+async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
+    cert, key = conn.tls.cert, conn.tls.key
+    finish_replacement(cert, key)  # a renewal a crash interrupted: its pair is the one
+    try:
+        identity = identity_from_certificate(cert.read_bytes())
+    except (OSError, InvalidIdentityError) as err:
+        raise CliError(f"{cert}: {err}") from None
+    key_pem, csr_pem = make_csr(str(identity))
+    request = pb.RenewCertificateRequest(csr_pem=csr_pem)
+    async with conn.channel() as channel:
+        stub = pb_grpc.CertificateServiceStub(channel)
+        reply = await stub.RenewCertificate(request)
+    try:
+        replace_key_pair(cert, key, reply.certificate_pem, key_pem)
+    except OSError as err:
+        raise CliError(
+            f"renewed (serial {reply.serial_hex}) but the files could not be written: {err}. "
+            f"To fix: make {cert.parent} writable and renew again"
+        ) from None
+    out = output_of(args)
+    if out.is_data:
+        out.data(
+            {
+                "identity": str(identity),
+                "serial": reply.serial_hex,
+                "not_after": reply.not_after.ToJsonString(),
+                "cert": str(cert),
+                "key": str(key),
+            }
+        )
+        return 0
+    show(
+        text(
+            f"renewed {identity}: serial {reply.serial_hex}, valid until "
+            f"{utc_time(reply.not_after)} UTC ({time_left(reply.not_after)})"
+        ),
+        text(f"wrote {cert} and {key}", "dim"),
+    )
     return 0

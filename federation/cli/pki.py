@@ -1,5 +1,5 @@
-"""``fedctl pki``: make the federation CA and certificates offline (``init``, ``issue``); revoke
-and list them through the coordinator (``revoke``, ``list``, ``crl``)."""
+"""``fedctl pki``: make the federation CA and certificates offline (``init``, ``issue``); renew,
+revoke and list them through the coordinator (``renew``, ``revoke``, ``list``, ``crl``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,17 @@ from federation.cli import certificates
 from federation.cli.connection import CliError
 from federation.cli.output import output_of, show
 from federation.cli.render import text
-from federation.security.identity import Identity, InvalidIdentityError, Role
-from federation.security.pki import PkiLayout, fingerprint, init_pki, issue_client_files
+from federation.security.identity import (
+    Identity,
+    InvalidIdentityError,
+    Role,
+)
+from federation.security.pki import (
+    PkiLayout,
+    fingerprint,
+    init_pki,
+    issue_client_files,
+)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -30,7 +30,9 @@ from federation.cli.render import (
     links_matrix,
     sites_table,
     text,
+    time_left,
     unhealthy_devices_table,
+    utc_time,
 )
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
 from federation.watch import events_of
@@ -105,6 +107,7 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
         views.append(
             Text.assemble(text("rescheduling paused", "bold"), text(f": {reply.rescheduling_note}"))
         )
+    views.append(certificates_table(reply))
     counts = Table(title=text(f"Jobs (coordinator {reply.coordinator_version})"))
     counts.add_column("state")
     counts.add_column("jobs", justify="right")
@@ -113,6 +116,26 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     views.append(counts)
     show(*views)
     return 0
+
+
+def certificates_table(reply: admin_service_pb2.GetFederationStatusResponse) -> Table:
+    """When certificates expire: the soonest the coordinator issued, its own, the CA's."""
+    table = Table(title=text("Certificates (expiry, UTC)"))
+    for column in ("certificate", "expires", "left"):
+        table.add_column(column)
+    soonest = reply.soonest_expiring_certificate
+    if reply.HasField("soonest_expiring_certificate"):
+        name = f"soonest issued: {soonest.identity} ({soonest.serial_hex})"
+        table.add_row(
+            text(name), text(utc_time(soonest.not_after)), text(time_left(soonest.not_after))
+        )
+    else:
+        table.add_row(text("soonest issued"), text("-"), text("none issued and valid"))
+    expiries = [("coordinator", reply.server_certificate_not_after), ("CA", reply.ca_not_after)]
+    for name, stamp in expiries:
+        if stamp.seconds:
+            table.add_row(text(name), text(utc_time(stamp)), text(time_left(stamp)))
+    return table
 
 
 async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Iterator, Sequence
 
 from google.protobuf import timestamp_pb2
@@ -189,6 +190,20 @@ def forecast_cells(forecast: admin_service_pb2.SiteForecast) -> tuple[str, str]:
     tasks = str(forecast.tasks) + (f" (+{forecast.waiting} waiting)" if forecast.waiting else "")
     free = format_duration(forecast.next_free_s) if forecast.next_free_s >= 0 else "-"
     return tasks, free
+
+
+def time_left(stamp: timestamp_pb2.Timestamp, now_s: float | None = None) -> str:
+    """``12d 3h left``, ``41m left``, ``expired``: how long until ``stamp``."""
+    left_s = stamp.seconds - (time.time() if now_s is None else now_s)
+    if left_s <= 0:
+        return "expired"
+    days, rest = divmod(int(left_s), 86400)
+    hours, rest = divmod(rest, 3600)
+    if days:
+        return f"{days}d {hours}h left"
+    if hours:
+        return f"{hours}h {rest // 60}m left"
+    return f"{rest // 60}m {rest % 60}s left"
 
 
 def utc_time(stamp: timestamp_pb2.Timestamp) -> str:

@@ -14,6 +14,7 @@ from federation.coordinator.jobs import JobRepository
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
+from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
 
@@ -29,6 +30,7 @@ class Admin:
         coordinators: Lists every running coordinator, the leader marked.
         lost_sites: The lost-site monitor, whose pause the status shows; None: never paused.
         forecasts: Per site, when room should free there (``Scheduler.forecasts``).
+        expiries: When certificates expire; None: the status shows none.
     """
 
     def __init__(
@@ -39,6 +41,7 @@ class Admin:
         lost_sites: LostSites | None = None,
         sharing: Sharing | None = None,
         forecasts: Forecasts | None = None,
+        expiries: Expiries | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
@@ -46,6 +49,7 @@ class Admin:
         self._lost_sites = lost_sites
         self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
         self._forecasts = forecasts
+        self._expiries = expiries
 
     def sites(self) -> list[admin_service_pb2.Site]:
         names = self._sites.names()
@@ -58,7 +62,7 @@ class Admin:
 
     async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
         coordinators = await self._coordinators()
-        return admin_service_pb2.GetFederationStatusResponse(
+        status = admin_service_pb2.GetFederationStatusResponse(
             coordinator_version=__version__,
             sites=self.sites(),
             jobs_by_state=await self._jobs.count_by_state(),
@@ -67,6 +71,13 @@ class Admin:
             rescheduling_paused=self._lost_sites is not None and self._lost_sites.paused,
             rescheduling_note=self._lost_sites.note if self._lost_sites is not None else "",
         )
+        if self._expiries is not None:
+            soonest = await self._expiries.soonest()
+            if soonest is not None:
+                status.soonest_expiring_certificate.CopyFrom(soonest)
+            status.server_certificate_not_after.CopyFrom(self._expiries.server_not_after)
+            status.ca_not_after.CopyFrom(self._expiries.ca_not_after)
+        return status
 
     async def cordon(self, caller: str, site: str, cordoned: bool) -> admin_service_pb2.Site:
         if not site:

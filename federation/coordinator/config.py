@@ -12,6 +12,12 @@ from federation.coordinator.waits import WAIT_GAIN
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 from federation.store.etcd import DEFAULT_PREFIX
 
+SITE_CERTIFICATE_LIFETIME_S = 7 * 86400.0
+CLIENT_CERTIFICATE_LIFETIME_S = 90 * 86400.0
+MIN_CERTIFICATE_LIFETIME_S = 10
+"""Shorter, and a certificate could expire before the agent's renewal at two thirds of it
+has gone its round trip."""
+
 
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
@@ -114,6 +120,17 @@ class CoordinatorConfig:
     priority_classes: dict[str, Any] = field(default_factory=dict)
     """Named priorities jobs may name: ``[priority_classes.urgent]`` with ``value`` (-1000 to
     1000), ``preemptible`` (default true) and ``may_preempt`` (default false)."""
+    site_certificate_lifetime_s: float = field(
+        default=SITE_CERTIFICATE_LIFETIME_S, metadata=at_least(MIN_CERTIFICATE_LIFETIME_S)
+    )
+    """Lifetime of the certificates sites get at a join and at each renewal (agents renew at
+    two thirds of it): short, so a stolen site key is good for days at most."""
+    client_certificate_lifetime_s: float = field(
+        default=CLIENT_CERTIFICATE_LIFETIME_S, metadata=at_least(MIN_CERTIFICATE_LIFETIME_S)
+    )
+    """Lifetime of the certificates operators and tenants get by renewing (``fedctl pki
+    renew``): people renew by hand, so a quarter rather than days; offline issues keep a
+    year."""
     max_spec_bytes: int = field(default=256 * 1024, metadata=within(1024, 1024 * 1024))
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
     record, and etcd refuses a request over 1.5 MiB."""

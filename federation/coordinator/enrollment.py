@@ -6,6 +6,7 @@ import contextlib
 import hashlib
 import secrets
 import time
+from datetime import timedelta
 
 import structlog
 from cryptography.hazmat.primitives.serialization import Encoding
@@ -41,10 +42,18 @@ def _token_key(token: str) -> str:
 class Enrollment:
     """Mints join tokens (kept only as hashes) and redeems each exactly once."""
 
-    def __init__(self, store: Store, sites: SiteRegistry, ca: CertificateAuthority) -> None:
+    def __init__(
+        self,
+        store: Store,
+        sites: SiteRegistry,
+        ca: CertificateAuthority,
+        *,
+        site_lifetime: timedelta = timedelta(days=7),
+    ) -> None:
         self._store = store
         self._sites = sites
         self._ca = ca
+        self._site_lifetime = site_lifetime
 
     async def create_token(
         self, site: str, domain: int, ttl_s: float, created_by: str
@@ -97,7 +106,7 @@ class Enrollment:
             raise refused
         identity = Identity(Role.SITE, record.site)
         try:
-            cert = self._ca.sign_csr(request.csr_pem, identity)
+            cert = self._ca.sign_csr(request.csr_pem, identity, lifetime=self._site_lifetime)
         except InvalidCsrError as err:
             raise InvalidArgumentError([FieldViolation("csr_pem", str(err))]) from None
         cert_pem = cert.public_bytes(Encoding.PEM)

@@ -235,7 +235,8 @@ class CertificateServicer(certificate_grpc.CertificateServiceServicer):
     async def RenewCertificate(
         self, request: certificate_pb.RenewCertificateRequest, context: Context
     ) -> certificate_pb.RenewCertificateResponse:
-        raise NotImplementedError
+        certificate = peer_certificate(context) or b""  # the handshake required one
+        return await self._current().renewal.renew(current_caller(), certificate, request.csr_pem)
 
     async def ListCertificates(
         self, request: certificate_pb.ListCertificatesRequest, context: Context

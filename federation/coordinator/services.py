@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import structlog
 
@@ -29,11 +30,13 @@ from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
+from federation.coordinator.security.expiry import Expiries
+from federation.coordinator.security.renewal import Renewal
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import NotLeaderError
 from federation.placement.registry import build_framework
-from federation.security.pki import CertificateAuthority
+from federation.security.pki import CertificateAuthority, load_certificate
 from federation.security.revocation import RevocationBook
 from federation.store import Store
 
@@ -56,11 +59,14 @@ class Services:
     certificates: Certificates
     link: SiteLink
     admin: Admin
+    renewal: Renewal
     scheduler_task: asyncio.Task[None]
     lost_sites: LostSites
     lost_sites_task: asyncio.Task[None]
     learning_task: asyncio.Task[None]
     """Saves what the learner learned, in batches."""
+    expiry_task: asyncio.Task[None]
+    """Keeps the certificate expiry gauge current."""
     ended: NotLeaderError | None = None
     """Set when the term ended by stepping down: streams still open end with it."""
 
@@ -76,7 +82,12 @@ class Services:
             self.ended = step_down
             self.sites.close_sessions()
             self.hub.close(step_down)
-        for task in (self.lost_sites_task, self.scheduler_task, self.learning_task):
+        for task in (
+            self.lost_sites_task,
+            self.scheduler_task,
+            self.learning_task,
+            self.expiry_task,
+        ):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -163,6 +174,9 @@ async def start_services(
     scheduler_task = asyncio.create_task(scheduler.run())
     lost_sites_task = asyncio.create_task(lost_sites.run())
     learning_task = asyncio.create_task(LearningSaver(learner, store).run())
+    expiries = Expiries(store, load_certificate(config.cert), ca.cert)
+    expiry_task = asyncio.create_task(expiries.run())
+    site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
         jobs=jobs,
@@ -170,7 +184,7 @@ async def start_services(
         hub=hub,
         scheduler=scheduler,
         manager=manager,
-        enrollment=Enrollment(store, sites, ca),
+        enrollment=Enrollment(store, sites, ca, site_lifetime=site_lifetime),
         certificates=Certificates(store, ca, revocations),
         link=SiteLink(
             sites,
@@ -179,11 +193,19 @@ async def start_services(
             config.missed_heartbeats,
             probe_endpoint=probe_endpoint,
         ),
-        admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts),
+        admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
+        renewal=Renewal(
+            store,
+            sites,
+            ca,
+            site_lifetime=site_lifetime,
+            client_lifetime=timedelta(seconds=config.client_certificate_lifetime_s),
+        ),
         scheduler_task=scheduler_task,
         lost_sites=lost_sites,
         lost_sites_task=lost_sites_task,
         learning_task=learning_task,
+        expiry_task=expiry_task,
     )
 
 

@@ -70,7 +70,7 @@ class SiteLink:
         """Serve one agent until it goes away or breaks the protocol (then raise).
 
         ``certificate`` is the fingerprint of the agent's certificate: only the one the site
-        got at its latest Join is accepted, so re-joining retires the old one. ``peer`` is
+        got at its latest Join or renewal is accepted, so either retires the old one. ``peer`` is
         where the stream comes from, as gRPC names it: the only host the site may name as its
         probe endpoint.
         """
@@ -91,7 +91,8 @@ class SiteLink:
         entry = self._sites.get(caller.name)
         if entry.record.certificate_fingerprint not in ("", certificate):
             raise PermissionDeniedError(
-                f"site {caller.name} has joined again since this certificate was issued. "
+                f"site {caller.name} has joined again or renewed since this certificate was "
+                "issued. "
                 "To fix: use the newest certificate (restart the agent with its state_dir)"
             )
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
@@ -145,6 +146,10 @@ class SiteLink:
             self._sites.detach(session)
             if session.said_goodbye:
                 log.info("site_disconnected", site=caller.name)
+            elif self._sites.session(caller.name) is not None:
+                # A newer session took over (an agent reconnecting with a renewed certificate
+                # opens it before it lets this one go): the site never went away.
+                log.info("site_session_replaced", site=caller.name)
             else:
                 log.warning("site_unreachable", site=caller.name)
         if failure:

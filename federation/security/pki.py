@@ -31,6 +31,9 @@ from federation.security.identity import Identity, Role
 CLOCK_SKEW = timedelta(minutes=5)
 """How far in the past every certificate's validity starts, to tolerate clock skew."""
 
+DEFAULT_CLIENT_LIFETIME = timedelta(days=365)
+"""Lifetime of a client certificate when the caller names none."""
+
 MIN_RSA_BITS = 2048
 """Smallest RSA key that ``sign_csr`` accepts."""
 
@@ -74,6 +77,16 @@ def _key_usage(*, digital_signature: bool = False, cert_sign: bool = False) -> x
 def _check_valid_days(valid_days: int) -> None:
     if valid_days <= 0:
         raise ValueError(f"valid_days must be positive, got {valid_days}")
+
+
+def _check_lifetime(lifetime: timedelta) -> None:
+    if lifetime <= timedelta(0):
+        raise ValueError(f"a certificate's lifetime must be positive, got {lifetime}")
+
+
+def _days(valid_days: int) -> timedelta:
+    _check_valid_days(valid_days)
+    return timedelta(days=valid_days)
 
 
 def _general_name(san: str) -> x509.GeneralName:
@@ -197,7 +210,7 @@ class CertificateAuthority:
             raise ValueError("a server certificate needs at least one DNS name or IP address")
         key = _new_key()
         cert = (
-            self._leaf_builder(sans[0], key.public_key(), valid_days)
+            self._leaf_builder(sans[0], key.public_key(), _days(valid_days))
             .add_extension(x509.SubjectAlternativeName([_general_name(s) for s in sans]), False)
             .add_extension(
                 x509.ExtendedKeyUsage(
@@ -220,11 +233,15 @@ class CertificateAuthority:
             ``(cert_pem, key_pem)``.
         """
         key = _new_key()
-        cert = self._sign_client(identity, key.public_key(), valid_days)
+        cert = self._sign_client(identity, key.public_key(), _days(valid_days))
         return _cert_pem(cert), _key_pem(key)
 
     def sign_csr(
-        self, csr_pem: bytes, identity: Identity, *, valid_days: int = 365
+        self,
+        csr_pem: bytes,
+        identity: Identity,
+        *,
+        lifetime: timedelta = DEFAULT_CLIENT_LIFETIME,
     ) -> x509.Certificate:
         """Signs a client certificate for ``identity`` from a CSR.
 
@@ -234,7 +251,7 @@ class CertificateAuthority:
         Args:
             csr_pem: PEM-encoded PKCS#10 request (see ``make_csr``).
             identity: The identity the CA decided the requester gets.
-            valid_days: Lifetime of the certificate.
+            lifetime: Lifetime of the certificate (from now; never past the CA's own expiry).
 
         Returns:
             The signed certificate.
@@ -254,13 +271,13 @@ class CertificateAuthority:
             raise InvalidCsrError(f"CSR uses an unsupported key or signature: {exc}") from exc
         if not signature_ok:
             raise InvalidCsrError("CSR signature does not verify against its own public key")
-        return self._sign_client(identity, _check_csr_key(public_key), valid_days)
+        return self._sign_client(identity, _check_csr_key(public_key), lifetime)
 
     def _sign_client(
-        self, identity: Identity, public_key: _IssuablePublicKey, valid_days: int
+        self, identity: Identity, public_key: _IssuablePublicKey, lifetime: timedelta
     ) -> x509.Certificate:
         return (
-            self._leaf_builder(str(identity), public_key, valid_days)
+            self._leaf_builder(str(identity), public_key, lifetime)
             .add_extension(
                 x509.SubjectAlternativeName([x509.UniformResourceIdentifier(identity.uri)]),
                 critical=False,
@@ -270,12 +287,12 @@ class CertificateAuthority:
         )
 
     def _leaf_builder(
-        self, common_name: str, public_key: _IssuablePublicKey, valid_days: int
+        self, common_name: str, public_key: _IssuablePublicKey, lifetime: timedelta
     ) -> x509.CertificateBuilder:
         """A builder with everything but SANs and EKU; never outlives the CA."""
-        _check_valid_days(valid_days)
+        _check_lifetime(lifetime)
         now = datetime.now(UTC)
-        not_after = min(now + timedelta(days=valid_days), self.cert.not_valid_after_utc)
+        not_after = min(now + lifetime, self.cert.not_valid_after_utc)
         return (
             x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
@@ -315,6 +332,11 @@ def make_csr(identity_hint: str) -> tuple[bytes, bytes]:
         .sign(key, hashes.SHA256())
     )
     return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
+
+
+def load_certificate(path: Path) -> x509.Certificate:
+    """The PEM certificate in ``path``."""
+    return x509.load_pem_x509_certificate(path.read_bytes())
 
 
 def fingerprint(cert_pem: bytes) -> str:

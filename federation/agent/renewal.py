@@ -1,0 +1,137 @@
+"""Renewing the site's certificate before it expires, over the agent's own session.
+
+Once two thirds of the certificate's lifetime have passed, the agent makes a new key and a
+CSR, asks the coordinator for a certificate over the established mTLS session, writes the
+pair (``replace_key_pair``: no crash leaves a mismatched pair in use), and moves its session
+onto it. A failed renewal is logged and tried again with jittered backoff; meanwhile the
+agent works on with the current certificate, until it expires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime, timedelta
+
+import grpc
+import structlog
+from cryptography import x509
+
+from federation.agent.enroll import SiteCredentials, one_line
+from federation.api.v1 import certificate_service_pb2, certificate_service_pb2_grpc
+from federation.metrics import AGENT_CERTIFICATE_EXPIRY
+from federation.security.key_pair_files import replace_key_pair
+from federation.security.pki import (
+    CLOCK_SKEW,
+    fingerprint,
+    load_certificate,
+    make_csr,
+    write_public_file,
+)
+
+log = structlog.get_logger()
+
+RENEW_AT = 2 / 3
+"""Share of a certificate's lifetime after which it is renewed: a third of it is left to
+retry in, days for the default week."""
+RENEW_TIMEOUT_S = 30.0
+RETRY_MIN_S = 1.0
+RETRY_MAX_S = 300.0
+
+
+def renewal_due(cert: x509.Certificate) -> datetime:
+    """When ``cert`` is due for renewal: ``RENEW_AT`` of its lifetime after it was issued.
+
+    The CA starts every certificate ``CLOCK_SKEW`` before it issues it, so the lifetime
+    counts from notBefore plus that margin (a certificate shorter than the margin counts
+    from notBefore).
+    """
+    start, end = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if end - start > CLOCK_SKEW:
+        start += CLOCK_SKEW
+    return start + (end - start) * RENEW_AT
+
+
+class CertificateRenewer:
+    """Keeps the site's certificate renewed.
+
+    Args:
+        creds: The site's certificate, key and CA bundle files.
+        site: The site's name, as the CSR's subject (the coordinator decides the identity).
+        channel: The established session's channel, waiting for one.
+        renewed: Called once the new pair is on disk, to move the session onto it.
+    """
+
+    def __init__(
+        self,
+        creds: SiteCredentials,
+        site: str,
+        channel: Callable[[], Awaitable[grpc.aio.Channel]],
+        renewed: Callable[[], None],
+    ) -> None:
+        self._creds = creds
+        self._site = site
+        self._channel = channel
+        self._renewed = renewed
+
+    async def run(self) -> None:
+        """Renew each certificate when due, until cancelled."""
+        while True:
+            cert = load_certificate(self._creds.cert)
+            AGENT_CERTIFICATE_EXPIRY.set(cert.not_valid_after_utc.timestamp())
+            wait_s = (renewal_due(cert) - datetime.now(UTC)).total_seconds()
+            if wait_s > 0:
+                await asyncio.sleep(wait_s)
+            await self._renew_until_done(cert)
+
+    async def _renew_until_done(self, cert: x509.Certificate) -> None:
+        attempt = 0
+        while True:
+            attempt += 1
+            try:
+                await self.renew_once()
+                return
+            except grpc.aio.AioRpcError as err:
+                error = f"{err.code().name}: {one_line(err.details() or '')}"
+            except (OSError, ValueError) as err:  # the files could not be written
+                error = str(err)
+            left = cert.not_valid_after_utc - datetime.now(UTC)
+            wait_s = _retry_wait(attempt, left)
+            log.warning(
+                "certificate_renewal_failed",
+                attempt=attempt,
+                error=error,
+                retry_in_s=round(wait_s, 2),
+                expires_in_s=round(left.total_seconds()),
+            )
+            await asyncio.sleep(wait_s)
+
+    async def renew_once(self) -> None:
+        """One renewal: new key and CSR, the coordinator's signature, the files, the session."""
+        channel = await self._channel()
+        key_pem, csr_pem = make_csr(self._site)
+        stub = certificate_service_pb2_grpc.CertificateServiceStub(channel)
+        reply = await stub.RenewCertificate(
+            certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem),
+            timeout=RENEW_TIMEOUT_S,
+        )
+        replace_key_pair(self._creds.cert, self._creds.key, reply.certificate_pem, key_pem)
+        if reply.ca_bundle_pem and reply.ca_bundle_pem != self._creds.ca.read_bytes():
+            write_public_file(self._creds.ca, reply.ca_bundle_pem)
+        AGENT_CERTIFICATE_EXPIRY.set(reply.not_after.seconds)
+        log.info(
+            "certificate_renewed",
+            serial=reply.serial_hex,
+            not_after=reply.not_after.ToJsonString(),
+            fingerprint=fingerprint(reply.certificate_pem),
+        )
+        self._renewed()
+
+
+def _retry_wait(attempt: int, left: timedelta) -> float:
+    """Doubling from ``RETRY_MIN_S``, jittered, and never more than a quarter of the time
+    left, so a short certificate gets several tries before it expires."""
+    wait_s = min(RETRY_MAX_S, RETRY_MIN_S * 2.0 ** (attempt - 1))
+    wait_s = min(wait_s, max(RETRY_MIN_S, left.total_seconds() / 4))
+    return wait_s * random.uniform(0.5, 1.5)
