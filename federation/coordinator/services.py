@@ -18,7 +18,6 @@ import structlog
 from federation.api.v1 import admin_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.admin import Admin
-from federation.coordinator.certificates import Certificates
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
@@ -30,6 +29,7 @@ from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
+from federation.coordinator.security.certificates import Certificates
 from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.security.renewal import Renewal
 from federation.coordinator.site_link import SiteLink
