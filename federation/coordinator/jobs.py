@@ -241,17 +241,12 @@ class JobRepository:
     def hold(self, negotiations: Iterable[tuple[tuple[str, str], Demand]]) -> None:
         """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them,
         counting what each was admitted with against its queue: they stay PENDING in the
-        store, since offers need no write."""
+        store, since offers need no write. One every site declined counts until its
+        negotiation ends: uncounted, the queues beside its queue borrowed the room and a
+        reclaim followed once it was let go (``bench/fairness.py``, no minimum run: 8-9
+        reclaims a run, against none)."""
         for key, admitted in negotiations:
             self._held[key] = admitted
-            self._reindex(key[0])
-
-    def refused(self, key: tuple[str, str]) -> None:
-        """Every site ``key`` was offered to refused it: it stays held until its negotiation
-        ends, but counts against its queue no more. A cycle that runs meanwhile must not take
-        the queue for holding room it never got (its share too high, its quota too full)."""
-        if key in self._held:
-            self._held[key] = {}
             self._reindex(key[0])
 
     def release(self, keys: Iterable[tuple[str, str]]) -> None:

@@ -919,8 +919,6 @@ class Scheduler:
                         unanswered[n.key] -= 1
                         if not unanswered[n.key]:
                             ready.append(n)
-                            if n.key not in accepted and stop >= len(n.candidates):
-                                self._jobs.refused(n.key)  # no site left to offer it to
                 if ready:
                     decided = self._decide(ready, offered_to, accepted)
                     deciding.append(asyncio.create_task(decided))

@@ -371,24 +371,6 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
     assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
 
 
-async def test_a_held_task_every_site_refused_counts_against_its_queue_no_more(
-    repo: JobRepository,
-) -> None:
-    """Offers out count what the task was admitted with; once every site has refused it, it
-    stays held (its negotiation is not over) but its queue holds nothing for it."""
-    job = new_job("j-1")
-    job.spec.queue = "q"
-    await repo.create([job])
-    repo.hold([(("j-1", "main"), {"gpu": 2.0})])
-    assert repo.usage.of("q") == {"gpu": 2.0}
-    repo.refused(("j-1", "main"))
-    assert repo.usage.of("q") == {}
-    assert ("j-1", "main") in repo.held
-    assert [j.id for j in repo.pending()] == []
-    repo.release([("j-1", "main")])
-    assert [j.id for j in repo.pending()] == ["j-1"]
-
-
 async def test_store_of_an_earlier_layout_is_refused_by_name(store: SqliteStore) -> None:
     """A store holding jobs as earlier versions wrote them (the job alone, each event under
     /events/) is refused with a reason at load, not read as records."""
