@@ -9,9 +9,14 @@ from typing import ClassVar
 
 import pytest
 
-from federation.api.v1 import queues_pb2
+from federation.api.v1 import audit_service_pb2, certificate_service_pb2, queues_pb2, records_pb2
+from federation.coordinator import audit
+from federation.coordinator.enrollment import CERTIFICATES
 from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
 from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.security.certificates import Certificates
+from federation.security.pki import CertificateAuthority
+from federation.security.revocation import RevocationBook, follow, load
 from federation.store import (
     CasConflictError,
     Check,
@@ -472,3 +477,39 @@ class StoreContract:
         again = QueueBook(store)
         await again.load()
         assert list(again.queues) == ["org"]
+
+    async def test_revocations_read_back_and_reach_a_follower(self, store: Store) -> None:
+        """Revocations one coordinator wrote read back whole in a fresh book; one written
+        later reaches a book that follows the store; each left its audit entry."""
+        record = records_pb2.IssuedCertificate(serial_hex="abc123", identity="site:edge-1")
+        await store.commit([Put(CERTIFICATES + "abc123", record.SerializeToString())])
+        revoker = Certificates(store, CertificateAuthority.create(), RevocationBook())
+        await revoker.revoke(
+            "operator:admin",
+            certificate_service_pb2.RevokeCertificatesRequest(serial_hex="abc123", reason="lost"),
+        )
+        fresh = RevocationBook()
+        revision = await load(store, fresh)
+        assert [r.serial_hex for r in fresh.revocations()] == ["abc123"]
+        marked = await store.get(CERTIFICATES + "abc123")
+        assert marked is not None
+        assert records_pb2.IssuedCertificate.FromString(marked.value).revoked
+        follower = asyncio.create_task(follow(store, fresh, revision))
+        try:
+            await revoker.revoke(
+                "operator:admin",
+                certificate_service_pb2.RevokeCertificatesRequest(
+                    identity="tenant:t", reason="left"
+                ),
+            )
+            deadline = time.monotonic() + WAIT_S
+            while "tenant:t" not in fresh.by_identity and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert fresh.by_identity["tenant:t"].reason == "left"
+        finally:
+            follower.cancel()
+        trail = await audit.list_events(store, audit_service_pb2.ListAuditEventsRequest())
+        assert [(e.action, e.target) for e in trail.events] == [
+            ("certificate.revoke", "tenant:t"),
+            ("certificate.revoke", "abc123"),
+        ]
