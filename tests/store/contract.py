@@ -502,9 +502,9 @@ class StoreContract:
                     identity="tenant:t", reason="left"
                 ),
             )
-            deadline = time.monotonic() + WAIT_S
-            while "tenant:t" not in fresh.by_identity and time.monotonic() < deadline:
-                await asyncio.sleep(0.02)
+            async with asyncio.timeout(WAIT_S):
+                while "tenant:t" not in fresh.by_identity:
+                    await asyncio.sleep(0.02)  # noqa: ASYNC110  # the book has no event to await
             assert fresh.by_identity["tenant:t"].reason == "left"
         finally:
             follower.cancel()
