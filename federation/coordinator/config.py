@@ -19,6 +19,10 @@ MIN_CERTIFICATE_LIFETIME_S = 10
 has gone its round trip."""
 
 
+STORE_FILE = "federation.db"
+"""The embedded store's database, in ``data_dir``."""
+
+
 @dataclass(frozen=True, slots=True)
 class CoordinatorConfig:
     data_dir: Path

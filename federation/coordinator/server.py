@@ -30,8 +30,10 @@ from federation.api.v1 import (
     job_service_pb2_grpc,
     site_link_service_pb2,
     site_link_service_pb2_grpc,
+    store_service_pb2,
+    store_service_pb2_grpc,
 )
-from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.config import STORE_FILE, CoordinatorConfig
 from federation.coordinator.fencing import FencedStore
 from federation.coordinator.leader import CoordinatorInfo, LeaderElection
 from federation.coordinator.leadership import Leadership
@@ -46,6 +48,7 @@ from federation.coordinator.servicers import (
     CertificateServicer,
     JobServicer,
     SiteLinkServicer,
+    StoreServicer,
 )
 from federation.coordinator.services import ListCoordinators, start_services
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
@@ -65,6 +68,7 @@ SERVICE_NAMES = (
     audit_service_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
     certificate_service_pb2.DESCRIPTOR.services_by_name["CertificateService"].full_name,
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
+    store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name,
 )
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 _NO_PORT_SHARING = ("grpc.so_reuseport", 0)
@@ -166,7 +170,7 @@ async def open_store(config: CoordinatorConfig) -> Store:
         return await EtcdStore.open(config.etcd_endpoints, prefix=config.etcd_prefix, tls=tls)
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     config.data_dir.chmod(0o700)  # a folder that already existed keeps its mode otherwise
-    return await SqliteStore.open(config.data_dir / "federation.db")
+    return await SqliteStore.open(config.data_dir / STORE_FILE)
 
 
 def _servers(
@@ -219,6 +223,7 @@ def _servers(
     certificate_service_pb2_grpc.add_CertificateServiceServicer_to_server(
         CertificateServicer(current), server
     )
+    store_service_pb2_grpc.add_StoreServiceServicer_to_server(StoreServicer(current), server)
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
         SiteLinkServicer(current, serves_connect=True), server
     )

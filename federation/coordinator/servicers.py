@@ -37,7 +37,14 @@ from federation.api.v1 import (
 from federation.api.v1 import (
     site_link_service_pb2_grpc as link_grpc,
 )
+from federation.api.v1 import (
+    store_service_pb2 as store_pb,
+)
+from federation.api.v1 import (
+    store_service_pb2_grpc as store_grpc,
+)
 from federation.coordinator import audit
+from federation.coordinator.backup import backup_chunks
 from federation.coordinator.services import Services
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
@@ -53,6 +60,7 @@ _ADMIN = "/federation.api.v1.AdminService/"
 _LINK = "/federation.api.v1.SiteLinkService/"
 _AUDIT = "/federation.api.v1.AuditService/"
 _CERTIFICATES = "/federation.api.v1.CertificateService/"
+_STORE = "/federation.api.v1.StoreService/"
 CLIENTS = frozenset({Role.OPERATOR, Role.TENANT})
 OPERATORS = frozenset({Role.OPERATOR})
 SITES = frozenset({Role.SITE})
@@ -86,6 +94,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     },
     _AUDIT + "ListAuditEvents": OPERATORS,
     _CERTIFICATES + "RenewCertificate": frozenset(Role),
+    _STORE + "BackupStore": OPERATORS,
     **{
         _CERTIFICATES + m: OPERATORS
         for m in ("ListCertificates", "RevokeCertificates", "GetRevocationList")
@@ -252,6 +261,17 @@ class CertificateServicer(certificate_grpc.CertificateServiceServicer):
         self, request: certificate_pb.GetRevocationListRequest, context: Context
     ) -> certificate_pb.GetRevocationListResponse:
         return await self._current().certificates.revocation_list()
+
+
+class StoreServicer(store_grpc.StoreServiceServicer):
+    def __init__(self, current: Current) -> None:
+        self._current = current
+
+    async def BackupStore(
+        self, request: store_pb.BackupStoreRequest, context: Context
+    ) -> AsyncIterator[store_pb.BackupStoreResponse]:
+        async for chunk in backup_chunks(self._current().jobs.store, str(current_caller())):
+            yield chunk
 
 
 class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):

@@ -42,7 +42,7 @@ log = structlog.get_logger()
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-_SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1
 _LOCK_TIMEOUT_S = 1.0  # how long opening waits for a file another process holds
 HISTORY_BYTES = 64 << 20
 """Default for the bytes of values the history keeps for watches."""
@@ -79,7 +79,7 @@ _SCHEMA = (
     # revision: the store revision; compacted: newest revision dropped from `changes`;
     # last_lease: the newest lease id, so ids are never reused.
     "INSERT OR IGNORE INTO meta VALUES ('revision', 0), ('compacted', 0), ('last_lease', 0)",
-    f"PRAGMA user_version = {_SCHEMA_VERSION}",
+    f"PRAGMA user_version = {SCHEMA_VERSION}",
 )
 
 _KV_COLUMNS = "key, value, create_revision, mod_revision, lease"
@@ -169,7 +169,7 @@ class _Database:
         # FULL syncs the WAL on every commit; NORMAL could lose the last commits on power loss.
         conn.execute("PRAGMA synchronous=FULL")
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if version > _SCHEMA_VERSION:
+        if version > SCHEMA_VERSION:
             raise StoreError(f"{path}: schema version {version} is newer than this code")
 
         def create_schema() -> None:
@@ -182,6 +182,18 @@ class _Database:
         self._conn.close()
 
     def revision(self) -> int:
+        return self._revision
+
+    def backup(self, path: Path) -> int:
+        """Copy the database to ``path`` (a new file) as it is now; returns its revision.
+        On the worker thread, so no commit lands halfway through the copy."""
+        if path.exists():
+            raise StoreError(f"{path} exists: a backup goes to a new file")
+        target = sqlite3.connect(path)
+        try:
+            self._conn.backup(target)
+        finally:
+            target.close()
         return self._revision
 
     # Reads.
@@ -568,6 +580,16 @@ class SqliteStore:
     async def revision(self) -> int:
         """The current store revision."""
         return await self._call(_Database.revision)
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    async def backup(self, path: Path) -> int:
+        """A consistent copy of the store in ``path`` (which must not exist), taken while it
+        serves; returns the revision the copy holds. The copy opens as a store of its own."""
+        return await self._call(_Database.backup, path)
 
     def watch(self, prefix: str, *, start_revision: int = 0) -> AsyncIterator[WatchEvent]:
         """Changes under ``prefix`` from ``start_revision`` (0: after this call) on, forever."""
