@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,8 @@ REQUIRED = os.environ.get("FEDERATION_REQUIRE_DEPLOY_TOOLS") == "1"
 
 def need_tool(name: str, how: str) -> str:
     """The tool's path; without it a skip saying ``how`` to get it (a failure in CI)."""
-    path = shutil.which(name)
+    # Tools installed with pip (hadolint) lie beside the interpreter, which may not be on PATH.
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
     if path is None:
         missing(f"{name} is not installed ({how})")
     return str(path)
