@@ -32,6 +32,16 @@ RESCHEDULING_PAUSED = Gauge(
     "federation_rescheduling_paused",
     "1 while moving tasks off lost sites is paused (most sites unreachable at once)",
 )
+COORDINATOR_LEADER = Gauge(
+    "federation_coordinator_leader",
+    "1 while this coordinator leads (schedules and writes), 0 while it stands by",
+)
+STORE_COMMIT_SECONDS = Histogram(
+    "federation_store_commit_seconds",
+    "Time from asking the store to commit until it is durable (store: sqlite, etcd)",
+    ["store"],
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
 AGENT_TASKS_RUNNING = Gauge("federation_agent_tasks_running", "Tasks running at this site")
 CERTIFICATE_EXPIRY = Gauge(
     "federation_certificate_expiry_timestamp_seconds",
@@ -321,6 +331,11 @@ QUEUE_USAGE = Gauge(
 QUEUE_DOMINANT_SHARE = Gauge(
     "federation_queue_dominant_share",
     "A queue's largest share of any resource the federation has, over its weight",
+    ["queue"],
+)
+QUEUE_WAITING_JOBS = Gauge(
+    "federation_queue_waiting_jobs",
+    "Jobs of a queue with a task waiting to be placed (with usage 0 for long: a starving queue)",
     ["queue"],
 )
 PREEMPTIONS = Counter(

@@ -18,6 +18,7 @@ from grpc_health.v1.health import aio as health_aio
 from federation.coordinator.fencing import FencedStore, not_leader
 from federation.coordinator.leader import CoordinatorInfo
 from federation.coordinator.services import Services
+from federation.metrics import COORDINATOR_LEADER
 
 log = structlog.get_logger()
 
@@ -61,6 +62,7 @@ class Leadership:
         self._services = services
         self._fence = fence
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        COORDINATOR_LEADER.set(1)
         log.info("term_started", fenced=fence is not None)
 
     async def follow(self) -> None:
@@ -71,10 +73,12 @@ class Leadership:
         if services is not None:
             await services.stop(step_down=not_leader(self.leader()))
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        COORDINATOR_LEADER.set(0)
 
     async def stop(self) -> None:
         """End the term for a shutdown; the servers' own stop ends the streams."""
         services, self._services = self._services, None
+        COORDINATOR_LEADER.set(0)
         if services is not None:
             await services.stop()
 

@@ -18,6 +18,7 @@ import functools
 import itertools
 import math
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -724,7 +725,9 @@ class Scheduler:
         capacity = self._sites.capacity()
         if time.monotonic() - self._gauges_at > QUEUE_GAUGES_EVERY_S:
             self._gauges_at = time.monotonic()
-            self._sharing.export_gauges(capacity)
+            # A walk over the waiting jobs, once every few seconds: the admin's count, as listed.
+            waiting = Counter(job.spec.queue for job in self._jobs.pending())
+            self._sharing.export_gauges(capacity, waiting)
         return self._sharing.order(self._jobs.pending(), capacity, tentative)
 
     def _placements_on(self, snapshot: Snapshot) -> dict[Request, _Placement]:

@@ -44,6 +44,7 @@ import grpc.aio
 import structlog
 from aetcd import rpc  # type: ignore[import-untyped]
 
+from federation.metrics import STORE_COMMIT_SECONDS
 from federation.security.tls import TlsFiles, channel_credentials
 from federation.store.base import (
     CasConflictError,
@@ -392,9 +393,10 @@ class EtcdStore:
                 success.append(rpc.RequestOp(request_delete_range=rpc.DeleteRangeRequest(key=key)))
             # A Check is a compare only: it adds nothing to the success branch.
         request = rpc.TxnRequest(compare=compares, success=success, failure=failure)
-        response = await self._call(
-            lambda c: c.kv.Txn(request, timeout=self._timeout_s), f"a commit of {len(ops)} ops"
-        )
+        with STORE_COMMIT_SECONDS.labels("etcd").time():  # retries on another member included
+            response = await self._call(
+                lambda c: c.kv.Txn(request, timeout=self._timeout_s), f"a commit of {len(ops)} ops"
+            )
         self._see(response.header)
         if not response.succeeded:
             raise _conflict(checked, response.responses)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import structlog
 
+from federation.metrics import STORE_COMMIT_SECONDS
 from federation.store.base import (
     CasConflictError,
     CompactedError,
@@ -558,7 +559,8 @@ class SqliteStore:
         self._queued.append((list(ops), future))
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        return await asyncio.shield(future)
+        with STORE_COMMIT_SECONDS.labels("sqlite").time():  # queueing included: callers wait it
+            return await asyncio.shield(future)
 
     async def _flush(self) -> None:
         while self._queued:

@@ -200,12 +200,12 @@ def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
     job.tasks.add(name="t", state=jobs_pb2.JOB_STATE_RUNNING)
     usage.update(job, {})
     sharing = Sharing(book, usage)
-    sharing.export_gauges({"gpu": 8})
+    sharing.export_gauges({"gpu": 8}, {})
     sample = REGISTRY.get_sample_value
     assert sample("federation_queue_usage", {"queue": "q", "resource": "gpu"}) == 2
     assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0.25
     usage.remove("j1")
-    sharing.export_gauges({"gpu": 8})
+    sharing.export_gauges({"gpu": 8}, {})
     assert sample("federation_queue_usage", {"queue": "q", "resource": "gpu"}) is None
     assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0
 

@@ -17,7 +17,7 @@ from federation.coordinator.policy.quota import EPSILON, admission, within_nomin
 from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
-from federation.metrics import QUEUE_DOMINANT_SHARE, QUEUE_USAGE
+from federation.metrics import QUEUE_DOMINANT_SHARE, QUEUE_USAGE, QUEUE_WAITING_JOBS
 from federation.resources import add
 
 Tentative = dict[str, dict[str, float]]
@@ -304,15 +304,17 @@ class Sharing:
                     waiting_jobs=waiting.get(name, 0),
                 )
             )
-        self.export_gauges(capacity)
+        self.export_gauges(capacity, waiting)
         return out
 
-    def export_gauges(self, capacity: Mapping[str, float]) -> None:
-        """Every queue's usage and dominant share as gauges; a queue or resource that holds
-        nothing now has no series left over from before."""
+    def export_gauges(self, capacity: Mapping[str, float], waiting: Mapping[str, int]) -> None:
+        """Every queue's usage, dominant share and waiting jobs as gauges; a queue or resource
+        that holds nothing now has no series left over from before."""
         QUEUE_USAGE.clear()
         QUEUE_DOMINANT_SHARE.clear()
+        QUEUE_WAITING_JOBS.clear()
         for name, queue in self.book.queues.items():
+            QUEUE_WAITING_JOBS.labels(name).set(waiting.get(name, 0))
             held = self._held(name, self._usage.of)  # now, even while a cycle rests
             QUEUE_DOMINANT_SHARE.labels(name).set(dominant_share(held, capacity, queue.weight)[0])
             for resource, amount in _shown(queue, held).items():
