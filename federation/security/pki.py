@@ -726,6 +726,12 @@ def write_prepared(layout: PkiLayout, rotation: PreparedRotation) -> None:
         write_private_file(layout.next(layout.root_key), _key_pem(rotation.new_root.key))
 
 
+def discard_prepared(layout: PkiLayout) -> None:
+    """Removes the ``next-*`` files of a rotation the coordinator refused."""
+    for path in (layout.issuing_cert, layout.ca_key, layout.ca_cert, layout.root_key):
+        layout.next(path).unlink(missing_ok=True)
+
+
 def promote_prepared(layout: PkiLayout) -> None:
     """Moves the ``next-*`` files of a rotation the coordinator took into place.
 
