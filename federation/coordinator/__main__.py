@@ -61,7 +61,6 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
         values |= {
             "ca_cert": layout.ca_cert,
             "ca_key": layout.ca_key,
-            "issuing_cert": layout.issuing_cert if layout.issuing_cert.exists() else None,
             "cert": layout.server_cert,
             "key": layout.server_key,
         }

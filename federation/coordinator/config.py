@@ -78,8 +78,8 @@ class CoordinatorConfig:
     join_advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The same for join_listen; empty: the advertised host and the bound join port."""
     issuing_cert: Path | None = None
-    """The issuing CA's certificate (``issuing.pem``); none: ``ca_cert`` is the issuer, as in
-    a pki made before the offline root."""
+    """The issuing CA's certificate; none: ``issuing.pem`` beside ``ca_key`` if there is one,
+    else ``ca_cert`` is the issuer (a pki made before the offline root)."""
     etcd_history_s: float = field(default=300.0, metadata=at_least(0))
     """With etcd: how long of history to keep; older revisions are compacted away so that job
     writes do not pile up in etcd (watches further behind re-read; 0 leaves it to etcd)."""

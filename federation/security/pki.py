@@ -586,13 +586,16 @@ def _file_stem(identity: Identity) -> str:
 
 
 def load_issuer(ca_cert: Path, ca_key: Path, issuing_cert: Path | None) -> CertificateAuthority:
-    """The issuing CA: ``issuing_cert`` with ``ca_key``, or ``ca_cert`` itself when there is
-    no issuing certificate (a pki from before the offline root).
+    """The issuing CA: ``issuing_cert`` (default: ``issuing.pem`` beside ``ca_key``) with
+    ``ca_key``, or ``ca_cert`` itself when there is no issuing certificate (a pki from before
+    the offline root).
 
     Raises:
         ValueError: The files are malformed or the key is not the certificate's.
     """
-    if issuing_cert is not None and issuing_cert.exists():
+    if issuing_cert is None:
+        issuing_cert = ca_key.with_name("issuing.pem")  # as 'fedctl pki init' lays them out
+    if issuing_cert.exists():
         return CertificateAuthority.load(issuing_cert, ca_key)
     return CertificateAuthority.load(ca_cert, ca_key)
 
