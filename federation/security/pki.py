@@ -710,6 +710,13 @@ def prepare_rotation(
             "the root key that 'fedctl pki init' wrote (root-key.pem)"
         )
     root = CertificateAuthority(cert=root_cert, key=key)
+    constraints = root_cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+    if not new_root and constraints.path_length == 0:
+        # Peers would refuse every chain through an issuing CA under it.
+        raise CaCheckError(
+            f"the root in {layout.ca_cert} may not sign an issuing CA (pathLen 0: a pki made "
+            "before the offline root). To fix: rotate with --new-root"
+        )
     made = None
     if new_root:
         made = CertificateAuthority.create(

@@ -5,13 +5,16 @@ bad rotations and retirements are refused with one line, changing nothing."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from cryptography import x509
+from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.oid import NameOID
 from cryptography.x509.verification import PolicyBuilder
 from cryptography.x509.verification import Store as TrustStore
 
@@ -93,7 +96,25 @@ def old_layout(folder: Path) -> PkiLayout:
     """A pki as 'fedctl pki init' wrote it before the offline root: one self-signed CA."""
     layout = PkiLayout(folder)
     folder.mkdir(mode=0o700)
-    ca = CertificateAuthority.create()
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "federation CA")])
+    now = datetime.now(UTC)
+    cert = (  # as the CA was made then: self-signed, pathLen 0
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(minutes=5))
+        .not_valid_after(now + timedelta(days=3650))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, True, True, False, False), True
+        )
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), False)
+        .sign(key, hashes.SHA256())
+    )
+    ca = CertificateAuthority(cert=cert, key=key)
     ca.save(layout.ca_cert, layout.ca_key)
     cert, key = ca.issue_server(["localhost"])
     write_public_file(layout.server_cert, cert)
@@ -109,15 +130,18 @@ def test_a_pki_from_before_the_offline_root_still_works(tmp_path: Path) -> None:
     verify_client(cert.read_bytes(), load_bundle(layout.ca_cert.read_bytes()))
     authorities = authorities_of(layout)
     authorities.check(cert.read_bytes())
-    # Its first rotation signs with the one CA, which becomes the root.
-    rotation = prepare_rotation(layout)
-    assert rotation.issuing.cert.issuer == ca.cert.subject
+    # Its CA may not sign an issuing CA (pathLen 0): the move to an offline root is to a new
+    # root, proven by the old CA's key; the old CA stays trusted until retired.
+    with pytest.raises(CaCheckError, match="To fix: rotate with --new-root"):
+        prepare_rotation(layout)
+    rotation = prepare_rotation(layout, new_root=True)
+    assert rotation.new_root is not None
     write_prepared(layout, rotation)
     promote_prepared(layout)
-    assert CertificateAuthority.load(layout.ca_cert, layout.root_key).cert == ca.cert
-    assert (
-        CertificateAuthority.load(layout.issuing_cert, layout.ca_key).cert == rotation.issuing.cert
-    )
+    assert load_bundle(layout.ca_cert.read_bytes()) == [ca.cert, rotation.new_root.cert]
+    assert CertificateAuthority.load(layout.ca_cert, layout.root_key.with_name("root-key.pem.old"))
+    new_cert, _ = issue_client_files(layout, TENANT)
+    verify_client(new_cert.read_bytes(), [rotation.new_root.cert])
 
 
 def test_rotating_with_a_wrong_root_key_is_refused(pki: PkiLayout, tmp_path: Path) -> None:
