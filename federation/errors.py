@@ -162,3 +162,18 @@ class CertificateRevokedError(UnauthenticatedError):
             "operator for a new certificate",
             serial=serial_hex,
         )
+
+
+class CertificateAuthorityRetiredError(UnauthenticatedError):
+    """The peer's certificate comes from an issuing CA that was retired in a CA rollover."""
+
+    reason = "CERTIFICATE_AUTHORITY_RETIRED"
+
+    def __init__(self, serial_hex: str, issuer: str) -> None:
+        super().__init__(
+            f"certificate {serial_hex} was issued by {issuer[:200]}, a CA retired in a CA "
+            "rollover. To fix: get a certificate from the current CA ('fedctl pki issue' "
+            "offline, or a new join token for a site) and the trust bundle "
+            "('fedctl pki trust-bundle')",
+            serial=serial_hex,
+        )

@@ -39,6 +39,7 @@ from federation.endpoints import Endpoints, is_not_leader, leader_hint
 from federation.envelopes import envelopes
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
+from federation.security.pki import load_bundle, write_public_file
 from federation.security.tls import channel_credentials
 
 log = structlog.get_logger()
@@ -332,6 +333,22 @@ class AgentRuntime:
             await asyncio.sleep(self._heartbeat_s)
             outbox.put_nowait(pb.AgentMessage(heartbeat=pb.Heartbeat(generation=self._generation)))
 
+    def _keep_trust_bundle(self, bundle_pem: bytes) -> None:
+        """Keep the roots the coordinator trusts as the agent's CA bundle: the next session
+        (after a renewal, or once the coordinator serves a certificate of a new CA) verifies
+        the coordinator against them."""
+        if not bundle_pem:
+            return
+        try:
+            if bundle_pem == self._creds.ca.read_bytes():
+                return
+            load_bundle(bundle_pem)  # never replace a working bundle with a broken one
+            write_public_file(self._creds.ca, bundle_pem)
+        except (OSError, ValueError) as err:
+            log.warning("trust_bundle_not_kept", error=str(err))
+            return
+        log.info("trust_bundle_kept", roots=bundle_pem.count(b"BEGIN CERTIFICATE"))
+
     async def _views(self, outbox: asyncio.Queue[pb.AgentMessage | None]) -> None:
         while True:
             await self._view_dirty.wait()
@@ -347,7 +364,10 @@ class AgentRuntime:
             self._heartbeat_s = message.welcome.heartbeat_interval_s or self._heartbeat_s
             if self._links is not None:
                 self._links.set_coordinator(message.welcome.probe_endpoint)
+            self._keep_trust_bundle(message.welcome.trust_bundle_pem)
             self._welcomed.set()
+        elif body == "trust_bundle":
+            self._keep_trust_bundle(message.trust_bundle.trust_bundle_pem)
         elif body == "resync":
             view = self.full_view()
             self._generation += 1

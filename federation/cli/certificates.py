@@ -1,8 +1,10 @@
-"""``fedctl pki renew|revoke|list|crl``: the coordinator's certificates and revocations, online."""
+"""``fedctl pki renew|revoke|list|crl|rotate-ca|retire-ca|trust-bundle``: the coordinator's
+certificates, revocations and CAs, online."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -18,7 +20,16 @@ from federation.cli.output import message_data, output_of, show
 from federation.cli.render import text, time_left, utc_time
 from federation.security.identity import InvalidIdentityError, identity_from_certificate
 from federation.security.key_pair_files import finish_replacement, replace_key_pair
-from federation.security.pki import make_csr, write_public_file
+from federation.security.pki import (
+    PkiLayout,
+    discard_prepared,
+    key_pem,
+    make_csr,
+    prepare_rotation,
+    promote_prepared,
+    write_prepared,
+    write_public_file,
+)
 
 
 def add_parsers(pki_sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -46,6 +57,33 @@ def add_parsers(pki_sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     crl = pki_sub.add_parser("crl", help="the revocations as an X.509 CRL (PEM) signed by the CA")
     crl.add_argument("--file", type=Path, help="write it here (default: print it)")
     crl.set_defaults(func=cmd_crl)
+    rotate = pki_sub.add_parser(
+        "rotate-ca",
+        help="make a new issuing CA with the root key (offline) and hand it to the coordinator; "
+        "the old CA's certificates stay accepted until 'fedctl pki retire-ca'",
+    )
+    rotate.add_argument(
+        "--root-key",
+        type=Path,
+        help="the root's key, brought back from offline (default: root-key.pem in --pki-dir)",
+    )
+    rotate.add_argument(
+        "--new-root", action="store_true", help="also make a new root; the bundle holds both"
+    )
+    rotate.set_defaults(func=cmd_rotate_ca)
+    retire = pki_sub.add_parser(
+        "retire-ca",
+        help="retire every issuing CA but the newest: the coordinator serves a certificate of "
+        "the newest, and certificates of the others are refused",
+    )
+    retire.set_defaults(func=cmd_retire_ca)
+    bundle = pki_sub.add_parser(
+        "trust-bundle", help="the roots the federation trusts now (PEM), for clients to keep"
+    )
+    bundle.add_argument(
+        "--file", type=Path, help="write it here, e.g. the CA file fedctl uses (default: print)"
+    )
+    bundle.set_defaults(func=cmd_trust_bundle)
 
 
 def _revoke_request(args: argparse.Namespace) -> pb.RevokeCertificatesRequest:
@@ -163,6 +201,7 @@ async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
         reply = await stub.RenewCertificate(request)
     try:
         replace_key_pair(cert, key, reply.certificate_pem, key_pem)
+        _keep_bundle(conn.tls.ca, reply.ca_bundle_pem)
     except OSError as err:
         raise CliError(
             f"renewed (serial {reply.serial_hex}) but the files could not be written: {err}. "
@@ -187,4 +226,103 @@ async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
         ),
         text(f"wrote {cert} and {key}", "dim"),
     )
+    return 0
+
+
+def _keep_bundle(path: Path, bundle_pem: bytes) -> bool:
+    """Replace the CA bundle at ``path`` when the coordinator trusts other roots now."""
+    if not bundle_pem or (path.exists() and path.read_bytes() == bundle_pem):
+        return False
+    write_public_file(path, bundle_pem)
+    return True
+
+
+def _layout(args: argparse.Namespace) -> PkiLayout:
+    folder = args.pki_dir or (Path(d) if (d := os.environ.get("FEDCTL_PKI_DIR")) else None)
+    if folder is None:
+        raise CliError("rotate-ca works on the pki folder. To fix: pass --pki-dir")
+    return PkiLayout(folder)
+
+
+async def cmd_rotate_ca(args: argparse.Namespace, conn: Connection) -> int:
+    layout = _layout(args)
+    try:
+        rotation = prepare_rotation(layout, root_key=args.root_key, new_root=args.new_root)
+        # Written before the coordinator has it: a crash after its answer loses no key.
+        write_prepared(layout, rotation)
+    except (OSError, ValueError) as err:
+        raise CliError(str(err)) from None
+    new_roots = rotation.new_root.cert_pem if rotation.new_root is not None else b""
+    request = pb.RotateCertificateAuthorityRequest(
+        issuing_ca_pem=rotation.issuing.cert_pem,
+        issuing_key_pem=key_pem(rotation.issuing.key),
+        new_roots_pem=new_roots,
+    )
+    try:
+        async with conn.channel() as channel:
+            reply = await pb_grpc.CertificateServiceStub(channel).RotateCertificateAuthority(
+                request
+            )
+    except BaseException:
+        discard_prepared(layout)
+        raise
+    promote_prepared(layout)
+    out = output_of(args)
+    if out.is_data:
+        out.data(
+            {
+                "issuing_fingerprint": reply.issuing_fingerprint,
+                "sites_told": reply.sites_told,
+                "trust_bundle": str(layout.ca_cert),
+                "new_root": bool(new_roots),
+            }
+        )
+        return 0
+    show(
+        text(f"new issuing CA {reply.issuing_fingerprint} in use; {reply.sites_told} site(s) told"),
+        text(
+            f"trust bundle ({reply.trust_bundle_pem.count(b'BEGIN CERTIFICATE')} roots): "
+            f"{layout.ca_cert}"
+        ),
+        text(
+            "next: let certificates renew (or 'fedctl pki renew'), then 'fedctl pki retire-ca'; "
+            f"move {layout.root_key} offline again",
+            "dim",
+        ),
+    )
+    return 0
+
+
+async def cmd_retire_ca(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = pb_grpc.CertificateServiceStub(channel)
+        reply = await stub.RetireCertificateAuthorities(pb.RetireCertificateAuthoritiesRequest())
+    try:
+        _keep_bundle(conn.tls.ca, reply.trust_bundle_pem)
+    except OSError as err:
+        raise CliError(f"retired, but {conn.tls.ca} could not be written: {err}") from None
+    out = output_of(args)
+    if out.is_data:
+        out.messages(reply)
+        return 0
+    show(
+        text(f"retired {', '.join(reply.retired_fingerprints)}"),
+        text(f"the coordinator serves {reply.server_fingerprint}; {reply.sites_told} site(s) told"),
+    )
+    return 0
+
+
+async def cmd_trust_bundle(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        reply = await pb_grpc.CertificateServiceStub(channel).GetTrustBundle(
+            pb.GetTrustBundleRequest()
+        )
+    if args.file is None:
+        sys.stdout.write(reply.trust_bundle_pem.decode())
+        return 0
+    try:
+        _keep_bundle(args.file, reply.trust_bundle_pem)
+    except OSError as err:
+        raise CliError(f"cannot write {args.file}: {err.strerror or err}") from None
+    show(text(f"trust bundle written to {args.file}"))
     return 0

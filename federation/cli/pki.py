@@ -61,6 +61,8 @@ def cmd_init(args: argparse.Namespace) -> int:
                 "ca": str(layout.ca_cert),
                 "ca_fingerprint": ca_fingerprint,
                 "ca_key": str(layout.ca_key),
+                "issuing_ca": str(layout.issuing_cert),
+                "root_key": str(layout.root_key),
                 "coordinator": str(layout.server_cert),
                 "coordinator_sans": sans,
                 "operator": str(operator),
@@ -72,6 +74,7 @@ def cmd_init(args: argparse.Namespace) -> int:
         text(f"CA            {layout.ca_cert}  ({ca_fingerprint})"),
         text(f"coordinator   {layout.server_cert}  SANs: {', '.join(sans)}"),
         text(f"operator      {operator}"),
+        text(f"root key      {layout.root_key}: move it offline; bring it back to rotate"),
         text(f"keep {layout.ca_key} secret: it signs every site certificate", "dim"),
     )
     return 0

@@ -28,9 +28,9 @@ class CoordinatorConfig:
     data_dir: Path
     """Where the embedded store keeps its database."""
     ca_cert: Path
-    """The federation CA certificate: every client certificate must chain to it."""
+    """The trust bundle: the roots every client certificate must chain to."""
     ca_key: Path
-    """The CA key, used to sign site certificates at Join."""
+    """The issuing CA's key, used to sign site certificates at Join and renewals."""
     cert: Path
     """The coordinator's server certificate."""
     key: Path
@@ -81,6 +81,9 @@ class CoordinatorConfig:
     empty: the listen host (this machine's name for a wildcard) and the bound port."""
     join_advertise: str = field(default="", metadata=address(lowest_port=1, empty=True))
     """The same for join_listen; empty: the advertised host and the bound join port."""
+    issuing_cert: Path | None = None
+    """The issuing CA's certificate; none: ``issuing.pem`` beside ``ca_key`` if there is one,
+    else ``ca_cert`` is the issuer (a pki made before the offline root)."""
     etcd_history_s: float = field(default=300.0, metadata=at_least(0))
     """With etcd: how long of history to keep; older revisions are compacted away so that job
     writes do not pile up in etcd (watches further behind re-read; 0 leaves it to etcd)."""

@@ -9,11 +9,11 @@ import time
 from datetime import timedelta
 
 import structlog
-from cryptography.hazmat.primitives.serialization import Encoding
 
 from federation.api.v1 import admin_service_pb2, records_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import audit
 from federation.coordinator.jobs import now_timestamp
+from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import (
     FieldViolation,
@@ -22,7 +22,7 @@ from federation.errors import (
     UnauthenticatedError,
 )
 from federation.security.identity import Identity, InvalidIdentityError, Role, validate_name
-from federation.security.pki import CertificateAuthority, InvalidCsrError, fingerprint
+from federation.security.pki import InvalidCsrError, fingerprint
 from federation.store import CasConflictError, Delete, Put, Store
 
 log = structlog.get_logger()
@@ -46,13 +46,13 @@ class Enrollment:
         self,
         store: Store,
         sites: SiteRegistry,
-        ca: CertificateAuthority,
+        authorities: Authorities,
         *,
         site_lifetime: timedelta = timedelta(days=7),
     ) -> None:
         self._store = store
         self._sites = sites
-        self._ca = ca
+        self._authorities = authorities
         self._site_lifetime = site_lifetime
 
     async def create_token(
@@ -105,11 +105,12 @@ class Enrollment:
             await self._store.commit([Delete(kv.key, expect_revision=kv.mod_revision)])
             raise refused
         identity = Identity(Role.SITE, record.site)
+        ca = self._authorities.issuer
         try:
-            cert = self._ca.sign_csr(request.csr_pem, identity, lifetime=self._site_lifetime)
+            cert = ca.sign_csr(request.csr_pem, identity, lifetime=self._site_lifetime)
         except InvalidCsrError as err:
             raise InvalidArgumentError([FieldViolation("csr_pem", str(err))]) from None
-        cert_pem = cert.public_bytes(Encoding.PEM)
+        cert_pem = ca.with_chain(cert)
         issued = records_pb2.IssuedCertificate(
             serial_hex=f"{cert.serial_number:x}",
             identity=str(identity),
@@ -150,5 +151,5 @@ class Enrollment:
             site=record.site,
             domain=record.domain,
             certificate_pem=cert_pem,
-            ca_bundle_pem=self._ca.cert_pem,
+            ca_bundle_pem=self._authorities.bundle_pem,
         )

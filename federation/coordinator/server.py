@@ -37,6 +37,7 @@ from federation.coordinator.config import STORE_FILE, CoordinatorConfig
 from federation.coordinator.fencing import FencedStore
 from federation.coordinator.leader import CoordinatorInfo, LeaderElection
 from federation.coordinator.leadership import Leadership
+from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.servicers import (
     CONNECT_METHOD,
     JOB_COUNTS,
@@ -53,10 +54,9 @@ from federation.coordinator.servicers import (
 from federation.coordinator.services import ListCoordinators, start_services
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.interceptors import AuthInterceptor
-from federation.security.pki import CertificateAuthority
 from federation.security.revocation import RevocationBook, follow, load
 from federation.security.throttle import Throttle, ThrottleLimits
-from federation.security.tls import TlsFiles, server_credentials
+from federation.security.tls import TlsFiles
 from federation.store import SqliteStore, Store
 from federation.store.etcd import EtcdStore
 
@@ -133,6 +133,8 @@ class Coordinator:
     """Compacts etcd's history (etcd only)."""
     revocations: RevocationBook | None = None
     """Every revocation, checked on every call, leader or not."""
+    authorities: Authorities | None = None
+    """The CAs in force: the trust bundle, the issuing CA, the server certificate."""
     revocation_task: asyncio.Task[None] | None = None
     """Keeps ``revocations`` current from the store's watch."""
     probe: ProbeServer | None = None
@@ -177,7 +179,7 @@ def _servers(
     config: CoordinatorConfig,
     leadership: Leadership,
     health: tuple[health_aio.HealthServicer, health_aio.HealthServicer],
-    tls: TlsFiles,
+    authorities: Authorities,
     revocations: RevocationBook,
 ) -> tuple[grpc.aio.Server, grpc.aio.Server, int, int]:
     """The mTLS server and the join server, bound, not started; and their ports."""
@@ -204,6 +206,7 @@ def _servers(
                 max_request_bytes=config.max_request_bytes,
                 large_methods={CONNECT_METHOD},
                 revocations=revocations,
+                issuer_check=authorities.check,
             )
         ],
         options=[
@@ -229,7 +232,7 @@ def _servers(
     )
     health_pb2_grpc.add_HealthServicer_to_server(health[0], server)
     reflection.enable_server_reflection((*SERVICE_NAMES, reflection.SERVICE_NAME), server)
-    port = _bind(server, config.listen, server_credentials(tls))
+    port = _bind(server, config.listen, authorities.server_credentials())
     join_server = grpc.aio.server(
         interceptors=[AuthInterceptor(None, open_methods={JOIN_METHOD, *OPEN_METHODS})],
         options=[_NO_PORT_SHARING],
@@ -239,7 +242,7 @@ def _servers(
     )
     health_pb2_grpc.add_HealthServicer_to_server(health[1], join_server)
     join_port = _bind(
-        join_server, config.join_listen, server_credentials(tls, require_client_auth=False)
+        join_server, config.join_listen, authorities.server_credentials(require_client_auth=False)
     )
     return server, join_server, port, join_port
 
@@ -256,24 +259,38 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
 
 async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     """Build the servers on ``store``, then lead at once (SQLite) or set up the election."""
-    ca = CertificateAuthority.load(config.ca_cert, config.ca_key)
-    tls = TlsFiles(ca=config.ca_cert, cert=config.cert, key=config.key)
+    authorities = await Authorities.load(
+        store,
+        ca_cert=config.ca_cert,
+        ca_key=config.ca_key,
+        issuing_cert=config.issuing_cert,
+        server_cert=config.cert,
+        server_key=config.key,
+    )
     health = (health_aio.HealthServicer(), health_aio.HealthServicer())
     leadership = Leadership(health, SERVICE_NAMES)
     revocations = RevocationBook()
     # Read before serving, so no revoked peer is let in while the watch starts.
     read_at = await load(store, revocations)
-    server, join_server, port, join_port = _servers(config, leadership, health, tls, revocations)
+    server, join_server, port, join_port = _servers(
+        config, leadership, health, authorities, revocations
+    )
     address = advertised(config.listen, port, config.advertise)
     host = address.rsplit(":", 1)[0]
     me = CoordinatorInfo(address, config.join_advertise or f"{host}:{join_port}")
     coordinator = Coordinator(server, join_server, port, join_port, store, leadership, me)
     coordinator.revocations = revocations
+    coordinator.authorities = authorities
     coordinator.probe, coordinator.probe_endpoint = await _start_probe(config, host)
     if config.store == "sqlite":
         leadership.leader = lambda: me
         services = await start_services(
-            store, config, ca, _only(me), coordinator.probe_endpoint, revocations=revocations
+            store,
+            config,
+            authorities,
+            _only(me),
+            coordinator.probe_endpoint,
+            revocations=revocations,
         )
         await leadership.lead(services)
     else:
@@ -281,7 +298,7 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
             store,
             me,
             lease_s=config.leader_lease_s,
-            on_elected=lambda revision: _elected(coordinator, config, ca, revision),
+            on_elected=lambda revision: _elected(coordinator, config, authorities, revision),
             on_deposed=leadership.follow,
         )
         leadership.leader = election.leader
@@ -317,7 +334,7 @@ async def _start_probe(config: CoordinatorConfig, host: str) -> tuple[ProbeServe
 
 
 async def _elected(
-    coordinator: Coordinator, config: CoordinatorConfig, ca: CertificateAuthority, revision: int
+    coordinator: Coordinator, config: CoordinatorConfig, authorities: Authorities, revision: int
 ) -> None:
     """Won the election: load the state from the store, recover, start scheduling, serve."""
     election = coordinator.election
@@ -327,7 +344,7 @@ async def _elected(
     services = await start_services(
         fenced,
         config,
-        ca,
+        authorities,
         _members(election),
         coordinator.probe_endpoint,
         revocations=coordinator.revocations,

@@ -45,11 +45,13 @@ from federation.api.v1 import (
 )
 from federation.coordinator import audit
 from federation.coordinator.backup import backup_chunks
+from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.services import Services
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 from federation.security.pki import fingerprint
 from federation.security.tls import peer_certificate
+from federation.store import Store
 
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 Current: TypeAlias = Callable[[], Services]
@@ -95,9 +97,16 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     _AUDIT + "ListAuditEvents": OPERATORS,
     _CERTIFICATES + "RenewCertificate": frozenset(Role),
     _STORE + "BackupStore": OPERATORS,
+    _CERTIFICATES + "GetTrustBundle": frozenset(Role),
     **{
         _CERTIFICATES + m: OPERATORS
-        for m in ("ListCertificates", "RevokeCertificates", "GetRevocationList")
+        for m in (
+            "ListCertificates",
+            "RevokeCertificates",
+            "GetRevocationList",
+            "RotateCertificateAuthority",
+            "RetireCertificateAuthorities",
+        )
     },
     _LINK + "Connect": SITES,
 }
@@ -261,6 +270,33 @@ class CertificateServicer(certificate_grpc.CertificateServiceServicer):
         self, request: certificate_pb.GetRevocationListRequest, context: Context
     ) -> certificate_pb.GetRevocationListResponse:
         return await self._current().certificates.revocation_list()
+
+    async def GetTrustBundle(
+        self, request: certificate_pb.GetTrustBundleRequest, context: Context
+    ) -> certificate_pb.GetTrustBundleResponse:
+        return _authorities(self._current()).trust_bundle()
+
+    async def RotateCertificateAuthority(
+        self, request: certificate_pb.RotateCertificateAuthorityRequest, context: Context
+    ) -> certificate_pb.RotateCertificateAuthorityResponse:
+        services = self._current()
+        return await _authorities(services).rotate(_store(services), str(current_caller()), request)
+
+    async def RetireCertificateAuthorities(
+        self, request: certificate_pb.RetireCertificateAuthoritiesRequest, context: Context
+    ) -> certificate_pb.RetireCertificateAuthoritiesResponse:
+        services = self._current()
+        return await _authorities(services).retire(_store(services), str(current_caller()))
+
+
+def _authorities(services: Services) -> Authorities:
+    assert services.authorities is not None, "start_services sets it"
+    return services.authorities
+
+
+def _store(services: Services) -> Store:
+    assert services.store is not None, "start_services sets it"
+    return services.store
 
 
 class StoreServicer(store_grpc.StoreServiceServicer):

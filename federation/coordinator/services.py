@@ -29,6 +29,7 @@ from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
+from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.security.certificates import Certificates
 from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.security.renewal import Renewal
@@ -36,7 +37,7 @@ from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import NotLeaderError
 from federation.placement.registry import build_framework
-from federation.security.pki import CertificateAuthority, load_certificate
+from federation.security.pki import load_certificate
 from federation.security.revocation import RevocationBook
 from federation.store import Store
 
@@ -67,6 +68,12 @@ class Services:
     """Saves what the learner learned, in batches."""
     expiry_task: asyncio.Task[None]
     """Keeps the certificate expiry gauge current."""
+    authorities: Authorities | None = None
+    """The CAs in force (they outlive the term)."""
+    store: Store | None = None
+    """Where this term writes (fenced when several coordinators share the store)."""
+    stop_telling_bundles: Callable[[], None] | None = None
+    """Stops telling this term's sessions of trust bundle changes."""
     ended: NotLeaderError | None = None
     """Set when the term ended by stepping down: streams still open end with it."""
 
@@ -78,6 +85,9 @@ class Services:
                 with it, so agents and clients move to the new leader. ``None`` (shutting
                 down) leaves them to the server's own stop.
         """
+        if self.stop_telling_bundles is not None:
+            self.stop_telling_bundles()
+            self.stop_telling_bundles = None
         if step_down is not None:
             self.ended = step_down
             self.sites.close_sessions()
@@ -97,7 +107,7 @@ class Services:
 async def start_services(
     store: Store,
     config: CoordinatorConfig,
-    ca: CertificateAuthority,
+    authorities: Authorities,
     coordinators: ListCoordinators,
     probe_endpoint: str = "",
     *,
@@ -108,7 +118,7 @@ async def start_services(
     Args:
         store: Where the term reads and writes (fenced when several coordinators share it).
         config: The coordinator's settings.
-        ca: Signs site certificates at Join.
+        authorities: The CAs in force; its issuing CA signs site certificates at Join.
         coordinators: Lists every running coordinator, for the federation status.
         probe_endpoint: Where agents measure their link to this coordinator.
         revocations: The coordinator's revocations (it outlives the term), which a
@@ -174,7 +184,7 @@ async def start_services(
     scheduler_task = asyncio.create_task(scheduler.run())
     lost_sites_task = asyncio.create_task(lost_sites.run())
     learning_task = asyncio.create_task(LearningSaver(learner, store).run())
-    expiries = Expiries(store, load_certificate(config.cert), ca.cert)
+    expiries = Expiries(store, load_certificate(config.cert), authorities.issuer.cert)
     expiry_task = asyncio.create_task(expiries.run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
@@ -184,20 +194,21 @@ async def start_services(
         hub=hub,
         scheduler=scheduler,
         manager=manager,
-        enrollment=Enrollment(store, sites, ca, site_lifetime=site_lifetime),
-        certificates=Certificates(store, ca, revocations),
+        enrollment=Enrollment(store, sites, authorities, site_lifetime=site_lifetime),
+        certificates=Certificates(store, authorities, revocations),
         link=SiteLink(
             sites,
             manager,
             config.heartbeat_interval_s,
             config.missed_heartbeats,
             probe_endpoint=probe_endpoint,
+            trust_bundle=lambda: authorities.bundle_pem,
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
         renewal=Renewal(
             store,
             sites,
-            ca,
+            authorities,
             site_lifetime=site_lifetime,
             client_lifetime=timedelta(seconds=config.client_certificate_lifetime_s),
         ),
@@ -206,6 +217,9 @@ async def start_services(
         lost_sites_task=lost_sites_task,
         learning_task=learning_task,
         expiry_task=expiry_task,
+        authorities=authorities,
+        store=store,
+        stop_telling_bundles=authorities.on_bundle_change(sites.tell_trust_bundle),
     )
 
 

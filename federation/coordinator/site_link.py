@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
 
@@ -44,6 +44,7 @@ class SiteLink:
             becomes UNREACHABLE.
         probe_endpoint: Where agents measure their link to the coordinator (told in the
             welcome); empty for nowhere.
+        trust_bundle: The roots trusted now (told in the welcome, to catch up on a rollover).
     """
 
     def __init__(
@@ -53,12 +54,14 @@ class SiteLink:
         heartbeat_interval_s: float,
         missed_heartbeats: int = MISSED_HEARTBEATS,
         probe_endpoint: str = "",
+        trust_bundle: Callable[[], bytes] = bytes,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._heartbeat_interval_s = heartbeat_interval_s
         self._missed_heartbeats = missed_heartbeats
         self._probe_endpoint = probe_endpoint
+        self._trust_bundle = trust_bundle
 
     async def connect(
         self,
@@ -109,6 +112,7 @@ class SiteLink:
                 welcome=pb.Welcome(
                     heartbeat_interval_s=self._heartbeat_interval_s,
                     probe_endpoint=self._probe_endpoint,
+                    trust_bundle_pem=self._trust_bundle(),
                 )
             )
         )

@@ -411,6 +411,21 @@ class SiteRegistry:
             entry.view.copy_to(site.view)
         return site
 
+    def tell_trust_bundle(self, bundle_pem: bytes) -> int:
+        """Send every connected site the trust bundle; how many were told."""
+        told = 0
+        for entry in self._sites.values():
+            if entry.session is None:
+                continue
+            with contextlib.suppress(SessionClosedError):
+                entry.session.send(  # one message each: sending sets its correlation id
+                    site_link_service_pb2.CoordinatorMessage(
+                        trust_bundle=site_link_service_pb2.TrustBundle(trust_bundle_pem=bundle_pem)
+                    )
+                )
+                told += 1
+        return told
+
     def announce_probe_peers(self) -> None:
         """Tell every connected site which peers it can measure its links to.
 

@@ -193,6 +193,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         max_request_bytes: int = 0,
         large_methods: Collection[str] = (),
         revocations: RevocationBook | None = None,
+        issuer_check: Callable[[bytes], None] | None = None,
     ) -> None:
         """Create the interceptor.
 
@@ -207,6 +208,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             large_methods: Methods whose messages may be as large as gRPC allows (Connect).
             revocations: Revoked certificates, refused on every call; a stream of one is
                 ended when its revocation arrives.
+            issuer_check: Raises for a peer certificate of a retired CA, on every call.
         """
         self._roles = roles
         self._open = frozenset(open_methods)
@@ -215,6 +217,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._max_request_bytes = max_request_bytes
         self._large = frozenset(large_methods)
         self._revocations = revocations
+        self._issuer_check = issuer_check
 
     def _authorize(
         self, method: str, context: grpc.aio.ServicerContext[Any, Any]
@@ -226,6 +229,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         cert = _peer(context)
         if cert is not None and self._revocations is not None:
             self._revocations.check(cert)  # open methods too: a revoked peer gets nothing
+        if cert is not None and self._issuer_check is not None:
+            self._issuer_check(peer_certificate(context) or b"")
         if method in self._open:
             return cert
         if cert is None:

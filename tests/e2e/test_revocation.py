@@ -178,7 +178,7 @@ async def test_a_revoked_site_is_dropped_and_cannot_reconnect(
             )
         ).crl_pem
     )
-    ca = x509.load_pem_x509_certificate(federation.pki.ca_cert.read_bytes())
+    ca = x509.load_pem_x509_certificate(federation.pki.issuing_cert.read_bytes())  # signs it
     assert crl.is_signature_valid(ca.public_key())  # type: ignore[arg-type]
     assert crl.issuer == ca.subject
     listed_serial = crl.get_revoked_certificate_by_serial_number(int(serial, 16))

@@ -75,11 +75,11 @@ def _sign(builder: x509.CertificateSigningRequestBuilder, key: _PrivateKey) -> b
 
 
 def test_ca_is_self_signed_ca(ca: CertificateAuthority) -> None:
-    """A new CA is a self-signed P-256 CA certificate that may not issue sub-CAs."""
+    """A new root is a self-signed P-256 CA certificate that may sign one level of CA."""
     ca.cert.verify_directly_issued_by(ca.cert)
     constraints = ca.cert.extensions.get_extension_for_class(x509.BasicConstraints).value
     assert constraints.ca
-    assert constraints.path_length == 0
+    assert constraints.path_length == 1
     assert isinstance(ca.key.curve, ec.SECP256R1)
     assert ca.cert.signature_hash_algorithm is not None
     assert ca.cert.signature_hash_algorithm.name == "sha256"
@@ -275,13 +275,18 @@ def test_ca_load_rejects_mismatched_key(ca: CertificateAuthority, tmp_path: Path
 
 
 def test_init_pki_layout(pki: PkiLayout) -> None:
-    """init_pki writes a CA, a coordinator cert and an operator cert with safe permissions."""
+    """init_pki writes a root, an issuing CA under it, a coordinator cert and an operator
+    cert (each followed by the issuing CA's), with safe permissions."""
     assert _mode(pki.dir) == 0o700
-    for key in (pki.ca_key, pki.server_key, pki.client_key("operator-admin")):
+    for key in (pki.ca_key, pki.root_key, pki.server_key, pki.client_key("operator-admin")):
         assert _mode(key) == 0o600
-    ca = CertificateAuthority.load(pki.ca_cert, pki.ca_key)
+    root = CertificateAuthority.load(pki.ca_cert, pki.root_key)
+    ca = CertificateAuthority.load(pki.issuing_cert, pki.ca_key)
+    ca.cert.verify_directly_issued_by(root.cert)
     for cert_path in (pki.server_cert, pki.client_cert("operator-admin")):
-        _load(cert_path.read_bytes()).verify_directly_issued_by(ca.cert)
+        leaf, chain = x509.load_pem_x509_certificates(cert_path.read_bytes())
+        leaf.verify_directly_issued_by(ca.cert)
+        assert chain == ca.cert
     operator_pem = pki.client_cert("operator-admin").read_bytes()
     assert identity_from_certificate(operator_pem) == Identity(Role.OPERATOR, "admin")
 
@@ -322,5 +327,5 @@ def test_issue_client_files(pki: PkiLayout) -> None:
     assert key_path == pki.dir / "tenant-acme-key.pem"
     assert _mode(key_path) == 0o600
     cert_pem = cert_path.read_bytes()
-    _load(cert_pem).verify_directly_issued_by(_load(pki.ca_cert.read_bytes()))
+    _load(cert_pem).verify_directly_issued_by(_load(pki.issuing_cert.read_bytes()))
     assert identity_from_certificate(cert_pem) == tenant

@@ -49,11 +49,15 @@ class RenewCertificateResponse(_message.Message):
     NOT_AFTER_FIELD_NUMBER: _builtins.int
     SERIAL_HEX_FIELD_NUMBER: _builtins.int
     certificate_pem: _builtins.bytes
+    """The new certificate, followed by the issuing CA's certificate, PEM."""
     ca_bundle_pem: _builtins.bytes
-    """Every CA certificate the federation trusts now, PEM."""
+    """Every root the federation trusts now, PEM."""
     serial_hex: _builtins.str
+    """The new certificate's serial, hex."""
     @_builtins.property
-    def not_after(self) -> _timestamp_pb2.Timestamp: ...
+    def not_after(self) -> _timestamp_pb2.Timestamp:
+        """When the new certificate expires."""
+
     def __init__(
         self,
         *,
@@ -220,3 +224,155 @@ class GetRevocationListResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GetRevocationListResponse: _TypeAlias = GetRevocationListResponse  # noqa: Y015
+
+@_typing.final
+class GetTrustBundleRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrustBundleRequest: _TypeAlias = GetTrustBundleRequest  # noqa: Y015
+
+@_typing.final
+class GetTrustBundleResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    ISSUING_CA_PEM_FIELD_NUMBER: _builtins.int
+    ACCEPTED_ISSUERS_PEM_FIELD_NUMBER: _builtins.int
+    trust_bundle_pem: _builtins.bytes
+    """Every root the federation trusts now, PEM."""
+    issuing_ca_pem: _builtins.bytes
+    """The issuing CA every new certificate comes from, PEM."""
+    @_builtins.property
+    def accepted_issuers_pem(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Issuing CAs whose certificates are still accepted, the newest first, PEM each."""
+
+    def __init__(
+        self,
+        *,
+        trust_bundle_pem: _builtins.bytes = ...,
+        issuing_ca_pem: _builtins.bytes = ...,
+        accepted_issuers_pem: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_issuers_pem", b"accepted_issuers_pem", "issuing_ca_pem", b"issuing_ca_pem", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetTrustBundleResponse: _TypeAlias = GetTrustBundleResponse  # noqa: Y015
+
+@_typing.final
+class RotateCertificateAuthorityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ISSUING_CA_PEM_FIELD_NUMBER: _builtins.int
+    ISSUING_KEY_PEM_FIELD_NUMBER: _builtins.int
+    NEW_ROOTS_PEM_FIELD_NUMBER: _builtins.int
+    issuing_ca_pem: _builtins.bytes
+    """The new issuing CA's certificate, PEM; it must be a CA signed by a root in the current
+    trust bundle or in new_roots_pem.
+    """
+    issuing_key_pem: _builtins.bytes
+    """Its private key, PEM (unencrypted PKCS#8); travels only over the operator's mTLS call."""
+    new_roots_pem: _builtins.bytes
+    """Roots to add to the trust bundle (a rotation to a new root), PEM; empty for none."""
+    def __init__(
+        self,
+        *,
+        issuing_ca_pem: _builtins.bytes = ...,
+        issuing_key_pem: _builtins.bytes = ...,
+        new_roots_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["issuing_ca_pem", b"issuing_ca_pem", "issuing_key_pem", b"issuing_key_pem", "new_roots_pem", b"new_roots_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateCertificateAuthorityRequest: _TypeAlias = RotateCertificateAuthorityRequest  # noqa: Y015
+
+@_typing.final
+class RotateCertificateAuthorityResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    ISSUING_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SITES_TOLD_FIELD_NUMBER: _builtins.int
+    trust_bundle_pem: _builtins.bytes
+    """The trust bundle from now on, PEM."""
+    issuing_fingerprint: _builtins.str
+    """SHA-256 fingerprint of the new issuing CA's certificate."""
+    sites_told: _builtins.int
+    """Sites told the new bundle over their session now (the others get it when they connect)."""
+    def __init__(
+        self,
+        *,
+        trust_bundle_pem: _builtins.bytes = ...,
+        issuing_fingerprint: _builtins.str = ...,
+        sites_told: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["issuing_fingerprint", b"issuing_fingerprint", "sites_told", b"sites_told", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RotateCertificateAuthorityResponse: _TypeAlias = RotateCertificateAuthorityResponse  # noqa: Y015
+
+@_typing.final
+class RetireCertificateAuthoritiesRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireCertificateAuthoritiesRequest: _TypeAlias = RetireCertificateAuthoritiesRequest  # noqa: Y015
+
+@_typing.final
+class RetireCertificateAuthoritiesResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    RETIRED_FINGERPRINTS_FIELD_NUMBER: _builtins.int
+    SERVER_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SITES_TOLD_FIELD_NUMBER: _builtins.int
+    trust_bundle_pem: _builtins.bytes
+    """The trust bundle from now on, PEM."""
+    server_fingerprint: _builtins.str
+    """SHA-256 fingerprint of the server certificate the coordinator serves from now on."""
+    sites_told: _builtins.int
+    """Sites told the new bundle over their session now."""
+    @_builtins.property
+    def retired_fingerprints(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """SHA-256 fingerprints of the issuing CAs retired."""
+
+    def __init__(
+        self,
+        *,
+        trust_bundle_pem: _builtins.bytes = ...,
+        retired_fingerprints: _abc.Iterable[_builtins.str] | None = ...,
+        server_fingerprint: _builtins.str = ...,
+        sites_told: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["retired_fingerprints", b"retired_fingerprints", "server_fingerprint", b"server_fingerprint", "sites_told", b"sites_told", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RetireCertificateAuthoritiesResponse: _TypeAlias = RetireCertificateAuthoritiesResponse  # noqa: Y015

@@ -55,6 +55,21 @@ class CertificateServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListResponse.FromString,
                 _registered_method=True)
+        self.GetTrustBundle = channel.unary_unary(
+                '/federation.api.v1.CertificateService/GetTrustBundle',
+                request_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleResponse.FromString,
+                _registered_method=True)
+        self.RotateCertificateAuthority = channel.unary_unary(
+                '/federation.api.v1.CertificateService/RotateCertificateAuthority',
+                request_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityResponse.FromString,
+                _registered_method=True)
+        self.RetireCertificateAuthorities = channel.unary_unary(
+                '/federation.api.v1.CertificateService/RetireCertificateAuthorities',
+                request_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesResponse.FromString,
+                _registered_method=True)
 
 
 class CertificateServiceServicer:
@@ -93,6 +108,32 @@ class CertificateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetTrustBundle(self, request, context):
+        """Anyone with a certificate: the roots the federation trusts now (old and new during a
+        CA rollover), to keep as the CA bundle.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RotateCertificateAuthority(self, request, context):
+        """Operators: introduce a new issuing CA, made offline under a root (fedctl pki rotate-ca).
+        From then on the trust bundle holds the old roots and the new one, every certificate is
+        issued by the new CA, and the old one's certificates are still accepted until retired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RetireCertificateAuthorities(self, request, context):
+        """Operators: retire every issuing CA but the newest. The coordinator first serves a server
+        certificate of the newest CA; the bundle drops roots no longer needed; certificates of
+        a retired CA are refused from then on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CertificateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -115,6 +156,21 @@ def add_CertificateServiceServicer_to_server(servicer, server):
                     servicer.GetRevocationList,
                     request_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListResponse.SerializeToString,
+            ),
+            'GetTrustBundle': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetTrustBundle,
+                    request_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleResponse.SerializeToString,
+            ),
+            'RotateCertificateAuthority': grpc.unary_unary_rpc_method_handler(
+                    servicer.RotateCertificateAuthority,
+                    request_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityResponse.SerializeToString,
+            ),
+            'RetireCertificateAuthorities': grpc.unary_unary_rpc_method_handler(
+                    servicer.RetireCertificateAuthorities,
+                    request_deserializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -226,6 +282,87 @@ class CertificateService:
             '/federation.api.v1.CertificateService/GetRevocationList',
             federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_certificate__service__pb2.GetRevocationListResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetTrustBundle(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.CertificateService/GetTrustBundle',
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.GetTrustBundleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RotateCertificateAuthority(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.CertificateService/RotateCertificateAuthority',
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.RotateCertificateAuthorityResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RetireCertificateAuthorities(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.CertificateService/RetireCertificateAuthorities',
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_certificate__service__pb2.RetireCertificateAuthoritiesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -48,6 +48,20 @@ class CertificateServiceStub:
     """
     GetRevocationList: _grpc.UnaryUnaryMultiCallable[_certificate_service_pb2.GetRevocationListRequest, _certificate_service_pb2.GetRevocationListResponse]
     """Operators: the revocations as an X.509 CRL signed by the issuing CA, for other tools."""
+    GetTrustBundle: _grpc.UnaryUnaryMultiCallable[_certificate_service_pb2.GetTrustBundleRequest, _certificate_service_pb2.GetTrustBundleResponse]
+    """Anyone with a certificate: the roots the federation trusts now (old and new during a
+    CA rollover), to keep as the CA bundle.
+    """
+    RotateCertificateAuthority: _grpc.UnaryUnaryMultiCallable[_certificate_service_pb2.RotateCertificateAuthorityRequest, _certificate_service_pb2.RotateCertificateAuthorityResponse]
+    """Operators: introduce a new issuing CA, made offline under a root (fedctl pki rotate-ca).
+    From then on the trust bundle holds the old roots and the new one, every certificate is
+    issued by the new CA, and the old one's certificates are still accepted until retired.
+    """
+    RetireCertificateAuthorities: _grpc.UnaryUnaryMultiCallable[_certificate_service_pb2.RetireCertificateAuthoritiesRequest, _certificate_service_pb2.RetireCertificateAuthoritiesResponse]
+    """Operators: retire every issuing CA but the newest. The coordinator first serves a server
+    certificate of the newest CA; the bundle drops roots no longer needed; certificates of
+    a retired CA are refused from then on.
+    """
 
 @_typing.type_check_only
 class CertificateServiceAsyncStub(CertificateServiceStub):
@@ -69,6 +83,20 @@ class CertificateServiceAsyncStub(CertificateServiceStub):
     """
     GetRevocationList: _aio.UnaryUnaryMultiCallable[_certificate_service_pb2.GetRevocationListRequest, _certificate_service_pb2.GetRevocationListResponse]  # type: ignore[assignment]
     """Operators: the revocations as an X.509 CRL signed by the issuing CA, for other tools."""
+    GetTrustBundle: _aio.UnaryUnaryMultiCallable[_certificate_service_pb2.GetTrustBundleRequest, _certificate_service_pb2.GetTrustBundleResponse]  # type: ignore[assignment]
+    """Anyone with a certificate: the roots the federation trusts now (old and new during a
+    CA rollover), to keep as the CA bundle.
+    """
+    RotateCertificateAuthority: _aio.UnaryUnaryMultiCallable[_certificate_service_pb2.RotateCertificateAuthorityRequest, _certificate_service_pb2.RotateCertificateAuthorityResponse]  # type: ignore[assignment]
+    """Operators: introduce a new issuing CA, made offline under a root (fedctl pki rotate-ca).
+    From then on the trust bundle holds the old roots and the new one, every certificate is
+    issued by the new CA, and the old one's certificates are still accepted until retired.
+    """
+    RetireCertificateAuthorities: _aio.UnaryUnaryMultiCallable[_certificate_service_pb2.RetireCertificateAuthoritiesRequest, _certificate_service_pb2.RetireCertificateAuthoritiesResponse]  # type: ignore[assignment]
+    """Operators: retire every issuing CA but the newest. The coordinator first serves a server
+    certificate of the newest CA; the bundle drops roots no longer needed; certificates of
+    a retired CA are refused from then on.
+    """
 
 class CertificateServiceServicer(metaclass=_abc_1.ABCMeta):
     """Certificates after the first: every identity renews its own; operators list and revoke."""
@@ -111,5 +139,37 @@ class CertificateServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_certificate_service_pb2.GetRevocationListResponse, _abc.Awaitable[_certificate_service_pb2.GetRevocationListResponse]]:
         """Operators: the revocations as an X.509 CRL signed by the issuing CA, for other tools."""
+
+    @_abc_1.abstractmethod
+    def GetTrustBundle(
+        self,
+        request: _certificate_service_pb2.GetTrustBundleRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_certificate_service_pb2.GetTrustBundleResponse, _abc.Awaitable[_certificate_service_pb2.GetTrustBundleResponse]]:
+        """Anyone with a certificate: the roots the federation trusts now (old and new during a
+        CA rollover), to keep as the CA bundle.
+        """
+
+    @_abc_1.abstractmethod
+    def RotateCertificateAuthority(
+        self,
+        request: _certificate_service_pb2.RotateCertificateAuthorityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_certificate_service_pb2.RotateCertificateAuthorityResponse, _abc.Awaitable[_certificate_service_pb2.RotateCertificateAuthorityResponse]]:
+        """Operators: introduce a new issuing CA, made offline under a root (fedctl pki rotate-ca).
+        From then on the trust bundle holds the old roots and the new one, every certificate is
+        issued by the new CA, and the old one's certificates are still accepted until retired.
+        """
+
+    @_abc_1.abstractmethod
+    def RetireCertificateAuthorities(
+        self,
+        request: _certificate_service_pb2.RetireCertificateAuthoritiesRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_certificate_service_pb2.RetireCertificateAuthoritiesResponse, _abc.Awaitable[_certificate_service_pb2.RetireCertificateAuthoritiesResponse]]:
+        """Operators: retire every issuing CA but the newest. The coordinator first serves a server
+        certificate of the newest CA; the bundle drops roots no longer needed; certificates of
+        a retired CA are refused from then on.
+        """
 
 def add_CertificateServiceServicer_to_server(servicer: CertificateServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

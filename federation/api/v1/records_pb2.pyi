@@ -170,3 +170,47 @@ class JobRecord(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___JobRecord: _TypeAlias = JobRecord  # noqa: Y015
+
+@_typing.final
+class CertificateAuthorities(_message.Message):
+    """The CAs in force, stored once a rollover began (before that, the coordinator's files are)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    ISSUING_CA_PEM_FIELD_NUMBER: _builtins.int
+    ISSUING_KEY_PEM_FIELD_NUMBER: _builtins.int
+    PREVIOUS_ISSUERS_PEM_FIELD_NUMBER: _builtins.int
+    RETIRED_ROOTS_PEM_FIELD_NUMBER: _builtins.int
+    trust_bundle_pem: _builtins.bytes
+    """The roots peers trust, PEM."""
+    issuing_ca_pem: _builtins.bytes
+    """The issuing CA's certificate, PEM."""
+    issuing_key_pem: _builtins.bytes
+    """The issuing CA's key, PEM: any coordinator that leads must sign with it."""
+    @_builtins.property
+    def previous_issuers_pem(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Earlier issuing CAs whose certificates are still accepted, PEM each."""
+
+    @_builtins.property
+    def retired_roots_pem(self) -> _containers.RepeatedScalarFieldContainer[_builtins.bytes]:
+        """Roots retired, PEM each: still asked of clients in the TLS handshake, so that a
+        certificate chained to one gets a clear refusal rather than a dropped connection.
+        """
+
+    def __init__(
+        self,
+        *,
+        trust_bundle_pem: _builtins.bytes = ...,
+        issuing_ca_pem: _builtins.bytes = ...,
+        issuing_key_pem: _builtins.bytes = ...,
+        previous_issuers_pem: _abc.Iterable[_builtins.bytes] | None = ...,
+        retired_roots_pem: _abc.Iterable[_builtins.bytes] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["issuing_ca_pem", b"issuing_ca_pem", "issuing_key_pem", b"issuing_key_pem", "previous_issuers_pem", b"previous_issuers_pem", "retired_roots_pem", b"retired_roots_pem", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CertificateAuthorities: _TypeAlias = CertificateAuthorities  # noqa: Y015

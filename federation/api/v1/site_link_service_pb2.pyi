@@ -562,24 +562,54 @@ class Welcome(_message.Message):
 
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
     heartbeat_interval_s: _builtins.float
     probe_endpoint: _builtins.str
     """host:port of the coordinator's link probe, where the agent measures its link to the
     coordinator; empty when the coordinator runs none.
+    """
+    trust_bundle_pem: _builtins.bytes
+    """Every root the federation trusts now, PEM: the agent keeps it as its CA bundle, so a
+    session started after a CA rollover catches up.
     """
     def __init__(
         self,
         *,
         heartbeat_interval_s: _builtins.float = ...,
         probe_endpoint: _builtins.str = ...,
+        trust_bundle_pem: _builtins.bytes = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "probe_endpoint", b"probe_endpoint"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "probe_endpoint", b"probe_endpoint", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Welcome: _TypeAlias = Welcome  # noqa: Y015
+
+@_typing.final
+class TrustBundle(_message.Message):
+    """The roots the federation trusts changed (a CA introduced or retired): the agent replaces
+    its CA bundle with these.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    trust_bundle_pem: _builtins.bytes
+    """Every root the federation trusts now, PEM."""
+    def __init__(
+        self,
+        *,
+        trust_bundle_pem: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TrustBundle: _TypeAlias = TrustBundle  # noqa: Y015
 
 @_typing.final
 class ResyncRequest(_message.Message):
@@ -680,6 +710,7 @@ class CoordinatorMessage(_message.Message):
     RESYNC_FIELD_NUMBER: _builtins.int
     PROBE_PEERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
+    TRUST_BUNDLE_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -704,6 +735,10 @@ class CoordinatorMessage(_message.Message):
         (disconnect.stop_after_s counts from the last message it received).
         """
 
+    @_builtins.property
+    def trust_bundle(self) -> Global___TrustBundle:
+        """The trust bundle after a CA rollover step; no answer is expected."""
+
     def __init__(
         self,
         *,
@@ -717,12 +752,13 @@ class CoordinatorMessage(_message.Message):
         resync: Global___ResyncRequest | None = ...,
         probe_peers: Global___ProbePeers | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
+        trust_bundle: Global___TrustBundle | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

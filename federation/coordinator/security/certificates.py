@@ -20,6 +20,7 @@ from federation.api.v1 import records_pb2
 from federation.coordinator import audit
 from federation.coordinator.enrollment import CERTIFICATES
 from federation.coordinator.jobs import now_timestamp
+from federation.coordinator.security.authorities import Authorities
 from federation.errors import (
     AlreadyExistsError,
     CertificateNotFoundError,
@@ -27,7 +28,6 @@ from federation.errors import (
     InvalidArgumentError,
 )
 from federation.security.identity import Identity, InvalidIdentityError, Role, validate_name
-from federation.security.pki import CertificateAuthority
 from federation.security.revocation import RevocationBook, covers, revocation_key
 from federation.store import CasConflictError, KeyValue, Op, Put, Store
 
@@ -102,14 +102,14 @@ class Certificates:
 
     Args:
         store: Where this term writes (fenced when several coordinators share it).
-        ca: Signs the CRL.
+        authorities: Whose issuing CA signs the CRL.
         book: Updated at once after a revocation's commit, so the revoking coordinator
             refuses the very next call; the others hear of it from the store's watch.
     """
 
-    def __init__(self, store: Store, ca: CertificateAuthority, book: RevocationBook) -> None:
+    def __init__(self, store: Store, authorities: Authorities, book: RevocationBook) -> None:
         self._store = store
-        self._ca = ca
+        self._authorities = authorities
         self._book = book
 
     async def revoke(
@@ -260,9 +260,10 @@ class Certificates:
             if revocation is not None and record.serial_hex not in revoked:
                 revoked[record.serial_hex] = revocation.revoked_at.ToDatetime(UTC)
         now = datetime.now(UTC)
+        ca = self._authorities.issuer
         builder = (
             x509.CertificateRevocationListBuilder()
-            .issuer_name(self._ca.cert.subject)
+            .issuer_name(ca.cert.subject)
             .last_update(now)
             .next_update(now + CRL_VALID)
             .add_extension(x509.CRLNumber(int(now.timestamp())), critical=False)
@@ -274,7 +275,7 @@ class Certificates:
                 .revocation_date(when)
                 .build()
             )
-        crl = builder.sign(self._ca.key, hashes.SHA256())
+        crl = builder.sign(ca.key, hashes.SHA256())
         return pb.GetRevocationListResponse(crl_pem=crl.public_bytes(Encoding.PEM))
 
 

@@ -19,11 +19,12 @@ from federation.api.v1 import admin_service_pb2, certificate_service_pb2, record
 from federation.coordinator import audit
 from federation.coordinator.enrollment import CERTIFICATES
 from federation.coordinator.jobs import now_timestamp
+from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError, PermissionDeniedError
 from federation.metrics import CERTIFICATES_RENEWED
 from federation.security.identity import Identity, Role
-from federation.security.pki import CertificateAuthority, InvalidCsrError, fingerprint
+from federation.security.pki import InvalidCsrError, fingerprint
 from federation.store import Op, Put, Store
 
 log = structlog.get_logger()
@@ -38,7 +39,7 @@ class Renewal:
     Args:
         store: Where issued certificates and the audit trail are kept.
         sites: The site records, whose fingerprint a site's renewal moves on.
-        ca: Signs the new certificates.
+        authorities: Whose issuing CA signs the new certificates.
         site_lifetime: How long a site's new certificate is valid.
         client_lifetime: How long an operator's or tenant's new certificate is valid.
     """
@@ -47,14 +48,14 @@ class Renewal:
         self,
         store: Store,
         sites: SiteRegistry,
-        ca: CertificateAuthority,
+        authorities: Authorities,
         *,
         site_lifetime: timedelta,
         client_lifetime: timedelta,
     ) -> None:
         self._store = store
         self._sites = sites
-        self._ca = ca
+        self._authorities = authorities
         self._site_lifetime = site_lifetime
         self._client_lifetime = client_lifetime
         # One renewal at a time: two of one site at once would both pass the check that the
@@ -76,7 +77,7 @@ class Renewal:
         async with self._lock:
             await self._check_not_revoked(serial)
             cert = self._sign(caller, current, csr_pem)
-            cert_pem = cert.public_bytes(Encoding.PEM)
+            cert_pem = self._authorities.issuer.with_chain(cert)
             issued = records_pb2.IssuedCertificate(
                 serial_hex=f"{cert.serial_number:x}",
                 identity=str(caller),
@@ -111,7 +112,7 @@ class Renewal:
         )
         return certificate_service_pb2.RenewCertificateResponse(
             certificate_pem=cert_pem,
-            ca_bundle_pem=self._ca.cert_pem,
+            ca_bundle_pem=self._authorities.bundle_pem,
             not_after=issued.not_after,
             serial_hex=issued.serial_hex,
         )
@@ -131,7 +132,7 @@ class Renewal:
         is_site = caller.role is Role.SITE
         lifetime = self._site_lifetime if is_site else self._client_lifetime
         try:
-            cert = self._ca.sign_csr(csr_pem, caller, lifetime=lifetime)
+            cert = self._authorities.issuer.sign_csr(csr_pem, caller, lifetime=lifetime)
         except InvalidCsrError as err:
             raise InvalidArgumentError([FieldViolation("csr_pem", str(err))]) from None
         if _public_der(cert) == _public_der(current):
