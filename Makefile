@@ -21,8 +21,9 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not solo"
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not solo and not fuzz"
 	$(BIN)/pytest -q -m solo
+	$(BIN)/pytest -q -m fuzz
 
 protos: $(BIN)/.installed
 	$(BIN)/python proto/generate.py

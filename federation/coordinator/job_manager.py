@@ -187,7 +187,7 @@ class JobManager:
                 ]
             )
         self._check_unfinished(jobs)
-        await self._jobs.create(jobs)
+        await self._jobs.create(jobs, batch=batch)
         JOBS_SUBMITTED.inc(len(jobs))
         log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event
         self._wake()

@@ -378,8 +378,12 @@ class JobRepository:
                 return ""
             start = page[-1].key
 
-    async def create(self, jobs: list[jobs_pb2.Job]) -> None:
-        """Store new jobs, each with its first event, in one atomic commit."""
+    async def create(self, jobs: list[jobs_pb2.Job], *, batch: bool = False) -> None:
+        """Store new jobs, each with its first event, in one atomic commit.
+
+        ``batch``: they came as SubmitJobs' ``specs`` (even one alone), not SubmitJob's ``spec``,
+        which a refusal's field path names.
+        """
         staged: list[_Staged] = []
         timeslice = TimeSlice()
         for job in jobs:
@@ -394,7 +398,7 @@ class JobRepository:
         except CasConflictError as err:
             job_id = err.key.removeprefix(JOBS)
             index = next(i for i, j in enumerate(jobs) if j.id == job_id)
-            field = "spec.id" if len(jobs) == 1 else f"specs[{index}].id"
+            field = f"specs[{index}].id" if batch else "spec.id"
             raise InvalidArgumentError(
                 [FieldViolation(field, f"a job with id {job_id!r} already exists")]
             ) from None

@@ -149,6 +149,21 @@ async def test_duplicate_id_is_refused_and_the_original_kept(operator: grpc.aio.
     assert kept.spec.name == "dup"
 
 
+async def test_a_batch_reusing_an_id_names_the_spec_in_it(operator: grpc.aio.Channel) -> None:
+    """A SubmitJobs batch, even of one spec, that reuses a stored id is refused on
+    ``specs[i].id``, not on SubmitJob's ``spec.id``."""
+    stub = jobs(operator)
+    await stub.SubmitJob(
+        job_service_pb2.SubmitJobRequest(spec=spec("a", [python_task("t", "")], id="dup-id-2"))
+    )
+    for batch, index in (([], 0), ([spec("ok", [python_task("t", "")])], 1)):
+        again = spec("b", [python_task("t", "")], id="dup-id-2")
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=[*batch, again]))
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "already exists" in violations(caught.value)[f"specs[{index}].id"]
+
+
 async def test_batch_with_one_bad_spec_stores_nothing(operator: grpc.aio.Channel) -> None:
     """SubmitJobs is all or nothing: one bad spec rejects the batch, naming its index."""
     before = await job_count(operator)
