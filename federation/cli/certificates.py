@@ -176,15 +176,7 @@ async def cmd_crl(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = pb_grpc.CertificateServiceStub(channel)
         reply = await stub.GetRevocationList(pb.GetRevocationListRequest())
-    if args.file is None:
-        sys.stdout.write(reply.crl_pem.decode())
-        return 0
-    try:
-        write_public_file(args.file, reply.crl_pem)
-    except OSError as err:
-        raise CliError(f"cannot write {args.file}: {err.strerror or err}") from None
-    show(text(f"CRL written to {args.file}"))
-    return 0
+    return _print_or_write(args.file, reply.crl_pem, "CRL")
 
 
 async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
@@ -226,6 +218,19 @@ async def cmd_renew(args: argparse.Namespace, conn: Connection) -> int:
         ),
         text(f"wrote {cert} and {key}", "dim"),
     )
+    return 0
+
+
+def _print_or_write(path: Path | None, pem: bytes, what: str) -> int:
+    """``pem`` on stdout, or written to ``path`` (0644)."""
+    if path is None:
+        sys.stdout.write(pem.decode())
+        return 0
+    try:
+        write_public_file(path, pem)
+    except OSError as err:
+        raise CliError(f"cannot write {path}: {err.strerror or err}") from None
+    show(text(f"{what} written to {path}"))
     return 0
 
 
@@ -317,12 +322,4 @@ async def cmd_trust_bundle(args: argparse.Namespace, conn: Connection) -> int:
         reply = await pb_grpc.CertificateServiceStub(channel).GetTrustBundle(
             pb.GetTrustBundleRequest()
         )
-    if args.file is None:
-        sys.stdout.write(reply.trust_bundle_pem.decode())
-        return 0
-    try:
-        _keep_bundle(args.file, reply.trust_bundle_pem)
-    except OSError as err:
-        raise CliError(f"cannot write {args.file}: {err.strerror or err}") from None
-    show(text(f"trust bundle written to {args.file}"))
-    return 0
+    return _print_or_write(args.file, reply.trust_bundle_pem, "trust bundle")
