@@ -120,7 +120,7 @@ async def test_duplicate_in_a_batch_stores_nothing_of_the_batch(
     sub = hub.subscribe(lambda job: True)
     revision = await store.revision()
     with pytest.raises(InvalidArgumentError) as caught:
-        await repo.create([new_job("fresh"), new_job("old"), new_job("fresh-2")])
+        await repo.create([new_job("fresh"), new_job("old"), new_job("fresh-2")], batch=True)
     assert [v.field for v in caught.value.violations] == ["specs[1].id"]
     assert await store.revision() == revision
     assert await store.get(job_key("fresh")) is None

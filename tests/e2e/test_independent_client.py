@@ -28,7 +28,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation
 from federation.security.identity import Identity, Role
-from federation.security.pki import CertificateAuthority, init_pki, issue_client_files, make_csr
+from federation.security.pki import init_pki, issue_client_files, load_issuer, make_csr
 from federation.security.tls import TlsFiles
 
 from .conftest import admin, jobs, python_task, site_tls, spec, tenant_tls, wait_for_job
@@ -73,7 +73,7 @@ def generated(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def expired_tls(fed: LocalFederation, folder: Path, identity: Identity) -> TlsFiles:
     """A certificate the federation CA signed for ``identity`` that expired yesterday."""
-    ca = CertificateAuthority.load(fed.pki.ca_cert, fed.pki.ca_key)
+    ca = load_issuer(fed.pki.ca_cert, fed.pki.ca_key, None)
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
     cert = (
@@ -91,7 +91,7 @@ def expired_tls(fed: LocalFederation, folder: Path, identity: Identity) -> TlsFi
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)
         .sign(ca.key, hashes.SHA256())
     )
-    (folder / "expired.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / "expired.pem").write_bytes(ca.with_chain(cert))  # as the issuing CA hands out
     (folder / "expired-key.pem").write_bytes(
         key.private_bytes(
             serialization.Encoding.PEM,
