@@ -140,7 +140,13 @@ class Hello(_message.Message):
     VIEW_FIELD_NUMBER: _builtins.int
     GENERATION_FIELD_NUMBER: _builtins.int
     TASKS_FIELD_NUMBER: _builtins.int
+    AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     generation: _builtins.int
+    agent_version: _builtins.str
+    """The agent's release (federation.__version__), for people and logs."""
+    protocol_version: _builtins.int
+    """The site-link protocol the agent speaks; 0 from agents older than this field."""
     @_builtins.property
     def view(self) -> _resources_pb2.SiteView: ...
     @_builtins.property
@@ -151,10 +157,12 @@ class Hello(_message.Message):
         view: _resources_pb2.SiteView | None = ...,
         generation: _builtins.int = ...,
         tasks: _abc.Iterable[Global___TaskReport] | None = ...,
+        agent_version: _builtins.str = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["generation", b"generation", "tasks", b"tasks", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "generation", b"generation", "protocol_version", b"protocol_version", "tasks", b"tasks", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -563,6 +571,8 @@ class Welcome(_message.Message):
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
     TRUST_BUNDLE_PEM_FIELD_NUMBER: _builtins.int
+    COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
+    PROTOCOL_VERSION_FIELD_NUMBER: _builtins.int
     heartbeat_interval_s: _builtins.float
     probe_endpoint: _builtins.str
     """host:port of the coordinator's link probe, where the agent measures its link to the
@@ -572,16 +582,24 @@ class Welcome(_message.Message):
     """Every root the federation trusts now, PEM: the agent keeps it as its CA bundle, so a
     session started after a CA rollover catches up.
     """
+    coordinator_version: _builtins.str
+    """The coordinator's release (federation.__version__), for people and logs."""
+    protocol_version: _builtins.int
+    """The site-link protocol the coordinator speaks to this agent: the agent's own, or the
+    newest both know.
+    """
     def __init__(
         self,
         *,
         heartbeat_interval_s: _builtins.float = ...,
         probe_endpoint: _builtins.str = ...,
         trust_bundle_pem: _builtins.bytes = ...,
+        coordinator_version: _builtins.str = ...,
+        protocol_version: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_s", b"heartbeat_interval_s", "probe_endpoint", b"probe_endpoint", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["coordinator_version", b"coordinator_version", "heartbeat_interval_s", b"heartbeat_interval_s", "probe_endpoint", b"probe_endpoint", "protocol_version", b"protocol_version", "trust_bundle_pem", b"trust_bundle_pem"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
