@@ -33,6 +33,7 @@ import grpc
 import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from google.protobuf.message import DecodeError
 
 from federation.api.v1 import certificate_service_pb2 as pb
 from federation.api.v1 import records_pb2
@@ -137,7 +138,7 @@ class Authorities:
         self._revision = 0
         """The store revision of the state in force (or the one it was read at)."""
         self._changing = asyncio.Lock()
-        """Held by a rollover from its commit on, so the watch never applies it first."""
+        """Held while a rollover commits and takes its state in, so the watch never does first."""
         self._bundle_listeners: list[Callable[[bytes], int]] = []
 
     @classmethod
@@ -263,12 +264,12 @@ class Authorities:
         if revision <= self._revision:
             return  # this coordinator's own commit, or one it read already
         self._revision = revision
-        record = records_pb2.CertificateAuthorities.FromString(value)
-        if record == self._state.record():
-            return
         try:
+            record = records_pb2.CertificateAuthorities.FromString(value)
+            if record == self._state.record():
+                return
             state = _State.of(record)
-        except CaCheckError as err:
+        except (DecodeError, CaCheckError, ValueError) as err:
             log.error("certificate_authorities_unreadable", revision=revision, error=str(err))
             return
         accepted = [state.issuer.cert, *state.previous]
