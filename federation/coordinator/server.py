@@ -137,13 +137,16 @@ class Coordinator:
     """The CAs in force: the trust bundle, the issuing CA, the server certificate."""
     revocation_task: asyncio.Task[None] | None = None
     """Keeps ``revocations`` current from the store's watch."""
+    authorities_task: asyncio.Task[None] | None = None
+    """Keeps ``authorities`` current from the store's watch (a rollover another led)."""
     probe: ProbeServer | None = None
     probe_endpoint: str = ""
     """Where agents measure their link to this coordinator (told in each welcome)."""
 
     async def stop(self, grace_s: float | None = 1.0) -> None:
         """Step down (giving the lease back at once), stop serving, close the store."""
-        for task in (self.election_task, self.history_task, self.revocation_task):
+        tasks = (self.election_task, self.history_task, self.revocation_task, self.authorities_task)
+        for task in tasks:
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -259,6 +262,8 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
 
 async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     """Build the servers on ``store``, then lead at once (SQLite) or set up the election."""
+    # Read before serving, and followed from then on like the revocations: a server
+    # certificate of a retired CA is replaced before the first handshake.
     authorities = await Authorities.load(
         store,
         ca_cert=config.ca_cert,
@@ -304,6 +309,7 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
         leadership.leader = election.leader
         coordinator.election = election
     coordinator.revocation_task = asyncio.create_task(follow(store, revocations, read_at))
+    coordinator.authorities_task = asyncio.create_task(authorities.follow(store))
     await server.start()
     await join_server.start()
     await leadership.serve_health()

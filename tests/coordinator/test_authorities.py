@@ -4,7 +4,10 @@ bad rotations and retirements are refused with one line, changing nothing."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import contextlib
+import shutil
+from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -14,6 +17,7 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.serialization import Encoding
+from cryptography.x509.general_name import DNSName
 from cryptography.x509.oid import NameOID
 from cryptography.x509.verification import PolicyBuilder
 from cryptography.x509.verification import Store as TrustStore
@@ -251,3 +255,84 @@ async def test_rotate_then_retire(pki: PkiLayout, store: SqliteStore) -> None:
 async def _audit(store: SqliteStore) -> AsyncIterator[object]:
     for kv in await store.range("/audit/"):
         yield kv
+
+
+async def test_another_coordinator_follows_a_rollover_from_the_store(
+    pki: PkiLayout, store: SqliteStore, tmp_path: Path
+) -> None:
+    """A coordinator sharing the store takes each change in from the watch: the new issuing
+    CA and bundle after the rotation; after the retirement the old CA's certificates are
+    refused and its own server certificate (its own files) is replaced by one of the new CA
+    with the same names; one started later replaces a stale one before it serves."""
+    leader = authorities_of(pki)
+    own = tmp_path / "other"
+    own.mkdir()
+    cert_file, key_file = own / "server.pem", own / "server-key.pem"
+    shutil.copy(pki.server_cert, cert_file)
+    shutil.copy(pki.server_key, key_file)
+    stale = cert_file.read_bytes()
+    other = await Authorities.load(
+        store,
+        ca_cert=pki.ca_cert,
+        ca_key=pki.ca_key,
+        issuing_cert=pki.issuing_cert,
+        server_cert=cert_file,
+        server_key=key_file,
+    )
+    following = asyncio.create_task(other.follow(store))
+    old_cert, _ = issue_client_files(pki, TENANT)
+    try:
+        rotation = prepare_rotation(pki, new_root=True)
+        assert rotation.new_root is not None
+        await leader.rotate(
+            store, "operator:admin", rotation_request(rotation.issuing, rotation.new_root.cert_pem)
+        )
+        await _until(lambda: other.issuer.cert == rotation.issuing.cert)
+        assert other.bundle_pem == leader.bundle_pem
+        other.check(old_cert.read_bytes())
+        assert cert_file.read_bytes() == stale  # still accepted: nothing to replace yet
+
+        await leader.retire(store, "operator:admin")
+        await _until(lambda: cert_file.read_bytes() != stale)
+        assert other.bundle_pem == leader.bundle_pem
+        with pytest.raises(CertificateAuthorityRetiredError):
+            other.check(old_cert.read_bytes())
+        served = x509.load_pem_x509_certificate(cert_file.read_bytes())
+        assert served != x509.load_pem_x509_certificate(pki.server_cert.read_bytes())
+        verify_server(cert_file.read_bytes(), [rotation.new_root.cert])
+        assert _names(served) == _names(x509.load_pem_x509_certificate(stale))
+        assert key_file.stat().st_mode & 0o777 == 0o600
+    finally:
+        following.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await following
+
+    cert_file.write_bytes(stale)  # a coordinator that was down through it all
+    again = await Authorities.load(
+        store,
+        ca_cert=pki.ca_cert,
+        ca_key=pki.ca_key,
+        issuing_cert=pki.issuing_cert,
+        server_cert=cert_file,
+        server_key=key_file,
+    )
+    assert again.issuer.cert == rotation.issuing.cert
+    verify_server(cert_file.read_bytes(), [rotation.new_root.cert])
+
+
+def verify_server(chain_pem: bytes, roots: list[x509.Certificate]) -> None:
+    leaf, *intermediates = x509.load_pem_x509_certificates(chain_pem)
+    verifier = PolicyBuilder().store(TrustStore(roots)).build_server_verifier(DNSName("localhost"))
+    verifier.verify(leaf, intermediates)
+
+
+def _names(cert: x509.Certificate) -> list[str]:
+    sans = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(n.value) for n in sans]
+
+
+async def _until(check: Callable[[], bool], timeout_s: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not check():
+        assert asyncio.get_running_loop().time() < deadline, "the change was not followed"
+        await asyncio.sleep(0.02)

@@ -13,11 +13,16 @@ the earlier issuing CAs whose certificates are still accepted. A rollover goes:
 Streams already open when a CA is retired run on: their peer was verified when they began,
 and cutting them would lose the very sessions a rollover must keep (revoke a certificate to
 end its streams). Once a rollover began, the state lives in the store, written in one commit
-with its audit entry, and a coordinator started later reads it from there.
+with its audit entry. Every coordinator of an HA group reads it before it serves and then
+follows it from the store's watch (``follow``), leader or not, as it follows revocations: its
+bundle, its issuing CA (for when it leads) and the retired-CA check are current within a
+moment, and a coordinator whose own server certificate is of a retired CA issues itself one of
+the current CA (same names) and serves it at once, with no restart.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -28,6 +33,7 @@ import grpc
 import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from google.protobuf.message import DecodeError
 
 from federation.api.v1 import certificate_service_pb2 as pb
 from federation.api.v1 import records_pb2
@@ -48,10 +54,9 @@ from federation.security.pki import (
     issued_by,
     key_pem,
     load_bundle,
-    load_certificate,
     load_issuer,
 )
-from federation.store import Put, Store
+from federation.store import CompactedError, Put, Store, StoreError, WatchEventType
 
 log = structlog.get_logger()
 
@@ -62,6 +67,8 @@ ROTATE = "pki.rotate-ca"
 RETIRE = "pki.retire-ca"
 """The audit action of retiring the older issuing CAs."""
 SERVER_CERTIFICATE_DAYS = 825
+FOLLOW_RETRY_S = 0.5
+"""How long ``follow`` waits before reading the CAs again after the watch broke."""
 
 
 def _pem(cert: x509.Certificate) -> bytes:
@@ -128,6 +135,10 @@ class Authorities:
         self._server_files = (server_cert, server_key)
         self._server_pair = (server_key.read_bytes(), server_cert.read_bytes())
         self._generation = 0
+        self._revision = 0
+        """The store revision of the state in force (or the one it was read at)."""
+        self._changing = asyncio.Lock()
+        """Held while a rollover commits and takes its state in, so the watch never does first."""
         self._bundle_listeners: list[Callable[[bytes], int]] = []
 
     @classmethod
@@ -143,11 +154,7 @@ class Authorities:
     ) -> Authorities:
         """The CAs of the stored rollover, else those of the files."""
         authorities = cls.from_files(ca_cert, ca_key, issuing_cert, server_cert, server_key)
-        kv = await store.get(AUTHORITIES)
-        if kv is not None:
-            state = _State.of(records_pb2.CertificateAuthorities.FromString(kv.value))
-            authorities._state = state
-            log.info("certificate_authorities_loaded", issuing=_fingerprint(state.issuer.cert))
+        await authorities._read(store)
         return authorities
 
     @classmethod
@@ -220,6 +227,79 @@ class Authorities:
                 f"{cert.serial_number:x}", cert.issuer.rfc4514_string()
             )
 
+    async def follow(self, store: Store) -> None:
+        """Keep the CAs current from the store's watch, until cancelled (every coordinator).
+
+        A broken watch (the store restarting, history compacted) reads the CAs again.
+        """
+        revision = self._revision
+        while True:
+            try:
+                async for event in store.watch(AUTHORITIES, start_revision=revision + 1):
+                    revision = max(revision, event.kv.mod_revision)
+                    if event.kv.key == AUTHORITIES and event.type is WatchEventType.PUT:
+                        async with self._changing:
+                            self._follow(event.kv.value, event.kv.mod_revision)
+            except (StoreError, CompactedError) as err:
+                log.warning("certificate_authorities_watch_broken", error=str(err))
+            await asyncio.sleep(FOLLOW_RETRY_S)
+            try:
+                revision = await self._read(store)
+            except StoreError as err:
+                log.warning("certificate_authorities_reload_failed", error=str(err))
+
+    async def _read(self, store: Store) -> int:
+        """Take the stored CAs in, if a rollover began; returns the revision read at or after."""
+        revision = await store.revision()
+        kv = await store.get(AUTHORITIES)
+        async with self._changing:
+            if kv is not None:
+                self._follow(kv.value, kv.mod_revision)
+            self._revision = max(self._revision, revision)
+        return revision
+
+    def _follow(self, value: bytes, revision: int) -> None:
+        """Take in a state a coordinator committed (this one or another), unless older than
+        or the same as the one in force."""
+        if revision <= self._revision:
+            return  # this coordinator's own commit, or one it read already
+        self._revision = revision
+        try:
+            record = records_pb2.CertificateAuthorities.FromString(value)
+            if record == self._state.record():
+                return
+            state = _State.of(record)
+        except (DecodeError, CaCheckError, ValueError) as err:
+            log.error("certificate_authorities_unreadable", revision=revision, error=str(err))
+            return
+        accepted = [state.issuer.cert, *state.previous]
+        served = x509.load_pem_x509_certificate(self._server_pair[1])
+        if not any(issued_by(served, issuer) for issuer in accepted):
+            cert, key = self._issue_server_certificate(state.issuer)
+            try:
+                self._write_server_certificate(cert, key)
+            except OSError as err:  # served all the same; the next start issues one again
+                log.error("server_certificate_not_written", error=str(err))
+            self._server_pair = (key, cert)
+            log.warning("server_certificate_replaced", server=fingerprint(cert))
+        self._changed(state)
+        log.info(
+            "certificate_authorities_followed",
+            issuing=_fingerprint(state.issuer.cert),
+            revision=revision,
+        )
+
+    def _issue_server_certificate(self, issuer: CertificateAuthority) -> tuple[bytes, bytes]:
+        """A server certificate of ``issuer`` with the names of the one served now."""
+        current = x509.load_pem_x509_certificate(self._server_pair[1])
+        sans = current.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        names = [str(n.value) for n in sans]
+        return issuer.issue_server(names, valid_days=SERVER_CERTIFICATE_DAYS)
+
+    def _write_server_certificate(self, cert: bytes, key: bytes) -> None:
+        """The files too, so a restarted coordinator serves a certificate peers still trust."""
+        replace_key_pair(*self._server_files, cert, key)
+
     def _changed(self, state: _State) -> int:
         self._state = state
         self._generation += 1
@@ -237,6 +317,12 @@ class Authorities:
             InvalidArgumentError: Not a CA, its key is not the certificate's, it chains to no
                 root of the bundle (or of ``new_roots_pem``), or it is in use already.
         """
+        async with self._changing:
+            return await self._rotate(store, by, request)
+
+    async def _rotate(
+        self, store: Store, by: str, request: pb.RotateCertificateAuthorityRequest
+    ) -> pb.RotateCertificateAuthorityResponse:
         state = self._state
         try:
             new_roots = load_bundle(request.new_roots_pem) if request.new_roots_pem else []
@@ -257,7 +343,7 @@ class Authorities:
         detail = f"issuing CA {issuer.cert.subject.rfc4514_string()}"
         if new_roots:
             detail += f", new root(s) {', '.join(_fingerprint(r) for r in new_roots)}"
-        await store.commit(
+        self._revision = await store.commit(
             [
                 Put(AUTHORITIES, new.record().SerializeToString()),
                 audit.entry(by, ROTATE, fp, detail),
@@ -276,6 +362,10 @@ class Authorities:
         Raises:
             FailedPreconditionError: There is only one issuing CA: nothing to retire.
         """
+        async with self._changing:
+            return await self._retire(store, by)
+
+    async def _retire(self, store: Store, by: str) -> pb.RetireCertificateAuthoritiesResponse:
         state = self._state
         if not state.previous:
             raise FailedPreconditionError(
@@ -285,15 +375,9 @@ class Authorities:
         needed = [r for r in state.roots if issued_by(state.issuer.cert, r)]
         dropped = [r for r in state.roots if r not in needed]
         new = _State(needed, state.issuer, [], [*state.retired_roots, *dropped])
-        server_cert_path, server_key_path = self._server_files
-        current = load_certificate(server_cert_path)
-        sans = current.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-        names = [str(n.value) for n in sans]
-        server_cert, server_key = state.issuer.issue_server(
-            names, valid_days=SERVER_CERTIFICATE_DAYS
-        )
+        server_cert, server_key = self._issue_server_certificate(state.issuer)
         retired = [_fingerprint(c) for c in state.previous]
-        await store.commit(
+        self._revision = await store.commit(
             [
                 Put(AUTHORITIES, new.record().SerializeToString()),
                 audit.entry(
@@ -305,8 +389,7 @@ class Authorities:
                 ),
             ]
         )
-        # The files too, so a restarted coordinator serves a certificate peers still trust.
-        replace_key_pair(server_cert_path, server_key_path, server_cert, server_key)
+        self._write_server_certificate(server_cert, server_key)
         self._server_pair = (server_key, server_cert)
         told = self._changed(new)
         log.warning("certificate_authorities_retired", retired=retired, by=by, sites_told=told)
