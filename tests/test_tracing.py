@@ -51,8 +51,10 @@ def test_a_jobs_spans_share_its_trace_under_the_submit_span(
     spans: InMemorySpanExporter,
 ) -> None:
     start = tracing.now_ns()
-    tracing.record("job.submit", "acme/a", start, **{"federation.tenant": "acme"})
-    tracing.record("task.place", "acme/a", start, task="t", **{"federation.ranked": ["s1"]})
+    tracing.record("job.submit", "acme/a", start, attributes={"federation.tenant": "acme"})
+    tracing.record(
+        "task.place", "acme/a", start, task="t", attributes={"federation.ranked": ["s1"]}
+    )
     tracing.record("task.offer", "acme/a", start, task="t", site="s1", epoch=3)
     tracing.record("task.offer", "acme/b", start, task="t", site="s2", epoch=1, error="declined")
     tracing.shutdown()  # flushes the batch

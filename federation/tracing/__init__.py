@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from federation.config import ConfigError
@@ -66,24 +67,24 @@ def record(
     site: str = "",
     epoch: int = 0,
     error: str = "",
-    **attributes: Value,
+    attributes: Mapping[str, Value] | None = None,
 ) -> None:
     """One finished span of ``job_id``'s trace, from ``start_ns`` to ``end_ns`` (0: now).
 
-    ``task``, ``site`` and ``epoch`` become the ``federation.*`` attributes where given;
-    ``attributes`` are named as given (use ``federation.``-prefixed names, via ``**{}``);
-    ``error`` marks the span failed with that description.
+    ``task``, ``site`` and ``epoch`` become the ``federation.*`` attributes where given, and
+    ``attributes`` (named ``federation.…``) join them; ``error`` marks the span failed with
+    that description.
     """
     if _recorder is None:
         return
-    known: dict[str, Value] = {JOB_ID: job_id}
+    known: dict[str, Value] = {JOB_ID: job_id, **(attributes or {})}
     if task:
         known[TASK] = task
     if site:
         known[SITE] = site
     if epoch:
         known[EPOCH] = epoch
-    _recorder.record(name, job_id, start_ns, end_ns or now_ns(), {**known, **attributes}, error)
+    _recorder.record(name, job_id, start_ns, end_ns or now_ns(), known, error)
 
 
 def configure(
