@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev,sim]'  # sim: matplotlib, for the plot tests
+	$(BIN)/python -m pip install --quiet -e '.[dev,sim,tracing]'  # sim: the plot tests; tracing: the span tests
 	touch $@
 
 demo: $(BIN)/.installed

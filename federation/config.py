@@ -84,6 +84,20 @@ def address(*, lowest_port: int = 0, empty: bool = False) -> dict[str, Rule]:
     return _rule(rule)
 
 
+def url(*schemes: str, empty: bool = False) -> dict[str, Rule]:
+    """A ``scheme://host:port`` with one of ``schemes``; ``empty`` as for ``address``."""
+
+    def rule(value: str) -> str | None:
+        if empty and not value:
+            return None
+        scheme, sep, rest = value.partition("://")
+        if sep and scheme in schemes and rest and address(lowest_port=1)["rule"](rest) is None:
+            return None
+        return f"must be {' or '.join(f'{s}://host:port' for s in schemes)}"
+
+    return _rule(rule)
+
+
 # Building a dataclass from a table.
 
 

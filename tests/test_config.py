@@ -54,6 +54,9 @@ def agent(path: Path, toml: str, *flags: str) -> AgentConfig:
         ('metrics_listen = "127.0.0.1:70000"', r"metrics_listen must be host:port with a port in"),
         ('advertise = "coord:0"', r"advertise must be host:port with a port in 1\.\.65535"),
         ('listen = "7070"', "listen must be host:port"),
+        ('otlp_endpoint = "127.0.0.1:4317"', r"otlp_endpoint must be http://host:port or https"),
+        ('otlp_endpoint = "grpc://c:4317"', r"otlp_endpoint must be http://host:port or https"),
+        ('otlp_endpoint = "http://c:0"', r"otlp_endpoint must be http://host:port or https"),
         ('store = "zookeeper"', "store must be one of sqlite, etcd, not 'zookeeper'"),
         ("max_spec_bytes = 10", r"max_spec_bytes must be in 1024\.\.1048576, not 10"),
         ('etcd_endpoints = "e:2379"', "etcd_endpoints must be an array, not 'e:2379'"),
@@ -95,6 +98,7 @@ def test_bad_flags_are_refused_too() -> None:
         ("[slurm.gres.a100]\nmemory_mib = -1", "slurm.gres.a100.memory_mib must be 0 or more"),
         ("[slurm.gres.a100]\nmemory_mib = '80GB'", "slurm.gres.a100.memory_mib must be an int"),
         ("slurm = 1", "slurm must be a table"),
+        ('otlp_endpoint = "collector"', r"otlp_endpoint must be http://host:port or https"),
         ("probe_payload_bytes = 0", r"probe_payload_bytes must be in 1\.\.268435456, not 0"),
     ],
 )

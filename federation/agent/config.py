@@ -8,7 +8,16 @@ from pathlib import Path
 
 from federation.agent.owner_share import OwnerShareSettings
 from federation.agent.probe import MAX_PROBE_BYTES
-from federation.config import ConfigError, address, at_least, build, one_of, positive, within
+from federation.config import (
+    ConfigError,
+    address,
+    at_least,
+    build,
+    one_of,
+    positive,
+    url,
+    within,
+)
 from federation.endpoints import parse_endpoints
 
 MANAGED_SBATCH_FLAGS = frozenset(
@@ -123,6 +132,12 @@ class AgentConfig:
     """Name to verify in the coordinator's certificate when it differs from the address."""
     metrics_listen: str = field(default="", metadata=address(empty=True))
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9465; empty serves none."""
+    otlp_endpoint: str = field(default="", metadata=url("http", "https", empty=True))
+    """An OpenTelemetry collector's OTLP/gRPC address, e.g. http://127.0.0.1:4317 (https://
+    for TLS), to send spans of the site's part of each job's path to (the coordinator's
+    collector or another); empty sends none. Needs the ``tracing`` extra."""
+    otlp_service: str = "fed-agent"
+    """``service.name`` of this agent's spans; ``service.instance.id`` is the site."""
     task_accounts: dict[str, str] = field(default_factory=dict)
     """Tenant → local account its tasks run as (the agent must run as root)."""
     task_uid_range: str = ""

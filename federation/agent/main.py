@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 import yaml
 
+from federation import tracing
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig, check_slurm, coordinator_endpoints
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Names
     p.add_argument("--price-per-device-hour", type=float)
     p.add_argument("--no-host", action="store_true", help="do not publish this machine as a node")
     p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9465")
+    p.add_argument("--otlp-endpoint", help="send spans to this OTLP/gRPC collector, http://h:p")
     p.add_argument("--log-level", default="info", type=str.lower, choices=LEVELS)
     p.add_argument("--log-json", action="store_true", default=None)
     return p.parse_args(argv)
@@ -85,6 +87,7 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
         "price_per_device_hour": args.price_per_device_hour,
         "discover_host": False if args.no_host else None,
         "metrics_listen": args.metrics_listen,
+        "otlp_endpoint": args.otlp_endpoint,
     }
     values |= {k: v for k, v in flags.items() if v is not None}
     if "coordinator" not in values and values.get("coordinators"):
@@ -187,6 +190,8 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
     if config.metrics_listen:  # before enrolling: a taken port refuses with nothing written
         serve_metrics(config.metrics_listen)
+    if config.otlp_endpoint:
+        tracing.configure(config.otlp_endpoint, config.otlp_service, instance=config.site)
     creds = await ensure_enrolled(config)
     config.state_dir.chmod(0o700)  # also when it existed with a looser mode
     probe = ProbeServer(config.probe_listen)
@@ -263,6 +268,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
     if config.stop_tasks_on_exit:
         await core.shutdown(config.kill_grace_s)
     await core.close()  # the embedded core's tasks run on, for the next agent to adopt
+    tracing.shutdown()  # sends the spans still buffered
     return code
 
 

@@ -25,7 +25,7 @@ import structlog
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from federation import __version__
+from federation import __version__, tracing
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
 from federation.agent.cut_off import CutOffWatch
@@ -33,6 +33,7 @@ from federation.agent.enroll import SiteCredentials, channel_options
 from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
 from federation.agent.owner_share import owner_share
+from federation.agent.task_spans import TaskSpans
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.endpoints import Endpoints, is_not_leader, leader_hint
@@ -119,6 +120,7 @@ class AgentRuntime:
         self._renewed = asyncio.Event()
         self._retiring: _Stream | None = None
         self.connected = asyncio.Event()
+        self._spans = TaskSpans(config.site)
 
     # Called by the core ----------------------------------------------------------------
 
@@ -126,6 +128,8 @@ class AgentRuntime:
         """Forward a task status now; if offline, the next hello carries it (core keeps it)."""
         if self._journal is not None:
             self._journal.record(report)  # before it leaves: an ack may come back at once
+        if tracing.on():
+            self._spans.status(report)
         if self._outbox is not None:
             self._outbox.put_nowait(pb.AgentMessage(task_status=report))
 
@@ -378,6 +382,8 @@ class AgentRuntime:
         elif body == "ack":
             ack = message.ack
             self.core.forget(ack.job_id, ack.task, ack.epoch)
+            if tracing.on():
+                self._spans.acked(ack)
             if self._journal is not None:
                 self._journal.forget(ack.job_id, ack.task, ack.epoch)
         elif body == "probe_peers":
@@ -405,7 +411,11 @@ class AgentRuntime:
                 answer = await self.core.offer(message.offer)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, offer_answer=answer))
             elif body == "commit":
+                if tracing.on():
+                    self._spans.committed(message.commit)
                 started = await self.core.commit(message.commit)
+                if tracing.on() and not started.started:
+                    self._spans.not_started(message.commit)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, commit_answer=started))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)

@@ -13,6 +13,7 @@ from typing import Any
 
 import structlog
 
+from federation import tracing
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig, check_settings
 from federation.coordinator.server import ListenError, start_coordinator
@@ -34,6 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--listen", help="mTLS address, e.g. 0.0.0.0:7070 (port 0: any free)")
     p.add_argument("--join-listen", help="join (server-TLS only) address")
     p.add_argument("--metrics-listen", help="serve Prometheus /metrics here, e.g. :9464")
+    p.add_argument("--otlp-endpoint", help="send spans to this OTLP/gRPC collector, http://h:p")
     p.add_argument("--store", choices=["sqlite", "etcd"], help="default sqlite (embedded)")
     p.add_argument("--etcd-endpoints", help="comma-separated etcd members, host:port")
     p.add_argument("--etcd-prefix", help="key prefix in etcd (default /federation)")
@@ -69,6 +71,7 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
         "listen": args.listen,
         "join_listen": args.join_listen,
         "metrics_listen": args.metrics_listen,
+        "otlp_endpoint": args.otlp_endpoint,
         "store": args.store,
         "etcd_endpoints": _split(args.etcd_endpoints),
         "etcd_prefix": args.etcd_prefix,
@@ -97,6 +100,10 @@ def _split(value: str | None) -> list[str] | None:
 async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
     # The metrics port first: when it is taken, nothing (the store above all) is touched yet.
     metrics_port = serve_metrics(config.metrics_listen) if config.metrics_listen else None
+    if config.otlp_endpoint:
+        tracing.configure(
+            config.otlp_endpoint, config.otlp_service, instance=config.advertise or config.listen
+        )
     coordinator = await start_coordinator(config)
     ports: dict[str, int | str] = {
         "port": coordinator.port,
@@ -120,6 +127,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
     await stop.wait()
     log.info("coordinator_stopping")
     await coordinator.stop()
+    tracing.shutdown()  # sends the spans still buffered
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from federation.config import ConfigError, address, at_least, one_of, positive, within
+from federation.config import ConfigError, address, at_least, one_of, positive, url, within
 from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.waits import WAIT_GAIN
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
@@ -45,6 +45,12 @@ class CoordinatorConfig:
     """The probe address agents should dial; empty: the advertised host and the bound port."""
     metrics_listen: str = field(default="", metadata=address(empty=True))
     """Where to serve Prometheus /metrics, e.g. 127.0.0.1:9464; empty serves none."""
+    otlp_endpoint: str = field(default="", metadata=url("http", "https", empty=True))
+    """An OpenTelemetry collector's OTLP/gRPC address, e.g. http://127.0.0.1:4317 (https://
+    for TLS), to send spans of each job's path to; empty sends none. Needs the ``tracing``
+    extra."""
+    otlp_service: str = "fed-coordinator"
+    """``service.name`` of this coordinator's spans."""
     heartbeat_interval_s: float = field(default=3.0, metadata=positive())
     """How often agents send a heartbeat; also how often lost sites are looked at."""
     missed_heartbeats: int = field(default=3, metadata=at_least(1))

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import structlog
 
+from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state, retries
 from federation.coordinator.events import WATCH_BATCH, EventHub
@@ -133,6 +134,7 @@ class JobManager:
         self, caller: Identity, specs: Sequence[jobs_pb2.JobSpec], *, batch: bool
     ) -> list[jobs_pb2.Job]:
         """Validate every spec, then store all jobs in one commit (all or nothing)."""
+        started_ns = tracing.now_ns()
         if len(specs) > MAX_BATCH:
             raise InvalidArgumentError(
                 [FieldViolation("specs", f"at most {MAX_BATCH} jobs per batch, got {len(specs)}")]
@@ -189,6 +191,8 @@ class JobManager:
         self._check_unfinished(jobs)
         await self._jobs.create(jobs, batch=batch)
         JOBS_SUBMITTED.inc(len(jobs))
+        if tracing.on():
+            _trace_submitted(jobs, started_ns)
         log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event
         self._wake()
         return jobs
@@ -649,6 +653,20 @@ def failed_attempt(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Ch
     forget_devices(task)
     reason = f"attempt {task.failed_attempts} of {most} failed ({why}); next in {delay_s:g}s"
     return transition(job, task.name, job_state.PENDING, reason)
+
+
+def _trace_submitted(jobs: list[jobs_pb2.Job], started_ns: int) -> None:
+    """Each job's ``job.submit``, the root of its trace: from the call to the commit."""
+    ended_ns = tracing.now_ns()
+    for job in jobs:
+        attributes: dict[str, tracing.Value] = {
+            "federation.tenant": job.spec.tenant,
+            "federation.tasks": [t.name for t in job.tasks],
+            "federation.batch_size": len(jobs),
+        }
+        if job.spec.queue:
+            attributes["federation.queue"] = job.spec.queue
+        tracing.record(tracing.ROOT, job.id, started_ns, ended_ns, attributes=attributes)
 
 
 def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:

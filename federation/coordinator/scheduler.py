@@ -25,6 +25,7 @@ from typing import Any
 
 import structlog
 
+from federation import tracing
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import job_state, retries
 from federation.coordinator.forecast import SiteHistory
@@ -378,6 +379,7 @@ class Scheduler:
         start, or the verdicts it waits with (backed off), or None (its dependencies have
         not succeeded, or placing it failed)."""
         key = (job.id, task)
+        started_ns = tracing.now_ns()
         self._stop_waiting(key)
         try:
             need = task_demand(job, task)
@@ -395,6 +397,7 @@ class Scheduler:
                 return None  # waits for its dependencies; a report of theirs wakes us
             request = self._with_learned_speeds(request)
             placement = cycle.placements.get(request)
+            reused = placement is not None
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
             verdicts, ranked, estimates, busy = placement
@@ -430,6 +433,21 @@ class Scheduler:
             for site in ranked:  # wherever it may go: no second guest in this cycle over-asks
                 if site in cycle.guests and job.spec.tenant not in shares[site].tenants:
                     add(cycle.guests[site], need.items())
+        if tracing.on():
+            best = estimates[ranked[0]]
+            tracing.record(
+                "task.place",
+                job.id,
+                started_ns,
+                task=task,
+                attributes={
+                    "federation.ranked": list(ranked),
+                    "federation.estimate_s": best.total_s,
+                    "federation.estimate_run_s": best.run_s,
+                    "federation.placement_reused": reused,
+                    "federation.refused_sites": len(verdicts),
+                },
+            )
         return _Negotiation(
             job.id,
             task,
@@ -905,6 +923,7 @@ class Scheduler:
         }
         deciding: list[asyncio.Task[None]] = []
         failure: Exception | None = None
+        asked_ns = tracing.now_ns()
         try:
             while asking:
                 done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
@@ -919,6 +938,8 @@ class Scheduler:
                             self._commit_estimate(n, site, answer)
                         else:
                             n.verdicts.append(_refusal(site, why))
+                        if tracing.on():
+                            _trace_offer(n, site, asked_ns, answer, why)
                         unanswered[n.key] -= 1
                         if not unanswered[n.key]:
                             ready.append(n)
@@ -980,6 +1001,7 @@ class Scheduler:
         """Write DELEGATED for each task's chosen site, then send the commits."""
         if not negotiations:
             return
+        started_ns = tracing.now_ns()
         marks = []
         for n in negotiations:
             assert n.chosen is not None
@@ -1013,12 +1035,16 @@ class Scheduler:
                     log.debug(
                         "task_delegated", job=n.job_id, task=n.task, site=site, epoch=commit.epoch
                     )
+                    if tracing.on():
+                        _trace_commit(n, site, started_ns, "")
                     continue
                 # No answer: nobody knows whether the site started it; placing it again bumps
                 # the epoch, which fences off a copy that did start.
                 why = "no answer to the commit"
                 if answer is not None:
                     why = f"commit refused: {answer.commit_answer.reason}"
+                if tracing.on():
+                    _trace_commit(n, site, started_ns, why)
                 log.warning("commit_failed", job=n.job_id, task=n.task, site=site, reason=why)
                 back.append((n.job_id, _back_from_site(n.task, commit.epoch, why)))
                 n.verdicts.append(_refusal(site, why))
@@ -1239,6 +1265,46 @@ def _to_pending(
     del task.verdicts[:]
     task.verdicts.extend(verdicts)
     return transition(job, task.name, job_state.PENDING, summarize(verdicts))
+
+
+def _trace_offer(
+    n: _Negotiation,
+    site: str,
+    asked_ns: int,
+    answer: site_link_service_pb2.OfferAnswer | None,
+    why: str,
+) -> None:
+    """``task.offer``: one site's answer to its offer, from the round's asking to its answer.
+    A refusal is an answer, not a failure: its reason is an attribute."""
+    attributes: dict[str, tracing.Value] = {"federation.accepted": answer is not None}
+    if answer is not None:
+        attributes["federation.offer.run_s"] = answer.run_s
+        attributes["federation.offer.device_model"] = answer.device_model
+    else:
+        attributes["federation.reason"] = why
+    tracing.record(
+        "task.offer",
+        n.job_id,
+        asked_ns,
+        task=n.task,
+        site=site,
+        epoch=n.epoch,
+        attributes=attributes,
+    )
+
+
+def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None:
+    """``task.commit``: from writing DELEGATED to the site's answer (``why``: not started)."""
+    tracing.record(
+        "task.commit",
+        n.job_id,
+        started_ns,
+        task=n.task,
+        site=site,
+        epoch=n.epoch,
+        error=why,
+        attributes={"federation.started": not why},
+    )
 
 
 def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
