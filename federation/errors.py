@@ -98,6 +98,14 @@ class FailedPreconditionError(FederationError):
     reason = "FAILED_PRECONDITION"
 
 
+class ProtocolVersionError(FailedPreconditionError):
+    """An agent and the coordinator speak site-link protocols too far apart to work together:
+    final for the agent, which cannot fix it by retrying. ``agent`` and ``coordinator`` name
+    the versions."""
+
+    reason = "PROTOCOL_VERSION_UNSUPPORTED"
+
+
 class ConflictError(FederationError):
     """A compare-and-swap lost a race; the caller may retry."""
 

@@ -36,17 +36,25 @@ from federation.agent.owner_share import owner_share
 from federation.agent.task_spans import TaskSpans
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.endpoints import Endpoints, is_not_leader, leader_hint
+from federation.endpoints import Endpoints, error_info, is_not_leader, leader_hint
 from federation.envelopes import envelopes
+from federation.errors import ProtocolVersionError
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.pki import load_bundle, write_public_file
 from federation.security.tls import channel_credentials
+from federation.site_protocol import PROTOCOL_VERSION
 
 log = structlog.get_logger()
 
 AGENT_VERSION = __version__
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
+
+
+def is_unsupported_version(err: grpc.aio.AioRpcError) -> bool:
+    """Whether the coordinator refused this agent's protocol version (retrying cannot help)."""
+    info = error_info(err)
+    return info is not None and info.reason == ProtocolVersionError.reason
 
 
 class AgentRejectedError(RuntimeError):
@@ -240,7 +248,7 @@ class AgentRuntime:
             try:
                 handed_over = await self._session(coordinator)
             except grpc.aio.AioRpcError as err:
-                if err.code() in FATAL_CODES:
+                if err.code() in FATAL_CODES or is_unsupported_version(err):
                     raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
                 error = err
                 if is_not_leader(err):
@@ -279,7 +287,13 @@ class AgentRuntime:
         view = self.full_view()
         self._generation += 1
         self._mark_sent(view)
-        hello = pb.Hello(view=view, generation=self._generation, tasks=self.hello_tasks())
+        hello = pb.Hello(
+            view=view,
+            generation=self._generation,
+            tasks=self.hello_tasks(),
+            agent_version=AGENT_VERSION,
+            protocol_version=PROTOCOL_VERSION,
+        )
         outbox.put_nowait(pb.AgentMessage(hello=hello))
         channel = grpc.aio.secure_channel(
             coordinator,
@@ -370,6 +384,11 @@ class AgentRuntime:
                 self._links.set_coordinator(message.welcome.probe_endpoint)
             self._keep_trust_bundle(message.welcome.trust_bundle_pem)
             self._welcomed.set()
+            log.info(
+                "welcomed",
+                coordinator_version=message.welcome.coordinator_version or "unknown",
+                protocol_version=message.welcome.protocol_version or 1,
+            )
         elif body == "trust_bundle":
             self._keep_trust_bundle(message.trust_bundle.trust_bundle_pem)
         elif body == "resync":

@@ -43,8 +43,9 @@ MAX_SCANNED = 10_000
 SCAN_BATCH = 100
 """Jobs read from the store at a time."""
 OLD_EVENTS = "/events/"
-"""Where earlier versions stored each event, beside a job stored alone: every job they created
-has its first event there. This version stores one ``JobRecord`` per job and cannot read those."""
+"""Where key layout 1 stored each event, beside a job stored alone: every job it created has
+its first event there. Layout 2 stores one ``JobRecord`` per job; a leading coordinator
+migrates a store of layout 1 before it loads jobs (``federation.coordinator.layout``)."""
 MAX_EVENTS_KEPT = 1000
 """Events a job record keeps, the newest: a job that moves for ever (a site that keeps losing
 it) must not grow a value that every transition rewrites. Sequence numbers show the gap."""
@@ -70,13 +71,13 @@ def _field(number: int, payload: bytes) -> bytes:
     return bytes(head) + payload
 
 
-def _encoded_events(events: Iterable[jobs_pb2.JobEvent]) -> list[bytes]:
+def encoded_events(events: Iterable[jobs_pb2.JobEvent]) -> list[bytes]:
     """Each event as a ``JobRecord.events`` entry, ready to append to a record."""
     return [_field(2, event.SerializeToString()) for event in events]
 
 
 def _job_bytes(record: bytes) -> bytes:
-    """The encoded job of a stored record, its events left undecoded: ``_record_value`` writes
+    """The encoded job of a stored record, its events left undecoded: ``record_value`` writes
     the job as the record's first field."""
     if record[:1] == b"\x0a":  # field 1, length-delimited
         size = shift = 0
@@ -93,7 +94,7 @@ def _job_bytes(record: bytes) -> bytes:
     return read_record(record).job.SerializeToString()
 
 
-def _record_value(job: jobs_pb2.Job, events: list[bytes]) -> bytes:
+def record_value(job: jobs_pb2.Job, events: list[bytes]) -> bytes:
     """A serialized ``JobRecord`` of ``job`` and its already encoded events."""
     return b"".join((_field(1, job.SerializeToString()), *events))
 
@@ -291,14 +292,15 @@ class JobRepository:
         if await self._store.count(OLD_EVENTS):
             raise StoreError(
                 "the store holds jobs written by an earlier version (each event under "
-                f"{OLD_EVENTS}), which this version cannot read; start it on an empty store"
+                f"{OLD_EVENTS}), which this version reads only once migrated (key layout 1 "
+                "to 2, which a leading coordinator does before it loads jobs)"
             )
         start = ""
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=1000)
             for kv in page:
                 record = read_record(kv.value)
-                self._cache(record.job, kv.mod_revision, _encoded_events(record.events))
+                self._cache(record.job, kv.mod_revision, encoded_events(record.events))
             if len(page) < 1000:
                 break
             start = page[-1].key
@@ -390,8 +392,8 @@ class JobRepository:
             await timeslice.share()
             events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
             job.last_event_sequence = 1
-            encoded = _encoded_events(events)
-            put = Put(job_key(job.id), _record_value(job, encoded), expect_revision=0)
+            encoded = encoded_events(events)
+            put = Put(job_key(job.id), record_value(job, encoded), expect_revision=0)
             staged.append(_Staged(job, put, events, encoded, job_state.PENDING))
         try:
             revision = await asyncio.shield(self._commit_new(staged))
@@ -430,7 +432,7 @@ class JobRepository:
         if kv is None:
             raise JobNotFoundError(job_id)
         record = read_record(kv.value)
-        return _copy(record.job), (record.job, kv.mod_revision, _encoded_events(record.events))
+        return _copy(record.job), (record.job, kv.mod_revision, encoded_events(record.events))
 
     async def update(self, job_id: str, mutate: Mutation) -> jobs_pb2.Job:
         """Apply ``mutate`` to a copy of the job, write it with its events, then publish.
@@ -537,8 +539,8 @@ class JobRepository:
         if events:
             job.reason = events[-1].reason
         job.updated_at.CopyFrom(now)
-        encoded = [*encoded, *_encoded_events(events)][-MAX_EVENTS_KEPT:]
-        put = Put(job_key(job.id), _record_value(job, encoded), expect_revision=revision)
+        encoded = [*encoded, *encoded_events(events)][-MAX_EVENTS_KEPT:]
+        put = Put(job_key(job.id), record_value(job, encoded), expect_revision=revision)
         return job, _Staged(job, put, events, encoded, previous_state)
 
     def _forget(self, job_id: str) -> None:

@@ -35,6 +35,7 @@ from federation.api.v1 import (
 )
 from federation.coordinator.config import STORE_FILE, CoordinatorConfig
 from federation.coordinator.fencing import FencedStore
+from federation.coordinator.layout import check_layout
 from federation.coordinator.leader import CoordinatorInfo, LeaderElection
 from federation.coordinator.leadership import Leadership
 from federation.coordinator.security.authorities import Authorities
@@ -262,6 +263,7 @@ async def start_coordinator(config: CoordinatorConfig) -> Coordinator:
 
 async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
     """Build the servers on ``store``, then lead at once (SQLite) or set up the election."""
+    await check_layout(store)  # a newer release's store is refused before anything is served
     # Read before serving, and followed from then on like the revocations: a server
     # certificate of a retired CA is replaced before the first handshake.
     authorities = await Authorities.load(

@@ -23,6 +23,7 @@ from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
+from federation.coordinator.layout import upgrade_layout
 from federation.coordinator.learning import LearningSaver, SpeedLearner
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.priority import parse_priority_classes
@@ -124,6 +125,7 @@ async def start_services(
         revocations: The coordinator's revocations (it outlives the term), which a
             revocation made in this term joins at once.
     """
+    await upgrade_layout(store)  # before anything is read: this term's writes are fenced
     hub = EventHub()
     scheduler_ref: list[Scheduler] = []
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import structlog
 
+from federation import __version__
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.site_checks import check_envelope
@@ -26,6 +27,7 @@ from federation.errors import (
 )
 from federation.metrics import SITE_MESSAGES
 from federation.security.identity import Identity
+from federation.site_protocol import agreed_version
 
 log = structlog.get_logger()
 
@@ -91,6 +93,7 @@ class SiteLink:
         hello = envelope.messages[0].hello
         rest = list(envelope.messages[1:])
         _check_site(caller.name, hello.view.site, "hello.view.site")
+        version = agreed_version(hello.protocol_version)
         entry = self._sites.get(caller.name)
         if entry.record.certificate_fingerprint not in ("", certificate):
             raise PermissionDeniedError(
@@ -106,13 +109,21 @@ class SiteLink:
         previous = self._sites.attach(session, hello)
         if previous is not None:
             previous.close()
-        log.info("site_connected", site=caller.name, generation=hello.generation)
+        log.info(
+            "site_connected",
+            site=caller.name,
+            generation=hello.generation,
+            agent_version=hello.agent_version or "unknown",
+            protocol_version=version,
+        )
         session.send(
             pb.CoordinatorMessage(
                 welcome=pb.Welcome(
                     heartbeat_interval_s=self._heartbeat_interval_s,
                     probe_endpoint=self._probe_endpoint,
                     trust_bundle_pem=self._trust_bundle(),
+                    coordinator_version=__version__,
+                    protocol_version=version,
                 )
             )
         )

@@ -1,0 +1,51 @@
+"""The site-link protocol version, which agents and coordinators announce in Hello and Welcome.
+
+History:
+
+1. Before the version fields: such agents send 0 in ``Hello.protocol_version``, read as 1.
+2. ``Hello`` carries ``agent_version`` and ``protocol_version``; ``Welcome`` answers with
+   ``coordinator_version`` and the version the coordinator speaks to the agent.
+
+A coordinator speaks to agents of its own version and of the one before, never newer: upgrade
+the coordinators first, then the agents. An agent ignores a coordinator message whose body it
+does not know (it logs ``unknown_message_ignored``), so a message added in a later version must
+be one an older agent may ignore without harm, or be sent only to agents that speak it. Every
+message of version 2 is understood by version 1 agents, or needs no answer (the trust bundle
+after a CA rollover: such an agent keeps its CA bundle until it is given a new one).
+"""
+
+from __future__ import annotations
+
+from federation.errors import ProtocolVersionError
+
+PROTOCOL_VERSION = 2
+"""The site-link protocol this release speaks."""
+MIN_PROTOCOL_VERSION = 1
+"""The oldest an agent may speak and still be served."""
+
+
+def agreed_version(announced: int) -> int:
+    """The version a coordinator speaks to an agent that announced ``announced`` (0: an agent
+    from before the field, version 1).
+
+    Raises:
+        ProtocolVersionError: The agent is too old, or newer than this coordinator.
+    """
+    version = announced or 1
+    if version < MIN_PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"the agent speaks site-link protocol {version}, older than {MIN_PROTOCOL_VERSION}, "
+            f"the oldest this coordinator (protocol {PROTOCOL_VERSION}) speaks. To fix: "
+            "upgrade the agent",
+            agent=str(version),
+            coordinator=str(PROTOCOL_VERSION),
+        )
+    if version > PROTOCOL_VERSION:
+        raise ProtocolVersionError(
+            f"the agent speaks site-link protocol {version}, newer than {PROTOCOL_VERSION} "
+            "that this coordinator speaks. To fix: upgrade the coordinator (coordinators "
+            "first, then agents)",
+            agent=str(version),
+            coordinator=str(PROTOCOL_VERSION),
+        )
+    return version

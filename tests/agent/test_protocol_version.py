@@ -1,0 +1,31 @@
+"""The site-link protocol versions a coordinator serves, and the refusal an agent takes as final."""
+
+from __future__ import annotations
+
+import pytest
+
+from federation import site_protocol
+from federation.errors import ProtocolVersionError
+from federation.site_protocol import PROTOCOL_VERSION, agreed_version
+
+
+def test_an_agent_from_before_the_field_is_spoken_to_as_version_1() -> None:
+    assert agreed_version(0) == 1
+    assert agreed_version(PROTOCOL_VERSION) == PROTOCOL_VERSION
+    assert agreed_version(PROTOCOL_VERSION - 1) == PROTOCOL_VERSION - 1
+
+
+def test_an_agent_newer_than_the_coordinator_is_told_to_upgrade_the_coordinator() -> None:
+    with pytest.raises(ProtocolVersionError, match="upgrade the coordinator") as caught:
+        agreed_version(PROTOCOL_VERSION + 1)
+    assert caught.value.metadata == {"agent": "3", "coordinator": "2"}
+
+
+def test_an_agent_more_than_one_version_older_is_told_to_upgrade_the_agent(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Once version 3 drops version 1, a version-1 agent (sending 0) is refused."""
+    monkeypatch.setattr(site_protocol, "MIN_PROTOCOL_VERSION", 2)
+    with pytest.raises(ProtocolVersionError, match=r"older than 2.*upgrade the agent"):
+        agreed_version(0)
+    assert agreed_version(2) == 2
