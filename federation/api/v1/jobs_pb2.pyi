@@ -326,6 +326,7 @@ class TaskSpec(_message.Message):
     SPEED_FIELD_NUMBER: _builtins.int
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     RETRY_FIELD_NUMBER: _builtins.int
+    SPREAD_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -365,6 +366,10 @@ class TaskSpec(_message.Message):
     def retry(self) -> Global___RetryPolicy:
         """How often a task that fails is run again; unset: once."""
 
+    @_builtins.property
+    def spread(self) -> Global___Spread:
+        """How its replicas are divided over sites; unset: all at one site, started together."""
+
     def __init__(
         self,
         *,
@@ -383,14 +388,98 @@ class TaskSpec(_message.Message):
         speed: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
         checkpoint: Global___Checkpoint | None = ...,
         retry: Global___RetryPolicy | None = ...,
+        spread: Global___Spread | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "spread", b"spread"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "speed", b"speed", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class Spread(_message.Message):
+    """A task's replicas divided into parts, each placed on its own (Kubernetes' topology spread,
+    Karmada's replica division). A part's replicas stay together at one site: a gang is never
+    split. The job's status then holds one task per part ("train/0", "train/1", ...).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Topology:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _TopologyEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[Spread._Topology.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        TOPOLOGY_UNSPECIFIED: Spread._Topology.ValueType  # 0
+        """by site"""
+        TOPOLOGY_SITE: Spread._Topology.ValueType  # 1
+        TOPOLOGY_DOMAIN: Spread._Topology.ValueType  # 2
+        TOPOLOGY_REGION: Spread._Topology.ValueType  # 3
+
+    class Topology(_Topology, metaclass=_TopologyEnumTypeWrapper): ...
+    TOPOLOGY_UNSPECIFIED: Spread.Topology.ValueType  # 0
+    """by site"""
+    TOPOLOGY_SITE: Spread.Topology.ValueType  # 1
+    TOPOLOGY_DOMAIN: Spread.Topology.ValueType  # 2
+    TOPOLOGY_REGION: Spread.Topology.ValueType  # 3
+
+    @_typing.final
+    class SiteWeightsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    PART_REPLICAS_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_FIELD_NUMBER: _builtins.int
+    MAX_SKEW_FIELD_NUMBER: _builtins.int
+    SITE_WEIGHTS_FIELD_NUMBER: _builtins.int
+    part_replicas: _builtins.int
+    """Replicas per part: those that must run together (a gang). 0 means 1. Must divide replicas."""
+    topology: Global___Spread.Topology.ValueType
+    """What the skew counts parts by."""
+    max_skew: _builtins.int
+    """Parts in any one topology value may exceed those in the one with the fewest (of those the
+    task may run in) by at most this many. 0: no limit, each part goes where it finishes
+    soonest (division by available capacity).
+    """
+    @_builtins.property
+    def site_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Division by static weights: site -> weight; parts go to these sites only, in proportion.
+        Empty: no static division.
+        """
+
+    def __init__(
+        self,
+        *,
+        part_replicas: _builtins.int = ...,
+        topology: Global___Spread.Topology.ValueType = ...,
+        max_skew: _builtins.int = ...,
+        site_weights: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_skew", b"max_skew", "part_replicas", b"part_replicas", "site_weights", b"site_weights", "topology", b"topology"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Spread: _TypeAlias = Spread  # noqa: Y015
 
 @_typing.final
 class RetryPolicy(_message.Message):
@@ -661,6 +750,7 @@ class TaskStatus(_message.Message):
     MODELS_FIELD_NUMBER: _builtins.int
     FAILED_ATTEMPTS_FIELD_NUMBER: _builtins.int
     RETRY_AT_FIELD_NUMBER: _builtins.int
+    PART_OF_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -684,6 +774,10 @@ class TaskStatus(_message.Message):
     """How many times the task was preempted."""
     failed_attempts: _builtins.int
     """Attempts that failed so far (retry.max_attempts counts them)."""
+    part_of: _builtins.str
+    """For a part of a task divided by its spread: the task's name in the spec ("train" for
+    "train/1"); empty for a task that is not divided.
+    """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -748,10 +842,11 @@ class TaskStatus(_message.Message):
         models: _abc.Iterable[_builtins.str] | None = ...,
         failed_attempts: _builtins.int = ...,
         retry_at: _timestamp_pb2.Timestamp | None = ...,
+        part_of: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
