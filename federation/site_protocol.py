@@ -6,8 +6,10 @@ History:
 2. ``Hello`` carries ``agent_version`` and ``protocol_version``; ``Welcome`` answers with
    ``coordinator_version`` and the version the coordinator speaks to the agent.
 
-A coordinator speaks to agents of its own version and of the one before, never newer: upgrade
-the coordinators first, then the agents. An agent ignores a coordinator message whose body it
+Each release speaks its own version and the one before, so an agent and a coordinator one
+version apart always share one: the coordinator answers with the older of the two. Further
+apart, the agent is refused with the side to upgrade (coordinators first, then agents, keeps
+every pair within one). An agent ignores a coordinator message whose body it
 does not know (it logs ``unknown_message_ignored``), so a message added in a later version must
 be one an older agent may ignore without harm, or be sent only to agents that speak it. Every
 message of version 2 is understood by version 1 agents, or needs no answer (the trust bundle
@@ -26,10 +28,10 @@ MIN_PROTOCOL_VERSION = 1
 
 def agreed_version(announced: int) -> int:
     """The version a coordinator speaks to an agent that announced ``announced`` (0: an agent
-    from before the field, version 1).
+    from before the field, version 1): the older of the two.
 
     Raises:
-        ProtocolVersionError: The agent is too old, or newer than this coordinator.
+        ProtocolVersionError: The agent is too old, or more than one version newer.
     """
     version = announced or 1
     if version < MIN_PROTOCOL_VERSION:
@@ -40,12 +42,12 @@ def agreed_version(announced: int) -> int:
             agent=str(version),
             coordinator=str(PROTOCOL_VERSION),
         )
-    if version > PROTOCOL_VERSION:
+    if version > PROTOCOL_VERSION + 1:
         raise ProtocolVersionError(
-            f"the agent speaks site-link protocol {version}, newer than {PROTOCOL_VERSION} "
-            "that this coordinator speaks. To fix: upgrade the coordinator (coordinators "
-            "first, then agents)",
+            f"the agent speaks site-link protocol {version}, more than one newer than "
+            f"{PROTOCOL_VERSION} that this coordinator speaks. To fix: upgrade the coordinator "
+            "(coordinators first, then agents)",
             agent=str(version),
             coordinator=str(PROTOCOL_VERSION),
         )
-    return version
+    return min(version, PROTOCOL_VERSION)

@@ -15,10 +15,14 @@ def test_an_agent_from_before_the_field_is_spoken_to_as_version_1() -> None:
     assert agreed_version(PROTOCOL_VERSION - 1) == PROTOCOL_VERSION - 1
 
 
-def test_an_agent_newer_than_the_coordinator_is_told_to_upgrade_the_coordinator() -> None:
+def test_an_agent_one_newer_is_spoken_to_in_the_coordinators_version() -> None:
+    assert agreed_version(PROTOCOL_VERSION + 1) == PROTOCOL_VERSION
+
+
+def test_an_agent_two_newer_is_told_to_upgrade_the_coordinator() -> None:
     with pytest.raises(ProtocolVersionError, match="upgrade the coordinator") as caught:
-        agreed_version(PROTOCOL_VERSION + 1)
-    assert caught.value.metadata == {"agent": "3", "coordinator": "2"}
+        agreed_version(PROTOCOL_VERSION + 2)
+    assert caught.value.metadata == {"agent": "4", "coordinator": "2"}
 
 
 def test_an_agent_more_than_one_version_older_is_told_to_upgrade_the_agent(
