@@ -197,11 +197,14 @@ class ListJobsRequest(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     PAGE_SIZE_FIELD_NUMBER: _builtins.int
     PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    QUEUE_FIELD_NUMBER: _builtins.int
     tenant: _builtins.str
     site: _builtins.str
     page_size: _builtins.int
     """At most 1000; zero means 100."""
     page_token: _builtins.str
+    queue: _builtins.str
+    """Only jobs submitted to this queue; empty: any."""
     @_builtins.property
     def states(self) -> _containers.RepeatedScalarFieldContainer[_jobs_pb2.JobState.ValueType]:
         """Empty means all states."""
@@ -214,10 +217,11 @@ class ListJobsRequest(_message.Message):
         site: _builtins.str = ...,
         page_size: _builtins.int = ...,
         page_token: _builtins.str = ...,
+        queue: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "site", b"site", "states", b"states", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token", "queue", b"queue", "site", b"site", "states", b"states", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
