@@ -21,6 +21,28 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _TaskKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _TaskKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_TaskKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TASK_KIND_UNSPECIFIED: _TaskKind.ValueType  # 0
+    """batch"""
+    TASK_KIND_BATCH: _TaskKind.ValueType  # 1
+    TASK_KIND_SERVICE: _TaskKind.ValueType  # 2
+    """Its replicas are kept running (restarted by the policy) until the job is cancelled."""
+
+class TaskKind(_TaskKind, metaclass=_TaskKindEnumTypeWrapper):
+    """What a task is."""
+
+TASK_KIND_UNSPECIFIED: TaskKind.ValueType  # 0
+"""batch"""
+TASK_KIND_BATCH: TaskKind.ValueType  # 1
+TASK_KIND_SERVICE: TaskKind.ValueType  # 2
+"""Its replicas are kept running (restarted by the policy) until the job is cancelled."""
+Global___TaskKind: _TypeAlias = TaskKind  # noqa: Y015
+
 class _Reconcile:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -327,6 +349,8 @@ class TaskSpec(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     RETRY_FIELD_NUMBER: _builtins.int
     SPREAD_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    SERVICE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -336,6 +360,8 @@ class TaskSpec(_message.Message):
     """Bytes this task leaves for its dependants."""
     workload_class: _builtins.str
     """Workload class for the speed table ("training", "inference", ...); default "training"."""
+    kind: Global___TaskKind.ValueType
+    """Batch work that ends, or a service kept running until it is cancelled."""
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """argv of the process each replica runs."""
@@ -370,6 +396,10 @@ class TaskSpec(_message.Message):
     def spread(self) -> Global___Spread:
         """How its replicas are divided over sites; unset: all at one site, started together."""
 
+    @_builtins.property
+    def service(self) -> Global___ServicePolicy:
+        """How a service's replicas are kept running; only with kind SERVICE."""
+
     def __init__(
         self,
         *,
@@ -389,14 +419,209 @@ class TaskSpec(_message.Message):
         checkpoint: Global___Checkpoint | None = ...,
         retry: Global___RetryPolicy | None = ...,
         spread: Global___Spread | None = ...,
+        kind: Global___TaskKind.ValueType = ...,
+        service: Global___ServicePolicy | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "spread", b"spread"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class ServicePolicy(_message.Message):
+    """How a service's replicas are kept running, checked and found."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _Restart:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _RestartEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[ServicePolicy._Restart.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        RESTART_UNSPECIFIED: ServicePolicy._Restart.ValueType  # 0
+        """always"""
+        RESTART_ALWAYS: ServicePolicy._Restart.ValueType  # 1
+        """Whatever the exit code."""
+        RESTART_ON_FAILURE: ServicePolicy._Restart.ValueType  # 2
+        """Only after a non-zero exit; a replica that exits 0 stays down."""
+
+    class Restart(_Restart, metaclass=_RestartEnumTypeWrapper): ...
+    RESTART_UNSPECIFIED: ServicePolicy.Restart.ValueType  # 0
+    """always"""
+    RESTART_ALWAYS: ServicePolicy.Restart.ValueType  # 1
+    """Whatever the exit code."""
+    RESTART_ON_FAILURE: ServicePolicy.Restart.ValueType  # 2
+    """Only after a non-zero exit; a replica that exits 0 stays down."""
+
+    RESTART_FIELD_NUMBER: _builtins.int
+    BACKOFF_S_FIELD_NUMBER: _builtins.int
+    MAX_BACKOFF_S_FIELD_NUMBER: _builtins.int
+    MIN_RUN_S_FIELD_NUMBER: _builtins.int
+    CRASH_LOOP_AFTER_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    READINESS_FIELD_NUMBER: _builtins.int
+    MAX_UNAVAILABLE_FIELD_NUMBER: _builtins.int
+    NEAR_REGION_FIELD_NUMBER: _builtins.int
+    restart: Global___ServicePolicy.Restart.ValueType
+    backoff_s: _builtins.float
+    """Wait before a replica's first restart, doubled for each restart that follows a run
+    shorter than min_run_s, at most max_backoff_s. 0: 1 s.
+    """
+    max_backoff_s: _builtins.float
+    """0: 300 s."""
+    min_run_s: _builtins.float
+    """A run at least this long resets the backoff. 0: 10 s."""
+    crash_loop_after: _builtins.int
+    """After this many restarts in a row that followed short runs, the replica is crash-looping
+    (shown so; still restarted, at max_backoff_s). 0: 5.
+    """
+    port: _builtins.int
+    """The port each replica serves on, given to it as FEDERATION_PORT; 0: the agent gives each
+    replica a free port of its node. 1-65535.
+    """
+    max_unavailable: _builtins.int
+    """During a rolling update, at most this many replicas are not ready at once. 0: 1."""
+    near_region: _builtins.str
+    """Prefer sites with a short measured round trip to this region; empty: no preference."""
+    @_builtins.property
+    def readiness(self) -> Global___ReadinessCheck:
+        """When a replica counts as ready; unset: once it runs."""
+
+    def __init__(
+        self,
+        *,
+        restart: Global___ServicePolicy.Restart.ValueType = ...,
+        backoff_s: _builtins.float = ...,
+        max_backoff_s: _builtins.float = ...,
+        min_run_s: _builtins.float = ...,
+        crash_loop_after: _builtins.int = ...,
+        port: _builtins.int = ...,
+        readiness: Global___ReadinessCheck | None = ...,
+        max_unavailable: _builtins.int = ...,
+        near_region: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["readiness", b"readiness"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "crash_loop_after", b"crash_loop_after", "max_backoff_s", b"max_backoff_s", "max_unavailable", b"max_unavailable", "min_run_s", b"min_run_s", "near_region", b"near_region", "port", b"port", "readiness", b"readiness", "restart", b"restart"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ServicePolicy: _TypeAlias = ServicePolicy  # noqa: Y015
+
+@_typing.final
+class ReadinessCheck(_message.Message):
+    """A replica's readiness check, run by its site's agent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TCP_PORT_FIELD_NUMBER: _builtins.int
+    HTTP_PATH_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    PERIOD_S_FIELD_NUMBER: _builtins.int
+    TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    INITIAL_DELAY_S_FIELD_NUMBER: _builtins.int
+    tcp_port: _builtins.int
+    """A TCP connection to this port of the replica's node succeeds (1-65535)."""
+    http_path: _builtins.str
+    """An HTTP GET of this URL path on the replica's port answers 2xx."""
+    period_s: _builtins.float
+    """0: 1 s."""
+    timeout_s: _builtins.float
+    """0: 1 s."""
+    initial_delay_s: _builtins.float
+    """Checks start this long after the replica starts."""
+    @_builtins.property
+    def command(self) -> Global___CommandCheck:
+        """This command, run beside the replica with its environment, exits 0."""
+
+    def __init__(
+        self,
+        *,
+        tcp_port: _builtins.int = ...,
+        http_path: _builtins.str = ...,
+        command: Global___CommandCheck | None = ...,
+        period_s: _builtins.float = ...,
+        timeout_s: _builtins.float = ...,
+        initial_delay_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "command", b"command", "http_path", b"http_path", "tcp_port", b"tcp_port"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["check", b"check", "command", b"command", "http_path", b"http_path", "initial_delay_s", b"initial_delay_s", "period_s", b"period_s", "tcp_port", b"tcp_port", "timeout_s", b"timeout_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_check: _TypeAlias = _typing.Literal["tcp_port", "http_path", "command"]  # noqa: Y015
+    _WhichOneofArgType_check: _TypeAlias = _typing.Literal["check", b"check"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_check) -> _WhichOneofReturnType_check | None: ...
+
+Global___ReadinessCheck: _TypeAlias = ReadinessCheck  # noqa: Y015
+
+@_typing.final
+class CommandCheck(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ARGV_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def argv(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        argv: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["argv", b"argv"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CommandCheck: _TypeAlias = CommandCheck  # noqa: Y015
+
+@_typing.final
+class Endpoint(_message.Message):
+    """One replica of a service, as its site reports it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    PORT_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    READY_FIELD_NUMBER: _builtins.int
+    RESTARTS_FIELD_NUMBER: _builtins.int
+    CRASH_LOOPING_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    node: _builtins.str
+    address: _builtins.str
+    """Where clients reach the replica: its node's address."""
+    port: _builtins.int
+    replica: _builtins.int
+    ready: _builtins.bool
+    """Its readiness check passes (or it runs, without a check)."""
+    restarts: _builtins.int
+    """Restarts so far."""
+    crash_looping: _builtins.bool
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        node: _builtins.str = ...,
+        address: _builtins.str = ...,
+        port: _builtins.int = ...,
+        replica: _builtins.int = ...,
+        ready: _builtins.bool = ...,
+        restarts: _builtins.int = ...,
+        crash_looping: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "crash_looping", b"crash_looping", "node", b"node", "port", b"port", "ready", b"ready", "replica", b"replica", "restarts", b"restarts", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Endpoint: _TypeAlias = Endpoint  # noqa: Y015
 
 @_typing.final
 class Spread(_message.Message):
@@ -751,6 +976,7 @@ class TaskStatus(_message.Message):
     FAILED_ATTEMPTS_FIELD_NUMBER: _builtins.int
     RETRY_AT_FIELD_NUMBER: _builtins.int
     PART_OF_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -816,6 +1042,10 @@ class TaskStatus(_message.Message):
     def retry_at(self) -> _timestamp_pb2.Timestamp:
         """Set while a failed task waits out its retry backoff: it is not placed before."""
 
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
+        """A service's replicas, as its site last reported them."""
+
     def __init__(
         self,
         *,
@@ -843,10 +1073,11 @@ class TaskStatus(_message.Message):
         failed_attempts: _builtins.int = ...,
         retry_at: _timestamp_pb2.Timestamp | None = ...,
         part_of: _builtins.str = ...,
+        endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -26,7 +26,7 @@ from federation.api.v1 import jobs_pb2 as federation_dot_api_dot_v1_dot_jobs__pb
 from federation.api.v1 import resources_pb2 as federation_dot_api_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)federation/api/v1/site_link_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x1a!federation/api/v1/resources.proto\"-\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"w\n\x0cJoinResponse\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x03 \x01(\x0c\x12\x15\n\rca_bundle_pem\x18\x04 \x01(\x0c\"\x8b\x02\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x13\n\x0boutput_tail\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x03(\t\x12\x37\n\ncheckpoint\x18\t \x01(\x0b\x32#.federation.api.v1.CheckpointRecord\x12\r\n\x05nodes\x18\n \x03(\t\x12\x13\n\x0binterrupted\x18\x0b \x01(\x08\"\xa5\x01\n\x05Hello\x12)\n\x04view\x18\x01 \x01(\x0b\x32\x1b.federation.api.v1.SiteView\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12,\n\x05tasks\x18\x03 \x03(\x0b\x32\x1d.federation.api.v1.TaskReport\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\"\x8a\x01\n\nViewUpdate\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12+\n\x04\x66ull\x18\x02 \x01(\x0b\x32\x1b.federation.api.v1.SiteViewH\x00\x12\x31\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32 .federation.api.v1.SiteViewDeltaH\x00\x42\x08\n\x06\x63hange\"\x1f\n\tHeartbeat\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x97\x01\n\x0bOfferAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_start_s\x18\x03 \x01(\x01\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05run_s\x18\x06 \x01(\x01\x12\x14\n\x0c\x64\x65vice_model\x18\x07 \x01(\t\"/\n\x0c\x43ommitAnswer\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0e\x43onnectRequest\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.federation.api.v1.AgentMessage\"\x92\x03\n\x0c\x41gentMessage\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12)\n\x05hello\x18\x02 \x01(\x0b\x32\x18.federation.api.v1.HelloH\x00\x12-\n\x04view\x18\x03 \x01(\x0b\x32\x1d.federation.api.v1.ViewUpdateH\x00\x12\x31\n\theartbeat\x18\x04 \x01(\x0b\x32\x1c.federation.api.v1.HeartbeatH\x00\x12\x36\n\x0coffer_answer\x18\x05 \x01(\x0b\x32\x1e.federation.api.v1.OfferAnswerH\x00\x12\x38\n\rcommit_answer\x18\x06 \x01(\x0b\x32\x1f.federation.api.v1.CommitAnswerH\x00\x12\x34\n\x0btask_status\x18\x07 \x01(\x0b\x32\x1d.federation.api.v1.TaskReportH\x00\x12-\n\x07goodbye\x18\x08 \x01(\x0b\x32\x1a.federation.api.v1.GoodbyeH\x00\x42\x06\n\x04\x62ody\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf8\x02\n\x05Offer\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x04spec\x18\x04 \x01(\x0b\x32\x1b.federation.api.v1.TaskSpec\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x34\n\x07restore\x18\x07 \x01(\x0b\x32#.federation.api.v1.CheckpointRecord\x12=\n\x0bnode_labels\x18\x08 \x03(\x0b\x32(.federation.api.v1.Offer.NodeLabelsEntry\x12-\n\x08\x65stimate\x18\t \x01(\x0b\x32\x1b.federation.api.v1.Estimate\x12\x1f\n\x17stop_after_disconnect_s\x18\n \x01(\x01\x1a\x31\n\x0fNodeLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x06\x43ommit\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"!\n\x07Release\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"I\n\nCancelTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"<\n\rTaskStatusAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x90\x01\n\x07Welcome\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0eprobe_endpoint\x18\x02 \x01(\t\x12\x18\n\x10trust_bundle_pem\x18\x03 \x01(\x0c\x12\x1b\n\x13\x63oordinator_version\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\"\'\n\x0bTrustBundle\x12\x18\n\x10trust_bundle_pem\x18\x01 \x01(\x0c\"\x1f\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"g\n\nProbePeers\x12\x31\n\x05peers\x18\x01 \x03(\x0b\x32\".federation.api.v1.ProbePeers.Peer\x1a&\n\x04Peer\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\"J\n\x0f\x43onnectResponse\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.federation.api.v1.CoordinatorMessage\"\xa1\x04\n\x12\x43oordinatorMessage\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12-\n\x07welcome\x18\x02 \x01(\x0b\x32\x1a.federation.api.v1.WelcomeH\x00\x12)\n\x05offer\x18\x03 \x01(\x0b\x32\x18.federation.api.v1.OfferH\x00\x12+\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x19.federation.api.v1.CommitH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.federation.api.v1.ReleaseH\x00\x12/\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x1d.federation.api.v1.CancelTaskH\x00\x12/\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32 .federation.api.v1.TaskStatusAckH\x00\x12\x32\n\x06resync\x18\x08 \x01(\x0b\x32 .federation.api.v1.ResyncRequestH\x00\x12\x34\n\x0bprobe_peers\x18\t \x01(\x0b\x32\x1d.federation.api.v1.ProbePeersH\x00\x12\x31\n\theartbeat\x18\n \x01(\x0b\x32\x1c.federation.api.v1.HeartbeatH\x00\x12\x36\n\x0ctrust_bundle\x18\x0b \x01(\x0b\x32\x1e.federation.api.v1.TrustBundleH\x00\x42\x06\n\x04\x62ody2\xb0\x01\n\x0fSiteLinkService\x12G\n\x04Join\x12\x1e.federation.api.v1.JoinRequest\x1a\x1f.federation.api.v1.JoinResponse\x12T\n\x07\x43onnect\x12!.federation.api.v1.ConnectRequest\x1a\".federation.api.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n)federation/api/v1/site_link_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x1a!federation/api/v1/resources.proto\"-\n\x0bJoinRequest\x12\r\n\x05token\x18\x01 \x01(\t\x12\x0f\n\x07\x63sr_pem\x18\x02 \x01(\x0c\"w\n\x0cJoinResponse\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x03 \x01(\x0c\x12\x15\n\rca_bundle_pem\x18\x04 \x01(\x0c\"\xbb\x02\n\nTaskReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12*\n\x05state\x18\x04 \x01(\x0e\x32\x1b.federation.api.v1.JobState\x12\x11\n\texit_code\x18\x05 \x01(\x05\x12\x13\n\x0boutput_tail\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x08 \x03(\t\x12\x37\n\ncheckpoint\x18\t \x01(\x0b\x32#.federation.api.v1.CheckpointRecord\x12\r\n\x05nodes\x18\n \x03(\t\x12\x13\n\x0binterrupted\x18\x0b \x01(\x08\x12.\n\tendpoints\x18\x0c \x03(\x0b\x32\x1b.federation.api.v1.Endpoint\"\xa5\x01\n\x05Hello\x12)\n\x04view\x18\x01 \x01(\x0b\x32\x1b.federation.api.v1.SiteView\x12\x12\n\ngeneration\x18\x02 \x01(\x04\x12,\n\x05tasks\x18\x03 \x03(\x0b\x32\x1d.federation.api.v1.TaskReport\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\"\x8a\x01\n\nViewUpdate\x12\x12\n\ngeneration\x18\x01 \x01(\x04\x12+\n\x04\x66ull\x18\x02 \x01(\x0b\x32\x1b.federation.api.v1.SiteViewH\x00\x12\x31\n\x05\x64\x65lta\x18\x03 \x01(\x0b\x32 .federation.api.v1.SiteViewDeltaH\x00\x42\x08\n\x06\x63hange\"\x1f\n\tHeartbeat\x12\x12\n\ngeneration\x18\x01 \x01(\x04\"\x97\x01\n\x0bOfferAnswer\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x08\x12\x16\n\x0ereservation_id\x18\x02 \x01(\t\x12\x18\n\x10\x65xpected_start_s\x18\x03 \x01(\x01\x12\x0f\n\x07lease_s\x18\x04 \x01(\x01\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\r\n\x05run_s\x18\x06 \x01(\x01\x12\x14\n\x0c\x64\x65vice_model\x18\x07 \x01(\t\"/\n\x0c\x43ommitAnswer\x12\x0f\n\x07started\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\"C\n\x0e\x43onnectRequest\x12\x31\n\x08messages\x18\x01 \x03(\x0b\x32\x1f.federation.api.v1.AgentMessage\"\x92\x03\n\x0c\x41gentMessage\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12)\n\x05hello\x18\x02 \x01(\x0b\x32\x18.federation.api.v1.HelloH\x00\x12-\n\x04view\x18\x03 \x01(\x0b\x32\x1d.federation.api.v1.ViewUpdateH\x00\x12\x31\n\theartbeat\x18\x04 \x01(\x0b\x32\x1c.federation.api.v1.HeartbeatH\x00\x12\x36\n\x0coffer_answer\x18\x05 \x01(\x0b\x32\x1e.federation.api.v1.OfferAnswerH\x00\x12\x38\n\rcommit_answer\x18\x06 \x01(\x0b\x32\x1f.federation.api.v1.CommitAnswerH\x00\x12\x34\n\x0btask_status\x18\x07 \x01(\x0b\x32\x1d.federation.api.v1.TaskReportH\x00\x12-\n\x07goodbye\x18\x08 \x01(\x0b\x32\x1a.federation.api.v1.GoodbyeH\x00\x42\x06\n\x04\x62ody\"\x19\n\x07Goodbye\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xf8\x02\n\x05Offer\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12)\n\x04spec\x18\x04 \x01(\x0b\x32\x1b.federation.api.v1.TaskSpec\x12\x0e\n\x06tenant\x18\x05 \x01(\t\x12\x0f\n\x07lease_s\x18\x06 \x01(\x01\x12\x34\n\x07restore\x18\x07 \x01(\x0b\x32#.federation.api.v1.CheckpointRecord\x12=\n\x0bnode_labels\x18\x08 \x03(\x0b\x32(.federation.api.v1.Offer.NodeLabelsEntry\x12-\n\x08\x65stimate\x18\t \x01(\x0b\x32\x1b.federation.api.v1.Estimate\x12\x1f\n\x17stop_after_disconnect_s\x18\n \x01(\x01\x1a\x31\n\x0fNodeLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"M\n\x06\x43ommit\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0c\n\x04task\x18\x03 \x01(\t\x12\r\n\x05\x65poch\x18\x04 \x01(\x04\"!\n\x07Release\x12\x16\n\x0ereservation_id\x18\x01 \x01(\t\"I\n\nCancelTask\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x0e\n\x06reason\x18\x04 \x01(\t\"<\n\rTaskStatusAck\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"\x90\x01\n\x07Welcome\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\x12\x16\n\x0eprobe_endpoint\x18\x02 \x01(\t\x12\x18\n\x10trust_bundle_pem\x18\x03 \x01(\x0c\x12\x1b\n\x13\x63oordinator_version\x18\x04 \x01(\t\x12\x18\n\x10protocol_version\x18\x05 \x01(\r\"\'\n\x0bTrustBundle\x12\x18\n\x10trust_bundle_pem\x18\x01 \x01(\x0c\"\x1f\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"g\n\nProbePeers\x12\x31\n\x05peers\x18\x01 \x03(\x0b\x32\".federation.api.v1.ProbePeers.Peer\x1a&\n\x04Peer\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x10\n\x08\x65ndpoint\x18\x02 \x01(\t\"J\n\x0f\x43onnectResponse\x12\x37\n\x08messages\x18\x01 \x03(\x0b\x32%.federation.api.v1.CoordinatorMessage\"\xa1\x04\n\x12\x43oordinatorMessage\x12\x16\n\x0e\x63orrelation_id\x18\x01 \x01(\t\x12-\n\x07welcome\x18\x02 \x01(\x0b\x32\x1a.federation.api.v1.WelcomeH\x00\x12)\n\x05offer\x18\x03 \x01(\x0b\x32\x18.federation.api.v1.OfferH\x00\x12+\n\x06\x63ommit\x18\x04 \x01(\x0b\x32\x19.federation.api.v1.CommitH\x00\x12-\n\x07release\x18\x05 \x01(\x0b\x32\x1a.federation.api.v1.ReleaseH\x00\x12/\n\x06\x63\x61ncel\x18\x06 \x01(\x0b\x32\x1d.federation.api.v1.CancelTaskH\x00\x12/\n\x03\x61\x63k\x18\x07 \x01(\x0b\x32 .federation.api.v1.TaskStatusAckH\x00\x12\x32\n\x06resync\x18\x08 \x01(\x0b\x32 .federation.api.v1.ResyncRequestH\x00\x12\x34\n\x0bprobe_peers\x18\t \x01(\x0b\x32\x1d.federation.api.v1.ProbePeersH\x00\x12\x31\n\theartbeat\x18\n \x01(\x0b\x32\x1c.federation.api.v1.HeartbeatH\x00\x12\x36\n\x0ctrust_bundle\x18\x0b \x01(\x0b\x32\x1e.federation.api.v1.TrustBundleH\x00\x42\x06\n\x04\x62ody2\xb0\x01\n\x0fSiteLinkService\x12G\n\x04Join\x12\x1e.federation.api.v1.JoinRequest\x1a\x1f.federation.api.v1.JoinResponse\x12T\n\x07\x43onnect\x12!.federation.api.v1.ConnectRequest\x1a\".federation.api.v1.ConnectResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,49 +40,49 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOINRESPONSE']._serialized_start=176
   _globals['_JOINRESPONSE']._serialized_end=295
   _globals['_TASKREPORT']._serialized_start=298
-  _globals['_TASKREPORT']._serialized_end=565
-  _globals['_HELLO']._serialized_start=568
-  _globals['_HELLO']._serialized_end=733
-  _globals['_VIEWUPDATE']._serialized_start=736
-  _globals['_VIEWUPDATE']._serialized_end=874
-  _globals['_HEARTBEAT']._serialized_start=876
-  _globals['_HEARTBEAT']._serialized_end=907
-  _globals['_OFFERANSWER']._serialized_start=910
-  _globals['_OFFERANSWER']._serialized_end=1061
-  _globals['_COMMITANSWER']._serialized_start=1063
-  _globals['_COMMITANSWER']._serialized_end=1110
-  _globals['_CONNECTREQUEST']._serialized_start=1112
-  _globals['_CONNECTREQUEST']._serialized_end=1179
-  _globals['_AGENTMESSAGE']._serialized_start=1182
-  _globals['_AGENTMESSAGE']._serialized_end=1584
-  _globals['_GOODBYE']._serialized_start=1586
-  _globals['_GOODBYE']._serialized_end=1611
-  _globals['_OFFER']._serialized_start=1614
-  _globals['_OFFER']._serialized_end=1990
-  _globals['_OFFER_NODELABELSENTRY']._serialized_start=1941
-  _globals['_OFFER_NODELABELSENTRY']._serialized_end=1990
-  _globals['_COMMIT']._serialized_start=1992
-  _globals['_COMMIT']._serialized_end=2069
-  _globals['_RELEASE']._serialized_start=2071
-  _globals['_RELEASE']._serialized_end=2104
-  _globals['_CANCELTASK']._serialized_start=2106
-  _globals['_CANCELTASK']._serialized_end=2179
-  _globals['_TASKSTATUSACK']._serialized_start=2181
-  _globals['_TASKSTATUSACK']._serialized_end=2241
-  _globals['_WELCOME']._serialized_start=2244
-  _globals['_WELCOME']._serialized_end=2388
-  _globals['_TRUSTBUNDLE']._serialized_start=2390
-  _globals['_TRUSTBUNDLE']._serialized_end=2429
-  _globals['_RESYNCREQUEST']._serialized_start=2431
-  _globals['_RESYNCREQUEST']._serialized_end=2462
-  _globals['_PROBEPEERS']._serialized_start=2464
-  _globals['_PROBEPEERS']._serialized_end=2567
-  _globals['_PROBEPEERS_PEER']._serialized_start=2529
-  _globals['_PROBEPEERS_PEER']._serialized_end=2567
-  _globals['_CONNECTRESPONSE']._serialized_start=2569
-  _globals['_CONNECTRESPONSE']._serialized_end=2643
-  _globals['_COORDINATORMESSAGE']._serialized_start=2646
-  _globals['_COORDINATORMESSAGE']._serialized_end=3191
-  _globals['_SITELINKSERVICE']._serialized_start=3194
-  _globals['_SITELINKSERVICE']._serialized_end=3370
+  _globals['_TASKREPORT']._serialized_end=613
+  _globals['_HELLO']._serialized_start=616
+  _globals['_HELLO']._serialized_end=781
+  _globals['_VIEWUPDATE']._serialized_start=784
+  _globals['_VIEWUPDATE']._serialized_end=922
+  _globals['_HEARTBEAT']._serialized_start=924
+  _globals['_HEARTBEAT']._serialized_end=955
+  _globals['_OFFERANSWER']._serialized_start=958
+  _globals['_OFFERANSWER']._serialized_end=1109
+  _globals['_COMMITANSWER']._serialized_start=1111
+  _globals['_COMMITANSWER']._serialized_end=1158
+  _globals['_CONNECTREQUEST']._serialized_start=1160
+  _globals['_CONNECTREQUEST']._serialized_end=1227
+  _globals['_AGENTMESSAGE']._serialized_start=1230
+  _globals['_AGENTMESSAGE']._serialized_end=1632
+  _globals['_GOODBYE']._serialized_start=1634
+  _globals['_GOODBYE']._serialized_end=1659
+  _globals['_OFFER']._serialized_start=1662
+  _globals['_OFFER']._serialized_end=2038
+  _globals['_OFFER_NODELABELSENTRY']._serialized_start=1989
+  _globals['_OFFER_NODELABELSENTRY']._serialized_end=2038
+  _globals['_COMMIT']._serialized_start=2040
+  _globals['_COMMIT']._serialized_end=2117
+  _globals['_RELEASE']._serialized_start=2119
+  _globals['_RELEASE']._serialized_end=2152
+  _globals['_CANCELTASK']._serialized_start=2154
+  _globals['_CANCELTASK']._serialized_end=2227
+  _globals['_TASKSTATUSACK']._serialized_start=2229
+  _globals['_TASKSTATUSACK']._serialized_end=2289
+  _globals['_WELCOME']._serialized_start=2292
+  _globals['_WELCOME']._serialized_end=2436
+  _globals['_TRUSTBUNDLE']._serialized_start=2438
+  _globals['_TRUSTBUNDLE']._serialized_end=2477
+  _globals['_RESYNCREQUEST']._serialized_start=2479
+  _globals['_RESYNCREQUEST']._serialized_end=2510
+  _globals['_PROBEPEERS']._serialized_start=2512
+  _globals['_PROBEPEERS']._serialized_end=2615
+  _globals['_PROBEPEERS_PEER']._serialized_start=2577
+  _globals['_PROBEPEERS_PEER']._serialized_end=2615
+  _globals['_CONNECTRESPONSE']._serialized_start=2617
+  _globals['_CONNECTRESPONSE']._serialized_end=2691
+  _globals['_COORDINATORMESSAGE']._serialized_start=2694
+  _globals['_COORDINATORMESSAGE']._serialized_end=3239
+  _globals['_SITELINKSERVICE']._serialized_start=3242
+  _globals['_SITELINKSERVICE']._serialized_end=3418
 # @@protoc_insertion_point(module_scope)

@@ -88,6 +88,7 @@ class TaskReport(_message.Message):
     CHECKPOINT_FIELD_NUMBER: _builtins.int
     NODES_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
+    ENDPOINTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -110,6 +111,10 @@ class TaskReport(_message.Message):
     def nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """The node of each replica, in replica order (Slurm: the nodes of the allocation)."""
 
+    @_builtins.property
+    def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.Endpoint]:
+        """A service's replicas: their addresses, readiness and restarts (sent when they change)."""
+
     def __init__(
         self,
         *,
@@ -124,10 +129,11 @@ class TaskReport(_message.Message):
         checkpoint: _jobs_pb2.CheckpointRecord | None = ...,
         nodes: _abc.Iterable[_builtins.str] | None = ...,
         interrupted: _builtins.bool = ...,
+        endpoints: _abc.Iterable[_jobs_pb2.Endpoint] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "epoch", b"epoch", "exit_code", b"exit_code", "interrupted", b"interrupted", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "endpoints", b"endpoints", "epoch", b"epoch", "exit_code", b"exit_code", "interrupted", b"interrupted", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
