@@ -67,7 +67,7 @@ from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
-from federation.resources import add, owner_share_refusal
+from federation.resources import KINDS, add, owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
@@ -121,6 +121,9 @@ class SchedulerConfig:
     best site free now (``waits``); 0: tasks never wait while some site can take them."""
 
 
+DEVICE_KINDS = frozenset(KINDS.values())
+
+
 @dataclass(slots=True)
 class _Cycle:
     """What one scheduling cycle builds as it goes."""
@@ -134,6 +137,9 @@ class _Cycle:
     guests: dict[str, dict[str, float]] | None = None
     """Per site that keeps an owner share, what other tenants' tasks hold there (with what
     this cycle sent there), gathered once a task of another tenant may go there."""
+    devices_left: dict[str, dict[str, float]] | None = None
+    """Per site, its free whole devices by kind less those this cycle's offers were sent for,
+    gathered once a task that needs whole devices is offered (``_with_devices_left``)."""
 
 
 @dataclass(slots=True)
@@ -421,6 +427,12 @@ class Scheduler:
             if busy and (wait := self._sooner_by_waiting(request, placement, ranked, cycle)):
                 self._wait_for(key, wait)
                 return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
+            ranked = _with_devices_left(ranked, need, cycle)
+            if not ranked:
+                # Earlier tasks in line were offered the devices free now: offered too, it
+                # would be declined and held meanwhile, counting against its queue's share.
+                self._backoff(key)  # their negotiations' end, or a task's, wakes it
+                return None
         except Exception:
             # One task's bad spec or a plugin's bug must not hold up the others.
             log.exception("placement_failed", job=job.id, task=task)
@@ -1234,6 +1246,25 @@ class Scheduler:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+
+
+def _with_devices_left(ranked: tuple[str, ...], need: Demand, cycle: _Cycle) -> tuple[str, ...]:
+    """The sites of ``ranked`` whose free whole devices, less those this cycle already offered,
+    still hold ``need``'s; the first of them is counted as taking them (the site the task
+    most likely gets). Tasks of shares or of no device are not counted (a share may fit on a
+    device in use, which the free count does not show)."""
+    wanted = {kind: n for kind, n in need.items() if kind in DEVICE_KINDS and n >= 1}
+    if not wanted or any(n != int(n) for n in wanted.values()):
+        return ranked
+    if cycle.devices_left is None:
+        assert cycle.snapshot is not None
+        cycle.devices_left = free_room(cycle.snapshot, cycle.snapshot.site_ids)
+    left = cycle.devices_left
+    kept = tuple(s for s in ranked if all(left[s].get(k, 0.0) >= n for k, n in wanted.items()))
+    if kept:
+        for kind, n in wanted.items():
+            left[kept[0]][kind] -= n
+    return kept
 
 
 def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
