@@ -789,9 +789,11 @@ class EmbeddedCore:
         if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
             return
         parts = checkpoint.relative_to(self._work_dir).parts
-        if len(parts) < 4 or ".." in parts or parts[:2] != key[:2]:
+        # A part of a divided task ("train/1") has a folder per level of its name.
+        task = (key[0], *Path(key[1]).parts)
+        if len(parts) < len(task) + 2 or ".." in parts or parts[: len(task)] != task:
             return  # only an earlier epoch of this same task is opened again
-        epoch_dir = self._work_dir.joinpath(*parts[:3])  # <job>/<task>/<epoch>
+        epoch_dir = self._work_dir.joinpath(*parts[: len(task) + 1])  # <job>/<task>/<epoch>
         if epoch_dir.is_dir() and not epoch_dir.is_symlink():
             epoch_dir.chmod(0o711)
 
