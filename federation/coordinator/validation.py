@@ -148,8 +148,9 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
 def _spread_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
     spread = task.spread
     replicas = max(1, task.replicas)
-    yield from _number(path, "part_replicas", spread.part_replicas, 0, MAX_REPLICAS)
-    if replicas % max(1, spread.part_replicas):
+    if spread.part_replicas > MAX_REPLICAS:
+        yield from _number(path, "part_replicas", spread.part_replicas, 0, MAX_REPLICAS)
+    elif replicas % max(1, spread.part_replicas):
         yield FieldViolation(
             f"{path}.part_replicas",
             f"must divide replicas ({spread.part_replicas} does not divide {replicas})",
