@@ -34,7 +34,8 @@ from federation.agent.config import SlurmSettings
 from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[0-9]+)?$")
+"""A task, or a part of a divided one ("train/1")."""
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 """A tenant's chosen ids are ``TENANT:ID``."""
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

@@ -62,7 +62,8 @@ def _full_name(value: Any, prefix: str) -> Any:
 
 
 def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
-    """Rewrite short enum names where the spec has enums: kinds, domains, reconcile rules.
+    """Rewrite short enum names where the spec has enums: kinds, domains, reconcile rules,
+    spread topologies.
 
     Only those two places: a user's own maps (labels, env) may well have a key named "kind".
     """
@@ -84,7 +85,13 @@ def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _expand_task(task: Any) -> Any:
-    if not isinstance(task, Mapping) or not isinstance(task.get("resources"), Mapping):
+    if not isinstance(task, Mapping):
+        return task
+    spread = task.get("spread")
+    if isinstance(spread, Mapping) and "topology" in spread:
+        topology = _full_name(spread["topology"], "TOPOLOGY_")
+        task = {**task, "spread": {**spread, "topology": topology}}
+    if not isinstance(task.get("resources"), Mapping):
         return task
     resources = task["resources"]
     accelerator = resources.get("accelerator")

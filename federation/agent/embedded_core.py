@@ -130,6 +130,14 @@ def _bad_path_component(value: str) -> bool:
     return not value or "/" in value or "\0" in value or value in (".", "..")
 
 
+def _bad_task_name(value: str) -> bool:
+    """A task's name is one folder, or two for a part of a divided task ("train/1")."""
+    head, part, number = value.rpartition("/")
+    if part:
+        return _bad_path_component(head) or not (number.isascii() and number.isdigit())
+    return _bad_path_component(value)
+
+
 INHERITED_ENV = frozenset(
     {
         "PATH",
@@ -564,7 +572,7 @@ class EmbeddedCore:
 
     def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
         """Why an offer is declined before placement is even tried, or ""."""
-        if _bad_path_component(offer.job_id) or _bad_path_component(offer.task):
+        if _bad_path_component(offer.job_id) or _bad_task_name(offer.task):
             return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
         if not offer.spec.command:
             return "task has no command"
@@ -789,9 +797,11 @@ class EmbeddedCore:
         if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
             return
         parts = checkpoint.relative_to(self._work_dir).parts
-        if len(parts) < 4 or ".." in parts or parts[:2] != key[:2]:
+        # A part of a divided task ("train/1") has a folder per level of its name.
+        task = (key[0], *Path(key[1]).parts)
+        if len(parts) < len(task) + 2 or ".." in parts or parts[: len(task)] != task:
             return  # only an earlier epoch of this same task is opened again
-        epoch_dir = self._work_dir.joinpath(*parts[:3])  # <job>/<task>/<epoch>
+        epoch_dir = self._work_dir.joinpath(*parts[: len(task) + 1])  # <job>/<task>/<epoch>
         if epoch_dir.is_dir() and not epoch_dir.is_symlink():
             epoch_dir.chmod(0o711)
 

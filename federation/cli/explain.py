@@ -9,6 +9,7 @@ cut or wrapped, one row per line for grep). ``-o json|yaml`` (or ``--json``) pri
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
@@ -17,7 +18,8 @@ from rich.text import Text
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
 from federation.cli.output import output_of, show
-from federation.cli.render import format_duration, text
+from federation.cli.render import division_line, format_duration, text
+from federation.coordinator import spread
 from federation.jobspec import state_name
 
 
@@ -136,6 +138,15 @@ def explain_task(task: jobs_pb2.TaskExplanation) -> list[RenderableType]:
     return parts
 
 
+def division(tasks: Sequence[jobs_pb2.TaskExplanation]) -> list[Text]:
+    """A line per divided task: how many of its parts lie at each site."""
+    parts: dict[str, list[tuple[str, int]]] = {}
+    for task in tasks:
+        if divided := spread.part_of(task.task):
+            parts.setdefault(divided, []).append((task.site, 1))
+    return [text(division_line(name, each, unit="parts")) for name, each in parts.items()]
+
+
 def explanation_table(task: jobs_pb2.TaskExplanation) -> Group:
     """One task's explanation as one renderable."""
     return Group(*explain_task(task))
@@ -149,5 +160,5 @@ async def cmd_explain(args: argparse.Namespace, conn: Connection) -> int:
     if out.is_data:
         out.messages(reply)
     else:
-        show(*(part for task in reply.tasks for part in explain_task(task)))
+        show(*division(reply.tasks), *(part for task in reply.tasks for part in explain_task(task)))
     return 0

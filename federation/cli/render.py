@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
-from federation.coordinator import retries
+from federation.coordinator import retries, spread
 from federation.jobspec import domain_name, kind_name, state_name
 
 
@@ -383,12 +383,30 @@ def event_line(event: jobs_pb2.JobEvent) -> str:
     )
 
 
+def division_line(name: str, parts: Sequence[tuple[str, int]], unit: str = "replicas") -> str:
+    """How a divided task's parts (site, replicas each) lie over sites:
+    ``train: 6 replicas in 3 parts: dc-a 2, dc-b 2, cloud-a 2``; sites in order of the parts'
+    numbers, then "not placed"."""
+    by_site: dict[str, int] = {}
+    for site, replicas in parts:
+        by_site[site] = by_site.get(site, 0) + replicas
+    left = by_site.pop("", 0)
+    lying = [f"{site} {count}" for site, count in by_site.items()]
+    if left:
+        lying.append(f"not placed {left}")
+    total = sum(replicas for _, replicas in parts)
+    held = f"{total} {unit} in {len(parts)} parts" if unit != "parts" else f"{total} parts"
+    return f"{name}: {held}: {', '.join(lying)}"
+
+
 def job_details(
     reply: job_service_pb2.GetJobResponse, *, wide: bool = False
 ) -> Iterator[RenderableType]:
     """``fedctl jobs get``: the job's table, each task's details, then the job's events."""
     job = reply.job
     yield jobs_table([job], title=f"Job {job.id}", wide=wide)
+    for name, parts in spread.division(job).items():
+        yield text(division_line(name, parts))
     for task in job.tasks:
         yield Text.assemble(
             text(task.name, "bold"),

@@ -13,7 +13,7 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state, retries
+from federation.coordinator import job_state, retries, spread
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     MADE_ID,
@@ -226,7 +226,7 @@ class JobManager:
         tenant = tenant_of(caller, spec)
         job_id = job_id_for(tenant, spec.id) if spec.id else new_job_id()
         job = jobs_pb2.Job(id=job_id, submitted_by=submitted_by)
-        job.spec.CopyFrom(spec)
+        job.spec.CopyFrom(spread.divide(spec))
         job.spec.id = job.id
         job.spec.tenant = tenant
         job.spec.priority = self._sharing.priority_of(spec)
@@ -234,8 +234,13 @@ class JobManager:
         job.reason = "submitted"
         job.created_at.CopyFrom(now_timestamp())
         job.updated_at.CopyFrom(job.created_at)
-        for task in spec.tasks:
-            job.tasks.add(name=task.name, state=job_state.PENDING, reason="submitted")
+        for task in job.spec.tasks:
+            job.tasks.add(
+                name=task.name,
+                state=job_state.PENDING,
+                reason="submitted",
+                part_of=spread.part_of(task.name),
+            )
         return job
 
     async def get(self, caller: Identity, job_id: str) -> jobs_pb2.Job:

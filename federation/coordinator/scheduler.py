@@ -27,7 +27,7 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator import job_state, retries
+from federation.coordinator import job_state, retries, spread
 from federation.coordinator.forecast import SiteHistory
 from federation.coordinator.jobs import (
     Change,
@@ -62,6 +62,7 @@ from federation.coordinator.waits import (
     wait_at,
 )
 from federation.errors import FederationError
+from federation.jobspec import domain_name
 from federation.metrics import OFFERS, PREEMPTIONS
 from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
@@ -75,6 +76,7 @@ log = structlog.get_logger()
 NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
 OWNER_SHARE = "OwnerShare"
+SPREAD = "Spread"
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
@@ -227,6 +229,9 @@ class Scheduler:
         go): a negotiation compares it."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
+        self._offered_parts: dict[str, dict[str, str]] = {}
+        """Per job, its parts of divided tasks under negotiation, with the site each is offered
+        to: a later part's skew counts them (``spread.placed_parts``)."""
 
     def wake(self) -> None:
         self._wake.set()
@@ -407,6 +412,7 @@ class Scheduler:
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
             verdicts, ranked, estimates, busy = placement
+            feasible = ranked
             if not ranked:
                 self._backoff(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
@@ -424,6 +430,13 @@ class Scheduler:
                 return [*verdicts, *refused]
             ranked = tuple(kept)
             verdicts = (*verdicts, *refused)
+            if spread.PART in task:
+                kept, apart = self._within_spread(job, task, feasible, ranked, cycle.snapshot)
+                verdicts = (*verdicts, *_verdicts(SPREAD, apart))
+                if not kept:
+                    self._backoff(key)  # a sibling's placement or end wakes it
+                    return list(verdicts)
+                ranked = tuple(kept)
             if busy and (wait := self._sooner_by_waiting(request, placement, ranked, cycle)):
                 self._wait_for(key, wait)
                 return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
@@ -460,6 +473,8 @@ class Scheduler:
                     "federation.refused_sites": len(verdicts),
                 },
             )
+        if spread.PART in task:
+            self._offered_parts.setdefault(job.id, {})[task] = ranked[0]
         return _Negotiation(
             job.id,
             task,
@@ -469,6 +484,43 @@ class Scheduler:
             holds=admitted.holds,
             models=admitted.models,
         )
+
+    def _within_spread(
+        self,
+        job: jobs_pb2.Job,
+        task: str,
+        feasible: Sequence[str],
+        ranked: Sequence[str],
+        snapshot: Snapshot,
+    ) -> tuple[list[str], list[tuple[str, str]]]:
+        """Of ``ranked``, the sites where part ``task`` of a divided task may go by its spread
+        (``spread``): the one its static weights give it, or those within its skew; and
+        (site, why) for the others. ``feasible`` are the sites placement found for it."""
+        rule = find_spec(job, task).spread
+        what = spread.part_of(task)
+        if rule.site_weights:
+            parts = sum(1 for t in job.tasks if t.part_of == what)
+            division = spread.static_division(parts, rule.site_weights)
+            number = spread.part_number(task)
+            site = division[number] if number < len(division) else ""
+            why = f"part {number} of {what} goes to {site} by its site weights"
+            if site not in ranked:
+                return [], [(site, f"{why}, which cannot take it now")]
+            return [site], [(s, why) for s in ranked if s != site]
+        if not rule.max_skew:
+            return list(ranked), []  # division by available capacity: soonest finish wins
+        topology = spread.TOPOLOGY.get(rule.topology, "site")
+
+        def value_of(site: str) -> str:
+            index = snapshot.site_index(site)
+            if topology == "site" or index is None:
+                return site
+            if topology == "domain":
+                return domain_name(int(snapshot.domain[index]))
+            return str(snapshot.region[index])
+
+        counts = spread.placed_parts(job, task, value_of, self._offered_parts.get(job.id, {}))
+        return spread.within_skew(ranked, feasible, value_of, counts, rule.max_skew, what, topology)
 
     def _where(
         self,
@@ -851,6 +903,10 @@ class Scheduler:
         picked up again. Each is let go once: by then another may hold its task."""
         keys = [n.key for n in negotiations if not n.over]
         for n in negotiations:
+            if not n.over and (offered := self._offered_parts.get(n.job_id)) is not None:
+                offered.pop(n.task, None)
+                if not offered:
+                    del self._offered_parts[n.job_id]
             if n.settled and not n.over:
                 self._forget(n.key)
             n.over = True
@@ -1192,7 +1248,7 @@ class Scheduler:
             why := self._sharing.admission(job, task_demand(job, task.name), {})
         ):
             out.append(jobs_pb2.SiteVerdict(stage=QUOTA, reason=why))
-        found = (v for v in task.verdicts if v.stage in (QUOTA, OWNER_SHARE, PREEMPT))
+        found = (v for v in task.verdicts if v.stage in (QUOTA, OWNER_SHARE, PREEMPT, SPREAD))
         out += [v for v in found if v.site or v.stage != QUOTA]  # the queue's own: now
         return out
 

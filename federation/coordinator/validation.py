@@ -27,6 +27,8 @@ MAX_CHECKPOINT_DIR = 255
 MAX_INTERVAL_S = 1e7
 MAX_ATTEMPTS = 100
 MAX_BACKOFF_S = 86400.0
+MAX_PARTS = 256
+"""Tasks a job may have once its spread tasks are divided into parts."""
 MAX_SPEC_BYTES = 256 * 1024
 """Default for the coordinator's ``max_spec_bytes``."""
 MAX_ENTRIES = 64
@@ -139,6 +141,51 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
         yield from _checkpoint_violations(task.checkpoint, f"{path}.checkpoint")
     if task.HasField("retry"):
         yield from _retry_violations(task.retry, f"{path}.retry")
+    if task.HasField("spread"):
+        yield from _spread_violations(task, f"{path}.spread")
+
+
+def _spread_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
+    spread = task.spread
+    replicas = max(1, task.replicas)
+    if spread.part_replicas > MAX_REPLICAS:
+        yield from _number(path, "part_replicas", spread.part_replicas, 0, MAX_REPLICAS)
+    elif replicas % max(1, spread.part_replicas):
+        yield FieldViolation(
+            f"{path}.part_replicas",
+            f"must divide replicas ({spread.part_replicas} does not divide {replicas})",
+        )
+    if spread.topology not in jobs_pb2.Spread.Topology.values():
+        yield FieldViolation(
+            f"{path}.topology",
+            f"unknown topology {spread.topology}; expected site, domain or region",
+        )
+    yield from _number(path, "max_skew", spread.max_skew, 0, MAX_REPLICAS)
+    if not spread.site_weights:
+        return
+    yield from _sizes(path, ("site_weights", spread.site_weights))
+    # Sites may join later: a weight may name a site not known yet, whose parts wait for it.
+    for site, weight in sorted(spread.site_weights.items()):
+        if problem := name_problem(site):
+            yield FieldViolation(f"{path}.site_weights[{_quoted(site)}]", problem)
+        elif weight < 1:
+            yield FieldViolation(f"{path}.site_weights[{site}]", f"must be positive, got {weight}")
+    if spread.max_skew:
+        yield FieldViolation(
+            f"{path}.max_skew",
+            "give max_skew or site_weights, not both: static weights fix each part's site",
+        )
+    if spread.topology in (jobs_pb2.Spread.TOPOLOGY_DOMAIN, jobs_pb2.Spread.TOPOLOGY_REGION):
+        yield FieldViolation(
+            f"{path}.topology", "site_weights divide parts by site: leave topology unset or site"
+        )
+
+
+def part_count(task: jobs_pb2.TaskSpec) -> int:
+    """Tasks ``task`` becomes once divided by its spread: 1 without one."""
+    if not task.HasField("spread"):
+        return 1
+    return max(1, task.replicas) // max(1, task.spread.part_replicas)
 
 
 def _retry_violations(retry: jobs_pb2.RetryPolicy, path: str) -> Iterator[FieldViolation]:
@@ -290,11 +337,22 @@ def spec_violations(
     elif len(spec.tasks) > MAX_TASKS:
         out.append(FieldViolation(f"{path}.tasks", f"at most {MAX_TASKS} tasks per job"))
     seen: set[str] = set()
+    parts = 0
     for i, task in enumerate(spec.tasks[:MAX_TASKS]):
         out.extend(_task_violations(task, f"{path}.tasks[{i}]"))
         if task.name in seen:
             out.append(FieldViolation(f"{path}.tasks[{i}].name", f"duplicate task {task.name!r}"))
         seen.add(task.name)
+        count = part_count(task)
+        parts += count
+        if count > 1 and parts > MAX_PARTS:
+            out.append(
+                FieldViolation(
+                    f"{path}.tasks[{i}].spread.part_replicas",
+                    f"divides {max(1, task.replicas)} replicas into {count} parts: the job "
+                    f"would have {parts} tasks and parts; at most {MAX_PARTS}",
+                )
+            )
     out.extend(_dependency_violations(spec, path))
     for name, value in (
         ("deadline_s", spec.objective.deadline_s),

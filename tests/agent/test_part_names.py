@@ -1,0 +1,28 @@
+"""Parts of divided tasks ("train/1") are tasks the site cores take; other slashes are not."""
+
+from __future__ import annotations
+
+import pytest
+
+from datacenter_agent.slurm_offer import _NAME_RE
+from federation.agent.embedded_core import _bad_task_name
+
+
+@pytest.mark.parametrize(
+    ("name", "bad"),
+    [
+        ("train", False),
+        ("train/1", False),
+        ("train/12", False),
+        ("train/", True),
+        ("/1", True),
+        ("../1", True),
+        ("train/x", True),
+        ("a/b/1", True),
+        ("train/\u0661", True),  # a digit, but not an ASCII one
+        ("..", True),
+    ],
+)
+def test_task_names_at_the_sites(name: str, bad: bool) -> None:
+    assert _bad_task_name(name) is bad
+    assert (_NAME_RE.match(name) is None) is bad
