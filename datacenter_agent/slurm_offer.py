@@ -64,6 +64,11 @@ def offer_problem(
         return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
     if not spec.command:
         return "task has no command"
+    if spec.kind == jobs_pb2.TASK_KIND_SERVICE:
+        return (
+            "services are not run under Slurm, which takes work that ends: this site keeps "
+            "no replica running"
+        )
     if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
         return f"invalid cpu request {spec.resources.cpu}"
     if bad := sorted(k for k in spec.env if not _ENV_KEY_RE.match(k)):

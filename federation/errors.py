@@ -93,6 +93,13 @@ class PermissionDeniedError(FederationError):
     reason = "PERMISSION_DENIED"
 
 
+class UnimplementedError(FederationError):
+    """A request this coordinator cannot carry out yet."""
+
+    status = grpc.StatusCode.UNIMPLEMENTED
+    reason = "UNIMPLEMENTED"
+
+
 class FailedPreconditionError(FederationError):
     status = grpc.StatusCode.FAILED_PRECONDITION
     reason = "FAILED_PRECONDITION"

@@ -219,6 +219,8 @@ class LocalFederation:
             "stop_tasks_on_exit": True,
             # On loopback, one user: tasks run as the agent (with the site key in reach)
             "run_tasks_as_agent": True,
+            # Its services are reached on loopback too
+            "service_address": "127.0.0.1",
             "price_per_device_hour": site.price_per_device_hour,
             **site.settings,
         }

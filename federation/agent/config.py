@@ -126,6 +126,9 @@ class AgentConfig:
     """How often the host is discovered again (devices gone, new or unhealthy, and what they
     use now); SIGUSR1 asks at once. Readings are sent only when they moved by 5 points."""
     host_node_name: str = ""
+    service_address: str = ""
+    """Where clients reach the services this site runs (every replica of the embedded core
+    runs on this machine): published in their endpoints. Empty: the machine's name."""
     price_per_device_hour: float = field(default=0.0, metadata=at_least(0))
     labels: dict[str, str] = field(default_factory=dict)
     server_name: str = ""

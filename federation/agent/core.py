@@ -30,9 +30,11 @@ def task_report(
     nodes: list[str] | None = None,
     checkpoint: jobs_pb2.CheckpointRecord | None = None,
     interrupted: bool = False,
+    endpoints: list[jobs_pb2.Endpoint] | None = None,
 ) -> site_link_service_pb2.TaskReport:
     """A task's state as every core reports it to the coordinator; ``interrupted``: the site
-    stopped it for a reason of its own (see ``LocalCore.stop_cut_off``)."""
+    stopped it for a reason of its own (see ``LocalCore.stop_cut_off``); ``endpoints``: a
+    service's replicas."""
     job_id, task, epoch = key
     return site_link_service_pb2.TaskReport(
         job_id=job_id,
@@ -46,6 +48,7 @@ def task_report(
         nodes=nodes or [],
         checkpoint=checkpoint,
         interrupted=interrupted,
+        endpoints=endpoints or [],
     )
 
 

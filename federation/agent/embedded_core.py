@@ -14,6 +14,7 @@ import asyncio
 import dataclasses
 import math
 import os
+import socket
 import time
 import uuid
 from collections.abc import Iterable
@@ -23,7 +24,13 @@ from typing import TypeAlias
 
 import structlog
 
-from federation.agent.accounts import NoAccountError, TaskAccounts, agent_folder, private_folder
+from federation.agent.accounts import (
+    Account,
+    NoAccountError,
+    TaskAccounts,
+    agent_folder,
+    private_folder,
+)
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
@@ -32,6 +39,13 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.service import (
+    ReplicaService,
+    RestartPolicy,
+    free_port,
+    is_ready,
+    is_service,
+)
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
@@ -104,6 +118,11 @@ class _Task:
     restore: jobs_pb2.CheckpointRecord | None = None
     final: site_link_service_pb2.TaskReport | None = None
     """Its final report, once it has ended (the very one recorded and sent)."""
+    service: list[ReplicaService] | None = None
+    """Per replica, for a service task: its port, restarts and readiness; None for batch."""
+    site: str = ""
+    address: str = ""
+    """Where clients reach its replicas (a service's endpoints)."""
 
     @property
     def active(self) -> bool:
@@ -123,7 +142,27 @@ class _Task:
             checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
             # Only once stopped: a task that ended by itself first did not lose its run.
             interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
+            endpoints=self.endpoints(),
         )
+
+    def endpoints(self) -> list[jobs_pb2.Endpoint]:
+        """A running service's replicas; none for batch work or once it has ended."""
+        if self.service is None or not self.active:
+            return []
+        policy = RestartPolicy.of(self.spec.service)
+        return [
+            jobs_pb2.Endpoint(
+                site=self.site,
+                node=slot.node,
+                address=self.address,
+                port=replica.port,
+                replica=i,
+                ready=replica.ready,
+                restarts=replica.restarts,
+                crash_looping=policy.crash_looping(replica.short_runs),
+            )
+            for i, (slot, replica) in enumerate(zip(self.slots, self.service, strict=True))
+        ]
 
 
 def _bad_path_component(value: str) -> bool:
@@ -173,6 +212,8 @@ class EmbeddedCore:
         compat: How software requirements are read (the shipped table by default).
         state_dir: Where tasks are recorded for a restarted agent to adopt (``adopt``); None:
             tasks are not recorded and die with this process.
+        service_address: Where clients reach the services this core runs (every replica runs
+            on this machine); empty: the machine's name.
     """
 
     name = "embedded"
@@ -190,7 +231,9 @@ class EmbeddedCore:
         compat: CompatTable | None = None,
         owner_share: resources_pb2.OwnerShare | None = None,
         state_dir: Path | None = None,
+        service_address: str = "",
     ) -> None:
+        self._address = service_address or socket.getfqdn()
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
             if node.name in self._nodes:
@@ -365,6 +408,10 @@ class EmbeddedCore:
         )
         task.tenant, task.restore = reservation.tenant, reservation.restore
         task.stop_after_s = reservation.stop_after_s
+        task.site, task.address = self._site, self._address
+        if is_service(reservation.spec):
+            port = reservation.spec.service.port
+            task.service = [ReplicaService(port or free_port()) for _ in reservation.slots]
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
                 reservation.spec.checkpoint,
@@ -517,6 +564,10 @@ class EmbeddedCore:
             record.restore,
             record.started_at,
         )
+        task.site, task.address = self._site, self._address
+        if is_service(record.spec):
+            ports = record.service or tuple((free_port(), 0) for _ in record.slots)
+            task.service = [ReplicaService(port, restarts) for port, restarts in ports]
         self._tasks[record.key] = task
         return task
 
@@ -564,6 +615,7 @@ class EmbeddedCore:
             task.restore,
             tuple(ReplicaRecord(p.pid, p.start_ticks) for p in task.replicas),
             task.final,
+            tuple((r.port, r.restarts) for r in task.service or ()),
         )
         try:
             self._records.save(record)
@@ -576,6 +628,12 @@ class EmbeddedCore:
             return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
         if not offer.spec.command:
             return "task has no command"
+        if is_service(offer.spec) and offer.spec.service.port and offer.spec.replicas > 1:
+            return (
+                f"service.port {offer.spec.service.port} is fixed, and this site runs every "
+                "replica on one machine: only one could listen on it (give port 0 for a port "
+                "per replica)"
+            )
         cpu = offer.spec.resources.cpu
         if not math.isfinite(cpu) or cpu < 0:
             return f"invalid cpu request {cpu}"
@@ -662,7 +720,34 @@ class EmbeddedCore:
         env.update(device_env(node, slot))
         if task.checkpoints is not None:
             env.update(task.checkpoints.env())
+        if task.service is not None:
+            env["FEDERATION_PORT"] = str(task.service[replica].port)
         return env
+
+    def _account(self, task: _Task) -> Account | None:
+        """The account the task runs as; ReplicaStartError when the site has none for it."""
+        try:
+            return self._accounts.for_tenant(task.tenant) if self._accounts else None
+        except NoAccountError as exc:
+            raise ReplicaStartError(str(exc), 0) from None
+
+    async def _start_replica(self, task: _Task, replica: int, account: Account | None) -> None:
+        """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
+        job_id, name, epoch = task.key
+        process = await ReplicaProcess.start(
+            task.spec.command,
+            cwd=self._task_dir(task.key) / str(replica),
+            env=self._replica_env(task, replica),
+            run_dir=self._run_dir(task.key, replica),
+            account=account,
+            grace_s=self._kill_grace_s,
+            owner=self._records.owner if self._records is not None else None,
+            label=f"{job_id}/{name}/{epoch}/{replica}",
+        )
+        if replica < len(task.replicas):
+            task.replicas[replica] = process
+        else:
+            task.replicas.append(process)
 
     def _task_dir(self, key: TaskKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""
@@ -678,10 +763,7 @@ class EmbeddedCore:
     async def _start_replicas(self, task: _Task) -> None:
         base = self._task_dir(task.key)
         dirs = [base / str(replica) for replica in range(len(task.slots))]
-        try:
-            account = self._accounts.for_tenant(task.tenant) if self._accounts else None
-        except NoAccountError as exc:
-            raise ReplicaStartError(str(exc), 0) from None
+        account = self._account(task)
 
         def make_dirs() -> None:
             # The folders above the replicas' are the agent's, so no task can put a link
@@ -699,20 +781,8 @@ class EmbeddedCore:
         except OSError as exc:
             # No replica ran, so there is no exit code to report.
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        job_id, name, epoch = task.key
-        for replica, cwd in enumerate(dirs):
-            task.replicas.append(
-                await ReplicaProcess.start(
-                    task.spec.command,
-                    cwd=cwd,
-                    env=self._replica_env(task, replica),
-                    run_dir=self._run_dir(task.key, replica),
-                    account=account,
-                    grace_s=self._kill_grace_s,
-                    owner=self._records.owner if self._records is not None else None,
-                    label=f"{job_id}/{name}/{epoch}/{replica}",
-                )
-            )
+        for replica in range(len(dirs)):
+            await self._start_replica(task, replica, account)
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
@@ -724,7 +794,7 @@ class EmbeddedCore:
     async def _supervise(self, task: _Task) -> None:
         """Runs the task to its end; a bug here must not leave it (and cancel) hanging."""
         try:
-            await self._watch(task)
+            await (self._watch_service(task) if task.service is not None else self._watch(task))
         except Exception as exc:
             log.exception("task_supervision_failed", job_id=task.key[0], task=task.key[1])
             await asyncio.gather(
@@ -779,6 +849,93 @@ class EmbeddedCore:
             # signalled has not said so: it may have saved a checkpoint and quit.)
             state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
+
+    async def _watch_service(self, task: _Task) -> None:
+        """Keeps every replica of a service running until the task is cancelled."""
+        keepers = [asyncio.create_task(self._keep(task, i)) for i in range(len(task.replicas))]
+        try:
+            await task.cancelled.wait()
+        finally:
+            for keeper in keepers:
+                keeper.cancel()
+            await asyncio.gather(*keepers, return_exceptions=True)
+        await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+        self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", "")
+
+    async def _keep(self, task: _Task, replica: int) -> None:
+        """Restarts one replica of a service each time it ends, by the task's policy: after
+        a backoff that doubles with each short run in a row, crash-looping after enough."""
+        assert task.service is not None
+        state = task.service[replica]
+        policy = RestartPolicy.of(task.spec.service)
+        job_id, name, epoch = task.key
+        while True:
+            process = task.replicas[replica]
+            checker = asyncio.create_task(self._check_readiness(task, replica, process))
+            try:
+                try:
+                    code = await asyncio.wait_for(process.wait(), policy.min_run_s)
+                    short = True
+                except TimeoutError:
+                    if state.short_runs:  # a long run: no more backoff, no more crash loop
+                        state.short_runs = 0
+                        self._report(task)
+                    code, short = await process.wait(), False
+            finally:
+                checker.cancel()
+            state.ready = False
+            if not policy.restarts(code):
+                state.down = True
+                log.info("replica_stays_down", job_id=job_id, task=name, replica=replica)
+                self._report(task)
+                return
+            while True:
+                state.short_runs = state.short_runs + 1 if short else 0
+                delay_s = policy.delay_s(state.short_runs)
+                log.info(
+                    "replica_restarting",
+                    job_id=job_id,
+                    task=name,
+                    epoch=epoch,
+                    replica=replica,
+                    exit=describe_exit(code),
+                    in_s=delay_s,
+                    crash_looping=policy.crash_looping(state.short_runs),
+                )
+                self._report(task)
+                await asyncio.sleep(delay_s)
+                try:
+                    await self._start_replica(task, replica, self._account(task))
+                    break
+                except ReplicaStartError as exc:
+                    log.warning("replica_restart_failed", job_id=job_id, task=name, error=str(exc))
+                    code, short = exc.exit_code, True
+            state.restarts += 1
+            self._save(task)
+            self._report(task)
+
+    async def _check_readiness(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
+        """Checks a running replica every period from its initial delay; reports each change
+        of its readiness. Without a check, a replica is ready once it runs."""
+        assert task.service is not None
+        state = task.service[replica]
+        if not task.spec.service.HasField("readiness"):
+            state.ready = True
+            self._report(task)
+            return
+        check = task.spec.service.readiness
+        await asyncio.sleep(check.initial_delay_s)
+        env = self._replica_env(task, replica)
+        cwd = self._task_dir(task.key) / str(replica)
+        account = self._account(task)
+        while not process.exited:
+            ready = await is_ready(
+                check, address=self._address, port=state.port, env=env, cwd=cwd, account=account
+            )
+            if ready != state.ready and not process.exited:
+                state.ready = ready
+                self._report(task)
+            await asyncio.sleep(check.period_s or 1.0)
 
     def _lock(self, key: TaskKey) -> None:
         """Once a task has ended only the agent may enter its folder: a task that opened its

@@ -158,6 +158,7 @@ async def embedded_core(
         compat=compat_table(config),
         owner_share=owner_share(config.owner_share),
         state_dir=config.state_dir,
+        service_address=config.service_address,
     )
     await core.adopt()  # before the first hello, which reports the tasks adopted
     return core

@@ -67,6 +67,8 @@ class TaskRecord:
     replicas: tuple[ReplicaRecord, ...]
     final: site_link_service_pb2.TaskReport | None = None
     """Its final report, once it has ended (kept until acknowledged)."""
+    service: tuple[tuple[int, int], ...] = ()
+    """A service's replicas: (port, restarts) of each; empty for batch work."""
 
 
 class TaskRecords:
@@ -131,6 +133,7 @@ def _encode(record: TaskRecord) -> bytes:
             "restore": _b64(record.restore),
             "replicas": [[r.pid, r.start_ticks] for r in record.replicas],
             "final": _b64(record.final),
+            "service": [list(replica) for replica in record.service],
         }
     ).encode()
 
@@ -157,4 +160,5 @@ def _decode(data: bytes) -> TaskRecord:
         final=(
             site_link_service_pb2.TaskReport.FromString(base64.b64decode(final)) if final else None
         ),
+        service=tuple((int(port), int(restarts)) for port, restarts in raw.get("service", [])),
     )

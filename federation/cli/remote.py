@@ -17,12 +17,15 @@ from federation.api.v1 import (
     job_service_pb2,
     job_service_pb2_grpc,
     jobs_pb2,
+    serving_service_pb2,
+    serving_service_pb2_grpc,
 )
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
 from federation.cli.output import output_of, show
 from federation.cli.render import (
     coordinators_table,
+    endpoints_table,
     event_line,
     job_details,
     jobs_table,
@@ -87,6 +90,20 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     watch.add_argument("job_ids", nargs="*")
     watch.set_defaults(func=cmd_watch)
     explain.add_parser(jobs_sub)
+    endpoints = jobs_sub.add_parser(
+        "endpoints", help="a service job's replicas: their addresses, readiness and restarts"
+    )
+    endpoints.add_argument("job_id")
+    endpoints.add_argument(
+        "--watch", action="store_true", help="print them again each time they change"
+    )
+    endpoints.add_argument("--ready-only", action="store_true", help="only ready replicas")
+    endpoints.set_defaults(func=cmd_endpoints)
+    scale = jobs_sub.add_parser("scale", help="change how many replicas a service keeps")
+    scale.add_argument("job_id")
+    scale.add_argument("--replicas", type=int, required=True)
+    scale.add_argument("--task", default="", help="the service task (default: the only one)")
+    scale.set_defaults(func=cmd_scale)
 
 
 async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
@@ -320,4 +337,49 @@ async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
                 show(text(event_line(event)))
             # A reader of a pipe sees each event as it happens, not when a buffer fills.
             sys.stdout.flush()
+    return 0
+
+
+async def cmd_endpoints(args: argparse.Namespace, conn: Connection) -> int:
+    out = output_of(args)
+    async with conn.channel() as channel:
+        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
+        if not args.watch:
+            reply = await stub.ListEndpoints(
+                serving_service_pb2.ListEndpointsRequest(job_id=args.job_id)
+            )
+            endpoints = [e for e in reply.endpoints if e.ready or not args.ready_only]
+            if out.is_data:
+                out.messages(
+                    serving_service_pb2.ListEndpointsResponse(
+                        job_id=reply.job_id, endpoints=endpoints
+                    )
+                )
+            else:
+                show(endpoints_table(endpoints, f"Endpoints of {reply.job_id}"))
+            return 0
+        request = serving_service_pb2.WatchEndpointsRequest(
+            job_id=args.job_id, ready_only=args.ready_only
+        )
+        async for change in stub.WatchEndpoints(request):
+            if out.is_data:
+                out.messages(change, stream=True)
+            else:
+                now = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+                show(endpoints_table(change.endpoints, f"Endpoints of {args.job_id} at {now}"))
+            sys.stdout.flush()
+    return 0
+
+
+async def cmd_scale(args: argparse.Namespace, conn: Connection) -> int:
+    if args.replicas < 0:
+        raise CliError(f"--replicas must be 0 or more, got {args.replicas}")
+    async with conn.channel() as channel:
+        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
+        await stub.ScaleService(
+            serving_service_pb2.ScaleServiceRequest(
+                job_id=args.job_id, task=args.task, replicas=args.replicas
+            )
+        )
+    show(text(f"{args.job_id}: scaled to {args.replicas} replicas"))
     return 0

@@ -116,6 +116,19 @@ SITE_WIDE_COLUMNS = (
 """What ``-o wide`` adds to the sites table."""
 
 
+def endpoints_table(endpoints: Sequence[jobs_pb2.Endpoint], title: str = "Endpoints") -> Table:
+    """One row per replica of a service: where clients reach it and whether it is ready."""
+    table = Table(title=title)
+    for column in ("site", "node", "address", "replica", "ready", "restarts"):
+        table.add_column(column)
+    for e in endpoints:
+        host = f"[{e.address}]" if ":" in e.address else e.address
+        ready = "yes" if e.ready else "no"
+        restarts = f"{e.restarts} (crash loop)" if e.crash_looping else str(e.restarts)
+        table.add_row(e.site, e.node, f"{host}:{e.port}", str(e.replica), ready, restarts)
+    return table
+
+
 def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) -> Table:
     """One row per site; ``wide`` adds ``SITE_WIDE_COLUMNS``."""
     table = Table(title="Sites")

@@ -68,6 +68,23 @@ class EventHub:
 
     def __init__(self) -> None:
         self._subscriptions: set[Subscription] = set()
+        self._followers: dict[str, set[asyncio.Event]] = {}
+        """Per job: set whenever the job is written, events or not (``follow``)."""
+        self.closed: FederationError | None = None
+
+    def follow(self, job_id: str) -> asyncio.Event:
+        """An event set each time the job is written, even without a job event (a
+        service's endpoints); the caller clears it, and ``unfollow``s when done."""
+        changed = asyncio.Event()
+        self._followers.setdefault(job_id, set()).add(changed)
+        return changed
+
+    def unfollow(self, job_id: str, changed: asyncio.Event) -> None:
+        followers = self._followers.get(job_id)
+        if followers is not None:
+            followers.discard(changed)
+            if not followers:
+                del self._followers[job_id]
 
     def subscribe(self, accepts: JobFilter) -> Subscription:
         sub = Subscription(accepts)
@@ -79,6 +96,8 @@ class EventHub:
 
     def publish(self, job: jobs_pb2.Job, events: list[jobs_pb2.JobEvent]) -> None:
         """Called after the events are durable, never before."""
+        for changed in self._followers.get(job.id, ()):
+            changed.set()
         for sub in list(self._subscriptions):
             if sub.overflowed or not sub.accepts(job):
                 continue
@@ -93,6 +112,10 @@ class EventHub:
 
     def close(self, reason: FederationError) -> None:
         """End every watcher with ``reason`` once it has read what it was already sent."""
+        self.closed = reason
+        for followers in self._followers.values():
+            for changed in followers:
+                changed.set()
         for sub in self._subscriptions:
             sub.ended = reason
             with contextlib.suppress(asyncio.QueueFull):  # publish keeps a slot free for this

@@ -456,11 +456,18 @@ class JobManager:
                     bytes=report.checkpoint.bytes,
                 )
             if report.state == job_state.RUNNING:
+                # Endpoints change without an event (readiness flaps are not history); a
+                # crash loop's start and end are logged.
+                note_crash_loops(job.id, current, report.endpoints)
+                if list(current.endpoints) != list(report.endpoints):
+                    del current.endpoints[:]
+                    current.endpoints.extend(report.endpoints)
                 if current.state == job_state.RUNNING:
                     return []
                 return [transition(job, report.task, job_state.RUNNING, f"running at {site}")]
             if not final:
                 return []
+            del current.endpoints[:]
             current.exit_code = report.exit_code
             current.output_tail = report.output_tail[-MAX_OUTPUT_TAIL:]
             if current.preempted_by:
@@ -614,6 +621,22 @@ class _Effects:
     """The task moved on since the report was checked: fence the report off."""
     siblings: list[tuple[str, str, int]] = field(default_factory=list)
     """(site, task, epoch) of sibling tasks to cancel because this one failed."""
+
+
+def note_crash_loops(
+    job_id: str, task: jobs_pb2.TaskStatus, endpoints: Sequence[jobs_pb2.Endpoint]
+) -> None:
+    """Logs each replica of a service that starts or stops crash-looping."""
+    before = {e.replica: e.crash_looping for e in task.endpoints}
+    for endpoint in endpoints:
+        if endpoint.crash_looping != before.get(endpoint.replica, False):
+            log.warning(
+                "replica_crash_loop" if endpoint.crash_looping else "replica_crash_loop_over",
+                job=job_id,
+                task=task.name,
+                replica=endpoint.replica,
+                restarts=endpoint.restarts,
+            )
 
 
 def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change:

@@ -165,6 +165,7 @@ def unplace(task: jobs_pb2.TaskStatus) -> None:
     """Forget the site and reservation a task had (it is about to be placed again)."""
     task.site = ""
     task.reservation_id = ""
+    del task.endpoints[:]
 
 
 def forget_devices(task: jobs_pb2.TaskStatus) -> None:

@@ -28,6 +28,8 @@ from federation.api.v1 import (
     certificate_service_pb2_grpc,
     job_service_pb2,
     job_service_pb2_grpc,
+    serving_service_pb2,
+    serving_service_pb2_grpc,
     site_link_service_pb2,
     site_link_service_pb2_grpc,
     store_service_pb2,
@@ -49,6 +51,7 @@ from federation.coordinator.servicers import (
     AuditServicer,
     CertificateServicer,
     JobServicer,
+    ServingServicer,
     SiteLinkServicer,
     StoreServicer,
 )
@@ -65,6 +68,7 @@ log = structlog.get_logger()
 
 SERVICE_NAMES = (
     job_service_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+    serving_service_pb2.DESCRIPTOR.services_by_name["ServingService"].full_name,
     admin_service_pb2.DESCRIPTOR.services_by_name["AdminService"].full_name,
     audit_service_pb2.DESCRIPTOR.services_by_name["AuditService"].full_name,
     certificate_service_pb2.DESCRIPTOR.services_by_name["CertificateService"].full_name,
@@ -225,6 +229,7 @@ def _servers(
     )
     current = leadership.current
     job_service_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(current), server)
+    serving_service_pb2_grpc.add_ServingServiceServicer_to_server(ServingServicer(current), server)
     admin_service_pb2_grpc.add_AdminServiceServicer_to_server(AdminServicer(current), server)
     audit_service_pb2_grpc.add_AuditServiceServicer_to_server(AuditServicer(current), server)
     certificate_service_pb2_grpc.add_CertificateServiceServicer_to_server(

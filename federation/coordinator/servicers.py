@@ -32,6 +32,12 @@ from federation.api.v1 import (
     job_service_pb2_grpc as job_grpc,
 )
 from federation.api.v1 import (
+    serving_service_pb2 as serving_pb,
+)
+from federation.api.v1 import (
+    serving_service_pb2_grpc as serving_grpc,
+)
+from federation.api.v1 import (
     site_link_service_pb2 as link_pb,
 )
 from federation.api.v1 import (
@@ -47,6 +53,7 @@ from federation.coordinator import audit
 from federation.coordinator.backup import backup_chunks
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.services import Services
+from federation.coordinator.serving import Serving
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 from federation.security.pki import fingerprint
@@ -58,6 +65,7 @@ Current: TypeAlias = Callable[[], Services]
 """The services of the current term; raises ``NotLeaderError`` on a follower."""
 
 _JOBS = "/federation.api.v1.JobService/"
+_SERVING = "/federation.api.v1.ServingService/"
 _ADMIN = "/federation.api.v1.AdminService/"
 _LINK = "/federation.api.v1.SiteLinkService/"
 _AUDIT = "/federation.api.v1.AuditService/"
@@ -93,6 +101,11 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "ListQueues",
             "DeleteQueue",
         )
+    },
+    # Tenants for their own jobs (the job manager's visibility), operators for any.
+    **{
+        _SERVING + m: CLIENTS
+        for m in ("ListEndpoints", "WatchEndpoints", "ScaleService", "UpdateService")
     },
     _AUDIT + "ListAuditEvents": OPERATORS,
     _CERTIFICATES + "RenewCertificate": frozenset(Role),
@@ -177,6 +190,41 @@ class JobServicer(job_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
         async for events in self._current().manager.watch(current_caller(), request):
             yield job_pb.WatchJobsResponse(events=events)
+
+
+class ServingServicer(serving_grpc.ServingServiceServicer):
+    def __init__(self, current: Current) -> None:
+        self._current = current
+
+    def _serving(self) -> Serving:
+        services = self._current()
+        return Serving(services.manager, services.hub)
+
+    async def ListEndpoints(
+        self, request: serving_pb.ListEndpointsRequest, context: Context
+    ) -> serving_pb.ListEndpointsResponse:
+        job_id, endpoints = await self._serving().endpoints(current_caller(), request.job_id)
+        return serving_pb.ListEndpointsResponse(job_id=job_id, endpoints=endpoints)
+
+    async def WatchEndpoints(
+        self, request: serving_pb.WatchEndpointsRequest, context: Context
+    ) -> AsyncIterator[serving_pb.WatchEndpointsResponse]:
+        watch = self._serving().watch(current_caller(), request.job_id, request.ready_only)
+        async for endpoints in watch:
+            yield serving_pb.WatchEndpointsResponse(endpoints=endpoints)
+
+    async def ScaleService(
+        self, request: serving_pb.ScaleServiceRequest, context: Context
+    ) -> serving_pb.ScaleServiceResponse:
+        serving = self._serving()
+        await serving.scale(current_caller(), request.job_id, request.task, request.replicas)
+        return serving_pb.ScaleServiceResponse()
+
+    async def UpdateService(
+        self, request: serving_pb.UpdateServiceRequest, context: Context
+    ) -> serving_pb.UpdateServiceResponse:
+        await self._serving().update(current_caller(), request.job_id, request.spec)
+        return serving_pb.UpdateServiceResponse()
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):

@@ -29,6 +29,7 @@ MAX_ATTEMPTS = 100
 MAX_BACKOFF_S = 86400.0
 MAX_PARTS = 256
 """Tasks a job may have once its spread tasks are divided into parts."""
+MAX_PORT = 65535
 MAX_SPEC_BYTES = 256 * 1024
 """Default for the coordinator's ``max_spec_bytes``."""
 MAX_ENTRIES = 64
@@ -143,6 +144,7 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
         yield from _retry_violations(task.retry, f"{path}.retry")
     if task.HasField("spread"):
         yield from _spread_violations(task, f"{path}.spread")
+    yield from _kind_violations(task, path)
 
 
 def _spread_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
@@ -186,6 +188,80 @@ def part_count(task: jobs_pb2.TaskSpec) -> int:
     if not task.HasField("spread"):
         return 1
     return max(1, task.replicas) // max(1, task.spread.part_replicas)
+
+
+def _kind_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
+    """A service runs until it is cancelled: what only makes sense for work that ends (a
+    timeout, retries of a failed run) is refused, and its policy only comes with the kind."""
+    if task.kind not in jobs_pb2.TaskKind.values():
+        yield FieldViolation(f"{path}.kind", f"unknown kind {task.kind}; expected batch or service")
+        return
+    if task.kind != jobs_pb2.TASK_KIND_SERVICE:
+        if task.HasField("service"):
+            yield FieldViolation(f"{path}.service", "is only for a task of kind service")
+        return
+    if task.timeout_s:
+        yield FieldViolation(
+            f"{path}.timeout_s", "a service runs until it is cancelled: give no timeout"
+        )
+    if task.HasField("retry"):
+        yield FieldViolation(
+            f"{path}.retry", "a service's replicas are restarted by service.restart, not retried"
+        )
+    if task.HasField("spread"):
+        yield FieldViolation(f"{path}.spread", "a service's replicas run at one site")
+    yield from _service_violations(task.service, task.replicas or 1, f"{path}.service")
+
+
+def _service_violations(
+    policy: jobs_pb2.ServicePolicy, replicas: int, path: str
+) -> Iterator[FieldViolation]:
+    if policy.restart not in jobs_pb2.ServicePolicy.Restart.values():
+        yield FieldViolation(
+            f"{path}.restart", f"unknown policy {policy.restart}; expected always or on_failure"
+        )
+    yield from _number(path, "backoff_s", policy.backoff_s, 0, MAX_BACKOFF_S)
+    yield from _number(path, "max_backoff_s", policy.max_backoff_s, 0, MAX_BACKOFF_S)
+    yield from _number(path, "min_run_s", policy.min_run_s, 0, MAX_BACKOFF_S)
+    if 0 < policy.max_backoff_s < policy.backoff_s:
+        yield FieldViolation(
+            f"{path}.max_backoff_s",
+            f"is shorter than backoff_s ({_show(policy.max_backoff_s)} < "
+            f"{_show(policy.backoff_s)})",
+        )
+    yield from _number(path, "crash_loop_after", policy.crash_loop_after, 0, MAX_ATTEMPTS)
+    yield from _number(path, "port", policy.port, 0, MAX_PORT)
+    yield from _number(path, "max_unavailable", policy.max_unavailable, 0, replicas)
+    if len(policy.near_region) > MAX_KEY_CHARS:
+        yield FieldViolation(f"{path}.near_region", f"is over {MAX_KEY_CHARS} characters")
+    if policy.HasField("readiness"):
+        yield from _readiness_violations(policy.readiness, f"{path}.readiness")
+
+
+def _readiness_violations(check: jobs_pb2.ReadinessCheck, path: str) -> Iterator[FieldViolation]:
+    kind = check.WhichOneof("check")
+    if kind is None:
+        yield FieldViolation(path, "give one of tcp_port, http_path or command")
+    elif kind == "tcp_port":
+        yield from _number(path, "tcp_port", check.tcp_port, 1, MAX_PORT)
+    elif kind == "http_path":
+        value = check.http_path
+        if (
+            not value.startswith("/")
+            or len(value) > MAX_KEY_CHARS
+            or any(c.isspace() or not c.isprintable() for c in value)
+        ):
+            yield FieldViolation(
+                f"{path}.http_path",
+                f"{_quoted(value)} must be a URL path starting with '/', without spaces, "
+                f"at most {MAX_KEY_CHARS} characters",
+            )
+    elif not check.command.argv or not check.command.argv[0]:
+        yield FieldViolation(f"{path}.command.argv", "is empty; give the program and its arguments")
+    elif sum(len(arg.encode()) for arg in check.command.argv) > MAX_COMMAND_BYTES:
+        yield FieldViolation(f"{path}.command.argv", f"is longer than {MAX_COMMAND_BYTES} bytes")
+    for name in ("period_s", "timeout_s", "initial_delay_s"):
+        yield from _number(path, name, getattr(check, name), 0, MAX_INTERVAL_S)
 
 
 def _retry_violations(retry: jobs_pb2.RetryPolicy, path: str) -> Iterator[FieldViolation]:
@@ -264,6 +340,7 @@ def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldV
     ):
         return  # most jobs: nothing to check
     names = {t.name for t in spec.tasks}
+    services = {t.name for t in spec.tasks if t.kind == jobs_pb2.TASK_KIND_SERVICE}
     graph: dict[str, list[str]] = {}
     for i, task in enumerate(spec.tasks):
         graph[task.name] = list(task.depends_on)
@@ -275,6 +352,11 @@ def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldV
             elif dep not in names:
                 yield FieldViolation(
                     f"{path}.tasks[{i}].depends_on[{j}]", f"no task {_quoted(dep)} in this job"
+                )
+            elif dep in services:
+                yield FieldViolation(
+                    f"{path}.tasks[{i}].depends_on[{j}]",
+                    f"{_quoted(dep)} is a service, which never succeeds: nothing could follow it",
                 )
         for j, item in enumerate(task.inputs):
             source = item.dataset.removeprefix(TASK_OUTPUT)

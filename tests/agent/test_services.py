@@ -1,0 +1,184 @@
+"""Service tasks in the embedded core: replicas kept running, restarts with backoff, crash
+loops, readiness checks and the endpoints reported."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+
+import psutil
+import pytest
+
+from federation.agent.embedded_core import EmbeddedCore
+from federation.agent.service import RestartPolicy
+from federation.api.v1 import jobs_pb2, site_link_service_pb2
+
+from .cores import CANCELLED, RUNNING, Recorder, node, offer, run
+
+SERVER = """
+import http.server, os
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(os.environ["FEDERATION_REPLICA"].encode())
+    def log_message(self, *args):
+        pass
+port = int(os.environ["FEDERATION_PORT"])
+http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
+"""
+
+
+def service_offer(
+    code: str, *, replicas: int = 1, job_id: str = "job-1", **policy: object
+) -> site_link_service_pb2.Offer:
+    o = offer(job_id, task="web", replicas=replicas, code=code)
+    o.spec.kind = jobs_pb2.TASK_KIND_SERVICE
+    o.spec.service.CopyFrom(jobs_pb2.ServicePolicy(**policy))  # type: ignore[arg-type]
+    return o
+
+
+def endpoints(recorder: Recorder, job_id: str = "job-1") -> list[jobs_pb2.Endpoint]:
+    """The endpoints the newest report of the job carries."""
+    reports = [r for r in recorder.reports if r.job_id == job_id]
+    return list(reports[-1].endpoints) if reports else []
+
+
+async def until(check: Callable[[], bool], what: str, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def answer(address: str, port: int) -> str:
+    with urllib.request.urlopen(f"http://{address}:{port}/", timeout=2) as reply:
+        return str(reply.read().decode())
+
+
+def replica_pid(core: EmbeddedCore, replica: int) -> int:
+    """The pid of a replica's own process (its supervisor's child)."""
+    (task,) = core._tasks.values()
+    (child,) = psutil.Process(task.replicas[replica].pid).children()
+    return int(child.pid)
+
+
+def test_backoff_doubles_per_short_run_and_is_longest_in_a_crash_loop() -> None:
+    """The wait after 1, 2, 3 short runs: backoff_s, twice, four times; capped; the longest
+    once crash-looping."""
+    policy = RestartPolicy.of(
+        jobs_pb2.ServicePolicy(backoff_s=1, max_backoff_s=5, crash_loop_after=5)
+    )
+    assert [policy.delay_s(n) for n in range(6)] == [1, 1, 2, 4, 5, 5]
+    assert [policy.crash_looping(n) for n in (4, 5)] == [False, True]
+    defaults = RestartPolicy.of(jobs_pb2.ServicePolicy())
+    assert (defaults.always, defaults.backoff_s, defaults.max_backoff_s) == (True, 1, 300)
+    on_failure = RestartPolicy.of(
+        jobs_pb2.ServicePolicy(restart=jobs_pb2.ServicePolicy.RESTART_ON_FAILURE)
+    )
+    assert [on_failure.restarts(code) for code in (0, 1, -9)] == [False, True, True]
+
+
+async def test_a_killed_replica_comes_back_ready_while_the_other_serves(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Two HTTP replicas, each on a port of its own, ready by an HTTP check; one killed comes
+    back ready within backoff + 5 s and the other answers all along."""
+    core = make_core([node("n", cpu=8)], service_address="127.0.0.1")
+    readiness = jobs_pb2.ReadinessCheck(http_path="/", period_s=0.2)
+    await run(core, service_offer(SERVER, replicas=2, backoff_s=0.5, readiness=readiness))
+    await until(lambda: [e.ready for e in endpoints(recorder)] == [True, True], "both ready")
+    first, second = endpoints(recorder)
+    assert (first.site, first.node, first.address) == ("site-a", "n", "127.0.0.1")
+    assert first.port != second.port
+    assert answer("127.0.0.1", first.port) == "0"
+    assert answer("127.0.0.1", second.port) == "1"
+    psutil.Process(replica_pid(core, 0)).kill()
+    killed_at = time.monotonic()
+    await until(lambda: not endpoints(recorder)[0].ready, "replica 0 seen down", 5)
+    while not (endpoints(recorder)[0].ready and endpoints(recorder)[0].restarts == 1):
+        assert answer("127.0.0.1", second.port) == "1"  # the other serves meanwhile
+        assert time.monotonic() - killed_at < 0.5 + 5, "replica 0 not ready again in time"
+        await asyncio.sleep(0.1)
+    assert answer("127.0.0.1", first.port) == "0"  # the same port again
+    assert endpoints(recorder)[1].restarts == 0
+    assert recorder.states()[-1] == RUNNING
+    await core.cancel("job-1", "web", 0, "done")
+    final = await recorder.final()
+    assert final.state == CANCELLED
+    assert not final.endpoints
+    with pytest.raises(urllib.error.URLError):
+        answer("127.0.0.1", second.port)
+
+
+async def test_a_replica_that_exits_at_once_is_crash_looping(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Restarted after each exit, after a growing backoff; shown crash-looping after
+    crash_loop_after short runs in a row; the task stays RUNNING."""
+    core = make_core([node("n")], service_address="127.0.0.1")
+    policy = {"backoff_s": 0.05, "max_backoff_s": 0.2, "crash_loop_after": 3}
+    await run(core, service_offer("raise SystemExit(3)", **policy))
+    await until(lambda: endpoints(recorder)[0].crash_looping, "crash loop")
+    (looping,) = endpoints(recorder)
+    assert looping.restarts >= 2
+    assert not looping.ready
+    assert recorder.states()[-1] == RUNNING
+    assert all(r.state == RUNNING for r in recorder.reports)
+
+
+async def test_on_failure_leaves_a_replica_that_exited_0_down(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Restart on_failure: the replica that exits 0 stays down, the one that fails is
+    restarted; the task stays RUNNING until cancelled."""
+    core = make_core([node("n", cpu=8)], service_address="127.0.0.1")
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['FEDERATION_REPLICA'] == '1': sys.exit(1)\n"
+        "time.sleep(0.3)"
+    )
+    await run(
+        core,
+        service_offer(
+            code, replicas=2, restart=jobs_pb2.ServicePolicy.RESTART_ON_FAILURE, backoff_s=0.05
+        ),
+    )
+    await until(lambda: endpoints(recorder)[1].restarts >= 2, "replica 1 restarted")
+    await asyncio.sleep(0.5)
+    ended, failing = endpoints(recorder)
+    assert (ended.restarts, ended.ready) == (0, False)
+    assert failing.restarts >= 2
+    assert core.queue().running_tasks == 1
+    await core.cancel("job-1", "web", 0, "done")
+    assert (await recorder.final()).state == CANCELLED
+
+
+async def test_a_fixed_port_for_several_replicas_is_declined(
+    make_core: Callable[..., EmbeddedCore],
+) -> None:
+    """Every replica runs on this machine: a fixed port serves one."""
+    core = make_core([node("n", cpu=8)])
+    declined = await core.offer(service_offer(SERVER, replicas=2, port=8080))
+    assert not declined.accepted
+    assert "service.port 8080 is fixed" in declined.reason
+    assert (await core.offer(service_offer(SERVER, replicas=1, port=8080))).accepted
+
+
+async def test_a_command_check_runs_beside_the_replica(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """A command check with the replica's environment: ready once it exits 0."""
+    core = make_core([node("n")], service_address="127.0.0.1")
+    check = [sys.executable, "-c", "import os, sys; sys.exit(os.path.exists('up') is False)"]
+    readiness = jobs_pb2.ReadinessCheck(command=jobs_pb2.CommandCheck(argv=check), period_s=0.1)
+    code = "import time; time.sleep(0.5); open('up', 'w').close(); time.sleep(60)"
+    await run(core, service_offer(code, readiness=readiness))
+    started = time.monotonic()
+    await until(lambda: bool(endpoints(recorder)) and endpoints(recorder)[0].ready, "ready")
+    assert time.monotonic() - started > 0.3  # not before the file was there
+    assert not recorder.reports[0].endpoints[0].ready
