@@ -99,11 +99,6 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     endpoints.add_argument("--ready-only", action="store_true", help="only ready replicas")
     endpoints.set_defaults(func=cmd_endpoints)
-    scale = jobs_sub.add_parser("scale", help="change how many replicas a service keeps")
-    scale.add_argument("job_id")
-    scale.add_argument("--replicas", type=int, required=True)
-    scale.add_argument("--task", default="", help="the service task (default: the only one)")
-    scale.set_defaults(func=cmd_scale)
 
 
 async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
@@ -368,18 +363,4 @@ async def cmd_endpoints(args: argparse.Namespace, conn: Connection) -> int:
                 now = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
                 show(endpoints_table(change.endpoints, f"Endpoints of {args.job_id} at {now}"))
             sys.stdout.flush()
-    return 0
-
-
-async def cmd_scale(args: argparse.Namespace, conn: Connection) -> int:
-    if args.replicas < 0:
-        raise CliError(f"--replicas must be 0 or more, got {args.replicas}")
-    async with conn.channel() as channel:
-        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
-        await stub.ScaleService(
-            serving_service_pb2.ScaleServiceRequest(
-                job_id=args.job_id, task=args.task, replicas=args.replicas
-            )
-        )
-    show(text(f"{args.job_id}: scaled to {args.replicas} replicas"))
     return 0
