@@ -523,7 +523,8 @@ class EmbeddedCore:
         whose supervisor still runs (the same pid and start time) is watched again, one that
         ended meanwhile reports how; a task that had ended keeps its final report. Tasks of an
         agent that crashed are stopped, if any process is left, and forgotten: the coordinator
-        places them again, as it does for every task a site no longer reports.
+        places them again, as it does for every task a site no longer reports; but one whose
+        replicas had all ended by themselves is reported as they ended.
         """
         if self._records is None:
             return
@@ -537,7 +538,13 @@ class EmbeddedCore:
                 ReplicaProcess.adopt(r.pid, r.start_ticks, self._run_dir(record.key, i))
                 for i, r in enumerate(record.replicas)
             ]
-            if not handed_over or any(p.ended and p.ended.why == "agent_died" for p in replicas):
+            ended_alone = all(
+                p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas
+            )
+            died = any(p.ended and p.ended.why == "agent_died" for p in replicas)
+            # A task whose every replica had ended by itself is reported as it ended, crash or
+            # not: its end was only not reported yet, and placed again it would run twice.
+            if not ended_alone and (not handed_over or died):
                 for replica in replicas:
                     replica.kill()
                 await asyncio.gather(*(replica.wait() for replica in replicas))

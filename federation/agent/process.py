@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -180,6 +181,11 @@ class ReplicaProcess:
         except ProcessLookupError:
             pidfd = None
         if pidfd is not None and process_start(pid) != start_ticks:
+            os.close(pidfd)
+            pidfd = None
+        if pidfd is not None and select.select([pidfd], [], [], 0)[0]:
+            # It has exited already (a zombie its new parent has not reaped): how it ended is
+            # known now, for the adopting agent to decide on, not only once the loop polls.
             os.close(pidfd)
             pidfd = None
         return cls(pid, start_ticks, pidfd, run_dir)

@@ -24,7 +24,7 @@ from .cores import CANCELLED, FAILED, RUNNING, SUCCEEDED, Recorder, allocated, n
 TESTS = Path(__file__).parents[1]
 
 FIRST_AGENT = """
-import asyncio, os, sys
+import asyncio, os, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 from agent.cores import node, offer, run
@@ -41,6 +41,14 @@ async def main():
     while not (Path(sys.argv[6]) / "pid").exists():  # the replica runs
         await asyncio.sleep(0.05)
     if how == "crash":
+        os._exit(1)
+    if how == "crash-after-end":
+        # The replica ends and its supervisor records how, while the core, its loop blocked,
+        # cannot notice: the agent dies with the end unreported.
+        (Path(sys.argv[6]) / "go").touch()
+        exit_file = work / "job-1" / "train" / "7.run" / "0" / "exit"
+        while not exit_file.exists():
+            time.sleep(0.02)
         os._exit(1)
     if how == "stop":
         await core.shutdown(0.5)
@@ -80,7 +88,7 @@ async def first_agent(tmp_path: Path, how: str) -> int:
         text=True,
         timeout=60,
     )
-    assert done.returncode == (1 if how == "crash" else 0), done.stdout + done.stderr
+    assert done.returncode == (1 if how.startswith("crash") else 0), done.stdout + done.stderr
     return int((tmp_path / "pid").read_text())
 
 
@@ -169,6 +177,19 @@ async def test_the_tasks_of_a_crashed_agent_are_not_adopted(
     assert recorder.reports == []
     assert allocated(core) == {"n": []}
     assert not records(tmp_path)
+
+
+async def test_a_task_that_ended_just_before_its_agent_crashed_is_reported_not_rerun(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """A crashed agent's task whose every replica had ended by itself (its supervisor recorded
+    how) is reported as it ended: placed again, it would run twice."""
+    pid = await first_agent(tmp_path, "crash-after-end")
+    core = make_core([node("n", devices=2)], state_dir=tmp_path / "state")
+    await core.adopt()
+    final = await recorder.final()
+    assert (final.state, final.epoch, final.output_tail) == (SUCCEEDED, 7, f"done {pid}\n")
+    assert allocated(core) == {"n": []}
 
 
 async def test_tasks_stopped_with_their_agent_are_not_reported_again(
