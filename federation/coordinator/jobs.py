@@ -6,7 +6,15 @@ import asyncio
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -649,7 +657,9 @@ class JobRepository:
         return {jobs_pb2.JobState.Name(state): n for state, n in counts.items() if n}
 
     async def remove_finished(
-        self, before_ns: int, archive: Callable[[list[records_pb2.JobRecord]], None] | None = None
+        self,
+        before_ns: int,
+        archive: Callable[[list[records_pb2.JobRecord]], Awaitable[None]] | None = None,
     ) -> int:
         """Delete the jobs that finished before ``before_ns`` (epoch nanoseconds), record and
         index entries, a bounded batch per commit, the oldest first; returns how many.
@@ -687,7 +697,7 @@ class JobRepository:
             if not batch:
                 continue
             if archive is not None:
-                archive([record for _, record, _ in batch])
+                await archive([record for _, record, _ in batch])
             try:
                 await self._store.commit([op for _, _, ops in batch for op in ops])
             except CasConflictError as err:
