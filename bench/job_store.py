@@ -143,7 +143,11 @@ async def measure(count: int, folder: Path, repeat: int) -> dict[str, Any]:
         started = time.perf_counter()
         loaded = len(await repo.load())
         load_s = time.perf_counter() - started
-        row: dict[str, Any] = {"jobs": count, "fill_s": round(fill_s, 1), "load_s": round(load_s, 2)}
+        row: dict[str, Any] = {
+            "jobs": count,
+            "fill_s": round(fill_s, 1),
+            "load_s": round(load_s, 2),
+        }
         row["active_loaded"] = loaded
         row["status_ms"], kept = await timed(repo.count_by_state, repeat)
         fresh = JobRepository(store, EventHub())
