@@ -25,6 +25,8 @@ STATE, TENANT, SITE, QUEUE = "state", "tenant", "site", "queue"
 FINISHED = f"{INDEX}finished/"
 """Finished jobs by when they finished (``finished_ns``): what retention walks."""
 STATE_NAMES = tuple(jobs_pb2.JobState.keys())
+UNKNOWN_TIME = f"{FINISHED}{0:020d}0"
+"""Above every entry of a job that finished at time 0 (none known), below every other."""
 
 
 def prefix(kind: str, value: str) -> str:

@@ -667,12 +667,15 @@ class JobRepository:
         ``archive`` gets each batch's records before the commit that deletes them (and must
         have them safely written when it returns). Each delete expects the record's revision
         as read, so a job written meanwhile stays (a later pass looks again), and a job not
-        finished by its record is never removed.
+        finished by its record is never removed, nor one with no time at all (``finished_ns``
+        0: written so by hand, or by a release before the times): its age is unknown.
         """
         removed = 0
         bound = job_index.finished_key(before_ns, "")
         while True:
-            entries = await self._store.range(job_index.FINISHED, limit=SCAN_BATCH)
+            entries = await self._store.range(
+                job_index.FINISHED, start_after=job_index.UNKNOWN_TIME, limit=SCAN_BATCH
+            )
             entries = [kv for kv in entries if kv.key < bound]
             if not entries:
                 return removed

@@ -179,6 +179,17 @@ async def test_finished_jobs_past_their_time_are_removed_and_archived(
     assert not trail.events
 
 
+async def test_a_finished_job_with_no_time_is_kept(store: SqliteStore) -> None:
+    """A job finished by its record but with no time in it (an old release's, or written by
+    hand) has no known age: it stays."""
+    repo = JobRepository(store, EventHub())
+    job = new_job("timeless")
+    job.state = job.tasks[0].state = OK
+    await repo.create([job])
+    assert await repo.remove_finished(time.time_ns()) == 0
+    assert (await repo.get("timeless")).state == OK
+
+
 async def test_a_retention_of_zero_keeps_finished_jobs(store: SqliteStore) -> None:
     repo = JobRepository(store, EventHub())
     await repo.create([new_job("a")])
