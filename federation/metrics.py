@@ -12,6 +12,11 @@ from federation.api.v1 import resources_pb2
 from federation.config import ConfigError
 
 JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
+JOBS_REMOVED = Counter(
+    "federation_jobs_removed_total",
+    "Finished jobs removed from the store once past their retention",
+    ["archived"],
+)
 TASK_TRANSITIONS = Counter(
     "federation_task_transitions_total", "Task state transitions written", ["state"]
 )

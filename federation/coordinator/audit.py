@@ -13,7 +13,7 @@ import time
 from federation.api.v1 import audit_service_pb2
 from federation.coordinator.jobs import now_timestamp
 from federation.errors import FieldViolation, InvalidArgumentError
-from federation.store import Put, Store
+from federation.store import Delete, Put, Store
 
 AUDIT = "/audit/"
 DEFAULT_LIMIT = 100
@@ -68,3 +68,14 @@ async def list_events(
         if scanned >= MAX_SCANNED:
             out.next_page_token = after
             return out
+
+
+async def remove_older(store: Store, before_ns: int, batch: int = 100) -> int:
+    """Delete the entries made before ``before_ns`` (epoch nanoseconds), a bounded batch per
+    commit; returns how many. They are the trail's last keys, as keys count down with time."""
+    after = f"{AUDIT}{_COUNTDOWN_FROM - before_ns:020d}"
+    removed = 0
+    while old := await store.range(AUDIT, start_after=after, limit=batch):
+        await store.commit([Delete(kv.key) for kv in old])
+        removed += len(old)
+    return removed

@@ -144,6 +144,14 @@ class CoordinatorConfig:
     """Lifetime of the certificates operators and tenants get by renewing (``fedctl pki
     renew``): people renew by hand, so a quarter rather than days; offline issues keep a
     year."""
+    finished_job_retention_s: float = field(default=7 * 86400.0, metadata=at_least(0))
+    """How long a finished job is kept (from its last task's finish); then the leader removes
+    it from the store, archiving it first when ``archive_dir`` is set. 0: kept for ever."""
+    archive_dir: Path | None = None
+    """Where removed jobs are archived: one JSON-lines file per day, ``jobs-YYYY-MM-DD.jsonl``,
+    each line a job and its newest events; none: removed jobs are not kept anywhere."""
+    audit_retention_s: float = field(default=90 * 86400.0, metadata=at_least(0))
+    """How long an audit entry is kept; 0: for ever."""
     max_spec_bytes: int = field(default=256 * 1024, metadata=within(1024, 1024 * 1024))
     """Largest job spec accepted (its encoded size): every transition rewrites the job's
     record, and etcd refuses a request over 1.5 MiB."""

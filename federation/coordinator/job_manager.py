@@ -20,6 +20,7 @@ from federation.coordinator.jobs import (
     MAX_REPLY_BYTES,
     Change,
     JobRepository,
+    ListFilter,
     Mutation,
     find_spec,
     find_task,
@@ -273,11 +274,15 @@ class JobManager:
                 and (not states or job.state in states)
                 and (not request.tenant or job.spec.tenant == request.tenant)
                 and (not request.site or any(t.site == request.site for t in job.tasks))
+                and (not request.queue or job.spec.queue == request.queue)
             )
 
+        # A tenant sees only its own jobs: its listing walks its own index.
+        tenant = request.tenant or (caller.name if caller.role is Role.TENANT else "")
+        where = ListFilter.of(states, tenant, request.site, request.queue)
         reply = job_service_pb2.ListJobsResponse()
         reply.next_page_token = await self._jobs.list_page(
-            accepts, reply.jobs, request.page_size or 100, request.page_token
+            accepts, reply.jobs, request.page_size or 100, request.page_token, where=where
         )
         return reply
 

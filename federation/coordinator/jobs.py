@@ -6,7 +6,15 @@ import asyncio
 import secrets
 import time
 from collections import Counter, OrderedDict
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Iterator, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Iterator,
+    Sequence,
+)
 from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,7 +25,7 @@ from google.protobuf import timestamp_pb2
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from federation.api.v1 import jobs_pb2, records_pb2
-from federation.coordinator import job_state
+from federation.coordinator import job_index, job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.policy.resources import Demand
 from federation.coordinator.policy.usage import QueueUsage
@@ -29,8 +37,8 @@ from federation.errors import (
     JobNotFoundError,
     UnavailableError,
 )
-from federation.metrics import TASK_TRANSITIONS
-from federation.store import CasConflictError, Put, Store, StoreError
+from federation.metrics import JOBS_REMOVED, TASK_TRANSITIONS
+from federation.store import CasConflictError, Delete, Op, Put, Store, StoreError
 from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
@@ -203,6 +211,9 @@ class JobRepository:
         """The newest jobs seen finishing (``FINISHED_KEPT``), as written."""
         self.usage = QueueUsage(domain_of)
         """What each queue's tasks hold (placed, running, or with offers out)."""
+        self._by_state: Counter[jobs_pb2.JobState.ValueType] | None = None
+        """Stored jobs per state: counted from the state index at ``load``, then kept with
+        every write (each one's compare-and-swap names the state it replaces)."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
@@ -296,16 +307,25 @@ class JobRepository:
                 f"{OLD_EVENTS}), which this version reads only once migrated (key layout 1 "
                 "to 2, which a leading coordinator does before it loads jobs)"
             )
-        start = ""
-        while True:
-            page = await self._store.range(JOBS, start_after=start, limit=1000)
-            for kv in page:
-                record = read_record(kv.value)
-                self._cache(record.job, kv.mod_revision, encoded_events(record.events))
-            if len(page) < 1000:
-                break
-            start = page[-1].key
+        by_state: Counter[jobs_pb2.JobState.ValueType] = Counter()
+        for state in jobs_pb2.JobState.values():
+            name = job_index.prefix(job_index.STATE, jobs_pb2.JobState.Name(state))
+            by_state[state] = await self._store.count(name)
+            if job_state.is_terminal(state):
+                continue
+            start = name
+            while page := await self._store.range(name, start_after=start, limit=1000):
+                for entry in page:
+                    await self._load_one(entry.key.removeprefix(name))
+                start = page[-1].key
+        self._by_state = by_state
         return [job for job, _, _ in self._active.values()]
+
+    async def _load_one(self, job_id: str) -> None:
+        kv = await self._store.get(job_key(job_id))
+        if kv is not None:
+            record = read_record(kv.value)
+            self._cache(record.job, kv.mod_revision, encoded_events(record.events))
 
     def active(self) -> list[jobs_pb2.Job]:
         """Copies of the cached unfinished jobs."""
@@ -344,17 +364,24 @@ class JobRepository:
         page_token: str,
         max_bytes: int = MAX_REPLY_BYTES,
         max_scanned: int = MAX_SCANNED,
+        where: ListFilter | None = None,
     ) -> str:
         """Add to ``into`` (a reply's repeated field: jobs are decoded straight into it) up to
         ``page_size`` jobs after ``page_token`` that ``accepts``, in id order, and fewer if
         they would take more than ``max_bytes`` (but always at least one); returns the next
         page's token.
 
-        At most ``max_scanned`` stored jobs are read per call, in batches that give the event
-        loop back between them: a filter that matches little must not cost a scan of every
-        job. A page cut short so has a next token though it may hold no jobs; otherwise the
-        next token is set only when another matching job exists.
+        ``where`` narrows the jobs read to those its indexes name (``accepts`` still has the
+        last word): only their records are read. At most ``max_scanned`` stored jobs (or
+        index entries) are read per call, in batches that give the event loop back between
+        them: a filter that matches little must not cost a scan of every job. A page cut short
+        so has a next token though it may hold no jobs; otherwise the next token is set only
+        when another matching job exists.
         """
+        if where is not None and where.sets:
+            return await self._list_indexed(
+                where, accepts, into, page_size, page_token, max_bytes, max_scanned
+            )
         size = scanned = taken = 0
         timeslice = TimeSlice()
         start = job_key(page_token) if page_token else ""
@@ -381,6 +408,43 @@ class JobRepository:
                 return ""
             start = page[-1].key
 
+    async def _list_indexed(
+        self,
+        where: ListFilter,
+        accepts: Callable[[jobs_pb2.Job], bool],
+        into: RepeatedCompositeFieldContainer[jobs_pb2.Job],
+        page_size: int,
+        page_token: str,
+        max_bytes: int,
+        max_scanned: int,
+    ) -> str:
+        """``list_page`` over the jobs in every set of ``where``, leapfrogging their indexes."""
+        found = job_index.Filter(self._store, where.sets, SCAN_BATCH)
+        size = taken = 0
+        timeslice = TimeSlice()
+        after = page_token
+        while True:
+            await timeslice.share()
+            job_id = await found.next(after)
+            if job_id is None:
+                return ""
+            after = job_id
+            kv = await self._store.get(job_key(job_id))
+            if kv is not None:
+                encoded = _job_bytes(kv.value)
+                job = into.add()
+                job.ParseFromString(encoded)
+                if accepts(job):
+                    size += len(encoded) + 8
+                    if taken == page_size or (taken and size > max_bytes):
+                        del into[-1]
+                        return into[-1].id
+                    taken += 1
+                else:
+                    del into[-1]
+            if found.read >= max_scanned:
+                return job_id
+
     async def create(self, jobs: list[jobs_pb2.Job], *, batch: bool = False) -> None:
         """Store new jobs, each with its first event, in one atomic commit.
 
@@ -395,7 +459,7 @@ class JobRepository:
             job.last_event_sequence = 1
             encoded = encoded_events(events)
             put = Put(job_key(job.id), record_value(job, encoded), expect_revision=0)
-            staged.append(_Staged(job, put, events, encoded, job_state.PENDING))
+            staged.append(_Staged(job, put, events, encoded, None, job_index.ops(None, job)))
         try:
             revision = await asyncio.shield(self._commit_new(staged))
         except CasConflictError as err:
@@ -409,7 +473,8 @@ class JobRepository:
 
     async def _commit_new(self, staged: list[_Staged]) -> int:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
-        revision = await self._store.commit([stage.put for stage in staged])
+        revision = await self._store.commit([op for stage in staged for op in stage.ops()])
+        self._counted(staged)
         timeslice = TimeSlice()
         for stage in staged:
             await timeslice.share()
@@ -527,7 +592,6 @@ class JobRepository:
         changes = mutate(job)
         if not changes and job == original:
             return job, None
-        previous_state = job.state
         job.state = job_state.job_state(t.state for t in job.tasks)
         now = now_timestamp()
         events: list[jobs_pb2.JobEvent] = []
@@ -542,7 +606,7 @@ class JobRepository:
         job.updated_at.CopyFrom(now)
         encoded = [*encoded, *encoded_events(events)][-MAX_EVENTS_KEPT:]
         put = Put(job_key(job.id), record_value(job, encoded), expect_revision=revision)
-        return job, _Staged(job, put, events, encoded, previous_state)
+        return job, _Staged(job, put, events, encoded, original, job_index.ops(original, job))
 
     def _forget(self, job_id: str) -> None:
         """Drop a job from the cache: it finished, or the store holds a newer version."""
@@ -553,7 +617,8 @@ class JobRepository:
 
     async def _write(self, staged: list[_Staged]) -> None:
         """Write jobs and their events in one commit, then cache and publish them."""
-        new_revision = await self._store.commit([stage.put for stage in staged])
+        new_revision = await self._store.commit([op for stage in staged for op in stage.ops()])
+        self._counted(staged)
         states = Counter(event.state for stage in staged for event in stage.events)
         for state, count in states.items():
             TASK_TRANSITIONS.labels(jobs_pb2.JobState.Name(state)).inc(count)
@@ -564,7 +629,7 @@ class JobRepository:
             self._cache(job, new_revision, stage.encoded)  # the caller gets it too: read-only
             if job_state.is_terminal(job.state):
                 self._locks.pop(job.id, None)
-            if job.state != stage.previous_state:
+            if stage.before is None or job.state != stage.before.state:
                 log.debug("job_state_changed", job=job.id, state=jobs_pb2.JobState.Name(job.state))
             self._hub.publish(job, stage.events)
 
@@ -573,17 +638,82 @@ class JobRepository:
         kv = await self._store.get(job_key(job_id))
         return [] if kv is None else list(read_record(kv.value).events)
 
+    def _counted(self, staged: Iterable[_Staged]) -> None:
+        """Count jobs just written in their new states, and out of their old ones."""
+        if self._by_state is not None:
+            for stage in staged:
+                if stage.before is not None:
+                    self._by_state[stage.before.state] -= 1
+                self._by_state[stage.job.state] += 1
+
     async def count_by_state(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        start = ""
+        """Stored jobs per state (states with none left out): kept since ``load``, else
+        counted from the state index; never by reading records."""
+        counts = self._by_state
+        if counts is None:
+            counts = Counter()
+            for state in jobs_pb2.JobState.values():
+                name = jobs_pb2.JobState.Name(state)
+                counts[state] = await self._store.count(job_index.prefix(job_index.STATE, name))
+        return {jobs_pb2.JobState.Name(state): n for state, n in counts.items() if n}
+
+    async def remove_finished(
+        self,
+        before_ns: int,
+        archive: Callable[[list[records_pb2.JobRecord]], Awaitable[None]] | None = None,
+    ) -> int:
+        """Delete the jobs that finished before ``before_ns`` (epoch nanoseconds), record and
+        index entries, a bounded batch per commit, the oldest first; returns how many.
+
+        ``archive`` gets each batch's records before the commit that deletes them (and must
+        have them safely written when it returns). Each delete expects the record's revision
+        as read, so a job written meanwhile stays (a later pass looks again), and a job not
+        finished by its record is never removed, nor one with no time at all (``finished_ns``
+        0: written so by hand, or by a release before the times): its age is unknown.
+        """
+        removed = 0
+        bound = job_index.finished_key(before_ns, "")
         while True:
-            page = await self._store.range(JOBS, start_after=start, limit=5000)
-            for kv in page:
-                name = jobs_pb2.JobState.Name(read_record(kv.value).job.state)
-                counts[name] = counts.get(name, 0) + 1
-            if len(page) < 5000:
-                return counts
-            start = page[-1].key
+            entries = await self._store.range(
+                job_index.FINISHED, start_after=job_index.UNKNOWN_TIME, limit=SCAN_BATCH
+            )
+            entries = [kv for kv in entries if kv.key < bound]
+            if not entries:
+                return removed
+            batch: list[tuple[jobs_pb2.Job, records_pb2.JobRecord, list[Op]]] = []
+            stale: list[Op] = []
+            size = 0
+            for entry in entries:
+                job_id = entry.key.rsplit("/", 1)[1]
+                kv = await self._store.get(job_key(job_id))
+                record = read_record(kv.value) if kv is not None else None
+                if kv is None or record is None or not job_state.is_terminal(record.job.state):
+                    stale.append(Delete(entry.key))  # an entry its record no longer backs
+                    continue
+                ops: list[Op] = [Delete(kv.key, expect_revision=kv.mod_revision)]
+                ops += job_index.ops(record.job, None)
+                if batch and size + len(ops) > MAX_OPS_PER_COMMIT:
+                    break
+                batch.append((record.job, record, ops))
+                size += len(ops)
+            if stale:
+                await self._store.commit(stale)
+            if not batch:
+                continue
+            if archive is not None:
+                await archive([record for _, record, _ in batch])
+            try:
+                await self._store.commit([op for _, _, ops in batch for op in ops])
+            except CasConflictError as err:
+                log.info("job_removal_deferred", job=err.key.removeprefix(JOBS))
+                return removed  # written meanwhile: the next pass reads it afresh
+            for job, _, _ in batch:
+                self._finished.pop(job.id, None)
+                self._locks.pop(job.id, None)
+                if self._by_state is not None:
+                    self._by_state[job.state] -= 1
+            removed += len(batch)
+            JOBS_REMOVED.labels(str(archive is not None).lower()).inc(len(batch))
 
 
 MAX_OPS_PER_COMMIT = 100
@@ -591,6 +721,36 @@ MAX_OPS_PER_COMMIT = 100
 coordinator's fenced store adds one; larger batches of updates go in several commits."""
 MAX_BYTES_PER_COMMIT = 1 << 20
 """etcd refuses a request over --max-request-bytes (1.5 MiB by default)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ListFilter:
+    """What a listing is narrowed to: the jobs in every one of ``sets``, each set the union
+    of some index prefixes (``job_index.prefix``); no sets: every job."""
+
+    sets: tuple[tuple[str, ...], ...] = ()
+
+    @classmethod
+    def of(
+        cls,
+        states: Collection[jobs_pb2.JobState.ValueType] = (),
+        tenant: str = "",
+        site: str = "",
+        queue: str = "",
+    ) -> ListFilter:
+        """Jobs in one of ``states`` (none: any) and of the tenant, site and queue given."""
+        sets = []
+        if states:
+            names = sorted(jobs_pb2.JobState.Name(s) for s in set(states))
+            sets.append(tuple(job_index.prefix(job_index.STATE, name) for name in names))
+        for kind, value in (
+            (job_index.TENANT, tenant),
+            (job_index.SITE, site),
+            (job_index.QUEUE, queue),
+        ):
+            if value:
+                sets.append((job_index.prefix(kind, value),))
+        return cls(tuple(sets))
 
 
 _Cached: TypeAlias = tuple[jobs_pb2.Job, int, list[bytes]]
@@ -607,25 +767,33 @@ class _Staged:
     put: Put
     events: list[jobs_pb2.JobEvent]
     encoded: list[bytes]
-    previous_state: int
+    before: jobs_pb2.Job | None
+    """The job as stored before (None: a new job)."""
+    index_ops: list[Op]
+    """The index entries that change with it (``job_index.ops``)."""
+
+    def ops(self) -> list[Op]:
+        return [self.put, *self.index_ops]
 
 
 def _chunks(staged: list[_Staged]) -> list[list[_Staged]]:
-    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT puts (one per job) or about
-    MAX_BYTES_PER_COMMIT bytes (one larger job goes alone)."""
+    """Jobs grouped so that no commit exceeds MAX_OPS_PER_COMMIT operations (a job's put and
+    its index entries) or about MAX_BYTES_PER_COMMIT bytes (one larger job goes alone)."""
     chunks: list[list[_Staged]] = []
-    size = 0
+    size = ops = 0
     for stage in staged:
         stage_size = len(stage.put.key) + len(stage.put.value)
+        stage_ops = 1 + len(stage.index_ops)
         if (
             not chunks
-            or len(chunks[-1]) == MAX_OPS_PER_COMMIT
+            or ops + stage_ops > MAX_OPS_PER_COMMIT
             or size + stage_size > MAX_BYTES_PER_COMMIT
         ):
             chunks.append([])
-            size = 0
+            size = ops = 0
         chunks[-1].append(stage)
         size += stage_size
+        ops += stage_ops
     return chunks
 
 

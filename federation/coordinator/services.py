@@ -29,6 +29,7 @@ from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
+from federation.coordinator.retention import Retention
 from federation.coordinator.scheduler import Scheduler, SchedulerConfig
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.security.certificates import Certificates
@@ -77,6 +78,8 @@ class Services:
     """Stops telling this term's sessions of trust bundle changes."""
     ended: NotLeaderError | None = None
     """Set when the term ended by stepping down: streams still open end with it."""
+    retention_task: asyncio.Task[None] | None = None
+    """Removes finished jobs and audit entries past their retention."""
 
     async def stop(self, step_down: NotLeaderError | None = None) -> None:
         """Stop scheduling; with ``step_down``, also end every agent session and watch.
@@ -98,7 +101,10 @@ class Services:
             self.scheduler_task,
             self.learning_task,
             self.expiry_task,
+            self.retention_task,
         ):
+            if task is None:
+                continue
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -188,6 +194,14 @@ async def start_services(
     learning_task = asyncio.create_task(LearningSaver(learner, store).run())
     expiries = Expiries(store, load_certificate(config.cert), authorities.issuer.cert)
     expiry_task = asyncio.create_task(expiries.run())
+    retention = Retention(
+        jobs,
+        store,
+        finished_job_retention_s=config.finished_job_retention_s,
+        audit_retention_s=config.audit_retention_s,
+        archive_dir=config.archive_dir,
+    )
+    retention_task = asyncio.create_task(retention.run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
@@ -219,6 +233,7 @@ async def start_services(
         lost_sites_task=lost_sites_task,
         learning_task=learning_task,
         expiry_task=expiry_task,
+        retention_task=retention_task,
         authorities=authorities,
         store=store,
         stop_telling_bundles=authorities.on_bundle_change(sites.tell_trust_bundle),

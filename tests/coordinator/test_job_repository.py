@@ -88,13 +88,15 @@ async def test_create_stores_job_and_first_event_in_one_commit(
 
 
 async def test_create_writes_a_batch_in_one_commit(store: SqliteStore, repo: JobRepository) -> None:
-    """Every job of a batch, with its first event, lands in the same store revision."""
+    """Every job of a batch, with its first event and its index entries, lands in the same
+    store revision."""
     revision = await store.revision()
     await repo.create([new_job("a"), new_job("b"), new_job("c")])
-    kvs = await store.range("/")
+    kvs = await store.range("/jobs/")
     assert len(kvs) == 3
-    assert {kv.mod_revision for kv in kvs} == {revision + 1}
+    assert {kv.mod_revision for kv in await store.range("/")} == {revision + 1}
     assert all(len(read_record(kv.value).events) == 1 for kv in kvs)
+    assert await store.count("/index/") == 3
 
 
 async def test_duplicate_id_is_an_invalid_argument_on_spec_id(

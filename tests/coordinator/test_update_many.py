@@ -129,7 +129,7 @@ async def test_large_batch_is_split_over_several_commits(
     store: SqliteStore, repo: JobRepository, hub: EventHub
 ) -> None:
     """More ops than MAX_OPS_PER_COMMIT go in several commits, each within the limit."""
-    count = 2 * MAX_OPS_PER_COMMIT  # one op each (the job's record): twice the limit in all
+    count = MAX_OPS_PER_COMMIT  # three ops each: three times the limit in all
     ids = [f"j{i:04d}" for i in range(count)]
     await repo.create([new_job(job_id) for job_id in ids])
     sub = hub.subscribe(lambda job: True)
@@ -139,11 +139,14 @@ async def test_large_batch_is_split_over_several_commits(
     assert after > before + 1
     assert sorted(results) == ids
     assert all(isinstance(r, jobs_pb2.Job) and r.state == SCH for r in results.values())
-    written = [kv for kv in await store.range("/") if kv.mod_revision > before]
+    written = [kv for kv in await store.range("/jobs/") if kv.mod_revision > before]
     assert len(written) == count  # every job, with its new event in its record
+    # Each job's record, its new state's index entry, and its old one's deletion.
     per_commit = Counter(kv.mod_revision for kv in written)
     assert set(per_commit) == set(range(before + 1, after + 1))
-    assert max(per_commit.values()) <= MAX_OPS_PER_COMMIT
+    assert 3 * max(per_commit.values()) <= MAX_OPS_PER_COMMIT
+    assert await store.count("/index/state/JOB_STATE_SCHEDULING/") == count
+    assert await store.count("/index/state/JOB_STATE_PENDING/") == 0
     for job_id in ids:
         job_kv = await store.get(job_key(job_id))
         assert job_kv is not None

@@ -9,9 +9,25 @@ from typing import ClassVar
 
 import pytest
 
-from federation.api.v1 import audit_service_pb2, certificate_service_pb2, queues_pb2, records_pb2
-from federation.coordinator import audit
+from federation.api.v1 import (
+    audit_service_pb2,
+    certificate_service_pb2,
+    job_service_pb2,
+    jobs_pb2,
+    queues_pb2,
+    records_pb2,
+)
+from federation.coordinator import audit, job_index, job_state
 from federation.coordinator.enrollment import CERTIFICATES
+from federation.coordinator.events import EventHub
+from federation.coordinator.jobs import (
+    JOBS,
+    Change,
+    JobRepository,
+    ListFilter,
+    read_record,
+    transition,
+)
 from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.security.certificates import Certificates
@@ -514,3 +530,38 @@ class StoreContract:
             ("certificate.revoke", "tenant:t"),
             ("certificate.revoke", "abc123"),
         ]
+
+    async def test_job_indexes_and_retention_read_back(self, store: Store) -> None:
+        """Jobs written through the repository, more than one commit's worth, read back from
+        their indexes in a fresh repository (counts and a filtered listing); once past their
+        time, the finished ones leave with every index entry, and the counts follow."""
+        repo = JobRepository(store, EventHub())
+        await repo.load()
+        jobs = []
+        for i in range(40):
+            job = jobs_pb2.Job(id=f"j{i:02d}", state=job_state.PENDING)
+            job.spec.tenant = "t/a" if i % 2 else "t b"
+            job.spec.tasks.add(name="main")
+            job.tasks.add(name="main", state=job_state.PENDING)
+            jobs.append(job)
+        await repo.create(jobs)
+
+        def cancel(job: jobs_pb2.Job) -> list[Change]:
+            return [transition(job, "main", job_state.CANCELLED, "stop")]
+
+        results = await repo.update_many([(f"j{i:02d}", cancel) for i in range(0, 40, 3)])
+        assert all(isinstance(r, jobs_pb2.Job) for r in results.values())
+        fresh = JobRepository(store, EventHub())
+        assert len(await fresh.load()) == 26
+        counts = {"JOB_STATE_PENDING": 26, "JOB_STATE_CANCELLED": 14}
+        assert await fresh.count_by_state() == counts
+        page = job_service_pb2.ListJobsResponse().jobs
+        where = ListFilter.of((job_state.CANCELLED,), "t/a")
+        assert await fresh.list_page(lambda job: True, page, 100, "", where=where) == ""
+        assert [job.id for job in page] == [f"j{i:02d}" for i in range(3, 40, 6)]
+        assert await fresh.remove_finished(time.time_ns() + 10**9) == 14
+        assert await fresh.count_by_state() == {"JOB_STATE_PENDING": 26}
+        assert await store.count(JOBS) == 26
+        stored = [read_record(kv.value).job for kv in await store.range(JOBS)]
+        indexed = {kv.key for kv in await store.range(job_index.INDEX)}
+        assert indexed == set().union(*(job_index.keys(job) for job in stored))

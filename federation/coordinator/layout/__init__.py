@@ -12,6 +12,7 @@ History of the layout:
 
 1. Each job alone under ``/jobs/ID``; each of its events under ``/events/ID/SEQUENCE``.
 2. One ``JobRecord`` per job under ``/jobs/ID``: the job and its newest events.
+3. As 2, with each job's index entries under ``/index/`` (``federation.coordinator.job_index``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from federation.coordinator.jobs import OLD_EVENTS
+from federation.coordinator.jobs import JOBS, OLD_EVENTS
 from federation.store import Delete, Put, Store, StoreError
 
 log = structlog.get_logger()
@@ -30,7 +31,7 @@ log = structlog.get_logger()
 LAYOUT_KEY = "/meta/layout"
 PROGRESS_KEY = "/meta/layout-migration"
 """Where a migration under way records its source version and how far it got."""
-CURRENT = 2
+CURRENT = 3
 """The layout this release writes."""
 MAX_OPS = 100
 """Most writes one migration commit makes: below etcd's 128 operations per transaction,
@@ -69,10 +70,13 @@ class Migration:
 
 def _migrations() -> dict[int, Migration]:
     """Version -> the migration from it to the next (imported late: they import this)."""
-    from federation.coordinator.layout import events_to_records
+    from federation.coordinator.layout import events_to_records, job_indexes
 
     return {
         1: Migration(1, "jobs and their events into one JobRecord each", events_to_records.run),
+        2: Migration(
+            2, "index entries for every job (state, tenant, site, queue)", job_indexes.run
+        ),
     }
 
 
@@ -93,11 +97,14 @@ async def stored_layout(store: Store) -> int | None:
 
 async def found_layout(store: Store) -> int:
     """The layout ``store`` is in: the recorded one, else the one its keys show (releases
-    before the record wrote layout 1 or 2; only layout 1 has keys under ``/events/``)."""
+    before the record wrote layout 1 or 2; only layout 1 has keys under ``/events/``; a store
+    with no jobs at all is taken as fresh)."""
     recorded = await stored_layout(store)
     if recorded is not None:
         return recorded
-    return 1 if await store.count(OLD_EVENTS) else CURRENT
+    if await store.count(OLD_EVENTS):
+        return 1
+    return 2 if await store.range(JOBS, limit=1) else CURRENT
 
 
 def check_not_newer(version: int, current: int = CURRENT) -> None:
