@@ -46,6 +46,7 @@ from federation.errors import (
 )
 from federation.metrics import JOBS_SUBMITTED
 from federation.security.identity import Identity, Role
+from federation.store import CommitTooLargeError
 from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
@@ -190,7 +191,14 @@ class JobManager:
                 ]
             )
         self._check_unfinished(jobs)
-        await self._jobs.create(jobs, batch=batch)
+        try:
+            await self._jobs.create(jobs, batch=batch)
+        except CommitTooLargeError as err:
+            raise ResourceExhaustedError(
+                f"the store cannot take these {len(jobs)} jobs in one commit ({err}). To fix: "
+                "submit fewer jobs per batch",
+                jobs=str(len(jobs)),
+            ) from None
         JOBS_SUBMITTED.inc(len(jobs))
         if tracing.on():
             _trace_submitted(jobs, started_ns)

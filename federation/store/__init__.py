@@ -5,6 +5,7 @@ from __future__ import annotations
 from federation.store.base import (
     CasConflictError,
     Check,
+    CommitTooLargeError,
     CompactedError,
     Delete,
     KeyValue,
@@ -22,6 +23,7 @@ from federation.store.sqlite import SqliteStore
 __all__ = [
     "CasConflictError",
     "Check",
+    "CommitTooLargeError",
     "CompactedError",
     "Delete",
     "KeyValue",

@@ -110,6 +110,11 @@ class StoreError(Exception):
     """Base class of every store failure."""
 
 
+class CommitTooLargeError(StoreError):
+    """The store refused a commit for its size (etcd's --max-txn-ops or --max-request-bytes):
+    it wrote nothing, and the same commit will never pass."""
+
+
 class CasConflictError(StoreError):
     """A commit's revision expectation did not hold, so the commit wrote nothing.
 

@@ -48,6 +48,7 @@ from federation.metrics import STORE_COMMIT_SECONDS
 from federation.security.tls import TlsFiles, channel_credentials
 from federation.store.base import (
     CasConflictError,
+    CommitTooLargeError,
     CompactedError,
     Delete,
     KeyValue,
@@ -85,6 +86,8 @@ _HINTS = {
     "request is too large": "commit less data or raise etcd's --max-request-bytes",
     "database space exceeded": "compact and defragment etcd, or raise --quota-backend-bytes",
 }
+_TOO_LARGE = ("too many operations in txn request", "request is too large")
+"""Refusals of a commit for its size: the same commit never passes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,9 +297,10 @@ class EtcdStore:
                 f"runs at {endpoint} and has a quorum"
             )
         hint = next((fix for text, fix in _HINTS.items() if text in details), "")
-        return StoreError(
-            f"etcd refused {what} ({code.name}: {details})" + (f": {hint}" if hint else "")
-        )
+        refused = f"etcd refused {what} ({code.name}: {details})" + (f": {hint}" if hint else "")
+        if any(text in details for text in _TOO_LARGE):
+            return CommitTooLargeError(refused)
+        return StoreError(refused)
 
     def _key(self, key: str) -> bytes:
         return self._namespace + key.encode()

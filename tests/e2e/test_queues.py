@@ -66,6 +66,7 @@ def federation(
 
 # Validation and the CLI do not depend on the store: once is enough.
 SQLITE_ONLY = pytest.mark.parametrize("federation", ["sqlite"], indirect=True)
+ETCD_ONLY = pytest.mark.parametrize("federation", ["etcd"], indirect=True)
 
 
 def queue(name: str, tenant: str, *quotas: tuple[str, float, float], **extra: object):  # type: ignore[no-untyped-def]
@@ -289,3 +290,24 @@ def test_fedctl_queues_create_list_update_delete(federation: LocalFederation) ->
     assert "--quota 'gpu=lots'" in bad.stderr
     assert fedctl(federation, "queues", "delete", "cli-q").returncode == 0
     assert "cli-q" not in fedctl(federation, "queues", "list").stdout
+
+
+@ETCD_ONLY
+async def test_a_batch_larger_than_one_etcd_commit_is_refused_whole(
+    operator: grpc.aio.Channel,
+) -> None:
+    """etcd's default --max-txn-ops (128) holds 25 to 40 jobs with their index entries: a
+    larger batch is RESOURCE_EXHAUSTED, saying what to do, and nothing of it is stored."""
+    before = await admin(operator).GetFederationStatus(
+        admin_service_pb2.GetFederationStatusRequest()
+    )
+    specs = [spec(f"big-{i}", [python_task("t", "pass")]) for i in range(60)]
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+    assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "submit fewer jobs per batch" in (caught.value.details() or "")
+    assert "max-txn-ops" in (caught.value.details() or "")
+    after = await admin(operator).GetFederationStatus(
+        admin_service_pb2.GetFederationStatusRequest()
+    )
+    assert dict(after.jobs_by_state) == dict(before.jobs_by_state)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from federation.store import CompactedError, Delete, Put, StoreError
+from federation.store import CommitTooLargeError, CompactedError, Delete, Put, StoreError
 from federation.store.etcd import EtcdStore
 
 from .contract import PUT, WAIT_S, StoreContract, summary, take
@@ -200,8 +200,8 @@ async def test_dead_endpoint_is_skipped_for_a_live_one(etcd: LocalEtcd) -> None:
 
 
 async def test_commit_over_etcd_txn_limit_names_the_setting(store: EtcdStore) -> None:
-    """A commit with more ops than etcd's --max-txn-ops raises StoreError saying so."""
-    with pytest.raises(StoreError, match="max-txn-ops"):
+    """A commit with more ops than etcd's --max-txn-ops raises CommitTooLargeError saying so."""
+    with pytest.raises(CommitTooLargeError, match="max-txn-ops"):
         await store.commit([Put(f"/k{i}", b"x") for i in range(200)])
     assert await store.count("/") == 0
 
