@@ -186,6 +186,33 @@ def forget_devices(task: jobs_pb2.TaskStatus) -> None:
 Mutation = Callable[[jobs_pb2.Job], list[Change]]
 
 
+@dataclass(slots=True)
+class _Page:
+    """A ``ListJobs`` reply being filled: jobs are decoded straight into its repeated field."""
+
+    into: RepeatedCompositeFieldContainer[jobs_pb2.Job]
+    accepts: Callable[[jobs_pb2.Job], bool]
+    page_size: int
+    max_bytes: int
+    size: int = 0
+    taken: int = 0
+
+    def offer(self, encoded: bytes) -> str | None:
+        """Add the job if it is accepted; when the page is full, leave it out and return the
+        next page's token (the id of the last job in)."""
+        job = self.into.add()
+        job.ParseFromString(encoded)
+        if not self.accepts(job):
+            del self.into[-1]
+            return None
+        self.size += len(encoded) + 8  # its size plus a few bytes of framing in the reply
+        if self.taken == self.page_size or (self.taken and self.size > self.max_bytes):
+            del self.into[-1]
+            return self.into[-1].id
+        self.taken += 1
+        return None
+
+
 class JobRepository:
     """Jobs in the store, with active jobs cached and one writer per job at a time."""
 
@@ -378,49 +405,30 @@ class JobRepository:
         so has a next token though it may hold no jobs; otherwise the next token is set only
         when another matching job exists.
         """
+        reply = _Page(into, accepts, page_size, max_bytes)
         if where is not None and where.sets:
-            return await self._list_indexed(
-                where, accepts, into, page_size, page_token, max_bytes, max_scanned
-            )
-        size = scanned = taken = 0
+            return await self._list_indexed(where, reply, page_token, max_scanned)
+        scanned = 0
         timeslice = TimeSlice()
         start = job_key(page_token) if page_token else ""
         while True:
             page = await self._store.range(JOBS, start_after=start, limit=SCAN_BATCH)
             for kv in page:
                 await timeslice.share()
-                encoded = _job_bytes(kv.value)
-                job = into.add()
-                job.ParseFromString(encoded)
+                if (full := reply.offer(_job_bytes(kv.value))) is not None:
+                    return full
                 scanned += 1
-                if accepts(job):
-                    # Each job costs its size plus a few bytes of framing in the reply.
-                    size += len(encoded) + 8
-                    if taken == page_size or (taken and size > max_bytes):
-                        del into[-1]
-                        return into[-1].id
-                    taken += 1
-                else:
-                    del into[-1]
                 if scanned >= max_scanned:
-                    return job.id
+                    return kv.key.removeprefix(JOBS)
             if len(page) < SCAN_BATCH:
                 return ""
             start = page[-1].key
 
     async def _list_indexed(
-        self,
-        where: ListFilter,
-        accepts: Callable[[jobs_pb2.Job], bool],
-        into: RepeatedCompositeFieldContainer[jobs_pb2.Job],
-        page_size: int,
-        page_token: str,
-        max_bytes: int,
-        max_scanned: int,
+        self, where: ListFilter, reply: _Page, page_token: str, max_scanned: int
     ) -> str:
         """``list_page`` over the jobs in every set of ``where``, leapfrogging their indexes."""
         found = job_index.Filter(self._store, where.sets, SCAN_BATCH)
-        size = taken = 0
         timeslice = TimeSlice()
         after = page_token
         while True:
@@ -430,18 +438,8 @@ class JobRepository:
                 return ""
             after = job_id
             kv = await self._store.get(job_key(job_id))
-            if kv is not None:
-                encoded = _job_bytes(kv.value)
-                job = into.add()
-                job.ParseFromString(encoded)
-                if accepts(job):
-                    size += len(encoded) + 8
-                    if taken == page_size or (taken and size > max_bytes):
-                        del into[-1]
-                        return into[-1].id
-                    taken += 1
-                else:
-                    del into[-1]
+            if kv is not None and (full := reply.offer(_job_bytes(kv.value))) is not None:
+                return full
             if found.read >= max_scanned:
                 return job_id
 
