@@ -134,6 +134,7 @@ async def test_follower_refuses_with_the_leaders_address(
         "leader_join": leader.me.join_address,
     }
     async with operator_channel(tmp_path, leader) as channel:
+        await serving(channel)  # known as the leader a moment before its term's services are up
         status = await admin_service_pb2_grpc.AdminServiceStub(channel).GetFederationStatus(
             admin_service_pb2.GetFederationStatusRequest()
         )
