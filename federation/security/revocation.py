@@ -25,15 +25,14 @@ from federation.api.v1 import records_pb2
 from federation.errors import CertificateRevokedError
 from federation.security.identity import Identity, identity_from_certificate
 from federation.security.pki import CLOCK_SKEW
-from federation.store import CompactedError, Store, StoreError, WatchEventType
+from federation.store import Store, WatchEvent, WatchEventType
+from federation.store.follow import follow as follow_prefix
 
 log = structlog.get_logger()
 
 REVOCATIONS = "/revocations/"
 BY_SERIAL = REVOCATIONS + "serial/"
 BY_IDENTITY = REVOCATIONS + "identity/"
-FOLLOW_RETRY_S = 0.5
-"""How long ``follow`` waits before reading the revocations again after the watch broke."""
 
 
 def revocation_key(revocation: records_pb2.Revocation) -> str:
@@ -199,18 +198,13 @@ async def follow(store: Store, book: RevocationBook, revision: int) -> None:
 
     A broken watch (the store restarting, history compacted) reads the whole list again.
     """
-    while True:
-        try:
-            async for event in store.watch(REVOCATIONS, start_revision=revision + 1):
-                revision = max(revision, event.kv.mod_revision)
-                if event.type is WatchEventType.DELETE:
-                    book.forget(event.kv.key)
-                else:
-                    book.apply(records_pb2.Revocation.FromString(event.kv.value))
-        except (StoreError, CompactedError) as err:
-            log.warning("revocation_watch_broken", error=str(err))
-        await asyncio.sleep(FOLLOW_RETRY_S)
-        try:
-            revision = await load(store, book)
-        except StoreError as err:
-            log.warning("revocation_reload_failed", error=str(err))
+
+    async def apply(event: WatchEvent) -> None:
+        if event.type is WatchEventType.DELETE:
+            book.forget(event.kv.key)
+        else:
+            book.apply(records_pb2.Revocation.FromString(event.kv.value))
+
+    await follow_prefix(
+        store, REVOCATIONS, revision, apply, lambda: load(store, book), "revocation"
+    )

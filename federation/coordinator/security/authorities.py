@@ -56,7 +56,8 @@ from federation.security.pki import (
     load_bundle,
     load_issuer,
 )
-from federation.store import CompactedError, Put, Store, StoreError, WatchEventType
+from federation.store import Put, Store, WatchEvent, WatchEventType
+from federation.store.follow import follow as follow_prefix
 
 log = structlog.get_logger()
 
@@ -67,8 +68,6 @@ ROTATE = "pki.rotate-ca"
 RETIRE = "pki.retire-ca"
 """The audit action of retiring the older issuing CAs."""
 SERVER_CERTIFICATE_DAYS = 825
-FOLLOW_RETRY_S = 0.5
-"""How long ``follow`` waits before reading the CAs again after the watch broke."""
 
 
 def _pem(cert: x509.Certificate) -> bytes:
@@ -232,21 +231,20 @@ class Authorities:
 
         A broken watch (the store restarting, history compacted) reads the CAs again.
         """
-        revision = self._revision
-        while True:
-            try:
-                async for event in store.watch(AUTHORITIES, start_revision=revision + 1):
-                    revision = max(revision, event.kv.mod_revision)
-                    if event.kv.key == AUTHORITIES and event.type is WatchEventType.PUT:
-                        async with self._changing:
-                            self._follow(event.kv.value, event.kv.mod_revision)
-            except (StoreError, CompactedError) as err:
-                log.warning("certificate_authorities_watch_broken", error=str(err))
-            await asyncio.sleep(FOLLOW_RETRY_S)
-            try:
-                revision = await self._read(store)
-            except StoreError as err:
-                log.warning("certificate_authorities_reload_failed", error=str(err))
+
+        async def apply(event: WatchEvent) -> None:
+            if event.kv.key == AUTHORITIES and event.type is WatchEventType.PUT:
+                async with self._changing:
+                    self._follow(event.kv.value, event.kv.mod_revision)
+
+        await follow_prefix(
+            store,
+            AUTHORITIES,
+            self._revision,
+            apply,
+            lambda: self._read(store),
+            "certificate_authorities",
+        )
 
     async def _read(self, store: Store) -> int:
         """Take the stored CAs in, if a rollover began; returns the revision read at or after."""
