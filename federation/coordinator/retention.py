@@ -28,6 +28,7 @@ from google.protobuf import json_format
 from federation.api.v1 import records_pb2
 from federation.coordinator import audit
 from federation.coordinator.jobs import JobRepository
+from federation.durable import sync_dir
 from federation.errors import FederationError
 from federation.store import Store, StoreError
 
@@ -55,11 +56,7 @@ def _append(path: Path, records: list[records_pb2.JobRecord]) -> None:
         out.flush()
         os.fsync(out.fileno())
     if new:  # the file's name must survive a crash too
-        folder = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(folder)
-        finally:
-            os.close(folder)
+        sync_dir(path.parent)
 
 
 def read_archive(path: Path) -> list[records_pb2.JobRecord]:

@@ -23,6 +23,7 @@ import structlog
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from federation.durable import sync_dir
 from federation.security.pki import write_private_file
 
 log = structlog.get_logger()
@@ -39,7 +40,7 @@ def replace_key_pair(cert: Path, key: Path, cert_pem: bytes, key_pem: bytes) -> 
     write_private_file(pending(cert), cert_pem)
     os.replace(pending(key), key)
     os.replace(pending(cert), cert)
-    _sync_dir(cert.parent)
+    sync_dir(cert.parent)
 
 
 def finish_replacement(cert: Path, key: Path) -> bool:
@@ -49,7 +50,7 @@ def finish_replacement(cert: Path, key: Path) -> bool:
         if next_cert.exists() and _pair_matches(next_cert, next_key):
             os.replace(next_key, key)
             os.replace(next_cert, cert)
-            _sync_dir(cert.parent)
+            sync_dir(cert.parent)
             log.warning("key_pair_replacement_finished", cert=str(cert))
             return True
         next_key.unlink()
@@ -58,7 +59,7 @@ def finish_replacement(cert: Path, key: Path) -> bool:
     if next_cert.exists():
         if key.exists() and _pair_matches(next_cert, key):  # the key was renamed already
             os.replace(next_cert, cert)
-            _sync_dir(cert.parent)
+            sync_dir(cert.parent)
             log.warning("key_pair_replacement_finished", cert=str(cert))
             return True
         next_cert.unlink()
@@ -72,12 +73,3 @@ def _pair_matches(cert: Path, key: Path) -> bool:
     except ValueError:
         return False  # torn or foreign: not a pair to finish
     return bool(certificate.public_key() == private_key.public_key())
-
-
-def _sync_dir(folder: Path) -> None:
-    """Make the renames durable: a rename lives in the directory, not in the file."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

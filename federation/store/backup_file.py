@@ -12,6 +12,7 @@ import sqlite3
 from dataclasses import dataclass
 from pathlib import Path
 
+from federation.durable import sync_dir
 from federation.store.base import StoreError
 from federation.store.sqlite import SCHEMA_VERSION
 
@@ -106,9 +107,5 @@ def restore(backup: Path, target: Path, *, force: bool = False) -> StoreFile:
         os.replace(staged, target)
     finally:
         staged.unlink(missing_ok=True)
-    directory = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(directory)  # the rename itself survives a power cut
-    finally:
-        os.close(directory)
+    sync_dir(target.parent)  # the rename itself survives a power cut
     return restored
