@@ -19,19 +19,10 @@ from deploy_tools import DEPLOY, need_tool
 from federation.security.tls import TlsFiles
 from federation.store import Put
 from federation.store.etcd import EtcdStore
+from federation.testing.etcd import free_ports
 
 EXAMPLE = DEPLOY / "etcd"
 MEMBERS = (1, 2, 3)
-
-
-def free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
 
 
 def local_config(member: int, ports: dict[str, int], pki: Path, data: Path) -> str:
