@@ -220,15 +220,8 @@ def _service_violations(
         yield FieldViolation(
             f"{path}.restart", f"unknown policy {policy.restart}; expected always or on_failure"
         )
-    yield from _number(path, "backoff_s", policy.backoff_s, 0, MAX_BACKOFF_S)
-    yield from _number(path, "max_backoff_s", policy.max_backoff_s, 0, MAX_BACKOFF_S)
+    yield from _backoff_violations(policy.backoff_s, policy.max_backoff_s, path)
     yield from _number(path, "min_run_s", policy.min_run_s, 0, MAX_BACKOFF_S)
-    if 0 < policy.max_backoff_s < policy.backoff_s:
-        yield FieldViolation(
-            f"{path}.max_backoff_s",
-            f"is shorter than backoff_s ({_show(policy.max_backoff_s)} < "
-            f"{_show(policy.backoff_s)})",
-        )
     yield from _number(path, "crash_loop_after", policy.crash_loop_after, 0, MAX_ATTEMPTS)
     yield from _number(path, "port", policy.port, 0, MAX_PORT)
     yield from _number(path, "max_unavailable", policy.max_unavailable, 0, replicas)
@@ -266,12 +259,19 @@ def _readiness_violations(check: jobs_pb2.ReadinessCheck, path: str) -> Iterator
 
 def _retry_violations(retry: jobs_pb2.RetryPolicy, path: str) -> Iterator[FieldViolation]:
     yield from _number(path, "max_attempts", retry.max_attempts, 0, MAX_ATTEMPTS)
-    yield from _number(path, "backoff_s", retry.backoff_s, 0, MAX_BACKOFF_S)
-    yield from _number(path, "max_backoff_s", retry.max_backoff_s, 0, MAX_BACKOFF_S)
-    if 0 < retry.max_backoff_s < retry.backoff_s:
+    yield from _backoff_violations(retry.backoff_s, retry.max_backoff_s, path)
+
+
+def _backoff_violations(
+    backoff_s: float, max_backoff_s: float, path: str
+) -> Iterator[FieldViolation]:
+    """A first wait and its cap (retries, service restarts): each in range, the cap not shorter."""
+    yield from _number(path, "backoff_s", backoff_s, 0, MAX_BACKOFF_S)
+    yield from _number(path, "max_backoff_s", max_backoff_s, 0, MAX_BACKOFF_S)
+    if 0 < max_backoff_s < backoff_s:
         yield FieldViolation(
             f"{path}.max_backoff_s",
-            f"is shorter than backoff_s ({_show(retry.max_backoff_s)} < {_show(retry.backoff_s)})",
+            f"is shorter than backoff_s ({_show(max_backoff_s)} < {_show(backoff_s)})",
         )
 
 
