@@ -16,21 +16,9 @@ import pytest
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.service import RestartPolicy
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.testing.services import HTTP_REPLICA
 
 from .cores import CANCELLED, RUNNING, Recorder, node, offer, run
-
-SERVER = """
-import http.server, os
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(os.environ["FEDERATION_REPLICA"].encode())
-    def log_message(self, *args):
-        pass
-port = int(os.environ["FEDERATION_PORT"])
-http.server.HTTPServer(("127.0.0.1", port), Handler).serve_forever()
-"""
 
 
 def service_offer(
@@ -90,7 +78,7 @@ async def test_a_killed_replica_comes_back_ready_while_the_other_serves(
     back ready within backoff + 5 s and the other answers all along."""
     core = make_core([node("n", cpu=8)], service_address="127.0.0.1")
     readiness = jobs_pb2.ReadinessCheck(http_path="/", period_s=0.2)
-    await run(core, service_offer(SERVER, replicas=2, backoff_s=0.5, readiness=readiness))
+    await run(core, service_offer(HTTP_REPLICA, replicas=2, backoff_s=0.5, readiness=readiness))
     await until(lambda: [e.ready for e in endpoints(recorder)] == [True, True], "both ready")
     first, second = endpoints(recorder)
     assert (first.site, first.node, first.address) == ("site-a", "n", "127.0.0.1")
@@ -163,10 +151,10 @@ async def test_a_fixed_port_for_several_replicas_is_declined(
 ) -> None:
     """Every replica runs on this machine: a fixed port serves one."""
     core = make_core([node("n", cpu=8)])
-    declined = await core.offer(service_offer(SERVER, replicas=2, port=8080))
+    declined = await core.offer(service_offer(HTTP_REPLICA, replicas=2, port=8080))
     assert not declined.accepted
     assert "service.port 8080 is fixed" in declined.reason
-    assert (await core.offer(service_offer(SERVER, replicas=1, port=8080))).accepted
+    assert (await core.offer(service_offer(HTTP_REPLICA, replicas=1, port=8080))).accepted
 
 
 async def test_a_command_check_runs_beside_the_replica(

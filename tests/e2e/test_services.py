@@ -22,23 +22,13 @@ from federation.api.v1 import (
     serving_service_pb2_grpc,
 )
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.services import HTTP_REPLICA
 
 from .conftest import channel_as, jobs, python_task, running, spec, tenant_tls, until, wait_for_job
 from .test_cli import fedctl
 
 pytestmark = pytest.mark.xdist_group("e2e-services")
 
-SERVER = """
-import http.server, os
-class Handler(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200)
-        self.end_headers()
-        self.wfile.write(os.environ["FEDERATION_REPLICA"].encode())
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(os.environ["FEDERATION_PORT"])), Handler).serve_forever()
-"""
 BACKOFF_S = 1.0
 NODE = {"name": "web-box", "cpu_cores": 16, "memory_mib": 65536}
 
@@ -89,7 +79,7 @@ async def test_a_killed_replica_comes_back_while_the_other_serves(fed: LocalFede
     answer; one killed is back ready within backoff + 5 s, the other answering all along; a
     watcher sees the change; cancel stops both."""
     readiness = {"httpPath": "/", "periodS": 0.2}
-    job_spec = spec("web", [service("web", SERVER, backoffS=BACKOFF_S, readiness=readiness)])
+    job_spec = spec("web", [service("web", HTTP_REPLICA, backoffS=BACKOFF_S, readiness=readiness)])
     async with fed.operator().channel() as channel:
         job = (await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))).job
 
