@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 from pathlib import Path
 
 import grpc
@@ -48,19 +46,10 @@ from .conftest import (
     until,
     wait_for_job,
 )
+from .test_cli import fedctl
 from .test_renewal import certificates, short_lived
 
 pytestmark = pytest.mark.xdist_group("e2e-ca-rollover")
-
-
-def fedctl(fed: LocalFederation, *args: str) -> subprocess.CompletedProcess[str]:
-    """fedctl as the operator of the pki folder, with the files as they are now."""
-    command = [
-        *(sys.executable, "-m", "federation.cli"),
-        *("--coordinator", fed.address, "--pki-dir", str(fed.pki.dir)),
-        *args,
-    ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
 def roots(path: Path) -> list[x509.Certificate]:

@@ -11,8 +11,6 @@ only the new root reaches it and gets certificates of the new CA from it.
 from __future__ import annotations
 
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -31,6 +29,7 @@ from federation.testing.etcd import etcd_binary
 
 from .conftest import etcd_prefix, jobs, tls_for, until
 from .test_ca_rollover import leaf, roots
+from .test_cli import fedctl
 from .test_renewal import certificates
 
 pytestmark = [
@@ -43,14 +42,9 @@ pytestmark = [
 LEASE_S = 2.0
 
 
-def fedctl(fed: LocalFederation, address: str, *args: str) -> None:
+def fedctl_at(fed: LocalFederation, address: str, *args: str) -> None:
     """fedctl as the operator of the pki folder, at ``address``; it must succeed."""
-    command = [
-        *(sys.executable, "-m", "federation.cli"),
-        *("--coordinator", address, "--pki-dir", str(fed.pki.dir)),
-        *args,
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    done = fedctl(fed, *args, env={"FEDCTL_COORDINATOR": address})
     assert done.returncode == 0, done.stderr
 
 
@@ -98,10 +92,10 @@ async def test_the_follower_follows_a_rollover_and_leads_after_it(
         stale = tls_for(fed, Identity(Role.TENANT, "stale"))  # issued by the old CA
         old_root = roots(fed.pki.ca_cert)
 
-        fedctl(fed, at_leader, "pki", "rotate-ca", "--new-root")
+        fedctl_at(fed, at_leader, "pki", "rotate-ca", "--new-root")
         new_issuer = leaf(fed.pki.issuing_cert)
         [new_root] = [r for r in roots(fed.pki.ca_cert) if r not in old_root]
-        fedctl(fed, at_leader, "pki", "renew")
+        fedctl_at(fed, at_leader, "pki", "renew")
         only_new = tmp_path / "new-root.pem"
         only_new.write_bytes(bundle_pem([new_root]))
         operator = TlsFiles(
@@ -113,7 +107,7 @@ async def test_the_follower_follows_a_rollover_and_leads_after_it(
         # Before the retirement the follower still serves its certificate of the old CA.
         assert not await handshake(at_follower, operator)
 
-        fedctl(fed, at_leader, "pki", "retire-ca")
+        fedctl_at(fed, at_leader, "pki", "retire-ca")
         retired_at = time.monotonic()
         await until(lambda: handshake(at_follower, operator), "the follower's new certificate", 5)
         followed_s = time.monotonic() - retired_at
@@ -149,7 +143,7 @@ async def test_the_follower_follows_a_rollover_and_leads_after_it(
         assert load_bundle(bundle.trust_bundle_pem) == [new_root]
         assert x509.load_pem_x509_certificate(bundle.issuing_ca_pem) == new_issuer
         before = leaf(operator.cert).serial_number
-        fedctl(fed, at_follower, "pki", "renew")  # signed by the issuing CA it followed
+        fedctl_at(fed, at_follower, "pki", "renew")  # signed by the issuing CA it followed
         assert leaf(operator.cert).serial_number != before
         assert issued_by(leaf(operator.cert), new_issuer)
     finally:
