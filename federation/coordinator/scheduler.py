@@ -415,7 +415,7 @@ class Scheduler:
             feasible = ranked
             if not ranked:
                 self._backoff(key)
-                return [*verdicts, *self._preempt_for(job, task, verdicts, cycle.snapshot)]
+                return [*verdicts, *self._preempt_for(job, task, verdicts, cycle)]
             if queued:
                 admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
             else:
@@ -655,7 +655,7 @@ class Scheduler:
         job: jobs_pb2.Job,
         task: str,
         verdicts: tuple[jobs_pb2.SiteVerdict, ...],
-        snapshot: Snapshot,
+        cycle: _Cycle,
     ) -> tuple[jobs_pb2.SiteVerdict, ...]:
         """Stop tasks to make room, at a site that is only short of room, when the job may
         preempt (lower-priority, preemptible tasks) or its queue is owed its nominal quota
@@ -666,8 +666,11 @@ class Scheduler:
         urgent = self._sharing.may_preempt(job)
         if not urgent and job.spec.queue not in self._sharing.book.queues:
             return ()  # the common case, checked first: this runs for every waiting task
+        assert cycle.snapshot is not None
+        snapshot = cycle.snapshot
         need = task_demand(job, task)
-        lenders = set() if urgent else self._sharing.lenders(job, need)
+        claimed = self._claimed(cycle, key)
+        lenders = set() if urgent else self._sharing.lenders(job, need, claimed)
         if not urgent and not lenders:
             return ()
         if key in self._preempting:
@@ -709,6 +712,17 @@ class Scheduler:
                 "to make room",
             ),
         )
+
+    def _claimed(self, cycle: _Cycle, but: TaskKey) -> Tentative:
+        """What the queues hold beyond their placed tasks: what this cycle admitted, and what
+        the other tasks waiting for room stopped for them need. A queue owed one GPU is owed
+        it once: without these, each of its waiting tasks found it owed and stopped a task."""
+        claimed = {queue: dict(held) for queue, held in cycle.tentative.items()}
+        for job_id, task in self._preempting:
+            job = self._jobs.cached(job_id)
+            if (job_id, task) != but and job is not None and job.spec.queue:
+                add(claimed.setdefault(job.spec.queue, {}), task_demand(job, task).items())
+        return claimed
 
     def _preemption_candidates(
         self, urgent: jobs_pb2.Job, sites: set[str], lenders: set[str]

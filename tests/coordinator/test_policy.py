@@ -132,6 +132,8 @@ def test_what_a_queue_is_owed_goes_before_what_another_would_borrow() -> None:
     borrowed.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
     usage.update(borrowed, {})
     assert sharing.lenders(waiting[2], {"gpu": 1}) == {"qd"}  # owed what qd borrows
+    # Once another of qc's tasks waits for the GPU it is owed, qc is owed nothing more.
+    assert sharing.lenders(waiting[2], {"gpu": 1}, {"qc": {"gpu": 1.0}}) == set()
 
 
 def test_priority_classes_are_checked() -> None:

@@ -114,11 +114,15 @@ class Sharing:
         known = self.classes.get(job.spec.priority_class)
         return known is None or known.preemptible
 
-    def lenders(self, job: jobs_pb2.Job, need: Demand) -> set[str]:
+    def lenders(
+        self, job: jobs_pb2.Job, need: Demand, claimed: Tentative | None = None
+    ) -> set[str]:
         """When the job's queue (and every queue above it) is within its nominal quota of all
         it needs, the queues beside them that borrow some of those resources, with the queues
-        under those: their tasks may be stopped to give the room back. Empty otherwise."""
-        if not within_nominal(job.spec.queue, need, self.book.queues, self.held):
+        under those: their tasks may be stopped to give the room back. Empty otherwise.
+        ``claimed``: what queues hold beyond their placed tasks (``Scheduler._claimed``)."""
+        held = functools.partial(self.held, tentative=claimed)
+        if not within_nominal(job.spec.queue, need, self.book.queues, held):
             return set()  # it would borrow itself: nothing to reclaim
         borrowing: set[str] = set()
         for current in self._chain(job.spec.queue):
@@ -126,7 +130,7 @@ class Sharing:
             for other in self.book.queues.values():
                 if other.parent != queue.parent or other.name == current:
                     continue
-                theirs = self.held(other.name)
+                theirs = held(other.name)
                 if any(
                     need.get(quota_key(q)) and theirs.get(quota_key(q), 0.0) > q.nominal + EPSILON
                     for q in other.quotas
