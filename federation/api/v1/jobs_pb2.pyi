@@ -592,6 +592,7 @@ class Endpoint(_message.Message):
     READY_FIELD_NUMBER: _builtins.int
     RESTARTS_FIELD_NUMBER: _builtins.int
     CRASH_LOOPING_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     node: _builtins.str
     address: _builtins.str
@@ -603,6 +604,8 @@ class Endpoint(_message.Message):
     restarts: _builtins.int
     """Restarts so far."""
     crash_looping: _builtins.bool
+    revision: _builtins.int
+    """The revision of the task's spec this replica runs (TaskStatus.revision when it started)."""
     def __init__(
         self,
         *,
@@ -614,10 +617,11 @@ class Endpoint(_message.Message):
         ready: _builtins.bool = ...,
         restarts: _builtins.int = ...,
         crash_looping: _builtins.bool = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "crash_looping", b"crash_looping", "node", b"node", "port", b"port", "ready", b"ready", "replica", b"replica", "restarts", b"restarts", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "crash_looping", b"crash_looping", "node", b"node", "port", b"port", "ready", b"ready", "replica", b"replica", "restarts", b"restarts", "revision", b"revision", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -977,6 +981,7 @@ class TaskStatus(_message.Message):
     RETRY_AT_FIELD_NUMBER: _builtins.int
     PART_OF_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -1003,6 +1008,10 @@ class TaskStatus(_message.Message):
     part_of: _builtins.str
     """For a part of a task divided by its spread: the task's name in the spec ("train" for
     "train/1"); empty for a task that is not divided.
+    """
+    revision: _builtins.int
+    """How many times the task's spec was changed in place (ServingService: scale, rolling
+    update); 0: as submitted.
     """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
@@ -1074,10 +1083,11 @@ class TaskStatus(_message.Message):
         retry_at: _timestamp_pb2.Timestamp | None = ...,
         part_of: _builtins.str = ...,
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "revision", b"revision", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

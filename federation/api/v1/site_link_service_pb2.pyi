@@ -323,6 +323,7 @@ class AgentMessage(_message.Message):
     COMMIT_ANSWER_FIELD_NUMBER: _builtins.int
     TASK_STATUS_FIELD_NUMBER: _builtins.int
     GOODBYE_FIELD_NUMBER: _builtins.int
+    CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -339,6 +340,8 @@ class AgentMessage(_message.Message):
     def task_status(self) -> Global___TaskReport: ...
     @_builtins.property
     def goodbye(self) -> Global___Goodbye: ...
+    @_builtins.property
+    def change_answer(self) -> Global___ChangeAnswer: ...
     def __init__(
         self,
         *,
@@ -350,12 +353,13 @@ class AgentMessage(_message.Message):
         commit_answer: Global___CommitAnswer | None = ...,
         task_status: Global___TaskReport | None = ...,
         goodbye: Global___Goodbye | None = ...,
+        change_answer: Global___ChangeAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -418,6 +422,7 @@ class Offer(_message.Message):
     NODE_LABELS_FIELD_NUMBER: _builtins.int
     ESTIMATE_FIELD_NUMBER: _builtins.int
     STOP_AFTER_DISCONNECT_S_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -428,6 +433,8 @@ class Offer(_message.Message):
     """The job's disconnect.stop_after_s: cut off from every coordinator this long, the agent
     stops the task itself and reports it interrupted. Zero: it keeps running.
     """
+    revision: _builtins.int
+    """The revision of the spec (TaskStatus.revision), which the replicas' endpoints report."""
     @_builtins.property
     def spec(self) -> _jobs_pb2.TaskSpec: ...
     @_builtins.property
@@ -459,14 +466,80 @@ class Offer(_message.Message):
         node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         estimate: _jobs_pb2.Estimate | None = ...,
         stop_after_disconnect_s: _builtins.float = ...,
+        revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "spec", b"spec", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Offer: _TypeAlias = Offer  # noqa: Y015
+
+@_typing.final
+class ChangeTask(_message.Message):
+    """Changes a running service task in place (protocol 3): its replica count and what each
+    replica runs. Answered by ChangeAnswer; an older agent is never sent one.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    SPEC_FIELD_NUMBER: _builtins.int
+    REVISION_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    task: _builtins.str
+    epoch: _builtins.int
+    revision: _builtins.int
+    """The new spec's revision (TaskStatus.revision)."""
+    @_builtins.property
+    def spec(self) -> _jobs_pb2.TaskSpec:
+        """The task's new spec. Only replicas, command, env and service may differ from the spec the
+        task runs: the site places added replicas beside the others, stops the highest-numbered
+        ones to scale down, and replaces the others in batches of service.max_unavailable.
+        """
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        spec: _jobs_pb2.TaskSpec | None = ...,
+        revision: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "revision", b"revision", "spec", b"spec", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeTask: _TypeAlias = ChangeTask  # noqa: Y015
+
+@_typing.final
+class ChangeAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACCEPTED_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    accepted: _builtins.bool
+    """The site took the change; the replicas are replaced after the answer, not before it."""
+    reason: _builtins.str
+    def __init__(
+        self,
+        *,
+        accepted: _builtins.bool = ...,
+        reason: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted", b"accepted", "reason", b"reason"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChangeAnswer: _TypeAlias = ChangeAnswer  # noqa: Y015
 
 @_typing.final
 class Commit(_message.Message):
@@ -735,6 +808,7 @@ class CoordinatorMessage(_message.Message):
     PROBE_PEERS_FIELD_NUMBER: _builtins.int
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     TRUST_BUNDLE_FIELD_NUMBER: _builtins.int
+    CHANGE_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -763,6 +837,10 @@ class CoordinatorMessage(_message.Message):
     def trust_bundle(self) -> Global___TrustBundle:
         """The trust bundle after a CA rollover step; no answer is expected."""
 
+    @_builtins.property
+    def change(self) -> Global___ChangeTask:
+        """Protocol 3 and later."""
+
     def __init__(
         self,
         *,
@@ -777,12 +855,13 @@ class CoordinatorMessage(_message.Message):
         probe_peers: Global___ProbePeers | None = ...,
         heartbeat: Global___Heartbeat | None = ...,
         trust_bundle: Global___TrustBundle | None = ...,
+        change: Global___ChangeTask | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
