@@ -484,11 +484,32 @@ class ChangeTask(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class NodeLabelsEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     SPEC_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    NODE_LABELS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -501,6 +522,10 @@ class ChangeTask(_message.Message):
         ones to scale down, and replaces the others in batches of service.max_unavailable.
         """
 
+    @_builtins.property
+    def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """The job's node labels (constraints.node_labels), which added replicas' nodes must carry."""
+
     def __init__(
         self,
         *,
@@ -509,10 +534,11 @@ class ChangeTask(_message.Message):
         epoch: _builtins.int = ...,
         spec: _jobs_pb2.TaskSpec | None = ...,
         revision: _builtins.int = ...,
+        node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "revision", b"revision", "spec", b"spec", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "node_labels", b"node_labels", "revision", b"revision", "spec", b"spec", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
