@@ -296,6 +296,15 @@ class SlurmCore:
         if await self._held.drop(reservation_id, "reservation_released"):
             self._changed()
 
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        """Declined: a Slurm site runs no services (it declines their offers), and a batch
+        job's allocation is fixed once it runs."""
+        return site_link_service_pb2.ChangeAnswer(
+            accepted=False, reason="a Slurm site runs no services, so none can change in place"
+        )
+
     # Running tasks -------------------------------------------------------------------------
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:

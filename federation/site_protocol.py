@@ -5,22 +5,25 @@ History:
 1. Before the version fields: such agents send 0 in ``Hello.protocol_version``, read as 1.
 2. ``Hello`` carries ``agent_version`` and ``protocol_version``; ``Welcome`` answers with
    ``coordinator_version`` and the version the coordinator speaks to the agent.
+3. ``ChangeTask`` and its ``ChangeAnswer``: a running service scaled or updated in place. Sent
+   only to agents that speak 3; a change for a site whose agent speaks 2 is refused, naming it.
 
-Each release speaks its own version and the one before, so an agent and a coordinator one
-version apart always share one: the coordinator answers with the older of the two. Further
-apart, the agent is refused with the side to upgrade (coordinators first, then agents, keeps
-every pair within one). An agent ignores a coordinator message whose body it
-does not know (it logs ``unknown_message_ignored``), so a message added in a later version must
-be one an older agent may ignore without harm, or be sent only to agents that speak it. Every
-message of version 2 is understood by version 1 agents, or needs no answer (the trust bundle
-after a CA rollover: such an agent keeps its CA bundle until it is given a new one).
+Each release speaks its own version and at least the one before (this one speaks 1 to 3), so
+an agent and a coordinator one version apart always share one: the coordinator answers with
+the older of the two. Further apart, the agent is refused with the side to upgrade
+(coordinators first, then agents, keeps every pair within one). An agent ignores a coordinator
+message whose body it does not know (it logs ``unknown_message_ignored``), so a message added
+in a later version must be one an older agent may ignore without harm, or be sent only to
+agents that speak it. Every message of version 2 is understood by version 1 agents, or needs
+no answer (the trust bundle after a CA rollover: such an agent keeps its CA bundle until it is
+given a new one); version 3's ChangeTask goes only to agents that speak 3.
 """
 
 from __future__ import annotations
 
 from federation.errors import ProtocolVersionError
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 """The site-link protocol this release speaks."""
 MIN_PROTOCOL_VERSION = 1
 """The oldest an agent may speak and still be served."""

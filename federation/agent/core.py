@@ -80,6 +80,13 @@ class LocalCore(Protocol):
         """Starts a reserved task."""
         ...
 
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        """Takes a running service's new spec (``federation.service_change``: its replica
+        count, command, env and policy), or declines it with a reason."""
+        ...
+
     async def release(self, reservation_id: str) -> None:
         """Frees an uncommitted reservation; a no-op for an unknown one."""
         ...

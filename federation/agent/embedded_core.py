@@ -52,6 +52,7 @@ from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
+from federation.service_change import fixed_fields, max_unavailable
 from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
@@ -85,6 +86,8 @@ class Reservation:
     """The model of the slowest device held, as the answer told."""
     stop_after_s: float = 0.0
     """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
+    revision: int = 0
+    """The offer's spec revision (a service's endpoints report it)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -123,6 +126,14 @@ class _Task:
     site: str = ""
     address: str = ""
     """Where clients reach its replicas (a service's endpoints)."""
+    revision: int = 0
+    """The revision of ``spec`` (a service changed in place has a newer one)."""
+    keepers: list[asyncio.Task[None]] = field(default_factory=list)
+    """A service's restarters, one per started replica, in replica order."""
+    reshaped: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set when a service's spec changed in place: its replicas are brought to it."""
+    moved: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set on each report of the task (a replica's readiness, say)."""
 
     @property
     def active(self) -> bool:
@@ -160,9 +171,19 @@ class _Task:
                 ready=replica.ready,
                 restarts=replica.restarts,
                 crash_looping=policy.crash_looping(replica.short_runs),
+                revision=replica.revision,
             )
             for i, (slot, replica) in enumerate(zip(self.slots, self.service, strict=True))
         ]
+
+
+def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
+    if is_service(spec) and spec.service.port and spec.replicas > 1:
+        return (
+            f"service.port {spec.service.port} is fixed, and this site runs every replica on "
+            "one machine: only one could listen on it (give port 0 for a port per replica)"
+        )
+    return ""
 
 
 def _bad_path_component(value: str) -> bool:
@@ -359,6 +380,7 @@ class EmbeddedCore:
             run_s=placed.run_s,
             device_model=placed.device_model,
             stop_after_s=offer.stop_after_disconnect_s,
+            revision=offer.revision,
         )
         self._reservations[reservation.id] = reservation
         self._arm_lease(reservation)
@@ -398,20 +420,19 @@ class EmbeddedCore:
             log.info("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
             return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
         self._drop_reservation(reservation.id)
-        devices = [
-            label
-            for slot in reservation.slots
-            for label in device_labels(self._nodes[slot.node], slot)
-        ]
+        devices = self._device_labels(reservation.slots)
         task = _Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
         task.tenant, task.restore = reservation.tenant, reservation.restore
-        task.stop_after_s = reservation.stop_after_s
+        task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
         task.site, task.address = self._site, self._address
         if is_service(reservation.spec):
             port = reservation.spec.service.port
-            task.service = [ReplicaService(port or free_port()) for _ in reservation.slots]
+            task.service = [
+                ReplicaService(port or free_port(), revision=task.revision)
+                for _ in reservation.slots
+            ]
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
                 reservation.spec.checkpoint,
@@ -571,10 +592,13 @@ class EmbeddedCore:
             record.restore,
             record.started_at,
         )
-        task.site, task.address = self._site, self._address
+        task.site, task.address, task.revision = self._site, self._address, record.revision
         if is_service(record.spec):
-            ports = record.service or tuple((free_port(), 0) for _ in record.slots)
-            task.service = [ReplicaService(port, restarts) for port, restarts in ports]
+            kept = record.service or tuple((free_port(), 0, 0) for _ in record.slots)
+            task.service = [
+                ReplicaService(port, restarts, revision=revision)
+                for port, restarts, revision in kept
+            ]
         self._tasks[record.key] = task
         return task
 
@@ -622,7 +646,8 @@ class EmbeddedCore:
             task.restore,
             tuple(ReplicaRecord(p.pid, p.start_ticks) for p in task.replicas),
             task.final,
-            tuple((r.port, r.restarts) for r in task.service or ()),
+            tuple((r.port, r.restarts, r.revision) for r in task.service or ()),
+            task.revision,
         )
         try:
             self._records.save(record)
@@ -635,12 +660,8 @@ class EmbeddedCore:
             return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
         if not offer.spec.command:
             return "task has no command"
-        if is_service(offer.spec) and offer.spec.service.port and offer.spec.replicas > 1:
-            return (
-                f"service.port {offer.spec.service.port} is fixed, and this site runs every "
-                "replica on one machine: only one could listen on it (give port 0 for a port "
-                "per replica)"
-            )
+        if problem := _fixed_port_problem(offer.spec):
+            return problem
         cpu = offer.spec.resources.cpu
         if not math.isfinite(cpu) or cpu < 0:
             return f"invalid cpu request {cpu}"
@@ -755,6 +776,8 @@ class EmbeddedCore:
             task.replicas[replica] = process
         else:
             task.replicas.append(process)
+        if task.service is not None:
+            task.service[replica].revision = task.revision
 
     def _task_dir(self, key: TaskKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""
@@ -858,16 +881,207 @@ class EmbeddedCore:
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
     async def _watch_service(self, task: _Task) -> None:
-        """Keeps every replica of a service running until the task is cancelled."""
-        keepers = [asyncio.create_task(self._keep(task, i)) for i in range(len(task.replicas))]
+        """Keeps every replica of a service running, and brings them to its spec each time
+        that changes in place, until the task is cancelled."""
+        task.keepers = [asyncio.create_task(self._keep(task, i)) for i in range(len(task.replicas))]
+        converger = asyncio.create_task(self._converge(task))
         try:
             await task.cancelled.wait()
         finally:
-            for keeper in keepers:
+            converger.cancel()
+            await asyncio.gather(converger, return_exceptions=True)
+            for keeper in task.keepers:
                 keeper.cancel()
-            await asyncio.gather(*keepers, return_exceptions=True)
+            await asyncio.gather(*task.keepers, return_exceptions=True)
         await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
         self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", "")
+
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        """Takes a running service's new spec (``federation.service_change``) or declines it
+        with a reason. Room for added replicas is held at once; the replicas are brought to
+        the spec after the answer (``_converge``)."""
+        key: TaskKey = (change.job_id, change.task, change.epoch)
+        task = self._tasks.get(key)
+        problem = self._change_problem(task, change)
+        if task is not None and not problem and change.revision == task.revision:
+            return site_link_service_pb2.ChangeAnswer(accepted=True)  # a retried change
+        added: tuple[Slot, ...] = ()
+        if task is not None and not problem:
+            extra = (change.spec.replicas or 1) - len(task.slots)
+            placed = self._place_added(task, change, extra) if extra > 0 else ()
+            if isinstance(placed, str):
+                problem = f"no room for {extra} more replicas: {placed}"
+            else:
+                added = placed
+        if problem or task is None or task.service is None:
+            log.info("change_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
+            return site_link_service_pb2.ChangeAnswer(accepted=False, reason=problem)
+        spec = jobs_pb2.TaskSpec()
+        spec.CopyFrom(change.spec)
+        task.spec, task.revision = spec, change.revision
+        task.slots += added
+        task.service += [
+            ReplicaService(spec.service.port or free_port(), revision=task.revision) for _ in added
+        ]
+        task.devices = self._device_labels(task.slots)
+        self._save(task)
+        log.info(
+            "service_changed",
+            job_id=key[0],
+            task=key[1],
+            epoch=key[2],
+            revision=task.revision,
+            replicas=len(task.slots),
+        )
+        task.reshaped.set()
+        self._changed()
+        return site_link_service_pb2.ChangeAnswer(accepted=True)
+
+    def _change_problem(self, task: _Task | None, change: site_link_service_pb2.ChangeTask) -> str:
+        """Why a change of a running service is declined before any room is sought, or ""."""
+        if task is None or not task.active:
+            return f"no task {change.job_id}/{change.task} epoch {change.epoch} runs here"
+        if task.service is None:
+            return f"{change.job_id}/{change.task} is not a service"
+        if task.state != jobs_pb2.JOB_STATE_RUNNING:
+            return f"{change.job_id}/{change.task} is still starting"
+        if change.revision < task.revision:
+            return f"revision {change.revision} is older than revision {task.revision} here"
+        if change.revision == task.revision:
+            return ""
+        if len(task.slots) != (task.spec.replicas or 1) or len(task.replicas) < len(task.slots):
+            return (
+                f"the change to revision {task.revision} is still being applied "
+                f"({len(task.replicas)} of {task.spec.replicas or 1} replicas started); "
+                "try again in a moment"
+            )
+        if fixed := fixed_fields(task.spec, change.spec):
+            return f"{', '.join(fixed)} cannot change in place"
+        return _fixed_port_problem(change.spec)
+
+    def _place_added(
+        self, task: _Task, change: site_link_service_pb2.ChangeTask, extra: int
+    ) -> tuple[Slot, ...] | str:
+        """Room for ``extra`` more replicas of a service, on nodes that may run it."""
+        spec = jobs_pb2.TaskSpec()
+        spec.CopyFrom(change.spec)
+        spec.replicas = extra
+        wanted = site_link_service_pb2.Offer(
+            spec=spec, tenant=task.tenant, node_labels=change.node_labels
+        )
+        nodes = qualifying_nodes(self._nodes.values(), wanted, self._compat)
+        if isinstance(nodes, str):
+            return nodes
+        placed = place_as_estimated(nodes, spec, self._usage(), 0.0)
+        if isinstance(placed, str):
+            return placed
+        return self._owner_share_refusal(task.tenant, placed.slots) or placed.slots
+
+    def _device_labels(self, slots: Iterable[Slot]) -> list[str]:
+        return [label for slot in slots for label in device_labels(self._nodes[slot.node], slot)]
+
+    async def _converge(self, task: _Task) -> None:
+        """Brings a service's replicas to its spec as it changes in place: the replicas past
+        its count stop (the highest-numbered first), missing ones start, and those of an older
+        revision are replaced, never more than max_unavailable not ready at once (a replica
+        not ready anyway is replaced first: that costs nothing)."""
+        assert task.service is not None
+        job_id, name, epoch = task.key
+        while True:
+            task.reshaped.clear()
+            task.moved.clear()
+            busy = False
+            try:
+                while len(task.slots) > (task.spec.replicas or 1):
+                    await self._retire(task)
+                while len(task.replicas) < len(task.slots):
+                    await self._start_added(task, len(task.replicas))
+                for replica in self._to_replace(task):
+                    await self._replace(task, replica)
+                busy = any(r.revision < task.revision for r in task.service)
+            except ReplicaStartError as exc:
+                log.warning("replica_start_failed", job_id=job_id, task=name, error=str(exc))
+                busy = True  # tried again after a pause
+            except Exception:
+                log.exception("service_change_failed", job_id=job_id, task=name, epoch=epoch)
+                busy = True
+            if not busy:
+                await task.reshaped.wait()
+                continue
+            moved = asyncio.ensure_future(task.moved.wait())
+            reshaped = asyncio.ensure_future(task.reshaped.wait())
+            try:
+                await asyncio.wait({moved, reshaped}, timeout=1.0, return_when="FIRST_COMPLETED")
+            finally:
+                moved.cancel()
+                reshaped.cancel()
+
+    def _to_replace(self, task: _Task) -> list[int]:
+        """The replicas of an older revision to replace now: every one not ready, and as many
+        ready ones as leave at most max_unavailable not ready."""
+        assert task.service is not None
+        service = task.service
+        stale = [i for i in range(len(task.replicas)) if service[i].revision < task.revision]
+        budget = max_unavailable(task.spec) - sum(not r.ready for r in service)
+        ready = [i for i in stale if service[i].ready][: max(0, budget)]
+        return [i for i in stale if not service[i].ready] + ready
+
+    async def _retire(self, task: _Task) -> None:
+        """Stops a service's highest-numbered replica and gives its room back: shown not
+        ready first, so whoever follows the endpoints stops sending to it."""
+        assert task.service is not None
+        replica = len(task.slots) - 1
+        if replica < len(task.keepers):
+            keeper = task.keepers.pop(replica)
+            keeper.cancel()
+            await asyncio.gather(keeper, return_exceptions=True)
+        task.service[replica].ready = False
+        self._report(task)
+        if replica < len(task.replicas):
+            await task.replicas[replica].terminate(task.grace_s)
+            task.replicas.pop(replica)
+        task.service.pop(replica)
+        task.slots = task.slots[:replica]
+        task.devices = self._device_labels(task.slots)
+        self._save(task)
+        self._report(task)
+        self._changed()
+
+    async def _start_added(self, task: _Task, replica: int) -> None:
+        """Starts a replica a change added (or one a restarted agent found not started)."""
+        account = self._account(task)
+        folder = self._task_dir(task.key) / str(replica)
+        try:
+            await asyncio.to_thread(private_folder, folder, account)
+        except OSError as exc:
+            raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
+        await self._start_replica(task, replica, account)
+        task.keepers.append(asyncio.create_task(self._keep(task, replica)))
+        self._save(task)
+        self._report(task)
+
+    async def _replace(self, task: _Task, replica: int) -> None:
+        """Stops one replica and starts it with the task's current spec. A start that fails
+        is the keeper's to retry, with its backoff, as after a crash."""
+        assert task.service is not None
+        keeper = task.keepers[replica]
+        keeper.cancel()
+        await asyncio.gather(keeper, return_exceptions=True)
+        state = task.service[replica]
+        state.ready, state.down, state.short_runs = False, False, 0
+        self._report(task)
+        await task.replicas[replica].terminate(task.grace_s)
+        try:
+            await self._start_replica(task, replica, self._account(task))
+        except ReplicaStartError as exc:
+            log.warning(
+                "replica_replace_failed", job_id=task.key[0], task=task.key[1], error=str(exc)
+            )
+        task.keepers[replica] = asyncio.create_task(self._keep(task, replica))
+        self._save(task)
+        self._report(task)
 
     async def _keep(self, task: _Task, replica: int) -> None:
         """Restarts one replica of a service each time it ends, by the task's policy: after
@@ -993,6 +1207,7 @@ class EmbeddedCore:
         self._changed()
 
     def _report(self, task: _Task) -> None:
+        task.moved.set()
         # A failing callback must not stop the core from tracking its tasks.
         try:
             self._on_status(task.report())

@@ -436,6 +436,9 @@ class AgentRuntime:
                 if tracing.on() and not started.started:
                     self._spans.not_started(message.commit)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, commit_answer=started))
+            elif body == "change":
+                changed = await self.core.change(message.change)
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, change_answer=changed))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":

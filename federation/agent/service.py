@@ -74,6 +74,8 @@ class ReplicaService:
 
     port: int
     restarts: int = 0
+    revision: int = 0
+    """The revision of the task's spec it was last started with."""
     short_runs: int = 0
     """Runs in a row shorter than min_run_s."""
     ready: bool = False

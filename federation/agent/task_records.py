@@ -67,8 +67,10 @@ class TaskRecord:
     replicas: tuple[ReplicaRecord, ...]
     final: site_link_service_pb2.TaskReport | None = None
     """Its final report, once it has ended (kept until acknowledged)."""
-    service: tuple[tuple[int, int], ...] = ()
-    """A service's replicas: (port, restarts) of each; empty for batch work."""
+    service: tuple[tuple[int, int, int], ...] = ()
+    """A service's replicas: (port, restarts, revision) of each; empty for batch work."""
+    revision: int = 0
+    """The revision of ``spec`` (a service changed in place has a newer one)."""
 
 
 class TaskRecords:
@@ -134,6 +136,7 @@ def _encode(record: TaskRecord) -> bytes:
             "replicas": [[r.pid, r.start_ticks] for r in record.replicas],
             "final": _b64(record.final),
             "service": [list(replica) for replica in record.service],
+            "revision": record.revision,
         }
     ).encode()
 
@@ -160,5 +163,10 @@ def _decode(data: bytes) -> TaskRecord:
         final=(
             site_link_service_pb2.TaskReport.FromString(base64.b64decode(final)) if final else None
         ),
-        service=tuple((int(port), int(restarts)) for port, restarts in raw.get("service", [])),
+        # Records from before revisions hold (port, restarts): revision 0.
+        service=tuple(
+            (int(port), int(restarts), int(rest[0]) if rest else 0)
+            for port, restarts, *rest in raw.get("service", [])
+        ),
+        revision=int(raw.get("revision", 0)),
     )

@@ -99,6 +99,20 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     endpoints.add_argument("--ready-only", action="store_true", help="only ready replicas")
     endpoints.set_defaults(func=cmd_endpoints)
+    scale = jobs_sub.add_parser("scale", help="change how many replicas a running service keeps")
+    scale.add_argument("job_id")
+    scale.add_argument("--replicas", type=int, required=True)
+    scale.add_argument("--task", default="", help="the service task (default: the only one)")
+    scale.set_defaults(func=cmd_scale)
+    update = jobs_sub.add_parser(
+        "update",
+        help="roll a running service onto the task of that name in a job file (command, env, "
+        "service policy, replicas), service.max_unavailable replicas at a time",
+    )
+    update.add_argument("job_id")
+    update.add_argument("file", type=Path, help="a job file, as for submit")
+    update.add_argument("--task", default="", help="the service task (default: the only one)")
+    update.set_defaults(func=cmd_update)
 
 
 async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
@@ -332,6 +346,46 @@ async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
                 show(text(event_line(event)))
             # A reader of a pipe sees each event as it happens, not when a buffer fills.
             sys.stdout.flush()
+    return 0
+
+
+async def cmd_scale(args: argparse.Namespace, conn: Connection) -> int:
+    request = serving_service_pb2.ScaleServiceRequest(
+        job_id=args.job_id, task=args.task, replicas=args.replicas
+    )
+    async with conn.channel() as channel:
+        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
+        job = (await stub.ScaleService(request)).job
+    return _show_changed(args, job)
+
+
+async def cmd_update(args: argparse.Namespace, conn: Connection) -> int:
+    try:
+        specs = load_job_specs(args.file)
+    except JobSpecFileError as err:
+        raise CliError(str(err)) from None
+    tasks = [t for spec in specs for t in spec.tasks if t.kind == jobs_pb2.TASK_KIND_SERVICE]
+    chosen = [t for t in tasks if t.name == args.task] if args.task else tasks
+    if len(chosen) != 1:
+        names = ", ".join(t.name for t in tasks) or "none"
+        raise CliError(
+            f"{args.file} has {len(chosen)} service tasks"
+            + (f" named {args.task}" if args.task else "")
+            + f" (service tasks there: {names}); name one with --task"
+        )
+    request = serving_service_pb2.UpdateServiceRequest(job_id=args.job_id, spec=chosen[0])
+    async with conn.channel() as channel:
+        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
+        job = (await stub.UpdateService(request)).job
+    return _show_changed(args, job)
+
+
+def _show_changed(args: argparse.Namespace, job: jobs_pb2.Job) -> int:
+    out = output_of(args)
+    if out.is_data:
+        out.messages(job)
+    else:
+        show(text(f"{job.id}: {job.reason or state_name(job.state)}"))
     return 0
 
 

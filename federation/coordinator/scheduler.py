@@ -989,6 +989,7 @@ class Scheduler:
                 restore=task.checkpoint if task.checkpoint.path else None,
                 node_labels=job.spec.constraints.node_labels,
                 stop_after_disconnect_s=job.spec.disconnect.stop_after_s,
+                revision=task.revision,
             )
             # The site reads device speeds as the estimate did: learned ones included.
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))

@@ -197,8 +197,7 @@ class ServingServicer(serving_grpc.ServingServiceServicer):
         self._current = current
 
     def _serving(self) -> Serving:
-        services = self._current()
-        return Serving(services.manager, services.hub)
+        return self._current().serving
 
     async def ListEndpoints(
         self, request: serving_pb.ListEndpointsRequest, context: Context
@@ -217,14 +216,14 @@ class ServingServicer(serving_grpc.ServingServiceServicer):
         self, request: serving_pb.ScaleServiceRequest, context: Context
     ) -> serving_pb.ScaleServiceResponse:
         serving = self._serving()
-        await serving.scale(current_caller(), request.job_id, request.task, request.replicas)
-        return serving_pb.ScaleServiceResponse()
+        job = await serving.scale(current_caller(), request.job_id, request.task, request.replicas)
+        return serving_pb.ScaleServiceResponse(job=job)
 
     async def UpdateService(
         self, request: serving_pb.UpdateServiceRequest, context: Context
     ) -> serving_pb.UpdateServiceResponse:
-        await self._serving().update(current_caller(), request.job_id, request.spec)
-        return serving_pb.UpdateServiceResponse()
+        job = await self._serving().update(current_caller(), request.job_id, request.spec)
+        return serving_pb.UpdateServiceResponse(job=job)
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):

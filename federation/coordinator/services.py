@@ -35,6 +35,7 @@ from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.security.certificates import Certificates
 from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.security.renewal import Renewal
+from federation.coordinator.serving import Serving
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import NotLeaderError
@@ -63,6 +64,7 @@ class Services:
     link: SiteLink
     admin: Admin
     renewal: Renewal
+    serving: Serving
     scheduler_task: asyncio.Task[None]
     lost_sites: LostSites
     lost_sites_task: asyncio.Task[None]
@@ -221,6 +223,7 @@ async def start_services(
             trust_bundle=lambda: authorities.bundle_pem,
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
+        serving=Serving(manager, hub, jobs, sites, sharing),
         renewal=Renewal(
             store,
             sites,

@@ -1,4 +1,5 @@
-"""Service jobs as clients see them: the endpoints of their replicas, now and as they change.
+"""Service jobs as clients see them: the endpoints of their replicas, now and as they change,
+and changes to a running service (scale, rolling update), which its site makes in place.
 
 Endpoints live in each task's status, written from its site's reports without a job event
 (a readiness flap is not history): watchers follow the job's writes (``EventHub.follow``).
@@ -6,14 +7,40 @@ Endpoints live in each task's status, written from its site's reports without a 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 
-from federation.api.v1 import jobs_pb2
+import structlog
+
+from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
-from federation.errors import UnimplementedError
+from federation.coordinator.jobs import Change, JobRepository, find_spec, find_task
+from federation.coordinator.policy.resources import at, demand
+from federation.coordinator.policy.sharing import Sharing
+from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.validation import MAX_REPLICAS, task_violations
+from federation.errors import (
+    ConflictError,
+    DeadlineExceededError,
+    FailedPreconditionError,
+    FieldViolation,
+    InvalidArgumentError,
+    JobNotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from federation.security.identity import Identity
+from federation.service_change import fixed_fields
+
+log = structlog.get_logger()
+
+CHANGE_PROTOCOL = 3
+"""The site-link protocol that brought ``ChangeTask`` (``federation.site_protocol``)."""
+CHANGE_TIMEOUT_S = 10.0
+"""How long a site has to answer a change."""
 
 
 def endpoints_of(job: jobs_pb2.Job, ready_only: bool = False) -> list[jobs_pb2.Endpoint]:
@@ -22,11 +49,24 @@ def endpoints_of(job: jobs_pb2.Job, ready_only: bool = False) -> list[jobs_pb2.E
 
 
 class Serving:
-    """Endpoints of service jobs, for the callers that may see the jobs."""
+    """Endpoints of service jobs and changes to running services, for the callers that may
+    see the jobs (one per term of leadership)."""
 
-    def __init__(self, manager: JobManager, hub: EventHub) -> None:
+    def __init__(
+        self,
+        manager: JobManager,
+        hub: EventHub,
+        jobs: JobRepository,
+        sites: SiteRegistry,
+        sharing: Sharing,
+    ) -> None:
         self._manager = manager
         self._hub = hub
+        self._jobs = jobs
+        self._sites = sites
+        self._sharing = sharing
+        self._changing: dict[str, tuple[asyncio.Lock, int]] = {}
+        """Per job with a change under way: its lock, and how many callers hold or await it."""
 
     async def endpoints(self, caller: Identity, job_id: str) -> tuple[str, list[jobs_pb2.Endpoint]]:
         """The job's full id and its endpoints; NOT_FOUND for a job the caller may not see."""
@@ -57,18 +97,201 @@ class Serving:
         finally:
             self._hub.unfollow(job.id, changed)
 
-    async def scale(self, caller: Identity, job_id: str, task: str, replicas: int) -> None:
-        await self._manager.get(caller, job_id)  # NOT_FOUND before anything else
-        raise UnimplementedError(
-            "scaling a running service needs a coordinator-to-site message that changes a "
-            "committed task's replicas, which this release's site link lacks; to fix: cancel "
-            "the job and submit it again with the replicas wanted"
-        )
+    async def scale(self, caller: Identity, job_id: str, task: str, replicas: int) -> jobs_pb2.Job:
+        """Sets how many replicas a service task keeps running (``task`` empty: the job's
+        only service task); returns the job as written."""
+        job = await self._manager.get(caller, job_id)
+        old = _service_task(job, task, "task")
+        if not 1 <= replicas <= MAX_REPLICAS:
+            raise InvalidArgumentError(
+                [
+                    FieldViolation(
+                        "replicas",
+                        f"must be 1 to {MAX_REPLICAS}, got {replicas}; to stop a service, "
+                        "cancel its job",
+                    )
+                ]
+            )
+        new = jobs_pb2.TaskSpec()
+        new.CopyFrom(old)
+        new.replicas = replicas
+        what = f"scaled from {old.replicas or 1} to {replicas} replicas"
+        return await self._change(caller, job.id, new, what)
 
-    async def update(self, caller: Identity, job_id: str, spec: jobs_pb2.TaskSpec) -> None:
-        await self._manager.get(caller, job_id)
-        raise UnimplementedError(
-            "a rolling update of a running service needs a coordinator-to-site message that "
-            "replaces a committed task's spec replica by replica, which this release's site "
-            "link lacks; to fix: submit the new version as another job, then cancel the old"
+    async def update(self, caller: Identity, job_id: str, spec: jobs_pb2.TaskSpec) -> jobs_pb2.Job:
+        """Replaces a service task's spec (the task ``spec.name``): its replicas are replaced
+        in batches of service.max_unavailable; returns the job as written."""
+        job = await self._manager.get(caller, job_id)
+        old = _service_task(job, spec.name, "spec.name")
+        violations = task_violations(spec, "spec")
+        violations += [
+            FieldViolation(
+                f"spec.{name}",
+                "cannot change in a rolling update (only replicas, command, env and service "
+                "may); submit the new version as another job",
+            )
+            for name in fixed_fields(old, spec)
+        ]
+        if violations:
+            raise InvalidArgumentError(violations)
+        return await self._change(caller, job.id, spec, _described(old, spec))
+
+    async def _change(
+        self, caller: Identity, job_id: str, new: jobs_pb2.TaskSpec, what: str
+    ) -> jobs_pb2.Job:
+        """Takes the task ``new.name`` of the job to spec ``new``: through its site while it
+        runs (the site holds room for added replicas, or declines), then in the store with a
+        new revision and a job event. Changes of one job are made one at a time."""
+        async with self._one_at_a_time(job_id):
+            job = await self._manager.get(caller, job_id)
+            old = find_spec(job, new.name)
+            status = find_task(job, new.name)
+            if job_state.is_terminal(status.state):
+                raise FailedPreconditionError(
+                    f"task {new.name} of job {job.id} has ended "
+                    f"({jobs_pb2.JobState.Name(status.state)}); nothing to change"
+                )
+            if new == old:
+                return job
+            if status.state not in (job_state.PENDING, job_state.RUNNING):
+                raise ConflictError(
+                    f"task {new.name} of job {job.id} is being placed at a site now "
+                    f"({jobs_pb2.JobState.Name(status.state)}); try again in a few seconds"
+                )
+            self._check_quota(job, status, old, new)
+            revision = status.revision + 1
+            state, epoch = status.state, status.epoch
+            if state == job_state.RUNNING:
+                await self._tell_site(job, status, new, revision)
+
+            def mutate(current: jobs_pb2.Job) -> list[Change]:
+                task = find_task(current, new.name)
+                if (task.state, task.epoch) != (state, epoch):
+                    raise ConflictError(
+                        f"task {new.name} of job {current.id} changed while the change was "
+                        "made; try again"
+                    )
+                find_spec(current, new.name).CopyFrom(new)
+                task.revision = revision
+                return [Change(new.name, task.state, f"revision {revision}: {what}", task.site)]
+
+            written = await self._jobs.update(job.id, mutate)
+            log.info("service_changed", job=job.id, task=new.name, revision=revision, change=what)
+            return written
+
+    def _check_quota(
+        self,
+        job: jobs_pb2.Job,
+        status: jobs_pb2.TaskStatus,
+        old: jobs_pb2.TaskSpec,
+        new: jobs_pb2.TaskSpec,
+    ) -> None:
+        """Added replicas count against the job's queue as a task that starts would."""
+        extra = (new.replicas or 1) - (old.replicas or 1)
+        if extra <= 0:
+            return
+        added = jobs_pb2.TaskSpec()
+        added.CopyFrom(new)
+        added.replicas = extra
+        need = demand(added)
+        if status.site:
+            need = at(need, status.site, self._sites.domain_of(status.site))
+        if why := self._sharing.admission(job, need, {}):
+            raise ResourceExhaustedError(f"{extra} more replicas of {new.name}: {why}")
+
+    async def _tell_site(
+        self,
+        job: jobs_pb2.Job,
+        status: jobs_pb2.TaskStatus,
+        new: jobs_pb2.TaskSpec,
+        revision: int,
+    ) -> None:
+        """Sends the change to the site that runs the task; raises unless it took it."""
+        site = status.site
+        session = self._sites.session(site)
+        if session is None:
+            raise UnavailableError(
+                f"site {site}, which runs {new.name}, is not connected; try again once it is"
+            )
+        if session.protocol < CHANGE_PROTOCOL:
+            raise FailedPreconditionError(
+                f"the agent at site {site} speaks site-link protocol {session.protocol}; "
+                f"changing a running service needs {CHANGE_PROTOCOL} or later. To fix: "
+                f"upgrade the agent at {site}"
+            )
+        message = site_link_service_pb2.CoordinatorMessage(
+            change=site_link_service_pb2.ChangeTask(
+                job_id=job.id,
+                task=status.name,
+                epoch=status.epoch,
+                spec=new,
+                revision=revision,
+                node_labels=job.spec.constraints.node_labels,
+            )
         )
+        (reply,) = await session.request_many([message], CHANGE_TIMEOUT_S)
+        if isinstance(reply, SessionClosedError):
+            raise UnavailableError(f"site {site} disconnected before it answered; try again")
+        if isinstance(reply, TimeoutError):
+            raise DeadlineExceededError(
+                f"site {site} did not answer within {CHANGE_TIMEOUT_S:g}s; it may still make "
+                "the change: run the same command again to find out"
+            )
+        if not reply.change_answer.accepted:
+            raise FailedPreconditionError(
+                f"site {site} declined the change: {reply.change_answer.reason}"
+            )
+
+    @contextlib.asynccontextmanager
+    async def _one_at_a_time(self, job_id: str) -> AsyncIterator[None]:
+        lock, users = self._changing.get(job_id, (asyncio.Lock(), 0))
+        self._changing[job_id] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._changing[job_id]
+            if users == 1:
+                del self._changing[job_id]
+            else:
+                self._changing[job_id] = (lock, users - 1)
+
+
+def _service_task(job: jobs_pb2.Job, name: str, field: str) -> jobs_pb2.TaskSpec:
+    """The job's service task ``name`` (empty: its only one); NOT_FOUND or INVALID_ARGUMENT
+    on ``field`` otherwise."""
+    services = [t for t in job.spec.tasks if t.kind == jobs_pb2.TASK_KIND_SERVICE]
+    if not name:
+        if len(services) == 1:
+            return services[0]
+        found = ", ".join(t.name for t in services) or "none"
+        raise InvalidArgumentError(
+            [
+                FieldViolation(
+                    field, f"job {job.id} has {len(services)} service tasks ({found}): name one"
+                )
+            ]
+        )
+    spec = next((t for t in job.spec.tasks if t.name == name), None)
+    if spec is None:
+        raise JobNotFoundError(f"{job.id}/{name}")
+    if spec not in services:
+        raise InvalidArgumentError(
+            [
+                FieldViolation(
+                    field, f"task {name} is not a service: only services change while they run"
+                )
+            ]
+        )
+    return spec
+
+
+def _described(old: jobs_pb2.TaskSpec, new: jobs_pb2.TaskSpec) -> str:
+    """What an update changes, for the job's events."""
+    parts = [
+        name for name in ("command", "env", "service") if getattr(old, name) != getattr(new, name)
+    ]
+    out = f"updated {', '.join(parts)}" if parts else "updated"
+    if (old.replicas or 1) != (new.replicas or 1):
+        out += f"; {old.replicas or 1} to {new.replicas or 1} replicas"
+    return out

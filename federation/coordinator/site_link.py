@@ -102,7 +102,12 @@ class SiteLink:
                 "To fix: use the newest certificate (restart the agent with its state_dir)"
             )
         hello.view.domain = entry.record.domain  # the domain is the one the site joined with
-        session = SiteSession(caller.name, peer=peer, probe_endpoint=hello.view.probe_endpoint)
+        session = SiteSession(
+            caller.name,
+            peer=peer,
+            probe_endpoint=hello.view.probe_endpoint,
+            protocol=version,
+        )
         # Taken before the session is attached (no await in between), so a delegation made
         # over the new session is never mistaken for one the site lost.
         delegated = self._jobs.delegated_to(caller.name)
@@ -239,7 +244,7 @@ class SiteLink:
             except FailedPreconditionError as err:
                 session.send(pb.CoordinatorMessage(resync=pb.ResyncRequest(reason=str(err))))
             return
-        if body in ("offer_answer", "commit_answer"):
+        if body in ("offer_answer", "commit_answer", "change_answer"):
             if not session.resolve(request):
                 log.info("late_answer_dropped", site=site, correlation=request.correlation_id)
                 answer = request.offer_answer

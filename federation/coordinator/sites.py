@@ -55,6 +55,8 @@ class SiteSession:
     pending: dict[str, asyncio.Future[site_link_service_pb2.AgentMessage]] = field(
         default_factory=dict
     )
+    protocol: int = 1
+    """The site-link protocol agreed with the agent (``federation.site_protocol``)."""
     closed: bool = False
     said_goodbye: bool = False
     """The agent ended the session on purpose: the site is DISCONNECTED, not UNREACHABLE."""

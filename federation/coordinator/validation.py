@@ -91,6 +91,11 @@ def _number(
         )
 
 
+def task_violations(task: jobs_pb2.TaskSpec, path: str) -> list[FieldViolation]:
+    """Every problem with one task's spec on its own (not with the job around it)."""
+    return list(_task_violations(task, path))
+
+
 def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
     if not task.name:
         yield FieldViolation(f"{path}.name", "is required")

@@ -89,6 +89,11 @@ class ScriptedCore:
             )
         return site_link_service_pb2.CommitAnswer(started=True)
 
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        return site_link_service_pb2.ChangeAnswer(accepted=False, reason="scripted: no services")
+
     async def release(self, reservation_id: str) -> None:
         self.releases.append(reservation_id)
 
