@@ -16,6 +16,7 @@ import pytest
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.service import RestartPolicy
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.service_change import fixed_fields
 from federation.testing.services import HTTP_REPLICA
 
 from .cores import CANCELLED, RUNNING, Recorder, node, offer, run
@@ -170,3 +171,67 @@ async def test_a_command_check_runs_beside_the_replica(
     await until(lambda: bool(endpoints(recorder)) and endpoints(recorder)[0].ready, "ready")
     assert time.monotonic() - started > 0.3  # not before the file was there
     assert not recorder.reports[0].endpoints[0].ready
+
+
+def change_of(
+    o: site_link_service_pb2.Offer, revision: int = 1, **fields: object
+) -> site_link_service_pb2.ChangeTask:
+    """A change of the offer's task to its spec with ``fields`` set."""
+    spec = jobs_pb2.TaskSpec()
+    spec.CopyFrom(o.spec)
+    for name, value in fields.items():
+        if name == "cpu":
+            spec.resources.cpu = float(str(value))
+        else:
+            setattr(spec, name, value)
+    return site_link_service_pb2.ChangeTask(
+        job_id=o.job_id, task=o.task, epoch=o.epoch, spec=spec, revision=revision
+    )
+
+
+async def test_a_change_outside_what_may_change_in_place_is_declined(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Unknown task, a batch task, resources changed, an older revision, and room for more
+    replicas than the node has: each declined with why, and the replicas run on as they were."""
+    core = make_core([node("n", cpu=4)])
+    o = service_offer(HTTP_REPLICA, replicas=1)
+    await run(core, o)
+    await until(lambda: [e.ready for e in endpoints(recorder)] == [True], "ready")
+    (before,) = endpoints(recorder)
+    batch = offer("job-2", code="import time; time.sleep(30)")
+    await run(core, batch)
+    declined = {
+        "unknown": change_of(offer("job-9", task="web")),
+        "batch": change_of(batch),
+        "resources": change_of(o, cpu=2),
+        "no-room": change_of(o, replicas=9),
+    }
+    reasons = {name: await core.change(change) for name, change in declined.items()}
+    assert not any(answer.accepted for answer in reasons.values())
+    assert "no task job-9/web epoch 1 runs here" in reasons["unknown"].reason
+    assert "is not a service" in reasons["batch"].reason
+    assert reasons["resources"].reason == "resources cannot change in place"
+    assert reasons["no-room"].reason.startswith("no room for 8 more replicas")
+    assert (await core.change(change_of(o, revision=2, replicas=2))).accepted
+    stale = await core.change(change_of(o, revision=1, replicas=1))
+    assert stale.reason == "revision 1 is older than revision 2 here"
+    again = await core.change(change_of(o, revision=2, replicas=2))
+    assert again.accepted, "a retried change is taken again"
+    await until(lambda: [e.ready for e in endpoints(recorder)] == [True, True], "two ready")
+    first = endpoints(recorder)[0]
+    assert (first.port, first.restarts) == (before.port, 0), "replica 0 was not touched"
+    await core.cancel("job-1", "web", 0, "done")
+    await core.cancel("job-2", "train", 0, "done")
+
+
+def test_only_replicas_command_env_and_service_change_in_place() -> None:
+    old = jobs_pb2.TaskSpec(name="web", command=["a"], replicas=1, requires={"cuda": ">=12"})
+    new = jobs_pb2.TaskSpec(name="web", command=["b"], replicas=3, requires={"cuda": ">=12"})
+    new.env["V"] = "2"
+    new.service.max_unavailable = 2
+    assert fixed_fields(old, new) == []
+    new.requires["cuda"] = ">=13"
+    new.checkpoint.SetInParent()  # set, though empty: not the same as unset
+    new.timeout_s = 5
+    assert fixed_fields(old, new) == ["timeout_s", "requires", "checkpoint"]

@@ -15,7 +15,14 @@ import grpc
 import pytest
 
 from federation import __version__
-from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
+from federation.api.v1 import (
+    admin_service_pb2,
+    job_service_pb2,
+    jobs_pb2,
+    resources_pb2,
+    serving_service_pb2,
+    serving_service_pb2_grpc,
+)
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.api.v1 import site_link_service_pb2_grpc as link_grpc
 from federation.endpoints import error_info
@@ -24,7 +31,7 @@ from federation.local import LocalFederation
 from federation.site_protocol import PROTOCOL_VERSION
 from federation.testing.cluster import submit
 
-from .conftest import admin, channel_as, python_task, spec, wait_for_job
+from .conftest import admin, channel_as, jobs, python_task, spec, wait_for_job
 from .test_refusals import enrol_ghost
 from .test_site_checks import gpu_view
 
@@ -131,3 +138,72 @@ async def test_an_agent_two_versions_newer_is_refused(
     info = error_info(err)
     assert info is not None
     assert info.reason == ProtocolVersionError.reason
+
+
+async def test_a_service_at_an_agent_of_protocol_2_is_not_changed_in_place(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    """Version 2 has no ChangeTask: scaling a service that runs there is FAILED_PRECONDITION
+    naming the site and the upgrade, and no change message reaches the agent."""
+    site = "v2-agent"
+    tls = await enrol_ghost(federation, site, tmp_path)
+    outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+    hello = pb.Hello(
+        view=await view_like(federation, site),
+        generation=1,
+        agent_version="0.0.9",
+        protocol_version=2,
+    )
+    outbox.put_nowait(one(hello=hello))
+
+    async def requests() -> AsyncIterator[pb.ConnectRequest]:
+        while True:
+            try:
+                yield await asyncio.wait_for(outbox.get(), 1.0)
+            except TimeoutError:
+                yield one(heartbeat=pb.Heartbeat(generation=1))
+
+    bodies: list[str] = []
+
+    async def agent(call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse]) -> None:
+        async for response in call:
+            for message in response.messages:
+                bodies.append(message.WhichOneof("body") or "")
+                cid = message.correlation_id
+                if message.HasField("offer"):
+                    answer = pb.OfferAnswer(accepted=True, reservation_id="r-1", lease_s=30)
+                    outbox.put_nowait(one(correlation_id=cid, offer_answer=answer))
+                elif message.HasField("commit"):
+                    commit = message.commit
+                    outbox.put_nowait(one(correlation_id=cid, commit_answer={"started": True}))
+                    report = pb.TaskReport(
+                        job_id=commit.job_id,
+                        task=commit.task,
+                        epoch=commit.epoch,
+                        state=jobs_pb2.JOB_STATE_RUNNING,
+                    )
+                    outbox.put_nowait(one(task_status=report))
+
+    task = python_task("web", "pass", kind="TASK_KIND_SERVICE", replicas=1)
+    pinned = spec("old-service", [task])
+    pinned.constraints.sites.append(site)
+    async with channel_as(federation, tls) as channel:
+        call = link_grpc.SiteLinkServiceStub(channel).Connect(requests())
+        serving = asyncio.create_task(agent(call))
+        try:
+            async with federation.operator().channel() as operator:
+                job_id = await submit(federation, pinned)
+                await wait_for_job(operator, job_id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
+                stub = serving_service_pb2_grpc.ServingServiceStub(operator)
+                scale = serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=2)
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await stub.ScaleService(scale)
+                await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
+        finally:
+            call.cancel()
+            serving.cancel()
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = refused.value.details() or ""
+    assert f"agent at site {site} speaks site-link protocol 2" in details
+    assert f"upgrade the agent at {site}" in details
+    assert "change" not in bodies

@@ -259,3 +259,39 @@ async def test_only_services_change_and_only_for_their_tenant(fed: LocalFederati
                 serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=2)
             )
         assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_a_restarted_agent_keeps_a_changed_service_as_changed(tmp_path: Path) -> None:
+    """Scaled to 3 and rolled onto v2 in one update, then the agent is stopped (SIGTERM, its
+    tasks left running) and started again: the next agent adopts three replicas at revision 1
+    on the same ports, answering v2, none restarted."""
+    site = SiteSpec("svc-c", "edge", nodes=[NODE], settings={"stop_tasks_on_exit": False})
+    fed = LocalFederation(tmp_path / "fed", [site])
+    try:
+        await fed.start()
+        async with fed.operator().channel() as channel:
+            job_id = await start(channel, "kept", web("v1"))
+            new = spec("kept", [web("v2", replicas=3)]).tasks[0]
+            await serving(channel).UpdateService(
+                serving_service_pb2.UpdateServiceRequest(job_id=job_id, spec=new)
+            )
+
+            async def changed() -> bool:
+                now = await endpoints(channel, job_id)
+                return len(now) == 3 and all(e.ready and e.revision == 1 for e in now)
+
+            await until(changed, "three replicas of revision 1")
+            before = await endpoints(channel, job_id)
+            assert fed.terminate(site.name), "the agent ignored SIGTERM"
+            assert sorted(answer(e) for e in before) == ["v2:0", "v2:1", "v2:2"]
+            await fed.start_site(site)
+            await fed.wait_connected()
+            await until(changed, "the adopted replicas reported")
+            after = await endpoints(channel, job_id)
+            assert [(e.port, e.revision, e.restarts) for e in after] == [
+                (e.port, 1, 0) for e in before
+            ]
+            assert sorted(answer(e) for e in after) == ["v2:0", "v2:1", "v2:2"]
+            await stop(channel, job_id)
+    finally:
+        fed.stop()
