@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from federation import tracing
+from federation.agent.service import RestartPolicy
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state, retries, spread
 from federation.coordinator.events import WATCH_BATCH, EventHub
@@ -469,15 +470,18 @@ class JobManager:
                     bytes=report.checkpoint.bytes,
                 )
             if report.state == job_state.RUNNING:
+                changes = []
+                if current.state != job_state.RUNNING:
+                    changes.append(
+                        transition(job, report.task, job_state.RUNNING, f"running at {site}")
+                    )
                 # Endpoints change without an event (readiness flaps are not history); a
-                # crash loop's start and end are logged.
-                note_crash_loops(job.id, current, report.endpoints)
+                # crash loop's start and end are events, in the commit of their report.
+                changes += crash_loop_changes(job, current, report.endpoints)
                 if list(current.endpoints) != list(report.endpoints):
                     del current.endpoints[:]
                     current.endpoints.extend(report.endpoints)
-                if current.state == job_state.RUNNING:
-                    return []
-                return [transition(job, report.task, job_state.RUNNING, f"running at {site}")]
+                return changes
             if not final:
                 return []
             del current.endpoints[:]
@@ -636,20 +640,35 @@ class _Effects:
     """(site, task, epoch) of sibling tasks to cancel because this one failed."""
 
 
-def note_crash_loops(
-    job_id: str, task: jobs_pb2.TaskStatus, endpoints: Sequence[jobs_pb2.Endpoint]
-) -> None:
-    """Logs each replica of a service that starts or stops crash-looping."""
+def crash_loop_changes(
+    job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, endpoints: Sequence[jobs_pb2.Endpoint]
+) -> list[Change]:
+    """An event (the task still RUNNING) and a log line for each replica of a service that
+    starts or stops crash-looping in ``endpoints`` against the task's endpoints so far."""
     before = {e.replica: e.crash_looping for e in task.endpoints}
+    changes = []
     for endpoint in endpoints:
-        if endpoint.crash_looping != before.get(endpoint.replica, False):
-            log.warning(
-                "replica_crash_loop" if endpoint.crash_looping else "replica_crash_loop_over",
-                job=job_id,
-                task=task.name,
-                replica=endpoint.replica,
-                restarts=endpoint.restarts,
+        if endpoint.crash_looping == before.get(endpoint.replica, False):
+            continue
+        log.warning(
+            "replica_crash_loop" if endpoint.crash_looping else "replica_crash_loop_over",
+            job=job.id,
+            task=task.name,
+            replica=endpoint.replica,
+            restarts=endpoint.restarts,
+        )
+        if endpoint.crash_looping:
+            # The agent's rule, with the defaults the API names filled in.
+            policy = RestartPolicy.of(find_spec(job, task.name).service)
+            reason = (
+                f"replica {endpoint.replica} is crash-looping: {policy.crash_loop_after} "
+                f"restarts in a row after runs shorter than {policy.min_run_s:g}s; "
+                f"restarted every {policy.max_backoff_s:g}s"
             )
+        else:
+            reason = f"replica {endpoint.replica} is no longer crash-looping"
+        changes.append(Change(task.name, task.state, reason, task.site))
+    return changes
 
 
 def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change:

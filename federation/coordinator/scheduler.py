@@ -66,6 +66,7 @@ from federation.jobspec import domain_name
 from federation.metrics import OFFERS, PREEMPTIONS
 from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
+from federation.placement.plugins.near_region import NearRegion, describe
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
 from federation.resources import KINDS, add, owner_share_refusal
@@ -1206,6 +1207,9 @@ class Scheduler:
                 explanation.note = "placed; the scores below are for the federation as it is now"
             request = self._with_learned_speeds(request)  # as the scheduler ranks it
             decision = self._framework.place(request, snapshot)
+            if request.near_region:
+                near = self._near_region_note(request, snapshot, decision.ranked)
+                explanation.note = "; ".join(n for n in (explanation.note, near) if n)
             estimates = estimate(request, snapshot)
             for rank, (site, total) in enumerate(
                 zip(decision.ranked, decision.scores, strict=True), start=1
@@ -1249,6 +1253,14 @@ class Scheduler:
                 explanation.held_back.extend(self._held_back(job, task))
             out.append(explanation)
         return out
+
+    def _near_region_note(self, request: Request, snapshot: Snapshot, ranked: Sequence[str]) -> str:
+        """The RTT to its region each ranked site was ranked by (explain only); a profile
+        without NearRegion ranks by none."""
+        region = request.near_region
+        if not any(s.name == NearRegion.name and w > 0 for s, w in self._framework.scorers):
+            return f"near_region {region} is not weighed: the profile has no NearRegion"
+        return describe(request, snapshot, ranked)
 
     def _held_back(
         self, job: jobs_pb2.Job, task: jobs_pb2.TaskStatus

@@ -124,9 +124,15 @@ def _holding(task: jobs_pb2.TaskStatus, spec: jobs_pb2.TaskSpec, now: float) -> 
 
 def predictable(req: Request) -> bool:
     """Whether a wait can be predicted for ``req``: whole devices or none, with a run-time
-    estimate (shares, partitions and interconnect groups are not played out on trial)."""
+    estimate (shares, partitions and interconnect groups are not played out on trial). A
+    service near a region is ranked by RTT, not by when it finishes: it never waits for a
+    site that would finish it sooner."""
     return (
-        req.duration_s > 0 and not req.fraction and not req.partition and not req.same_interconnect
+        req.duration_s > 0
+        and not req.fraction
+        and not req.partition
+        and not req.same_interconnect
+        and not req.near_region
     )
 
 

@@ -1,7 +1,8 @@
 """The placement framework: filters narrow the sites, scorers rank the survivors.
 
 Plugins are pure functions of an immutable ``Snapshot``; the framework checks their output
-(shapes, finiteness, score range), applies weights and breaks ties by site name.
+(shapes, finiteness, score range), applies weights and breaks ties by site name. A scorer that
+sets ``ranks_first`` orders the sites before the weighted total does (see ``ScorePlugin``).
 """
 
 from __future__ import annotations
@@ -164,6 +165,14 @@ class FilterPlugin(Protocol):
 
 
 class ScorePlugin(Protocol):
+    """A scorer; its weighted score is added to each feasible site's total.
+
+    One may also set ``ranks_first = True`` (a class attribute, absent means False): sites are
+    then ordered by its weighted score first, and the total orders only sites whose scores
+    tie. For what a task asks outright (``NearRegion``), not for one more trade-off; its
+    weight still adds to the total, and 0 turns it off as for any scorer.
+    """
+
     name: ClassVar[str]
 
     def score(
@@ -301,6 +310,7 @@ class Framework:
             alive &= verdict.mask
         feasible = np.flatnonzero(alive).astype(np.int64)
         total = np.zeros(len(feasible), dtype=np.float64)
+        first = np.zeros(len(feasible), dtype=np.float64)
         terms: dict[str, npt.NDArray[np.float64]] = {}
         for scorer, weight in self.scorers:
             if len(feasible) == 0:
@@ -310,8 +320,10 @@ class Framework:
                 raise PluginContractError(scorer.name, "score outside [0, 100] or wrong shape")
             terms[scorer.name] = s
             total += weight * s
+            if getattr(scorer, "ranks_first", False):
+                first += weight * s
         # Snapshot sites are sorted by name, so index order breaks ties by name.
-        order = np.lexsort((feasible, -total))
+        order = np.lexsort((feasible, -total, -first))
         names = site_names(snap)
         return Decision(
             ranked=tuple(names[feasible[order]].tolist()),

@@ -21,6 +21,7 @@ from federation.placement.plugins.constraints import Constraints
 from federation.placement.plugins.cost import Cost, CostCap, Energy
 from federation.placement.plugins.energy import Consolidation
 from federation.placement.plugins.free_capacity import FreeCapacity
+from federation.placement.plugins.near_region import NearRegion
 from federation.placement.plugins.site_state import SiteState
 
 FILTERS: Mapping[str, type[FilterPlugin]] = {
@@ -38,6 +39,7 @@ SCORERS: Mapping[str, type[ScorePlugin]] = {
         LeastLoaded,
         RunTimeOnly,
         Consolidation,
+        NearRegion,
     )
 }
 
@@ -48,12 +50,14 @@ DEFAULT_FILTERS: tuple[str, ...] = (
     "CapacityFit",
     "CostCap",
 )
-# Finishing soonest dominates; cost, energy and balance break near-ties.
+# Finishing soonest dominates; cost, energy and balance break near-ties. NearRegion ranks
+# first (the RTT a service asked for), and scores every site alike for other tasks.
 DEFAULT_SCORERS: Mapping[str, float] = {
     "CompletionTime": 1.0,
     "Cost": 0.2,
     "Energy": 0.05,
     "FreeCapacity": 0.1,
+    "NearRegion": 1.0,
 }
 
 

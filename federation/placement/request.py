@@ -46,6 +46,8 @@ class Request:
     speed: tuple[tuple[str, float], ...] = ()
     max_cost_usd: float = 0.0
     deadline_s: float = 0.0
+    near_region: str = ""
+    """A service's ``near_region``: sites are ranked by their RTT to it first (``NearRegion``)."""
     sequence: int = 0
     """Arrival order of the task, for policies that take turns (the simulator sets it)."""
 
@@ -101,4 +103,5 @@ class Request:
             speed=tuple(sorted(task.speed.items())),
             max_cost_usd=job.objective.max_cost_usd,
             deadline_s=job.objective.deadline_s,
+            near_region=task.service.near_region,  # submit allows a service policy on services only
         )

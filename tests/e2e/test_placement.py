@@ -183,7 +183,7 @@ async def test_explain_shows_filters_and_terms(fed: LocalFederation) -> None:
     fast = by_site["fast"]
     assert fast.feasible
     assert fast.rank == 1
-    assert set(fast.scores) == {"CompletionTime", "Cost", "Energy", "FreeCapacity"}
+    assert set(fast.scores) == {"CompletionTime", "Cost", "Energy", "FreeCapacity", "NearRegion"}
     # 2 TB over the thin 100 Mbit/s link dominates the estimate.
     assert fast.estimate.transfer_s > fast.estimate.run_s > 0
     assert fast.estimate.total_s == pytest.approx(

@@ -133,7 +133,8 @@ async def test_a_killed_replica_comes_back_while_the_other_serves(fed: LocalFede
 
 
 async def test_a_crash_loop_shows_and_the_service_stays_running(fed: LocalFederation) -> None:
-    """A replica that exits at once is restarted and shown crash-looping; the job runs on."""
+    """A replica that exits at once is restarted and shown crash-looping, and the loop's
+    start is one event of the task; the job runs on."""
     task = service("bad", "raise SystemExit(2)", 1, backoffS=0.1, maxBackoffS=0.5, crashLoopAfter=3)
     async with fed.operator().channel() as channel:
         submitted = await jobs(channel).SubmitJob(
@@ -148,8 +149,20 @@ async def test_a_crash_loop_shows_and_the_service_stays_running(fed: LocalFedera
         await until(looping, "a crash loop")
         table = fedctl(fed, "jobs", "endpoints", job_id).stdout
         assert "(crash loop)" in table
-        reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+        reply = await jobs(channel).GetJob(
+            job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+        )
         assert reply.job.state == jobs_pb2.JOB_STATE_RUNNING
+        loops = [e for e in reply.events if "crash-looping" in e.reason]
+        assert [(e.task, e.state, e.site, e.reason) for e in loops] == [
+            (
+                "bad",
+                jobs_pb2.JOB_STATE_RUNNING,
+                "svc-a",
+                "replica 0 is crash-looping: 3 restarts in a row after runs shorter than 10s;"
+                " restarted every 0.5s",
+            )
+        ]
         await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
         assert (await wait_for_job(channel, job_id)).state == jobs_pb2.JOB_STATE_CANCELLED
 

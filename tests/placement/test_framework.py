@@ -210,8 +210,9 @@ def test_default_profile_places_on_the_roomiest_eligible_site() -> None:
     )
     decision = build_framework().place(request(cpu=1, kind=GPU, count=1), snap)
     assert decision.ranked == ("roomy", "busy")
-    # CompletionTime 1.0, Cost 0.2 and Energy 0.05 give both 100; FreeCapacity (0.1) splits them.
-    assert decision.scores == (135.0, 127.5)
+    # CompletionTime 1.0, Cost 0.2, Energy 0.05 and NearRegion 1.0 (no region asked) give both
+    # 100; FreeCapacity (0.1) splits them.
+    assert decision.scores == (235.0, 227.5)
     assert decision.terms["FreeCapacity"] == (100.0, 25.0)
     assert [(r.site, r.plugin) for r in decision.rejections] == [
         ("cpu-only", "CapacityFit"),

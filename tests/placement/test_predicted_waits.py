@@ -74,6 +74,12 @@ def test_a_task_starts_now_when_waiting_would_not_pay() -> None:
     assert _wait(_gpu_task(1000), _fleet(), [_held_until(NOW + 2500)]) is None
 
 
+def test_a_service_near_a_region_does_not_wait_to_finish_sooner() -> None:
+    """Ranked by its RTT to the region, not by when it finishes: it starts where it can now."""
+    near = dataclasses.replace(_gpu_task(1000), near_region="eu-west")
+    assert _wait(near, _fleet(), [_held_until(NOW + 40)]) is None
+
+
 def test_tasks_waiting_already_take_what_frees_first() -> None:
     """One task waits for the H100 already: the next one can have it only when that one ends
     (40 + 400 s), which still beats 2,632 s; behind two such, 840 + 400 s does too, but not
