@@ -83,7 +83,7 @@ class LocalCore(Protocol):
     async def change(
         self, change: site_link_service_pb2.ChangeTask
     ) -> site_link_service_pb2.ChangeAnswer:
-        """Takes a running service's new spec (``federation.service_change``: its replica
+        """Takes a running service's new spec (``federation.service_policy``: its replica
         count, command, env and policy), or declines it with a reason."""
         ...
 

@@ -39,20 +39,14 @@ from federation.agent.node_fit import qualifying_nodes
 from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
-from federation.agent.service import (
-    ReplicaService,
-    RestartPolicy,
-    free_port,
-    is_ready,
-    is_service,
-)
+from federation.agent.service import ReplicaService, free_port, is_ready, is_service
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
-from federation.service_change import fixed_fields, max_unavailable
+from federation.service_policy import RestartPolicy, fixed_fields, max_unavailable
 from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
@@ -899,7 +893,7 @@ class EmbeddedCore:
     async def change(
         self, change: site_link_service_pb2.ChangeTask
     ) -> site_link_service_pb2.ChangeAnswer:
-        """Takes a running service's new spec (``federation.service_change``) or declines it
+        """Takes a running service's new spec (``federation.service_policy``) or declines it
         with a reason. Room for added replicas is held at once; the replicas are brought to
         the spec after the answer (``_converge``)."""
         key: TaskKey = (change.job_id, change.task, change.epoch)

@@ -1,5 +1,6 @@
-"""What a site keeps for a service task's replicas: the restart policy with its backoff and
-crash-loop state, the readiness checks, each replica's port, and the endpoints it reports.
+"""What a site keeps for a service task's replicas: their backoff and crash-loop state (by
+``federation.service_policy.RestartPolicy``), the readiness checks, each replica's port, and
+the endpoints it reports.
 
 Restarts are the agent's: while no agent runs (stopped on purpose, its replicas left to the
 next one), a replica that exits stays down; the next agent that adopts the task restarts it at
@@ -20,52 +21,12 @@ from pathlib import Path
 from federation.agent.accounts import Account
 from federation.api.v1 import jobs_pb2
 
-DEFAULT_BACKOFF_S = 1.0
-DEFAULT_MAX_BACKOFF_S = 300.0
-DEFAULT_MIN_RUN_S = 10.0
-DEFAULT_CRASH_LOOP_AFTER = 5
 DEFAULT_PERIOD_S = 1.0
 DEFAULT_CHECK_TIMEOUT_S = 1.0
 
 
 def is_service(spec: jobs_pb2.TaskSpec) -> bool:
     return spec.kind == jobs_pb2.TASK_KIND_SERVICE
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """A service's restart policy with the defaults the API names filled in."""
-
-    always: bool
-    backoff_s: float
-    max_backoff_s: float
-    min_run_s: float
-    crash_loop_after: int
-
-    @classmethod
-    def of(cls, policy: jobs_pb2.ServicePolicy) -> RestartPolicy:
-        return cls(
-            always=policy.restart != jobs_pb2.ServicePolicy.RESTART_ON_FAILURE,
-            backoff_s=policy.backoff_s or DEFAULT_BACKOFF_S,
-            max_backoff_s=policy.max_backoff_s or DEFAULT_MAX_BACKOFF_S,
-            min_run_s=policy.min_run_s or DEFAULT_MIN_RUN_S,
-            crash_loop_after=policy.crash_loop_after or DEFAULT_CRASH_LOOP_AFTER,
-        )
-
-    def restarts(self, returncode: int) -> bool:
-        """Whether a replica that ended with ``returncode`` is started again."""
-        return self.always or returncode != 0
-
-    def crash_looping(self, short_runs: int) -> bool:
-        return short_runs >= self.crash_loop_after
-
-    def delay_s(self, short_runs: int) -> float:
-        """The wait before a restart that follows ``short_runs`` short runs in a row: the
-        backoff, doubled for each short run after the first, at most max_backoff_s; the
-        longest once the replica is crash-looping."""
-        if self.crash_looping(short_runs):
-            return self.max_backoff_s
-        return min(self.backoff_s * 2.0 ** max(0, short_runs - 1), self.max_backoff_s)
 
 
 @dataclass(slots=True)

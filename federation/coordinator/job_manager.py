@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import structlog
 
 from federation import tracing
-from federation.agent.service import RestartPolicy
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import job_state, retries, spread
 from federation.coordinator.events import WATCH_BATCH, EventHub
@@ -47,6 +46,7 @@ from federation.errors import (
 )
 from federation.metrics import JOBS_SUBMITTED
 from federation.security.identity import Identity, Role
+from federation.service_policy import RestartPolicy
 from federation.store import CommitTooLargeError
 from federation.timeslice import TimeSlice
 

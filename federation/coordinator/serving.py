@@ -33,7 +33,7 @@ from federation.errors import (
     UnavailableError,
 )
 from federation.security.identity import Identity
-from federation.service_change import fixed_fields
+from federation.service_policy import fixed_fields
 
 log = structlog.get_logger()
 

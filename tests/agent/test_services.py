@@ -14,9 +14,8 @@ import psutil
 import pytest
 
 from federation.agent.embedded_core import EmbeddedCore
-from federation.agent.service import RestartPolicy
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.service_change import fixed_fields
+from federation.service_policy import RestartPolicy, fixed_fields
 from federation.testing.services import HTTP_REPLICA
 
 from .cores import CANCELLED, RUNNING, Recorder, node, offer, run
