@@ -59,17 +59,48 @@ class RestartPolicy:
 
 
 IN_PLACE_FIELDS = frozenset({"replicas", "command", "env", "service"})
-"""The TaskSpec fields a running service may change."""
+"""The TaskSpec fields a running service may change (``service.port`` excepted: clients
+found the replicas there)."""
 
 
 def fixed_fields(old: jobs_pb2.TaskSpec, new: jobs_pb2.TaskSpec) -> list[str]:
-    """The fields ``new`` changes that may not change in place, by name, in field order."""
+    """The fields ``new`` changes that may not change in place, by path, in field order."""
     before, after = _set_fields(old), _set_fields(new)
-    return [
+    out = [
         field.name
         for field in jobs_pb2.TaskSpec.DESCRIPTOR.fields
         if field.name not in IN_PLACE_FIELDS and before.get(field.name) != after.get(field.name)
     ]
+    if old.service.port != new.service.port:
+        out.append("service.port")
+    return out
+
+
+def in_place(running: jobs_pb2.TaskSpec, change: jobs_pb2.TaskSpec) -> jobs_pb2.TaskSpec:
+    """``running`` with the fields a change may make taken from ``change``; the rest stay as
+    the site was given them (its offer may differ from the stored spec: learned speeds, the
+    device models a quota left)."""
+    out = jobs_pb2.TaskSpec()
+    out.CopyFrom(running)
+    taken = jobs_pb2.TaskSpec()
+    taken.CopyFrom(change)
+    for field in jobs_pb2.TaskSpec.DESCRIPTOR.fields:
+        if field.name in IN_PLACE_FIELDS:
+            out.ClearField(field.name)  # type: ignore[arg-type]
+        else:
+            taken.ClearField(field.name)  # type: ignore[arg-type]
+    out.MergeFrom(taken)
+    out.service.port = running.service.port
+    return out
+
+
+def only_scaled(old: jobs_pb2.TaskSpec, new: jobs_pb2.TaskSpec) -> bool:
+    """Whether ``new`` differs from ``old`` in its replica count alone: the replicas that run
+    go on as they are."""
+    same = jobs_pb2.TaskSpec()
+    same.CopyFrom(new)
+    same.replicas = old.replicas
+    return same == old
 
 
 def _set_fields(spec: jobs_pb2.TaskSpec) -> dict[str, object]:

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
@@ -46,7 +46,7 @@ from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
-from federation.service_policy import RestartPolicy, fixed_fields, max_unavailable
+from federation.service_policy import RestartPolicy, in_place, max_unavailable, only_scaled
 from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
@@ -772,6 +772,7 @@ class EmbeddedCore:
             task.replicas.append(process)
         if task.service is not None:
             task.service[replica].revision = task.revision
+            task.service[replica].checked = False
 
     def _task_dir(self, key: TaskKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""
@@ -899,12 +900,15 @@ class EmbeddedCore:
         key: TaskKey = (change.job_id, change.task, change.epoch)
         task = self._tasks.get(key)
         problem = self._change_problem(task, change)
+        spec = in_place(task.spec, change.spec) if task is not None else change.spec
         if task is not None and not problem and change.revision == task.revision:
-            return site_link_service_pb2.ChangeAnswer(accepted=True)  # a retried change
+            if spec == task.spec:
+                return site_link_service_pb2.ChangeAnswer(accepted=True)  # a retried change
+            problem = f"revision {change.revision} was taken here with another spec"
         added: tuple[Slot, ...] = ()
         if task is not None and not problem:
-            extra = (change.spec.replicas or 1) - len(task.slots)
-            placed = self._place_added(task, change, extra) if extra > 0 else ()
+            extra = (spec.replicas or 1) - len(task.slots)
+            placed = self._place_added(task, spec, change.node_labels, extra) if extra > 0 else ()
             if isinstance(placed, str):
                 problem = f"no room for {extra} more replicas: {placed}"
             else:
@@ -912,8 +916,11 @@ class EmbeddedCore:
         if problem or task is None or task.service is None:
             log.info("change_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
             return site_link_service_pb2.ChangeAnswer(accepted=False, reason=problem)
-        spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(change.spec)
+        if only_scaled(task.spec, spec):
+            # The replicas that run are the new revision already: none is replaced.
+            for replica in task.service:
+                if replica.revision == task.revision:
+                    replica.revision = change.revision
         task.spec, task.revision = spec, change.revision
         task.slots += added
         task.service += [
@@ -945,26 +952,21 @@ class EmbeddedCore:
             return f"revision {change.revision} is older than revision {task.revision} here"
         if change.revision == task.revision:
             return ""
-        if len(task.slots) != (task.spec.replicas or 1) or len(task.replicas) < len(task.slots):
+        if len(task.slots) > (task.spec.replicas or 1):
             return (
-                f"the change to revision {task.revision} is still being applied "
-                f"({len(task.replicas)} of {task.spec.replicas or 1} replicas started); "
-                "try again in a moment"
+                f"the change to revision {task.revision} is still stopping replicas "
+                f"({len(task.slots)} left of {task.spec.replicas or 1}); try again in a moment"
             )
-        if fixed := fixed_fields(task.spec, change.spec):
-            return f"{', '.join(fixed)} cannot change in place"
         return _fixed_port_problem(change.spec)
 
     def _place_added(
-        self, task: _Task, change: site_link_service_pb2.ChangeTask, extra: int
+        self, task: _Task, new: jobs_pb2.TaskSpec, node_labels: Mapping[str, str], extra: int
     ) -> tuple[Slot, ...] | str:
         """Room for ``extra`` more replicas of a service, on nodes that may run it."""
         spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(change.spec)
+        spec.CopyFrom(new)
         spec.replicas = extra
-        wanted = site_link_service_pb2.Offer(
-            spec=spec, tenant=task.tenant, node_labels=change.node_labels
-        )
+        wanted = site_link_service_pb2.Offer(spec=spec, tenant=task.tenant, node_labels=node_labels)
         nodes = qualifying_nodes(self._nodes.values(), wanted, self._compat)
         if isinstance(nodes, str):
             return nodes
@@ -986,7 +988,8 @@ class EmbeddedCore:
         while True:
             task.reshaped.clear()
             task.moved.clear()
-            busy = False
+            busy, pause = False, 1.0
+            waits_for: list[asyncio.Event] = [task.moved, task.reshaped]
             try:
                 while len(task.slots) > (task.spec.replicas or 1):
                     await self._retire(task)
@@ -996,29 +999,41 @@ class EmbeddedCore:
                     await self._replace(task, replica)
                 busy = any(r.revision < task.revision for r in task.service)
             except ReplicaStartError as exc:
-                log.warning("replica_start_failed", job_id=job_id, task=name, error=str(exc))
-                busy = True  # tried again after a pause
+                # Tried again after the policy's backoff, as a crashed replica is restarted;
+                # a newer change does not wait for it.
+                failed = task.service[len(task.replicas)]
+                failed.short_runs += 1
+                failed.checked = True
+                pause = RestartPolicy.of(task.spec.service).delay_s(failed.short_runs)
+                busy, waits_for = True, [task.reshaped]
+                log.warning(
+                    "replica_start_failed", job_id=job_id, task=name, error=str(exc), in_s=pause
+                )
+                self._report(task)
             except Exception:
                 log.exception("service_change_failed", job_id=job_id, task=name, epoch=epoch)
                 busy = True
             if not busy:
                 await task.reshaped.wait()
                 continue
-            moved = asyncio.ensure_future(task.moved.wait())
-            reshaped = asyncio.ensure_future(task.reshaped.wait())
+            waits = [asyncio.ensure_future(event.wait()) for event in waits_for]
             try:
-                await asyncio.wait({moved, reshaped}, timeout=1.0, return_when="FIRST_COMPLETED")
+                await asyncio.wait(waits, timeout=pause, return_when="FIRST_COMPLETED")
             finally:
-                moved.cancel()
-                reshaped.cancel()
+                for wait in waits:
+                    wait.cancel()
 
     def _to_replace(self, task: _Task) -> list[int]:
-        """The replicas of an older revision to replace now: every one not ready, and as many
-        ready ones as leave at most max_unavailable not ready."""
+        """The replicas of an older revision to replace now: every one known not to be ready,
+        and as many ready ones as leave at most max_unavailable not ready. None while a
+        replica's readiness is not known yet (just started, or adopted before its first
+        check): it may be ready."""
         assert task.service is not None
-        service = task.service
-        stale = [i for i in range(len(task.replicas)) if service[i].revision < task.revision]
-        budget = max_unavailable(task.spec) - sum(not r.ready for r in service)
+        service = task.service[: len(task.replicas)]
+        if not all(r.checked for r in service):
+            return []
+        stale = [i for i, r in enumerate(service) if r.revision < task.revision]
+        budget = max_unavailable(task.spec) - sum(not r.ready for r in task.service)
         ready = [i for i in stale if service[i].ready][: max(0, budget)]
         return [i for i in stale if not service[i].ready] + ready
 
@@ -1070,6 +1085,8 @@ class EmbeddedCore:
         try:
             await self._start_replica(task, replica, self._account(task))
         except ReplicaStartError as exc:
+            # Of the new revision all the same: its keeper restarts it, with its backoff.
+            state.revision, state.checked = task.revision, True
             log.warning(
                 "replica_replace_failed", job_id=task.key[0], task=task.key[1], error=str(exc)
             )
@@ -1098,7 +1115,7 @@ class EmbeddedCore:
                     code, short = await process.wait(), False
             finally:
                 checker.cancel()
-            state.ready = False
+            state.ready, state.checked = False, True
             if not policy.restarts(code):
                 state.down = True
                 log.info("replica_stays_down", job_id=job_id, task=name, replica=replica)
@@ -1135,7 +1152,7 @@ class EmbeddedCore:
         assert task.service is not None
         state = task.service[replica]
         if not task.spec.service.HasField("readiness"):
-            state.ready = True
+            state.ready = state.checked = True
             self._report(task)
             return
         check = task.spec.service.readiness
@@ -1147,7 +1164,10 @@ class EmbeddedCore:
             ready = await is_ready(
                 check, address=self._address, port=state.port, env=env, cwd=cwd, account=account
             )
-            if ready != state.ready and not process.exited:
+            if process.exited:
+                break
+            first, state.checked = not state.checked, True
+            if ready != state.ready or first:
                 state.ready = ready
                 self._report(task)
             await asyncio.sleep(check.period_s or 1.0)

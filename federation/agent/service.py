@@ -40,6 +40,9 @@ class ReplicaService:
     short_runs: int = 0
     """Runs in a row shorter than min_run_s."""
     ready: bool = False
+    checked: bool = False
+    """Its readiness is known since it last started (a check answered, or it exited): an
+    adopted replica is not taken for one that is down until then."""
     down: bool = False
     """It exited 0 under restart on_failure: it stays down."""
 

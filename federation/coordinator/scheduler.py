@@ -170,6 +170,9 @@ class _Negotiation:
     """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
     epoch: int = 0
     """The epoch of its latest round's offers."""
+    revision: int = 0
+    """The revision of the spec its offers carried (a service changed meanwhile is not
+    delegated with the spec it had before)."""
     chosen: tuple[str, str] | None = None
     """The site and reservation it is delegated to, once a round found one."""
     over: bool = False
@@ -978,6 +981,7 @@ class Scheduler:
                 n.settled = True  # cancelled meanwhile
                 continue
             n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
+            n.revision = task.revision
             active.append(n)
             spec = find_spec(job, n.task)
             offer = site_link_service_pb2.Offer(
@@ -1091,7 +1095,7 @@ class Scheduler:
             assert n.chosen is not None
             site, reservation = n.chosen
             estimated = n.estimates.get(site)
-            mark = _mark_delegated(n.task, site, n.epoch, reservation, estimated)
+            mark = _mark_delegated(n.task, site, n.epoch, n.revision, reservation, estimated)
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
@@ -1545,6 +1549,7 @@ def _mark_delegated(
     task_name: str,
     site: str,
     epoch: int,
+    revision: int,
     reservation_id: str,
     estimated: jobs_pb2.Estimate | None,
 ) -> Mutation:
@@ -1552,6 +1557,8 @@ def _mark_delegated(
         task = find_task(job, task_name)
         if task.state != job_state.PENDING or max(task.epoch, task.issued_epoch) >= epoch:
             return []  # cancelled, or another delegation went first
+        if task.revision != revision:
+            return []  # its spec changed while offered: offered again, as it is now
         task.epoch = task.issued_epoch = epoch
         task.site = site
         task.reservation_id = reservation_id

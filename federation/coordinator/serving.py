@@ -66,6 +66,8 @@ class Serving:
         self._sites = sites
         self._sharing = sharing
         self._changing: dict[str, tuple[asyncio.Lock, int]] = {}
+        self._sent: dict[tuple[str, str], int] = {}
+        """The newest revision this term sent to a site, per (job, task)."""
         """Per job with a change under way: its lock, and how many callers hold or await it."""
 
     async def endpoints(self, caller: Identity, job_id: str) -> tuple[str, list[jobs_pb2.Endpoint]]:
@@ -159,7 +161,11 @@ class Serving:
                     f"({jobs_pb2.JobState.Name(status.state)}); try again in a few seconds"
                 )
             self._check_quota(job, status, old, new)
-            revision = status.revision + 1
+            # Above any revision sent before, even one a site took without the store hearing
+            # (its answer lost): the site declines a revision it took with another spec.
+            key = (job.id, new.name)
+            revision = max(status.revision, self._sent.get(key, 0)) + 1
+            self._sent[key] = revision
             state, epoch = status.state, status.epoch
             if state == job_state.RUNNING:
                 await self._tell_site(job, status, new, revision)

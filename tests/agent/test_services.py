@@ -48,9 +48,9 @@ def answer(address: str, port: int) -> str:
         return str(reply.read().decode())
 
 
-def replica_pid(core: EmbeddedCore, replica: int) -> int:
+def replica_pid(core: EmbeddedCore, replica: int, job_id: str = "job-1") -> int:
     """The pid of a replica's own process (its supervisor's child)."""
-    (task,) = core._tasks.values()
+    (task,) = [t for t in core._tasks.values() if t.key[0] == job_id]
     (child,) = psutil.Process(task.replicas[replica].pid).children()
     return int(child.pid)
 
@@ -188,40 +188,82 @@ def change_of(
     )
 
 
-async def test_a_change_outside_what_may_change_in_place_is_declined(
+async def test_a_site_declines_what_it_cannot_change_and_keeps_its_own_spec(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder
 ) -> None:
-    """Unknown task, a batch task, resources changed, an older revision, and room for more
-    replicas than the node has: each declined with why, and the replicas run on as they were."""
+    """Unknown task, a batch task, more replicas than the node has room for, an older
+    revision, a revision taken with another spec: each declined with why. What the site was
+    offered beyond the fields a change makes (here learned speeds) stays as offered, and a
+    scale leaves the replica that runs alone (same process)."""
     core = make_core([node("n", cpu=4)])
     o = service_offer(HTTP_REPLICA, replicas=1)
+    o.spec.speed["A100"] = 2.0  # the offer's learned speeds: not in the stored spec
     await run(core, o)
     await until(lambda: [e.ready for e in endpoints(recorder)] == [True], "ready")
     (before,) = endpoints(recorder)
+    pid = replica_pid(core, 0)
     batch = offer("job-2", code="import time; time.sleep(30)")
     await run(core, batch)
+    stored = jobs_pb2.TaskSpec()
+    stored.CopyFrom(o.spec)
+    del stored.speed["A100"]
+    o.spec.CopyFrom(stored)
     declined = {
         "unknown": change_of(offer("job-9", task="web")),
         "batch": change_of(batch),
-        "resources": change_of(o, cpu=2),
         "no-room": change_of(o, replicas=9),
     }
     reasons = {name: await core.change(change) for name, change in declined.items()}
     assert not any(answer.accepted for answer in reasons.values())
     assert "no task job-9/web epoch 1 runs here" in reasons["unknown"].reason
     assert "is not a service" in reasons["batch"].reason
-    assert reasons["resources"].reason == "resources cannot change in place"
     assert reasons["no-room"].reason.startswith("no room for 8 more replicas")
     assert (await core.change(change_of(o, revision=2, replicas=2))).accepted
+    (task,) = [t for t in core._tasks.values() if t.key[0] == "job-1"]
+    assert dict(task.spec.speed) == {"A100": 2.0}, "the offer's speeds were dropped"
     stale = await core.change(change_of(o, revision=1, replicas=1))
     assert stale.reason == "revision 1 is older than revision 2 here"
-    again = await core.change(change_of(o, revision=2, replicas=2))
-    assert again.accepted, "a retried change is taken again"
+    assert (await core.change(change_of(o, revision=2, replicas=2))).accepted, "a retry"
+    other = await core.change(change_of(o, revision=2, replicas=3))
+    assert other.reason == "revision 2 was taken here with another spec"
     await until(lambda: [e.ready for e in endpoints(recorder)] == [True, True], "two ready")
     first = endpoints(recorder)[0]
-    assert (first.port, first.restarts) == (before.port, 0), "replica 0 was not touched"
+    assert (first.port, first.restarts, first.revision) == (before.port, 0, 2)
+    assert replica_pid(core, 0) == pid, "scaling replaced the replica that ran"
     await core.cancel("job-1", "web", 0, "done")
     await core.cancel("job-2", "train", 0, "done")
+
+
+async def test_a_change_of_command_replaces_each_replica_within_max_unavailable(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """Three replicas, max_unavailable 1: no report ever shows two not ready once all were
+    ready; every replica ends on the new revision, in a new process."""
+    core = make_core([node("n", cpu=4)])
+    o = service_offer(
+        HTTP_REPLICA,
+        replicas=3,
+        max_unavailable=1,
+        readiness=jobs_pb2.ReadinessCheck(http_path="/", period_s=0.1, timeout_s=5),
+    )
+    await run(core, o)
+    await until(lambda: [e.ready for e in endpoints(recorder)] == [True] * 3, "ready")
+    pids = [replica_pid(core, i) for i in range(3)]
+    seen_from = len(recorder.reports)
+    o.spec.env["V"] = "2"
+    assert (await core.change(change_of(o, revision=1))).accepted
+
+    def rolled() -> bool:
+        now = endpoints(recorder)
+        return len(now) == 3 and all(e.ready and e.revision == 1 for e in now)
+
+    await until(rolled, "every replica on revision 1")
+    shown = [list(r.endpoints) for r in recorder.reports[seen_from:] if r.job_id == "job-1"]
+    assert all(sum(not e.ready for e in listed) <= 1 for listed in shown), [
+        [(e.replica, e.revision, e.ready) for e in listed] for listed in shown
+    ]
+    assert not {replica_pid(core, i) for i in range(3)} & set(pids)
+    await core.cancel("job-1", "web", 0, "done")
 
 
 def test_only_replicas_command_env_and_service_change_in_place() -> None:
@@ -233,4 +275,5 @@ def test_only_replicas_command_env_and_service_change_in_place() -> None:
     new.requires["cuda"] = ">=13"
     new.checkpoint.SetInParent()  # set, though empty: not the same as unset
     new.timeout_s = 5
-    assert fixed_fields(old, new) == ["timeout_s", "requires", "checkpoint"]
+    new.service.port = 8080
+    assert fixed_fields(old, new) == ["timeout_s", "requires", "checkpoint", "service.port"]
