@@ -37,7 +37,7 @@ from federation.errors import (
     JobNotFoundError,
     UnavailableError,
 )
-from federation.metrics import JOBS_REMOVED, TASK_TRANSITIONS
+from federation.metrics import JOBS_REMOVED, SUBMIT_COMMITS, TASK_TRANSITIONS
 from federation.store import CasConflictError, Delete, Op, Put, Store, StoreError
 from federation.timeslice import TimeSlice
 
@@ -241,6 +241,10 @@ class JobRepository:
         self._by_state: Counter[jobs_pb2.JobState.ValueType] | None = None
         """Stored jobs per state: counted from the state index at ``load``, then kept with
         every write (each one's compare-and-swap names the state it replaces)."""
+        self._joining: list[_Joining] = []
+        """New jobs of ``create_one`` waiting for the next group commit, in arrival order."""
+        self._grouping: asyncio.Task[None] | None = None
+        """Commits the groups while jobs wait (``_commit_groups``)."""
 
     def _cache(self, job: jobs_pb2.Job, revision: int, events: list[bytes]) -> None:
         if job_state.is_terminal(job.state):
@@ -453,25 +457,65 @@ class JobRepository:
         timeslice = TimeSlice()
         for job in jobs:
             await timeslice.share()
-            events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
-            job.last_event_sequence = 1
-            encoded = encoded_events(events)
-            put = Put(job_key(job.id), record_value(job, encoded), expect_revision=0)
-            staged.append(_Staged(job, put, events, encoded, None, job_index.ops(None, job)))
+            staged.append(_new_stage(job))
         try:
             revision = await asyncio.shield(self._commit_new(staged))
         except CasConflictError as err:
             job_id = err.key.removeprefix(JOBS)
             index = next(i for i, j in enumerate(jobs) if j.id == job_id)
-            field = f"specs[{index}].id" if batch else "spec.id"
-            raise InvalidArgumentError(
-                [FieldViolation(field, f"a job with id {job_id!r} already exists")]
-            ) from None
+            raise _exists(job_id, f"specs[{index}].id" if batch else "spec.id") from None
         log.debug("jobs_created", count=len(jobs), revision=revision)
+
+    async def create_one(self, job: jobs_pb2.Job) -> None:
+        """Store one new job (SubmitJob's), with its first event, in a commit it may share.
+
+        Group commit: jobs that arrive while a commit of jobs from this method is under way
+        wait for it to end and then go in the next one together, so concurrent callers cost
+        one store commit (one revision, one fsync, one watcher wake-up), not one each. Each
+        caller still gets its own outcome: a job whose id exists already is refused alone (the
+        others go in the commit after), while a failure of the commit itself (the store, the
+        leadership) is every caller's in it. A caller that stops waiting before its group is
+        formed is left out of it; once formed, its job is written all the same, as ``create``'s
+        are once their commit is under way.
+        """
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._joining.append((_new_stage(job), future))
+        if self._grouping is None or self._grouping.done():
+            self._grouping = asyncio.create_task(self._commit_groups())
+        await future
+
+    async def _commit_groups(self) -> None:
+        """Commit the jobs waiting in ``_joining``, a group at a time, until none waits."""
+        while self._joining:
+            group, self._joining = _group(self._joining)
+            group = [(stage, future) for stage, future in group if not future.done()]
+            if not group:
+                continue
+            try:
+                await self._commit_new([stage for stage, _ in group])
+            except CasConflictError as err:
+                # Only a new job's put expects a revision (0: not there): that job's id is
+                # taken. Nothing was written; the others try again in the next commit.
+                job_id = err.key.removeprefix(JOBS)
+                taken = [(s, f) for s, f in group if s.job.id == job_id]
+                if not taken:
+                    _fail(group, err)
+                    continue
+                _fail(taken, _exists(job_id, "spec.id"))
+                self._joining[:0] = [(s, f) for s, f in group if s.job.id != job_id]
+            except BaseException as err:
+                _fail(group, err)
+                if not isinstance(err, Exception):
+                    raise  # cancelled: the loop is closing
+            else:
+                for _, future in group:
+                    if not future.done():
+                        future.set_result(None)
 
     async def _commit_new(self, staged: list[_Staged]) -> int:
         """Commit new jobs, then cache and publish them (run shielded from cancellation)."""
         revision = await self._store.commit([op for stage in staged for op in stage.ops()])
+        SUBMIT_COMMITS.inc()
         self._counted(staged)
         timeslice = TimeSlice()
         for stage in staged:
@@ -772,6 +816,58 @@ class _Staged:
 
     def ops(self) -> list[Op]:
         return [self.put, *self.index_ops]
+
+
+_Joining: TypeAlias = tuple[_Staged, "asyncio.Future[None]"]
+"""A new job waiting for a group commit, and its caller's future."""
+
+
+def _new_stage(job: jobs_pb2.Job) -> _Staged:
+    """A new job ready to write, with its first event (it must not exist yet)."""
+    events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
+    job.last_event_sequence = 1
+    encoded = encoded_events(events)
+    put = Put(job_key(job.id), record_value(job, encoded), expect_revision=0)
+    return _Staged(job, put, events, encoded, None, job_index.ops(None, job))
+
+
+def _group(joining: list[_Joining]) -> tuple[list[_Joining], list[_Joining]]:
+    """The next group commit's jobs, in arrival order, and those left for the ones after:
+    within what one commit may hold (``_chunks``' bounds; a larger job goes alone), and an id
+    at most once (a store refuses a key twice in one commit; the second caller finds the
+    first's job once it is written, as it would one by one)."""
+    group: list[_Joining] = []
+    rest: list[_Joining] = []
+    ids: set[str] = set()
+    size = ops = 0
+    for entry in joining:
+        stage = entry[0]
+        stage_size = len(stage.put.key) + len(stage.put.value)
+        stage_ops = 1 + len(stage.index_ops)
+        if rest or stage.job.id in ids:
+            rest.append(entry)
+            continue
+        if group and (
+            ops + stage_ops > MAX_OPS_PER_COMMIT or size + stage_size > MAX_BYTES_PER_COMMIT
+        ):
+            rest.append(entry)
+            continue
+        group.append(entry)
+        ids.add(stage.job.id)
+        size += stage_size
+        ops += stage_ops
+    return group, rest
+
+
+def _fail(group: Iterable[_Joining], err: BaseException) -> None:
+    """Tell each caller still waiting in ``group`` that its job was not written."""
+    for _, future in group:
+        if not future.done():
+            future.set_exception(err)
+
+
+def _exists(job_id: str, field: str) -> InvalidArgumentError:
+    return InvalidArgumentError([FieldViolation(field, f"a job with id {job_id!r} already exists")])
 
 
 def _chunks(staged: list[_Staged]) -> list[list[_Staged]]:
