@@ -9,17 +9,25 @@ the baseline the unary rate is compared with. Latency is reported under saturati
 closed-loop runs) and at moderate load (unary submits paced at a quarter of the unary rate).
 
     python bench/submit.py [--sites 10,100] [--jobs 2000] [--batch 500] [--json]
+        [--profile DIR]
+
+``--profile DIR`` samples the coordinator with py-spy during each run (echo, unary, batched)
+and writes its stacks, collapsed, to ``DIR/<sites>-<run>.txt``: sampling slows the coordinator,
+so figures of a profiled run are not the ones to compare.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import signal
+import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
@@ -160,7 +168,41 @@ UNLIMITED = (
 )
 
 
-async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
+@contextlib.contextmanager
+def sampled(pid: int, out: Path | None) -> Iterator[None]:
+    """Sample process ``pid`` with py-spy while the block runs, stacks collapsed into ``out``
+    (on-CPU samples only: idle threads are left out); nothing when ``out`` is None."""
+    if out is None:
+        yield
+        return
+    py_spy = Path(sys.executable).with_name("py-spy")
+    spy = subprocess.Popen(
+        [
+            str(py_spy),
+            "record",
+            "--pid",
+            str(pid),
+            "--format",
+            "raw",
+            "--rate",
+            "500",
+            "-o",
+            str(out),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attaches before the run starts
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes what it has on SIGINT
+        spy.wait(30)
+
+
+async def measure(
+    sites: int, jobs: int, batch: int, profile: Path | None = None
+) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-submit-") as root:
         # The bench measures what the coordinator can take, not one identity's allowance.
         unlimited = Path(root) / "unlimited.toml"
@@ -174,25 +216,50 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
             times = process.cpu_times()
             return times.user + times.system
 
-        async def with_cpu(run: Awaitable[T]) -> tuple[T, float, float]:
+        def loop_cpu_s() -> float:
+            """The coordinator's main thread's: its event loop, where Python runs but for
+            the store's worker thread (the rest is gRPC's threads and the store's)."""
+            main = next(t for t in coordinator.threads() if t.id == coordinator.pid)
+            return main.user_time + main.system_time
+
+        loop_used: dict[str, float] = {}
+
+        async def with_cpu(run: Awaitable[T], name: str) -> tuple[T, float, float]:
             """What ``run`` returns, and the CPU seconds (all threads, user + system) the
             coordinator and this process (the client and the sites) used meanwhile: per job,
-            figures less shaken by a noisy machine than a rate."""
-            before = cpu_s(coordinator), cpu_s(harness)
+            figures less shaken by a noisy machine than a rate. The coordinator's event loop
+            thread's share goes in ``loop_used[name]``."""
+            before = cpu_s(coordinator), cpu_s(harness), loop_cpu_s()
             result = await run
+            loop_used[name] = loop_cpu_s() - before[2]
             return result, cpu_s(coordinator) - before[0], cpu_s(harness) - before[1]
 
         runners: list[asyncio.Task[None]] = []
         try:
             cores = {f"site-{i:03d}": ScriptedCore() for i in range(sites)}
             runners = await start_scripted_sites(fed, cores)
+            pid = coordinator.pid
+
+            def spy(run: str) -> contextlib.AbstractContextManager[None]:
+                return sampled(pid, profile / f"{sites}-{run}.txt" if profile else None)
+
             async with fed.operator().channel() as channel:
-                echo, echo_cpu, echo_harness = await with_cpu(echo_rate(channel, ECHO_CALLS, 16))
-                unary, unary_cpu, unary_harness = await with_cpu(
-                    run_jobs(channel, jobs // 4, 1, 16)
-                )
-                batched, batched_cpu, harness_cpu = await with_cpu(
-                    run_jobs(channel, jobs, batch, 2)
+                with spy("echo"):
+                    echo, echo_cpu, echo_harness = await with_cpu(
+                        echo_rate(channel, ECHO_CALLS, 16), "echo"
+                    )
+                with spy("unary"):
+                    unary, unary_cpu, unary_harness = await with_cpu(
+                        run_jobs(channel, jobs // 4, 1, 16), "unary"
+                    )
+                with spy("batched"):
+                    batched, batched_cpu, harness_cpu = await with_cpu(
+                        run_jobs(channel, jobs, batch, 2), "batched"
+                    )
+                # The echo again: the machine's speed drifts within a run, and the job runs'
+                # CPU is compared with the echo's over both (before and after them).
+                _, echo_again_cpu, _ = await with_cpu(
+                    echo_rate(channel, ECHO_CALLS, 16), "echo again"
                 )
                 # Moderate load: unary submits at a quarter of the most this run took.
                 rate = unary["jobs_per_s"] * MODERATE_SHARE
@@ -201,18 +268,28 @@ async def measure(sites: int, jobs: int, batch: int) -> dict[str, float]:
             for runner in runners:
                 runner.cancel()
             fed.stop()
+    echo_us = (echo_cpu + echo_again_cpu) / (2 * ECHO_CALLS) * 1e6
     return {
         "echo_rpc_per_s": echo,
         "unary_jobs_per_s": unary["jobs_per_s"],
         "unary_vs_echo": unary["jobs_per_s"] / echo,
         "unary_p50_ms": unary["p50_ms"],
         "unary_p99_ms": unary["p99_ms"],
-        "echo_cpu_us_per_call": echo_cpu / ECHO_CALLS * 1e6,
+        "echo_cpu_us_per_call": echo_us,
+        "echo_cpu_us_per_call_first": echo_cpu / ECHO_CALLS * 1e6,
+        "echo_cpu_us_per_call_last": echo_again_cpu / ECHO_CALLS * 1e6,
         "echo_harness_cpu_us_per_call": echo_harness / ECHO_CALLS * 1e6,
+        "echo_loop_cpu_us_per_call": (loop_used["echo"] + loop_used["echo again"])
+        / (2 * ECHO_CALLS)
+        * 1e6,
         "unary_cpu_us_per_job": unary_cpu / (jobs // 4) * 1e6,
+        "unary_cpu_vs_echo": unary_cpu / (jobs // 4) * 1e6 / echo_us,
+        "unary_loop_cpu_us_per_job": loop_used["unary"] / (jobs // 4) * 1e6,
         "unary_harness_cpu_us_per_job": unary_harness / (jobs // 4) * 1e6,
         "batched_jobs_per_s": batched["jobs_per_s"],
         "batched_cpu_us_per_job": batched_cpu / jobs * 1e6,
+        "batched_cpu_vs_echo": batched_cpu / jobs * 1e6 / echo_us,
+        "batched_loop_cpu_us_per_job": loop_used["batched"] / jobs * 1e6,
         "batched_harness_cpu_us_per_job": harness_cpu / jobs * 1e6,
         "batched_p50_ms": batched["p50_ms"],
         "batched_p99_ms": batched["p99_ms"],
@@ -265,11 +342,17 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=500)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument(
+        "--profile", type=Path, metavar="DIR", help="sample the coordinator with py-spy"
+    )
     args = parser.parse_args()
+    if args.profile:
+        args.profile.mkdir(parents=True, exist_ok=True)
     configure_logging(level="info")  # as the daemons log; per-job debug lines cost CPU here
     writes = asyncio.run(job_writes_only(args.jobs, args.batch))
     results = {
-        n: asyncio.run(measure(int(n), args.jobs, args.batch)) for n in args.sites.split(",")
+        n: asyncio.run(measure(int(n), args.jobs, args.batch, args.profile))
+        for n in args.sites.split(",")
     }
     if args.json:
         json.dump({"by_sites": results, "job_writes_only": writes}, sys.stdout, indent=2)
@@ -278,7 +361,8 @@ def main() -> None:
     print(
         f"{'sites':>6} {'echo/s':>8} {'unary jobs/s':>13} {'x echo':>7} {'unary p50/p99 ms':>17} "
         f"{'batched jobs/s':>15} {'batched p50/p99 ms':>19} {'moderate load: jobs/s':>22} "
-        f"{'p50/p99 ms':>15} {'CPU us coordinator/harness: echo, unary, batched':>49}"
+        f"{'p50/p99 ms':>15} {'CPU us coordinator/harness: echo, unary, batched':>49} "
+        f"{'coordinator CPU x echo: unary, batched':>39}"
     )
     for n, r in results.items():
         print(
@@ -289,7 +373,8 @@ def main() -> None:
             f"{r['moderate_p50_ms']:>7.1f}/{r['moderate_p99_ms']:<7.1f} "
             f"{r['echo_cpu_us_per_call']:>24.0f}/{r['echo_harness_cpu_us_per_call']:.0f}, "
             f"{r['unary_cpu_us_per_job']:.0f}/{r['unary_harness_cpu_us_per_job']:.0f}, "
-            f"{r['batched_cpu_us_per_job']:.0f}/{r['batched_harness_cpu_us_per_job']:.0f}"
+            f"{r['batched_cpu_us_per_job']:.0f}/{r['batched_harness_cpu_us_per_job']:.0f} "
+            f"{r['unary_cpu_vs_echo']:>33.2f}, {r['batched_cpu_vs_echo']:.2f}"
         )
     print(
         f"job writes alone (3 per job, embedded store, batches of {args.batch}): "

@@ -12,6 +12,11 @@ from federation.api.v1 import resources_pb2
 from federation.config import ConfigError
 
 JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
+SUBMIT_COMMITS = Counter(
+    "federation_submit_commits_total",
+    "Store commits of submitted jobs: a SubmitJobs batch takes one, and SubmitJob calls that "
+    "arrive while one is under way share the next",
+)
 JOBS_REMOVED = Counter(
     "federation_jobs_removed_total",
     "Finished jobs removed from the store once past their retention",

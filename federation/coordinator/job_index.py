@@ -12,7 +12,9 @@ by leapfrogging their indexes, reading only entries and the matching records.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from urllib.parse import quote
 
@@ -29,8 +31,11 @@ UNKNOWN_TIME = f"{FINISHED}{0:020d}0"
 """Above every entry of a job that finished at time 0 (none known), below every other."""
 
 
+@functools.lru_cache(maxsize=4096)
 def prefix(kind: str, value: str) -> str:
-    """Where the entries of jobs whose ``kind`` is ``value`` stand."""
+    """Where the entries of jobs whose ``kind`` is ``value`` stand (kept: every write of a
+    job asks for its prefixes, of a few states, tenants, queues and sites, and quoting is
+    not free)."""
     return f"{INDEX}{kind}/{quote(value, safe='')}/"
 
 
@@ -44,9 +49,12 @@ def finished_key(when_ns: int, job_id: str) -> str:
     return f"{FINISHED}{when_ns:020d}/{job_id}"
 
 
-def keys(job: jobs_pb2.Job) -> set[str]:
+_STATE_PREFIXES = {state: prefix(STATE, name) for name, state in jobs_pb2.JobState.items()}
+
+
+def keys(job: jobs_pb2.Job) -> frozenset[str]:
     """Every index entry of ``job`` as stored."""
-    out = {prefix(STATE, jobs_pb2.JobState.Name(job.state)) + job.id}
+    out = {_STATE_PREFIXES[job.state] + job.id}
     if job.spec.tenant:
         out.add(prefix(TENANT, job.spec.tenant) + job.id)
     if job.spec.queue:
@@ -54,13 +62,20 @@ def keys(job: jobs_pb2.Job) -> set[str]:
     out.update(prefix(SITE, task.site) + job.id for task in job.tasks if task.site)
     if job_state.is_terminal(job.state):
         out.add(finished_key(finished_ns(job), job.id))
-    return out
+    return frozenset(out)
 
 
 def ops(before: jobs_pb2.Job | None, after: jobs_pb2.Job | None) -> list[Op]:
     """The index writes that go with storing ``after`` over ``before`` (None: no record)."""
-    old = keys(before) if before is not None else set()
-    new = keys(after) if after is not None else set()
+    old = keys(before) if before is not None else frozenset()
+    new = keys(after) if after is not None else frozenset()
+    return changes(old, new)
+
+
+def changes(old: AbstractSet[str], new: AbstractSet[str]) -> list[Op]:
+    """The index writes from entries ``old`` to entries ``new`` (``keys`` of each)."""
+    if old == new:
+        return []
     return [
         *(Delete(key) for key in sorted(old - new)),
         *(Put(key, b"") for key in sorted(new - old)),

@@ -136,7 +136,8 @@ class JobManager:
     async def submit(
         self, caller: Identity, specs: Sequence[jobs_pb2.JobSpec], *, batch: bool
     ) -> list[jobs_pb2.Job]:
-        """Validate every spec, then store all jobs in one commit (all or nothing)."""
+        """Validate every spec, then store all jobs in one commit (all or nothing); a single
+        job (``batch`` False) may share its commit with other callers' (``create_one``)."""
         started_ns = tracing.now_ns()
         if len(specs) > MAX_BATCH:
             raise InvalidArgumentError(
@@ -193,7 +194,12 @@ class JobManager:
             )
         self._check_unfinished(jobs)
         try:
-            await self._jobs.create(jobs, batch=batch)
+            if batch or len(jobs) != 1:
+                await self._jobs.create(jobs, batch=batch)
+            else:
+                # Validated on its own above; stored with the other single jobs that arrive
+                # while a commit of them is under way (group commit).
+                await self._jobs.create_one(jobs[0])
         except CommitTooLargeError as err:
             raise ResourceExhaustedError(
                 f"the store cannot take these {len(jobs)} jobs in one commit ({err}). To fix: "

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import sqlite3
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -49,6 +50,8 @@ HISTORY_BYTES = 64 << 20
 """Default for the bytes of values the history keeps for watches."""
 _WATCH_BATCH = 1_000  # revisions per watch query, so a lagging watcher reads in bounded chunks
 _SWEEP_RETRY_S = 1.0
+_WRITTEN_KEPT = 1024
+"""Commits whose changed keys' heads the store remembers, for watchers (``_untouched``)."""
 
 _SCHEMA = (
     """CREATE TABLE IF NOT EXISTS kv (
@@ -123,6 +126,19 @@ def _prefix_filter(prefix: str, start_after: str = "") -> tuple[str, dict[str, A
     return f"{lower} AND key < :hi", params | {"hi": end}
 
 
+def head(key: str) -> str:
+    """The key up to the end of its first segment (``/jobs/`` of ``/jobs/j-1``; a key of one
+    segment whole): a key is under a prefix only if the one of its head and the prefix starts
+    with the other."""
+    end = key.find("/", 1)
+    return key if end < 0 else key[: end + 1]
+
+
+def _may_hold(heads: frozenset[str], prefix: str) -> bool:
+    """Whether keys whose heads (``head``) are ``heads`` may lie under ``prefix``."""
+    return any(h.startswith(prefix) or prefix.startswith(h) for h in heads)
+
+
 def _event(row: Any) -> WatchEvent:
     revision, key, kind, value, create_revision, lease = row
     return WatchEvent(WatchEventType(kind), KeyValue(key, value, create_revision, revision, lease))
@@ -136,16 +152,22 @@ class _Database:
         history: How many of the newest revisions ``changes`` keeps for watches.
         history_bytes: The most value bytes ``changes`` keeps: past it, the oldest revisions
             go even within ``history``, so large values are not kept thousands of times over.
-        on_change: Called with the new store revision after each commit that advanced it.
+        on_change: Called after each commit that advanced the store revision, with the first
+            and the last revision it made and the ``head`` of every key they changed.
     """
 
     def __init__(
-        self, path: Path, history: int, history_bytes: int, on_change: Callable[[int], None]
+        self,
+        path: Path,
+        history: int,
+        history_bytes: int,
+        on_change: Callable[[int, int, frozenset[str]], None],
     ) -> None:
         self._history = history
         self._history_bytes = history_bytes
         self._kept_bytes = 0  # value bytes in `changes`, kept in step with it
         self._on_change = on_change
+        self._heads: set[str] = set()  # of the keys the transaction under way changed
         self._revision = self._compacted = 0  # loaded from `meta` once the schema exists
         self._conn = sqlite3.connect(path, timeout=_LOCK_TIMEOUT_S, isolation_level=None)
         try:
@@ -289,6 +311,7 @@ class _Database:
     def _transaction(self, body: Callable[[], _T]) -> _T:
         """Run ``body`` in one write transaction that commits only if it returns."""
         before = self._revision, self._compacted, self._kept_bytes
+        self._heads = set()
         self._conn.execute("BEGIN IMMEDIATE")
         try:
             result = body()
@@ -302,7 +325,7 @@ class _Database:
             self._revision, self._compacted, self._kept_bytes = before
             raise
         if self._revision != before[0]:
-            self._on_change(self._revision)
+            self._on_change(before[0] + 1, self._revision, frozenset(self._heads))
         return result
 
     def _apply(self, ops: Sequence[Op]) -> int:
@@ -395,6 +418,7 @@ class _Database:
         """Keep changes in the history that watches replay."""
         self._conn.executemany("INSERT INTO changes VALUES (?, ?, ?, ?, ?, ?, ?)", changes)
         self._kept_bytes += sum(len(change[4]) for change in changes)
+        self._heads.update(head(change[2]) for change in changes)
 
     def _compact(self) -> None:
         floor = self._revision - self._history
@@ -471,6 +495,9 @@ class SqliteStore:
         self._closed = False
         self._revision = 0  # the newest committed revision that watchers have been told of
         self._changed = asyncio.Event()  # replaced after each set: one event per announcement
+        self._written: deque[tuple[int, int, frozenset[str]]] = deque(maxlen=_WRITTEN_KEPT)
+        """The newest commits' first and last revisions and the heads of the keys they
+        changed (``head``), oldest first: watchers of other prefixes need not read them."""
         self._lease_granted = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
         self._queued: list[tuple[list[Op], asyncio.Future[int]]] = []
@@ -488,11 +515,11 @@ class SqliteStore:
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
 
-        def on_change(revision: int) -> None:
+        def on_change(first: int, revision: int, heads: frozenset[str]) -> None:
             # Called on the worker thread right after COMMIT, so watchers are woken even when
             # the coroutine that asked for the commit has been cancelled meanwhile.
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody to wake
-                loop.call_soon_threadsafe(self._advance, revision)
+                loop.call_soon_threadsafe(self._advance, first, revision, heads)
 
         try:
             self._db = await loop.run_in_executor(
@@ -524,9 +551,20 @@ class SqliteStore:
         except sqlite3.Error as exc:
             raise StoreError(f"sqlite: {exc}") from exc
 
-    def _advance(self, revision: int) -> None:
+    def _advance(self, first: int, revision: int, heads: frozenset[str]) -> None:
+        self._written.append((first, revision, heads))
         self._revision = max(self._revision, revision)
         self._wake_watchers()
+
+    def _untouched(self, prefix: str, since: int) -> bool:
+        """Whether no key under ``prefix`` changed from revision ``since`` to the newest, as
+        far as ``_written`` tells (False when it no longer reaches back that far)."""
+        for first, _, heads in reversed(self._written):
+            if _may_hold(heads, prefix):
+                return False
+            if first <= since:
+                return True
+        return False
 
     def _wake_watchers(self) -> None:
         changed, self._changed = self._changed, asyncio.Event()
@@ -610,7 +648,13 @@ class SqliteStore:
             for event in events:
                 yield event
             next_revision = max(next_revision, through + 1)
-            while self._revision < next_revision:
+            while True:
+                if self._revision >= next_revision:
+                    if not self._untouched(prefix, next_revision):
+                        break
+                    # Written since, but nothing under the prefix (the leader key, the CA, and
+                    # revocations are watched, and jobs written): no query, no thread hop.
+                    next_revision = self._revision + 1
                 if self._closed:
                     raise StoreError("store is closed")
                 await self._changed.wait()

@@ -165,6 +165,54 @@ class TestSqliteStore(StoreContract):
         with pytest.raises(StoreError):
             await store.get("/a")
 
+    async def test_a_watch_reads_history_only_for_commits_under_its_prefix(
+        self, store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """Commits elsewhere wake a watcher but cost it no read; every event under its
+        prefix still arrives, in order, whatever was committed beside it."""
+        reads: list[str] = []
+        changes = sqlite_module._Database.changes
+
+        def counted(db: sqlite_module._Database, prefix: str, *args: int) -> object:
+            reads.append(prefix)
+            return changes(db, prefix, *args)
+
+        monkeypatch.setattr(sqlite_module._Database, "changes", counted)
+        events = store.watch("/watched/")
+        first = asyncio.create_task(take(events, 1))
+        await asyncio.sleep(0.05)  # the watch has read history once and waits
+        read_before = len(reads)
+        for i in range(50):
+            await store.commit([Put(f"/jobs/{i}", b"x"), Put(f"/index/state/{i}", b"")])
+        mixed = await store.commit([Put("/jobs/mixed", b"x"), Put("/watched/a", b"1")])
+        (event,) = await first
+        assert (event.kv.key, event.kv.mod_revision) == ("/watched/a", mixed)
+        assert len(reads) - read_before == 1  # the mixed commit's alone
+        later = await store.commit([Put("/watchedness", b"no"), Put("/watched/b", b"2")])
+        (event,) = await take(events, 1)
+        assert (event.kv.key, event.kv.mod_revision) == ("/watched/b", later)
+
+    async def test_a_watch_that_lags_past_what_is_remembered_reads_history(
+        self, store: SqliteStore, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """More commits than the store remembers the keys of, while a watcher is busy: it
+        reads them all rather than assume they were elsewhere."""
+        monkeypatch.setattr(sqlite_module, "_WRITTEN_KEPT", 4)
+        lagging = await SqliteStore.open(store.path.with_name("lagging.db"))
+        try:
+            events = lagging.watch("/w/")
+            await lagging.commit([Put("/w/0", b"")])
+            (event,) = await take(events, 1)  # read, then busy until the next anext
+            for i in range(8):
+                await lagging.commit([Put(f"/other/{i}", b"")])
+            inside = await lagging.commit([Put("/w/1", b"")])
+            for i in range(8):  # the last four remembered are all elsewhere
+                await lagging.commit([Put(f"/other/x{i}", b"")])
+            (event,) = await take(events, 1)
+            assert (event.kv.key, event.kv.mod_revision) == ("/w/1", inside)
+        finally:
+            await lagging.close()
+
     async def test_commit_survives_sigkill(self, tmp_path: Path) -> None:
         """A commit that returned in a process later killed with SIGKILL is in the file."""
         path = tmp_path / "store.db"
