@@ -54,6 +54,16 @@ def one(**body: object) -> pb.ConnectRequest:
     return pb.ConnectRequest(messages=[pb.AgentMessage(**body)])  # type: ignore[arg-type]
 
 
+async def sent_from(outbox: asyncio.Queue[pb.ConnectRequest]) -> AsyncIterator[pb.ConnectRequest]:
+    """A hand-driven agent's side of Connect: what it puts in ``outbox``, and a heartbeat each
+    second it has nothing to say."""
+    while True:
+        try:
+            yield await asyncio.wait_for(outbox.get(), 1.0)
+        except TimeoutError:
+            yield one(heartbeat=pb.Heartbeat(generation=1))
+
+
 async def test_an_agent_of_the_previous_version_runs_a_job(
     federation: LocalFederation, tmp_path: Path
 ) -> None:
@@ -63,13 +73,6 @@ async def test_an_agent_of_the_previous_version_runs_a_job(
     # As version 1 sent it: no agent_version, no protocol_version; the view a real edge
     # agent sends, under this site's name.
     outbox.put_nowait(one(hello=pb.Hello(view=await view_like(federation, site), generation=1)))
-
-    async def requests() -> AsyncIterator[pb.ConnectRequest]:
-        while True:
-            try:
-                yield await asyncio.wait_for(outbox.get(), 1.0)
-            except TimeoutError:
-                yield one(heartbeat=pb.Heartbeat(generation=1))
 
     welcomes: list[pb.Welcome] = []
     acked = asyncio.Event()
@@ -96,7 +99,7 @@ async def test_an_agent_of_the_previous_version_runs_a_job(
                     acked.set()
 
     async with channel_as(federation, tls) as channel:
-        call = link_grpc.SiteLinkServiceStub(channel).Connect(requests())
+        call = link_grpc.SiteLinkServiceStub(channel).Connect(sent_from(outbox))
         serving = asyncio.create_task(agent(call))
         try:
             async with federation.operator().channel() as operator:
@@ -156,13 +159,6 @@ async def test_a_service_at_an_agent_of_protocol_2_is_not_changed_in_place(
     )
     outbox.put_nowait(one(hello=hello))
 
-    async def requests() -> AsyncIterator[pb.ConnectRequest]:
-        while True:
-            try:
-                yield await asyncio.wait_for(outbox.get(), 1.0)
-            except TimeoutError:
-                yield one(heartbeat=pb.Heartbeat(generation=1))
-
     bodies: list[str] = []
 
     async def agent(call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse]) -> None:
@@ -188,7 +184,7 @@ async def test_a_service_at_an_agent_of_protocol_2_is_not_changed_in_place(
     pinned = spec("old-service", [task])
     pinned.constraints.sites.append(site)
     async with channel_as(federation, tls) as channel:
-        call = link_grpc.SiteLinkServiceStub(channel).Connect(requests())
+        call = link_grpc.SiteLinkServiceStub(channel).Connect(sent_from(outbox))
         serving = asyncio.create_task(agent(call))
         try:
             async with federation.operator().channel() as operator:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from federation.local import LocalFederation, SiteSpec
 
 from .conftest import channel_as, jobs, python_task, running, spec, tenant_tls, until, wait_for_job
 from .test_cli import fedctl
+from .test_services import answer, endpoints, watching
 
 pytestmark = pytest.mark.xdist_group("e2e-service-changes")
 
@@ -63,19 +63,8 @@ def web(version: str, replicas: int = 2, **policy: object) -> dict[str, object]:
     )
 
 
-def answer(endpoint: jobs_pb2.Endpoint) -> str:
-    url = f"http://{endpoint.address}:{endpoint.port}/"
-    with urllib.request.urlopen(url, timeout=2) as reply:
-        return str(reply.read().decode())
-
-
 def serving(channel: grpc.aio.Channel) -> serving_service_pb2_grpc.ServingServiceStub:
     return serving_service_pb2_grpc.ServingServiceStub(channel)
-
-
-async def endpoints(channel: grpc.aio.Channel, job_id: str) -> list[jobs_pb2.Endpoint]:
-    request = serving_service_pb2.ListEndpointsRequest(job_id=job_id)
-    return list((await serving(channel).ListEndpoints(request)).endpoints)
 
 
 async def start(channel: grpc.aio.Channel, name: str, task: dict[str, object]) -> str:
@@ -115,17 +104,7 @@ async def test_a_rolling_update_keeps_one_ready_and_replaces_every_replica(
     async with fed.operator().channel() as channel:
         job_id = await start(channel, "roll", web("v1", maxUnavailable=1))
         assert sorted(answer(e) for e in await endpoints(channel, job_id)) == ["v1:0", "v1:1"]
-        watch = serving(channel).WatchEndpoints(
-            serving_service_pb2.WatchEndpointsRequest(job_id=job_id)
-        )
-        seen: list[list[jobs_pb2.Endpoint]] = []
-
-        async def follow() -> None:
-            async for change in watch:
-                seen.append(list(change.endpoints))
-
-        follower = asyncio.create_task(follow())
-        await until(lambda: asyncio.sleep(0, bool(seen)), "the watch's first list")
+        follower, seen = await watching(channel, job_id)
         job_file = tmp_path / "roll.yaml"
         job_file.write_text(json.dumps({"name": "roll", "tasks": [web("v2", maxUnavailable=1)]}))
         done = await asyncio.to_thread(fedctl, fed, "jobs", "update", job_id, str(job_file))

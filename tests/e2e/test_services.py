@@ -62,6 +62,24 @@ async def endpoints(channel: grpc.aio.Channel, job_id: str) -> list[jobs_pb2.End
     return list(reply.endpoints)
 
 
+async def watching(
+    channel: grpc.aio.Channel, job_id: str
+) -> tuple[asyncio.Task[None], list[list[jobs_pb2.Endpoint]]]:
+    """Follows WatchEndpoints in the background, once its first list has come: every list it
+    sends is appended to the list returned (cancel the task to stop)."""
+    stub = serving_service_pb2_grpc.ServingServiceStub(channel)
+    watch = stub.WatchEndpoints(serving_service_pb2.WatchEndpointsRequest(job_id=job_id))
+    seen: list[list[jobs_pb2.Endpoint]] = []
+
+    async def follow() -> None:
+        async for change in watch:
+            seen.append(list(change.endpoints))
+
+    follower = asyncio.create_task(follow())
+    await until(lambda: asyncio.sleep(0, bool(seen)), "the watch's first list")
+    return follower, seen
+
+
 def replica_process(fed: LocalFederation, job_id: str, replica: int) -> psutil.Process:
     """The replica's own process, found by the environment the agent gave it."""
     for process in psutil.process_iter():
@@ -98,16 +116,7 @@ async def test_a_killed_replica_comes_back_while_the_other_serves(fed: LocalFede
         assert f"127.0.0.1:{first.port}" in table
         assert f"127.0.0.1:{second.port}" in table
 
-        stub = serving_service_pb2_grpc.ServingServiceStub(channel)
-        watch = stub.WatchEndpoints(serving_service_pb2.WatchEndpointsRequest(job_id=job.id))
-        seen: list[list[jobs_pb2.Endpoint]] = []
-
-        async def follow() -> None:
-            async for change in watch:
-                seen.append(list(change.endpoints))
-
-        follower = asyncio.create_task(follow())
-        await until(lambda: asyncio.sleep(0, bool(seen)), "the watch's first list")
+        follower, seen = await watching(channel, job.id)
         replica_process(fed, job.id, 0).kill()
         killed_at = time.monotonic()
         while True:
