@@ -183,9 +183,12 @@ class ReplicaProcess:
         if pidfd is not None and process_start(pid) != start_ticks:
             os.close(pidfd)
             pidfd = None
-        if pidfd is not None and select.select([pidfd], [], [], 0)[0]:
-            # It has exited already (a zombie its new parent has not reaped): how it ended is
-            # known now, for the adopting agent to decide on, not only once the loop polls.
+        if pidfd is not None and (
+            select.select([pidfd], [], [], 0)[0] or (run_dir / EXIT_FILE).exists()
+        ):
+            # It has exited already (a zombie its new parent has not reaped), or it is exiting:
+            # the exit file is the last thing it writes, and a fresh start removes it. How the
+            # replica ended is known now, for the adopting agent to decide on.
             os.close(pidfd)
             pidfd = None
         return cls(pid, start_ticks, pidfd, run_dir)

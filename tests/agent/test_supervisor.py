@@ -181,6 +181,19 @@ async def test_an_agent_that_crashes_takes_its_replica(tmp_path: Path) -> None:
     assert ended.ended.why == "agent_died"
 
 
+async def test_a_supervisor_caught_exiting_is_adopted_as_ended(tmp_path: Path) -> None:
+    """Between writing its exit file (its last act) and exiting, a supervisor is still alive:
+    an agent adopting it then takes the replica as ended, as the file says, not as running."""
+    proc = await start("import time; time.sleep(60)", tmp_path)
+    status = {"returncode": 0, "stopped": False, "why": ""}
+    (tmp_path / "run" / "exit").write_text(json.dumps(status))  # the window, held open
+    caught = ReplicaProcess.adopt(proc.pid, proc.start_ticks, tmp_path / "run")
+    assert alive(proc.pid)
+    assert caught.ended is not None
+    assert (caught.returncode, caught.ended.why) == (0, "")
+    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
 async def test_a_recycled_pid_is_not_adopted(tmp_path: Path) -> None:
     """A pid whose start time is not the one recorded is someone else: not signalled, and the
     replica is known to have ended with its supervisor, which left no exit status."""
