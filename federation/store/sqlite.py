@@ -87,6 +87,12 @@ _SCHEMA = (
 )
 
 _KV_COLUMNS = "key, value, create_revision, mod_revision, lease"
+_UPSERT = (
+    f"INSERT INTO kv ({_KV_COLUMNS}) VALUES (?, ?, ?, ?, ?) ON CONFLICT (key) DO UPDATE SET"
+    " value = excluded.value, mod_revision = excluded.mod_revision, lease = excluded.lease"
+)
+_KEYS_PER_READ = 500
+"""Keys a revision read names at most (SQLite limits a statement's parameters)."""
 _Change = tuple[int, int, str, int, bytes, int, int]
 """A row of the changes table: revision, seq, key, kind, value, create_revision, lease."""
 _PUT, _DELETE = WatchEventType.PUT.value, WatchEventType.DELETE.value
@@ -329,31 +335,53 @@ class _Database:
         return result
 
     def _apply(self, ops: Sequence[Op]) -> int:
-        # Every compare before any write, as an etcd transaction does. Only compares and
-        # deletes need a key's current revision.
-        current = {
-            op.key: self._mod_revision(op.key)
-            for op in ops
-            if op.expect_revision is not None or isinstance(op, Delete)
-        }
+        # Every compare before any write, as an etcd transaction does. The keys' revisions
+        # are read together and the writes made together: a statement per key cost more than
+        # the rows themselves.
+        current = self._revisions([op.key for op in ops])
         for op in ops:
-            if op.expect_revision is not None and op.expect_revision != current[op.key]:
-                raise CasConflictError(op.key, op.expect_revision, current[op.key])
+            if op.expect_revision is not None:
+                found = current.get(op.key, (0, 0))[0]
+                if op.expect_revision != found:
+                    raise CasConflictError(op.key, op.expect_revision, found)
         for op in ops:
             if isinstance(op, Put) and op.lease and not self._lease_exists(op.lease):
                 raise LeaseNotFoundError(f"lease {op.lease} not found")
         revision = self._revision + 1
         changes: list[_Change] = []
+        puts: list[tuple[str, bytes, int, int, int]] = []
+        deletes: list[tuple[str]] = []
         for op in ops:
             if isinstance(op, Put):
-                changes.append(self._put_key(revision, len(changes), op))
-            elif isinstance(op, Delete) and current[op.key]:
-                changes.append(self._delete_key(revision, len(changes), op.key))
+                # An existing key keeps its create_revision.
+                created = current[op.key][1] if op.key in current else revision
+                puts.append((op.key, op.value, created, revision, op.lease))
+                changes.append((revision, len(changes), op.key, _PUT, op.value, created, op.lease))
+            elif isinstance(op, Delete) and op.key in current:
+                deletes.append((op.key,))
+                changes.append((revision, len(changes), op.key, _DELETE, b"", 0, 0))
             # else: a check, or deleting a missing key, changes nothing
+        if puts:
+            self._conn.executemany(_UPSERT, puts)
+        if deletes:
+            self._conn.executemany("DELETE FROM kv WHERE key = ?", deletes)
         if changes:
             self._record(changes)
             self._revision = revision
         return self._revision
+
+    def _revisions(self, keys: Sequence[str]) -> dict[str, tuple[int, int]]:
+        """(mod_revision, create_revision) of each of ``keys`` that exists."""
+        found: dict[str, tuple[int, int]] = {}
+        for at in range(0, len(keys), _KEYS_PER_READ):
+            chunk = keys[at : at + _KEYS_PER_READ]
+            rows = self._conn.execute(
+                "SELECT key, mod_revision, create_revision FROM kv"
+                f" WHERE key IN ({', '.join('?' * len(chunk))})",
+                chunk,
+            )
+            found.update((key, (mod, created)) for key, mod, created in rows)
+        return found
 
     def _grant(self, ttl_s: float, now: float) -> int:
         lease = self._meta("last_lease") + 1
@@ -397,18 +425,6 @@ class _Database:
             self._record([self._delete_key(revision, seq, key) for seq, key in enumerate(keys)])
             self._revision = revision
 
-    def _put_key(self, revision: int, seq: int, op: Put) -> _Change:
-        """Write the key; returns the change to record."""
-        # An existing key keeps its create_revision; RETURNING reports whichever applies.
-        (create_revision,) = self._conn.execute(
-            f"INSERT INTO kv ({_KV_COLUMNS}) VALUES (?, ?, ?, ?, ?)"
-            " ON CONFLICT (key) DO UPDATE SET value = excluded.value,"
-            " mod_revision = excluded.mod_revision, lease = excluded.lease"
-            " RETURNING create_revision",
-            (op.key, op.value, revision, revision, op.lease),
-        ).fetchone()
-        return (revision, seq, op.key, _PUT, op.value, create_revision, op.lease)
-
     def _delete_key(self, revision: int, seq: int, key: str) -> _Change:
         """Delete the key; returns the change to record."""
         self._conn.execute("DELETE FROM kv WHERE key = ?", (key,))
@@ -450,10 +466,6 @@ class _Database:
                 break
             floor, excess = revision, excess - size
         return floor
-
-    def _mod_revision(self, key: str) -> int:
-        row = self._conn.execute("SELECT mod_revision FROM kv WHERE key = ?", (key,)).fetchone()
-        return 0 if row is None else int(row[0])
 
     def _lease_exists(self, lease: int) -> bool:
         row = self._conn.execute("SELECT 1 FROM leases WHERE id = ?", (lease,)).fetchone()
