@@ -298,7 +298,8 @@ class JobRepository:
         store, since offers need no write. One every site declined counts until its
         negotiation ends: uncounted, the queues beside its queue borrowed the room and a
         reclaim followed once it was let go (``bench/fairness.py``, no minimum run: 8-9
-        reclaims a run, against none)."""
+        reclaims a run, against none). A running task whose change adds replicas is held the
+        same way, counting what it will hold, until the change is written or given up."""
         for key, admitted in negotiations:
             self._held[key] = admitted
             self._reindex(key[0])

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Iterator
 
 import structlog
 
@@ -20,6 +21,7 @@ from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import Change, JobRepository, find_spec, find_task
 from federation.coordinator.policy.resources import at, demand
 from federation.coordinator.policy.sharing import Sharing
+from federation.coordinator.policy.usage import placed
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import MAX_REPLICAS, task_violations
 from federation.errors import (
@@ -32,6 +34,7 @@ from federation.errors import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from federation.resources import add
 from federation.security.identity import Identity
 from federation.service_policy import fixed_fields
 
@@ -160,50 +163,52 @@ class Serving:
                     f"task {new.name} of job {job.id} is being placed at a site now "
                     f"({jobs_pb2.JobState.Name(status.state)}); try again in a few seconds"
                 )
-            self._check_quota(job, status, old, new)
             # Above any revision sent before, even one a site took without the store hearing
             # (its answer lost): the site declines a revision it took with another spec.
             key = (job.id, new.name)
             revision = max(status.revision, self._sent.get(key, 0)) + 1
-            self._sent[key] = revision
             state, epoch = status.state, status.epoch
-            if state == job_state.RUNNING:
-                await self._tell_site(job, status, new, revision)
-
-            def mutate(current: jobs_pb2.Job) -> list[Change]:
-                task = find_task(current, new.name)
-                if (task.state, task.epoch) != (state, epoch):
-                    raise ConflictError(
-                        f"task {new.name} of job {current.id} changed while the change was "
-                        "made; try again"
-                    )
-                find_spec(current, new.name).CopyFrom(new)
-                task.revision = revision
-                return [Change(new.name, task.state, f"revision {revision}: {what}", task.site)]
-
-            written = await self._jobs.update(job.id, mutate)
+            with self._reserved(job, status, old, new):
+                self._sent[key] = revision
+                if state == job_state.RUNNING:
+                    await self._tell_site(job, status, new, revision)
+                written = await self._jobs.update(
+                    job.id, functools.partial(_take_spec, new, revision, state, epoch, what)
+                )
             log.info("service_changed", job=job.id, task=new.name, revision=revision, change=what)
             return written
 
-    def _check_quota(
+    @contextlib.contextmanager
+    def _reserved(
         self,
         job: jobs_pb2.Job,
         status: jobs_pb2.TaskStatus,
         old: jobs_pb2.TaskSpec,
         new: jobs_pb2.TaskSpec,
-    ) -> None:
-        """Added replicas count against the job's queue as a task that starts would."""
+    ) -> Iterator[None]:
+        """Added replicas of a running task count against the job's queue as a task that
+        starts would, from the check until the change is written or given up: two scale-ups
+        at once (or a task the scheduler admits meanwhile) cannot both take the last room."""
         extra = (new.replicas or 1) - (old.replicas or 1)
-        if extra <= 0:
+        if extra <= 0 or status.state != job_state.RUNNING:
+            yield  # a pending task is admitted when it is placed, with its new spec
             return
         added = jobs_pb2.TaskSpec()
         added.CopyFrom(new)
         added.replicas = extra
-        need = demand(added)
-        if status.site:
-            need = at(need, status.site, self._sites.domain_of(status.site))
-        if why := self._sharing.admission(job, need, {}):
+        site, domain = status.site, self._sites.domain_of(status.site)
+        need = at(demand(added), site, domain)
+        if why := self._sharing.admit_change(job, need):
             raise ResourceExhaustedError(f"{extra} more replicas of {new.name}: {why}")
+        # Held, the task counts as what it holds now and what it adds.
+        reserved = at(placed(old, status), site, domain)
+        add(reserved, need.items())
+        key = (job.id, new.name)
+        self._jobs.hold([(key, reserved)])
+        try:
+            yield
+        finally:
+            self._jobs.release([key])
 
     async def _tell_site(
         self,
@@ -261,6 +266,26 @@ class Serving:
                 del self._changing[job_id]
             else:
                 self._changing[job_id] = (lock, users - 1)
+
+
+def _take_spec(
+    new: jobs_pb2.TaskSpec,
+    revision: int,
+    state: jobs_pb2.JobState.ValueType,
+    epoch: int,
+    what: str,
+    job: jobs_pb2.Job,
+) -> list[Change]:
+    """The job's task ``new.name`` takes spec ``new`` as ``revision``, if it is still where
+    the change was made (the same state and epoch)."""
+    task = find_task(job, new.name)
+    if (task.state, task.epoch) != (state, epoch):
+        raise ConflictError(
+            f"task {new.name} of job {job.id} changed while the change was made; try again"
+        )
+    find_spec(job, new.name).CopyFrom(new)
+    task.revision = revision
+    return [Change(new.name, task.state, f"revision {revision}: {what}", task.site)]
 
 
 def _service_task(job: jobs_pb2.Job, name: str, field: str) -> jobs_pb2.TaskSpec:

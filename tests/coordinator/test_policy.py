@@ -212,6 +212,26 @@ def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
     assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0
 
 
+def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
+    """A scale-up checked while a scheduling cycle looks at what queues held as it began is
+    checked against what they hold now, and the room it takes is gone from the cycle's view
+    too: neither can hand the last GPU of qs to a second task."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"qs": q("qs", ("gpu", 2, 0))}
+    usage = QueueUsage()
+    running = gpu_job("qs", 1)
+    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    usage.update(running, {})
+    sharing = Sharing(book, usage)
+    waiting = gpu_job("qs", 1)
+    with sharing.as_of_now():
+        assert sharing.admit_change(running, {"gpu": 1}) is None  # the one GPU left
+        usage.update(running, {("j", "t"): {"gpu": 2.0}})  # held while the change is made
+        assert sharing.admission(waiting, {"gpu": 1}, {}) is not None  # the cycle's view
+        assert sharing.admit_change(running, {"gpu": 1}) is not None  # what is held now
+    assert sharing.admission(waiting, {"gpu": 1}, {}) is not None
+
+
 def scoped(resource: str, nominal: float, *, site: str = "", domain: int = 0) -> queues_pb2.Quota:
     return queues_pb2.Quota(resource=resource, nominal=nominal, site=site, domain=domain)
 

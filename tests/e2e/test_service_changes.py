@@ -7,21 +7,33 @@ from __future__ import annotations
 import asyncio
 import json
 import urllib.error
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
 from federation.api.v1 import (
+    admin_service_pb2,
     job_service_pb2,
     jobs_pb2,
+    queues_pb2,
     serving_service_pb2,
     serving_service_pb2_grpc,
 )
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import channel_as, jobs, python_task, running, spec, tenant_tls, until, wait_for_job
+from .conftest import (
+    admin,
+    channel_as,
+    jobs,
+    python_task,
+    running,
+    spec,
+    tenant_tls,
+    until,
+    wait_for_job,
+)
 from .test_cli import fedctl
 from .test_services import answer, endpoints, watching
 
@@ -67,9 +79,11 @@ def serving(channel: grpc.aio.Channel) -> serving_service_pb2_grpc.ServingServic
     return serving_service_pb2_grpc.ServingServiceStub(channel)
 
 
-async def start(channel: grpc.aio.Channel, name: str, task: dict[str, object]) -> str:
+async def start(
+    channel: grpc.aio.Channel, name: str, task: dict[str, object], **extra: object
+) -> str:
     """Submits a one-task service job and waits until every replica is ready."""
-    request = job_service_pb2.SubmitJobRequest(spec=spec(name, [task]))
+    request = job_service_pb2.SubmitJobRequest(spec=spec(name, [task], **extra))
     job_id = (await jobs(channel).SubmitJob(request)).job.id
     replicas = int(str(task["replicas"]))
 
@@ -240,6 +254,52 @@ async def test_only_services_change_and_only_for_their_tenant(fed: LocalFederati
                 serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=2)
             )
         assert ended.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_scale_ups_at_once_do_not_overshoot_their_queue(fed: LocalFederation) -> None:
+    """Two services of one queue (4 cores, no borrowing) hold a core each; both asked at once
+    to go to 3 replicas, one may (4 cores held) and the other is RESOURCE_EXHAUSTED: each was
+    checked against what the other had reserved, not against what was written. Once the
+    first scales down, the other may."""
+    async with fed.operator().channel() as operator:
+        quota = queues_pb2.Quota(resource="cpu", nominal=4)
+        made = queues_pb2.Queue(name="svc-q", tenant="svc-t", quotas=[quota])
+        await admin(operator).CreateQueue(admin_service_pb2.CreateQueueRequest(queue=made))
+
+        async def held() -> float:
+            reply = await admin(operator).ListQueues(admin_service_pb2.ListQueuesRequest())
+            [status] = [q for q in reply.queues if q.queue.name == "svc-q"]
+            return status.usage["cpu"]
+
+        async with channel_as(fed, tenant_tls(fed, "svc-t")) as tenant:
+            ids = [
+                await start(tenant, f"quota-{i}", web("v1", replicas=1), queue="svc-q")
+                for i in range(2)
+            ]
+            assert await held() == 2
+
+            def scale(job_id: str, replicas: int) -> Awaitable[object]:
+                request = serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=replicas)
+                return serving(tenant).ScaleService(request)
+
+            outcomes = await asyncio.gather(*(scale(i, 3) for i in ids), return_exceptions=True)
+            refused = [o for o in outcomes if isinstance(o, grpc.aio.AioRpcError)]
+            assert len(refused) == 1, outcomes
+            assert refused[0].code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "2 more replicas of web: queue svc-q at its cpu quota" in str(
+                refused[0].details()
+            )
+            assert await held() == 4
+            scaled, other = ids if not isinstance(outcomes[0], BaseException) else ids[::-1]
+            assert [(await get(tenant, i)).spec.tasks[0].replicas for i in (scaled, other)] == [
+                3,
+                1,
+            ]
+            await scale(scaled, 1)
+            await scale(other, 3)
+            assert await held() == 4
+            for job_id in ids:
+                await stop(tenant, job_id)
 
 
 async def test_a_restarted_agent_keeps_a_changed_service_as_changed(tmp_path: Path) -> None:

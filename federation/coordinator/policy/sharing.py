@@ -148,8 +148,9 @@ class Sharing:
     @contextlib.contextmanager
     def as_of_now(self) -> Iterator[None]:
         """Within: every look at what queues hold sees what they held as it began (and what
-        is admitted meanwhile, through ``Tentative``). Only tasks ending and negotiations
-        ending change it meanwhile, both lowering it: this never over-admits."""
+        is admitted meanwhile, through ``Tentative``, or by ``admit_change``). Otherwise only
+        tasks ending and negotiations ending change it meanwhile, both lowering it: this never
+        over-admits."""
         self._as_of = self._usage.copy()
         try:
             yield
@@ -191,6 +192,20 @@ class Sharing:
         if not queue or queue not in self.book.queues:
             return None
         return admission(queue, need, self.book.queues, lambda q: self.held(q, tentative))
+
+    def admit_change(self, job: jobs_pb2.Job, need: Demand) -> str | None:
+        """``admission`` for what a running task adds (a scale-up), outside the scheduler's
+        cycles: against what the queues hold this moment, even while a cycle looks at what
+        they held as it began; admitted, it counts in that cycle's view too, so the cycle
+        cannot hand the same room to a task of its own. The caller holds it in the usage
+        (``JobRepository.hold``) until the change is written or given up."""
+        queue = job.spec.queue
+        if not queue or queue not in self.book.queues:
+            return None
+        why = admission(queue, need, self.book.queues, lambda q: self._held(q, self._usage.of))
+        if why is None and self._as_of is not None:
+            add(self._as_of.setdefault(queue, {}), need.items())
+        return why
 
     def where(
         self,

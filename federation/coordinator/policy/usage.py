@@ -31,8 +31,8 @@ class QueueUsage:
             if admitted is not None:
                 add(holds, admitted.items())
             elif status.state in job_state.AT_SITE:
-                placed = demand(spec, _models(spec, status))
-                add(holds, at(placed, status.site, self._domain_of(status.site)).items())
+                held = placed(spec, status)
+                add(holds, at(held, status.site, self._domain_of(status.site)).items())
         self.remove(job.id)
         if holds:
             self._jobs[job.id] = (job.spec.queue, holds)
@@ -62,6 +62,11 @@ class QueueUsage:
                 totals[resource] = left
         if not totals:
             self._queues.pop(queue, None)
+
+
+def placed(spec: jobs_pb2.TaskSpec, status: jobs_pb2.TaskStatus) -> Demand:
+    """What a task placed at a site holds against its queue (before ``at`` that site)."""
+    return demand(spec, _models(spec, status))
 
 
 def _models(spec: jobs_pb2.TaskSpec, status: jobs_pb2.TaskStatus) -> list[str]:
