@@ -457,8 +457,10 @@ class AgentRuntime:
         """
         self._leaving = True
         outbox = self._outbox
-        if outbox is None or not self.connected.is_set():
+        if outbox is None:
             return
+        # Also while a session is being set up (its hello sent, no answer yet): the goodbye
+        # follows the hello on the stream, and the site leaves rather than vanishes.
         outbox.put_nowait(pb.AgentMessage(goodbye=pb.Goodbye(reason=reason)))
         try:
             async with asyncio.timeout(timeout_s):

@@ -1,7 +1,9 @@
-"""What the agent logs when the coordinator refuses what it sent on its Connect stream."""
+"""The agent at the edges of its Connect stream: what it logs when the coordinator refuses what it
+sent, and the goodbye it says when stopped before the coordinator answered its hello."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import grpc
@@ -12,13 +14,13 @@ from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import credential_paths
 from federation.agent.runtime import AgentRuntime
 from federation.api.v1 import resources_pb2
+from federation.api.v1 import site_link_service_pb2 as pb
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.security.interceptors import to_status
 
 
-async def test_refused_view_is_logged_with_every_bad_field(tmp_path: Path) -> None:
-    """A stream ended INVALID_ARGUMENT is logged with each field the coordinator named, so the
-    operator of a site sending a bad view can see which one."""
+def unconnected_runtime(tmp_path: Path) -> tuple[AgentRuntime, EmbeddedCore]:
+    """An agent runtime of site "s" for a coordinator that is not there, and its core."""
     config = AgentConfig(
         site="s",
         domain="edge",
@@ -33,7 +35,13 @@ async def test_refused_view_is_logged_with_every_bad_field(tmp_path: Path) -> No
         on_status=lambda report: None,
         on_change=lambda: None,
     )
-    runtime = AgentRuntime(config, credential_paths(tmp_path), core)
+    return AgentRuntime(config, credential_paths(tmp_path), core), core
+
+
+async def test_refused_view_is_logged_with_every_bad_field(tmp_path: Path) -> None:
+    """A stream ended INVALID_ARGUMENT is logged with each field the coordinator named, so the
+    operator of a site sending a bad view can see which one."""
+    runtime, core = unconnected_runtime(tmp_path)
     status = to_status(
         InvalidArgumentError(
             [
@@ -61,3 +69,19 @@ async def test_refused_view_is_logged_with_every_bad_field(tmp_path: Path) -> No
     assert lost["violations"] == [
         f"hello.view.nodes[{i}].cpu_free: must be in [0, 1e12]" for i in range(7)
     ]
+
+
+async def test_an_agent_stopped_before_its_welcome_still_says_goodbye(tmp_path: Path) -> None:
+    """Stopped between its hello and the coordinator's answer, the agent queues its goodbye
+    after the hello, so the site shows DISCONNECTED rather than UNREACHABLE."""
+    runtime, core = unconnected_runtime(tmp_path)
+    sent: asyncio.Queue[pb.AgentMessage | None] = asyncio.Queue()
+    sent.put_nowait(pb.AgentMessage(hello=pb.Hello()))
+    runtime._outbox = sent  # a session under way, not yet welcomed
+    assert not runtime.connected.is_set()
+    with capture_logs() as logs:
+        await runtime.leave("agent stopping", timeout_s=0.1)
+    await core.close()
+    queued = [sent.get_nowait() for _ in range(sent.qsize())]
+    assert [m.WhichOneof("body") for m in queued if m is not None] == ["hello", "goodbye"]
+    assert [entry["event"] for entry in logs] == ["goodbye_unanswered"]
