@@ -69,8 +69,6 @@ class Serving:
         self._sites = sites
         self._sharing = sharing
         self._changing: dict[str, tuple[asyncio.Lock, int]] = {}
-        self._sent: dict[tuple[str, str], int] = {}
-        """The newest revision this term sent to a site, per (job, task)."""
         """Per job with a change under way: its lock, and how many callers hold or await it."""
 
     async def endpoints(self, caller: Identity, job_id: str) -> tuple[str, list[jobs_pb2.Endpoint]]:
@@ -164,13 +162,14 @@ class Serving:
                     f"({jobs_pb2.JobState.Name(status.state)}); try again in a few seconds"
                 )
             # Above any revision sent before, even one a site took without the store hearing
-            # (its answer lost): the site declines a revision it took with another spec.
-            key = (job.id, new.name)
-            revision = max(status.revision, self._sent.get(key, 0)) + 1
+            # (its answer lost, or the leader that sent it gone): a site declines a revision
+            # it took with another spec, so a number is never sent twice.
+            revision = max(status.revision, status.issued_revision) + 1
             state, epoch = status.state, status.epoch
             with self._reserved(job, status, old, new):
-                self._sent[key] = revision
                 if state == job_state.RUNNING:
+                    issue = functools.partial(_issue_revision, new.name, revision, state, epoch)
+                    await self._jobs.update(job.id, issue)
                     await self._tell_site(job, status, new, revision)
                 written = await self._jobs.update(
                     job.id, functools.partial(_take_spec, new, revision, state, epoch, what)
@@ -278,14 +277,37 @@ def _take_spec(
 ) -> list[Change]:
     """The job's task ``new.name`` takes spec ``new`` as ``revision``, if it is still where
     the change was made (the same state and epoch)."""
-    task = find_task(job, new.name)
-    if (task.state, task.epoch) != (state, epoch):
-        raise ConflictError(
-            f"task {new.name} of job {job.id} changed while the change was made; try again"
-        )
+    task = _unmoved(job, new.name, state, epoch)
     find_spec(job, new.name).CopyFrom(new)
     task.revision = revision
+    task.issued_revision = max(task.issued_revision, revision)
     return [Change(new.name, task.state, f"revision {revision}: {what}", task.site)]
+
+
+def _issue_revision(
+    name: str,
+    revision: int,
+    state: jobs_pb2.JobState.ValueType,
+    epoch: int,
+    job: jobs_pb2.Job,
+) -> list[Change]:
+    """Reserves ``revision`` for the job's task ``name`` before its site is told (no event:
+    the change is not made yet), if the task is still where the change was made."""
+    task = _unmoved(job, name, state, epoch)
+    task.issued_revision = max(task.issued_revision, revision)
+    return []
+
+
+def _unmoved(
+    job: jobs_pb2.Job, name: str, state: jobs_pb2.JobState.ValueType, epoch: int
+) -> jobs_pb2.TaskStatus:
+    """The job's task ``name``; ConflictError if it left ``state`` or ``epoch`` meanwhile."""
+    task = find_task(job, name)
+    if (task.state, task.epoch) != (state, epoch):
+        raise ConflictError(
+            f"task {name} of job {job.id} changed while the change was made; try again"
+        )
+    return task
 
 
 def _service_task(job: jobs_pb2.Job, name: str, field: str) -> jobs_pb2.TaskSpec:

@@ -225,6 +225,28 @@ async def test_bad_changes_are_refused_and_change_nothing(
         await stop(channel, job_id)
 
 
+async def test_a_revision_sent_to_a_site_is_never_sent_again(fed: LocalFederation) -> None:
+    """The revision is reserved in the store before the site hears of it: after a change the
+    site declined (as after one whose answer was lost, with whatever leader comes next), the
+    next change goes out as the revision after it, never as the same number with another
+    spec."""
+    async with fed.operator().channel() as channel:
+        job_id = await start(channel, "numbered", web("v1", replicas=1))
+        stub = serving(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as declined:
+            await stub.ScaleService(
+                serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=100)
+            )
+        assert declined.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        task = (await get(channel, job_id)).tasks[0]
+        assert (task.revision, task.issued_revision) == (0, 1)
+        await stub.ScaleService(serving_service_pb2.ScaleServiceRequest(job_id=job_id, replicas=2))
+        task = (await get(channel, job_id)).tasks[0]
+        assert (task.revision, task.issued_revision) == (2, 2)
+        assert "revision 2: scaled from 1 to 2 replicas" in await event_reasons(channel, job_id)
+        await stop(channel, job_id)
+
+
 async def test_only_services_change_and_only_for_their_tenant(fed: LocalFederation) -> None:
     """A batch task cannot be scaled (INVALID_ARGUMENT on task); another tenant's service is
     NOT_FOUND, as GetJob answers; an ended service has nothing to change."""

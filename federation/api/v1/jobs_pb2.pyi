@@ -982,6 +982,7 @@ class TaskStatus(_message.Message):
     PART_OF_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    ISSUED_REVISION_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -1012,6 +1013,10 @@ class TaskStatus(_message.Message):
     revision: _builtins.int
     """How many times the task's spec was changed in place (ServingService: scale, rolling
     update); 0: as submitted.
+    """
+    issued_revision: _builtins.int
+    """Highest revision ever sent to a site for the task: reserved in the store before the site is
+    told, so a change whose answer was lost never has its number reused for another spec.
     """
     @_builtins.property
     def started_at(self) -> _timestamp_pb2.Timestamp: ...
@@ -1084,10 +1089,11 @@ class TaskStatus(_message.Message):
         part_of: _builtins.str = ...,
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
         revision: _builtins.int = ...,
+        issued_revision: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "revision", b"revision", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "issued_revision", b"issued_revision", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "revision", b"revision", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
