@@ -6,7 +6,7 @@ import asyncio
 import secrets
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import ChainMap, Counter, OrderedDict, deque
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -235,6 +235,9 @@ class JobRepository:
         self._held: dict[tuple[str, str], Demand] = {}
         """(job id, task) of PENDING tasks whose offers are out, with what each was admitted
         with (counted against its queue meanwhile): ``pending`` leaves them out."""
+        self._reserved: dict[tuple[str, str], Demand] = {}
+        """(job id, task) of running tasks whose change adds replicas, with what each will
+        hold (``reserve``): counted against its queue in place of what it holds now."""
         self._finished: OrderedDict[str, jobs_pb2.Job] = OrderedDict()
         """The newest jobs seen finishing (``FINISHED_KEPT``), as written."""
         self.usage = QueueUsage(domain_of)
@@ -282,7 +285,7 @@ class JobRepository:
         """Keep ``job`` in the pending index exactly while it has a PENDING task not held,
         and what it holds counted against its queue."""
         held = self._held
-        self.usage.update(job, held)
+        self.usage.update(job, ChainMap(self._reserved, held) if self._reserved else held)
         if any(t.state == job_state.PENDING and (job.id, t.name) not in held for t in job.tasks):
             if job.id not in self._pending:
                 key = line_order(job)
@@ -298,8 +301,7 @@ class JobRepository:
         store, since offers need no write. One every site declined counts until its
         negotiation ends: uncounted, the queues beside its queue borrowed the room and a
         reclaim followed once it was let go (``bench/fairness.py``, no minimum run: 8-9
-        reclaims a run, against none). A running task whose change adds replicas is held the
-        same way, counting what it will hold, until the change is written or given up."""
+        reclaims a run, against none)."""
         for key, admitted in negotiations:
             self._held[key] = admitted
             self._reindex(key[0])
@@ -309,6 +311,18 @@ class JobRepository:
         for key in keys:
             self._held.pop(key, None)
             self._reindex(key[0])
+
+    def reserve(self, key: tuple[str, str], holds: Demand) -> None:
+        """Count the running task ``key`` (job id, task) as holding ``holds`` against its
+        queue, until ``unreserve``: a change that adds replicas, while it is made. Apart from
+        ``hold``, which is the scheduler's: neither lets go of the other's."""
+        self._reserved[key] = holds
+        self._reindex(key[0])
+
+    def unreserve(self, key: tuple[str, str]) -> None:
+        """Undo ``reserve``: the task counts as what its stored spec holds."""
+        self._reserved.pop(key, None)
+        self._reindex(key[0])
 
     @property
     def held(self) -> AbstractSet[tuple[str, str]]:

@@ -240,6 +240,12 @@ class Scheduler:
     def wake(self) -> None:
         self._wake.set()
 
+    def room_freed(self) -> None:
+        """Room in a queue's quota came free without a task ending (a change that would have
+        added replicas was given up): the front of the line is tried at once."""
+        self._front_due = True
+        self.wake()
+
     def capacity_freed(self, site: str, ran_s: float) -> None:
         """A task ended (at ``site``, after ``ran_s``): what it held goes to the first in line
         (``Sharing.order``), not to whichever waiting task's retry timer happens to come
@@ -342,7 +348,7 @@ class Scheduler:
         # What the queues hold as the cycle starts, all through it: negotiations and tasks
         # that end while it rests would let a task later in line take room or quota that one
         # it already refused (on what was held then) should have had. Next cycle, theirs.
-        with self._sharing.as_of_now():
+        with self._sharing.as_of_now(cycle.tentative):
             # Thousands of waiting tasks (one tenant's flood) must not stall every other call
             # on the loop: rest now and then to let them in, and go on with the jobs still
             # pending.

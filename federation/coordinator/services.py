@@ -223,7 +223,7 @@ async def start_services(
             trust_bundle=lambda: authorities.bundle_pem,
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
-        serving=Serving(manager, hub, jobs, sites, sharing),
+        serving=Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed),
         renewal=Renewal(
             store,
             sites,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import structlog
 
@@ -62,12 +62,15 @@ class Serving:
         jobs: JobRepository,
         sites: SiteRegistry,
         sharing: Sharing,
+        room_freed: Callable[[], None],
     ) -> None:
+        """``room_freed``: told when room a change reserved in a queue is free again."""
         self._manager = manager
         self._hub = hub
         self._jobs = jobs
         self._sites = sites
         self._sharing = sharing
+        self._room_freed = room_freed
         self._changing: dict[str, tuple[asyncio.Lock, int]] = {}
         """Per job with a change under way: its lock, and how many callers hold or await it."""
 
@@ -203,11 +206,14 @@ class Serving:
         reserved = at(placed(old, status), site, domain)
         add(reserved, need.items())
         key = (job.id, new.name)
-        self._jobs.hold([(key, reserved)])
+        self._jobs.reserve(key, reserved)
         try:
             yield
-        finally:
-            self._jobs.release([key])
+        except BaseException:
+            self._jobs.unreserve(key)
+            self._room_freed()  # tasks turned away meanwhile may have it now
+            raise
+        self._jobs.unreserve(key)
 
     async def _tell_site(
         self,

@@ -373,6 +373,30 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
     assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
 
 
+async def test_a_reservation_and_a_negotiation_hold_never_let_go_of_each_other(
+    repo: JobRepository,
+) -> None:
+    """A change's reservation of a running task counts against its queue in place of what
+    the task holds, whatever the scheduler holds or lets go of for the same task (a settled
+    negotiation is let go after its task already runs); the scheduler's room for
+    negotiations counts only its own."""
+    job = new_job("j-1")
+    job.spec.queue = "q"
+    job.spec.tasks[0].resources.cpu = 1
+    await repo.create([job])
+    await repo.update("j-1", move(("main", DEL, "at x"), ("main", RUN, "runs")))
+    assert repo.usage.of("q")["cpu"] == 1
+    key = ("j-1", "main")
+    repo.hold([(key, {"cpu": 1.0})])  # the scheduler's negotiation, not let go yet
+    repo.reserve(key, {"cpu": 3.0})  # a scale-up to 3 replicas under way
+    assert repo.usage.of("q")["cpu"] == 3
+    repo.release([key])  # the scheduler lets go of its negotiation
+    assert repo.usage.of("q")["cpu"] == 3
+    assert key not in repo.held
+    repo.unreserve(key)  # given up: what the stored spec holds
+    assert repo.usage.of("q")["cpu"] == 1
+
+
 async def test_store_of_an_earlier_layout_is_refused_by_name(store: SqliteStore) -> None:
     """A store holding jobs as earlier versions wrote them (the job alone, each event under
     /events/) is refused with a reason at load, not read as records."""

@@ -232,6 +232,24 @@ def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
     assert sharing.admission(waiting, {"gpu": 1}, {}) is not None
 
 
+def test_a_change_cannot_take_room_a_resting_cycle_has_admitted() -> None:
+    """A cycle that admitted a task (not held yet: its offers leave when the cycle ends) and
+    rests: a scale-up checked meanwhile finds that room taken."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"qs": q("qs", ("gpu", 2, 0))}
+    usage = QueueUsage()
+    running = gpu_job("qs", 1)
+    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    usage.update(running, {})
+    sharing = Sharing(book, usage)
+    tentative: dict[str, dict[str, float]] = {}
+    with sharing.as_of_now(tentative):
+        sharing.admit(gpu_job("qs", 1), {"gpu": 1}, tentative)
+        assert "queue qs at its gpu quota (2/2)" in str(sharing.admit_change(running, {"gpu": 1}))
+    # Outside a cycle only what is held counts: a cycle holds what it admitted as it ends.
+    assert sharing.admit_change(running, {"gpu": 1}) is None
+
+
 def scoped(resource: str, nominal: float, *, site: str = "", domain: int = 0) -> queues_pb2.Quota:
     return queues_pb2.Quota(resource=resource, nominal=nominal, site=site, domain=domain)
 

@@ -52,6 +52,8 @@ class Sharing:
         self.classes = dict(classes or {})
         self._as_of: dict[str, dict[str, float]] | None = None
         """What the queues held when ``as_of_now`` began, while it lasts."""
+        self._cycle_admitted: Tentative | None = None
+        """What the cycle within ``as_of_now`` has admitted so far, not held yet."""
 
     # The submit path --------------------------------------------------------------------
 
@@ -146,16 +148,16 @@ class Sharing:
     # The scheduler ----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def as_of_now(self) -> Iterator[None]:
+    def as_of_now(self, tentative: Tentative | None = None) -> Iterator[None]:
         """Within: every look at what queues hold sees what they held as it began (and what
-        is admitted meanwhile, through ``Tentative``, or by ``admit_change``). Otherwise only
-        tasks ending and negotiations ending change it meanwhile, both lowering it: this never
-        over-admits."""
-        self._as_of = self._usage.copy()
+        is admitted meanwhile: through ``tentative``, the cycle's, or by ``admit_change``).
+        Otherwise only tasks ending and negotiations ending change it meanwhile, both
+        lowering it: this never over-admits."""
+        self._as_of, self._cycle_admitted = self._usage.copy(), tentative
         try:
             yield
         finally:
-            self._as_of = None
+            self._as_of = self._cycle_admitted = None
 
     def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
         """What ``queue`` and every queue under it hold, with what this cycle admitted (as
@@ -197,12 +199,16 @@ class Sharing:
         """``admission`` for what a running task adds (a scale-up), outside the scheduler's
         cycles: against what the queues hold this moment, even while a cycle looks at what
         they held as it began; admitted, it counts in that cycle's view too, so the cycle
-        cannot hand the same room to a task of its own. The caller holds it in the usage
-        (``JobRepository.hold``) until the change is written or given up."""
+        cannot hand the same room to a task of its own (nor this change the room the cycle
+        admitted a task to, not held yet). The caller holds it in the usage
+        (``JobRepository.reserve``) until the change is written or given up."""
         queue = job.spec.queue
         if not queue or queue not in self.book.queues:
             return None
-        why = admission(queue, need, self.book.queues, lambda q: self._held(q, self._usage.of))
+        admitted = self._cycle_admitted  # by a cycle resting now, and not held yet
+        why = admission(
+            queue, need, self.book.queues, lambda q: self._held(q, self._usage.of, admitted)
+        )
         if why is None and self._as_of is not None:
             add(self._as_of.setdefault(queue, {}), need.items())
         return why
