@@ -212,10 +212,8 @@ def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
     assert sample("federation_queue_dominant_share", {"queue": "q"}) == 0
 
 
-def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
-    """A scale-up checked while a scheduling cycle looks at what queues held as it began is
-    checked against what they hold now, and the room it takes is gone from the cycle's view
-    too: neither can hand the last GPU of qs to a second task."""
+def one_gpu_of_two_held() -> tuple[Sharing, QueueUsage, jobs_pb2.Job]:
+    """Queue qs with a quota of 2 GPUs (no borrowing), and its running task holding one."""
     book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
     book._queues = {"qs": q("qs", ("gpu", 2, 0))}
     usage = QueueUsage()
@@ -223,6 +221,14 @@ def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
     running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
     usage.update(running, {})
     sharing = Sharing(book, usage)
+    return sharing, usage, running
+
+
+def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
+    """A scale-up checked while a scheduling cycle looks at what queues held as it began is
+    checked against what they hold now, and the room it takes is gone from the cycle's view
+    too: neither can hand the last GPU of qs to a second task."""
+    sharing, usage, running = one_gpu_of_two_held()
     waiting = gpu_job("qs", 1)
     with sharing.as_of_now():
         assert sharing.admit_change(running, {"gpu": 1}) is None  # the one GPU left
@@ -235,13 +241,7 @@ def test_a_change_admitted_during_a_cycle_counts_in_the_cycles_view() -> None:
 def test_a_change_cannot_take_room_a_resting_cycle_has_admitted() -> None:
     """A cycle that admitted a task (not held yet: its offers leave when the cycle ends) and
     rests: a scale-up checked meanwhile finds that room taken."""
-    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
-    book._queues = {"qs": q("qs", ("gpu", 2, 0))}
-    usage = QueueUsage()
-    running = gpu_job("qs", 1)
-    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
-    usage.update(running, {})
-    sharing = Sharing(book, usage)
+    sharing, _, running = one_gpu_of_two_held()
     tentative: dict[str, dict[str, float]] = {}
     with sharing.as_of_now(tentative):
         sharing.admit(gpu_job("qs", 1), {"gpu": 1}, tentative)
