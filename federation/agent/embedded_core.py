@@ -422,10 +422,8 @@ class EmbeddedCore:
         task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
         task.site, task.address = self._site, self._address
         if is_service(reservation.spec):
-            port = reservation.spec.service.port
             task.service = [
-                ReplicaService(port or free_port(), revision=task.revision)
-                for _ in reservation.slots
+                ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
             ]
         if reservation.spec.HasField("checkpoint"):
             task.checkpoints = TaskCheckpoints(
@@ -923,9 +921,7 @@ class EmbeddedCore:
                     replica.revision = change.revision
         task.spec, task.revision = spec, change.revision
         task.slots += added
-        task.service += [
-            ReplicaService(spec.service.port or free_port(), revision=task.revision) for _ in added
-        ]
+        task.service += [ReplicaService.new(spec, task.revision) for _ in added]
         task.devices = self._device_labels(task.slots)
         self._save(task)
         log.info(

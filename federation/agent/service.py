@@ -46,6 +46,12 @@ class ReplicaService:
     down: bool = False
     """It exited 0 under restart on_failure: it stays down."""
 
+    @classmethod
+    def new(cls, spec: jobs_pb2.TaskSpec, revision: int) -> ReplicaService:
+        """A replica of ``spec`` not started yet: on the service's fixed port, or on a free
+        one."""
+        return cls(spec.service.port or free_port(), revision=revision)
+
 
 def free_port() -> int:
     """A TCP port no one listens on now (the kernel's pick)."""
