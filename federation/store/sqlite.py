@@ -145,6 +145,11 @@ def _may_hold(heads: frozenset[str], prefix: str) -> bool:
     return any(h.startswith(prefix) or prefix.startswith(h) for h in heads)
 
 
+def _deletion(revision: int, seq: int, key: str) -> _Change:
+    """The change that records deleting ``key``, ``seq``-th in its revision."""
+    return (revision, seq, key, _DELETE, b"", 0, 0)
+
+
 def _event(row: Any) -> WatchEvent:
     revision, key, kind, value, create_revision, lease = row
     return WatchEvent(WatchEventType(kind), KeyValue(key, value, create_revision, revision, lease))
@@ -350,7 +355,7 @@ class _Database:
         revision = self._revision + 1
         changes: list[_Change] = []
         puts: list[tuple[str, bytes, int, int, int]] = []
-        deletes: list[tuple[str]] = []
+        deletes: list[str] = []
         for op in ops:
             if isinstance(op, Put):
                 # An existing key keeps its create_revision.
@@ -358,13 +363,12 @@ class _Database:
                 puts.append((op.key, op.value, created, revision, op.lease))
                 changes.append((revision, len(changes), op.key, _PUT, op.value, created, op.lease))
             elif isinstance(op, Delete) and op.key in current:
-                deletes.append((op.key,))
-                changes.append((revision, len(changes), op.key, _DELETE, b"", 0, 0))
+                deletes.append(op.key)
+                changes.append(_deletion(revision, len(changes), op.key))
             # else: a check, or deleting a missing key, changes nothing
         if puts:
             self._conn.executemany(_UPSERT, puts)
-        if deletes:
-            self._conn.executemany("DELETE FROM kv WHERE key = ?", deletes)
+        self._delete_keys(deletes)
         if changes:
             self._record(changes)
             self._revision = revision
@@ -422,13 +426,12 @@ class _Database:
         self._conn.execute("DELETE FROM leases WHERE id = ?", (lease,))
         if keys:
             revision = self._revision + 1
-            self._record([self._delete_key(revision, seq, key) for seq, key in enumerate(keys)])
+            self._delete_keys(keys)
+            self._record([_deletion(revision, seq, key) for seq, key in enumerate(keys)])
             self._revision = revision
 
-    def _delete_key(self, revision: int, seq: int, key: str) -> _Change:
-        """Delete the key; returns the change to record."""
-        self._conn.execute("DELETE FROM kv WHERE key = ?", (key,))
-        return (revision, seq, key, _DELETE, b"", 0, 0)
+    def _delete_keys(self, keys: Sequence[str]) -> None:
+        self._conn.executemany("DELETE FROM kv WHERE key = ?", [(key,) for key in keys])
 
     def _record(self, changes: list[_Change]) -> None:
         """Keep changes in the history that watches replay."""
