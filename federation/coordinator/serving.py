@@ -283,10 +283,9 @@ def _take_spec(
 ) -> list[Change]:
     """The job's task ``new.name`` takes spec ``new`` as ``revision``, if it is still where
     the change was made (the same state and epoch)."""
-    task = _unmoved(job, new.name, state, epoch)
+    task = _numbered(job, new.name, revision, state, epoch)
     find_spec(job, new.name).CopyFrom(new)
     task.revision = revision
-    task.issued_revision = max(task.issued_revision, revision)
     return [Change(new.name, task.state, f"revision {revision}: {what}", task.site)]
 
 
@@ -299,20 +298,21 @@ def _issue_revision(
 ) -> list[Change]:
     """Reserves ``revision`` for the job's task ``name`` before its site is told (no event:
     the change is not made yet), if the task is still where the change was made."""
-    task = _unmoved(job, name, state, epoch)
-    task.issued_revision = max(task.issued_revision, revision)
+    _numbered(job, name, revision, state, epoch)
     return []
 
 
-def _unmoved(
-    job: jobs_pb2.Job, name: str, state: jobs_pb2.JobState.ValueType, epoch: int
+def _numbered(
+    job: jobs_pb2.Job, name: str, revision: int, state: jobs_pb2.JobState.ValueType, epoch: int
 ) -> jobs_pb2.TaskStatus:
-    """The job's task ``name``; ConflictError if it left ``state`` or ``epoch`` meanwhile."""
+    """The job's task ``name`` with ``revision`` used up (``issued_revision``); ConflictError
+    if it left ``state`` or ``epoch`` meanwhile."""
     task = find_task(job, name)
     if (task.state, task.epoch) != (state, epoch):
         raise ConflictError(
             f"task {name} of job {job.id} changed while the change was made; try again"
         )
+    task.issued_revision = max(task.issued_revision, revision)
     return task
 
 
