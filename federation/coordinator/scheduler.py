@@ -253,8 +253,7 @@ class Scheduler:
         view shows the room free, so the front is tried again when it does (``_cycle``)."""
         self.history.ended(site, ran_s)
         self._frees += 1
-        self._front_due = True
-        self.wake()
+        self.room_freed()
 
     def _clear_front_of_line(self) -> None:
         """Let the first ``FRONT_OF_LINE`` waiting jobs be tried at once, whatever their retry
