@@ -86,13 +86,14 @@ async def start(
     request = job_service_pb2.SubmitJobRequest(spec=spec(name, [task], **extra))
     job_id = (await jobs(channel).SubmitJob(request)).job.id
     replicas = int(str(task["replicas"]))
-
-    async def all_ready() -> bool:
-        now = await endpoints(channel, job_id)
-        return len(now) == replicas and all(e.ready for e in now)
-
-    await until(all_ready, f"{name}'s replicas ready")
+    await until(lambda: all_ready(channel, job_id, replicas), f"{name}'s replicas ready")
     return job_id
+
+
+async def all_ready(channel: grpc.aio.Channel, job_id: str, replicas: int) -> bool:
+    """Whether the service runs exactly ``replicas`` replicas, every one ready."""
+    now = await endpoints(channel, job_id)
+    return len(now) == replicas and all(e.ready for e in now)
 
 
 async def stop(channel: grpc.aio.Channel, job_id: str) -> None:
@@ -159,11 +160,7 @@ async def test_scale_up_then_down(fed: LocalFederation) -> None:
         assert up.returncode == 0, up.stderr
         assert "scaled from 2 to 3 replicas" in up.stdout
 
-        async def count_ready(n: int) -> bool:
-            now = await endpoints(channel, job_id)
-            return len(now) == n and all(e.ready for e in now)
-
-        await until(lambda: count_ready(3), "three replicas ready")
+        await until(lambda: all_ready(channel, job_id, 3), "three replicas ready")
         three = await endpoints(channel, job_id)
         assert sorted(answer(e) for e in three) == ["v1:0", "v1:1", "v1:2"]
         down = await asyncio.to_thread(
@@ -171,7 +168,7 @@ async def test_scale_up_then_down(fed: LocalFederation) -> None:
         )
         assert down.returncode == 0, down.stderr
         assert json.loads(down.stdout)["spec"]["tasks"][0]["replicas"] == 1
-        await until(lambda: count_ready(1), "one replica left")
+        await until(lambda: all_ready(channel, job_id, 1), "one replica left")
         assert answer((await endpoints(channel, job_id))[0]) == "v1:0"
         for gone in three[1:]:
             with pytest.raises(urllib.error.URLError):
@@ -320,6 +317,8 @@ async def test_scale_ups_at_once_do_not_overshoot_their_queue(fed: LocalFederati
             await scale(scaled, 1)
             await scale(other, 3)
             assert await held() == 4
+            await until(lambda: all_ready(tenant, scaled, 1), "the first scaled down")
+            await until(lambda: all_ready(tenant, other, 3), "the other scaled up")
             for job_id in ids:
                 await stop(tenant, job_id)
 
