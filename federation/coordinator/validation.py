@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Collection, Iterator
@@ -91,9 +92,32 @@ def _number(
         )
 
 
+CHECKED_TASKS_KEPT = 1024
+"""Task specs whose problems are kept (``_task_problems``)."""
+MAX_CHECKED_TASK_BYTES = 4096
+"""Larger task specs are checked every time rather than kept: the cache holds at most
+CHECKED_TASKS_KEPT of these, 4 MiB."""
+
+
 def task_violations(task: jobs_pb2.TaskSpec, path: str) -> list[FieldViolation]:
-    """Every problem with one task's spec on its own (not with the job around it)."""
-    return list(_task_violations(task, path))
+    """Every problem with one task's spec on its own (not with the job around it).
+
+    The problems are a function of the task spec alone, and a sweep or an array of jobs
+    submits one task spec thousands of times: those of the specs seen last are kept, by
+    their encoding, and checking one again costs its encoding.
+    """
+    if task.ByteSize() > MAX_CHECKED_TASK_BYTES:
+        return list(_task_violations(task, path))
+    problems = _task_problems(task.SerializeToString(deterministic=True))
+    return [FieldViolation(path + field, description) for field, description in problems]
+
+
+@functools.lru_cache(maxsize=CHECKED_TASKS_KEPT)
+def _task_problems(encoded: bytes) -> tuple[tuple[str, str], ...]:
+    """The problems of the task spec encoded so, each as (its field's path below the task,
+    what is wrong)."""
+    task = jobs_pb2.TaskSpec.FromString(encoded)
+    return tuple((v.field, v.description) for v in _task_violations(task, ""))
 
 
 def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
@@ -426,7 +450,7 @@ def spec_violations(
     seen: set[str] = set()
     parts = 0
     for i, task in enumerate(spec.tasks[:MAX_TASKS]):
-        out.extend(_task_violations(task, f"{path}.tasks[{i}]"))
+        out.extend(task_violations(task, f"{path}.tasks[{i}]"))
         if task.name in seen:
             out.append(FieldViolation(f"{path}.tasks[{i}].name", f"duplicate task {task.name!r}"))
         seen.add(task.name)

@@ -7,7 +7,11 @@ from collections.abc import Callable
 import pytest
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.validation import spec_violations, validate_spec
+from federation.coordinator.validation import (
+    MAX_CHECKED_TASK_BYTES,
+    spec_violations,
+    validate_spec,
+)
 from federation.errors import FieldViolation, InvalidArgumentError
 
 Mutation = Callable[[jobs_pb2.JobSpec], None]
@@ -413,6 +417,26 @@ def test_every_violation_is_reported_not_just_the_first() -> None:
         "spec.tasks[1].name",
         "spec.constraints.domains[2]",
     ]
+
+
+def test_a_task_checked_before_is_reported_at_its_new_place() -> None:
+    """A task spec's problems are kept between checks: one seen again, elsewhere in another
+    job, is reported under its own path there, with the same problems."""
+    first, second = valid_spec(), valid_spec()
+    for spec in (first, second):
+        spec.tasks[0].resources.cpu = -2
+    second.tasks.insert(0, jobs_pb2.TaskSpec(name="prepare", command=["true"]))
+    assert fields(spec_violations(first, "specs[0]")) == ["specs[0].tasks[0].resources.cpu"]
+    again = spec_violations(second, "specs[7]")
+    assert fields(again) == ["specs[7].tasks[1].resources.cpu"]
+    assert again[0].description == "must be between 0 and 4096, got -2"
+
+
+def test_a_task_too_large_to_keep_is_checked_all_the_same() -> None:
+    spec = valid_spec()
+    spec.tasks[0].env["LARGE"] = "x" * (MAX_CHECKED_TASK_BYTES + 1)
+    spec.tasks[0].ClearField("command")
+    assert fields(spec_violations(spec)) == ["spec.tasks[0].command"]
 
 
 def test_validate_spec_raises_with_every_violation_under_the_given_path() -> None:
