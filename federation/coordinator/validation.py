@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import re
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
@@ -465,19 +465,24 @@ def spec_violations(
                 )
             )
     out.extend(_dependency_violations(spec, path))
-    for name, value in (
-        ("deadline_s", spec.objective.deadline_s),
-        ("max_cost_usd", spec.objective.max_cost_usd),
-    ):
-        out.extend(_number(path, f"objective.{name}", value, 0, 1e12))
-    for i, domain in enumerate(spec.constraints.domains):
-        if domain not in DOMAINS:
-            out.append(
-                FieldViolation(f"{path}.constraints.domains[{i}]", f"unknown domain {domain}")
-            )
-    for i, site in enumerate(spec.constraints.sites):
-        if problem := name_problem(site):
-            out.append(FieldViolation(f"{path}.constraints.sites[{i}]", problem))
+    # Most jobs leave these messages unset, whose defaults are valid: reading a field of an
+    # unset message still builds it, on the submit path.
+    if spec.HasField("objective"):
+        for name, value in (
+            ("deadline_s", spec.objective.deadline_s),
+            ("max_cost_usd", spec.objective.max_cost_usd),
+        ):
+            out.extend(_number(path, f"objective.{name}", value, 0, 1e12))
+    constraints = spec.constraints if spec.HasField("constraints") else None
+    if constraints is not None:
+        for i, domain in enumerate(constraints.domains):
+            if domain not in DOMAINS:
+                out.append(
+                    FieldViolation(f"{path}.constraints.domains[{i}]", f"unknown domain {domain}")
+                )
+        for i, site in enumerate(constraints.sites):
+            if problem := name_problem(site):
+                out.append(FieldViolation(f"{path}.constraints.sites[{i}]", problem))
     if spec.HasField("disconnect"):
         policy = spec.disconnect
         out.extend(_number(path, "disconnect.lost_after_s", policy.lost_after_s, 0, MAX_INTERVAL_S))
@@ -502,19 +507,19 @@ def spec_violations(
             )
     if len(spec.labels) > MAX_LABELS:
         out.append(FieldViolation(f"{path}.labels", f"at most {MAX_LABELS} labels"))
-    out.extend(
-        _sizes(
-            path,
-            ("constraints.regions", spec.constraints.regions),
-            ("constraints.sites", spec.constraints.sites),
-            ("constraints.node_labels", spec.constraints.node_labels),
-            most=MAX_LABELS,
+    mappings: list[tuple[str, Mapping[str, str]]] = [("labels", spec.labels)]
+    if constraints is not None:
+        out.extend(
+            _sizes(
+                path,
+                ("constraints.regions", constraints.regions),
+                ("constraints.sites", constraints.sites),
+                ("constraints.node_labels", constraints.node_labels),
+                most=MAX_LABELS,
+            )
         )
-    )
-    for name, mapping in (
-        ("labels", spec.labels),
-        ("constraints.node_labels", spec.constraints.node_labels),
-    ):
+        mappings.append(("constraints.node_labels", constraints.node_labels))
+    for name, mapping in mappings:
         if any(len(k) > MAX_KEY_CHARS or len(v) > MAX_KEY_CHARS for k, v in mapping.items()):
             out.append(
                 FieldViolation(
