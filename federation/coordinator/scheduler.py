@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import structlog
 
@@ -97,6 +97,11 @@ CHECKPOINT = "checkpoint:"
 TaskKey = tuple[str, str]
 MAX_REMEMBERED_PLACEMENTS = 10_000
 """Distinct requests whose placement on the current snapshot is kept for later cycles."""
+
+
+_OfferReply: TypeAlias = tuple[str, str, site_link_service_pb2.OfferAnswer | None]
+"""A site's reply to one offer: (reservation id, "", the answer) when it accepts, else ("",
+why not, None)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -1014,12 +1019,19 @@ class Scheduler:
             asyncio.ensure_future(self._offer(site, [offer for _, offer in items])): site
             for site, items in offers.items()
         }
+        # Each site's answer is queued as it comes: waiting on the set of those left over
+        # and over (asyncio.wait) cost the square of the sites asked.
+        answers: asyncio.Queue[asyncio.Task[list[_OfferReply]]] = asyncio.Queue()
+        for asked in asking:
+            asked.add_done_callback(answers.put_nowait)
         deciding: list[asyncio.Task[None]] = []
         failure: Exception | None = None
         asked_ns = tracing.now_ns()
         try:
             while asking:
-                done, _ = await asyncio.wait(asking, return_when=asyncio.FIRST_COMPLETED)
+                done = [await answers.get()]
+                while not answers.empty():
+                    done.append(answers.get_nowait())
                 ready = []
                 for answered in done:
                     site = asking.pop(answered)
@@ -1146,7 +1158,7 @@ class Scheduler:
 
     async def _offer(
         self, site: str, offers: list[site_link_service_pb2.Offer]
-    ) -> list[tuple[str, str, site_link_service_pb2.OfferAnswer | None]]:
+    ) -> list[_OfferReply]:
         """For each offer: (reservation id, "", the answer) when the site accepts, else ("",
         why not, None)."""
         session = self._sites.session(site)
@@ -1156,7 +1168,7 @@ class Scheduler:
         replies = await session.request_many(
             [site_link_service_pb2.CoordinatorMessage(offer=offer) for offer in offers], timeout_s
         )
-        out: list[tuple[str, str, site_link_service_pb2.OfferAnswer | None]] = []
+        out: list[_OfferReply] = []
         for reply in replies:
             if isinstance(reply, TimeoutError):
                 out.append(("", f"no answer to the offer within {timeout_s:g}s", None))
