@@ -26,17 +26,21 @@ class QueueUsage:
     def update(self, job: jobs_pb2.Job, negotiating: Mapping[tuple[str, str], Demand]) -> None:
         """``job`` changed (or its tasks' negotiations began or ended)."""
         holds: dict[str, float] = {}
+        job_id = job.id
         for spec, status in zip(job.spec.tasks, job.tasks, strict=False):
-            admitted = negotiating.get((job.id, status.name))
+            admitted = negotiating.get((job_id, status.name))
             if admitted is not None:
                 add(holds, admitted.items())
             elif status.state in job_state.AT_SITE:
                 held = placed(spec, status)
                 add(holds, at(held, status.site, self._domain_of(status.site)).items())
-        self.remove(job.id)
+        queue = job.spec.queue
+        if (old := self._jobs.get(job_id)) is not None and old == (queue, holds):
+            return  # most changes of a job change none of what it holds
+        self.remove(job_id)
         if holds:
-            self._jobs[job.id] = (job.spec.queue, holds)
-            self._add(job.spec.queue, holds, 1.0)
+            self._jobs[job_id] = (queue, holds)
+            self._add(queue, holds, 1.0)
 
     def remove(self, job_id: str) -> None:
         """``job_id`` ended: what it held is free."""
