@@ -93,31 +93,32 @@ def _number(
 
 
 CHECKED_TASKS_KEPT = 1024
-"""Task specs whose problems are kept (``_task_problems``)."""
+"""Task specs whose verdict is kept (``_valid_task``)."""
 MAX_CHECKED_TASK_BYTES = 4096
-"""Larger task specs are checked every time rather than kept: the cache holds at most
+"""Larger task specs are checked every time rather than kept: the verdicts kept take at most
 CHECKED_TASKS_KEPT of these, 4 MiB."""
 
 
 def task_violations(task: jobs_pb2.TaskSpec, path: str) -> list[FieldViolation]:
     """Every problem with one task's spec on its own (not with the job around it).
 
-    The problems are a function of the task spec alone, and a sweep or an array of jobs
-    submits one task spec thousands of times: those of the specs seen last are kept, by
-    their encoding, and checking one again costs its encoding.
+    Whether a task spec is valid depends on the spec alone, and a sweep or an array of jobs
+    submits one task spec thousands of times: the verdicts on the specs seen last are kept,
+    by their encoding, so checking a valid one again costs its encoding. The problems of an
+    invalid one are found anew (kept, they could take far more room than the spec).
     """
-    if task.ByteSize() > MAX_CHECKED_TASK_BYTES:
-        return list(_task_violations(task, path))
-    problems = _task_problems(task.SerializeToString(deterministic=True))
-    return [FieldViolation(path + field, description) for field, description in problems]
+    if task.ByteSize() <= MAX_CHECKED_TASK_BYTES and _valid_task(
+        task.SerializeToString(deterministic=True)
+    ):
+        return []
+    return list(_task_violations(task, path))
 
 
 @functools.lru_cache(maxsize=CHECKED_TASKS_KEPT)
-def _task_problems(encoded: bytes) -> tuple[tuple[str, str], ...]:
-    """The problems of the task spec encoded so, each as (its field's path below the task,
-    what is wrong)."""
+def _valid_task(encoded: bytes) -> bool:
+    """Whether the task spec encoded so has no problem."""
     task = jobs_pb2.TaskSpec.FromString(encoded)
-    return tuple((v.field, v.description) for v in _task_violations(task, ""))
+    return next(_task_violations(task, ""), None) is None
 
 
 def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:

@@ -9,6 +9,7 @@ import pytest
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.coordinator.validation import (
     MAX_CHECKED_TASK_BYTES,
+    _valid_task,
     spec_violations,
     validate_spec,
 )
@@ -419,24 +420,45 @@ def test_every_violation_is_reported_not_just_the_first() -> None:
     ]
 
 
-def test_a_task_checked_before_is_reported_at_its_new_place() -> None:
-    """A task spec's problems are kept between checks: one seen again, elsewhere in another
-    job, is reported under its own path there, with the same problems."""
+def test_a_valid_task_checked_before_is_not_checked_again() -> None:
+    """A sweep submits one task spec over and over: once found valid, it is not checked
+    again, whatever job it comes in."""
+    first, second = valid_spec(), valid_spec()
+    second.name, second.id = "another job", "train-2"
+    assert spec_violations(first) == []
+    hits = _valid_task.cache_info().hits
+    assert spec_violations(second, "specs[3]") == []
+    assert _valid_task.cache_info().hits == hits + len(second.tasks)
+
+
+def test_an_invalid_task_seen_before_is_reported_whole_at_its_new_place() -> None:
     first, second = valid_spec(), valid_spec()
     for spec in (first, second):
         spec.tasks[0].resources.cpu = -2
+        spec.tasks[0].env["1st"] = "x"
     second.tasks.insert(0, jobs_pb2.TaskSpec(name="prepare", command=["true"]))
-    assert fields(spec_violations(first, "specs[0]")) == ["specs[0].tasks[0].resources.cpu"]
+    assert fields(spec_violations(first, "specs[0]")) == [
+        "specs[0].tasks[0].env",
+        "specs[0].tasks[0].resources.cpu",
+    ]
     again = spec_violations(second, "specs[7]")
-    assert fields(again) == ["specs[7].tasks[1].resources.cpu"]
-    assert again[0].description == "must be between 0 and 4096, got -2"
+    assert fields(again) == ["specs[7].tasks[1].env", "specs[7].tasks[1].resources.cpu"]
+    assert again[1].description == "must be between 0 and 4096, got -2"
 
 
 def test_a_task_too_large_to_keep_is_checked_all_the_same() -> None:
     spec = valid_spec()
     spec.tasks[0].env["LARGE"] = "x" * (MAX_CHECKED_TASK_BYTES + 1)
+    looked_up = _looked_up()
+    assert spec_violations(spec) == []
     spec.tasks[0].ClearField("command")
     assert fields(spec_violations(spec)) == ["spec.tasks[0].command"]
+    assert _looked_up() == looked_up + 2  # the second, small task, in each check
+
+
+def _looked_up() -> int:
+    info = _valid_task.cache_info()
+    return info.hits + info.misses
 
 
 def test_validate_spec_raises_with_every_violation_under_the_given_path() -> None:
