@@ -871,27 +871,15 @@ def _group(joining: list[_Joining]) -> tuple[list[_Joining], list[_Joining]]:
     within what one commit may hold (``_chunks``' bounds; a larger job goes alone), and an id
     at most once (a store refuses a key twice in one commit; the second caller finds the
     first's job once it is written, as it would one by one)."""
-    group: list[_Joining] = []
-    rest: list[_Joining] = []
+    unique: list[_Staged] = []
     ids: set[str] = set()
-    size = ops = 0
-    for entry in joining:
-        stage = entry[0]
-        stage_size = len(stage.put.key) + len(stage.put.value)
-        stage_ops = 1 + len(stage.index_ops)
-        if rest or stage.job.id in ids:
-            rest.append(entry)
-            continue
-        if group and (
-            ops + stage_ops > MAX_OPS_PER_COMMIT or size + stage_size > MAX_BYTES_PER_COMMIT
-        ):
-            rest.append(entry)
-            continue
-        group.append(entry)
+    for stage, _ in joining:
+        if stage.job.id in ids:
+            break
         ids.add(stage.job.id)
-        size += stage_size
-        ops += stage_ops
-    return group, rest
+        unique.append(stage)
+    taken = len(_chunks(unique)[0]) if unique else 0
+    return joining[:taken], joining[taken:]
 
 
 def _fail(group: Iterable[_Joining], err: BaseException) -> None:
