@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import statistics
@@ -158,10 +159,10 @@ async def measure(count: int, folder: Path, repeat: int) -> dict[str, Any]:
         assert kept == counted == scanned, (kept, counted, scanned)
         for name in FILTERS:
             row[f"{name}_page_ms"], row[f"{name}_page_jobs"] = await timed(
-                lambda name=name: page(repo, name, True), repeat
+                functools.partial(page, repo, name, True), repeat
             )
             row[f"{name}_scan_page_ms"], row[f"{name}_scan_page_jobs"] = await timed(
-                lambda name=name: page(repo, name, False), repeat
+                functools.partial(page, repo, name, False), repeat
             )
         for key, value in row.items():
             if key.endswith("_ms"):

@@ -23,14 +23,14 @@ from pathlib import Path
 
 import numpy as np
 
-from federation.api.v1 import jobs_pb2
+from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.registry import build_framework
 from federation.placement.request import Request
 from federation.placement.snapshot import DeviceClass, Snapshot
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MODELS = ["P100", "T4", "V100", "V100-32GB", "A100-80GB", "H100-80GB"]
-GPU = 1
+GPU = resources_pb2.DEVICE_KIND_GPU
 
 
 def load_links(data: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
@@ -56,7 +56,9 @@ def load_links(data: Path) -> tuple[list[str], np.ndarray, np.ndarray]:
     return regions, bw, lat
 
 
-def synthetic(n_sites: int, rng: np.random.Generator, links: tuple) -> Snapshot:
+def synthetic(
+    n_sites: int, rng: np.random.Generator, links: tuple[list[str], np.ndarray, np.ndarray]
+) -> Snapshot:
     """A federation as placement sees it, built straight into arrays (no protobuf)."""
     regions, region_bw, region_rtt = links
     nodes_per_site = rng.integers(1, 101, n_sites)
@@ -128,7 +130,7 @@ def synthetic(n_sites: int, rng: np.random.Generator, links: tuple) -> Snapshot:
         classes=classes,
         pair_node=np.flatnonzero(has_devices).astype(np.int64),
         pair_class=node_model[has_devices].astype(np.int64),
-        pair_free=free_per_node[has_devices],
+        pair_free=free_per_node[has_devices].astype(np.float64),
         queue_wait_s=rng.exponential(600, n_sites),
         price_per_device_hour=np.where(domain == 3, 2.5, 0.0),
         datasets=datasets,
@@ -236,9 +238,9 @@ def main() -> None:
         f"{'sites':>7} {'nodes':>9} {'devices':>10} {'p50 ms':>9} {'p99 ms':>9} "
         f"{'loop p50 ms':>12} {'speedup':>8}"
     )
-    for size, r in results.items():
+    for label, r in results.items():
         print(
-            f"{size:>7} {int(r['nodes']):>9} {int(r['devices']):>10} {r['p50_ms']:>9.2f} "
+            f"{label:>7} {int(r['nodes']):>9} {int(r['devices']):>10} {r['p50_ms']:>9.2f} "
             f"{r['p99_ms']:>9.2f} {r['baseline_p50_ms']:>12.1f} "
             f"{r['speedup_vs_baseline']:>7.0f}x"
         )
