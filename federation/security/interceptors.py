@@ -226,11 +226,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return None
         if self._roles is None:
             raise PermissionDeniedError(f"{method} is not served on this port")
-        cert = _peer(context)
+        pem = peer_certificate(context)  # auth_context() builds a dict: asked once per call
+        cert = _peer(pem)
         if cert is not None and self._revocations is not None:
             self._revocations.check(cert)  # open methods too: a revoked peer gets nothing
-        if cert is not None and self._issuer_check is not None:
-            self._issuer_check(peer_certificate(context) or b"")
+        if pem is not None and self._issuer_check is not None:
+            self._issuer_check(pem)
         if method in self._open:
             return cert
         if cert is None:
@@ -358,8 +359,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return handler  # stream-unary: none in our API
 
 
-def _peer(context: grpc.aio.ServicerContext[Any, Any]) -> PeerCertificate | None:
-    pem = peer_certificate(context)
+def _peer(pem: bytes | None) -> PeerCertificate | None:
     try:
         return None if pem is None else peer_certificate_of(pem)
     except InvalidIdentityError as err:
