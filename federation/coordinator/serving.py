@@ -334,7 +334,7 @@ def _service_task(job: jobs_pb2.Job, name: str, field: str) -> jobs_pb2.TaskSpec
     spec = next((t for t in job.spec.tasks if t.name == name), None)
     if spec is None:
         raise JobNotFoundError(f"{job.id}/{name}")
-    if spec not in services:
+    if spec.kind != jobs_pb2.TASK_KIND_SERVICE:
         raise InvalidArgumentError(
             [
                 FieldViolation(
