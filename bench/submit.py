@@ -9,7 +9,11 @@ the baseline the unary rate is compared with. Latency is reported under saturati
 closed-loop runs) and at moderate load (unary submits paced at a quarter of the unary rate).
 
     python bench/submit.py [--sites 10,100] [--jobs 2000] [--batch 500] [--json]
-        [--profile DIR]
+        [--profile DIR] [--backlog N]
+
+``--backlog N`` first submits N jobs that no site can take (an FPGA each): they wait in line
+through every run, as a flood of jobs bigger than the fleet would, and the coordinator's CPU
+while nothing else happens is read too (``idle_cpu_percent``).
 
 ``--profile DIR`` samples the coordinator with py-spy during each run (echo, unary, batched)
 and writes its stacks, collapsed, to ``DIR/<sites>-<run>.txt``: sampling slows the coordinator,
@@ -40,6 +44,7 @@ from federation.api.v1 import (
     job_service_pb2,
     job_service_pb2_grpc,
     jobs_pb2,
+    resources_pb2,
 )
 from federation.coordinator import job_state
 from federation.coordinator.events import EventHub
@@ -51,6 +56,13 @@ from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
 from federation.watch import events_of
 
 ECHO_CALLS = 2000
+BACKLOG_STEP = 2000
+"""Backlog jobs submitted before waiting for their first tries (``fill_backlog``)."""
+BACKLOG_SETTLE_S = 30.0
+"""After every backlog job was tried once: time for their retries to reach their longest
+waits, so the idle figure is the steady cost of the backlog."""
+IDLE_S = 20.0
+"""How long the coordinator's CPU is read with nothing submitted (``idle_cpu_percent``)."""
 MODERATE_SHARE = 0.25
 """Moderate load, for the latency target: this share of the unary rate measured in the run."""
 
@@ -69,6 +81,57 @@ def spec(i: int) -> jobs_pb2.JobSpec:
             )
         ],
     )
+
+
+def unplaceable(i: int) -> jobs_pb2.JobSpec:
+    """A job no bench site can take (they have no FPGA): it waits in line for good."""
+    job = spec(i)
+    job.name = f"backlog-{i}"
+    job.tasks[0].resources.accelerator.kind = resources_pb2.DEVICE_KIND_FPGA
+    job.tasks[0].resources.accelerator.count = 1
+    return job
+
+
+async def fill_backlog(channel: grpc.aio.Channel, jobs: int, batch: int) -> None:
+    """Submit ``jobs`` unplaceable jobs and wait until the scheduler has tried each once and
+    recorded why no site takes it (its first PENDING event after "submitted"). A few batches
+    at a time: a watcher that falls 10,000 messages behind is cut off."""
+    if not jobs:
+        return
+    stub = job_service_pb2_grpc.JobServiceStub(channel)
+    watch = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
+    await asyncio.sleep(0.2)  # let the watch subscribe before the first submit
+    tried: set[str] = set()
+    caught_up = asyncio.Event()
+    submitted = 0
+
+    async def follow() -> None:
+        async for event in events_of(watch):
+            if event.job_state == jobs_pb2.JOB_STATE_PENDING and event.reason != "submitted":
+                tried.add(event.job_id)
+                if len(tried) >= submitted:
+                    caught_up.set()
+
+    follower = asyncio.create_task(follow())
+    try:
+        for first in range(0, jobs, batch):
+            specs = [unplaceable(i) for i in range(first, min(first + batch, jobs))]
+            await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+            submitted += len(specs)
+            if submitted % BACKLOG_STEP and submitted < jobs:
+                continue
+            caught_up.clear()
+            if len(tried) >= submitted:
+                continue
+            waiter = asyncio.create_task(caught_up.wait())
+            await asyncio.wait([waiter, follower], timeout=600, return_when="FIRST_COMPLETED")
+            if not caught_up.is_set():
+                waiter.cancel()
+                raise RuntimeError(f"the backlog's first tries stopped at {len(tried)} jobs")
+    finally:
+        watch.cancel()
+        follower.cancel()
+    await asyncio.sleep(BACKLOG_SETTLE_S)
 
 
 async def echo_rate(channel: grpc.aio.Channel, calls: int, concurrency: int) -> float:
@@ -201,7 +264,7 @@ def sampled(pid: int, out: Path | None) -> Iterator[None]:
 
 
 async def measure(
-    sites: int, jobs: int, batch: int, profile: Path | None = None
+    sites: int, jobs: int, batch: int, profile: Path | None = None, backlog: int = 0
 ) -> dict[str, float]:
     with tempfile.TemporaryDirectory(prefix="bench-submit-") as root:
         # The bench measures what the coordinator can take, not one identity's allowance.
@@ -244,6 +307,10 @@ async def measure(
                 return sampled(pid, profile / f"{sites}-{run}.txt" if profile else None)
 
             async with fed.operator().channel() as channel:
+                await fill_backlog(channel, backlog, batch)
+                before = cpu_s(coordinator)
+                await asyncio.sleep(IDLE_S)
+                idle = (cpu_s(coordinator) - before) / IDLE_S * 100
                 with spy("echo"):
                     echo, echo_cpu, echo_harness = await with_cpu(
                         echo_rate(channel, ECHO_CALLS, 16), "echo"
@@ -270,6 +337,8 @@ async def measure(
             fed.stop()
     echo_us = (echo_cpu + echo_again_cpu) / (2 * ECHO_CALLS) * 1e6
     return {
+        "backlog_jobs": backlog,
+        "idle_cpu_percent": idle,
         "echo_rpc_per_s": echo,
         "unary_jobs_per_s": unary["jobs_per_s"],
         "unary_vs_echo": unary["jobs_per_s"] / echo,
@@ -341,6 +410,9 @@ def main() -> None:
     parser.add_argument("--sites", default="10,100")
     parser.add_argument("--jobs", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=500)
+    parser.add_argument(
+        "--backlog", type=int, default=0, help="jobs no site can take, waiting through the runs"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument(
         "--profile", type=Path, metavar="DIR", help="sample the coordinator with py-spy"
@@ -351,7 +423,7 @@ def main() -> None:
     configure_logging(level="info")  # as the daemons log; per-job debug lines cost CPU here
     writes = asyncio.run(job_writes_only(args.jobs, args.batch))
     results = {
-        n: asyncio.run(measure(int(n), args.jobs, args.batch, args.profile))
+        n: asyncio.run(measure(int(n), args.jobs, args.batch, args.profile, args.backlog))
         for n in args.sites.split(",")
     }
     if args.json:
@@ -375,6 +447,11 @@ def main() -> None:
             f"{r['unary_cpu_us_per_job']:.0f}/{r['unary_harness_cpu_us_per_job']:.0f}, "
             f"{r['batched_cpu_us_per_job']:.0f}/{r['batched_harness_cpu_us_per_job']:.0f} "
             f"{r['unary_cpu_vs_echo']:>33.2f}, {r['batched_cpu_vs_echo']:.2f}"
+        )
+    for n, r in results.items():
+        print(
+            f"{n} sites, {args.backlog:,} jobs no site can take waiting: the coordinator idle "
+            f"at {r['idle_cpu_percent']:.1f}% of a core"
         )
     print(
         f"job writes alone (3 per job, embedded store, batches of {args.batch}): "

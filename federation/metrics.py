@@ -351,3 +351,12 @@ QUEUE_WAITING_JOBS = Gauge(
 PREEMPTIONS = Counter(
     "federation_preemptions_total", "Tasks stopped to make room for higher-priority work"
 )
+SCHEDULING_WALK_SECONDS = Histogram(
+    "federation_scheduling_walk_seconds",
+    "How long a scheduling cycle took to walk the line of waiting jobs, rests included",
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0),
+)
+SCHEDULING_JOBS_READ = Counter(
+    "federation_scheduling_jobs_read_total",
+    "Waiting jobs a scheduling cycle read; one whose every task waits out a timer is passed by",
+)

@@ -58,6 +58,10 @@ class CoordinatorConfig:
     offer_timeout_s: float = field(default=5.0, metadata=positive())
     reservation_lease_s: float = field(default=10.0, metadata=positive())
     retry_interval_s: float = field(default=5.0, metadata=positive())
+    unfit_retry_interval_s: float = field(default=60.0, metadata=positive())
+    """How often, at least, a waiting task is tried again that every site refused for what no
+    task ending changes (hardware it lacks, the job's own bounds): a backlog of thousands of
+    such tasks costs little, and one waits at most this long after the hardware appears."""
     max_offers_per_round: int = field(default=5, metadata=at_least(1))
     offers_at_once: int = field(default=3, metadata=at_least(1))
     """Sites offered a task at once after its best site declined (that one is offered alone);

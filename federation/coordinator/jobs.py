@@ -339,12 +339,23 @@ class JobRepository:
         change them. Lazily, as a caller often needs only the first few; a caller may await
         between jobs (the ids are taken at the start, and a job no longer pending when reached
         is skipped)."""
+        for job_id in self.pending_ids():
+            if (job := self.pending_job(job_id)) is not None:
+                yield job
+
+    def pending_ids(self) -> list[str]:
+        """The ids of the jobs ``pending`` yields, in line order, as they are now: a caller
+        that passes most of them by need not read their messages."""
         if not self._pending_in_order:
             self._pending = dict(sorted(self._pending.items(), key=lambda item: item[1]))
             self._pending_in_order = True
-        for job_id in list(self._pending):
-            if job_id in self._pending and (cached := self._active.get(job_id)) is not None:
-                yield cached[0]
+        return list(self._pending)
+
+    def pending_job(self, job_id: str) -> jobs_pb2.Job | None:
+        """The job as cached (as ``pending`` yields it), or None if it is no longer pending."""
+        if job_id in self._pending and (cached := self._active.get(job_id)) is not None:
+            return cached[0]
+        return None
 
     def cached(self, job_id: str) -> jobs_pb2.Job | None:
         """An unfinished job as cached (the message itself: read it, never change it)."""

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import itertools
 import math
+import random
 import time
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -63,7 +64,12 @@ from federation.coordinator.waits import (
 )
 from federation.errors import FederationError
 from federation.jobspec import domain_name
-from federation.metrics import OFFERS, PREEMPTIONS
+from federation.metrics import (
+    OFFERS,
+    PREEMPTIONS,
+    SCHEDULING_JOBS_READ,
+    SCHEDULING_WALK_SECONDS,
+)
 from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.plugins.near_region import NearRegion, describe
@@ -89,9 +95,13 @@ WAIT_RECHECK_S = 30.0
 """Longest a task waits for a busy site before its choice is weighed again; a task's end
 there wakes it sooner."""
 FRONT_OF_LINE = 64
+"""Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
 QUEUE_GAUGES_EVERY_S = 5.0
 """How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
-"""Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
+TIMER_PACE = 20
+"""After a cycle, a retry timer alone starts the next one no sooner than this many times the
+cycle's walk of the line later: a backlog whose timers come due one after another then costs
+a walk now and then (at most 1/21 of the loop), not one walk after another."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
 TaskKey = tuple[str, str]
@@ -102,6 +112,25 @@ MAX_REMEMBERED_PLACEMENTS = 10_000
 _OfferReply: TypeAlias = tuple[str, str, site_link_service_pb2.OfferAnswer | None]
 """A site's reply to one offer: (reservation id, "", the answer) when it accepts, else ("",
 why not, None)."""
+
+
+@dataclass(slots=True)
+class _Rest:
+    """A waiting job whose every waiting task waits out a timer: until the soonest is due,
+    and while the job is not written again, a cycle has nothing to try in it."""
+
+    job: jobs_pb2.Job
+    """The cached message as it was: the repository replaces it at every write."""
+    keys: list[TaskKey] = field(default_factory=list)
+    until: float = math.inf
+    awake: bool = False
+    """A task of it is to be tried, or under negotiation: the job does not rest."""
+    unfit: bool = False
+    """Every site refused each of its waiting tasks for what room coming free cannot change."""
+
+    def add(self, key: TaskKey, not_before: float) -> None:
+        self.keys.append(key)
+        self.until = min(self.until, not_before)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +146,9 @@ class SchedulerConfig:
     that accepts gets the commit (see ``offer_rounds``)."""
     retry_interval_s: float = 5.0
     """Longest wait before pending tasks are tried again without any change."""
+    unfit_retry_interval_s: float = 60.0
+    """The same for tasks every site refused for what room coming free cannot change
+    (``UNFIT``); each of their waits is cut by up to a fifth at random, to spread them."""
     max_concurrent_negotiations: int = 2048
     batch_window_s: float = 0.002
     """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
@@ -219,10 +251,18 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._not_before: dict[TaskKey, float] = {}
         self._backoff_s: dict[TaskKey, float] = {}
+        self._resting: dict[str, _Rest] = {}
+        """Per waiting job whose every waiting task waits out a timer, as the last cycle that
+        looked at it found: the next cycles pass it by without reading it (``_awake``)."""
+        self._unfit: set[TaskKey] = set()
+        """Waiting tasks that every site refused, the last time, for reasons room coming free
+        does not change (``UNFIT``)."""
         self._tasks: set[asyncio.Task[None]] = set()
         self._full = False
         """A cycle left tasks waiting because max_concurrent_negotiations were under way."""
         self._last_cycle = 0.0
+        self._walk_s = 0.0
+        """How long the last cycle took to walk the line (``TIMER_PACE``)."""
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
         self._gauges_at = 0.0
@@ -269,7 +309,7 @@ class Scheduler:
         be tried when many GPUs free at once."""
         tentative: Tentative = {}
         wall = time.time()
-        for job in itertools.islice(self._line(tentative), FRONT_OF_LINE):
+        for job in itertools.islice(self._line(tentative, self._fit()), FRONT_OF_LINE):
             for task in job.tasks:
                 key = (job.id, task.name)
                 if retries.due_in_s(task, wall) > 0:
@@ -279,6 +319,7 @@ class Scheduler:
                 if key not in self._waits_for:  # woken once the room shows (``_cycle``)
                     self._not_before.pop(key, None)
                     self._backoff_s.pop(key, None)
+                    self._resting.pop(job.id, None)
 
     def _with_learned_speeds(self, request: Request) -> Request:
         """``request`` estimated with learned speeds where the task sets none of its own."""
@@ -297,8 +338,10 @@ class Scheduler:
             # At most one cycle per batch window: under a stream of single submissions one
             # cycle and one negotiation then serve many tasks, not one each, while a task
             # that arrives after a quiet spell is placed at once.
+            # And a rest as long as the last cycle took: a long line to walk (thousands of
+            # waiting jobs) must leave the loop to the calls half the time, whatever wakes it.
             wait_s = self._last_cycle + self._config.batch_window_s - time.monotonic()
-            if wait_s > 0:
+            if (wait_s := max(wait_s, self._walk_s)) > 0:
                 await asyncio.sleep(wait_s)
             self._last_cycle = time.monotonic()
             self._wake.clear()
@@ -310,13 +353,21 @@ class Scheduler:
                 await asyncio.sleep(self._config.retry_interval_s)
 
     def _next_wait_s(self) -> float:
-        """Until the soonest backed-off task is due (due ones were handled this cycle)."""
+        """Until the soonest backed-off task is due (due ones were handled this cycle), but
+        no sooner than ``TIMER_PACE`` walks of the line, nor later than the retry interval."""
         now = time.monotonic()
         future = [t for t in self._not_before.values() if t > now]
         soonest = min(future, default=now + self._config.retry_interval_s)
-        return max(0.01, min(soonest - now, self._config.retry_interval_s))
+        paced_s = max(soonest - now, TIMER_PACE * self._walk_s)
+        return max(0.01, min(paced_s, self._config.retry_interval_s))
 
     async def _cycle(self) -> None:
+        if self._sites.take_arrived():
+            # A site came or came back: what no site had may be there now (a task's end never
+            # brings it, so ``_clear_front_of_line`` leaves unfit tasks alone).
+            for key in self._unfit:
+                self._not_before.pop(key, None)
+                self._resting.pop(key[0], None)
         freed = self._sites.take_freed()
         if freed:
             # Views show room they had not (a task ended, a reservation was let go, a site
@@ -329,6 +380,7 @@ class Scheduler:
             for key, site in self._waits_for.items():
                 if site in freed:
                     self._not_before.pop(key, None)
+                    self._resting.pop(key[0], None)
         if freed or self._front_due:
             # Here, as a cycle starts, not where the room came free: a cycle under way
             # (it rests now and then) would back off again the tasks it finds held back
@@ -348,22 +400,29 @@ class Scheduler:
         batch: list[_Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
+        rested: set[str] = set()  # jobs passed by, resting (``_awake``)
         swept = True
         # What the queues hold as the cycle starts, all through it: negotiations and tasks
         # that end while it rests would let a task later in line take room or quota that one
         # it already refused (on what was held then) should have had. Next cycle, theirs.
+        walk_started = time.monotonic()
         with self._sharing.as_of_now(cycle.tentative):
             # Thousands of waiting tasks (one tenant's flood) must not stall every other call
             # on the loop: rest now and then to let them in, and go on with the jobs still
             # pending.
             timeslice = TimeSlice(rest_s=SLICE_S)
-            for job in self._line(cycle.tentative):
+            read = 0
+            for job in self._line(cycle.tentative, self._awake(now, rested)):
                 await timeslice.share()
+                read += 1
+                self._resting.pop(job.id, None)
                 if job.cancel_requested:
                     continue
+                rest = _Rest(job)
                 for task in job.tasks:
                     key = (job.id, task.name)
                     if task.state != job_state.PENDING or key in held:
+                        rest.awake |= key in held  # its negotiation may end with no write
                         continue
                     pending.add(key)
                     if (retry_in_s := retries.due_in_s(task, wall)) > 0:
@@ -371,8 +430,10 @@ class Scheduler:
                         self._not_before[key] = max(
                             self._not_before.get(key, 0.0), now + retry_in_s
                         )
+                        rest.add(key, self._not_before[key])
                         continue
-                    if self._not_before.get(key, 0.0) > now:
+                    if (not_before := self._not_before.get(key, 0.0)) > now:
+                        rest.add(key, not_before)
                         continue
                     if len(batch) >= room:
                         self._full = True
@@ -381,14 +442,30 @@ class Scheduler:
                     outcome = self._consider(job, task.name, cycle)
                     if isinstance(outcome, _Negotiation):
                         batch.append(outcome)
-                    elif outcome is not None and list(task.verdicts) != outcome:
+                        rest.awake = True
+                        continue
+                    if outcome is not None and list(task.verdicts) != outcome:
                         nowhere.append((job.id, task.name, outcome))  # else nothing to write
+                    if (not_before := self._not_before.get(key, 0.0)) > now:
+                        rest.add(key, not_before)  # backed off just now
+                    else:
+                        rest.awake = True  # waits for its dependencies, not a timer
                 if not swept:
                     break
+                if rest.keys and not rest.awake:
+                    rest.unfit = all(key in self._unfit for key in rest.keys)
+                    self._resting[job.id] = rest
+                    rested.add(job.id)
+        self._walk_s = time.monotonic() - walk_started
+        SCHEDULING_WALK_SECONDS.observe(self._walk_s)
+        SCHEDULING_JOBS_READ.inc(read)
         if swept:
-            # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
+            # Forget the backoff of tasks no longer waiting (placed, cancelled, failed); a
+            # resting job's tasks all wait.
             for key in set(self._not_before) - pending - held:
-                self._forget(key)
+                if key[0] not in rested:
+                    self._forget(key)
+            self._resting = {job_id: self._resting[job_id] for job_id in rested}
         if batch:
             self._jobs.hold((n.key, n.holds) for n in batch)
             runner = asyncio.create_task(self._negotiate(batch, self._frees))
@@ -406,6 +483,7 @@ class Scheduler:
         key = (job.id, task)
         started_ns = tracing.now_ns()
         self._stop_waiting(key)
+        self._unfit.discard(key)
         try:
             need = task_demand(job, task)
             queued = bool(job.spec.queue)
@@ -425,10 +503,12 @@ class Scheduler:
             reused = placement is not None
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
-            verdicts, ranked, estimates, busy = placement
+            verdicts, ranked, estimates, busy, unfit = placement
             feasible = ranked
             if not ranked:
-                self._backoff(key)
+                self._backoff(key, unfit=unfit)
+                if unfit:
+                    self._unfit.add(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle)]
             if queued:
                 admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
@@ -604,7 +684,7 @@ class Scheduler:
     ) -> Wait | None:
         """A busy site where the task would finish sooner by waiting (``waits``) than at
         ``ranked[0]``, or None."""
-        _, _, estimates, busy = placement
+        _, _, estimates, busy, _ = placement
         if cycle.snapshot is None:
             return None
         now = time.time()
@@ -827,18 +907,48 @@ class Scheduler:
                     session.send(cancel_request(victim.job_id, victim.task, victim.epoch, reason))
             PREEMPTIONS.inc()
 
-    def _line(self, tentative: Tentative) -> Iterator[jobs_pb2.Job]:
-        """The waiting jobs in the order they get capacity: queues take turns by weighted
-        dominant share, each queue's jobs by priority, then submission."""
+    def _awake(self, now: float, rested: set[str]) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs, in line order, but those resting (``_resting``) until after
+        ``now``, passed by unread (their ids go in ``rested``): a backlog of thousands that
+        cannot be placed yet must not make every cycle read all of it again."""
+        pending_job, resting = self._jobs.pending_job, self._resting
+        for job_id in self._jobs.pending_ids():
+            if (job := pending_job(job_id)) is None:
+                continue
+            rest = resting.get(job_id)
+            # The cached message is replaced at every write: the same one, nothing changed.
+            if rest is not None and rest.job is job and rest.until > now:
+                rested.add(job_id)
+                continue
+            yield job
+
+    def _fit(self) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs, in line order, but those resting with every waiting task unfit
+        (``UNFIT``): room coming free is not theirs."""
+        pending_job, resting = self._jobs.pending_job, self._resting
+        for job_id in self._jobs.pending_ids():
+            if (job := pending_job(job_id)) is None:
+                continue
+            rest = resting.get(job_id)
+            if rest is None or rest.job is not job or not rest.unfit:
+                yield job
+
+    def _line(
+        self, tentative: Tentative, pending: Iterable[jobs_pb2.Job] | None = None
+    ) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs (``pending``, all by default) in the order they get capacity:
+        queues take turns by weighted dominant share, each queue's jobs by priority, then
+        submission."""
+        pending = self._jobs.pending() if pending is None else pending
         if not self._sharing.book.queues and not self._sharing.classes:
-            return self._jobs.pending()
+            return iter(pending)
         capacity = self._sites.capacity()
         if time.monotonic() - self._gauges_at > QUEUE_GAUGES_EVERY_S:
             self._gauges_at = time.monotonic()
             # A walk over the waiting jobs, once every few seconds: the admin's count, as listed.
             waiting = Counter(job.spec.queue for job in self._jobs.pending())
             self._sharing.export_gauges(capacity, waiting)
-        return self._sharing.order(self._jobs.pending(), capacity, tentative)
+        return self._sharing.order(pending, capacity, tentative)
 
     def _placements_on(self, snapshot: Snapshot) -> dict[Request, _Placement]:
         """Placements already made on ``snapshot``, by request: placement depends on nothing
@@ -858,7 +968,8 @@ class Scheduler:
         )
         ranked = decision.ranked[: self._config.max_offers_per_round]
         if not ranked:
-            return verdicts, (), {}, ()
+            unfit = bool(verdicts) and all(v.code in UNFIT for v in verdicts)
+            return verdicts, (), {}, (), unfit
         estimates = estimate(request, snapshot)
         by_site = {
             site: estimate_proto(estimates, snapshot.site_index(site) or 0) for site in ranked
@@ -867,7 +978,7 @@ class Scheduler:
         # site's shortfall, which most placements never need.
         weigh = self._config.wait_gain > 0 and predictable(request)
         busy = tuple(decision.short_of_room().tolist()) if weigh else ()
-        return verdicts, ranked, by_site, busy
+        return verdicts, ranked, by_site, busy, False
 
     async def _stay_pending(
         self, nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]
@@ -890,14 +1001,20 @@ class Scheduler:
             if isinstance(result, FederationError):
                 log.warning("pending_update_failed", job=job_id, error=str(result))
 
-    def _backoff(self, key: TaskKey) -> None:
-        delay = min(self._backoff_s.get(key, 0.25) * 2, self._config.retry_interval_s)
+    def _backoff(self, key: TaskKey, *, unfit: bool = False) -> None:
+        longest = self._config.unfit_retry_interval_s if unfit else self._config.retry_interval_s
+        delay = min(self._backoff_s.get(key, 0.25) * 2, longest)
         self._backoff_s[key] = delay
+        if unfit:
+            # Spread: a backlog submitted at once would otherwise come due all at once.
+            delay *= random.uniform(0.8, 1.0)
         self._not_before[key] = time.monotonic() + delay
 
     def _forget(self, key: TaskKey) -> None:
         self._backoff_s.pop(key, None)
         self._not_before.pop(key, None)
+        self._resting.pop(key[0], None)
+        self._unfit.discard(key)
         self._preempting.pop(key, None)
         self._stop_waiting(key)
 
@@ -1387,10 +1504,31 @@ def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
 
 
 _Placement = tuple[
-    tuple[jobs_pb2.SiteVerdict, ...], tuple[str, ...], dict[str, jobs_pb2.Estimate], tuple[int, ...]
+    tuple[jobs_pb2.SiteVerdict, ...],
+    tuple[str, ...],
+    dict[str, jobs_pb2.Estimate],
+    tuple[int, ...],
+    bool,
 ]
-"""Verdicts, the sites to try (best first), their estimates, and the sites short only of
-room (snapshot indices) that a wait may choose."""
+"""Verdicts, the sites to try (best first), their estimates, the sites short only of room
+(snapshot indices) that a wait may choose, and whether every site refused for what room that
+comes free cannot change (``UNFIT``)."""
+UNFIT = frozenset(
+    {
+        Code.DOMAIN_NOT_ALLOWED,
+        Code.REGION_NOT_ALLOWED,
+        Code.SITE_NOT_ALLOWED,
+        Code.NO_DEVICE_OF_MODEL,
+        Code.INSUFFICIENT_DEVICE_MEMORY,
+        Code.DEVICE_SELECTOR_UNMATCHED,
+        Code.NODE_LABELS_UNMATCHED,
+    }
+)
+"""Reasons a site refuses a task that no task ending there changes: the task's own bounds, or
+hardware the site does not have. A task every site refuses so is not woken when room comes
+free (``_clear_front_of_line``), only by its retry timer: a backlog of such tasks at the front
+of the line would otherwise be placed again at every task's end, and keep the room from the
+tasks behind them."""
 
 
 def _to_pending(

@@ -159,6 +159,7 @@ async def start_services(
             offer_timeout_s=config.offer_timeout_s,
             reservation_lease_s=config.reservation_lease_s,
             retry_interval_s=config.retry_interval_s,
+            unfit_retry_interval_s=config.unfit_retry_interval_s,
             preemption_min_run_s=config.preemption_min_run_s,
             reclaim_min_run_s=config.reclaim_min_run_s,
             wait_gain=config.wait_gain,

@@ -161,6 +161,9 @@ class SiteRegistry:
         self._aggregates = FederationAggregates()
         self._freed: set[str] = set()
         """Sites with room that they had not when the scheduler last asked (``take_freed``)."""
+        self._arrived = False
+        """A site said hello or sent a whole view since the scheduler last asked
+        (``take_arrived``)."""
 
     async def load(self) -> None:
         now = time.monotonic()
@@ -195,6 +198,12 @@ class SiteRegistry:
         came, came back, or has devices, cores or memory free that were booked."""
         freed, self._freed = self._freed, set()
         return freed
+
+    def take_arrived(self) -> bool:
+        """Whether a site said hello (came, or came back) or sent a whole view since the last
+        call: hardware that no site had may be there now."""
+        arrived, self._arrived = self._arrived, False
+        return arrived
 
     def get(self, name: str) -> SiteEntry:
         entry = self._sites.get(name)
@@ -248,6 +257,7 @@ class SiteRegistry:
         entry.generation = hello.generation
         entry.last_seen = time.monotonic()
         self._freed.add(session.site)
+        self._arrived = True
         self._aggregate(entry)
         self._changed()
         return previous
@@ -301,6 +311,7 @@ class SiteRegistry:
         if update.HasField("full"):
             entry.view = LiveView(update.full)
             self._freed.add(site)
+            self._arrived = True
         else:
             if entry.view is None or update.generation != entry.generation + 1:
                 raise FailedPreconditionError(
