@@ -124,6 +124,21 @@ def room_grew(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
     return False
 
 
+def hardware_came(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
+    """Whether ``new`` has devices, health or labels that ``old`` (the same node before) had
+    not: a task that no site had the hardware for may fit now, where room coming free never
+    helps it (the scheduler's unfit tasks)."""
+    if old is None or (new.schedulable and not old.schedulable) or new.labels != old.labels:
+        return True
+    before = {device.id: device for device in old.devices}
+    healthy = resources_pb2.DEVICE_HEALTH_HEALTHY
+    for device in new.devices:
+        was = before.get(device.id)
+        if was is None or (device.health == healthy and was.health != healthy):
+            return True
+    return False
+
+
 def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:
     """A copy of ``view`` without its nodes that holds none of their memory: clearing them from
     a full copy would keep them in that copy's memory, so the cleared copy is copied again."""

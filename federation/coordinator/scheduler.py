@@ -263,6 +263,7 @@ class Scheduler:
         self._last_cycle = 0.0
         self._walk_s = 0.0
         """How long the last cycle took to walk the line (``TIMER_PACE``)."""
+        self._cycle_end = 0.0
         self._placed_on: Snapshot | None = None
         self._placements: dict[Request, _Placement] = {}
         self._gauges_at = 0.0
@@ -302,8 +303,9 @@ class Scheduler:
 
     def _clear_front_of_line(self) -> None:
         """Let the first ``FRONT_OF_LINE`` waiting jobs be tried at once, whatever their retry
-        timers: freed room is theirs. Only the front: clearing every timer at each task end
-        would place every waiting task again, which a flood of short jobs makes costly.
+        timers: freed room is theirs (but not jobs resting unfit, ``UNFIT``: it cannot help
+        them). Only the front: clearing every timer at each task end would place every
+        waiting task again, which a flood of short jobs makes costly.
         The front is the cycle's fair order with each job counted as admitted: without that
         the queue with the smallest share fills the whole front, and only its tasks would
         be tried when many GPUs free at once."""
@@ -338,15 +340,18 @@ class Scheduler:
             # At most one cycle per batch window: under a stream of single submissions one
             # cycle and one negotiation then serve many tasks, not one each, while a task
             # that arrives after a quiet spell is placed at once.
-            # And a rest as long as the last cycle took: a long line to walk (thousands of
-            # waiting jobs) must leave the loop to the calls half the time, whatever wakes it.
-            wait_s = self._last_cycle + self._config.batch_window_s - time.monotonic()
-            if (wait_s := max(wait_s, self._walk_s)) > 0:
+            # And after a cycle, a rest as long as its walk of the line took: a long line
+            # (thousands of waiting jobs) must leave the loop to the calls half the time.
+            next_at = max(
+                self._last_cycle + self._config.batch_window_s, self._cycle_end + self._walk_s
+            )
+            if (wait_s := next_at - time.monotonic()) > 0:
                 await asyncio.sleep(wait_s)
             self._last_cycle = time.monotonic()
             self._wake.clear()
             try:
                 await self._cycle()
+                self._cycle_end = time.monotonic()
             except Exception:
                 # One bad cycle (a store error, a plugin bug) must not stop scheduling for good.
                 log.exception("scheduling_cycle_failed")
@@ -460,12 +465,12 @@ class Scheduler:
         SCHEDULING_WALK_SECONDS.observe(self._walk_s)
         SCHEDULING_JOBS_READ.inc(read)
         if swept:
-            # Forget the backoff of tasks no longer waiting (placed, cancelled, failed); a
-            # resting job's tasks all wait.
-            for key in set(self._not_before) - pending - held:
-                if key[0] not in rested:
-                    self._forget(key)
+            # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
             self._resting = {job_id: self._resting[job_id] for job_id in rested}
+            waiting = pending.union(*(rest.keys for rest in self._resting.values()))
+            known = set(self._not_before) | self._backoff_s.keys() | self._unfit
+            for key in known - waiting - held:
+                self._forget(key)
         if batch:
             self._jobs.hold((n.key, n.holds) for n in batch)
             runner = asyncio.create_task(self._negotiate(batch, self._frees))

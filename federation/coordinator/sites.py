@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator.live_view import LiveView
+from federation.coordinator.live_view import LiveView, hardware_came
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
@@ -162,8 +162,8 @@ class SiteRegistry:
         self._freed: set[str] = set()
         """Sites with room that they had not when the scheduler last asked (``take_freed``)."""
         self._arrived = False
-        """A site said hello or sent a whole view since the scheduler last asked
-        (``take_arrived``)."""
+        """A site said hello, sent a whole view or a node with hardware it had not, since the
+        scheduler last asked (``take_arrived``)."""
 
     async def load(self) -> None:
         now = time.monotonic()
@@ -200,8 +200,9 @@ class SiteRegistry:
         return freed
 
     def take_arrived(self) -> bool:
-        """Whether a site said hello (came, or came back) or sent a whole view since the last
-        call: hardware that no site had may be there now."""
+        """Whether a site said hello (came, or came back), sent a whole view, or a node with
+        devices, health or labels it had not (``hardware_came``) since the last call: hardware
+        that no site had may be there now."""
         arrived, self._arrived = self._arrived, False
         return arrived
 
@@ -317,7 +318,10 @@ class SiteRegistry:
                 raise FailedPreconditionError(
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
-            if entry.view.apply(update.delta):
+            view = entry.view
+            if any(hardware_came(view.node(n.name), n) for n in update.delta.upserted_nodes):
+                self._arrived = True
+            if view.apply(update.delta):
                 self._freed.add(site)
         entry.generation = update.generation
         entry.last_seen = time.monotonic()

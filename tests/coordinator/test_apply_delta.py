@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from federation.api.v1 import resources_pb2
-from federation.coordinator.live_view import COMPACT_SHARE, LiveView
+from federation.coordinator.live_view import COMPACT_SHARE, LiveView, hardware_came
 
 GPU = resources_pb2.DEVICE_KIND_GPU
 
@@ -242,3 +242,27 @@ def test_a_delta_says_whether_room_grew() -> None:
     assert not live.apply(resources_pb2.SiteViewDelta(removed_nodes=["b"]))
     queue = resources_pb2.QueueState(pending_tasks=1)
     assert not live.apply(resources_pb2.SiteViewDelta(has_queue=True, queue=queue))
+
+
+def test_hardware_came_only_with_devices_health_or_labels_a_node_had_not() -> None:
+    """What may let a task in that no site had the hardware for: a node new or back, a device
+    new or healthy again, other labels; room coming free, or less of it, does not."""
+    before = node("a")
+    before.devices[0].health = resources_pb2.DEVICE_HEALTH_HEALTHY
+
+    def came(**edits: object) -> bool:
+        return hardware_came(before, changed(before, **edits))
+
+    assert hardware_came(None, before)
+    assert came(labels={"driver": "550"})
+    assert not came(cpu_free=1.0)
+    assert not came(cpu_free=16.0)  # room, not hardware
+    assert not came(memory_free_mib=4096)
+    more = changed(before)
+    more.devices.add(id="1", kind=GPU, model="A100")
+    assert hardware_came(before, more)
+    sick = changed(before)
+    sick.devices[0].health = resources_pb2.DEVICE_HEALTH_UNHEALTHY
+    assert hardware_came(sick, before)
+    assert not hardware_came(before, sick)
+    assert hardware_came(changed(before, schedulable=False), before)

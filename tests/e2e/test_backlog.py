@@ -67,10 +67,11 @@ async def test_freed_room_passes_a_backlog_no_site_can_take(
     last_fpga = reply.jobs[-1].id
 
     async def tried() -> bool:
-        got = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=last_fpga))
-        return got.job.reason.startswith("no site can take it now")
+        ids = [last_fpga, waiting.job.id]
+        got = [(await stub.GetJob(job_service_pb2.GetJobRequest(job_id=i))).job for i in ids]
+        return all(job.reason.startswith("no site can take it now") for job in got)
 
-    await until(tried, "the backlog tried once")
+    await until(tried, "the backlog and the job behind it tried once")
     got = await stub.GetJob(job_service_pb2.GetJobRequest(job_id=waiting.job.id))
     assert got.job.state == jobs_pb2.JOB_STATE_PENDING
     assert {v.code for v in got.job.tasks[0].verdicts} == {"INSUFFICIENT_FREE_CAPACITY"}
