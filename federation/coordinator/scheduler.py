@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -435,8 +435,6 @@ class Scheduler:
                         self._not_before[key] = max(
                             self._not_before.get(key, 0.0), now + retry_in_s
                         )
-                        rest.add(key, self._not_before[key])
-                        continue
                     if (not_before := self._not_before.get(key, 0.0)) > now:
                         rest.add(key, not_before)
                         continue
@@ -916,27 +914,28 @@ class Scheduler:
         """The waiting jobs, in line order, but those resting (``_resting``) until after
         ``now``, passed by unread (their ids go in ``rested``): a backlog of thousands that
         cannot be placed yet must not make every cycle read all of it again."""
+        return self._waiting_but(lambda rest: rest.until > now, rested)
+
+    def _fit(self) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs, in line order, but those resting with every waiting task unfit
+        (``UNFIT``): room coming free is not theirs."""
+        return self._waiting_but(lambda rest: rest.unfit, set())
+
+    def _waiting_but(
+        self, passes: Callable[[_Rest], bool], passed: set[str]
+    ) -> Iterator[jobs_pb2.Job]:
+        """The waiting jobs, in line order, but those whose rest still holds and ``passes``,
+        whose ids go in ``passed``."""
         pending_job, resting = self._jobs.pending_job, self._resting
         for job_id in self._jobs.pending_ids():
             if (job := pending_job(job_id)) is None:
                 continue
             rest = resting.get(job_id)
             # The cached message is replaced at every write: the same one, nothing changed.
-            if rest is not None and rest.job is job and rest.until > now:
-                rested.add(job_id)
+            if rest is not None and rest.job is job and passes(rest):
+                passed.add(job_id)
                 continue
             yield job
-
-    def _fit(self) -> Iterator[jobs_pb2.Job]:
-        """The waiting jobs, in line order, but those resting with every waiting task unfit
-        (``UNFIT``): room coming free is not theirs."""
-        pending_job, resting = self._jobs.pending_job, self._resting
-        for job_id in self._jobs.pending_ids():
-            if (job := pending_job(job_id)) is None:
-                continue
-            rest = resting.get(job_id)
-            if rest is None or rest.job is not job or not rest.unfit:
-                yield job
 
     def _line(
         self, tentative: Tentative, pending: Iterable[jobs_pb2.Job] | None = None

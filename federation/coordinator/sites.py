@@ -319,7 +319,9 @@ class SiteRegistry:
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
             view = entry.view
-            if any(hardware_came(view.node(n.name), n) for n in update.delta.upserted_nodes):
+            if not self._arrived and any(
+                hardware_came(view.node(n.name), n) for n in update.delta.upserted_nodes
+            ):
                 self._arrived = True
             if view.apply(update.delta):
                 self._freed.add(site)
