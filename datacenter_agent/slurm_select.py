@@ -12,7 +12,7 @@ from collections.abc import Iterable
 from datacenter_agent.slurm_view import GRES_KINDS
 from federation.agent.packing import describe_request
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.placement.selectors import compile_selector
+from federation.placement.selectors import SelectorError, selector_matches
 from federation.placement.snapshot import device_attributes
 
 _MIB_PER_GIB = 1024.0
@@ -30,12 +30,9 @@ def matches(device: resources_pb2.Device, acc: jobs_pb2.AcceleratorRequest) -> b
         return False
     if acc.selector:
         try:
-            return (
-                compile_selector(acc.selector).execute({"device": device_attributes(device)})
-                is True
-            )
-        except Exception:
-            return False  # a selector this device cannot satisfy (or a bad one) does not match
+            return selector_matches(acc.selector, [device_attributes(device)])[0]
+        except SelectorError:
+            return False  # a bad selector does not match
     return True
 
 

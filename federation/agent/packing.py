@@ -13,13 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.estimates import device_speeds
-from federation.placement.selectors import SelectorError, accepts, compile_selector
+from federation.placement.selectors import SelectorError, compile_selector, selector_matches
 from federation.placement.snapshot import device_attributes
 
 __all__ = [
@@ -84,13 +84,6 @@ def _usable(device: resources_pb2.Device) -> bool:
     return device.health in _USABLE_HEALTH
 
 
-def _attributes_key(attributes: dict[str, Any]) -> tuple[object, ...]:
-    return tuple(
-        (k, tuple(sorted(v.items())) if isinstance(v, dict) else v)
-        for k, v in sorted(attributes.items())
-    )
-
-
 Speed = Callable[[resources_pb2.Device], float]
 """A device's speed for the task's workload class (``federation.placement.estimates``)."""
 
@@ -109,8 +102,8 @@ class _Matcher:
         self, acc: jobs_pb2.AcceleratorRequest, speed: Speed | None = None, min_speed: float = 0.0
     ) -> None:
         self._acc = acc
-        self._program = compile_selector(acc.selector) if acc.selector else None
-        self._verdicts: dict[tuple[object, ...], bool] = {}
+        if acc.selector:
+            compile_selector(acc.selector)
         self._speed = speed
         self._min_speed = min_speed * (1 - _EPS)  # the estimate's float, read back
 
@@ -125,13 +118,9 @@ class _Matcher:
             and (self._speed is None or self._speed(device) >= self._min_speed)
         ):
             return False
-        if self._program is None:
+        if not acc.selector:
             return True
-        attributes = device_attributes(device)
-        key = _attributes_key(attributes)
-        if key not in self._verdicts:
-            self._verdicts[key] = accepts(self._program, attributes)
-        return self._verdicts[key]
+        return selector_matches(acc.selector, [device_attributes(device)])[0]
 
 
 def fragmentation(free: int) -> int:

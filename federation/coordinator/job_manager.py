@@ -45,6 +45,7 @@ from federation.errors import (
     ResourceExhaustedError,
 )
 from federation.metrics import JOBS_SUBMITTED
+from federation.placement.selectors import try_selectors
 from federation.security.identity import Identity, Role
 from federation.service_policy import RestartPolicy
 from federation.store import CommitTooLargeError
@@ -145,6 +146,9 @@ class JobManager:
             )
         if batch and not specs:
             raise InvalidArgumentError([FieldViolation("specs", "the batch is empty")])
+        # Selectors are tried in the sandbox off the event loop; validation then reads the
+        # verdicts from memory.
+        await try_selectors(t.resources.accelerator.selector for s in specs for t in s.tasks)
         violations: list[FieldViolation] = []
         ids: set[str] = set()
         timeslice = TimeSlice()  # a batch of thousands must not stall other callers

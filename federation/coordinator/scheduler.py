@@ -74,6 +74,7 @@ from federation.placement.estimates import Estimates, estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.plugins.near_region import NearRegion, describe
 from federation.placement.request import Input, Request
+from federation.placement.selectors import VERDICTS, selector_matches
 from federation.placement.snapshot import Snapshot
 from federation.resources import KINDS, add, owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
@@ -258,6 +259,8 @@ class Scheduler:
         """Waiting tasks that every site refused, the last time, for reasons room coming free
         does not change (``UNFIT``)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self._selectors_evaluating: set[str] = set()
+        """Selectors whose verdicts on some device class are being found (in a thread)."""
         self._full = False
         """A cycle left tasks waiting because max_concurrent_negotiations were under way."""
         self._last_cycle = 0.0
@@ -502,6 +505,8 @@ class Scheduler:
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
             request = self._with_learned_speeds(request)
+            if request.selector and self._selector_unevaluated(request.selector, cycle.snapshot):
+                return None  # its verdicts are being found; that wakes us
             placement = cycle.placements.get(request)
             reused = placement is not None
             if placement is None:
@@ -962,6 +967,39 @@ class Scheduler:
             self._placed_on = snapshot
             self._placements = {}
         return self._placements
+
+    def _selector_unevaluated(self, source: str, snapshot: Snapshot) -> bool:
+        """Whether the selector's verdict on some device class is unknown. A user's selector
+        never runs on the event loop: its verdicts are found in a thread (in the selector
+        sandbox, under its time budget), and the loop is woken when they are known."""
+        attribute_sets = [c.attributes for c in snapshot.classes]
+        if not VERDICTS.missing(source, attribute_sets):
+            return False
+        if source not in self._selectors_evaluating:
+            self._selectors_evaluating.add(source)
+            runner = asyncio.create_task(self._evaluate_selector(source, attribute_sets))
+            self._tasks.add(runner)
+            runner.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _evaluate_selector(self, source: str, attribute_sets: list[dict[str, Any]]) -> None:
+        try:
+            await asyncio.to_thread(selector_matches, source, attribute_sets)
+            if why := VERDICTS.over_budget(source):
+                log.warning("selector_over_budget", selector=source[:200], reason=why)
+        except Exception:
+            log.exception("selector_evaluation_failed", selector=source[:200])
+        finally:
+            self._selectors_evaluating.discard(source)
+            self.wake()
+
+    async def evaluate_selectors(self, job: jobs_pb2.Job) -> None:
+        """Find the verdicts of the job's selectors on every device class now, in a thread,
+        so that ``explain`` does not evaluate them on the event loop."""
+        attribute_sets = [c.attributes for c in self._sites.snapshot().classes]
+        for task in job.spec.tasks:
+            if source := task.resources.accelerator.selector:
+                await asyncio.to_thread(selector_matches, source, attribute_sets)
 
     def _place(self, request: Request, snapshot: Snapshot) -> _Placement:
         """Placement's verdicts, the sites to try (best first) and their estimates."""

@@ -150,6 +150,7 @@ class JobServicer(job_grpc.JobServiceServicer):
     ) -> job_pb.ExplainJobResponse:
         services = self._current()
         job = await services.manager.get(current_caller(), request.job_id)
+        await services.scheduler.evaluate_selectors(job)
         return job_pb.ExplainJobResponse(job_id=job.id, tasks=services.scheduler.explain(job))
 
     async def SubmitJob(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import stat
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from placement.test_selector_sandbox import OUTSIDE_SELECTORS
 
 from federation.api.v1 import (
     admin_service_pb2,
@@ -109,6 +111,20 @@ BAD_SPECS = [
         "spec.tasks[0].resources.accelerator.selector",
     ),
 ]
+
+
+@pytest.mark.parametrize("selector", OUTSIDE_SELECTORS, ids=range(len(OUTSIDE_SELECTORS)))
+async def test_selectors_that_ran_for_seconds_are_refused_at_once(
+    operator: grpc.aio.Channel, selector: str
+) -> None:
+    """Each of these once passed the static estimate and held the event loop for seconds."""
+    job = spec("x", [python_task("t", "", resources={"accelerator": {"selector": selector}})])
+    started = time.monotonic()
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
+    assert time.monotonic() - started < 1.0
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "spec.tasks[0].resources.accelerator.selector" in violations(caught.value)
 
 
 @pytest.mark.parametrize(("case", "job", "field"), BAD_SPECS, ids=[c[0] for c in BAD_SPECS])
