@@ -191,6 +191,31 @@ async def test_explain_shows_filters_and_terms(fed: LocalFederation) -> None:
     )
 
 
+async def test_a_selector_places_by_what_it_reads(fed: LocalFederation) -> None:
+    """A selector is evaluated in the sandbox, off the scheduler's loop, then placed on: the
+    V100 sites hold no data here and are nearer in cost, but only the H100s match."""
+    selector = 'device.model.startsWith("H100") && device.memory_gib >= 32.0'
+    accelerator = jobs_pb2.AcceleratorRequest(kind=1, count=1, selector=selector)
+    spec = jobs_pb2.JobSpec(
+        name="selected",
+        tasks=[
+            jobs_pb2.TaskSpec(
+                name="t",
+                command=[sys.executable, "-c", "print('ran')"],
+                resources=jobs_pb2.ResourceRequest(cpu=1, accelerator=accelerator),
+            )
+        ],
+    )
+    async with fed.operator().channel() as channel:
+        job = await run(channel, spec)
+        reply = await jobs(channel).ExplainJob(job_service_pb2.ExplainJobRequest(job_id=job.id))
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED
+    assert job.tasks[0].site == "fast"
+    by_site = {s.site: s for s in reply.tasks[0].sites}
+    assert by_site["store-thin"].code == "DEVICE_SELECTOR_UNMATCHED"
+    assert by_site["fast"].feasible
+
+
 async def test_agents_measure_links_between_them(fed: LocalFederation) -> None:
     """Sites with no declared link get a measured one (bandwidth and RTT, with its age)."""
     async with fed.operator().channel() as channel:
