@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import gc
 import json
+import os
 import signal
 import sys
 from pathlib import Path
@@ -132,6 +133,7 @@ async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    os.umask(0o077)  # archives, backups, keys: what the coordinator writes is its own
     configure_logging(json=args.log_json, level=args.log_level)
     try:
         config = load_config(args)

@@ -28,6 +28,7 @@ from google.protobuf import json_format
 from federation.api.v1 import records_pb2
 from federation.coordinator import audit
 from federation.coordinator.jobs import JobRepository
+from federation.coordinator.redaction import has_env, redact_env
 from federation.durable import sync_dir
 from federation.errors import FederationError
 from federation.store import Store, StoreError
@@ -44,14 +45,25 @@ def archive_path(archive_dir: Path, when_s: float) -> Path:
     return archive_dir / f"jobs-{day}.jsonl"
 
 
+def _archived(record: records_pb2.JobRecord) -> str:
+    """One archive line: the record with its env values redacted (an archive outlives the
+    job and is read by whoever keeps history, not by the job's tenant)."""
+    if has_env(record.job):
+        copy = records_pb2.JobRecord()
+        copy.CopyFrom(record)
+        redact_env(copy.job)
+        record = copy
+    return json.dumps(json_format.MessageToDict(record), separators=(",", ":")) + "\n"
+
+
 def _append(path: Path, records: list[records_pb2.JobRecord]) -> None:
-    lines = "".join(
-        json.dumps(json_format.MessageToDict(record), separators=(",", ":")) + "\n"
-        for record in records
-    )
+    lines = "".join(_archived(record) for record in records)
     new = not path.exists()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a", encoding="utf-8") as out:
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    if new:
+        path.parent.chmod(0o700)  # a folder made by hand keeps its mode otherwise
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    with os.fdopen(fd, "a", encoding="utf-8") as out:
         out.write(lines)
         out.flush()
         os.fsync(out.fileno())

@@ -51,6 +51,7 @@ from federation.api.v1 import (
 )
 from federation.coordinator import audit
 from federation.coordinator.backup import backup_chunks
+from federation.coordinator.redaction import for_reader, redact_for_reader
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.services import Services
 from federation.coordinator.serving import Serving
@@ -170,21 +171,26 @@ class JobServicer(job_grpc.JobServiceServicer):
         self, request: job_pb.GetJobRequest, context: Context
     ) -> job_pb.GetJobResponse:
         manager = self._current().manager
-        job = await manager.get(current_caller(), request.job_id)
+        caller = current_caller()
+        job = await manager.get(caller, request.job_id)
         events = await manager.events(job.id) if request.include_events else []
-        return job_pb.GetJobResponse(job=job, events=events)
+        return job_pb.GetJobResponse(job=for_reader(caller, job), events=events)
 
     async def ListJobs(
         self, request: job_pb.ListJobsRequest, context: Context
     ) -> job_pb.ListJobsResponse:
-        return await self._current().manager.list_jobs(current_caller(), request)
+        caller = current_caller()
+        reply = await self._current().manager.list_jobs(caller, request)
+        redact_for_reader(caller, reply.jobs)
+        return reply
 
     async def CancelJob(
         self, request: job_pb.CancelJobRequest, context: Context
     ) -> job_pb.CancelJobResponse:
         manager = self._current().manager
-        job = await manager.cancel(current_caller(), request.job_id, request.reason)
-        return job_pb.CancelJobResponse(job=job)
+        caller = current_caller()
+        job = await manager.cancel(caller, request.job_id, request.reason)
+        return job_pb.CancelJobResponse(job=for_reader(caller, job))
 
     async def WatchJobs(
         self, request: job_pb.WatchJobsRequest, context: Context
@@ -217,14 +223,16 @@ class ServingServicer(serving_grpc.ServingServiceServicer):
         self, request: serving_pb.ScaleServiceRequest, context: Context
     ) -> serving_pb.ScaleServiceResponse:
         serving = self._serving()
-        job = await serving.scale(current_caller(), request.job_id, request.task, request.replicas)
-        return serving_pb.ScaleServiceResponse(job=job)
+        caller = current_caller()
+        job = await serving.scale(caller, request.job_id, request.task, request.replicas)
+        return serving_pb.ScaleServiceResponse(job=for_reader(caller, job))
 
     async def UpdateService(
         self, request: serving_pb.UpdateServiceRequest, context: Context
     ) -> serving_pb.UpdateServiceResponse:
-        job = await self._serving().update(current_caller(), request.job_id, request.spec)
-        return serving_pb.UpdateServiceResponse(job=job)
+        caller = current_caller()
+        job = await self._serving().update(caller, request.job_id, request.spec)
+        return serving_pb.UpdateServiceResponse(job=for_reader(caller, job))
 
 
 class AdminServicer(admin_grpc.AdminServiceServicer):

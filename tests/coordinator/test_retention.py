@@ -5,6 +5,7 @@ right, and a job not finished is never removed."""
 from __future__ import annotations
 
 import random
+import stat
 import time
 from collections import Counter
 from pathlib import Path
@@ -14,6 +15,7 @@ from federation.api.v1 import audit_service_pb2, job_service_pb2, jobs_pb2
 from federation.coordinator import audit, job_index, job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import JOBS, JobRepository, ListFilter, read_record
+from federation.coordinator.redaction import REDACTED
 from federation.coordinator.retention import Retention, archive_path, read_archive
 from federation.errors import JobNotFoundError
 from federation.store import SqliteStore, Store
@@ -125,6 +127,7 @@ async def test_finished_jobs_past_their_time_are_removed_and_archived(
     jobs = [new_job(f"j{i:03d}") for i in range(150)]
     for job in jobs:
         job.spec.tenant = "t1"
+        job.spec.tasks[0].env["DB_PASSWORD"] = "hunter2"
     await repo.create(jobs)
     for i in range(0, 120):
         await finish(repo, f"j{i:03d}", FAIL if i % 10 == 0 else OK)
@@ -132,6 +135,7 @@ async def test_finished_jobs_past_their_time_are_removed_and_archived(
     await store.commit([audit.entry("operator:o", "site.cordon", "s1")])
     now = time.time()
     archive = tmp_path / "archive"
+    archive.mkdir(mode=0o755)  # made by hand, readable by all
     kept = Retention(
         repo,
         store,
@@ -161,8 +165,15 @@ async def test_finished_jobs_past_their_time_are_removed_and_archived(
     assert await repo.count_by_state() == {"JOB_STATE_RUNNING": 1, "JOB_STATE_PENDING": 29}
     await check_indexes(store, repo)
     assert await listed(repo, ListFilter.of(tenant="t1")) == [f"j{i:03d}" for i in range(120, 150)]
-    records = read_archive(archive_path(archive, later))
+    path = archive_path(archive, later)
+    records = read_archive(path)
     assert sorted(r.job.id for r in records) == [f"j{i:03d}" for i in range(120)]
+    # Secrets stay out of history: env values are redacted, the files are the owner's alone.
+    assert "hunter2" not in path.read_text()
+    assert all(r.job.spec.tasks[0].env["DB_PASSWORD"] == REDACTED for r in records)
+    assert (await repo.get("j120")).spec.tasks[0].env["DB_PASSWORD"] == "hunter2"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(archive.stat().st_mode) == 0o700
     assert all(job_state.is_terminal(r.job.state) and r.events for r in records)
     assert await sweeper.sweep() == (0, 0)
     # The audit trail keeps its own time.

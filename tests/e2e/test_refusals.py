@@ -24,6 +24,7 @@ from federation.api.v1 import (
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
+from federation.coordinator.redaction import REDACTED
 from federation.local import LocalFederation
 from federation.security.identity import Identity, Role
 from federation.security.pki import init_pki, issue_client_files, make_csr
@@ -497,3 +498,40 @@ async def test_a_goodbye_ends_the_session_cleanly(
     polite = next(s for s in after.sites if s.name == "ghost-polite")
     assert polite.state == admin_service_pb2.SITE_STATE_DISCONNECTED
     assert polite.unreachable_s == 0
+
+
+async def test_env_values_are_read_only_by_their_tenant(
+    federation: LocalFederation, operator: grpc.aio.Channel
+) -> None:
+    """A tenant reads its job's env values; an operator sees the names with the values
+    redacted, in GetJob, ListJobs and CancelJob alike; the site still runs with the value."""
+    code = "import os; assert os.environ['DB_PASSWORD'] == 'hunter2'"
+    secret = python_task("t", code, env={"DB_PASSWORD": "hunter2", "MODE": "fast"})
+    async with channel_as(federation, tenant_tls(federation, "team-env")) as tenant:
+        job = (
+            await jobs(tenant).SubmitJob(
+                job_service_pb2.SubmitJobRequest(spec=spec("secretive", [secret]))
+            )
+        ).job
+        done = await wait_for_job(tenant, job.id)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
+    assert dict(done.spec.tasks[0].env) == {"DB_PASSWORD": "hunter2", "MODE": "fast"}
+    seen = (await jobs(operator).GetJob(job_service_pb2.GetJobRequest(job_id=job.id))).job
+    listed = await jobs(operator).ListJobs(
+        job_service_pb2.ListJobsRequest(tenant="team-env", page_size=10)
+    )
+    cancelled = (
+        await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=job.id))
+    ).job
+    for copy in (seen, *listed.jobs, cancelled):
+        assert dict(copy.spec.tasks[0].env) == {"DB_PASSWORD": REDACTED, "MODE": REDACTED}
+
+
+def test_what_the_coordinator_writes_is_its_own(federation: LocalFederation) -> None:
+    """Every file in the coordinator's data folder is 0600 and every folder 0700."""
+    data = federation.root / "coordinator"
+    paths = [data, *data.rglob("*")]
+    assert len(paths) > 1
+    for path in paths:
+        want = 0o700 if path.is_dir() else 0o600
+        assert stat.S_IMODE(path.stat().st_mode) == want, path
