@@ -1,8 +1,9 @@
 """Job spec files (YAML or JSON) to ``JobSpec`` messages, and enum names for people.
 
 The file format is the protobuf JSON mapping of ``JobSpec`` with short enum names allowed:
-``kind: GPU`` for ``DEVICE_KIND_GPU``, ``domains: [edge]`` for ``DOMAIN_EDGE`` and
-``reconcile: keep_original`` for ``RECONCILE_KEEP_ORIGINAL``.
+``kind: GPU`` for ``DEVICE_KIND_GPU``, ``domains: [edge]`` for ``DOMAIN_EDGE``,
+``reconcile: keep_original`` for ``RECONCILE_KEEP_ORIGINAL``, a task's ``kind: service`` for
+``TASK_KIND_SERVICE`` and its ``service.restart: always`` for ``RESTART_ALWAYS``.
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ def _expand_enums(doc: Mapping[str, Any]) -> dict[str, Any]:
 def _expand_task(task: Any) -> Any:
     if not isinstance(task, Mapping):
         return task
+    if "kind" in task:
+        task = {**task, "kind": _full_name(task["kind"], "TASK_KIND_")}
+    service = task.get("service")
+    if isinstance(service, Mapping) and "restart" in service:
+        task = {
+            **task,
+            "service": {**service, "restart": _full_name(service["restart"], "RESTART_")},
+        }
     spread = task.get("spread")
     if isinstance(spread, Mapping) and "topology" in spread:
         topology = _full_name(spread["topology"], "TOPOLOGY_")

@@ -15,7 +15,7 @@ from typing import Any
 import structlog
 import yaml
 
-from federation import tracing
+from federation import __version__, tracing
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig, check_slurm, coordinator_endpoints
 from federation.agent.core import ChangeCallback, LocalCore, StatusCallback
@@ -47,6 +47,7 @@ CoreFactory = Callable[[AgentConfig, StatusCallback, ChangeCallback], Awaitable[
 
 def parse_args(argv: list[str] | None, prog: str, domain: str) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=prog, description=f"Run a {domain} site agent.")
+    p.add_argument("--version", action="version", version=f"{prog} {__version__}")
     p.add_argument("--config", type=Path, help="TOML config file")
     p.add_argument("--site", help="site name")
     p.add_argument("--domain", choices=["edge", "datacenter", "cloud"], help=f"default {domain}")
@@ -189,6 +190,7 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
+    log.info("agent_starting", version=__version__, site=config.site, scheduler=config.scheduler)
     if config.metrics_listen:  # before enrolling: a taken port refuses with nothing written
         serve_metrics(config.metrics_listen)
     if config.otlp_endpoint:

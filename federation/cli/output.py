@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import yaml
 from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
 from rich.console import RenderableType
 
@@ -114,14 +115,56 @@ class Output:
 
 
 def message_data(messages: Message | Sequence[Message]) -> object:
-    """A message (or a list of them) as plain data, as the JSON mapping of protobuf has it."""
+    """A message (or a list of them) as plain data, as the JSON mapping of protobuf has it,
+    except that fields at their zero value are printed too (a script reads ``"retries": 0``
+    rather than guessing from an absent key) and 64-bit integers are numbers, not strings."""
 
     def as_dict(m: Message) -> object:
-        return json_format.MessageToDict(m, preserving_proto_field_name=True)
+        data = json_format.MessageToDict(
+            m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return _with_numbers(data, m.DESCRIPTOR)
 
     if isinstance(messages, Sequence):
         return [as_dict(m) for m in messages]
     return as_dict(messages)
+
+
+_INT64 = frozenset(
+    {
+        FieldDescriptor.TYPE_INT64,
+        FieldDescriptor.TYPE_UINT64,
+        FieldDescriptor.TYPE_SINT64,
+        FieldDescriptor.TYPE_FIXED64,
+        FieldDescriptor.TYPE_SFIXED64,
+    }
+)
+
+
+def _with_numbers(data: dict[str, object], descriptor: Descriptor) -> dict[str, object]:
+    """``data`` (one message's JSON mapping) with its 64-bit integers as ints, at any depth."""
+    for name, value in data.items():
+        field = descriptor.fields_by_name.get(name)
+        if field is None:
+            continue
+        if field.message_type is not None and field.message_type.GetOptions().map_entry:
+            entry = field.message_type.fields_by_name["value"]
+            data[name] = {k: _field_value(v, entry) for k, v in value.items()}  # type: ignore[attr-defined]
+        elif isinstance(value, list):
+            data[name] = [_field_value(v, field) for v in value]
+        else:
+            data[name] = _field_value(value, field)
+    return data
+
+
+def _field_value(value: object, field: FieldDescriptor) -> object:
+    if field.type in _INT64 and isinstance(value, str):
+        return int(value)
+    if field.message_type is not None and isinstance(value, dict):
+        if field.message_type.full_name.startswith("google.protobuf."):
+            return value  # well-known types have JSON forms of their own (timestamps)
+        return _with_numbers(value, field.message_type)
+    return value
 
 
 def output_of(args: argparse.Namespace) -> Output:

@@ -14,7 +14,7 @@ from typing import Any
 
 import structlog
 
-from federation import tracing
+from federation import __version__, tracing
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig, check_settings
 from federation.coordinator.server import ListenError, start_coordinator
@@ -30,6 +30,7 @@ log = structlog.get_logger()
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="fed-coordinator", description=__doc__)
+    p.add_argument("--version", action="version", version=f"fed-coordinator {__version__}")
     p.add_argument("--config", type=Path, help="TOML config file")
     p.add_argument("--pki-dir", type=Path, help="folder made by 'fedctl pki init'")
     p.add_argument("--data-dir", type=Path, help="where the embedded store lives")

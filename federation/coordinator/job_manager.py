@@ -284,6 +284,13 @@ class JobManager:
             raise InvalidArgumentError(
                 [FieldViolation("page_size", f"at most {MAX_PAGE}, got {request.page_size}")]
             )
+        known = jobs_pb2.JobState.values()
+        for i, state in enumerate(request.states):
+            if state not in known:
+                names = ", ".join(jobs_pb2.JobState.keys()[1:])
+                raise InvalidArgumentError(
+                    [FieldViolation(f"states[{i}]", f"unknown job state {state}; one of {names}")]
+                )
         visible = visible_to(caller)
         states = set(request.states)
 

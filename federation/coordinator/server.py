@@ -18,6 +18,7 @@ from grpc_health.v1 import health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from federation import __version__
 from federation.agent.probe import ProbeServer
 from federation.api.v1 import (
     admin_service_pb2,
@@ -327,6 +328,7 @@ async def _start(config: CoordinatorConfig, store: Store) -> Coordinator:
         coordinator.history_task = asyncio.create_task(store.compact_history(config.etcd_history_s))
     log.info(
         "coordinator_started",
+        version=__version__,
         port=port,
         join_port=join_port,
         store=config.store,

@@ -211,7 +211,7 @@ def test_a_yaml_stream_marks_each_document(capsys: pytest.CaptureFixture[str]) -
     for seq in (1, 2):
         Output("yaml").messages(jobs_pb2.JobEvent(job_id="j-1", sequence=seq), stream=True)
     events = list(yaml.safe_load_all(capsys.readouterr().out))
-    assert [e["sequence"] for e in events] == ["1", "2"]
+    assert [e["sequence"] for e in events] == [1, 2]  # 64-bit integers are numbers
 
 
 def test_version_is_written_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -242,3 +242,18 @@ def test_plots_without_matplotlib_say_which_extra(
         "To fix: pip install 'federation[sim]'\n"
     )
     assert out.out == ""
+
+
+def test_json_has_zero_values_and_64_bit_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    """A script reads ``"exit_code": 0`` rather than guessing from an absent key, and an
+    epoch past 2**53 as the number it is, not a string."""
+    job = jobs_pb2.Job(id="j-1")
+    job.tasks.add(name="t", epoch=2**60 + 1, exit_code=0)
+    job.spec.tasks.add(name="t", output_bytes=7, speed={"H100": 2.5})
+    Output("json").messages(job)
+    data = json.loads(capsys.readouterr().out)
+    assert data["tasks"][0]["epoch"] == 2**60 + 1
+    assert data["tasks"][0]["exit_code"] == 0
+    assert data["spec"]["tasks"][0]["output_bytes"] == 7
+    assert data["spec"]["tasks"][0]["speed"] == {"H100": 2.5}
+    assert data["state"] == "JOB_STATE_UNSPECIFIED"

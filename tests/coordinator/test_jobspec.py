@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.coordinator.validation import spec_violations
 from federation.jobspec import (
     JobSpecFileError,
     domain_name,
@@ -250,3 +253,26 @@ def test_lower_case_full_domain_name_in_a_spec() -> None:
     """A spec may spell a domain as parse_domain accepts it, e.g. ``domain_edge``."""
     spec = job_spec_from_dict(spec_doc(constraints={"domains": ["domain_edge"]}))
     assert list(spec.constraints.domains) == [resources_pb2.DOMAIN_EDGE]
+
+
+README = Path(__file__).resolve().parents[2] / "README.md"
+
+
+def readme_job_specs() -> list[str]:
+    """The README's YAML blocks that are job specs (they have a top-level ``tasks:``)."""
+    blocks = re.findall(r"```ya?ml\n(.*?)```", README.read_text(), re.S)
+    return [b for b in blocks if re.search(r"^tasks:", b, re.M)]
+
+
+@pytest.mark.parametrize("block", readme_job_specs())
+def test_every_job_spec_in_the_readme_is_accepted(block: str) -> None:
+    """What the README shows a user parses, with its short names, and passes validation."""
+    doc = yaml.safe_load(block)
+    spec = job_spec_from_dict(doc)
+    if not spec.name:
+        spec.name = "excerpt"  # an excerpt of a spec, shown for one field
+    assert spec_violations(spec) == []
+
+
+def test_the_readme_has_job_specs() -> None:
+    assert len(readme_job_specs()) >= 3

@@ -535,3 +535,11 @@ def test_what_the_coordinator_writes_is_its_own(federation: LocalFederation) -> 
     for path in paths:
         want = 0o700 if path.is_dir() else 0o600
         assert stat.S_IMODE(path.stat().st_mode) == want, path
+
+
+async def test_an_unknown_job_state_in_a_listing_is_named(operator: grpc.aio.Channel) -> None:
+    """A state number no release has is a bad request naming the field, not an internal error."""
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await jobs(operator).ListJobs(job_service_pb2.ListJobsRequest(states=[1, 32]))
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "unknown job state 32" in violations(caught.value)["states[1]"]
