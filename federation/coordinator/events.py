@@ -7,10 +7,26 @@ import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import structlog
+
 from federation.api.v1 import jobs_pb2
 from federation.errors import FederationError, ResourceExhaustedError
+from federation.jobspec import state_name
+
+log = structlog.get_logger()
 
 JobFilter = Callable[[jobs_pb2.Job], bool]
+LIFECYCLE = frozenset(
+    {
+        jobs_pb2.JOB_STATE_DELEGATED,
+        jobs_pb2.JOB_STATE_RUNNING,
+        jobs_pb2.JOB_STATE_SUCCEEDED,
+        jobs_pb2.JOB_STATE_FAILED,
+        jobs_pb2.JOB_STATE_CANCELLED,
+    }
+)
+"""Events logged at info besides a job's first (its submission): the coordinator's log tells
+each job's path without a watch."""
 WATCH_BATCH = 512
 """Events per WatchJobs message at most."""
 
@@ -96,6 +112,17 @@ class EventHub:
 
     def publish(self, job: jobs_pb2.Job, events: list[jobs_pb2.JobEvent]) -> None:
         """Called after the events are durable, never before."""
+        for event in events:
+            if event.state in LIFECYCLE or event.sequence == 1:
+                log.info(
+                    "job_event",
+                    job_id=event.job_id,
+                    task=event.task,
+                    state=state_name(event.state),
+                    job_state=state_name(event.job_state),
+                    site=event.site,
+                    reason=event.reason[:200],
+                )
         for changed in self._followers.get(job.id, ()):
             changed.set()
         for sub in list(self._subscriptions):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import stat
 import time
@@ -38,6 +39,7 @@ from .conftest import (
     site_tls,
     spec,
     tenant_tls,
+    until,
     wait_for_job,
 )
 
@@ -543,3 +545,33 @@ async def test_an_unknown_job_state_in_a_listing_is_named(operator: grpc.aio.Cha
         await jobs(operator).ListJobs(job_service_pb2.ListJobsRequest(states=[1, 32]))
     assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown job state 32" in violations(caught.value)["states[1]"]
+
+
+async def test_the_coordinator_logs_each_jobs_lifecycle(
+    federation: LocalFederation, operator: grpc.aio.Channel
+) -> None:
+    """Submitted, delegated, started and ended, each a JSON line with the job's id."""
+    job = (
+        await jobs(operator).SubmitJob(
+            job_service_pb2.SubmitJobRequest(spec=spec("logged", [python_task("t", "")]))
+        )
+    ).job
+    done = await wait_for_job(operator, job.id)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED
+    log = federation.log_path("coordinator")
+
+    def states() -> list[str]:
+        lines = [json.loads(line) for line in log.read_text().splitlines() if job.id in line]
+        events = [e for e in lines if e["event"] == "job_event"]
+        return [f"{e['task']}:{e['state']}:{e['job_state']}" for e in events]
+
+    async def logged() -> bool:  # the line follows the write the watch saw
+        return "t:SUCCEEDED:SUCCEEDED" in states()
+
+    await until(logged, "the job's end in the coordinator's log", timeout_s=10)
+    assert states() == [
+        ":PENDING:PENDING",
+        "t:DELEGATED:DELEGATED",
+        "t:RUNNING:RUNNING",
+        "t:SUCCEEDED:SUCCEEDED",
+    ]
