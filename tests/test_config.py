@@ -197,3 +197,21 @@ def test_an_unknown_log_level_is_a_usage_error_not_a_traceback(module: str) -> N
     assert run.returncode == 2
     assert "argument --log-level: invalid choice: 'bogus'" in run.stderr
     assert "Traceback" not in run.stderr
+
+
+def test_an_unknown_key_is_named_before_anything_is_missing(tmp_path: Path) -> None:
+    """A misspelt key alone in a file is what the error names, not the settings it left out."""
+    path = tmp_path / "c.toml"
+    path.write_text('pki_dirx = "pki"\n')
+    with pytest.raises(ConfigError, match=r"c\.toml: unknown setting pki_dirx; known: .*pki_dir"):
+        load_config(parse_args(["--config", str(path)]))
+
+
+def test_pki_dir_in_the_config_file_names_its_four_files(tmp_path: Path) -> None:
+    """As ``--pki-dir`` does; relative to the file's folder."""
+    path = tmp_path / "c.toml"
+    path.write_text('pki_dir = "pki"\ndata_dir = "data"\n')
+    config = load_config(parse_args(["--config", str(path)]))
+    assert config.ca_cert == tmp_path / "pki" / "ca.pem"
+    assert config.cert.parent == config.key.parent == tmp_path / "pki"
+    assert config.data_dir == tmp_path / "data"

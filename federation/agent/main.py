@@ -190,11 +190,11 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
-    log.info("agent_starting", version=__version__, site=config.site, scheduler=config.scheduler)
     if config.metrics_listen:  # before enrolling: a taken port refuses with nothing written
         serve_metrics(config.metrics_listen)
     if config.otlp_endpoint:
         tracing.configure(config.otlp_endpoint, config.otlp_service, instance=config.site)
+    log.info("agent_starting", version=__version__, site=config.site, scheduler=config.scheduler)
     creds = await ensure_enrolled(config)
     config.state_dir.chmod(0o700)  # also when it existed with a looser mode
     probe = ProbeServer(config.probe_listen)

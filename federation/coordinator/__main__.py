@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -60,8 +61,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def load_config(args: argparse.Namespace) -> CoordinatorConfig:
     values: dict[str, Any] = read_toml(args.config) if args.config else {}
     source = str(args.config) if args.config else "flags"
-    if args.pki_dir:
-        layout = PkiLayout(args.pki_dir)
+    known = [f.name for f in dataclasses.fields(CoordinatorConfig)] + ["pki_dir"]
+    if unknown := sorted(values.keys() - set(known)):
+        # Before anything else: a misspelt key must not surface as some other setting missing.
+        raise ConfigError(f"{source}: unknown setting {unknown[0]}; known: {', '.join(known)}")
+    folder = args.config.parent if args.config else None  # relative paths: beside the file
+    pki_dir = args.pki_dir or values.pop("pki_dir", None)
+    if pki_dir:
+        layout = PkiLayout(Path(folder or ".", pki_dir) if not args.pki_dir else args.pki_dir)
         values |= {
             "ca_cert": layout.ca_cert,
             "ca_key": layout.ca_key,
@@ -87,9 +94,8 @@ def load_config(args: argparse.Namespace) -> CoordinatorConfig:
     if missing:
         raise ConfigError(
             f"missing settings: {', '.join(sorted(missing))}. To fix: pass --pki-dir and "
-            "--data-dir, or set them in --config"
+            "--data-dir, or set them (pki_dir, or ca_cert, ca_key, cert and key) in --config"
         )
-    folder = args.config.parent if args.config else None  # relative paths: beside the file
     config = build(CoordinatorConfig, values, source=source, folder=folder)
     check_settings(config, source=source)
     return config
