@@ -19,19 +19,6 @@ from federation.cli.output import add_to_every_command, output_of, quiet_on_clos
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fedctl", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fedctl {__version__}")
-    parser.add_argument(
-        "--coordinator",
-        help="host:port, or several coordinators as a,b,c: the leader is found among them "
-        "(env FEDCTL_COORDINATOR)",
-    )
-    parser.add_argument(
-        "--pki-dir",
-        type=Path,
-        help="folder from 'fedctl pki init' (env FEDCTL_PKI_DIR); uses its operator certificate",
-    )
-    parser.add_argument("--ca", type=Path, help="CA certificate (env FEDCTL_CA)")
-    parser.add_argument("--cert", type=Path, help="client certificate (env FEDCTL_CERT)")
-    parser.add_argument("--key", type=Path, help="client key (env FEDCTL_KEY)")
     sub = parser.add_subparsers(dest="command", required=True)
     pki.add_parser(sub)
     remote.add_parsers(sub)
@@ -41,8 +28,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     sim.add_parser(sub)
     top.add_parser(sub)
-    add_to_every_command(parser)  # -o and --json, before or after any subcommand
+    # -o, --json and where to connect, before or after any subcommand
+    add_to_every_command(parser, add_connection_options)
     return parser
+
+
+def add_connection_options(parser: argparse.ArgumentParser, top: bool) -> None:
+    """Where the coordinator is and which certificate to show it. Only the top-level parser
+    sets defaults (see ``add_output_options``), so ``fedctl --pki-dir D pki list`` and
+    ``fedctl pki list --pki-dir D`` both work."""
+    unset = None if top else argparse.SUPPRESS
+    parser.add_argument(
+        "--coordinator",
+        default=unset,
+        help="host:port, or several coordinators as a,b,c: the leader is found among them "
+        "(env FEDCTL_COORDINATOR)",
+    )
+    parser.add_argument(
+        "--pki-dir",
+        type=Path,
+        default=unset,
+        help="folder from 'fedctl pki init' (env FEDCTL_PKI_DIR); uses its operator certificate",
+    )
+    parser.add_argument("--ca", type=Path, default=unset, help="CA certificate (env FEDCTL_CA)")
+    parser.add_argument(
+        "--cert", type=Path, default=unset, help="client certificate (env FEDCTL_CERT)"
+    )
+    parser.add_argument("--key", type=Path, default=unset, help="client key (env FEDCTL_KEY)")
 
 
 def main(argv: list[str] | None = None) -> None:

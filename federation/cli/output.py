@@ -19,7 +19,7 @@ import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import yaml
@@ -57,9 +57,14 @@ def add_output_options(parser: argparse.ArgumentParser, *, top: bool) -> None:
     )
 
 
-def add_to_every_command(parser: argparse.ArgumentParser) -> None:
-    """``-o`` and ``--json`` on ``parser`` and on every subcommand below it, however deep."""
-    add_output_options(parser, top=True)
+def add_to_every_command(
+    parser: argparse.ArgumentParser,
+    *adders: Callable[[argparse.ArgumentParser, bool], None],
+) -> None:
+    """``-o`` and ``--json`` (and what each of ``adders`` adds, called with ``top``) on
+    ``parser`` and on every subcommand below it, however deep."""
+    for add in (_add_output, *adders):
+        add(parser, True)
     seen = {id(parser)}
     pending = list(_subcommands(parser))
     while pending:
@@ -67,8 +72,13 @@ def add_to_every_command(parser: argparse.ArgumentParser) -> None:
         if id(sub) in seen:  # an alias names the same parser twice
             continue
         seen.add(id(sub))
-        add_output_options(sub, top=False)
+        for add in (_add_output, *adders):
+            add(sub, False)
         pending.extend(_subcommands(sub))
+
+
+def _add_output(parser: argparse.ArgumentParser, top: bool) -> None:
+    add_output_options(parser, top=top)
 
 
 def _subcommands(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
