@@ -30,8 +30,9 @@ from federation.sim.links import load_rtt_csv, load_throughput_csv
 from federation.sim.topology import KNOWN_MODELS
 from federation.sim.trace import TraceTask
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
-"""``../shared/data`` from the project root."""
+DATA = Path(__file__).resolve().parent / "data"
+"""The measured data the package ships (``data/README.md`` names each file's source and
+licence), so that a clone or an installed wheel generates alike."""
 THROUGHPUT_CSV = Path("network/skyplane_throughput_2022-01.csv")
 RTT_CSV = Path("network/skyplane_rtt_2022-04.csv")
 FLEET_CSV = Path("fleets/pai_machine_spec.csv")
