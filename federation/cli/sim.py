@@ -115,7 +115,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     gen.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     gen.add_argument("--seed", type=int, default=0, help="the same seed writes the same files")
     gen.add_argument(
-        "--data", type=Path, default=DATA, help="folder of measured data (default: the shipped copy)"
+        "--data", type=Path, default=DATA, help="folder of measured data (default: the shipped one)"
     )
     gen.add_argument("--jobs", type=int, default=_KNOBS.jobs, help="jobs in the trace")
     gen.add_argument("--nodes", type=int, default=_KNOBS.nodes, help="machines in the fleet")

@@ -13,7 +13,7 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state, retries, spread
+from federation.coordinator import audit, job_state, retries, spread
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     MADE_ID,
@@ -211,11 +211,25 @@ class JobManager:
                 jobs=str(len(jobs)),
             ) from None
         JOBS_SUBMITTED.inc(len(jobs))
+        await self._audit_on_behalf(caller, jobs)
         if tracing.on():
             _trace_submitted(jobs, started_ns)
         log.debug("jobs_submitted", count=len(jobs), by=submitted_by)  # each has its event
         self._wake()
         return jobs
+
+    async def _audit_on_behalf(self, caller: Identity, jobs: list[jobs_pb2.Job]) -> None:
+        """An operator's job for a tenant goes in the audit trail (a tenant's own do not: it
+        may only submit for itself). Written after the jobs, in a commit of its own."""
+        if caller.role is Role.TENANT:
+            return
+        entries = [
+            audit.entry(str(caller), "job.submit", job.id, f"for tenant {job.spec.tenant}")
+            for job in jobs
+            if job.spec.tenant
+        ]
+        if entries:
+            await self._jobs.store.commit(entries)
 
     def _unknown_datasets(
         self, specs: Sequence[jobs_pb2.JobSpec], batch: bool
@@ -326,6 +340,10 @@ class JobManager:
 
         job = await self._jobs.update(job_id, mutate)
         self._send_cancels(job_id, to_stop, why)
+        if caller.role is not Role.TENANT and job.spec.tenant:
+            # Someone else's job stopped: the trail says who (a commit of its own, after it).
+            detail = f"of tenant {job.spec.tenant}: {why}"
+            await self._jobs.store.commit([audit.entry(str(caller), "job.cancel", job.id, detail)])
         return job
 
     def _stop_tasks(

@@ -15,12 +15,13 @@ from federation.api.v1 import (
     admin_service_pb2,
     audit_service_pb2,
     audit_service_pb2_grpc,
+    job_service_pb2,
     queues_pb2,
     resources_pb2,
 )
 from federation.local import LocalFederation
 
-from .conftest import admin, channel_as, tenant_tls
+from .conftest import admin, channel_as, jobs, python_task, spec, tenant_tls
 
 pytestmark = pytest.mark.xdist_group("e2e-audit")
 
@@ -130,3 +131,30 @@ def test_fedctl_audit_prints_a_table_and_json(federation: LocalFederation) -> No
     data = json.loads(fedctl("-o", "json", "--limit", "1").stdout)
     assert len(data["events"]) == 1
     assert data["next_page_token"]
+
+
+async def test_an_operator_acting_on_a_tenants_job_is_recorded(
+    federation: LocalFederation, operator: grpc.aio.Channel
+) -> None:
+    """A job submitted for a tenant by an operator, and a tenant's job an operator cancels,
+    are in the trail; the tenant's own submissions and cancels are not."""
+    hold = [python_task("t", "import time; time.sleep(60)")]
+    job = (
+        await jobs(operator).SubmitJob(
+            job_service_pb2.SubmitJobRequest(spec=spec("for-a", hold, tenant="team-a"))
+        )
+    ).job
+    await jobs(operator).CancelJob(
+        job_service_pb2.CancelJobRequest(job_id=job.id, reason="maintenance")
+    )
+    async with channel_as(federation, tenant_tls(federation, "team-b")) as b:
+        own = (
+            await jobs(b).SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec("mine", hold)))
+        ).job
+        await jobs(b).CancelJob(job_service_pb2.CancelJobRequest(job_id=own.id))
+    recorded = await everything(operator, action_prefix="job.")
+    ours = {(e.action, e.target): e for e in recorded}
+    assert ours[("job.submit", job.id)].detail == "for tenant team-a"
+    assert ours[("job.cancel", job.id)].detail == "of tenant team-a: maintenance"
+    assert all(e.identity.startswith("operator:") for e in recorded)
+    assert all(e.target != own.id for e in recorded)
