@@ -26,7 +26,13 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     tail: list[structlog.typing.Processor] = (
-        [structlog.processors.dict_tracebacks, structlog.processors.JSONRenderer()]
+        [
+            # Frames without their local variables, which may hold a secret.
+            structlog.processors.ExceptionRenderer(
+                structlog.tracebacks.ExceptionDictTransformer(show_locals=False)
+            ),
+            structlog.processors.JSONRenderer(),
+        ]
         if json
         else [structlog.dev.ConsoleRenderer()]
     )
@@ -36,3 +42,16 @@ def configure_logging(*, json: bool | None = None, level: str = "info") -> None:
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    # Libraries log through the standard library (OpenTelemetry's exporter when no collector
+    # answers, asyncio, gRPC's Python side): render their records the same way, so a JSON log
+    # stays one JSON object per line.
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
+            processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, *tail],
+        )
+    )
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(max(logging.getLevelName(level.upper()), logging.WARNING))

@@ -5,6 +5,8 @@ and report from the site, in that order."""
 
 from __future__ import annotations
 
+import json
+import socket
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -128,3 +130,28 @@ async def test_a_jobs_spans_from_both_sides_share_the_trace_of_its_id(
     assert run["federation.state"] == "JOB_STATE_SUCCEEDED"
     assert run["federation.exit_code"] == 0
     assert attributes(spans["task.place"][2])["federation.ranked"] == ["edge-t"]
+
+
+async def test_with_no_collector_the_log_stays_json(fed: LocalFederation) -> None:
+    """OpenTelemetry's exporter complains through the standard library when nothing listens at
+    its endpoint: those lines are JSON like the rest, so a log shipper never chokes."""
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    endpoint = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    try:
+        await fed.start_coordinator(args=["--otlp-endpoint", endpoint])
+        async with fed.operator().channel() as channel:
+            request = job_service_pb2.SubmitJobRequest(
+                spec=spec("untraced", [python_task("t", "")])
+            )
+            await jobs(channel).SubmitJob(request)
+        log = fed.log_path("coordinator")
+
+        async def exporter_complained() -> bool:
+            return "exporting traces" in log.read_text()
+
+        await until(exporter_complained, 30, "the exporter's complaint in the log")
+    finally:
+        closed.close()
+    for line in log.read_text().splitlines():
+        assert isinstance(json.loads(line), dict), line
