@@ -86,6 +86,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     cancel.add_argument("job_id")
     cancel.add_argument("--reason", default="")
     cancel.set_defaults(func=cmd_cancel)
+    events = jobs_sub.add_parser(
+        "events", help="a job's events so far, oldest first (watch: as they come)"
+    )
+    events.add_argument("job_id")
+    events.add_argument("--task", default="", help="only this task's (and the job's own)")
+    events.set_defaults(func=cmd_events)
     watch = jobs_sub.add_parser("watch", help="stream job events (Ctrl-C to stop)")
     watch.add_argument("job_ids", nargs="*")
     watch.set_defaults(func=cmd_watch)
@@ -315,6 +321,21 @@ async def cmd_get(args: argparse.Namespace, conn: Connection) -> int:
         out.messages(reply)
     else:
         show(*job_details(reply, wide=out.is_wide))
+    return 0
+
+
+async def cmd_events(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        reply = await stub.GetJob(
+            job_service_pb2.GetJobRequest(job_id=args.job_id, include_events=True)
+        )
+    events = [e for e in reply.events if not args.task or e.task in ("", args.task)]
+    out = output_of(args)
+    if out.is_data:
+        out.messages(events)
+    else:
+        show(*(text(event_line(event)) for event in events))
     return 0
 
 

@@ -81,6 +81,12 @@ def test_submit_get_from_yaml(federation: LocalFederation, tmp_path: Path) -> No
     states = [e["job_state"] for e in reply["events"]]
     assert states[0] == "JOB_STATE_PENDING"
     assert states[-1] == "JOB_STATE_SUCCEEDED"
+    events = fedctl(federation, "--json", "jobs", "events", job_id, "--task", "t")
+    assert events.returncode == 0, events.stderr
+    assert json.loads(events.stdout) == reply["events"]
+    lines = fedctl(federation, "jobs", "events", job_id).stdout.splitlines()
+    assert len(lines) == len(reply["events"])
+    assert f"{job_id} task t -> SUCCEEDED at edge-a: exited 0" in lines[-1]
 
 
 def test_bad_spec_is_one_clear_error(federation: LocalFederation, tmp_path: Path) -> None:
