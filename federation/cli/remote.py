@@ -73,11 +73,12 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     submit = jobs_sub.add_parser("submit", help="submit the job(s) in a YAML or JSON file")
     submit.add_argument("file", type=Path)
     submit.set_defaults(func=cmd_submit)
-    ls = jobs_sub.add_parser("list", help="list jobs")
+    ls = jobs_sub.add_parser("list", help="list jobs, in the order they were submitted")
     ls.add_argument("--state", action="append", default=[], help="e.g. RUNNING (repeatable)")
     ls.add_argument("--tenant", default="")
     ls.add_argument("--site", default="")
-    ls.add_argument("--limit", type=int, default=100)
+    ls.add_argument("--limit", type=int, default=100, help="at most this many (default 100)")
+    ls.add_argument("--page-token", default="", help="go on from where a listing ended")
     ls.set_defaults(func=cmd_list)
     get = jobs_sub.add_parser("get", help="one job with its tasks and events")
     get.add_argument("job_id")
@@ -287,7 +288,7 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         found: list[jobs_pb2.Job] = []
-        token = ""
+        token = args.page_token
         while len(found) < args.limit:
             reply = await stub.ListJobs(
                 job_service_pb2.ListJobsRequest(
@@ -307,6 +308,8 @@ async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
         out.messages(found)
     else:
         show(jobs_table(found, wide=out.is_wide))
+    if token:  # on stderr: the listing itself stays what a script parses
+        print(f"more jobs: add --page-token {token}", file=sys.stderr)
     return 0
 
 

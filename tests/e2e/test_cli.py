@@ -216,3 +216,20 @@ def test_tenant_strings_print_as_text(
     details = without_styles(shown[f"jobs get {ids[0]}"].stdout)
     assert f"│ {MARKUP_NAME} " in details  # the name cell holds the literal name
     assert "[link=https://evil.example/]click[/link] [bold]loud :boom:" in details
+
+
+def test_a_limited_listing_says_how_to_go_on(federation: LocalFederation, tmp_path: Path) -> None:
+    """`jobs list --limit N` ends with the page token of the rest, on stderr."""
+    spec = tmp_path / "jobs.json"
+    job = {"name": "listed", "tasks": [{"name": "t", "command": ["true"]}]}
+    spec.write_text(json.dumps([job, job, job]))
+    assert fedctl(federation, "jobs", "submit", str(spec)).returncode == 0
+    first = fedctl(federation, "--json", "jobs", "list", "--limit", "2")
+    assert first.returncode == 0, first.stderr
+    token = first.stderr.split("--page-token ")[1].strip()
+    rest = fedctl(federation, "--json", "jobs", "list", "--limit", "1000", "--page-token", token)
+    assert "--page-token" not in rest.stderr
+    everything = fedctl(federation, "--json", "jobs", "list", "--limit", "1000")
+    ids = [j["id"] for j in json.loads(first.stdout) + json.loads(rest.stdout)]
+    assert ids == [j["id"] for j in json.loads(everything.stdout)]
+    assert len(ids) >= 3
