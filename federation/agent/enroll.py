@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -22,7 +23,13 @@ from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
 from federation.endpoints import LEADER_JOIN, Endpoints, never_sent, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.key_pair_files import finish_replacement
-from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
+from federation.security.pki import (
+    fingerprint,
+    load_certificate,
+    make_csr,
+    write_private_file,
+    write_public_file,
+)
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
 log = structlog.get_logger()
@@ -55,6 +62,28 @@ class SiteCredentials:
     def tls(self) -> TlsFiles:
         return TlsFiles(ca=self.ca, cert=self.cert, key=self.key)
 
+    @property
+    def renewal_key(self) -> Path:
+        """The key of a renewal under way, written before its CSR is sent."""
+        return self.key.with_name("renewal-key.pem")
+
+    @property
+    def renewal_csr(self) -> Path:
+        """The CSR of a renewal under way: sent again, unchanged, until it is answered."""
+        return self.cert.with_name("renewal-csr.pem")
+
+
+def expired_message(creds: SiteCredentials, site: str) -> str | None:
+    """One line saying the site's certificate has expired and what to do; None while valid."""
+    not_after = load_certificate(creds.cert).not_valid_after_utc
+    if not_after > datetime.now(UTC):
+        return None
+    return (
+        f"the site certificate {creds.cert} expired at {not_after:%Y-%m-%d %H:%M:%S} UTC and "
+        f"no coordinator accepts it. To fix: create a join token ('fedctl token create --site "
+        f"{site} ...'), remove {creds.cert} and start the agent with --token-file"
+    )
+
 
 def credential_paths(state_dir: Path) -> SiteCredentials:
     return SiteCredentials(
@@ -78,6 +107,8 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     creds = credential_paths(config.state_dir)
     finish_replacement(creds.cert, creds.key)  # a renewal a crash interrupted
     if creds.cert.exists() and creds.key.exists() and creds.ca.exists():
+        if (expired := expired_message(creds, config.site)) is not None:
+            raise EnrollmentError(expired)
         return creds
     token = config.token
     if not token and config.token_file:
