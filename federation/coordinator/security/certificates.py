@@ -238,6 +238,7 @@ class Certificates:
         for kv in await self._store.range(CERTIFICATES):
             record = records_pb2.IssuedCertificate.FromString(kv.value)
             record.revoked = record.revoked or self._revocation_of(record) is not None
+            record.ClearField("certificate_pem")  # kept to answer a lost renewal, not listed
             records.append(record)
         records.sort(key=lambda r: (r.issued_at.ToNanoseconds(), r.serial_hex), reverse=True)
         return records

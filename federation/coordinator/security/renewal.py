@@ -11,7 +11,10 @@ it can be renewed only again with the same CSR (a retry after a lost reply), whi
 with the same certificate. So a certificate has at most one successor, and at most two of a
 line of renewals are valid at a time. Records are compacted as the line grows: the
 predecessor's record drops its certificate, the one before it is deleted (its supersession
-still refuses it), and supersessions of the identity past their certificate's expiry go.
+still refuses it), and supersessions of the identity past their certificate's expiry go. An
+identity has at most ``MAX_LIVE_RENEWALS`` supersessions of certificates not yet expired
+(and so as many renewals within a certificate lifetime), plus two certificate records per line
+of renewals: a renewal past that is refused with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -29,7 +32,12 @@ from federation.coordinator.enrollment import CERTIFICATES, csr_key
 from federation.coordinator.jobs import now_timestamp
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites import SiteRegistry
-from federation.errors import FieldViolation, InvalidArgumentError, PermissionDeniedError
+from federation.errors import (
+    FieldViolation,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from federation.metrics import CERTIFICATES_RENEWED
 from federation.security.identity import Identity, Role
 from federation.security.pki import InvalidCsrError, fingerprint, public_key_sha256
@@ -41,6 +49,9 @@ log = structlog.get_logger()
 RENEW = "certificate.renew"
 """The audit action of a renewal."""
 MAX_COMPACTED = 50
+MAX_LIVE_RENEWALS = 100
+"""Renewals of one identity whose renewed certificates have not expired yet: a site renews a
+few times per lifetime, a person by hand; past this, renewing is an attack or a bug."""
 """Expired supersessions one renewal deletes (etcd allows 128 operations in a transaction)."""
 
 
@@ -208,11 +219,21 @@ class Renewal:
             if record.renewed_from:
                 ops.append(Delete(CERTIFICATES + record.renewed_from))
         now = datetime.now(UTC).timestamp()
-        expired = [
-            s.serial_hex
-            for s in self._book.superseded.values()
-            if s.identity == identity and s.not_after.seconds < now
-        ]
+        expired, live = [], 0
+        for supersession in self._book.superseded.values():
+            if supersession.identity != identity:
+                continue
+            if supersession.not_after.seconds < now:
+                expired.append(supersession.serial_hex)
+            else:
+                live += 1
+        if live >= MAX_LIVE_RENEWALS:
+            raise ResourceExhaustedError(
+                f"{identity} renewed {live} certificates that have not expired yet; at most "
+                f"{MAX_LIVE_RENEWALS}. To fix: renew once the oldest expire, or ask an operator "
+                "for a new certificate",
+                identity=identity,
+            )
         ops += [Delete(supersession_key(serial)) for serial in expired[:MAX_COMPACTED]]
         return ops
 
