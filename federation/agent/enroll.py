@@ -74,8 +74,12 @@ class SiteCredentials:
 
 
 def expired_message(creds: SiteCredentials, site: str) -> str | None:
-    """One line saying the site's certificate has expired and what to do; None while valid."""
-    not_after = load_certificate(creds.cert).not_valid_after_utc
+    """One line saying the site's certificate has expired and what to do; None while valid
+    (or unreadable: then the TLS handshake says what is wrong)."""
+    try:
+        not_after = load_certificate(creds.cert).not_valid_after_utc
+    except (OSError, ValueError):
+        return None
     if not_after > datetime.now(UTC):
         return None
     return (

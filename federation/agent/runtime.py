@@ -261,7 +261,9 @@ class AgentRuntime:
                     if self.recover is not None and await self.recover(coordinator):
                         continue  # at once, with the certificate the renewal got
                     raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
-                if (expired := expired_message(self._creds, self._config.site)) is not None:
+                if err.code() is grpc.StatusCode.UNAVAILABLE and (
+                    expired := expired_message(self._creds, self._config.site)
+                ):
                     raise CertificateExpiredError(expired) from None
                 error = err
                 if is_not_leader(err):
