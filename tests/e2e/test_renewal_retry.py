@@ -22,6 +22,7 @@ from federation.api.v1 import (
     jobs_pb2,
     site_link_service_pb2_grpc,
 )
+from federation.coordinator.security.renewal import MAX_LIVE_RENEWALS
 from federation.local import LocalFederation
 from federation.security.pki import make_csr
 from federation.security.tls import TlsFiles
@@ -209,3 +210,26 @@ async def test_an_agent_recovers_from_a_lost_renewal_reply(tmp_path: Path) -> No
 
 async def _started(starts: Path) -> bool:
     return bool(read_marker(starts))
+
+
+async def test_a_line_of_renewals_keeps_two_records_and_is_capped(
+    fed: LocalFederation, tmp_path: Path
+) -> None:
+    """Renewing each new certificate in turn: two certificate records stay (the newest and
+    the one renewed into it), and renewals past MAX_LIVE_RENEWALS are refused."""
+    tls = tenant_tls(fed, "churning")
+    for i in range(MAX_LIVE_RENEWALS):
+        key_pem, csr_pem = make_csr("x")
+        reply = await renew(tls, fed, csr_pem)
+        tls = written(tmp_path, f"c{i}", reply.certificate_pem, key_pem, tls.ca)
+    async with fed.operator().channel() as operator:
+        listed = await certificates(operator).ListCertificates(
+            certificate_service_pb2.ListCertificatesRequest(identity="tenant:churning")
+        )
+    assert listed.certificates[0].serial_hex == reply.serial_hex
+    assert len(listed.certificates) == 2
+    assert not any(c.certificate_pem for c in listed.certificates)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await renew(tls, fed, make_csr("x")[1])
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "have not expired yet" in (refused.value.details() or "")
