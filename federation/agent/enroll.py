@@ -63,6 +63,16 @@ class SiteCredentials:
         return TlsFiles(ca=self.ca, cert=self.cert, key=self.key)
 
     @property
+    def joining_key(self) -> Path:
+        """The key of a join under way, written before its CSR is sent."""
+        return self.key.with_name("joining-key.pem")
+
+    @property
+    def joining_csr(self) -> Path:
+        """The CSR of a join under way: sent again, after a restart too, until answered."""
+        return self.cert.with_name("joining-csr.pem")
+
+    @property
     def renewal_key(self) -> Path:
         """The key of a renewal under way, written before its CSR is sent."""
         return self.key.with_name("renewal-key.pem")
@@ -126,7 +136,7 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
             "token (--token-file, from 'fedctl token create') and --join-address"
         )
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key_pem, csr_pem = make_csr(config.site)
+    key_pem, csr_pem = pending_csr(creds.joining_key, creds.joining_csr, config.site)
     creds_in = server_only_channel_credentials(config.ca)
     request = site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem)
 
@@ -145,8 +155,24 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     write_private_file(creds.key, key_pem)
     write_private_file(creds.cert, reply.certificate_pem)
     write_public_file(creds.ca, reply.ca_bundle_pem)
+    creds.joining_csr.unlink()
+    creds.joining_key.unlink()
     log.info("site_enrolled", site=reply.site, fingerprint=fingerprint(reply.certificate_pem))
     return creds
+
+
+def pending_csr(key: Path, csr: Path, site: str) -> tuple[bytes, bytes]:
+    """The key and CSR at ``key`` and ``csr``, made and written first if there are none: a
+    join or renewal whose reply was lost is asked again with the same CSR, and answered with
+    the same certificate."""
+    try:
+        return key.read_bytes(), csr.read_bytes()
+    except FileNotFoundError:
+        pass
+    key_pem, csr_pem = make_csr(site)
+    write_private_file(key, key_pem)
+    write_public_file(csr, csr_pem)  # last: a CSR on disk has its key beside it
+    return key_pem, csr_pem
 
 
 def one_line(text: str) -> str:

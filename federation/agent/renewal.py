@@ -22,7 +22,7 @@ import grpc
 import structlog
 from cryptography import x509
 
-from federation.agent.enroll import SiteCredentials, one_line
+from federation.agent.enroll import SiteCredentials, one_line, pending_csr
 from federation.api.v1 import certificate_service_pb2, certificate_service_pb2_grpc
 from federation.metrics import AGENT_CERTIFICATE_EXPIRY
 from federation.security.key_pair_files import replace_key_pair
@@ -30,8 +30,6 @@ from federation.security.pki import (
     CLOCK_SKEW,
     fingerprint,
     load_certificate,
-    make_csr,
-    write_private_file,
     write_public_file,
 )
 from federation.security.tls import channel_credentials
@@ -167,15 +165,7 @@ class CertificateRenewer:
 
     def _pending(self) -> tuple[bytes, bytes]:
         """The key and CSR of the renewal under way, written first if there is none."""
-        key, csr = self._creds.renewal_key, self._creds.renewal_csr
-        try:
-            return key.read_bytes(), csr.read_bytes()
-        except FileNotFoundError:
-            pass
-        key_pem, csr_pem = make_csr(self._site)
-        write_private_file(key, key_pem)
-        write_public_file(csr, csr_pem)  # last: a CSR on disk has its key beside it
-        return key_pem, csr_pem
+        return pending_csr(self._creds.renewal_key, self._creds.renewal_csr, self._site)
 
     def _drop_pending(self) -> None:
         self._creds.renewal_csr.unlink(missing_ok=True)

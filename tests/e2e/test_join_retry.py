@@ -146,3 +146,25 @@ async def test_an_expired_certificate_ends_the_agent_with_one_line(fed: LocalFed
     assert len(plain) == 1, plain
     assert "expired at" in plain[0]
     assert "fedctl token create --site edge-j" in plain[0]
+
+
+async def test_an_agent_restarted_after_a_lost_join_reply_joins_with_its_pending_csr(
+    fed: LocalFederation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent wrote its key and CSR, its join was answered but the reply lost, and the agent
+    started again: it sends the same CSR, gets the certificate, and connects."""
+    await fed.start_coordinator()
+    token = await fed.create_token(SITE.name, SITE.domain)
+    use_token(fed, monkeypatch, token)
+    state = fed.root / "sites" / SITE.name / "state"
+    state.mkdir(parents=True)
+    key_pem, csr_pem = make_csr(SITE.name)
+    (state / "joining-key.pem").write_bytes(key_pem)
+    (state / "joining-csr.pem").write_bytes(csr_pem)
+    lost = await join(fed, token, csr_pem)
+    await fed.start_site(SITE)
+    await fed.wait_connected(timeout_s=20)
+    assert (state / "site-key.pem").read_bytes() == key_pem
+    assert (state / "site.pem").read_bytes() == lost.certificate_pem
+    assert not (state / "joining-key.pem").exists()
+    assert not (state / "joining-csr.pem").exists()
