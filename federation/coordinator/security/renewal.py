@@ -49,10 +49,10 @@ log = structlog.get_logger()
 RENEW = "certificate.renew"
 """The audit action of a renewal."""
 MAX_COMPACTED = 50
+"""Expired supersessions one renewal deletes (etcd allows 128 operations in a transaction)."""
 MAX_LIVE_RENEWALS = 100
 """Renewals of one identity whose renewed certificates have not expired yet: a site renews a
 few times per lifetime, a person by hand; past this, renewing is an attack or a bug."""
-"""Expired supersessions one renewal deletes (etcd allows 128 operations in a transaction)."""
 
 
 class Renewal:
@@ -93,12 +93,15 @@ class Renewal:
     async def renew(
         self, caller: Identity, current_pem: bytes, csr_pem: bytes
     ) -> certificate_service_pb2.RenewCertificateResponse:
-        """A certificate for ``caller`` and the CSR's key, in place of ``current_pem``.
+        """A certificate for ``caller`` and the CSR's key, in place of ``current_pem``; the
+        one it got already if ``current_pem`` was renewed for this CSR's key before.
 
         Raises:
             InvalidArgumentError: ``csr_pem`` is malformed, weak, or for the current key.
-            PermissionDeniedError: The current certificate is revoked, or a site's is no
-                longer its newest.
+            PermissionDeniedError: The current certificate is revoked, was renewed for another
+                key, or a site's is no longer its newest.
+            ResourceExhaustedError: ``caller`` renewed ``MAX_LIVE_RENEWALS`` certificates that
+                have not expired.
         """
         current = x509.load_pem_x509_certificate(current_pem)
         serial = f"{current.serial_number:x}"
@@ -114,6 +117,7 @@ class Renewal:
             if superseded is not None:
                 supersession = records_pb2.Supersession.FromString(superseded.value)
                 return await self._again(supersession, csr_pem)
+            expired = self._expired_supersessions(str(caller))
             cert = self._sign(caller, current, csr_pem)
             cert_pem = self._authorities.issuer.with_chain(cert)
             issued = records_pb2.IssuedCertificate(
@@ -142,7 +146,8 @@ class Renewal:
                     supersession.SerializeToString(),
                     expect_revision=0,
                 ),
-                *self._compacted(kv, record, str(caller), issued.serial_hex),
+                *self._compacted(kv, record, issued.serial_hex),
+                *(Delete(supersession_key(old)) for old in expired),
                 audit.entry(
                     str(caller),
                     RENEW,
@@ -201,16 +206,12 @@ class Renewal:
             superseded_by=newer,
         )
 
+    @staticmethod
     def _compacted(
-        self,
-        kv: KeyValue | None,
-        record: records_pb2.IssuedCertificate | None,
-        identity: str,
-        newer: str,
+        kv: KeyValue | None, record: records_pb2.IssuedCertificate | None, newer: str
     ) -> list[Op]:
         """The renewed ``record`` naming ``newer``, without its certificate (asked again only
-        while it is the newest); the record of the one it was renewed from deleted; and the
-        supersessions of ``identity`` whose certificates have expired deleted."""
+        while it is the newest), and the record of the one it was renewed from deleted."""
         ops: list[Op] = []
         if kv is not None and record is not None:
             record.certificate_pem = b""
@@ -218,6 +219,15 @@ class Renewal:
             ops.append(Put(kv.key, record.SerializeToString(), expect_revision=kv.mod_revision))
             if record.renewed_from:
                 ops.append(Delete(CERTIFICATES + record.renewed_from))
+        return ops
+
+    def _expired_supersessions(self, identity: str) -> list[str]:
+        """Serials of ``identity``'s supersessions whose certificates expired (to delete, up to
+        ``MAX_COMPACTED``).
+
+        Raises:
+            ResourceExhaustedError: ``identity`` has ``MAX_LIVE_RENEWALS`` others.
+        """
         now = datetime.now(UTC).timestamp()
         expired, live = [], 0
         for supersession in self._book.superseded.values():
@@ -234,8 +244,7 @@ class Renewal:
                 "for a new certificate",
                 identity=identity,
             )
-        ops += [Delete(supersession_key(serial)) for serial in expired[:MAX_COMPACTED]]
-        return ops
+        return expired[:MAX_COMPACTED]
 
     def _sign(
         self, caller: Identity, current: x509.Certificate, csr_pem: bytes
