@@ -81,10 +81,9 @@ class SiteLink:
 
         ``certificate`` is the fingerprint of the agent's certificate (``serial`` its serial):
         only the one the site got at its latest Join or renewal is accepted, and the one that
-        renewal was renewed from during its overlap (a lost reply), so a join retires the old
-        ones. ``peer`` is
-        where the stream comes from, as gRPC names it: the only host the site may name as its
-        probe endpoint.
+        renewal was renewed from while the interceptor still accepts it (a lost reply), so a
+        join retires the old ones. ``peer`` is where the stream comes from, as gRPC names it:
+        the only host the site may name as its probe endpoint.
         """
         try:
             envelope = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)

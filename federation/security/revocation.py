@@ -222,6 +222,7 @@ class RevocationBook:
             self.apply(revocation)
         for supersession in supersessions:
             self.supersede(supersession)
+        self._successor_used.intersection_update(self.superseded)  # deleted ones go
 
     def open_stream(self, cert: PeerCertificate) -> OpenStream:
         """Register the stream the current task serves, for ``apply`` to end."""
