@@ -179,6 +179,20 @@ class CertificateRevokedError(UnauthenticatedError):
         )
 
 
+class CertificateSupersededError(PermissionDeniedError):
+    """The peer's certificate was renewed into a newer one, and its overlap is over."""
+
+    reason = "CERTIFICATE_SUPERSEDED"
+
+    def __init__(self, serial_hex: str, superseded_by: str) -> None:
+        super().__init__(
+            f"certificate {serial_hex} was renewed as {superseded_by} and is no longer "
+            f"accepted. To fix: use the newer certificate {superseded_by}",
+            serial=serial_hex,
+            superseded_by=superseded_by,
+        )
+
+
 class CertificateAuthorityRetiredError(UnauthenticatedError):
     """The peer's certificate comes from an issuing CA that was retired in a CA rollover."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -22,7 +23,13 @@ from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
 from federation.endpoints import LEADER_JOIN, Endpoints, never_sent, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.key_pair_files import finish_replacement
-from federation.security.pki import fingerprint, make_csr, write_private_file, write_public_file
+from federation.security.pki import (
+    fingerprint,
+    load_certificate,
+    make_csr,
+    write_private_file,
+    write_public_file,
+)
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
 log = structlog.get_logger()
@@ -55,6 +62,42 @@ class SiteCredentials:
     def tls(self) -> TlsFiles:
         return TlsFiles(ca=self.ca, cert=self.cert, key=self.key)
 
+    @property
+    def joining_key(self) -> Path:
+        """The key of a join under way, written before its CSR is sent."""
+        return self.key.with_name("joining-key.pem")
+
+    @property
+    def joining_csr(self) -> Path:
+        """The CSR of a join under way: sent again, after a restart too, until answered."""
+        return self.cert.with_name("joining-csr.pem")
+
+    @property
+    def renewal_key(self) -> Path:
+        """The key of a renewal under way, written before its CSR is sent."""
+        return self.key.with_name("renewal-key.pem")
+
+    @property
+    def renewal_csr(self) -> Path:
+        """The CSR of a renewal under way: sent again, unchanged, until it is answered."""
+        return self.cert.with_name("renewal-csr.pem")
+
+
+def expired_message(creds: SiteCredentials, site: str) -> str | None:
+    """One line saying the site's certificate has expired and what to do; None while valid
+    (or unreadable: then the TLS handshake says what is wrong)."""
+    try:
+        not_after = load_certificate(creds.cert).not_valid_after_utc
+    except (OSError, ValueError):
+        return None
+    if not_after > datetime.now(UTC):
+        return None
+    return (
+        f"the site certificate {creds.cert} expired at {not_after:%Y-%m-%d %H:%M:%S} UTC and "
+        f"no coordinator accepts it. To fix: create a join token ('fedctl token create --site "
+        f"{site} ...'), remove {creds.cert} and start the agent with --token-file"
+    )
+
 
 def credential_paths(state_dir: Path) -> SiteCredentials:
     return SiteCredentials(
@@ -78,6 +121,8 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     creds = credential_paths(config.state_dir)
     finish_replacement(creds.cert, creds.key)  # a renewal a crash interrupted
     if creds.cert.exists() and creds.key.exists() and creds.ca.exists():
+        if (expired := expired_message(creds, config.site)) is not None:
+            raise EnrollmentError(expired)
         return creds
     token = config.token
     if not token and config.token_file:
@@ -91,7 +136,7 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
             "token (--token-file, from 'fedctl token create') and --join-address"
         )
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key_pem, csr_pem = make_csr(config.site)
+    key_pem, csr_pem = pending_csr(creds.joining_key, creds.joining_csr, config.site)
     creds_in = server_only_channel_credentials(config.ca)
     request = site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem)
 
@@ -110,8 +155,24 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     write_private_file(creds.key, key_pem)
     write_private_file(creds.cert, reply.certificate_pem)
     write_public_file(creds.ca, reply.ca_bundle_pem)
+    creds.joining_csr.unlink()
+    creds.joining_key.unlink()
     log.info("site_enrolled", site=reply.site, fingerprint=fingerprint(reply.certificate_pem))
     return creds
+
+
+def pending_csr(key: Path, csr: Path, site: str) -> tuple[bytes, bytes]:
+    """The key and CSR at ``key`` and ``csr``, made and written first if there are none: a
+    join or renewal whose reply was lost is asked again with the same CSR, and answered with
+    the same certificate."""
+    try:
+        return key.read_bytes(), csr.read_bytes()
+    except FileNotFoundError:
+        pass
+    key_pem, csr_pem = make_csr(site)
+    write_private_file(key, key_pem)
+    write_public_file(csr, csr_pem)  # last: a CSR on disk has its key beside it
+    return key_pem, csr_pem
 
 
 def one_line(text: str) -> str:

@@ -26,13 +26,13 @@ from federation.agent.discovery import (
     load_inventory,
 )
 from federation.agent.embedded_core import EmbeddedCore
-from federation.agent.enroll import EnrollmentError, ensure_enrolled
+from federation.agent.enroll import EnrollmentError, channel_options, ensure_enrolled
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.owner_share import check_owner_share, owner_share
 from federation.agent.renewal import CertificateRenewer
-from federation.agent.runtime import AgentRejectedError, AgentRuntime
+from federation.agent.runtime import AgentRejectedError, AgentRuntime, CertificateExpiredError
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
 from federation.logging import LEVELS, configure_logging
@@ -240,8 +240,13 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
         export_gauges(config.site, core.nodes())
     session = asyncio.create_task(runtime.run())
     renewer = CertificateRenewer(
-        creds, config.site, runtime.session_channel, runtime.credentials_renewed
+        creds,
+        config.site,
+        runtime.session_channel,
+        runtime.credentials_renewed,
+        channel_options(config),
     )
+    runtime.recover = renewer.recover
     renewing = asyncio.create_task(renewer.run())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -249,10 +254,12 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
         loop.add_signal_handler(sig, stop.set)
     stopper = asyncio.create_task(stop.wait())
     await asyncio.wait({session, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    code = 0
+    code, expired = 0, None
     if session.done() and (err := session.exception()) is not None:
         log.error("agent_rejected", error=str(err))
         code = 1
+        if isinstance(err, CertificateExpiredError):
+            expired = err  # said in one line, exit 2, once all is closed
     else:
         if not config.stop_tasks_on_exit:
             # Tasks outlive the agent, but one whose job wants at most one copy must not: an
@@ -272,6 +279,8 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
         await core.shutdown(config.kill_grace_s)
     await core.close()  # the embedded core's tasks run on, for the next agent to adopt
     tracing.shutdown()  # sends the spans still buffered
+    if expired is not None:
+        raise expired
     return code
 
 

@@ -1,24 +1,28 @@
 """Renewing the site's certificate before it expires, over the agent's own session.
 
 Once two thirds of the certificate's lifetime have passed, the agent makes a new key and a
-CSR, asks the coordinator for a certificate over the established mTLS session, writes the
-pair (``replace_key_pair``: no crash leaves a mismatched pair in use), and moves its session
-onto it. A failed renewal is logged and tried again with jittered backoff; meanwhile the
-agent works on with the current certificate, until it expires.
+CSR and writes both (``renewal-key.pem``, ``renewal-csr.pem``) before it asks the coordinator
+for a certificate over the established mTLS session; then it writes the pair
+(``replace_key_pair``: no crash leaves a mismatched pair in use), drops the pending files, and
+moves its session onto it. A failed renewal is logged and tried again with jittered backoff,
+with the same CSR: a renewal whose reply was lost is answered again with the same
+certificate. Meanwhile the agent works on with the current certificate, which the coordinator
+accepts until the new one is used or a short overlap ends; a session refused after that is
+recovered by repeating the pending renewal over a channel of its own (``recover``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 
 import grpc
 import structlog
 from cryptography import x509
 
-from federation.agent.enroll import SiteCredentials, one_line
+from federation.agent.enroll import SiteCredentials, one_line, pending_csr
 from federation.api.v1 import certificate_service_pb2, certificate_service_pb2_grpc
 from federation.metrics import AGENT_CERTIFICATE_EXPIRY
 from federation.security.key_pair_files import replace_key_pair
@@ -26,9 +30,9 @@ from federation.security.pki import (
     CLOCK_SKEW,
     fingerprint,
     load_certificate,
-    make_csr,
     write_public_file,
 )
+from federation.security.tls import channel_credentials
 
 log = structlog.get_logger()
 
@@ -61,6 +65,7 @@ class CertificateRenewer:
         site: The site's name, as the CSR's subject (the coordinator decides the identity).
         channel: The established session's channel, waiting for one.
         renewed: Called once the new pair is on disk, to move the session onto it.
+        options: Channel options of a channel of its own (``recover``).
     """
 
     def __init__(
@@ -69,11 +74,13 @@ class CertificateRenewer:
         site: str,
         channel: Callable[[], Awaitable[grpc.aio.Channel]],
         renewed: Callable[[], None],
+        options: Sequence[tuple[str, str | int]] = (),
     ) -> None:
         self._creds = creds
         self._site = site
         self._channel = channel
         self._renewed = renewed
+        self._options = list(options)
 
     async def run(self) -> None:
         """Renew each certificate when due, until cancelled."""
@@ -107,16 +114,24 @@ class CertificateRenewer:
             )
             await asyncio.sleep(wait_s)
 
-    async def renew_once(self) -> None:
-        """One renewal: new key and CSR, the coordinator's signature, the files, the session."""
-        channel = await self._channel()
-        key_pem, csr_pem = make_csr(self._site)
+    async def renew_once(self, channel: grpc.aio.Channel | None = None) -> None:
+        """One renewal: the pending key and CSR (new ones if none), the coordinator's
+        signature, the files, the session; over ``channel``, or the session's."""
+        if channel is None:
+            channel = await self._channel()
+        key_pem, csr_pem = self._pending()
         stub = certificate_service_pb2_grpc.CertificateServiceStub(channel)
-        reply = await stub.RenewCertificate(
-            certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem),
-            timeout=RENEW_TIMEOUT_S,
-        )
+        try:
+            reply = await stub.RenewCertificate(
+                certificate_service_pb2.RenewCertificateRequest(csr_pem=csr_pem),
+                timeout=RENEW_TIMEOUT_S,
+            )
+        except grpc.aio.AioRpcError as err:
+            if err.code() is grpc.StatusCode.INVALID_ARGUMENT:
+                self._drop_pending()  # a CSR the coordinator refuses: the next try makes one
+            raise
         replace_key_pair(self._creds.cert, self._creds.key, reply.certificate_pem, key_pem)
+        self._drop_pending()
         if reply.ca_bundle_pem and reply.ca_bundle_pem != self._creds.ca.read_bytes():
             write_public_file(self._creds.ca, reply.ca_bundle_pem)
         AGENT_CERTIFICATE_EXPIRY.set(reply.not_after.seconds)
@@ -127,6 +142,34 @@ class CertificateRenewer:
             fingerprint=fingerprint(reply.certificate_pem),
         )
         self._renewed()
+
+    async def recover(self, address: str) -> bool:
+        """Repeat a pending renewal over a channel of its own to ``address``, for a session
+        the coordinator refused because the certificate was renewed (the reply lost, the
+        overlap over); True if that got the new certificate onto disk."""
+        if not self._creds.renewal_csr.exists():
+            return False
+        credentials = channel_credentials(self._creds.tls)
+        try:
+            async with grpc.aio.secure_channel(address, credentials, self._options) as channel:
+                await self.renew_once(channel)
+        except grpc.aio.AioRpcError as err:
+            log.warning(
+                "certificate_recovery_failed",
+                code=err.code().name,
+                error=one_line(err.details() or ""),
+            )
+            return False
+        log.info("certificate_recovered", coordinator=address)
+        return True
+
+    def _pending(self) -> tuple[bytes, bytes]:
+        """The key and CSR of the renewal under way, written first if there is none."""
+        return pending_csr(self._creds.renewal_key, self._creds.renewal_csr, self._site)
+
+    def _drop_pending(self) -> None:
+        self._creds.renewal_csr.unlink(missing_ok=True)
+        self._creds.renewal_key.unlink(missing_ok=True)
 
 
 def _retry_wait(attempt: int, left: timedelta) -> float:

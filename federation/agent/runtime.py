@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
 import grpc
@@ -29,7 +29,7 @@ from federation import __version__, tracing
 from federation.agent.config import AgentConfig, coordinator_endpoints
 from federation.agent.core import LocalCore
 from federation.agent.cut_off import CutOffWatch
-from federation.agent.enroll import SiteCredentials, channel_options
+from federation.agent.enroll import SiteCredentials, channel_options, expired_message
 from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
 from federation.agent.owner_share import owner_share
@@ -59,6 +59,10 @@ def is_unsupported_version(err: grpc.aio.AioRpcError) -> bool:
 
 class AgentRejectedError(RuntimeError):
     """The coordinator refused this agent's identity; retrying cannot help."""
+
+
+class CertificateExpiredError(AgentRejectedError):
+    """The site's certificate expired: only a new join brings the site back."""
 
 
 @dataclass
@@ -129,6 +133,9 @@ class AgentRuntime:
         self._retiring: _Stream | None = None
         self.connected = asyncio.Event()
         self._spans = TaskSpans(config.site)
+        self.recover: Callable[[str], Awaitable[bool]] | None = None
+        """Repeats a renewal whose reply was lost, for a session refused with the old
+        certificate; True if the new one is on disk (``CertificateRenewer.recover``)."""
 
     # Called by the core ----------------------------------------------------------------
 
@@ -248,8 +255,16 @@ class AgentRuntime:
             try:
                 handed_over = await self._session(coordinator)
             except grpc.aio.AioRpcError as err:
-                if err.code() in FATAL_CODES or is_unsupported_version(err):
+                if is_unsupported_version(err):
                     raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
+                if err.code() in FATAL_CODES:
+                    if self.recover is not None and await self.recover(coordinator):
+                        continue  # at once, with the certificate the renewal got
+                    raise AgentRejectedError(f"{err.code().name}: {err.details()}") from None
+                if err.code() is grpc.StatusCode.UNAVAILABLE and (
+                    expired := expired_message(self._creds, self._config.site)
+                ):
+                    raise CertificateExpiredError(expired) from None
                 error = err
                 if is_not_leader(err):
                     log.info(

@@ -148,6 +148,9 @@ class CoordinatorConfig:
     """Lifetime of the certificates operators and tenants get by renewing (``fedctl pki
     renew``): people renew by hand, so a quarter rather than days; offline issues keep a
     year."""
+    renewal_overlap_s: float = field(default=600.0, metadata=at_least(0))
+    """How long a renewed certificate is still accepted after its renewal, unless the new one
+    is used sooner: a renewal whose reply was lost leaves its holder able to repeat it."""
     finished_job_retention_s: float = field(default=7 * 86400.0, metadata=at_least(0))
     """How long a finished job is kept (from its last task's finish); then the leader removes
     it from the store, archiving it first when ``archive_dir`` is set. 0: kept for ever."""

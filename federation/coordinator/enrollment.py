@@ -1,4 +1,8 @@
-"""One-time join tokens and the exchange of a token and a CSR for a site certificate."""
+"""One-time join tokens and the exchange of a token and a CSR for a site certificate.
+
+A token is redeemed once, for one CSR: the same CSR again (a retry after a lost reply) gets
+the same certificate until the token expires; any other CSR is refused.
+"""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from federation.errors import (
     UnauthenticatedError,
 )
 from federation.security.identity import Identity, InvalidIdentityError, Role, validate_name
-from federation.security.pki import InvalidCsrError, fingerprint
+from federation.security.pki import InvalidCsrError, fingerprint, public_key_sha256
 from federation.store import CasConflictError, Delete, Put, Store
 
 log = structlog.get_logger()
@@ -39,8 +43,18 @@ def _token_key(token: str) -> str:
     return TOKENS + hashlib.sha256(token.encode()).hexdigest()
 
 
+def csr_key(csr_pem: bytes) -> str:
+    """The SHA-256 of a CSR's public key; INVALID_ARGUMENT for a CSR that cannot be read."""
+    try:
+        return public_key_sha256(csr_pem)
+    except ValueError:
+        raise InvalidArgumentError(
+            [FieldViolation("csr_pem", "is not a PEM certificate signing request")]
+        ) from None
+
+
 class Enrollment:
-    """Mints join tokens (kept only as hashes) and redeems each exactly once."""
+    """Mints join tokens (kept only as hashes) and redeems each for one CSR."""
 
     def __init__(
         self,
@@ -92,7 +106,8 @@ class Enrollment:
     async def join(
         self, request: site_link_service_pb2.JoinRequest
     ) -> site_link_service_pb2.JoinResponse:
-        """Redeem a token: sign the CSR, register the site, and burn the token, atomically."""
+        """Redeem a token: sign the CSR, register the site, and mark the token used, atomically
+        (or answer the certificate a redeemed token got again, to the same CSR)."""
         refused = UnauthenticatedError(
             "join token is unknown, already used or expired. "
             "To fix: create a new one with 'fedctl token create'"
@@ -104,6 +119,11 @@ class Enrollment:
         if record.expires_at.seconds < time.time():
             await self._store.commit([Delete(kv.key, expect_revision=kv.mod_revision)])
             raise refused
+        if record.certificate_pem:
+            if record.csr_key_sha256 != csr_key(request.csr_pem):
+                raise refused
+            log.info("site_join_repeated", site=record.site)
+            return self._reply(record)
         identity = Identity(Role.SITE, record.site)
         ca = self._authorities.issuer
         try:
@@ -126,10 +146,11 @@ class Enrollment:
         )
         with contextlib.suppress(SiteNotFoundError):  # a first join has no record yet
             site.cordoned = self._sites.get(record.site).record.cordoned
+        record.certificate_pem, record.csr_key_sha256 = cert_pem, public_key_sha256(cert_pem)
         try:
             await self._store.commit(
                 [
-                    Delete(kv.key, expect_revision=kv.mod_revision),
+                    Put(kv.key, record.SerializeToString(), expect_revision=kv.mod_revision),
                     self._sites.record_put(site),
                     Put(CERTIFICATES + issued.serial_hex, issued.SerializeToString()),
                     audit.entry(
@@ -147,9 +168,12 @@ class Enrollment:
             raise refused from None
         self._sites.registered(site)
         log.info("site_joined", site=record.site, fingerprint=issued.fingerprint)
+        return self._reply(record)
+
+    def _reply(self, record: records_pb2.JoinTokenRecord) -> site_link_service_pb2.JoinResponse:
         return site_link_service_pb2.JoinResponse(
             site=record.site,
             domain=record.domain,
-            certificate_pem=cert_pem,
+            certificate_pem=record.certificate_pem,
             ca_bundle_pem=self._authorities.bundle_pem,
         )

@@ -48,6 +48,7 @@ from federation.coordinator.servicers import (
     JOIN_METHOD,
     METHOD_ROLES,
     OPEN_METHODS,
+    RENEW_METHOD,
     AdminServicer,
     AuditServicer,
     CertificateServicer,
@@ -215,6 +216,7 @@ def _servers(
                 max_request_bytes=config.max_request_bytes,
                 large_methods={CONNECT_METHOD},
                 revocations=revocations,
+                renew_methods={RENEW_METHOD},
                 issuer_check=authorities.check,
             )
         ],

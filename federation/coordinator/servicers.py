@@ -58,6 +58,7 @@ from federation.coordinator.serving import Serving
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 from federation.security.pki import fingerprint
+from federation.security.revocation import peer_certificate_of
 from federation.security.tls import peer_certificate
 from federation.store import Store
 
@@ -131,6 +132,7 @@ JOB_COUNTS: dict[str, Callable[[Any], int]] = {
 """How many jobs a request submits, for each identity's job rate limit."""
 JOIN_METHOD = _LINK + "Join"
 CONNECT_METHOD = _LINK + "Connect"
+RENEW_METHOD = _CERTIFICATES + "RenewCertificate"
 """Sites' stream, whose envelopes of views may be far larger than any client request."""
 OPEN_METHODS = frozenset(
     {
@@ -380,8 +382,9 @@ class SiteLinkServicer(link_grpc.SiteLinkServiceServicer):
         assert self._serves_connect, "Connect is served only on the mTLS port"
         services = self._current()
         certificate = peer_certificate(context) or b""
+        serial = peer_certificate_of(certificate).serial_hex  # cached: parsed by the auth
         async for response in services.link.connect(
-            current_caller(), fingerprint(certificate), context.peer(), request_iterator
+            current_caller(), fingerprint(certificate), context.peer(), request_iterator, serial
         ):
             yield response
         if services.ended is not None:

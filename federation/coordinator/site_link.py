@@ -47,6 +47,8 @@ class SiteLink:
         probe_endpoint: Where agents measure their link to the coordinator (told in the
             welcome); empty for nowhere.
         trust_bundle: The roots trusted now (told in the welcome, to catch up on a rollover).
+        renewed_as: The fingerprint of the certificate a serial was renewed into, or "": a
+            renewed certificate opens sessions while the interceptor still accepts it.
     """
 
     def __init__(
@@ -57,6 +59,7 @@ class SiteLink:
         missed_heartbeats: int = MISSED_HEARTBEATS,
         probe_endpoint: str = "",
         trust_bundle: Callable[[], bytes] = bytes,
+        renewed_as: Callable[[str], str] = lambda serial: "",
     ) -> None:
         self._sites = sites
         self._jobs = jobs
@@ -64,6 +67,7 @@ class SiteLink:
         self._missed_heartbeats = missed_heartbeats
         self._probe_endpoint = probe_endpoint
         self._trust_bundle = trust_bundle
+        self._renewed_as = renewed_as
 
     async def connect(
         self,
@@ -71,13 +75,15 @@ class SiteLink:
         certificate: str,
         peer: str,
         requests: AsyncIterator[pb.ConnectRequest],
+        serial: str = "",
     ) -> AsyncIterator[pb.ConnectResponse]:
         """Serve one agent until it goes away or breaks the protocol (then raise).
 
-        ``certificate`` is the fingerprint of the agent's certificate: only the one the site
-        got at its latest Join or renewal is accepted, so either retires the old one. ``peer`` is
-        where the stream comes from, as gRPC names it: the only host the site may name as its
-        probe endpoint.
+        ``certificate`` is the fingerprint of the agent's certificate (``serial`` its serial):
+        only the one the site got at its latest Join or renewal is accepted, and the one that
+        renewal was renewed from while the interceptor still accepts it (a lost reply), so a
+        join retires the old ones. ``peer`` is where the stream comes from, as gRPC names it:
+        the only host the site may name as its probe endpoint.
         """
         try:
             envelope = await asyncio.wait_for(anext(requests), HELLO_TIMEOUT_S)
@@ -95,7 +101,8 @@ class SiteLink:
         _check_site(caller.name, hello.view.site, "hello.view.site")
         version = agreed_version(hello.protocol_version)
         entry = self._sites.get(caller.name)
-        if entry.record.certificate_fingerprint not in ("", certificate):
+        newest = entry.record.certificate_fingerprint
+        if newest not in ("", certificate) and self._renewed_as(serial) != newest:
             raise PermissionDeniedError(
                 f"site {caller.name} has joined again or renewed since this certificate was "
                 "issued. "

@@ -193,6 +193,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         max_request_bytes: int = 0,
         large_methods: Collection[str] = (),
         revocations: RevocationBook | None = None,
+        renew_methods: Collection[str] = (),
         issuer_check: Callable[[bytes], None] | None = None,
     ) -> None:
         """Create the interceptor.
@@ -208,6 +209,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             large_methods: Methods whose messages may be as large as gRPC allows (Connect).
             revocations: Revoked certificates, refused on every call; a stream of one is
                 ended when its revocation arrives.
+            renew_methods: Methods a superseded certificate may still call after its overlap
+                (to repeat the renewal whose reply it lost).
             issuer_check: Raises for a peer certificate of a retired CA, on every call.
         """
         self._roles = roles
@@ -217,6 +220,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._max_request_bytes = max_request_bytes
         self._large = frozenset(large_methods)
         self._revocations = revocations
+        self._renew_methods = frozenset(renew_methods)
         self._issuer_check = issuer_check
 
     def _authorize(
@@ -229,7 +233,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         pem = peer_certificate(context)  # auth_context() builds a dict: asked once per call
         cert = _peer(pem)
         if cert is not None and self._revocations is not None:
-            self._revocations.check(cert)  # open methods too: a revoked peer gets nothing
+            # Open methods too: a revoked peer gets nothing.
+            self._revocations.check(cert, renewing=method in self._renew_methods)
         if pem is not None and self._issuer_check is not None:
             self._issuer_check(pem)
         if method in self._open:

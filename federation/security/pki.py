@@ -498,6 +498,26 @@ def fingerprint(cert_pem: bytes) -> str:
     return "sha256:" + cert.fingerprint(hashes.SHA256()).hex()
 
 
+def public_key_sha256(pem: bytes) -> str:
+    """SHA-256 (hex) of the public key (DER) of a PEM certificate or CSR: whether a CSR asks
+    for the key a certificate already has.
+
+    Raises:
+        ValueError: ``pem`` is neither.
+    """
+    item: x509.Certificate | x509.CertificateSigningRequest
+    if b"CERTIFICATE REQUEST-----" in pem:
+        item = x509.load_pem_x509_csr(pem)
+    else:
+        item = x509.load_pem_x509_certificate(pem)
+    der = item.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+    digest = hashes.Hash(hashes.SHA256())
+    digest.update(der)
+    return digest.finalize().hex()
+
+
 def serial_hex(cert_pem: bytes) -> str:
     """The certificate's serial number in lowercase hex, for logs."""
     return format(x509.load_pem_x509_certificate(cert_pem).serial_number, "x")

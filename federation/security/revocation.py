@@ -6,6 +6,10 @@ never saw included. A certificate's issue time is its notBefore plus the CA's ``
 notBefore has whole seconds, so a certificate issued in the very second of the revocation
 counts as revoked too (refusing is the safe side).
 
+A renewed certificate is superseded (a ``Supersession``, kept beside the revocations): it is
+accepted on until its successor is first used (as this coordinator sees it) or its overlap
+ends, and after that only to repeat the renewal that superseded it.
+
 Every coordinator keeps a ``RevocationBook``: loaded before it serves, then kept current by
 ``follow`` from the store's watch, so each coordinator of an HA group refuses a revoked peer
 as soon as the revocation is committed, leader or not.
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
@@ -22,7 +27,7 @@ import structlog
 from cryptography import x509
 
 from federation.api.v1 import records_pb2
-from federation.errors import CertificateRevokedError
+from federation.errors import CertificateRevokedError, CertificateSupersededError
 from federation.security.identity import Identity, identity_from_certificate
 from federation.security.pki import CLOCK_SKEW
 from federation.store import Store, WatchEvent, WatchEventType
@@ -33,6 +38,11 @@ log = structlog.get_logger()
 REVOCATIONS = "/revocations/"
 BY_SERIAL = REVOCATIONS + "serial/"
 BY_IDENTITY = REVOCATIONS + "identity/"
+SUPERSEDED = REVOCATIONS + "superseded/"
+
+
+def supersession_key(serial_hex: str) -> str:
+    return SUPERSEDED + serial_hex
 
 
 def revocation_key(revocation: records_pb2.Revocation) -> str:
@@ -104,8 +114,14 @@ class RevocationBook:
 
     by_serial: dict[str, records_pb2.Revocation] = field(default_factory=dict)
     by_identity: dict[str, records_pb2.Revocation] = field(default_factory=dict)
+    superseded: dict[str, records_pb2.Supersession] = field(default_factory=dict)
+    """Renewed certificates by serial."""
     _streams: dict[str, set[OpenStream]] = field(default_factory=dict)
     """Open streams by identity (text): a revocation by serial or identity finds them alike."""
+    _predecessors: dict[str, str] = field(default_factory=dict)
+    """Serial of a renewed certificate by the serial of the one it was renewed into."""
+    _successor_used: set[str] = field(default_factory=set)
+    """Superseded serials whose successor was seen in use here: refused at once."""
 
     def revocations(self) -> list[records_pb2.Revocation]:
         """Every revocation, newest first."""
@@ -121,10 +137,47 @@ class RevocationBook:
             return by_identity
         return None
 
-    def check(self, cert: PeerCertificate) -> None:
-        """Raise ``CertificateRevokedError`` if ``cert`` is revoked."""
+    def check(self, cert: PeerCertificate, *, renewing: bool = False) -> None:
+        """Raise ``CertificateRevokedError`` if ``cert`` is revoked, and
+        ``CertificateSupersededError`` if it was renewed and its overlap is over (unless the
+        call is ``renewing``: repeating a renewal whose reply was lost). A certificate whose
+        predecessor is still in its overlap ends that overlap: it is in use."""
         if (revocation := self.revocation_of(cert)) is not None:
             raise refusal(cert, revocation)
+        serial = cert.serial_hex
+        supersession = self.superseded.get(serial)
+        if supersession is not None and not renewing and self.retired(supersession):
+            raise CertificateSupersededError(serial, supersession.superseded_by)
+        predecessor = self._predecessors.get(serial)
+        if predecessor is not None and predecessor not in self._successor_used:
+            self._successor_used.add(predecessor)
+            log.info("superseded_certificate_retired", serial=predecessor, successor=serial)
+
+    def retired(self, supersession: records_pb2.Supersession) -> bool:
+        """Whether a superseded certificate's overlap is over."""
+        return (
+            supersession.serial_hex in self._successor_used
+            or supersession.overlap_until.seconds <= time.time()
+        )
+
+    def successor_fingerprint(self, serial_hex: str) -> str:
+        """The fingerprint of the certificate ``serial_hex`` was renewed into, or ""."""
+        supersession = self.superseded.get(serial_hex)
+        return supersession.successor_fingerprint if supersession is not None else ""
+
+    def renewals_of(self, serial_hex: str) -> list[str]:
+        """The serials renewed from ``serial_hex``, directly or not, oldest first."""
+        out: list[str] = []
+        supersession = self.superseded.get(serial_hex)
+        while supersession is not None and supersession.superseded_by not in out:
+            out.append(supersession.superseded_by)
+            supersession = self.superseded.get(supersession.superseded_by)
+        return out
+
+    def supersede(self, supersession: records_pb2.Supersession) -> None:
+        """Take a supersession in (again: idempotent)."""
+        self.superseded[supersession.serial_hex] = supersession
+        self._predecessors[supersession.superseded_by] = supersession.serial_hex
 
     def apply(self, revocation: records_pb2.Revocation) -> None:
         """Take a revocation in (again: idempotent), and end the open streams it covers."""
@@ -145,17 +198,31 @@ class RevocationBook:
 
     def forget(self, key: str) -> None:
         """A revocation deleted from the store (by hand: the API never deletes one)."""
-        if key.startswith(BY_SERIAL):
+        if key.startswith(SUPERSEDED):
+            supersession = self.superseded.pop(key.removeprefix(SUPERSEDED), None)
+            if supersession is not None:
+                self._predecessors.pop(supersession.superseded_by, None)
+                self._successor_used.discard(supersession.serial_hex)
+        elif key.startswith(BY_SERIAL):
             self.by_serial.pop(key.removeprefix(BY_SERIAL), None)
         elif key.startswith(BY_IDENTITY):
             self.by_identity.pop(key.removeprefix(BY_IDENTITY), None)
 
-    def replace(self, revocations: Iterable[records_pb2.Revocation]) -> None:
+    def replace(
+        self,
+        revocations: Iterable[records_pb2.Revocation],
+        supersessions: Iterable[records_pb2.Supersession] = (),
+    ) -> None:
         """Take the store's whole list, as after a fresh read."""
         self.by_serial.clear()
         self.by_identity.clear()
+        self.superseded.clear()
+        self._predecessors.clear()
         for revocation in revocations:
             self.apply(revocation)
+        for supersession in supersessions:
+            self.supersede(supersession)
+        self._successor_used.intersection_update(self.superseded)  # deleted ones go
 
     def open_stream(self, cert: PeerCertificate) -> OpenStream:
         """Register the stream the current task serves, for ``apply`` to end."""
@@ -187,8 +254,12 @@ class RevocationBook:
 async def load(store: Store, book: RevocationBook) -> int:
     """Read every revocation into ``book``; returns the store revision it read at or after."""
     revision = await store.revision()
+    kvs = await store.range(REVOCATIONS)
+    revoked = [kv for kv in kvs if not kv.key.startswith(SUPERSEDED)]
+    renewed = [kv for kv in kvs if kv.key.startswith(SUPERSEDED)]
     book.replace(
-        records_pb2.Revocation.FromString(kv.value) for kv in await store.range(REVOCATIONS)
+        (records_pb2.Revocation.FromString(kv.value) for kv in revoked),
+        (records_pb2.Supersession.FromString(kv.value) for kv in renewed),
     )
     return revision
 
@@ -202,6 +273,8 @@ async def follow(store: Store, book: RevocationBook, revision: int) -> None:
     async def apply(event: WatchEvent) -> None:
         if event.type is WatchEventType.DELETE:
             book.forget(event.kv.key)
+        elif event.kv.key.startswith(SUPERSEDED):
+            book.supersede(records_pb2.Supersession.FromString(event.kv.value))
         else:
             book.apply(records_pb2.Revocation.FromString(event.kv.value))
 

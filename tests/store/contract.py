@@ -32,7 +32,7 @@ from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, Spee
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.security.certificates import Certificates
 from federation.security.pki import CertificateAuthority
-from federation.security.revocation import RevocationBook, follow, load
+from federation.security.revocation import RevocationBook, follow, load, supersession_key
 from federation.store import (
     CasConflictError,
     Check,
@@ -530,6 +530,39 @@ class StoreContract:
             ("certificate.revoke", "tenant:t"),
             ("certificate.revoke", "abc123"),
         ]
+
+    async def test_supersessions_read_back_and_reach_a_follower(self, store: Store) -> None:
+        """A renewal's supersession reads back in a fresh book and reaches a following one
+        (every coordinator refuses a renewed certificate once its overlap ends); its
+        deletion (compaction) is followed too; revocations are untouched by either."""
+
+        def supersession(serial: str, newer: str) -> Put:
+            record = records_pb2.Supersession(
+                serial_hex=serial, identity="tenant:t", superseded_by=newer
+            )
+            return Put(supersession_key(serial), record.SerializeToString())
+
+        await store.commit([supersession("a1", "b2")])
+        fresh = RevocationBook()
+        revision = await load(store, fresh)
+        assert fresh.renewals_of("a1") == ["b2"]
+        assert fresh.revocations() == []
+        follower = asyncio.create_task(follow(store, fresh, revision))
+        try:
+            await store.commit([supersession("b2", "c3")])
+            for _ in range(int(WAIT_S / 0.02)):  # the book has no event to wait on
+                if "b2" in fresh.superseded:
+                    break
+                await asyncio.sleep(0.02)
+            assert fresh.renewals_of("a1") == ["b2", "c3"]
+            await store.commit([Delete(supersession_key("a1"))])
+            for _ in range(int(WAIT_S / 0.02)):
+                if "a1" not in fresh.superseded:
+                    break
+                await asyncio.sleep(0.02)
+            assert list(fresh.superseded) == ["b2"]
+        finally:
+            follower.cancel()
 
     async def test_job_indexes_and_retention_read_back(self, store: Store) -> None:
         """Jobs written through the repository, more than one commit's worth, read back from

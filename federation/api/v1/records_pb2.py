@@ -27,7 +27,7 @@ from federation.api.v1 import jobs_pb2 as federation_dot_api_dot_v1_dot_jobs__pb
 from federation.api.v1 import resources_pb2 as federation_dot_api_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64\x65ration/api/v1/records.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x1a!federation/api/v1/resources.proto\"\xd4\x01\n\x0fJoinTokenRecord\x12\x14\n\x0ctoken_sha256\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12)\n\x06\x64omain\x18\x03 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x06 \x01(\t\"\xd3\x01\n\x11IssuedCertificate\x12\x12\n\nserial_hex\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12-\n\tnot_after\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tissued_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07revoked\x18\x06 \x01(\x08\x12\x14\n\x0crenewed_from\x18\x07 \x01(\t\"\x86\x01\n\nRevocation\x12\x12\n\nserial_hex\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12.\n\nrevoked_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrevoked_by\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"]\n\tJobRecord\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent\"\x9c\x01\n\x16\x43\x65rtificateAuthorities\x12\x18\n\x10trust_bundle_pem\x18\x01 \x01(\x0c\x12\x16\n\x0eissuing_ca_pem\x18\x02 \x01(\x0c\x12\x17\n\x0fissuing_key_pem\x18\x03 \x01(\x0c\x12\x1c\n\x14previous_issuers_pem\x18\x04 \x03(\x0c\x12\x19\n\x11retired_roots_pem\x18\x05 \x03(\x0c\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1f\x66\x65\x64\x65ration/api/v1/records.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\x1a!federation/api/v1/resources.proto\"\x85\x02\n\x0fJoinTokenRecord\x12\x14\n\x0ctoken_sha256\x18\x01 \x01(\t\x12\x0c\n\x04site\x18\x02 \x01(\t\x12)\n\x06\x64omain\x18\x03 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12.\n\nexpires_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ncreated_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\ncreated_by\x18\x06 \x01(\t\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x07 \x01(\x0c\x12\x16\n\x0e\x63sr_key_sha256\x18\x08 \x01(\t\"\x83\x02\n\x11IssuedCertificate\x12\x12\n\nserial_hex\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\t\x12-\n\tnot_after\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tissued_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0f\n\x07revoked\x18\x06 \x01(\x08\x12\x14\n\x0crenewed_from\x18\x07 \x01(\t\x12\x17\n\x0f\x63\x65rtificate_pem\x18\x08 \x01(\x0c\x12\x15\n\rsuperseded_by\x18\t \x01(\t\"\xff\x01\n\x0cSupersession\x12\x12\n\nserial_hex\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12\x15\n\rsuperseded_by\x18\x03 \x01(\t\x12\x1d\n\x15successor_fingerprint\x18\x04 \x01(\t\x12\x31\n\rsuperseded_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x31\n\roverlap_until\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\tnot_after\x18\x07 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x86\x01\n\nRevocation\x12\x12\n\nserial_hex\x18\x01 \x01(\t\x12\x10\n\x08identity\x18\x02 \x01(\t\x12.\n\nrevoked_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrevoked_by\x18\x04 \x01(\t\x12\x0e\n\x06reason\x18\x05 \x01(\t\"]\n\tJobRecord\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent\"\x9c\x01\n\x16\x43\x65rtificateAuthorities\x12\x18\n\x10trust_bundle_pem\x18\x01 \x01(\x0c\x12\x16\n\x0eissuing_ca_pem\x18\x02 \x01(\x0c\x12\x17\n\x0fissuing_key_pem\x18\x03 \x01(\x0c\x12\x1c\n\x14previous_issuers_pem\x18\x04 \x03(\x0c\x12\x19\n\x11retired_roots_pem\x18\x05 \x03(\x0c\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,13 +35,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'federation.api.v1.records_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_JOINTOKENRECORD']._serialized_start=153
-  _globals['_JOINTOKENRECORD']._serialized_end=365
-  _globals['_ISSUEDCERTIFICATE']._serialized_start=368
-  _globals['_ISSUEDCERTIFICATE']._serialized_end=579
-  _globals['_REVOCATION']._serialized_start=582
-  _globals['_REVOCATION']._serialized_end=716
-  _globals['_JOBRECORD']._serialized_start=718
-  _globals['_JOBRECORD']._serialized_end=811
-  _globals['_CERTIFICATEAUTHORITIES']._serialized_start=814
-  _globals['_CERTIFICATEAUTHORITIES']._serialized_end=970
+  _globals['_JOINTOKENRECORD']._serialized_end=414
+  _globals['_ISSUEDCERTIFICATE']._serialized_start=417
+  _globals['_ISSUEDCERTIFICATE']._serialized_end=676
+  _globals['_SUPERSESSION']._serialized_start=679
+  _globals['_SUPERSESSION']._serialized_end=934
+  _globals['_REVOCATION']._serialized_start=937
+  _globals['_REVOCATION']._serialized_end=1071
+  _globals['_JOBRECORD']._serialized_start=1073
+  _globals['_JOBRECORD']._serialized_end=1166
+  _globals['_CERTIFICATEAUTHORITIES']._serialized_start=1169
+  _globals['_CERTIFICATEAUTHORITIES']._serialized_end=1325
 # @@protoc_insertion_point(module_scope)

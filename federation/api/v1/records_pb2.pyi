@@ -33,11 +33,19 @@ class JoinTokenRecord(_message.Message):
     EXPIRES_AT_FIELD_NUMBER: _builtins.int
     CREATED_AT_FIELD_NUMBER: _builtins.int
     CREATED_BY_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    CSR_KEY_SHA256_FIELD_NUMBER: _builtins.int
     token_sha256: _builtins.str
     """SHA-256 of the token, hex."""
     site: _builtins.str
     domain: _resources_pb2.Domain.ValueType
     created_by: _builtins.str
+    certificate_pem: _builtins.bytes
+    """Set once redeemed: the certificate the join got, answered again to a retry of the same
+    CSR (a lost reply) until the token expires; any other CSR is refused.
+    """
+    csr_key_sha256: _builtins.str
+    """SHA-256 of the redeeming CSR's public key (DER), hex."""
     @_builtins.property
     def expires_at(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -51,10 +59,12 @@ class JoinTokenRecord(_message.Message):
         expires_at: _timestamp_pb2.Timestamp | None = ...,
         created_at: _timestamp_pb2.Timestamp | None = ...,
         created_by: _builtins.str = ...,
+        certificate_pem: _builtins.bytes = ...,
+        csr_key_sha256: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "expires_at", b"expires_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["created_at", b"created_at", "created_by", b"created_by", "domain", b"domain", "expires_at", b"expires_at", "site", b"site", "token_sha256", b"token_sha256"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_pem", b"certificate_pem", "created_at", b"created_at", "created_by", b"created_by", "csr_key_sha256", b"csr_key_sha256", "domain", b"domain", "expires_at", b"expires_at", "site", b"site", "token_sha256", b"token_sha256"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -73,6 +83,8 @@ class IssuedCertificate(_message.Message):
     ISSUED_AT_FIELD_NUMBER: _builtins.int
     REVOKED_FIELD_NUMBER: _builtins.int
     RENEWED_FROM_FIELD_NUMBER: _builtins.int
+    CERTIFICATE_PEM_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_BY_FIELD_NUMBER: _builtins.int
     serial_hex: _builtins.str
     identity: _builtins.str
     fingerprint: _builtins.str
@@ -80,6 +92,12 @@ class IssuedCertificate(_message.Message):
     """Revoked by serial or with every certificate of its identity."""
     renewed_from: _builtins.str
     """The serial of the certificate whose holder renewed it; empty for a join."""
+    certificate_pem: _builtins.bytes
+    """The certificate itself, kept while it is its identity's newest: a renewal retried after
+    a lost reply (the same CSR) is answered with it again.
+    """
+    superseded_by: _builtins.str
+    """The serial of the certificate this one was renewed into; empty while it is the newest."""
     @_builtins.property
     def not_after(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -94,14 +112,64 @@ class IssuedCertificate(_message.Message):
         issued_at: _timestamp_pb2.Timestamp | None = ...,
         revoked: _builtins.bool = ...,
         renewed_from: _builtins.str = ...,
+        certificate_pem: _builtins.bytes = ...,
+        superseded_by: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["issued_at", b"issued_at", "not_after", b"not_after"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["fingerprint", b"fingerprint", "identity", b"identity", "issued_at", b"issued_at", "not_after", b"not_after", "renewed_from", b"renewed_from", "revoked", b"revoked", "serial_hex", b"serial_hex"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_pem", b"certificate_pem", "fingerprint", b"fingerprint", "identity", b"identity", "issued_at", b"issued_at", "not_after", b"not_after", "renewed_from", b"renewed_from", "revoked", b"revoked", "serial_hex", b"serial_hex", "superseded_by", b"superseded_by"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___IssuedCertificate: _TypeAlias = IssuedCertificate  # noqa: Y015
+
+@_typing.final
+class Supersession(_message.Message):
+    """A certificate renewed into a newer one. It is still accepted until the newer one is first
+    used or overlap_until passes; after that only to repeat its renewal (RenewCertificate with
+    the same CSR). Kept until not_after, when the TLS handshake refuses it anyway.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SERIAL_HEX_FIELD_NUMBER: _builtins.int
+    IDENTITY_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_BY_FIELD_NUMBER: _builtins.int
+    SUCCESSOR_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    SUPERSEDED_AT_FIELD_NUMBER: _builtins.int
+    OVERLAP_UNTIL_FIELD_NUMBER: _builtins.int
+    NOT_AFTER_FIELD_NUMBER: _builtins.int
+    serial_hex: _builtins.str
+    identity: _builtins.str
+    superseded_by: _builtins.str
+    successor_fingerprint: _builtins.str
+    """Fingerprint of the newer certificate."""
+    @_builtins.property
+    def superseded_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def overlap_until(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def not_after(self) -> _timestamp_pb2.Timestamp:
+        """The superseded certificate's own expiry."""
+
+    def __init__(
+        self,
+        *,
+        serial_hex: _builtins.str = ...,
+        identity: _builtins.str = ...,
+        superseded_by: _builtins.str = ...,
+        successor_fingerprint: _builtins.str = ...,
+        superseded_at: _timestamp_pb2.Timestamp | None = ...,
+        overlap_until: _timestamp_pb2.Timestamp | None = ...,
+        not_after: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["not_after", b"not_after", "overlap_until", b"overlap_until", "superseded_at", b"superseded_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["identity", b"identity", "not_after", b"not_after", "overlap_until", b"overlap_until", "serial_hex", b"serial_hex", "successor_fingerprint", b"successor_fingerprint", "superseded_at", b"superseded_at", "superseded_by", b"superseded_by"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Supersession: _TypeAlias = Supersession  # noqa: Y015
 
 @_typing.final
 class Revocation(_message.Message):

@@ -1,9 +1,11 @@
 """Operators' side of certificates: revoke them, list them, and the CRL for other tools.
 
 A revocation is written in one commit with its audit entry and ``revoked`` set on the
-certificate records it covers. Revoking a serial already revoked (by serial, or by its
-identity's revocation) is refused with ALREADY_EXISTS; revoking an identity again moves its
-cut-off to now, so certificates issued since the last revocation are revoked too.
+certificate records it covers. Revoking a serial revokes the certificates renewed from it too
+(each by its own serial, with the same reason): a stolen key's renewals go with it. Revoking
+a serial already revoked (by serial, or by its identity's revocation) is refused with
+ALREADY_EXISTS; revoking an identity again moves its cut-off to now, so certificates issued
+since the last revocation are revoked too.
 """
 
 from __future__ import annotations
@@ -120,20 +122,35 @@ class Certificates:
         revocation = records_pb2.Revocation(
             revoked_at=now_timestamp(), revoked_by=revoked_by, reason=request.reason.strip()
         )
+        revocations = [revocation]
         if request.WhichOneof("target") == "serial_hex":
             revocation.serial_hex = normal_serial(request.serial_hex)
-            marked = [await self._one(revocation)]
+            marked = [kv for kv in [await self._one(revocation)] if kv is not None]
             target = revocation.serial_hex
+            for serial in self._book.renewals_of(revocation.serial_hex):
+                if serial in self._book.by_serial:
+                    continue
+                renewal = records_pb2.Revocation()
+                renewal.CopyFrom(revocation)
+                renewal.serial_hex = serial
+                renewal.reason = f"renewed from {target}: {revocation.reason}"
+                revocations.append(renewal)
+                kv = await self._store.get(CERTIFICATES + serial)
+                if kv is not None:
+                    marked.append(kv)
         else:
             revocation.identity = str(parse_identity_text(request.identity))
             marked = await self._of_identity(revocation)
             target = revocation.identity
         serials = [f"{kv.key.removeprefix(CERTIFICATES)}" for kv in marked]
         ops: list[Op] = [
-            Put(
-                revocation_key(revocation),
-                revocation.SerializeToString(),
-                expect_revision=0 if revocation.serial_hex else None,
+            *(
+                Put(
+                    revocation_key(r),
+                    r.SerializeToString(),
+                    expect_revision=0 if r.serial_hex else None,
+                )
+                for r in revocations
             ),
             *(self._marked(kv) for kv in marked),
             audit.entry(
@@ -150,14 +167,24 @@ class Certificates:
                 f"{target} was revoked meanwhile. To fix: nothing; 'fedctl pki list' shows it",
                 target=target,
             ) from None
-        self._book.apply(revocation)
+        for applied in revocations:
+            self._book.apply(applied)
         log.warning("certificates_revoked", target=target, by=revoked_by, serials=len(serials))
         return pb.RevokeCertificatesResponse(revocation=revocation, serials=serials)
 
-    async def _one(self, revocation: records_pb2.Revocation) -> KeyValue:
-        """The record of the serial revoked, refused when unknown or revoked already."""
+    async def _one(self, revocation: records_pb2.Revocation) -> KeyValue | None:
+        """The record of the serial revoked, refused when unknown or revoked already; None
+        for a renewed certificate whose record was compacted away."""
         kv = await self._store.get(CERTIFICATES + revocation.serial_hex)
         if kv is None:
+            if revocation.serial_hex in self._book.superseded:
+                if revocation.serial_hex in self._book.by_serial:
+                    raise AlreadyExistsError(
+                        f"certificate {revocation.serial_hex} is revoked already. To fix: "
+                        "nothing; 'fedctl pki list' shows it",
+                        serial=revocation.serial_hex,
+                    )
+                return None
             raise CertificateNotFoundError(revocation.serial_hex)
         record = records_pb2.IssuedCertificate.FromString(kv.value)
         earlier = self._revocation_of(record)
@@ -211,6 +238,7 @@ class Certificates:
         for kv in await self._store.range(CERTIFICATES):
             record = records_pb2.IssuedCertificate.FromString(kv.value)
             record.revoked = record.revoked or self._revocation_of(record) is not None
+            record.ClearField("certificate_pem")  # kept to answer a lost renewal, not listed
             records.append(record)
         records.sort(key=lambda r: (r.issued_at.ToNanoseconds(), r.serial_hex), reverse=True)
         return records

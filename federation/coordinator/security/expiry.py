@@ -40,14 +40,19 @@ class Expiries:
         self.ca_not_after = _timestamp(ca_cert)
 
     async def soonest(self) -> records_pb2.IssuedCertificate | None:
-        """The issued certificate, not revoked and not yet expired, that expires first."""
+        """The issued certificate, not revoked, not renewed and not yet expired, that expires
+        first (a renewed one is replaced already: its expiry needs nobody)."""
         now_s = int(time.time())
         best: records_pb2.IssuedCertificate | None = None
         after = ""
         while True:
             chunk = await self._store.range(CERTIFICATES, start_after=after, limit=_CHUNK)
             issued = [records_pb2.IssuedCertificate.FromString(kv.value) for kv in chunk]
-            live = [c for c in issued if not c.revoked and c.not_after.seconds > now_s]
+            live = [
+                c
+                for c in issued
+                if not c.revoked and not c.superseded_by and c.not_after.seconds > now_s
+            ]
             best = min([*live, *([best] if best else [])], key=_expiry_ns, default=None)
             if len(chunk) < _CHUNK:
                 break

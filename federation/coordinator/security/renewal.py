@@ -3,13 +3,24 @@
 Any identity renews itself over its current mTLS connection; the TLS handshake has already
 refused an expired certificate or one from another CA. The certificate names the caller's
 identity, whatever subject the CSR asks for, as at a join. A site's record then names the
-new certificate, so its agent's next session must present it and the old one is refused.
+new certificate.
+
+A renewal supersedes the certificate renewed (``Supersession``): that one is still accepted
+until the new one is first used or ``overlap`` passes, so a lost reply locks no one out; and
+it can be renewed only again with the same CSR (a retry after a lost reply), which is answered
+with the same certificate. So a certificate has at most one successor, and at most two of a
+line of renewals are valid at a time. Records are compacted as the line grows: the
+predecessor's record drops its certificate, the one before it is deleted (its supersession
+still refuses it), and supersessions of the identity past their certificate's expiry go. An
+identity has at most ``MAX_LIVE_RENEWALS`` supersessions of certificates not yet expired
+(and so as many renewals within a certificate lifetime), plus two certificate records per line
+of renewals: a renewal past that is refused with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
 
 import asyncio
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 import structlog
 from cryptography import x509
@@ -17,20 +28,31 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from federation.api.v1 import admin_service_pb2, certificate_service_pb2, records_pb2
 from federation.coordinator import audit
-from federation.coordinator.enrollment import CERTIFICATES
+from federation.coordinator.enrollment import CERTIFICATES, csr_key
 from federation.coordinator.jobs import now_timestamp
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites import SiteRegistry
-from federation.errors import FieldViolation, InvalidArgumentError, PermissionDeniedError
+from federation.errors import (
+    FieldViolation,
+    InvalidArgumentError,
+    PermissionDeniedError,
+    ResourceExhaustedError,
+)
 from federation.metrics import CERTIFICATES_RENEWED
 from federation.security.identity import Identity, Role
-from federation.security.pki import InvalidCsrError, fingerprint
-from federation.store import Op, Put, Store
+from federation.security.pki import InvalidCsrError, fingerprint, public_key_sha256
+from federation.security.revocation import RevocationBook, supersession_key
+from federation.store import Delete, KeyValue, Op, Put, Store
 
 log = structlog.get_logger()
 
 RENEW = "certificate.renew"
 """The audit action of a renewal."""
+MAX_COMPACTED = 50
+"""Expired supersessions one renewal deletes (etcd allows 128 operations in a transaction)."""
+MAX_LIVE_RENEWALS = 100
+"""Renewals of one identity whose renewed certificates have not expired yet: a site renews a
+few times per lifetime, a person by hand; past this, renewing is an attack or a bug."""
 
 
 class Renewal:
@@ -42,6 +64,8 @@ class Renewal:
         authorities: Whose issuing CA signs the new certificates.
         site_lifetime: How long a site's new certificate is valid.
         client_lifetime: How long an operator's or tenant's new certificate is valid.
+        overlap: How long a renewed certificate is still accepted if the new one is not used.
+        book: The coordinator's revocations and supersessions, told of each renewal at once.
     """
 
     def __init__(
@@ -52,12 +76,16 @@ class Renewal:
         *,
         site_lifetime: timedelta,
         client_lifetime: timedelta,
+        overlap: timedelta = timedelta(minutes=10),
+        book: RevocationBook | None = None,
     ) -> None:
         self._store = store
         self._sites = sites
         self._authorities = authorities
         self._site_lifetime = site_lifetime
         self._client_lifetime = client_lifetime
+        self._overlap = overlap
+        self._book = book if book is not None else RevocationBook()
         # One renewal at a time: two of one site at once would both pass the check that the
         # caller's certificate is the site's newest, and one new certificate would be orphaned.
         self._lock = asyncio.Lock()
@@ -65,17 +93,31 @@ class Renewal:
     async def renew(
         self, caller: Identity, current_pem: bytes, csr_pem: bytes
     ) -> certificate_service_pb2.RenewCertificateResponse:
-        """A certificate for ``caller`` and the CSR's key, in place of ``current_pem``.
+        """A certificate for ``caller`` and the CSR's key, in place of ``current_pem``; the
+        one it got already if ``current_pem`` was renewed for this CSR's key before.
 
         Raises:
             InvalidArgumentError: ``csr_pem`` is malformed, weak, or for the current key.
-            PermissionDeniedError: The current certificate is revoked, or a site's is no
-                longer its newest.
+            PermissionDeniedError: The current certificate is revoked, was renewed for another
+                key, or a site's is no longer its newest.
+            ResourceExhaustedError: ``caller`` renewed ``MAX_LIVE_RENEWALS`` certificates that
+                have not expired.
         """
         current = x509.load_pem_x509_certificate(current_pem)
         serial = f"{current.serial_number:x}"
         async with self._lock:
-            await self._check_not_revoked(serial)
+            kv = await self._store.get(CERTIFICATES + serial)
+            record = records_pb2.IssuedCertificate.FromString(kv.value) if kv else None
+            if record is not None and record.revoked:
+                raise PermissionDeniedError(
+                    f"certificate {serial} is revoked and cannot be renewed. "
+                    "To fix: ask an operator for a new certificate"
+                )
+            superseded = await self._store.get(supersession_key(serial))
+            if superseded is not None:
+                supersession = records_pb2.Supersession.FromString(superseded.value)
+                return await self._again(supersession, csr_pem)
+            expired = self._expired_supersessions(str(caller))
             cert = self._sign(caller, current, csr_pem)
             cert_pem = self._authorities.issuer.with_chain(cert)
             issued = records_pb2.IssuedCertificate(
@@ -84,11 +126,28 @@ class Renewal:
                 fingerprint=fingerprint(cert_pem),
                 issued_at=now_timestamp(),
                 renewed_from=serial,
+                certificate_pem=cert_pem,
             )
             issued.not_after.FromDatetime(cert.not_valid_after_utc)
+            supersession = records_pb2.Supersession(
+                serial_hex=serial,
+                identity=str(caller),
+                superseded_by=issued.serial_hex,
+                successor_fingerprint=issued.fingerprint,
+                superseded_at=issued.issued_at,
+            )
+            supersession.overlap_until.FromDatetime(datetime.now(UTC) + self._overlap)
+            supersession.not_after.FromDatetime(current.not_valid_after_utc)
             site = self._site_record(caller, current_pem, issued.fingerprint)
             ops: list[Op] = [
                 Put(CERTIFICATES + issued.serial_hex, issued.SerializeToString()),
+                Put(
+                    supersession_key(serial),
+                    supersession.SerializeToString(),
+                    expect_revision=0,
+                ),
+                *self._compacted(kv, record, issued.serial_hex),
+                *(Delete(supersession_key(old)) for old in expired),
                 audit.entry(
                     str(caller),
                     RENEW,
@@ -100,6 +159,7 @@ class Renewal:
             if site is not None:
                 ops.append(self._sites.record_put(site))
             await self._store.commit(ops)
+            self._book.supersede(supersession)  # the watch brings it too, later
             if site is not None:
                 self._sites.registered(site)
         CERTIFICATES_RENEWED.labels(caller.role).inc()
@@ -110,21 +170,81 @@ class Renewal:
             renewed_from=serial,
             fingerprint=issued.fingerprint,
         )
+        return self._reply(issued)
+
+    def _reply(
+        self, issued: records_pb2.IssuedCertificate
+    ) -> certificate_service_pb2.RenewCertificateResponse:
         return certificate_service_pb2.RenewCertificateResponse(
-            certificate_pem=cert_pem,
+            certificate_pem=issued.certificate_pem,
             ca_bundle_pem=self._authorities.bundle_pem,
             not_after=issued.not_after,
             serial_hex=issued.serial_hex,
         )
 
-    async def _check_not_revoked(self, serial: str) -> None:
-        """Refuse a certificate the store marks revoked (one issued offline has no record)."""
-        kv = await self._store.get(CERTIFICATES + serial)
-        if kv is not None and records_pb2.IssuedCertificate.FromString(kv.value).revoked:
-            raise PermissionDeniedError(
-                f"certificate {serial} is revoked and cannot be renewed. "
-                "To fix: ask an operator for a new certificate"
+    async def _again(
+        self, supersession: records_pb2.Supersession, csr_pem: bytes
+    ) -> certificate_service_pb2.RenewCertificateResponse:
+        """A renewed certificate's renewal repeated: the same certificate for the same CSR
+        (its reply was lost), a refusal for any other."""
+        serial, newer = supersession.serial_hex, supersession.superseded_by
+        kv = await self._store.get(CERTIFICATES + newer)
+        successor = records_pb2.IssuedCertificate.FromString(kv.value) if kv else None
+        if (
+            successor is not None
+            and successor.certificate_pem
+            and not successor.revoked
+            and csr_key(csr_pem) == public_key_sha256(successor.certificate_pem)
+        ):
+            log.info("certificate_renewal_repeated", serial=newer, renewed_from=serial)
+            return self._reply(successor)
+        raise PermissionDeniedError(
+            f"certificate {serial} was renewed already, as {newer}, for another key; only the "
+            f"newer certificate can be renewed. To fix: use certificate {newer} (the agent's "
+            "state_dir), or ask an operator for a new certificate",
+            serial=serial,
+            superseded_by=newer,
+        )
+
+    @staticmethod
+    def _compacted(
+        kv: KeyValue | None, record: records_pb2.IssuedCertificate | None, newer: str
+    ) -> list[Op]:
+        """The renewed ``record`` naming ``newer``, without its certificate (asked again only
+        while it is the newest), and the record of the one it was renewed from deleted."""
+        ops: list[Op] = []
+        if kv is not None and record is not None:
+            record.certificate_pem = b""
+            record.superseded_by = newer
+            ops.append(Put(kv.key, record.SerializeToString(), expect_revision=kv.mod_revision))
+            if record.renewed_from:
+                ops.append(Delete(CERTIFICATES + record.renewed_from))
+        return ops
+
+    def _expired_supersessions(self, identity: str) -> list[str]:
+        """Serials of ``identity``'s supersessions whose certificates expired (to delete, up to
+        ``MAX_COMPACTED``).
+
+        Raises:
+            ResourceExhaustedError: ``identity`` has ``MAX_LIVE_RENEWALS`` others.
+        """
+        now = datetime.now(UTC).timestamp()
+        expired, live = [], 0
+        for supersession in self._book.superseded.values():
+            if supersession.identity != identity:
+                continue
+            if supersession.not_after.seconds < now:
+                expired.append(supersession.serial_hex)
+            else:
+                live += 1
+        if live >= MAX_LIVE_RENEWALS:
+            raise ResourceExhaustedError(
+                f"{identity} renewed {live} certificates that have not expired yet; at most "
+                f"{MAX_LIVE_RENEWALS}. To fix: renew once the oldest expire, or ask an operator "
+                "for a new certificate",
+                identity=identity,
             )
+        return expired[:MAX_COMPACTED]
 
     def _sign(
         self, caller: Identity, current: x509.Certificate, csr_pem: bytes
