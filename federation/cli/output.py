@@ -21,6 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import yaml
 from google.protobuf import json_format
@@ -133,7 +134,7 @@ def message_data(messages: Message | Sequence[Message]) -> object:
         data = json_format.MessageToDict(
             m, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
-        return _with_numbers(data, m.DESCRIPTOR)
+        return _with_numbers(data, cast(Descriptor, m.DESCRIPTOR))
 
     if isinstance(messages, Sequence):
         return [as_dict(m) for m in messages]
