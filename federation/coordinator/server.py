@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import socket
 from dataclasses import dataclass
 
@@ -63,7 +64,7 @@ from federation.security.interceptors import AuthInterceptor
 from federation.security.revocation import RevocationBook, follow, load
 from federation.security.throttle import Throttle, ThrottleLimits
 from federation.security.tls import TlsFiles
-from federation.store import SqliteStore, Store
+from federation.store import SqliteStore, Store, StoreUnreachableError
 from federation.store.etcd import EtcdStore
 
 log = structlog.get_logger()
@@ -173,13 +174,31 @@ def advertised(listen: str, port: int, advertise: str = "") -> str:
     return f"{socket.getfqdn() if host in _WILDCARDS else host}:{port}"
 
 
+STORE_RETRY_S = (0.5, 10.0)
+"""First and longest wait between tries to reach an etcd that does not answer yet."""
+
+
 async def open_store(config: CoordinatorConfig) -> Store:
-    """The store the config names: SQLite in ``data_dir``, or etcd."""
+    """The store the config names: SQLite in ``data_dir``, or etcd.
+
+    An etcd that no endpoint of answers is waited for, as long as it takes (a coordinator that
+    boots before etcd comes up once etcd does, whatever started it); any other refusal ends
+    the coordinator at once.
+    """
     if config.store == "etcd":
         tls = None
         if config.etcd_ca and config.etcd_cert and config.etcd_key:
             tls = TlsFiles(ca=config.etcd_ca, cert=config.etcd_cert, key=config.etcd_key)
-        return await EtcdStore.open(config.etcd_endpoints, prefix=config.etcd_prefix, tls=tls)
+        wait_s, longest_s = STORE_RETRY_S
+        while True:
+            try:
+                return await EtcdStore.open(
+                    config.etcd_endpoints, prefix=config.etcd_prefix, tls=tls
+                )
+            except StoreUnreachableError as err:
+                log.warning("store_unreachable", error=str(err), retry_in_s=round(wait_s, 1))
+                await asyncio.sleep(wait_s * random.uniform(0.8, 1.2))
+                wait_s = min(wait_s * 2, longest_s)
     config.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     config.data_dir.chmod(0o700)  # a folder that already existed keeps its mode otherwise
     return await SqliteStore.open(config.data_dir / STORE_FILE)

@@ -110,6 +110,10 @@ class StoreError(Exception):
     """Base class of every store failure."""
 
 
+class StoreUnreachableError(StoreError):
+    """No endpoint of the store answered: it may be starting, so trying again can help."""
+
+
 class CommitTooLargeError(StoreError):
     """The store refused a commit for its size (etcd's --max-txn-ops or --max-request-bytes):
     it wrote nothing, and the same commit will never pass."""

@@ -56,6 +56,7 @@ from federation.store.base import (
     Op,
     Put,
     StoreError,
+    StoreUnreachableError,
     WatchEvent,
     WatchEventType,
     check_ops,
@@ -214,7 +215,7 @@ class EtcdStore:
             else:
                 self._current = index
                 return
-        raise StoreError(
+        raise StoreUnreachableError(
             f"cannot reach etcd ({'; '.join(failures)}). To fix: check that etcd is running "
             "and listening there, and that the TLS settings match its own"
         )
