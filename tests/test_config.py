@@ -7,6 +7,7 @@ anything; a metrics port that is taken is refused the same way.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ from federation.agent.main import parse_args as parse_agent_args
 from federation.config import ConfigError
 from federation.coordinator.__main__ import load_config, parse_args
 from federation.coordinator.config import CoordinatorConfig
+from federation.security.pki import init_pki
 
 REPO = Path(__file__).resolve().parent.parent
 AGENT = 'site = "s"\ncoordinator = "c:7070"\nca = "ca.pem"\nstate_dir = "state"\n'
@@ -215,3 +217,21 @@ def test_pki_dir_in_the_config_file_names_its_four_files(tmp_path: Path) -> None
     assert config.ca_cert == tmp_path / "pki" / "ca.pem"
     assert config.cert.parent == config.key.parent == tmp_path / "pki"
     assert config.data_dir == tmp_path / "data"
+
+
+def test_a_pki_without_its_issuing_certificate_is_one_line(tmp_path: Path) -> None:
+    """The CA key beside the root's certificate but not the issuing CA's: exit 2 saying which
+    file is missing, not a traceback (a Secret that left issuing.pem out crash-looped)."""
+    made = init_pki(tmp_path / "made", server_sans=["localhost"])
+    for name in ("ca.pem", "ca-key.pem", "coordinator.pem", "coordinator-key.pem"):
+        shutil.copy(made.dir / name, tmp_path / name)
+    config = tmp_path / "coordinator.toml"
+    config.write_text(
+        'data_dir = "data"\nca_cert = "ca.pem"\nca_key = "ca-key.pem"\n'
+        'cert = "coordinator.pem"\nkey = "coordinator-key.pem"\n'
+    )
+    done = run("federation.coordinator", config)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert f"there is no {tmp_path / 'issuing.pem'}. To fix: put issuing.pem" in line
+    assert not (tmp_path / "data").exists()

@@ -4,6 +4,8 @@ config in the ConfigMap loads into the coordinator's settings."""
 
 from __future__ import annotations
 
+import re
+import shutil
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -14,6 +16,7 @@ from deploy_tools import DEPLOY, missing
 
 from federation.config import build
 from federation.coordinator.config import CoordinatorConfig
+from federation.security.pki import init_pki, load_issuer
 
 KUBERNETES_VERSION = "1.30.0"
 MANIFESTS = sorted((DEPLOY / "kubernetes").glob("*.yaml"))
@@ -55,3 +58,23 @@ def test_configmap_config_loads() -> None:
     config = build(CoordinatorConfig, raw, source="ConfigMap federation-coordinator")
     assert config.store == "etcd"
     assert len(config.etcd_endpoints) == 3
+
+
+def test_the_pki_secret_as_documented_signs_site_certificates(tmp_path: Path) -> None:
+    """The files the manifest's `kubectl create secret` names, mounted where its ConfigMap says,
+    are a PKI the coordinator loads: a missing issuing.pem once crash-looped it."""
+    text = (DEPLOY / "kubernetes" / "coordinator.yaml").read_text()
+    command = re.search(r"create secret generic federation-pki(.*?)#\s*fedctl", text, re.S)
+    assert command is not None
+    named = re.findall(r"--from-file=(\S+)", command.group(1))
+    made = init_pki(tmp_path / "pki", server_sans=["federation-coordinator"])
+    mounted = tmp_path / "etc-federation-pki"
+    mounted.mkdir()
+    for name in named:
+        shutil.copy(made.dir / name, mounted / name)
+    (config_map,) = (doc for _, doc in documents() if doc["kind"] == "ConfigMap")
+    raw = tomllib.loads(config_map["data"]["coordinator.toml"])
+    paths = {k: mounted / Path(raw[k]).name for k in ("ca_cert", "ca_key", "cert", "key")}
+    assert all(Path(raw[k]).parent == Path("/etc/federation/pki") for k in paths)
+    issuer = load_issuer(paths["ca_cert"], paths["ca_key"], None)
+    assert issuer.cert.subject == load_issuer(made.ca_cert, made.ca_key, None).cert.subject

@@ -23,7 +23,7 @@ from federation.logging import LEVELS, configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatError
 from federation.placement.registry import UnknownPluginError, build_framework
-from federation.security.pki import PkiLayout
+from federation.security.pki import PkiLayout, load_issuer
 from federation.store import StoreError
 
 log = structlog.get_logger()
@@ -145,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = load_config(args)
         build_framework(config.placement_filters, config.placement_scores, config.compat_table)
-    except (ConfigError, UnknownPluginError, CompatError, OSError) as err:
+        load_issuer(config.ca_cert, config.ca_key, config.issuing_cert)  # one line, not a trace
+    except (ConfigError, UnknownPluginError, CompatError, OSError, ValueError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
     try:

@@ -617,7 +617,14 @@ def load_issuer(ca_cert: Path, ca_key: Path, issuing_cert: Path | None) -> Certi
         issuing_cert = ca_key.with_name("issuing.pem")  # as 'fedctl pki init' lays them out
     if issuing_cert.exists():
         return CertificateAuthority.load(issuing_cert, ca_key)
-    return CertificateAuthority.load(ca_cert, ca_key)
+    try:
+        return CertificateAuthority.load(ca_cert, ca_key)
+    except ValueError as err:
+        raise ValueError(
+            f"{err}, and there is no {issuing_cert}. "
+            "To fix: put issuing.pem (from 'fedctl pki init') beside the CA key, or set "
+            "issuing_cert"
+        ) from None
 
 
 def init_pki(
