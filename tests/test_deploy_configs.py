@@ -17,7 +17,11 @@ DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
 
 def agent_args(config: Path) -> argparse.Namespace:
-    return parse_args(["--config", str(config)], "fed-datacenter-agent", "datacenter")
+    # The inventory the examples name is read at start: the example inventory stands in for
+    # /etc/federation/inventory.yaml, as the README's set-up copies it there.
+    inventory = DEPLOY / "inventory.example.yaml"
+    argv = ["--config", str(config), "--inventory", str(inventory)]
+    return parse_args(argv, "fed-datacenter-agent", "datacenter")
 
 
 def test_coordinator_example_loads() -> None:
@@ -34,10 +38,12 @@ def test_coordinator_example_loads() -> None:
     ("name", "domain"), [("datacenter-agent.toml", "datacenter"), ("edge-agent.toml", "edge")]
 )
 def test_agent_examples_load(name: str, domain: str) -> None:
-    """The agent examples load, keep their domain and their label table."""
+    """The agent examples load, keep their domain and their label table, and export metrics
+    where the Prometheus example scrapes them."""
     config = load_agent_config(agent_args(DEPLOY / name), domain="datacenter")
     assert config.domain == domain
-    assert config.inventory == Path("/etc/federation/inventory.yaml")
+    assert 'inventory = "/etc/federation/inventory.yaml"' in (DEPLOY / name).read_text()
+    assert config.metrics_listen == ":9465"
     if domain == "datacenter":
         assert config.labels == {"rack": "r12"}
         assert config.task_uid_range == "200000-299999"

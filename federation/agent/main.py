@@ -109,6 +109,8 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
     check_slurm(config.slurm, source=source)
     check_owner_share(config.owner_share, source=source)
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
+    if config.inventory:  # read now, before a join token is spent on a site that cannot start
+        check_node_names(load_inventory(config.inventory), config.inventory)
     return config
 
 

@@ -168,3 +168,22 @@ async def test_an_agent_restarted_after_a_lost_join_reply_joins_with_its_pending
     assert (state / "site.pem").read_bytes() == lost.certificate_pem
     assert not (state / "joining-key.pem").exists()
     assert not (state / "joining-csr.pem").exists()
+
+
+async def test_a_missing_inventory_ends_the_agent_before_its_token_is_spent(
+    fed: LocalFederation, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A config naming an inventory file that is not there: exit 2 naming it, and the token is
+    still good for the start that follows the fix."""
+    await fed.start_coordinator()
+    use_token(fed, monkeypatch, await fed.create_token(SITE.name, SITE.domain))
+    missing = fed.root / "nowhere.yaml"
+    await fed.start_site(SiteSpec(SITE.name, SITE.domain, settings={"inventory": missing}))
+    agent = fed.processes[SITE.name]
+    assert await asyncio.to_thread(agent.wait, 20) == 2
+    text = fed.log_path(SITE.name).read_text(errors="replace")
+    assert f"{missing}: cannot read" in text
+    assert not logged(fed, "site_enrolled")
+    await fed.start_site(SITE)
+    await fed.wait_connected(timeout_s=20)
+    assert logged(fed, "site_enrolled")
