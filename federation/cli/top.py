@@ -153,6 +153,10 @@ def booked_share(device: resources_pb2.Device) -> float:
     if device.allocated:
         return 1.0
     share = 1.0 - device.free_fraction if device.shareable else 0.0
+    if share > 1e-9:
+        # Shares are out, so the device's slots are closed to tasks (one mode at a time), not
+        # taken: the shares alone say how much is booked.
+        return min(share, 1.0)
     for profile in device.partitions:
         if profile.total:
             share = max(share, (profile.total - profile.free) / profile.total)

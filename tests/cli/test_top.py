@@ -107,6 +107,13 @@ def test_booked_share_counts_whole_devices_shares_and_slots() -> None:
     assert booked_share(mig) == 2 / 7
 
 
+def test_a_share_of_a_device_that_also_has_slots_is_that_share() -> None:
+    """A 0.25 share closes the device's MIG slots (one mode at a time): 25 % booked, not 100."""
+    closed = [resources_pb2.PartitionProfile(profile="1g.10gb", total=7, free=0)]
+    device = gpu(0, shareable=True, free_fraction=0.75, partitions=closed)
+    assert booked_share(device) == 0.25
+
+
 def test_devices_show_booked_beside_measured() -> None:
     """A measured device shows its use, memory, power and temperature; a declared one dashes."""
     shown = lines(devices_table(snapshot()))
