@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import RenderableType
@@ -22,7 +23,8 @@ from federation.api.v1 import (
 )
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
-from federation.cli.output import output_of, show
+from federation.cli.follow import exit_status, follow
+from federation.cli.output import Output, output_of, show
 from federation.cli.render import (
     coordinators_table,
     endpoints_table,
@@ -72,7 +74,18 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     jobs_sub = jobs.add_subparsers(dest="jobs_command", required=True)
     submit = jobs_sub.add_parser("submit", help="submit the job(s) in a YAML or JSON file")
     submit.add_argument("file", type=Path)
+    submit.add_argument(
+        "--wait",
+        action="store_true",
+        help="stream their events until they end; exit 0 if all succeeded, 3 if one failed, "
+        "4 if one was cancelled",
+    )
     submit.set_defaults(func=cmd_submit)
+    wait = jobs_sub.add_parser(
+        "wait", help="stream jobs' events until they end; exit status as submit --wait"
+    )
+    wait.add_argument("job_ids", nargs="+")
+    wait.set_defaults(func=cmd_wait)
     ls = jobs_sub.add_parser("list", help="list jobs, in the order they were submitted")
     ls.add_argument("--state", action="append", default=[], help="e.g. RUNNING (repeatable)")
     ls.add_argument("--tenant", default="")
@@ -93,7 +106,9 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     events.add_argument("job_id")
     events.add_argument("--task", default="", help="only this task's (and the job's own)")
     events.set_defaults(func=cmd_events)
-    watch = jobs_sub.add_parser("watch", help="stream job events (Ctrl-C to stop)")
+    watch = jobs_sub.add_parser(
+        "watch", help="stream job events; with job ids, until those jobs end (else Ctrl-C)"
+    )
     watch.add_argument("job_ids", nargs="*")
     watch.set_defaults(func=cmd_watch)
     explain.add_parser(jobs_sub)
@@ -267,12 +282,39 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
         else:
             reply = await jobs.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
             submitted = list(reply.jobs)
-    out = output_of(args)
-    if out.is_data:
-        out.messages(submitted)
-    else:
-        show(*(text(f"submitted {job.id} ({job.spec.name})") for job in submitted))
-    return 0
+        out = output_of(args)
+        if out.is_data:
+            out.messages(submitted)
+        else:
+            show(*(text(f"submitted {job.id} ({job.spec.name})") for job in submitted))
+        if not args.wait:
+            return 0
+        sys.stdout.flush()
+        return exit_status(await follow(jobs, [j.id for j in submitted], _printer(out)))
+
+
+async def cmd_wait(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        ids = [await _full_id(stub, job_id) for job_id in args.job_ids]
+        return exit_status(await follow(stub, ids, _printer(output_of(args))))
+
+
+async def _full_id(stub: job_service_pb2_grpc.JobServiceStub, job_id: str) -> str:
+    """The id events carry (a tenant's own short id names its job too)."""
+    return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.id
+
+
+def _printer(out: Output) -> Callable[[jobs_pb2.JobEvent], None]:
+    def print_event(event: jobs_pb2.JobEvent) -> None:
+        if out.is_data:
+            out.messages(event, stream=True)
+        else:
+            show(text(event_line(event)))
+        # A reader of a pipe sees each event as it happens, not when a buffer fills.
+        sys.stdout.flush()
+
+    return print_event
 
 
 async def cmd_list(args: argparse.Namespace, conn: Connection) -> int:
@@ -359,17 +401,16 @@ async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
 
 
 async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
-    out = output_of(args)
+    print_event = _printer(output_of(args))
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
-        request = job_service_pb2.WatchJobsRequest(job_ids=args.job_ids, include_current=True)
+        if args.job_ids:  # named jobs: until they end
+            ids = [await _full_id(stub, job_id) for job_id in args.job_ids]
+            await follow(stub, ids, print_event)
+            return 0
+        request = job_service_pb2.WatchJobsRequest(include_current=True)
         async for event in events_of(stub.WatchJobs(request)):
-            if out.is_data:
-                out.messages(event, stream=True)
-            else:
-                show(text(event_line(event)))
-            # A reader of a pipe sees each event as it happens, not when a buffer fills.
-            sys.stdout.flush()
+            print_event(event)
     return 0
 
 

@@ -233,3 +233,51 @@ def test_a_limited_listing_says_how_to_go_on(federation: LocalFederation, tmp_pa
     ids = [j["id"] for j in json.loads(first.stdout) + json.loads(rest.stdout)]
     assert ids == [j["id"] for j in json.loads(everything.stdout)]
     assert len(ids) >= 3
+
+
+@pytest.mark.parametrize(
+    ("code", "status", "state"),
+    [("print('ok')", 0, "SUCCEEDED"), ("raise SystemExit(5)", 3, "FAILED")],
+)
+def test_submit_wait_ends_with_the_jobs_outcome(
+    federation: LocalFederation, tmp_path: Path, code: str, status: int, state: str
+) -> None:
+    """`jobs submit --wait` streams the job's events and exits as it ended; `jobs wait` and
+    `jobs watch ID` on the ended job end at once the same way."""
+    spec = tmp_path / "job.json"
+    job = {"name": "waited", "tasks": [{"name": "t", "command": [sys.executable, "-c", code]}]}
+    spec.write_text(json.dumps(job))
+    done = fedctl(federation, "jobs", "submit", str(spec), "--wait")
+    assert done.returncode == status, done.stderr
+    lines = done.stdout.splitlines()
+    job_id = lines[0].split()[1]
+    assert lines[0].startswith(f"submitted {job_id}")
+    assert f"task t -> {state}" in lines[-1]
+    assert fedctl(federation, "jobs", "wait", job_id).returncode == status
+    watched = fedctl(federation, "jobs", "watch", job_id)
+    assert watched.returncode == 0
+    assert f"-> {state}" in watched.stdout
+
+
+def test_an_operators_cancel_ends_a_wait_with_4(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    spec = tmp_path / "job.json"
+    job = {"name": "held", "tasks": [{"name": "t", "command": ["sleep", "60"]}]}
+    spec.write_text(json.dumps(job))
+    job_id = json.loads(fedctl(federation, "--json", "jobs", "submit", str(spec)).stdout)[0]["id"]
+    waiting = subprocess.Popen(
+        [sys.executable, "-m", "federation.cli", "jobs", "wait", job_id],
+        env={
+            **os.environ,
+            "FEDCTL_PKI_DIR": str(federation.pki.dir),
+            "FEDCTL_COORDINATOR": federation.address,
+        },
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert fedctl(federation, "jobs", "cancel", job_id).returncode == 0
+        assert waiting.wait(30) == 4
+    finally:
+        waiting.kill()
