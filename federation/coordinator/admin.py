@@ -17,6 +17,7 @@ from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
+from federation.security.identity import Identity, Role
 
 Forecasts = Callable[[list[str]], dict[str, admin_service_pb2.SiteForecast]]
 
@@ -102,9 +103,13 @@ class Admin:
         recorded = audit.entry(caller, "queue.delete", name)
         await self._sharing.book.delete(name, used_by, [recorded])
 
-    def queues(self) -> list[queues_pb2.QueueStatus]:
+    def queues(self, caller: Identity) -> list[queues_pb2.QueueStatus]:
+        """Every queue's status for an operator; a tenant's own queues for a tenant."""
         waiting = Counter(job.spec.queue for job in self._jobs.pending())
-        return self._sharing.status(self._sites.capacity(), waiting)
+        statuses = self._sharing.status(self._sites.capacity(), waiting)
+        if caller.role is Role.TENANT:
+            return [s for s in statuses if s.queue.tenant == caller.name]
+        return statuses
 
 
 def _described(queue: queues_pb2.Queue) -> str:

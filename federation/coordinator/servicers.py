@@ -100,10 +100,11 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "CreateJoinToken",
             "CreateQueue",
             "UpdateQueue",
-            "ListQueues",
             "DeleteQueue",
         )
     },
+    # A tenant sees its own queues, with their usage and quotas; operators see all.
+    _ADMIN + "ListQueues": CLIENTS,
     # Tenants for their own jobs (the job manager's visibility), operators for any.
     **{
         _SERVING + m: CLIENTS
@@ -285,7 +286,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def ListQueues(
         self, request: admin_pb.ListQueuesRequest, context: Context
     ) -> admin_pb.ListQueuesResponse:
-        return admin_pb.ListQueuesResponse(queues=self._current().admin.queues())
+        return admin_pb.ListQueuesResponse(queues=self._current().admin.queues(current_caller()))
 
     async def DeleteQueue(
         self, request: admin_pb.DeleteQueueRequest, context: Context

@@ -149,6 +149,7 @@ def stage(federation: LocalFederation, tmp_path_factory: pytest.TempPathFactory)
         "foreign": TlsFiles(ca=federation.pki.ca_cert, cert=foreign_cert, key=foreign_key),
         "expired_cert": expired_tls(federation, folder, Identity(Role.TENANT, "indep-old")),
         "csr": make_csr("indep-once")[1].decode(),
+        "other_csr": make_csr("indep-once")[1].decode(),
     }
 
 
@@ -329,9 +330,9 @@ def rows(fed: LocalFederation, stage: dict[str, Any]) -> list[dict[str, Any]]:
         },
         {
             "row": "join token used twice",
-            "sent": "SiteLinkService.Join, the same token again",
+            "sent": "SiteLinkService.Join, the same token again with another CSR",
             **join,
-            "request": {"token": stage["used"], "csrPem": _b64(stage["csr"])},
+            "request": {"token": stage["used"], "csrPem": _b64(stage["other_csr"])},
             "tls": {"ca": ca},
             "expect": "UNAUTHENTICATED",
         },

@@ -172,6 +172,25 @@ async def test_submits_name_only_the_tenants_queues_and_known_classes(
         assert (await wait_for_job(y, reply.job.id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
 
 
+async def test_a_tenant_lists_its_own_queues_and_changes_none(
+    federation: LocalFederation, operator: grpc.aio.Channel
+) -> None:
+    """Its quotas and usage are the tenant's to read; others' queues stay hidden, and
+    changing any queue is still an operator's."""
+    for name, tenant in (("mine-q", "tenant-q"), ("theirs-q", "tenant-r")):
+        request = admin_service_pb2.CreateQueueRequest(queue=queue(name, tenant, ("gpu", 2, 1)))
+        await admin(operator).CreateQueue(request)
+    async with channel_as(federation, tenant_tls(federation, "tenant-q")) as q:
+        reply = await admin(q).ListQueues(admin_service_pb2.ListQueuesRequest())
+        assert [s.queue.name for s in reply.queues] == ["mine-q"]
+        assert reply.queues[0].queue.quotas[0].nominal == 2
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await admin(q).DeleteQueue(admin_service_pb2.DeleteQueueRequest(name="mine-q"))
+        assert caught.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    everything = await listed(operator)
+    assert {"mine-q", "theirs-q"} <= everything.keys()
+
+
 async def test_a_quota_holds_under_concurrent_batches_and_says_why(
     federation: LocalFederation, operator: grpc.aio.Channel, tmp_path: Path
 ) -> None:
@@ -279,7 +298,15 @@ def test_fedctl_queues_create_list_update_delete(federation: LocalFederation) ->
     assert made.returncode == 0, made.stderr
     listed_json = fedctl(federation, "--json", "queues", "list")
     (mine,) = [q for q in json.loads(listed_json.stdout) if q["queue"]["name"] == "cli-q"]
-    assert mine["queue"]["quotas"] == [{"resource": "gpu", "nominal": 2.0, "borrowing_limit": 1.0}]
+    assert mine["queue"]["quotas"] == [
+        {
+            "resource": "gpu",
+            "nominal": 2.0,
+            "borrowing_limit": 1.0,
+            "site": "",  # -o json prints fields at their zero value too
+            "domain": "DOMAIN_UNSPECIFIED",
+        }
+    ]
     updated = fedctl(federation, "queues", "update", "cli-q", "--tenant", "t", "--weight", "4")
     assert updated.returncode == 0, updated.stderr
     table = fedctl(federation, "queues", "list")
