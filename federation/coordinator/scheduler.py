@@ -93,6 +93,10 @@ WAIT = "Wait"
 RETRY = "Retry"
 """The stage of what holds back a failed task waiting out its backoff (explain only)."""
 WAIT_RECHECK_S = 30.0
+WAIT_SLACK_S = 5.0
+"""A task waits for a busy site at most this long past the start its first wait promised
+(or a quarter of that wait, if longer): what runs there may overrun its estimate for ever,
+and each recheck would promise "any moment now" again."""
 """Longest a task waits for a busy site before its choice is weighed again; a task's end
 there wakes it sooner."""
 FRONT_OF_LINE = 64
@@ -275,6 +279,9 @@ class Scheduler:
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
+        self._promised: dict[TaskKey, float] = {}
+        """Per task that waited for a busy site: by when (monotonic) it was to start there,
+        slack included (``_within_promise``)."""
         self._front_due = False
         """The front of the line is to be tried at the next cycle (``_clear_front_of_line``)."""
         self._frees = 0
@@ -539,7 +546,8 @@ class Scheduler:
                     self._backoff(key)  # a sibling's placement or end wakes it
                     return list(verdicts)
                 ranked = tuple(kept)
-            if busy and (wait := self._sooner_by_waiting(request, placement, ranked, cycle)):
+            wait = self._sooner_by_waiting(request, placement, ranked, cycle) if busy else None
+            if wait is not None and self._within_promise(key, wait):
                 self._wait_for(key, wait)
                 return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
             ranked = _with_devices_left(ranked, need, cycle)
@@ -709,6 +717,15 @@ class Scheduler:
             now,
             self._config.wait_gain,
         )
+
+    def _within_promise(self, key: TaskKey, wait: Wait) -> bool:
+        """Whether the task may (still) wait: not yet past the start its first wait promised,
+        and the slack. Past it, the task goes where it can start now."""
+        now = time.monotonic()
+        promised = self._promised.setdefault(
+            key, now + wait.wait_s + max(WAIT_SLACK_S, wait.wait_s / 4)
+        )
+        return now <= promised
 
     def _wait_for(self, key: TaskKey, wait: Wait) -> None:
         """Hold the task back for ``wait.site``: a task's end wakes it (``capacity_freed``),
@@ -1058,6 +1075,7 @@ class Scheduler:
         self._resting.pop(key[0], None)
         self._unfit.discard(key)
         self._preempting.pop(key, None)
+        self._promised.pop(key, None)
         self._stop_waiting(key)
 
     async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:

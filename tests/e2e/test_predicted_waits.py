@@ -120,3 +120,25 @@ async def test_a_short_task_starts_now_on_the_slow_site(operator: grpc.aio.Chann
     finally:
         await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=holder))
         await wait_for_job(operator, holder)
+
+
+async def test_a_wait_ends_when_its_promise_is_broken(operator: grpc.aio.Channel) -> None:
+    """The H100's holder was to end in 4 s but runs on: the long task, told a wait of about
+    4 s, waits no longer than that and its slack before it starts on the free V100."""
+    holder = await _submit(
+        operator,
+        "overrunning",
+        python_task("t", "import time; time.sleep(60)", resources=H100, estimated_duration_s=10),
+    )
+    await _holding_the_h100(operator, holder)
+    long = await _submit(
+        operator,
+        "patient",
+        python_task("t", "print('ran')", resources=ANY_GPU, estimated_duration_s=1000),
+    )
+    done = await wait_for_job(operator, long, timeout_s=40)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
+    assert done.tasks[0].site == "slow"
+    holding = await jobs(operator).GetJob(job_service_pb2.GetJobRequest(job_id=holder))
+    assert holding.job.state == jobs_pb2.JOB_STATE_RUNNING  # it did not wait the holder out
+    await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=holder))
