@@ -23,6 +23,7 @@ from federation.api.v1 import (
 )
 from federation.cli import explain
 from federation.cli.connection import CliError, Connection
+from federation.cli.explain import division, explain_task
 from federation.cli.follow import exit_status, follow
 from federation.cli.output import Output, output_of, show
 from federation.cli.render import (
@@ -79,6 +80,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="store_true",
         help="stream their events until they end; exit 0 if all succeeded, 3 if one failed, "
         "4 if one was cancelled",
+    )
+    submit.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the spec(s) and show where each task would go now; store nothing",
     )
     submit.set_defaults(func=cmd_submit)
     wait = jobs_sub.add_parser(
@@ -273,8 +279,12 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
         specs = load_job_specs(args.file)
     except JobSpecFileError as err:
         raise CliError(str(err)) from None
+    if args.dry_run and args.wait:
+        raise CliError("--dry-run stores nothing to wait for. To fix: give one of them")
     async with conn.channel() as channel:
         jobs = job_service_pb2_grpc.JobServiceStub(channel)
+        if args.dry_run:
+            return await _dry_run(jobs, specs, output_of(args))
         if len(specs) == 1:
             submitted = [
                 (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=specs[0]))).job
@@ -291,6 +301,23 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
             return 0
         sys.stdout.flush()
         return exit_status(await follow(jobs, [j.id for j in submitted], _printer(out)))
+
+
+async def _dry_run(
+    jobs: job_service_pb2_grpc.JobServiceStub, specs: list[jobs_pb2.JobSpec], out: Output
+) -> int:
+    """Each spec checked and placed as the federation is now; nothing is stored."""
+    replies = [
+        await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec, validate_only=True))
+        for spec in specs
+    ]
+    if out.is_data:
+        out.messages(replies)
+        return 0
+    for reply in replies:
+        show(text(f"{reply.job.spec.name}: valid; not stored. Where its tasks would go now:"))
+        show(*division(reply.placement), *(p for t in reply.placement for p in explain_task(t)))
+    return 0
 
 
 async def cmd_wait(args: argparse.Namespace, conn: Connection) -> int:

@@ -135,10 +135,16 @@ class JobManager:
                 )
 
     async def submit(
-        self, caller: Identity, specs: Sequence[jobs_pb2.JobSpec], *, batch: bool
+        self,
+        caller: Identity,
+        specs: Sequence[jobs_pb2.JobSpec],
+        *,
+        batch: bool,
+        validate_only: bool = False,
     ) -> list[jobs_pb2.Job]:
         """Validate every spec, then store all jobs in one commit (all or nothing); a single
-        job (``batch`` False) may share its commit with other callers' (``create_one``)."""
+        job (``batch`` False) may share its commit with other callers' (``create_one``).
+        ``validate_only``: the jobs as they would be stored, and nothing stored."""
         started_ns = tracing.now_ns()
         if len(specs) > MAX_BATCH:
             raise InvalidArgumentError(
@@ -197,6 +203,8 @@ class JobManager:
                 ]
             )
         self._check_unfinished(jobs)
+        if validate_only:
+            return jobs
         try:
             if batch or len(jobs) != 1:
                 await self._jobs.create(jobs, batch=batch)

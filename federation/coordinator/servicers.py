@@ -160,9 +160,14 @@ class JobServicer(job_grpc.JobServiceServicer):
     async def SubmitJob(
         self, request: job_pb.SubmitJobRequest, context: Context
     ) -> job_pb.SubmitJobResponse:
-        manager = self._current().manager
-        (job,) = await manager.submit(current_caller(), [request.spec], batch=False)
-        return job_pb.SubmitJobResponse(job=job)
+        services = self._current()
+        (job,) = await services.manager.submit(
+            current_caller(), [request.spec], batch=False, validate_only=request.validate_only
+        )
+        if not request.validate_only:
+            return job_pb.SubmitJobResponse(job=job)
+        await services.scheduler.evaluate_selectors(job)
+        return job_pb.SubmitJobResponse(job=job, placement=services.scheduler.explain(job))
 
     async def SubmitJobs(
         self, request: job_pb.SubmitJobsRequest, context: Context

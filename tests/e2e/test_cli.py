@@ -281,3 +281,36 @@ def test_an_operators_cancel_ends_a_wait_with_4(
         assert waiting.wait(30) == 4
     finally:
         waiting.kill()
+
+
+def test_a_dry_run_says_where_a_job_would_go_and_stores_nothing(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    spec = tmp_path / "job.json"
+    job = {
+        "name": "dry",
+        "tasks": [
+            {
+                "name": "t",
+                "command": ["true"],
+                "resources": {"accelerator": {"kind": "NPU", "count": 1}},
+            }
+        ],
+    }
+    spec.write_text(json.dumps(job))
+    before = json.loads(fedctl(federation, "--json", "jobs", "list", "--limit", "1000").stdout)
+    dry = fedctl(federation, "jobs", "submit", str(spec), "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert "dry: valid; not stored" in dry.stdout
+    assert "edge-a" in dry.stdout  # the only site with NPUs
+    data = json.loads(fedctl(federation, "--json", "jobs", "submit", str(spec), "--dry-run").stdout)
+    (placement,) = data[0]["placement"]
+    assert placement["task"] == "t"
+    assert [s["site"] for s in placement["sites"] if s["feasible"]] == ["edge-a"]
+    after = json.loads(fedctl(federation, "--json", "jobs", "list", "--limit", "1000").stdout)
+    assert len(after) == len(before)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"name": "dry", "tasks": [{"name": "t", "command": []}]}))
+    refused = fedctl(federation, "jobs", "submit", str(bad), "--dry-run")
+    assert refused.returncode == 1
+    assert "spec.tasks[0].command" in refused.stderr

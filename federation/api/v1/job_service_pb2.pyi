@@ -66,16 +66,20 @@ class SubmitJobRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SPEC_FIELD_NUMBER: _builtins.int
+    VALIDATE_ONLY_FIELD_NUMBER: _builtins.int
+    validate_only: _builtins.bool
+    """Check the spec and say where each task would go now, storing nothing (fedctl --dry-run)."""
     @_builtins.property
     def spec(self) -> _jobs_pb2.JobSpec: ...
     def __init__(
         self,
         *,
         spec: _jobs_pb2.JobSpec | None = ...,
+        validate_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec", "validate_only", b"validate_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -86,16 +90,24 @@ class SubmitJobResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOB_FIELD_NUMBER: _builtins.int
+    PLACEMENT_FIELD_NUMBER: _builtins.int
     @_builtins.property
-    def job(self) -> _jobs_pb2.Job: ...
+    def job(self) -> _jobs_pb2.Job:
+        """With validate_only, the job as it would be stored (it is not)."""
+
+    @_builtins.property
+    def placement(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.TaskExplanation]:
+        """With validate_only: every task's placement as the federation is now, as ExplainJob has it."""
+
     def __init__(
         self,
         *,
         job: _jobs_pb2.Job | None = ...,
+        placement: _abc.Iterable[_jobs_pb2.TaskExplanation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["job", b"job", "placement", b"placement"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
