@@ -20,7 +20,7 @@ ENDED = frozenset(
 
 
 async def follow(
-    stub: job_service_pb2_grpc.JobServiceStub,
+    stub: job_service_pb2_grpc.JobServiceAsyncStub,
     job_ids: Collection[str],
     on_event: Callable[[jobs_pb2.JobEvent], None],
 ) -> dict[str, int]:

@@ -304,7 +304,7 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
 
 
 async def _dry_run(
-    jobs: job_service_pb2_grpc.JobServiceStub, specs: list[jobs_pb2.JobSpec], out: Output
+    jobs: job_service_pb2_grpc.JobServiceAsyncStub, specs: list[jobs_pb2.JobSpec], out: Output
 ) -> int:
     """Each spec checked and placed as the federation is now; nothing is stored."""
     replies = [
@@ -327,7 +327,7 @@ async def cmd_wait(args: argparse.Namespace, conn: Connection) -> int:
         return exit_status(await follow(stub, ids, _printer(output_of(args))))
 
 
-async def _full_id(stub: job_service_pb2_grpc.JobServiceStub, job_id: str) -> str:
+async def _full_id(stub: job_service_pb2_grpc.JobServiceAsyncStub, job_id: str) -> str:
     """The id events carry (a tenant's own short id names its job too)."""
     return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.id
 
