@@ -1,0 +1,71 @@
+"""Every job file in examples/jobs/ runs as it is on the demo's federation (the sites of
+``fedctl demo``): batch jobs succeed, the service's replicas come up ready."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from federation.api.v1 import (
+    job_service_pb2,
+    jobs_pb2,
+    serving_service_pb2,
+    serving_service_pb2_grpc,
+)
+from federation.cli.demo import DEMO_SITES
+from federation.jobspec import load_job_specs
+from federation.local import LocalFederation
+
+from .conftest import jobs, running, until, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-examples")
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
+BATCH = sorted(p.name for p in EXAMPLES.glob("*.yaml") if p.name != "service.yaml")
+
+
+@pytest.fixture(scope="module")
+def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    with running(tmp_path_factory.mktemp("examples"), DEMO_SITES) as fed:
+        yield fed
+
+
+async def submit(channel: grpc.aio.Channel, name: str) -> jobs_pb2.Job:
+    (spec,) = load_job_specs(EXAMPLES / name)
+    return (await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec))).job
+
+
+def test_every_example_is_run_here() -> None:
+    assert {"cpu-job.yaml", "gpu-gang.yaml", "pipeline.yaml", "checkpointed.yaml"} <= set(BATCH)
+
+
+@pytest.mark.parametrize("name", BATCH)
+async def test_a_batch_example_succeeds(federation: LocalFederation, name: str) -> None:
+    async with federation.operator().channel() as channel:
+        job = await wait_for_job(channel, (await submit(channel, name)).id)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    if name == "gpu-gang.yaml":
+        assert "CUDA_VISIBLE_DEVICES=" in job.tasks[0].output_tail
+    if name == "pipeline.yaml":
+        assert job.tasks[0].site == "edge-shanghai"
+    if name == "checkpointed.yaml":
+        assert "/checkpoints/step-" in job.tasks[0].checkpoint.path
+
+
+async def test_the_service_example_comes_up_ready(federation: LocalFederation) -> None:
+    async with federation.operator().channel() as channel:
+        job = await submit(channel, "service.yaml")
+        serving = serving_service_pb2_grpc.ServingServiceStub(channel)
+        request = serving_service_pb2.ListEndpointsRequest(job_id=job.id)
+
+        async def ready() -> bool:
+            reply = await serving.ListEndpoints(request)
+            return sum(e.ready for e in reply.endpoints) == 2
+
+        await until(ready, "both replicas of the example service to be ready", timeout_s=30)
+        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=job.id))
+        ended = await wait_for_job(channel, job.id)
+    assert ended.state == jobs_pb2.JOB_STATE_CANCELLED
