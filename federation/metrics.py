@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from federation.config import ConfigError
 
@@ -88,57 +93,73 @@ DEVICE_BOOKED = Gauge(
 # Coordinator: what the views of the sites with a live session add up to, per site and in all.
 # Device states overlap: ``total`` counts every device, ``healthy`` those fit for work,
 # ``booked`` the device-equivalents tasks hold (whole devices and shares of shareable ones),
-# ``measured`` those with a reading of their use (discovered hardware, not declared).
-DEVICES = Gauge(
+# ``measured`` those with a reading of their use (discovered hardware, not declared). These are
+# computed when scraped (``AGGREGATES``), from sums the coordinator keeps as views change.
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeFamily:
+    """A gauge the coordinator computes when scraped, rather than sets as things change."""
+
+    name: str
+    documentation: str
+    labels: tuple[str, ...] = ()
+
+    def family(self) -> GaugeMetricFamily:
+        """An empty family of this gauge, to add samples to."""
+        return GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+
+
+DEVICES = GaugeFamily(
     "federation_devices",
     "Devices of the connected sites by kind and model (state: total, healthy, booked, measured)",
-    ["kind", "model", "state"],
+    ("kind", "model", "state"),
 )
-DEVICE_USE_MEAN = Gauge(
+DEVICE_USE_MEAN = GaugeFamily(
     "federation_device_utilization_mean",
     "Measured compute use averaged over the devices with a reading, in [0, 1]",
-    ["kind", "model"],
+    ("kind", "model"),
 )
-CPU_CORES = Gauge(
+CPU_CORES = GaugeFamily(
     "federation_cpu_cores",
     "CPU cores of the connected sites (state: total, booked, measured: of nodes with a reading,"
     " used: measured use times cores; used / measured is the mean use)",
-    ["state"],
+    ("state",),
 )
-TASKS = Gauge(
+TASKS = GaugeFamily(
     "federation_tasks",
     "Tasks the connected sites' local schedulers hold, as their views say (pending, running)",
-    ["state"],
+    ("state",),
 )
-SITE_DEVICES = Gauge(
+SITE_DEVICES = GaugeFamily(
     "federation_site_devices",
     "Devices of a connected site (state: total, healthy, booked, measured)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_DEVICE_USE_MEAN = Gauge(
+SITE_DEVICE_USE_MEAN = GaugeFamily(
     "federation_site_device_utilization_mean",
     "Measured compute use averaged over the site's devices with a reading, in [0, 1]",
-    ["site"],
+    ("site",),
 )
-SITE_CPU_CORES = Gauge(
+SITE_CPU_CORES = GaugeFamily(
     "federation_site_cpu_cores",
     "CPU cores of a connected site (state: total, booked, measured, used)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_CPU_USE_MEAN = Gauge(
+SITE_CPU_USE_MEAN = GaugeFamily(
     "federation_site_cpu_utilization_mean",
     "Measured CPU use of the site's nodes with a reading, weighted by cores, in [0, 1]",
-    ["site"],
+    ("site",),
 )
-SITE_TASKS = Gauge(
+SITE_TASKS = GaugeFamily(
     "federation_site_tasks",
     "Tasks the site's local scheduler holds (pending, running)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_QUEUE_WAIT = Gauge(
-    "federation_site_queue_wait_seconds", "The site's estimate of a new task's wait", ["site"]
+SITE_QUEUE_WAIT = GaugeFamily(
+    "federation_site_queue_wait_seconds", "The site's estimate of a new task's wait", ("site",)
 )
-AGGREGATE_GAUGES = (
+AGGREGATE_FAMILIES = (
     DEVICES,
     DEVICE_USE_MEAN,
     CPU_CORES,
@@ -150,7 +171,25 @@ AGGREGATE_GAUGES = (
     SITE_TASKS,
     SITE_QUEUE_WAIT,
 )
-"""The gauges ``coordinator.aggregates.FederationAggregates`` keeps."""
+
+
+class AggregateCollector(Collector):
+    """Serves the ``AGGREGATE_FAMILIES`` from whatever ``source`` the coordinator's current
+    term set (``coordinator.aggregates.FederationAggregates``); none before it does."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], Iterable[Metric]] | None = None
+
+    def describe(self) -> Iterable[Metric]:
+        return [spec.family() for spec in AGGREGATE_FAMILIES]
+
+    def collect(self) -> Iterable[Metric]:
+        source = self.source
+        return source() if source is not None else []
+
+
+AGGREGATES = AggregateCollector()
+REGISTRY.register(AGGREGATES)
 DEVICE_STATES = ("total", "healthy", "booked", "measured")
 CPU_STATES = ("total", "booked", "measured", "used")
 TASK_STATES = ("pending", "running")

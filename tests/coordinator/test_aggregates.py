@@ -12,7 +12,7 @@ from federation.api.v1 import admin_service_pb2, resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.sites import SiteRegistry, SiteSession
 from federation.errors import FailedPreconditionError
-from federation.metrics import AGGREGATE_GAUGES
+from federation.metrics import AGGREGATES
 from federation.store import SqliteStore
 
 GPU, NPU = resources_pb2.DEVICE_KIND_GPU, resources_pb2.DEVICE_KIND_NPU
@@ -185,8 +185,7 @@ def aggregate_samples() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """Every sample of the federation-wide gauges, by name and labels."""
     return {
         (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-        for gauge in AGGREGATE_GAUGES
-        for family in gauge.collect()
+        for family in AGGREGATES.collect()
         for sample in family.samples
     }
 
