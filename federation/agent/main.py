@@ -190,16 +190,20 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
-    # First of all: a second agent on this state folder stops here, before it redeems a token,
-    # takes the session or adopts a task (held until the process ends, however it ends).
+    made = config.state_dir.exists()
+    if config.metrics_listen and not made:  # a taken port refuses with nothing written
+        serve_metrics(config.metrics_listen)
+    # A second agent on this state folder stops here, naming the first, before it reads or
+    # writes anything there (a folder not made yet holds no agent): before it redeems a token,
+    # takes the session or adopts a task. Held until the process ends, however it ends.
     with hold_state_dir(config.state_dir):
+        if config.metrics_listen and made:
+            serve_metrics(config.metrics_listen)
         return await _serve(config, factory)
 
 
 async def _serve(config: AgentConfig, factory: CoreFactory) -> int:
     """The agent, its state folder held, until SIGINT/SIGTERM or a refused session."""
-    if config.metrics_listen:  # before enrolling: a taken port refuses with nothing enrolled
-        serve_metrics(config.metrics_listen)
     if config.otlp_endpoint:
         tracing.configure(config.otlp_endpoint, config.otlp_service, instance=config.site)
     creds = await ensure_enrolled(config)
