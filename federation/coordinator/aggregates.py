@@ -22,6 +22,7 @@ from federation.api.v1 import resources_pb2
 from federation.coordinator.live_view import NodeChange
 from federation.jobspec import short_name
 from federation.metrics import (
+    AGGREGATE_FAMILIES,
     AGGREGATES,
     CPU_CORES,
     CPU_STATES,
@@ -227,49 +228,31 @@ class FederationAggregates:
 
     def families(self) -> list[Metric]:
         """Every series, from the sums as they are (called by a scrape, in its thread)."""
-        devices, cpu, site_devices = DEVICES.family(), CPU_CORES.family(), SITE_DEVICES.family()
-        use, tasks, site_use = (
-            DEVICE_USE_MEAN.family(),
-            TASKS.family(),
-            SITE_DEVICE_USE_MEAN.family(),
-        )
-        site_cpu, site_cpu_use = SITE_CPU_CORES.family(), SITE_CPU_USE_MEAN.family()
-        site_tasks, site_wait = SITE_TASKS.family(), SITE_QUEUE_WAIT.family()
+        out = {spec: spec.family() for spec in AGGREGATE_FAMILIES}
         for (kind, model), kept in list(self._all.devices.items()):
             sums = list(kept)
             for state, value in zip(DEVICE_STATES, sums, strict=False):
-                devices.add_metric([kind, model, state], max(0.0, value))
+                out[DEVICES].add_metric([kind, model, state], max(0.0, value))
             if sums[_MEASURED] >= 0.5:
-                use.add_metric([kind, model], sums[_USE] / sums[_MEASURED])
+                out[DEVICE_USE_MEAN].add_metric([kind, model], sums[_USE] / sums[_MEASURED])
         if self._counted:
             for state, value in zip(CPU_STATES, list(self._all.cpu), strict=True):
-                cpu.add_metric([state], max(0.0, value))
+                out[CPU_CORES].add_metric([state], max(0.0, value))
             for state, value in zip(TASK_STATES, list(self._tasks), strict=True):
-                tasks.add_metric([state], value)
+                out[TASKS].add_metric([state], value)
         for name, entry in list(self._sites.items()):
             columns = [list(sums) for sums in list(entry.sums.devices.values())]
             totals = [math.fsum(column) for column in zip(_zeros(), *columns, strict=True)]
             for state, value in zip(DEVICE_STATES, totals, strict=False):
-                site_devices.add_metric([name, state], value)
+                out[SITE_DEVICES].add_metric([name, state], value)
             if totals[_MEASURED] > 0:
-                site_use.add_metric([name], totals[_USE] / totals[_MEASURED])
-            site_cores = list(entry.sums.cpu)
-            for state, value in zip(CPU_STATES, site_cores, strict=True):
-                site_cpu.add_metric([name, state], value)
-            if site_cores[2] > 0:
-                site_cpu_use.add_metric([name], site_cores[3] / site_cores[2])
+                out[SITE_DEVICE_USE_MEAN].add_metric([name], totals[_USE] / totals[_MEASURED])
+            cores = list(entry.sums.cpu)
+            for state, value in zip(CPU_STATES, cores, strict=True):
+                out[SITE_CPU_CORES].add_metric([name, state], value)
+            if cores[2] > 0:
+                out[SITE_CPU_USE_MEAN].add_metric([name], cores[3] / cores[2])
             for state, value in zip(TASK_STATES, entry.tasks, strict=True):
-                site_tasks.add_metric([name, state], value)
-            site_wait.add_metric([name], entry.wait_s)
-        return [
-            devices,
-            use,
-            cpu,
-            tasks,
-            site_devices,
-            site_use,
-            site_cpu,
-            site_cpu_use,
-            site_tasks,
-            site_wait,
-        ]
+                out[SITE_TASKS].add_metric([name, state], value)
+            out[SITE_QUEUE_WAIT].add_metric([name], entry.wait_s)
+        return list(out.values())
