@@ -66,8 +66,13 @@ def view(site: str) -> resources_pb2.SiteView:
 
 
 def metric(port: int, name: str) -> float:
-    """One sample of the coordinator's Prometheus metrics, by its full name and labels."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    """One sample of the coordinator's Prometheus metrics, by its full name and labels. Only
+    its own series are asked for: the whole page costs the coordinator 50-60 us per site (its
+    per-site gauges; 60 ms at 1,000 sites), which polled as often as here would weigh more
+    than what is measured."""
+    series = name.partition("{")[0]
+    url = f"http://127.0.0.1:{port}/metrics?name[]={series}"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
     for line in text.splitlines():
         if line.startswith(name + " "):
             return float(line.split()[-1])
@@ -128,14 +133,15 @@ class Site:
 
 
 async def wait_for(port: int, kind: str, target: float, sites: int) -> None:
-    """Poll the coordinator's counter (another process: nothing to await but its metrics);
-    fail if it dropped a site, whose messages would then never all arrive."""
+    """Poll the coordinator's counter (another process: nothing to await but its metrics)
+    every 10 ms (a phase of 4,000 heartbeats lasts about 80 ms); fail if it dropped a site,
+    whose messages would then never all arrive."""
     while True:
         if counter(port, kind) >= target:
             return
         if metric(port, "federation_sites_connected") < sites:
             raise RuntimeError(f"the coordinator dropped sites while {kind} messages were sent")
-        await asyncio.sleep(0.05)
+        await asyncio.sleep(0.01)
 
 
 async def measure(n_sites: int, deltas: int) -> dict[str, float]:

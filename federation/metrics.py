@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, Metric, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
-from federation.api.v1 import resources_pb2
 from federation.config import ConfigError
 
 JOBS_SUBMITTED = Counter("federation_jobs_submitted_total", "Jobs accepted by the coordinator")
@@ -93,57 +93,73 @@ DEVICE_BOOKED = Gauge(
 # Coordinator: what the views of the sites with a live session add up to, per site and in all.
 # Device states overlap: ``total`` counts every device, ``healthy`` those fit for work,
 # ``booked`` the device-equivalents tasks hold (whole devices and shares of shareable ones),
-# ``measured`` those with a reading of their use (discovered hardware, not declared).
-DEVICES = Gauge(
+# ``measured`` those with a reading of their use (discovered hardware, not declared). These are
+# computed when scraped (``AGGREGATES``), from sums the coordinator keeps as views change.
+
+
+@dataclass(frozen=True, slots=True)
+class GaugeFamily:
+    """A gauge the coordinator computes when scraped, rather than sets as things change."""
+
+    name: str
+    documentation: str
+    labels: tuple[str, ...] = ()
+
+    def family(self) -> GaugeMetricFamily:
+        """An empty family of this gauge, to add samples to."""
+        return GaugeMetricFamily(self.name, self.documentation, labels=self.labels)
+
+
+DEVICES = GaugeFamily(
     "federation_devices",
     "Devices of the connected sites by kind and model (state: total, healthy, booked, measured)",
-    ["kind", "model", "state"],
+    ("kind", "model", "state"),
 )
-DEVICE_USE_MEAN = Gauge(
+DEVICE_USE_MEAN = GaugeFamily(
     "federation_device_utilization_mean",
     "Measured compute use averaged over the devices with a reading, in [0, 1]",
-    ["kind", "model"],
+    ("kind", "model"),
 )
-CPU_CORES = Gauge(
+CPU_CORES = GaugeFamily(
     "federation_cpu_cores",
     "CPU cores of the connected sites (state: total, booked, measured: of nodes with a reading,"
     " used: measured use times cores; used / measured is the mean use)",
-    ["state"],
+    ("state",),
 )
-TASKS = Gauge(
+TASKS = GaugeFamily(
     "federation_tasks",
     "Tasks the connected sites' local schedulers hold, as their views say (pending, running)",
-    ["state"],
+    ("state",),
 )
-SITE_DEVICES = Gauge(
+SITE_DEVICES = GaugeFamily(
     "federation_site_devices",
     "Devices of a connected site (state: total, healthy, booked, measured)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_DEVICE_USE_MEAN = Gauge(
+SITE_DEVICE_USE_MEAN = GaugeFamily(
     "federation_site_device_utilization_mean",
     "Measured compute use averaged over the site's devices with a reading, in [0, 1]",
-    ["site"],
+    ("site",),
 )
-SITE_CPU_CORES = Gauge(
+SITE_CPU_CORES = GaugeFamily(
     "federation_site_cpu_cores",
     "CPU cores of a connected site (state: total, booked, measured, used)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_CPU_USE_MEAN = Gauge(
+SITE_CPU_USE_MEAN = GaugeFamily(
     "federation_site_cpu_utilization_mean",
     "Measured CPU use of the site's nodes with a reading, weighted by cores, in [0, 1]",
-    ["site"],
+    ("site",),
 )
-SITE_TASKS = Gauge(
+SITE_TASKS = GaugeFamily(
     "federation_site_tasks",
     "Tasks the site's local scheduler holds (pending, running)",
-    ["site", "state"],
+    ("site", "state"),
 )
-SITE_QUEUE_WAIT = Gauge(
-    "federation_site_queue_wait_seconds", "The site's estimate of a new task's wait", ["site"]
+SITE_QUEUE_WAIT = GaugeFamily(
+    "federation_site_queue_wait_seconds", "The site's estimate of a new task's wait", ("site",)
 )
-_AGGREGATES = (
+AGGREGATE_FAMILIES = (
     DEVICES,
     DEVICE_USE_MEAN,
     CPU_CORES,
@@ -155,163 +171,28 @@ _AGGREGATES = (
     SITE_TASKS,
     SITE_QUEUE_WAIT,
 )
-DEVICE_STATES = ("total", "healthy", "booked", "measured")
-CPU_STATES = ("total", "booked", "measured", "used")
-_USABLE = (resources_pb2.DEVICE_HEALTH_HEALTHY, resources_pb2.DEVICE_HEALTH_UNSPECIFIED)
-"""Health fit for work, as placement reads it."""
-_DeviceKey = tuple[str, str]
-"""(kind, model)."""
 
 
-def _sums() -> list[float]:
-    """Per (kind, model): the DEVICE_STATES in order, then the sum of the measured use."""
-    return [0.0] * (len(DEVICE_STATES) + 1)
-
-
-@dataclass(slots=True)
-class _Tally:
-    """What one site's view adds up to."""
-
-    devices: dict[_DeviceKey, list[float]] = field(default_factory=dict)
-    cpu: list[float] = field(default_factory=lambda: [0.0] * len(CPU_STATES))
-    """The CPU_STATES in order."""
-    tasks: tuple[float, float] = (0.0, 0.0)
-    """Pending, running."""
-    wait_s: float = 0.0
-
-
-def _tally_nodes(nodes: Iterable[resources_pb2.Node], tally: _Tally) -> None:
-    for node in nodes:
-        cpu = tally.cpu
-        cpu[0] += node.cpu_cores
-        cpu[1] += max(0.0, node.cpu_cores - node.cpu_free)
-        if node.measured.measured_at:
-            cpu[2] += node.cpu_cores
-            cpu[3] += node.measured.compute * node.cpu_cores
-        for device in node.devices:
-            kind = resources_pb2.DeviceKind.Name(device.kind).removeprefix("DEVICE_KIND_")
-            sums = tally.devices.setdefault((kind, device.model), _sums())
-            sums[0] += 1
-            sums[1] += device.health in _USABLE
-            sums[2] += 1.0 if device.allocated else _shared_out(device)
-            if device.measured.measured_at:
-                sums[3] += 1
-                sums[4] += device.measured.compute
-
-
-def _shared_out(device: resources_pb2.Device) -> float:
-    """The share of a shareable device that tasks hold as fractions."""
-    return min(1.0, max(0.0, 1.0 - device.free_fraction)) if device.shareable else 0.0
-
-
-class FederationAggregates:
-    """The coordinator's federation-wide gauges, kept from the site views it holds.
-
-    Each change costs what the changed site's view holds (its nodes when they changed, else
-    only its queue), never a walk over every site: the federation's sums move by the
-    difference between the site's old tally and its new one. A new instance (a new term of
-    leadership) starts from nothing.
-    """
+class AggregateCollector(Collector):
+    """Serves the ``AGGREGATE_FAMILIES`` from whatever ``source`` the coordinator's current
+    term set (``coordinator.aggregates.FederationAggregates``); none before it does."""
 
     def __init__(self) -> None:
-        for gauge in _AGGREGATES:
-            gauge.clear()
-        self._sites: dict[str, _Tally] = {}
-        self._devices: dict[_DeviceKey, list[float]] = {}
-        self._cpu = [0.0] * len(CPU_STATES)
-        self._tasks = [0.0, 0.0]
+        self.source: Callable[[], Iterable[Metric]] | None = None
 
-    def site_view(
-        self,
-        site: str,
-        nodes: Iterable[resources_pb2.Node] | None,
-        queue: resources_pb2.QueueState,
-    ) -> None:
-        """A connected site's view changed; ``nodes`` None: its nodes did not."""
-        old = self._sites.get(site) or _Tally()
-        new = _Tally(
-            tasks=(queue.pending_tasks, queue.running_tasks), wait_s=queue.estimated_wait_s
-        )
-        if nodes is None:
-            new.devices, new.cpu = old.devices, old.cpu
-        else:
-            _tally_nodes(nodes, new)
-        self._replace(site, old, new)
-        self._sites[site] = new
+    def describe(self) -> Iterable[Metric]:
+        return [spec.family() for spec in AGGREGATE_FAMILIES]
 
-    def site_gone(self, site: str) -> None:
-        """The site has no session any more: it counts no longer."""
-        old = self._sites.pop(site, None)
-        if old is not None:
-            self._replace(site, old, None)
-        if not self._sites:
-            self._cpu = [0.0] * len(CPU_STATES)  # no rounding drift outlives the last site
-
-    def _replace(self, site: str, old: _Tally, new: _Tally | None) -> None:
-        after = new or _Tally()
-        if after.devices is not old.devices:
-            for key in old.devices.keys() | after.devices.keys():
-                self._move_devices(key, old.devices.get(key), after.devices.get(key))
-        if after.cpu is not old.cpu:
-            for i, (was, now) in enumerate(zip(old.cpu, after.cpu, strict=True)):
-                self._cpu[i] += now - was
-            for state, value in zip(CPU_STATES, self._cpu, strict=True):
-                CPU_CORES.labels(state).set(max(0.0, value))
-        for i, state in enumerate(("pending", "running")):
-            self._tasks[i] += after.tasks[i] - old.tasks[i]
-            TASKS.labels(state).set(self._tasks[i])
-        _set_site(site, new)
-
-    def _move_devices(
-        self, key: _DeviceKey, was: list[float] | None, now: list[float] | None
-    ) -> None:
-        sums = self._devices.setdefault(key, _sums())
-        for i, value in enumerate(now or _sums()):
-            sums[i] += value - (was[i] if was else 0.0)
-        if sums[0] < 0.5:  # none left: the series go, and any rounding drift with them
-            del self._devices[key]
-            for state in DEVICE_STATES:
-                DEVICES.remove(*key, state)
-            DEVICE_USE_MEAN.remove(*key)
-            return
-        for state, value in zip(DEVICE_STATES, sums, strict=False):
-            DEVICES.labels(*key, state).set(max(0.0, value))
-        if sums[3] >= 0.5:
-            DEVICE_USE_MEAN.labels(*key).set(sums[4] / sums[3])
-        else:
-            DEVICE_USE_MEAN.remove(*key)
+    def collect(self) -> Iterable[Metric]:
+        source = self.source
+        return source() if source is not None else []
 
 
-def _set_site(site: str, tally: _Tally | None) -> None:
-    """The site's own series (few: they cost nothing to set again), or none once it is gone."""
-    if tally is None:
-        for state in DEVICE_STATES:
-            SITE_DEVICES.remove(site, state)
-        for state in CPU_STATES:
-            SITE_CPU_CORES.remove(site, state)
-        for state in ("pending", "running"):
-            SITE_TASKS.remove(site, state)
-        for gauge in (SITE_DEVICE_USE_MEAN, SITE_CPU_USE_MEAN, SITE_QUEUE_WAIT):
-            gauge.remove(site)
-        return
-    devices = [math.fsum(column) for column in zip(_sums(), *tally.devices.values(), strict=True)]
-    for state, value in zip(DEVICE_STATES, devices, strict=False):
-        SITE_DEVICES.labels(site, state).set(value)
-    _set_or_remove(SITE_DEVICE_USE_MEAN, site, devices[4], devices[3])
-    for state, value in zip(CPU_STATES, tally.cpu, strict=True):
-        SITE_CPU_CORES.labels(site, state).set(value)
-    _set_or_remove(SITE_CPU_USE_MEAN, site, tally.cpu[3], tally.cpu[2])
-    SITE_TASKS.labels(site, "pending").set(tally.tasks[0])
-    SITE_TASKS.labels(site, "running").set(tally.tasks[1])
-    SITE_QUEUE_WAIT.labels(site).set(tally.wait_s)
-
-
-def _set_or_remove(gauge: Gauge, site: str, part: float, whole: float) -> None:
-    """A mean, or no series while nothing has a reading."""
-    if whole > 0:
-        gauge.labels(site).set(part / whole)
-    else:
-        gauge.remove(site)
+AGGREGATES = AggregateCollector()
+REGISTRY.register(AGGREGATES)
+DEVICE_STATES = ("total", "healthy", "booked", "measured")
+CPU_STATES = ("total", "booked", "measured", "used")
+TASK_STATES = ("pending", "running")
 
 
 def serve_metrics(listen: str) -> int:

@@ -19,6 +19,7 @@ import pytest
 from federation.agent.config import AgentConfig
 from federation.agent.main import load_config as load_agent_config
 from federation.agent.main import parse_args as parse_agent_args
+from federation.agent.state_lock import hold_state_dir
 from federation.config import ConfigError
 from federation.coordinator.__main__ import load_config, parse_args
 from federation.coordinator.config import CoordinatorConfig
@@ -189,6 +190,23 @@ def test_a_metrics_port_in_use_is_one_line(tmp_path: Path, taken_port: int, modu
     [line] = done.stderr.splitlines()
     assert f"metrics_listen 127.0.0.1:{taken_port}: cannot listen" in line
     assert not written.exists()
+
+
+def test_a_held_state_folder_is_named_before_a_taken_metrics_port(
+    tmp_path: Path, taken_port: int
+) -> None:
+    """A second agent on a state folder says so, naming the first, though the first also holds
+    the metrics port they were both given."""
+    config = tmp_path / "agent.toml"
+    config.write_text(f'{AGENT}discover_host = false\nmetrics_listen = "127.0.0.1:{taken_port}"\n')
+    with hold_state_dir(tmp_path / "state"):
+        done = run("edge_agent", config)
+    assert done.returncode == 2, done.stderr
+    [line] = done.stderr.splitlines()
+    assert line.startswith(
+        f"fed-edge-agent: another agent (pid {os.getpid()}) is already running on state folder "
+        f"{tmp_path / 'state'}. "
+    )
 
 
 @pytest.mark.parametrize("module", ["federation.coordinator", "edge_agent", "datacenter_agent"])

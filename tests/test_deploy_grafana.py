@@ -80,10 +80,11 @@ def variable_query_names(query: str) -> set[str]:
 
 def exported() -> set[str]:
     """Every series name federation/metrics.py's collectors expose, from the collectors
-    themselves: a Counter adds ``_total``, a Histogram ``_bucket``, ``_sum`` and ``_count``."""
+    themselves (the gauges computed when scraped too): a Counter adds ``_total``, a Histogram
+    ``_bucket``, ``_sum`` and ``_count``."""
     names = set()
     for collector in vars(metrics).values():
-        if not isinstance(collector, MetricWrapperBase):
+        if not isinstance(collector, MetricWrapperBase | metrics.AggregateCollector):
             continue
         for family in collector.describe():
             names.update(family.name + suffix for suffix in SUFFIXES[family.type])

@@ -33,6 +33,7 @@ from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.owner_share import check_owner_share, owner_share
 from federation.agent.renewal import CertificateRenewer
 from federation.agent.runtime import AgentRejectedError, AgentRuntime, CertificateExpiredError
+from federation.agent.state_lock import StateDirLockedError, hold_state_dir
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
 from federation.logging import LEVELS, configure_logging
@@ -192,8 +193,20 @@ async def run(config: AgentConfig, cores: Mapping[str, CoreFactory] | None = Non
             f"{', '.join(factories)}). To fix: run fed-datacenter-agent for Slurm sites"
         )
     os.umask(0o077)  # what the agent writes (journal, work folders) is its own
-    if config.metrics_listen:  # before enrolling: a taken port refuses with nothing written
+    made = config.state_dir.exists()
+    if config.metrics_listen and not made:  # a taken port refuses with nothing written
         serve_metrics(config.metrics_listen)
+    # A second agent on this state folder stops here, naming the first, before it reads or
+    # writes anything there (a folder not made yet holds no agent): before it redeems a token,
+    # takes the session or adopts a task. Held until the process ends, however it ends.
+    with hold_state_dir(config.state_dir):
+        if config.metrics_listen and made:
+            serve_metrics(config.metrics_listen)
+        return await _serve(config, factory)
+
+
+async def _serve(config: AgentConfig, factory: CoreFactory) -> int:
+    """The agent, its state folder held, until SIGINT/SIGTERM or a refused session."""
     if config.otlp_endpoint:
         tracing.configure(config.otlp_endpoint, config.otlp_service, instance=config.site)
     log.info("agent_starting", version=__version__, site=config.site, scheduler=config.scheduler)
@@ -299,6 +312,12 @@ def run_agent(
     try:
         config = load_config(args, domain)
         sys.exit(asyncio.run(run(config, cores)))
-    except (ConfigError, InventoryError, EnrollmentError, AgentRejectedError) as err:
+    except (
+        ConfigError,
+        InventoryError,
+        EnrollmentError,
+        AgentRejectedError,
+        StateDirLockedError,
+    ) as err:
         print(f"{prog}: {err}", file=sys.stderr)
         sys.exit(2)

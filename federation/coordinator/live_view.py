@@ -13,11 +13,27 @@ the stream message it came in (upb frees nothing of a message until all of it go
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from federation.api.v1 import resources_pb2
 from federation.placement.snapshot import SitePart, site_part
 
 COMPACT_SHARE = 4
 """Nodes are gathered into one message again once more than 1/COMPACT_SHARE have changed."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeChange:
+    """One node a delta names: as it was and as it is (None: not there, or not any more),
+    and of its devices, those that changed (``device_changes``)."""
+
+    was: resources_pb2.Node | None
+    now: resources_pb2.Node | None
+    gone: Sequence[resources_pb2.Device]
+    """The devices of ``was`` that changed or went."""
+    came: Sequence[resources_pb2.Device]
+    """The devices of ``now`` that changed or came."""
 
 
 class LiveView:
@@ -76,6 +92,15 @@ class LiveView:
     def node(self, name: str) -> resources_pb2.Node | None:
         return self._nodes.get(name)
 
+    def changes(self, delta: resources_pb2.SiteViewDelta) -> list[NodeChange]:
+        """What ``delta`` changes of the nodes it names, read before it is applied."""
+        after = {node.name: node for node in delta.upserted_nodes}  # the last of a name wins
+        out = []
+        for name in dict.fromkeys([*delta.removed_nodes, *after]):
+            was, now = self._nodes.get(name), after.get(name)
+            out.append(NodeChange(was, now, *device_changes(was, now)))
+        return out
+
     def nodes(self) -> list[resources_pb2.Node]:
         """The nodes in name order (read them, never change them)."""
         if self._sorted is None:
@@ -109,9 +134,12 @@ def room_grew(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
         return True
     if new.cpu_free > old.cpu_free or new.memory_free_mib > old.memory_free_mib:
         return True
+    came = device_changes(old, new)[1]
+    if not came:
+        return False
     before = {device.id: device for device in old.devices}
     healthy = resources_pb2.DEVICE_HEALTH_HEALTHY
-    for device in new.devices:
+    for device in came:
         was = before.get(device.id)
         if was is None or (was.allocated and not device.allocated):
             return True
@@ -124,19 +152,49 @@ def room_grew(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
     return False
 
 
-def hardware_came(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
+def hardware_came(
+    old: resources_pb2.Node | None,
+    new: resources_pb2.Node,
+    came: Sequence[resources_pb2.Device] | None = None,
+) -> bool:
     """Whether ``new`` has devices, health or labels that ``old`` (the same node before) had
     not: a task that no site had the hardware for may fit now, where room coming free never
-    helps it (the scheduler's unfit tasks)."""
+    helps it (the scheduler's unfit tasks). ``came``: ``new``'s devices that changed, when
+    known (``device_changes``)."""
     if old is None or (new.schedulable and not old.schedulable) or new.labels != old.labels:
         return True
+    if came is None:
+        came = device_changes(old, new)[1]
+    if not came:
+        return False
     before = {device.id: device for device in old.devices}
     healthy = resources_pb2.DEVICE_HEALTH_HEALTHY
-    for device in new.devices:
+    for device in came:
         was = before.get(device.id)
         if was is None or (device.health == healthy and was.health != healthy):
             return True
     return False
+
+
+def device_changes(
+    old: resources_pb2.Node | None, new: resources_pb2.Node | None
+) -> tuple[Sequence[resources_pb2.Device], Sequence[resources_pb2.Device]]:
+    """The devices of ``old`` and of ``new`` (one node before and after a delta; None: it was
+    not there, or is no longer), less each pair equal at the same place in both. A delta that
+    changes a reading or a booking changes a device or a few, and sends the rest as they were:
+    what reads a delta need not read those again."""
+    if old is None or new is None:
+        return (old.devices if old is not None else ()), (new.devices if new is not None else ())
+    olds, news = old.devices, new.devices
+    if len(olds) != len(news):
+        return olds, news
+    gone: list[resources_pb2.Device] = []
+    came: list[resources_pb2.Device] = []
+    for was, now in zip(olds, news, strict=True):
+        if was != now:
+            gone.append(was)
+            came.append(now)
+    return gone, came
 
 
 def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Iterable, Mapping, Sequence, Sized
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -172,13 +172,22 @@ _ANSWER = _Rules(
 )
 
 
-def check_envelope(messages: Sequence[pb.AgentMessage], peer: str, *, first: bool) -> None:
+def check_envelope(
+    messages: Sequence[pb.AgentMessage],
+    peer: str,
+    *,
+    first: bool,
+    held: Callable[[str], resources_pb2.Node | None] | None = None,
+) -> None:
     """Refuse a stream write with any bad field; ``first`` for the stream's first write.
 
     Args:
         messages: The write's messages, in order.
         peer: Where the stream comes from, as gRPC names it (``ipv4:10.0.0.7:51234``).
         first: The first message is the stream's hello (named ``hello`` in field paths).
+        held: The node of this name the site's view holds, checked when it came: a device
+            of a delta's node equal to the held node's device at its place is not checked
+            again.
 
     Raises:
         InvalidArgumentError: Naming each bad field found, up to ``MAX_VIOLATIONS``.
@@ -195,7 +204,7 @@ def check_envelope(messages: Sequence[pb.AgentMessage], peer: str, *, first: boo
             if body == "hello":
                 _hello(check, message.hello, path, peer)
             elif body == "view":
-                _update(check, message.view, path, peer)
+                _update(check, message.view, path, peer, held)
             elif body == "task_status":
                 _report(check, message.task_status, path)
             elif body == "offer_answer":
@@ -314,12 +323,18 @@ def _hello(check: _Check, hello: pb.Hello, path: str, peer: str) -> None:
             _report(check, report, f"{path}.tasks[{i}]")
 
 
-def _update(check: _Check, update: pb.ViewUpdate, path: str, peer: str) -> None:
+def _update(
+    check: _Check,
+    update: pb.ViewUpdate,
+    path: str,
+    peer: str,
+    held: Callable[[str], resources_pb2.Node | None] | None,
+) -> None:
     if update.HasField("full"):
         _view(check, update.full, f"{path}.full", peer)
         return
     delta, path = update.delta, f"{path}.delta"
-    _nodes(check, delta.upserted_nodes, path, "upserted_nodes")
+    _nodes(check, delta.upserted_nodes, path, "upserted_nodes", held)
     if check.count(delta.removed_nodes, path, "removed_nodes", MAX_VIEW_NODES):
         check.texts(delta.removed_nodes, path, "removed_nodes", MAX_TEXT_CHARS)
     check.fields(delta.queue, _QUEUE, f"{path}.queue")
@@ -357,7 +372,13 @@ def _owner_share(check: _Check, share: resources_pb2.OwnerShare, path: str) -> N
                 check.add(f"{path}.keep[{_quoted(resource)}]", f"must be in [0, {MAX_FIGURE:g}]")
 
 
-def _nodes(check: _Check, nodes: Sequence[resources_pb2.Node], path: str, name: str) -> None:
+def _nodes(
+    check: _Check,
+    nodes: Sequence[resources_pb2.Node],
+    path: str,
+    name: str,
+    held: Callable[[str], resources_pb2.Node | None] | None = None,
+) -> None:
     if not check.count(nodes, path, name, MAX_VIEW_NODES):
         return
     for i, node in enumerate(nodes):
@@ -365,8 +386,13 @@ def _nodes(check: _Check, nodes: Sequence[resources_pb2.Node], path: str, name: 
         check.fields(node, _NODE, where)
         _measured(check, node.measured, node.memory_mib, f"{where}.measured")
         check.mapping(node.labels, where, "labels", MAX_LABELS, MAX_TEXT_CHARS)
-        if check.count(node.devices, where, "devices", MAX_NODE_DEVICES):
-            for j, device in enumerate(node.devices):
+        if not check.count(node.devices, where, "devices", MAX_NODE_DEVICES):
+            continue
+        before = held(node.name) if held is not None else None
+        was = before.devices if before is not None else ()
+        same_places = len(was) == len(node.devices)
+        for j, device in enumerate(node.devices):
+            if not (same_places and device == was[j]):
                 _device(check, device, f"{where}.devices[{j}]")
 
 

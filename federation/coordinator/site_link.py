@@ -194,7 +194,13 @@ class SiteLink:
             await self._handle_all(session, after_hello)
             after_hello.clear()  # parts of the first stream message: let it go (see connect)
             async for envelope in requests:
-                check_envelope(envelope.messages, session.peer, first=False)
+                view = self._sites.get(site).view
+                check_envelope(
+                    envelope.messages,
+                    session.peer,
+                    first=False,
+                    held=view.node if view is not None else None,
+                )
                 self._sites.seen(site)
                 await self._handle_all(session, envelope.messages)
         except FederationError as err:

@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
+from federation.coordinator.aggregates import FederationAggregates
 from federation.coordinator.live_view import LiveView, hardware_came
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.jobspec import domain_name, short_name
-from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE, FederationAggregates
+from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
 from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
 from federation.resources import capacity
 from federation.store import Op, Put, Store
@@ -313,36 +314,36 @@ class SiteRegistry:
             entry.view = LiveView(update.full)
             self._freed.add(site)
             self._arrived = True
+            self._aggregate(entry)
         else:
             if entry.view is None or update.generation != entry.generation + 1:
                 raise FailedPreconditionError(
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
-            view = entry.view
+            view, delta = entry.view, update.delta
+            changes = view.changes(delta)
             if not self._arrived and any(
-                hardware_came(view.node(n.name), n) for n in update.delta.upserted_nodes
+                hardware_came(c.was, c.now, c.came) for c in changes if c.now is not None
             ):
                 self._arrived = True
-            if view.apply(update.delta):
+            if view.apply(delta):
                 self._freed.add(site)
+            if entry.session is not None:
+                self._aggregates.site_delta(
+                    site, changes, view.header.queue if delta.has_queue else None
+                )
         entry.generation = update.generation
         entry.last_seen = time.monotonic()
-        delta = update.delta
-        self._aggregate(
-            entry,
-            nodes=update.HasField("full") or bool(delta.upserted_nodes or delta.removed_nodes),
-        )
         self._changed()
 
-    def _aggregate(self, entry: SiteEntry, *, nodes: bool = True) -> None:
-        """Keep the federation-wide gauges: a site counts, with its view, while it has a
-        session; ``nodes`` False: only its queue changed (a cheaper update)."""
+    def _aggregate(self, entry: SiteEntry) -> None:
+        """Keep the federation-wide gauges: a site counts, with its whole view, while it has
+        a session (a delta moves them by what it changed, in ``apply_view``)."""
         name = entry.record.name
         if entry.session is None or entry.view is None:
             self._aggregates.site_gone(name)
         else:
-            view = entry.view
-            self._aggregates.site_view(name, view.nodes() if nodes else None, view.header.queue)
+            self._aggregates.site_view(name, entry.view.nodes(), entry.view.header.queue)
 
     def owner_shares(self) -> dict[str, resources_pb2.OwnerShare]:
         """Per site whose view keeps room for its owner's tenants, that owner share."""

@@ -306,6 +306,39 @@ def test_counts_are_bounded_before_anything_is_read() -> None:
     assert set(refused(heartbeats, first=False)) == {"messages"}
 
 
+def test_a_delta_checks_the_devices_it_changed() -> None:
+    """A device of a delta's node equal to the one the site's view holds at its place passed
+    the checks when it came and is passed by; one that changed is checked, named by its place,
+    and so is every device of a node whose devices came in another number or order."""
+    held = good_view().nodes[0]
+    held.devices.add(kind=resources_pb2.DEVICE_KIND_GPU, memory_total_mib=80)
+    held.devices[0].memory_free_mib = 100  # as if it had passed: the delta's copy is not read
+    node = resources_pb2.Node()
+    node.CopyFrom(held)
+    node.cpu_free = 2
+    node.devices[1].memory_free_mib = 81
+    path = "messages[0].view.delta.upserted_nodes[0]"
+
+    def found(node: resources_pb2.Node) -> set[str]:
+        delta = resources_pb2.SiteViewDelta(upserted_nodes=[node])
+        with pytest.raises(InvalidArgumentError) as caught:
+            check_envelope(
+                [pb.AgentMessage(view=pb.ViewUpdate(delta=delta))],
+                PEER,
+                first=False,
+                held={"n": held}.get,
+            )
+        return {v.field for v in caught.value.violations}
+
+    assert found(node) == {f"{path}.devices[1].memory_free_mib"}
+    node.devices.add().CopyFrom(node.devices[1])
+    node.devices[2].memory_free_mib = 0
+    assert found(node) == {
+        f"{path}.devices[0].memory_free_mib",
+        f"{path}.devices[1].memory_free_mib",
+    }
+
+
 def test_violations_are_capped() -> None:
     """A view bad everywhere names the first MAX_VIOLATIONS fields and stops reading there."""
     view = good_view()
