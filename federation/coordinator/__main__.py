@@ -108,6 +108,10 @@ def _split(value: str | None) -> list[str] | None:
 async def serve(config: CoordinatorConfig, ready_file: Path | None) -> None:
     # The metrics port first: when it is taken, nothing (the store above all) is touched yet.
     metrics_port = serve_metrics(config.metrics_listen) if config.metrics_listen else None
+    try:  # then the CA, before the store: a PKI missing a file is one line, nothing written
+        load_issuer(config.ca_cert, config.ca_key, config.issuing_cert)
+    except (OSError, ValueError) as err:
+        raise ConfigError(str(err)) from None
     if config.otlp_endpoint:
         tracing.configure(
             config.otlp_endpoint, config.otlp_service, instance=config.advertise or config.listen
@@ -145,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         config = load_config(args)
         build_framework(config.placement_filters, config.placement_scores, config.compat_table)
-        load_issuer(config.ca_cert, config.ca_key, config.issuing_cert)  # one line, not a trace
-    except (ConfigError, UnknownPluginError, CompatError, OSError, ValueError) as err:
+    except (ConfigError, UnknownPluginError, CompatError, OSError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)
     try:
