@@ -13,6 +13,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from federation.cli.render import text
+from federation.client import CallError
 from federation.endpoints import Endpoints, call_leader, is_not_leader, parse_endpoints
 from federation.security.pki import PkiLayout
 from federation.security.tls import TlsFiles, channel_credentials
@@ -112,6 +113,14 @@ def resolve_connection(
 def _env_path(name: str) -> Path | None:
     value = os.environ.get(name)
     return Path(value) if value else None
+
+
+def cli_error(err: CallError) -> CliError:
+    """The client's refusal as one line for people: ``CODE: message``, or every bad field."""
+    if err.violations:
+        fields = "; ".join(f"{field}: {why}" for field, why in err.violations.items())
+        return CliError(f"{err.code.name}: {fields}")
+    return CliError(text(err.message).plain)
 
 
 def describe_rpc_error(err: grpc.aio.AioRpcError) -> str:

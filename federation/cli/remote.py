@@ -22,9 +22,9 @@ from federation.api.v1 import (
     serving_service_pb2_grpc,
 )
 from federation.cli import explain
-from federation.cli.connection import CliError, Connection
+from federation.cli.connection import CliError, Connection, cli_error
 from federation.cli.explain import division, explain_task
-from federation.cli.follow import exit_status, follow
+from federation.cli.follow import exit_status
 from federation.cli.output import Output, output_of, show
 from federation.cli.render import (
     coordinators_table,
@@ -40,6 +40,7 @@ from federation.cli.render import (
     unhealthy_devices_table,
     utc_time,
 )
+from federation.client import CallError, Client
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
 from federation.watch import events_of
 
@@ -281,55 +282,50 @@ async def cmd_submit(args: argparse.Namespace, conn: Connection) -> int:
         raise CliError(str(err)) from None
     if args.dry_run and args.wait:
         raise CliError("--dry-run stores nothing to wait for. To fix: give one of them")
-    async with conn.channel() as channel:
-        jobs = job_service_pb2_grpc.JobServiceStub(channel)
-        if args.dry_run:
-            return await _dry_run(jobs, specs, output_of(args))
-        if len(specs) == 1:
-            submitted = [
-                (await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=specs[0]))).job
-            ]
-        else:
-            reply = await jobs.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
-            submitted = list(reply.jobs)
-        out = output_of(args)
-        if out.is_data:
-            out.messages(submitted)
-        else:
-            show(*(text(f"submitted {job.id} ({job.spec.name})") for job in submitted))
-        if not args.wait:
-            return 0
-        sys.stdout.flush()
-        return exit_status(await follow(jobs, [j.id for j in submitted], _printer(out)))
+    out = output_of(args)
+    async with Client(conn.address, conn.tls) as client:
+        try:
+            if args.dry_run:
+                return await _dry_run(client, specs, out)
+            if len(specs) == 1:
+                submitted = [await client.submit(specs[0])]
+            else:
+                submitted = await client.submit_many(specs)
+            if out.is_data:
+                out.messages(submitted)
+            else:
+                show(*(text(f"submitted {job.id} ({job.spec.name})") for job in submitted))
+            if not args.wait:
+                return 0
+            sys.stdout.flush()
+            return exit_status(await client.wait([j.id for j in submitted], _printer(out)))
+        except CallError as err:
+            raise cli_error(err) from None
 
 
-async def _dry_run(
-    jobs: job_service_pb2_grpc.JobServiceAsyncStub, specs: list[jobs_pb2.JobSpec], out: Output
-) -> int:
+async def _dry_run(client: Client, specs: list[jobs_pb2.JobSpec], out: Output) -> int:
     """Each spec checked and placed as the federation is now; nothing is stored."""
-    replies = [
-        await jobs.SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec, validate_only=True))
-        for spec in specs
-    ]
+    plans = [await client.plan(spec) for spec in specs]
     if out.is_data:
-        out.messages(replies)
+        out.messages([job_service_pb2.SubmitJobResponse(job=j, placement=p) for j, p in plans])
         return 0
-    for reply in replies:
-        show(text(f"{reply.job.spec.name}: valid; not stored. Where its tasks would go now:"))
-        show(*division(reply.placement), *(p for t in reply.placement for p in explain_task(t)))
+    for job, placement in plans:
+        show(text(f"{job.spec.name}: valid; not stored. Where its tasks would go now:"))
+        show(*division(placement), *(part for task in placement for part in explain_task(task)))
     return 0
 
 
 async def cmd_wait(args: argparse.Namespace, conn: Connection) -> int:
-    async with conn.channel() as channel:
-        stub = job_service_pb2_grpc.JobServiceStub(channel)
-        ids = [await _full_id(stub, job_id) for job_id in args.job_ids]
-        return exit_status(await follow(stub, ids, _printer(output_of(args))))
+    return await _follow(conn, args.job_ids, output_of(args))
 
 
-async def _full_id(stub: job_service_pb2_grpc.JobServiceAsyncStub, job_id: str) -> str:
-    """The id events carry (a tenant's own short id names its job too)."""
-    return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.id
+async def _follow(conn: Connection, job_ids: list[str], out: Output) -> int:
+    """Print the jobs' events until they end; their exit status."""
+    async with Client(conn.address, conn.tls) as client:
+        try:
+            return exit_status(await client.wait(job_ids, _printer(out)))
+        except CallError as err:
+            raise cli_error(err) from None
 
 
 def _printer(out: Output) -> Callable[[jobs_pb2.JobEvent], None]:
@@ -429,12 +425,11 @@ async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
 
 async def cmd_watch(args: argparse.Namespace, conn: Connection) -> int:
     print_event = _printer(output_of(args))
+    if args.job_ids:  # named jobs: until they end
+        await _follow(conn, args.job_ids, output_of(args))
+        return 0
     async with conn.channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
-        if args.job_ids:  # named jobs: until they end
-            ids = [await _full_id(stub, job_id) for job_id in args.job_ids]
-            await follow(stub, ids, print_event)
-            return 0
         request = job_service_pb2.WatchJobsRequest(include_current=True)
         async for event in events_of(stub.WatchJobs(request)):
             print_event(event)
