@@ -4,8 +4,9 @@ store keeps of the flood.
 A real coordinator (embedded store, mTLS) with one CPU site. The victim, in this process, reads
 its job with GetJob in a loop, quiet first (the baseline), then while the abuser runs in a
 process of its own: costly CEL selectors (some that once passed the static check), specs of
-3 MB, batches of 100 short jobs, 1,000-job listings and 64 open watches, each retried as fast
-as the coordinator answers, whatever it answers. ``victim_p99_ratio`` is the loaded p99 over
+3 MB, batches of 100 jobs that would hold the site's CPUs for ten minutes (the tenant's cap on
+unfinished jobs refuses most), 1,000-job listings and 64 open watches, each retried as fast as
+the coordinator answers, whatever it answers. ``victim_p99_ratio`` is the loaded p99 over
 the quiet p99 of the same run; ``store_growth_mb`` is what the coordinator's data folder grew
 by, also per 10,000 jobs the abuser had refused or accepted.
 
@@ -64,13 +65,13 @@ async def _abuse(address: str, tls: TlsFiles, seconds: float, counts: Any) -> No
     stub = job_service_pb2_grpc.JobServiceStub(channel)
     deadline = time.monotonic() + seconds
     watches = [stub.WatchJobs(job_service_pb2.WatchJobsRequest()) for _ in range(64)]
-    short = {"name": "t", "command": ["true"], "resources": {"cpu": 1}}
+    sleeper = {"name": "t", "command": ["/bin/sleep", "600"], "resources": {"cpu": 4}}
     costly = [
-        spec("c", [{**short, "resources": {"accelerator": {"count": 1, "selector": s}}}])
+        spec("c", [{**sleeper, "resources": {"accelerator": {"count": 1, "selector": s}}}])
         for s in COSTLY_SELECTORS
     ]
-    huge = spec("huge", [{**short, "env": {f"V{i}": "x" * 30_000 for i in range(100)}}])
-    flood = [spec(f"flood-{i}", [short]) for i in range(100)]
+    huge = spec("huge", [{**sleeper, "env": {f"V{i}": "x" * 30_000 for i in range(100)}}])
+    flood = [spec(f"flood-{i}", [sleeper]) for i in range(100)]
 
     async def hammer(call: Any, request: Any, jobs: int) -> None:
         while time.monotonic() < deadline:
