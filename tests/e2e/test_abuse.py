@@ -69,7 +69,8 @@ async def _abuse(address: str, tls: TlsFiles, seconds: float) -> None:
         sleeper = {"name": "t", "command": ["/bin/sleep", "600"], "resources": {"cpu": 4}}
         selector = {**sleeper, "resources": {"accelerator": {"count": 1, "selector": ""}}}
         selector["resources"]["accelerator"]["selector"] = FREEZING_SELECTOR  # type: ignore[index]
-        costly = [
+        # Every costly selector in one batch (refused whole): as many callers as before.
+        costly = [spec("s", [selector])] + [
             spec("c", [{**sleeper, "resources": {"accelerator": {"count": 1, "selector": s}}}])
             for s in OUTSIDE_SELECTORS
         ]
@@ -82,8 +83,7 @@ async def _abuse(address: str, tls: TlsFiles, seconds: float) -> None:
                     await call(request, timeout=5)  # type: ignore[operator]
 
         await asyncio.gather(
-            hammer(stub.SubmitJob, job_service_pb2.SubmitJobRequest(spec=spec("s", [selector]))),
-            *(hammer(stub.SubmitJob, job_service_pb2.SubmitJobRequest(spec=c)) for c in costly),
+            hammer(stub.SubmitJobs, job_service_pb2.SubmitJobsRequest(specs=costly)),
             hammer(stub.SubmitJob, job_service_pb2.SubmitJobRequest(spec=huge)),
             hammer(stub.SubmitJobs, job_service_pb2.SubmitJobsRequest(specs=flood)),
             hammer(stub.ListJobs, job_service_pb2.ListJobsRequest(page_size=1000)),
