@@ -17,6 +17,7 @@ Each ends with the job SUCCEEDED at a, at the epoch of the one and only commit s
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,11 @@ from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection, on_leader
 from federation.local import LocalFederation
 from federation.testing.cluster import etcd_coordinator_args, leader_name, submit, until
-from federation.testing.scripted_core import ScriptedCore, start_scripted_sites
+from federation.testing.scripted_core import (
+    ScriptedCore,
+    restart_scripted_site,
+    start_scripted_sites,
+)
 
 from .conftest import etcd_prefix, python_task, spec, wait_for_job
 
@@ -46,6 +51,8 @@ class Sites:
     """The two scripted sites: a holds its commit answers back, neither ends a task itself."""
 
     cores: dict[str, ScriptedCore]
+    runners: dict[str, asyncio.Task[None]]
+    """Each site's agent, for a test that restarts one."""
 
     def commits(self) -> list[tuple[str, str, int]]:
         """(site, job, epoch) of every copy a commit started: a commit sent again (same
@@ -81,15 +88,16 @@ async def sites(fed: LocalFederation) -> AsyncIterator[Sites]:
     for name in names:
         await fed.start_coordinator(name=name)
     cores = {"a": ScriptedCore(cpu=64, finishes=False), "b": ScriptedCore(cpu=32, finishes=False)}
-    cores["a"].commit_gate = asyncio.Event()
-    runners = await start_scripted_sites(fed, cores, timeout_s=30)
+    gate = cores["a"].commit_gate = asyncio.Event()
+    started = await start_scripted_sites(fed, cores, timeout_s=30)
+    runners = dict(zip(cores, started, strict=True))
     try:
-        yield Sites(cores)
+        yield Sites(cores, runners)
     finally:
-        cores["a"].commit_gate.set()
-        for runner in runners:
+        gate.set()
+        for runner in runners.values():
             runner.cancel()
-        await asyncio.gather(*runners, return_exceptions=True)
+        await asyncio.gather(*runners.values(), return_exceptions=True)
 
 
 def is_ha(fed: LocalFederation) -> bool:
@@ -171,3 +179,31 @@ async def test_a_leader_killed_before_the_commits_answer_leaves_one_copy(
     if not is_ha(fed):
         await fed.start_coordinator(name=killed, port=fed.port, join_port=fed.join_port)
     await run_once_at_a(fed, sites, job_id)
+
+
+@pytest.mark.parametrize("fed", ["sqlite"], indirect=True)
+async def test_a_site_back_without_the_committed_task_has_it_placed_again_at_once(
+    fed: LocalFederation, sites: Sites
+) -> None:
+    """a's agent goes away with the commit unanswered and comes back without the task (a new
+    core): its hello settles the task, placed again at once, not after the job's 60 s
+    ``lost_after_s``; one copy runs, at the next epoch."""
+    job_id = await submit_one(fed, sites)
+    gone = sites.cores["a"]
+    sites.cores["a"] = ScriptedCore(cpu=64, finishes=False)
+    back_at = time.monotonic()
+    sites.runners["a"] = await restart_scripted_site(fed, "a", sites.runners["a"], sites.cores["a"])
+
+    async def committed_again() -> bool:
+        return bool(sites.commits())
+
+    placed_at = await until(committed_again, 15, "the task committed again")
+    print(f"\nplaced again {placed_at - back_at:.2f}s after a came back without it")
+    ((site, job, epoch),) = sites.commits()
+    assert (job, epoch) == (job_id, 2)
+    sites.cores[site].finish(job_id)
+    async with fed.operator().channel() as channel:
+        done = await wait_for_job(channel, job_id, timeout_s=30)
+    assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+    assert (done.tasks[0].site, done.tasks[0].epoch) == (site, 2)
+    assert [(c.job_id, c.epoch) for c in gone.commits] == [(job_id, 1)]
