@@ -1247,6 +1247,7 @@ class Scheduler:
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        back: list[tuple[str, Mutation]] = []
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1254,6 +1255,14 @@ class Scheduler:
             if task is None or not _delegated_as(task, n):
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
+                continue
+            if self._sites.session(site) is None:
+                # No commit leaves, so the site cannot run it: later rounds may offer it on.
+                why = "site disconnected before the commit"
+                if tracing.on():
+                    _trace_commit(n, site, started_ns, why)
+                back.append((n.job_id, _back_from_site(n.task, n.epoch, why)))
+                n.verdicts.append(_refusal(site, why))
                 continue
             self.history.arrived(site)
             commit = site_link_service_pb2.Commit(
@@ -1264,7 +1273,6 @@ class Scheduler:
         answers = await asyncio.gather(
             *(self._commit(site, [c for _, c in items]) for site, items in commits.items())
         )
-        back: list[tuple[str, Mutation]] = []
         for (site, items), site_answers in zip(commits.items(), answers, strict=True):
             for (n, commit), answer in zip(items, site_answers, strict=True):
                 if answer is None:
