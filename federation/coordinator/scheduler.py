@@ -1472,8 +1472,9 @@ class Scheduler:
                     answers[i] = reply
             unanswered = still
         if unanswered and not session.closed:
-            wait_s = 2 * self._config.offer_timeout_s
-            session.end(UnavailableError(f"no answer to a commit within {wait_s:g}s"))
+            why = f"no answer to a commit within {2 * self._config.offer_timeout_s:g}s"
+            log.warning("site_session_ended", site=site, reason=why, unanswered=len(unanswered))
+            session.end(UnavailableError(why))
         return answers
 
     async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
