@@ -11,7 +11,9 @@ what it does next must never start a second copy:
   etcd, or the same one restarted on its SQLite store) finds DELEGATED at a, and a's hello to it
   makes the task RUNNING there.
 
-Each ends with the job SUCCEEDED at a, at the epoch of the one and only commit sent.
+Each ends with the job SUCCEEDED at a, at the epoch of the one and only commit sent. And when a
+comes back without the task (a new core), its hello has the task placed again at once, not
+after the job's ``lost_after_s``.
 """
 
 from __future__ import annotations
