@@ -7,6 +7,10 @@ the offer leaves: a site runs nothing without a commit, and a commit follows onl
 DELEGATED, which requires an epoch above every one the task has recorded. An offer's epoch
 that a coordinator issued and then lost in a crash can be issued again, to a reservation that
 is never committed (it lapses or is released) or, at the same site, as that same reservation.
+
+Once a commit has left, only the site's refusal puts the task back to PENDING here: a commit
+without an answer leaves it DELEGATED for the site's next hello to settle, so a task never
+runs twice because a leader died, or an answer was lost, between a commit and its answer.
 """
 
 from __future__ import annotations
@@ -62,7 +66,7 @@ from federation.coordinator.waits import (
     sooner_by_waiting,
     wait_at,
 )
-from federation.errors import FederationError
+from federation.errors import FederationError, UnavailableError
 from federation.jobspec import domain_name
 from federation.metrics import (
     OFFERS,
@@ -1280,7 +1284,13 @@ class Scheduler:
         self._let_go([n for n in negotiations if n.settled])
 
     async def _delegate(self, negotiations: list[_Negotiation]) -> None:
-        """Write DELEGATED for each task's chosen site, then send the commits."""
+        """Write DELEGATED for each task's chosen site, then send the commits.
+
+        Once its commit has left, a task goes back to PENDING only when its site refuses the
+        commit. A commit that gets no answer may have started the task: it stays DELEGATED
+        at its epoch, and the site's next hello, which lists every task it holds, settles it
+        (``JobManager.reconcile``: RUNNING if the site has it, PENDING at once if not); a site
+        that stays away is left to the lost-site monitor, as after a failover."""
         if not negotiations:
             return
         started_ns = tracing.now_ns()
@@ -1293,6 +1303,7 @@ class Scheduler:
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        back: list[tuple[str, Mutation]] = []
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1301,33 +1312,43 @@ class Scheduler:
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
                 continue
+            if self._sites.session(site) is None:
+                # No commit leaves, so the site cannot run it: later rounds may offer it on.
+                why = "site disconnected before the commit"
+                if tracing.on():
+                    _trace_commit(n, site, started_ns, why)
+                back.append((n.job_id, _back_from_site(n.task, n.epoch, why)))
+                n.verdicts.append(_refusal(site, why))
+                continue
             self.history.arrived(site)
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )
             commits.setdefault(site, []).append((n, commit))
+            n.settled = True  # from here on, only the site's refusal puts it back to PENDING
         answers = await asyncio.gather(
             *(self._commit(site, [c for _, c in items]) for site, items in commits.items())
         )
-        back: list[tuple[str, Mutation]] = []
         for (site, items), site_answers in zip(commits.items(), answers, strict=True):
             for (n, commit), answer in zip(items, site_answers, strict=True):
-                if answer is not None and answer.commit_answer.started:
-                    n.settled = True
-                    log.debug(
-                        "task_delegated", job=n.job_id, task=n.task, site=site, epoch=commit.epoch
+                if answer is None:
+                    # It may have started: DELEGATED stands until the site's hello says.
+                    log.warning(
+                        "commit_unanswered", job=n.job_id, task=n.task, site=site, epoch=n.epoch
                     )
+                    if tracing.on():
+                        _trace_commit(n, site, started_ns, "no answer to the commit")
+                    continue
+                if answer.commit_answer.started:
+                    log.debug("task_delegated", job=n.job_id, task=n.task, site=site, epoch=n.epoch)
                     if tracing.on():
                         _trace_commit(n, site, started_ns, "")
                     continue
-                # No answer: nobody knows whether the site started it; placing it again bumps
-                # the epoch, which fences off a copy that did start.
-                why = "no answer to the commit"
-                if answer is not None:
-                    why = f"commit refused: {answer.commit_answer.reason}"
+                why = f"commit refused: {answer.commit_answer.reason}"
                 if tracing.on():
                     _trace_commit(n, site, started_ns, why)
                 log.warning("commit_failed", job=n.job_id, task=n.task, site=site, reason=why)
+                n.settled = False  # the site does not run it: later rounds may offer it on
                 back.append((n.job_id, _back_from_site(n.task, commit.epoch, why)))
                 n.verdicts.append(_refusal(site, why))
         if back:
@@ -1480,13 +1501,20 @@ class Scheduler:
     async def _commit(
         self, site: str, commits: list[site_link_service_pb2.Commit]
     ) -> list[site_link_service_pb2.AgentMessage | None]:
-        """Send the commits; those without an answer go once more, over a new session if the
-        site reconnected. A site treats a repeated commit of a reservation as a no-op."""
+        """Send the commits; those without an answer (None) go once more over the same session.
+        A site answers a repeated commit of a task it took at once, as a no-op.
+
+        Never over a newer session: the site's hello there settles every task delegated to it
+        before (``JobManager.reconcile``), and a commit sent meanwhile could start a task its
+        hello did not list, which goes back to PENDING. A session that answers neither time is
+        ended, so that its site says hello again with the tasks it holds."""
         answers: list[site_link_service_pb2.AgentMessage | None] = [None] * len(commits)
+        session = self._sites.session(site)
+        if session is None:
+            return answers
         unanswered = list(range(len(commits)))
         for _ in range(2):
-            session = self._sites.session(site)
-            if session is None or not unanswered:
+            if session.closed or not unanswered:
                 break
             replies = await session.request_many(
                 [site_link_service_pb2.CoordinatorMessage(commit=commits[i]) for i in unanswered],
@@ -1499,6 +1527,10 @@ class Scheduler:
                 else:
                     answers[i] = reply
             unanswered = still
+        if unanswered and not session.closed:
+            why = f"no answer to a commit within {2 * self._config.offer_timeout_s:g}s"
+            log.warning("site_session_ended", site=site, reason=why, unanswered=len(unanswered))
+            session.end(UnavailableError(why))
         return answers
 
     async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
@@ -1507,8 +1539,8 @@ class Scheduler:
 
             def mutate(job: jobs_pb2.Job) -> list[Change]:
                 task = find_task(job, task_name)
-                # Its own delegation here means no commit left, or none was answered and
-                # writing that down failed: the bumped epoch of the next try fences it.
+                # Its own delegation here means no commit left, or its site refused the commit
+                # and writing that down failed: the bumped epoch of the next try fences it.
                 if task.state != job_state.PENDING and not _delegated_as(task, n):
                     return []
                 unplace(task)

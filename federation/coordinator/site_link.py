@@ -160,6 +160,8 @@ class SiteLink:
                         break
                     continue
                 if message is None:
+                    if session.ended_by is not None:
+                        failure.append(session.ended_by)
                     break
                 messages, ended = take_queued(session.outbox, message)
                 yield pb.ConnectResponse(messages=messages)

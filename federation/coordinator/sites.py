@@ -61,6 +61,8 @@ class SiteSession:
     closed: bool = False
     said_goodbye: bool = False
     """The agent ended the session on purpose: the site is DISCONNECTED, not UNREACHABLE."""
+    ended_by: UnavailableError | None = None
+    """Why the coordinator ended the session (``end``): the status the agent's stream gets."""
     _ids: itertools.count[int] = field(default_factory=itertools.count)
 
     def send(self, message: site_link_service_pb2.CoordinatorMessage) -> None:
@@ -111,6 +113,13 @@ class SiteSession:
             return False
         future.set_result(reply)
         return True
+
+    def end(self, why: UnavailableError) -> None:
+        """End the session from this side with ``why``: the agent reconnects and says hello
+        with every task it holds, which settles what it was not heard to answer."""
+        if not self.closed:
+            self.ended_by = why
+        self.close()
 
     def close(self) -> None:
         if self.closed:

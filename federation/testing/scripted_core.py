@@ -4,7 +4,8 @@ A ``ScriptedCore`` stands in for a site's local core (embedded or Slurm) where a
 benchmark is about the coordinator: it declares one node of the capacity it is given, accepts
 or declines each offer by a rule (when told to, only once a gate opens), records every offer,
 commit and release it gets, and reports
-each committed task RUNNING then SUCCEEDED at once. Everything else is real: the agent runtime,
+each committed task RUNNING then SUCCEEDED at once (or keeps it running, listed in its hello,
+until ``finish``). Everything else is real: the agent runtime,
 its enrolment with a join token, and the mTLS session to the coordinator.
 """
 
@@ -39,11 +40,17 @@ class ScriptedCore:
         self.cpu = cpu
         self.decline = decline
         self.finishes = finishes
-        """Committed tasks report RUNNING then SUCCEEDED at once; False: they never report."""
+        """Committed tasks report RUNNING then SUCCEEDED at once; False: they run, silent,
+        until ``finish``, and every hello lists them RUNNING."""
         self.on_status: StatusCallback | None = None
         """Set by ``start_scripted_sites`` to the agent runtime's report callback."""
         self.gate: asyncio.Event | None = None
         """When set to an event, offers are answered only once it is set (a slow site)."""
+        self.commit_gate: asyncio.Event | None = None
+        """When set to an event, a commit starts its task at once but is answered only once
+        it is set (an answer the coordinator waits for in vain)."""
+        self.running: dict[tuple[str, str, int], site_link_service_pb2.Commit] = {}
+        """Committed tasks that run until ``finish`` (``finishes`` False), by job, task, epoch."""
         self.offers: list[site_link_service_pb2.Offer] = []
         self.commits: list[site_link_service_pb2.Commit] = []
         self.releases: list[str] = []
@@ -80,14 +87,20 @@ class ScriptedCore:
     ) -> site_link_service_pb2.CommitAnswer:
         self.commits.append(commit)
         assert self.on_status is not None, "start the site with start_scripted_sites"
-        states = (jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_SUCCEEDED)
-        for state in states if self.finishes else ():
-            self.on_status(
-                site_link_service_pb2.TaskReport(
-                    job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
-                )
-            )
+        if self.finishes:
+            self.on_status(_report(commit, jobs_pb2.JOB_STATE_RUNNING))
+            self.on_status(_report(commit, jobs_pb2.JOB_STATE_SUCCEEDED))
+        else:
+            self.running[(commit.job_id, commit.task, commit.epoch)] = commit
+        if self.commit_gate is not None:
+            await self.commit_gate.wait()
         return site_link_service_pb2.CommitAnswer(started=True)
+
+    def finish(self, job_id: str) -> None:
+        """End every running task of ``job_id`` SUCCEEDED, reported at once."""
+        assert self.on_status is not None, "start the site with start_scripted_sites"
+        for key in [k for k in self.running if k[0] == job_id]:
+            self.on_status(_report(self.running.pop(key), jobs_pb2.JOB_STATE_SUCCEEDED))
 
     async def change(
         self, change: site_link_service_pb2.ChangeTask
@@ -102,13 +115,21 @@ class ScriptedCore:
     async def stop_cut_off(self, cut_off_s: float) -> None: ...
 
     def tasks(self) -> list[site_link_service_pb2.TaskReport]:
-        return []
+        return [_report(c, jobs_pb2.JOB_STATE_RUNNING) for c in self.running.values()]
 
     def forget(self, job_id: str, task: str, epoch: int) -> None: ...
 
     async def close(self) -> None: ...
 
     async def shutdown(self, grace_s: float) -> None: ...
+
+
+def _report(
+    commit: site_link_service_pb2.Commit, state: jobs_pb2.JobState.ValueType
+) -> site_link_service_pb2.TaskReport:
+    return site_link_service_pb2.TaskReport(
+        job_id=commit.job_id, task=commit.task, epoch=commit.epoch, state=state
+    )
 
 
 async def start_scripted_sites(
