@@ -40,6 +40,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
+from federation.coordinator.outputs import carries_data, source_of, staged
 from federation.coordinator.policy.preemption import (
     Candidate,
     choose_victims,
@@ -51,6 +53,7 @@ from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
+from federation.coordinator.staged_inputs import resolve
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
     WAIT_GAIN,
@@ -1149,10 +1152,14 @@ class Scheduler:
             if task.state != job_state.PENDING:
                 n.settled = True  # cancelled meanwhile
                 continue
+            spec = find_spec(job, n.task)
+            if (spec.outputs or spec.inputs) and carries_data(spec, _specs(job)):
+                offered_to[n.key] = self._speaking_data(n, offered_to[n.key])
+                if not offered_to[n.key]:
+                    continue
             n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
             n.revision = task.revision
             active.append(n)
-            spec = find_spec(job, n.task)
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
@@ -1275,6 +1282,7 @@ class Scheduler:
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        back: list[tuple[str, Mutation]] = []
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1283,15 +1291,24 @@ class Scheduler:
                 self._release(site, reservation)
                 n.settled = task is not None  # moved on meanwhile; a failed write requeues
                 continue
-            self.history.arrived(site)
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )
+            job = written[n.job_id]
+            assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
+            if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
+                inputs = await resolve(job, n.task, self._sites, self._config.offer_timeout_s)
+                if isinstance(inputs, str):  # a holder is away: wait, and be placed again
+                    self._release(site, reservation)
+                    back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
+                    n.verdicts.append(_refusal(site, inputs))
+                    continue
+                commit.inputs.extend(inputs)
+            self.history.arrived(site)
             commits.setdefault(site, []).append((n, commit))
         answers = await asyncio.gather(
             *(self._commit(site, [c for _, c in items]) for site, items in commits.items())
         )
-        back: list[tuple[str, Mutation]] = []
         for (site, items), site_answers in zip(commits.items(), answers, strict=True):
             for (n, commit), answer in zip(items, site_answers, strict=True):
                 if answer is not None and answer.commit_answer.started:
@@ -1314,6 +1331,18 @@ class Scheduler:
                 n.verdicts.append(_refusal(site, why))
         if back:
             await self._jobs.update_many(back)
+
+    def _speaking_data(self, n: _Negotiation, sites: list[str]) -> list[str]:
+        """The sites whose agents can store outputs and stage inputs; a verdict for others."""
+        out = []
+        for site in sites:
+            session = self._sites.session(site)
+            if session is not None and session.protocol < DATA_PROTOCOL:
+                why = f"its agent speaks site-link protocol {session.protocol}; outputs and "
+                n.verdicts.append(_refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
+            else:
+                out.append(site)
+        return out
 
     async def _offer(
         self, site: str, offers: list[site_link_service_pb2.Offer]
@@ -1635,6 +1664,10 @@ def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
     )
 
 
+def _specs(job: jobs_pb2.Job) -> dict[str, jobs_pb2.TaskSpec]:
+    return {t.name: t for t in job.spec.tasks}
+
+
 def _task_of(
     written: dict[str, jobs_pb2.Job | FederationError], n: _Negotiation
 ) -> jobs_pb2.TaskStatus | None:
@@ -1844,9 +1877,11 @@ def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
     ]
     for dep in spec.depends_on:
         size = specs[dep].output_bytes
-        for i in spec.inputs:  # an explicit "task:NAME" input may give the size
-            if i.dataset == TASK_OUTPUT + dep and i.bytes:
+        for i in spec.inputs:  # an explicit "task:NAME[.OUTPUT]" input may give the size
+            if i.bytes and (found := source_of(i.dataset, specs)) is not None and found[0] == dep:
                 size = i.bytes
+        if stored := sum(a.bytes for a in status[dep].artifacts):
+            size = stored  # what its site reported storing
         if size:
             inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
     checkpoint = status[task_name].checkpoint
