@@ -53,7 +53,7 @@ from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
-from federation.coordinator.staged_inputs import resolve
+from federation.coordinator.staged_inputs import holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
     WAIT_GAIN,
@@ -95,6 +95,8 @@ WAIT = "Wait"
 """The stage of the verdict of a task that waits for a busy site (``waits``)."""
 RETRY = "Retry"
 """The stage of what holds back a failed task waiting out its backoff (explain only)."""
+INPUTS = "Inputs"
+"""The stage of the verdict of a task whose inputs are held by a site not connected now."""
 WAIT_RECHECK_S = 30.0
 """Longest a task waits for a busy site before its choice is weighed again; a task's end
 there wakes it sooner."""
@@ -507,6 +509,12 @@ class Scheduler:
             request = request_for(job, task)
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
+            if any(t.outputs for t in job.spec.tasks) and (
+                away := holders_away(job, task, self._sites)
+            ):
+                self._backoff(key)  # no offer while no one can sign its inputs' URLs
+                why = f"waiting for site {', '.join(away)}, which holds its inputs, to connect"
+                return [jobs_pb2.SiteVerdict(stage=INPUTS, reason=why)]
             request = self._with_learned_speeds(request)
             if request.selector and self._selector_unevaluated(request.selector, cycle.snapshot):
                 return None  # its verdicts are being found; that wakes us
@@ -1484,7 +1492,8 @@ class Scheduler:
             why := self._sharing.admission(job, task_demand(job, task.name), {})
         ):
             out.append(jobs_pb2.SiteVerdict(stage=QUOTA, reason=why))
-        found = (v for v in task.verdicts if v.stage in (QUOTA, OWNER_SHARE, PREEMPT, SPREAD))
+        held = (QUOTA, OWNER_SHARE, PREEMPT, SPREAD, INPUTS)
+        found = (v for v in task.verdicts if v.stage in held)
         out += [v for v in found if v.site or v.stage != QUOTA]  # the queue's own: now
         return out
 

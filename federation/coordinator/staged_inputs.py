@@ -25,6 +25,26 @@ URL_TTL_S = 900
 """How long a signed URL may be used: the download starts at once, so 15 minutes is ample."""
 
 
+def holders_away(job: jobs_pb2.Job, task_name: str, sites: SiteRegistry) -> list[str]:
+    """The sites holding the task's staged inputs that have no session now (most tasks have
+    no staged input: nothing is looked at)."""
+    specs = {t.name: t for t in job.spec.tasks}
+    status = {t.name: t for t in job.tasks}
+    away = set()
+    for item in specs[task_name].inputs:
+        found = source_of(item.dataset, specs)
+        if found is None or (output := found[1]) is None:
+            continue
+        for artifact in status[found[0]].artifacts:
+            if (
+                artifact.name == output.name
+                and artifact.key
+                and sites.session(artifact.site) is None
+            ):
+                away.add(artifact.site)
+    return sorted(away)
+
+
 async def resolve(
     job: jobs_pb2.Job, task_name: str, sites: SiteRegistry, timeout_s: float
 ) -> list[site_link_service_pb2.StagedInput] | str:

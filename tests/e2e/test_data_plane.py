@@ -258,3 +258,48 @@ async def test_another_tenant_cannot_name_a_tenants_objects(fed: LocalFederation
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job.id))
     assert caught.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED)
+
+
+async def test_a_dependant_waits_while_the_site_holding_its_input_is_away(
+    fed: LocalFederation, tmp_path: Path
+) -> None:
+    """edge-d stops after its task succeeded: the dependant stays PENDING, saying why, and
+    runs with the bytes intact once edge-d is back to sign the URL."""
+    gate = tmp_path / "go"
+    wait = f"import os, time\nwhile not os.path.exists({str(gate)!r}): time.sleep(0.05)"
+    job_spec = spec(
+        "holder-away",
+        [
+            task("make", MAKE, "edge-d", outputs=OUTPUTS),
+            task("gate", wait, "cloud-d"),
+            task("use", USE, "cloud-d", depends_on=["make", "gate"], inputs=INPUTS),
+        ],
+    )
+    job_id = await submit(fed, job_spec)
+    edge = next(s for s in fed.sites if s.name == "edge-d")
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+
+        async def current() -> dict[str, jobs_pb2.TaskStatus]:
+            reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+            return tasks(reply.job)
+
+        async def made() -> bool:
+            return (await current())["make"].state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+        await until(made, "make to succeed")
+        assert fed.terminate("edge-d")
+        gate.touch()
+
+        async def waiting() -> bool:
+            use = (await current())["use"]
+            return any("waiting for site edge-d" in v.reason for v in use.verdicts)
+
+        await until(waiting, "use to wait for edge-d")
+        use = (await current())["use"]
+        assert use.state == jobs_pb2.JOB_STATE_PENDING
+        assert not use.output_tail
+        await fed.start_site(edge)
+        await fed.wait_connected(["edge-d"])
+    job = await finished(fed, job_id)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    assert said(tasks(job)["make"], "made") == said(tasks(job)["use"], "read")
