@@ -303,3 +303,18 @@ async def test_a_dependant_waits_while_the_site_holding_its_input_is_away(
     job = await finished(fed, job_id)
     assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
     assert said(tasks(job)["make"], "made") == said(tasks(job)["use"], "read")
+
+
+def test_no_key_nor_signed_url_in_any_log(fed: LocalFederation, seaweed: LocalSeaweed) -> None:
+    """After every run above (the module's tests run in order): the coordinator's and every
+    agent's log hold no site's access key, secret or signed URL (a URL is a bearer credential
+    while it lasts)."""
+    secrets = [WRONG_SECRET, "X-Amz-Signature", "X-Amz-Credential"]
+    for bucket in seaweed.buckets.values():
+        secrets += [bucket.access_key_id, bucket.secret_access_key]
+    names = ["coordinator", *(s.name for s in fed.sites)]
+    for name in names:
+        log = fed.log_path(name).read_text(errors="replace")
+        assert log
+        leaked = [secret for secret in secrets if secret in log]
+        assert not leaked, f"{name}'s log holds {leaked}"
