@@ -15,11 +15,11 @@ import obstore
 import pytest
 from obstore.store import S3Store
 
-from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
-from .conftest import channel_as, jobs, running, spec, tenant_tls, until, wait_for_job
+from .conftest import admin, channel_as, jobs, running, spec, tenant_tls, until, wait_for_job
 from .test_refusals import violations
 
 pytestmark = [
@@ -152,6 +152,23 @@ async def test_outputs_reach_the_dependant_at_another_site_intact(fed: LocalFede
     assert artifacts["data"].site == "edge-d"
     assert artifacts["data"].key == f"federation/tenant-a/{job.id}/make/{make.epoch}/data"
     assert artifacts["res"].folder
+
+
+async def test_each_site_names_its_store_in_its_view_without_its_keys(
+    fed: LocalFederation, seaweed: LocalSeaweed
+) -> None:
+    async with fed.operator().channel() as channel:
+        reply = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
+    stores = {s.name: s.view.object_store for s in reply.sites}
+    assert stores == {
+        "edge-d": f"bucket edge-d at {seaweed.endpoint}",
+        "cloud-d": f"bucket cloud-d at {seaweed.endpoint}",
+        "wrong-d": f"bucket wrong-d at {seaweed.endpoint}",
+        "bare-d": "",
+    }
+    shown = str(reply)
+    assert not [b for b in seaweed.buckets.values() if b.access_key_id in shown]
+    assert not [b for b in seaweed.buckets.values() if b.secret_access_key in shown]
 
 
 async def test_a_store_with_wrong_credentials_fails_the_producer_without_the_secret(
