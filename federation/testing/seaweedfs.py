@@ -114,7 +114,7 @@ class LocalSeaweed:
                 f"-s3.localSocket={directory / f's3-{attempt}.sock'}",
                 f"-s3.config={config}",
                 "-master.telemetry=false",
-                "-volume.max=5",
+                "-volume.max=20",
                 "-master.volumeSizeLimitMB=64",
             ]
             server = cls(directory, command, directory / f"weed-{attempt}.log", s3, filer, keys)
