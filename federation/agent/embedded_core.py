@@ -487,6 +487,9 @@ class EmbeddedCore:
             return str(exc)
         except OSError as exc:
             return f"cannot create working directory: {exc}"
+        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
+            log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
+            return f"staging failed: {type(exc).__name__}"
         return None
 
     async def _launch(self, task: _Task) -> None:

@@ -123,8 +123,11 @@ class SiteStore:
         if stat.S_ISDIR(mode):
             with tempfile.TemporaryDirectory(dir=scratch) as work:
                 packed = Path(work) / "output.tar"
-                with tarfile.open(packed, "w") as tar:
-                    tar.add(source, arcname=".", recursive=True)
+                try:
+                    with tarfile.open(packed, "w") as tar:
+                        tar.add(source, arcname=".", recursive=True)
+                except (OSError, tarfile.TarError) as err:
+                    raise DataError(f"cannot pack the folder: {err}") from None
                 return self._put(packed, key, folder=True)
         if not stat.S_ISREG(mode):
             raise DataError("it is neither a file nor a folder")
@@ -218,9 +221,12 @@ def download(url: str, dest: Path, size: int, sha256: str, *, folder: bool) -> N
                 f"digest mismatch: sha256 {digest.hexdigest()[:16]}…, expected {sha256[:16]}…"
             )
         if folder:
-            dest.mkdir(exist_ok=True)
-            with tarfile.open(temporary) as tar:
-                tar.extractall(dest, filter="data")
+            try:
+                dest.mkdir(exist_ok=True)
+                with tarfile.open(temporary) as tar:
+                    tar.extractall(dest, filter="data")
+            except (OSError, tarfile.TarError) as err:
+                raise DataError(f"cannot unpack the folder: {err}") from None
         else:
             os.replace(temporary, dest)
     finally:

@@ -435,7 +435,8 @@ class AgentRuntime:
         cid = message.correlation_id
         try:
             if body == "offer":
-                if self._data is None and message.offer.spec.outputs:
+                offer = message.offer
+                if self._data is None and (offer.spec.outputs or offer.stages_inputs):
                     answer = pb.OfferAnswer(reason=NO_DATA)
                 else:
                     answer = await self.core.offer(message.offer)

@@ -43,11 +43,6 @@ def staged(spec: jobs_pb2.TaskSpec, specs: Mapping[str, jobs_pb2.TaskSpec]) -> b
     )
 
 
-def carries_data(spec: jobs_pb2.TaskSpec, specs: Mapping[str, jobs_pb2.TaskSpec]) -> bool:
-    """Whether the task needs a site that speaks protocol ``PROTOCOL``."""
-    return bool(spec.outputs) or staged(spec, specs)
-
-
 def in_job_folder(key: str, tenant: str, job_id: str, task: str) -> bool:
     """Whether ``key`` ends ``TENANT/JOB/TASK/EPOCH/OUTPUT``: an object of this job."""
     parts = key.split("/")

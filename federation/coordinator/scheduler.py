@@ -41,7 +41,7 @@ from federation.coordinator.jobs import (
 )
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
-from federation.coordinator.outputs import carries_data, source_of, staged
+from federation.coordinator.outputs import source_of, staged
 from federation.coordinator.policy.preemption import (
     Candidate,
     choose_victims,
@@ -1161,7 +1161,8 @@ class Scheduler:
                 n.settled = True  # cancelled meanwhile
                 continue
             spec = find_spec(job, n.task)
-            if (spec.outputs or spec.inputs) and carries_data(spec, _specs(job)):
+            stages_inputs = bool(spec.inputs) and staged(spec, _specs(job))
+            if spec.outputs or stages_inputs:
                 offered_to[n.key] = self._speaking_data(n, offered_to[n.key])
                 if not offered_to[n.key]:
                     continue
@@ -1179,6 +1180,7 @@ class Scheduler:
                 node_labels=job.spec.constraints.node_labels,
                 stop_after_disconnect_s=job.spec.disconnect.stop_after_s,
                 revision=task.revision,
+                stages_inputs=stages_inputs,
             )
             # The site reads device speeds as the estimate did: learned ones included.
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))

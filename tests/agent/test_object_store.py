@@ -178,3 +178,17 @@ def test_missing_credentials_are_a_config_error(
         SiteStore(ObjectStoreSettings(bucket="b"))
     with pytest.raises(ConfigError, match="cannot read the access key id"):
         SiteStore(ObjectStoreSettings(bucket="b", access_key_id_file=tmp_path / "none"))
+
+
+def test_a_folder_that_cannot_be_unpacked_safely_fails_clearly(
+    seaweed: LocalSeaweed, tmp_path: Path
+) -> None:
+    """A pipe (or a link out of the folder) is stored as it is, and refused when unpacked."""
+    store = _store(seaweed, tmp_path, "site-a")
+    (tmp_path / "results").mkdir()
+    os.mkfifo(tmp_path / "results" / "pipe")
+    key = store.key("acme", "job-3", "prep", 1, "results")
+    stored = store.upload(tmp_path / "results", key, tmp_path)
+    url = store.sign_get(key, "acme", 60)
+    with pytest.raises(DataError, match="cannot unpack the folder"):
+        download(url, tmp_path / "got", stored.bytes, stored.sha256, folder=True)

@@ -433,6 +433,7 @@ class Offer(_message.Message):
     ESTIMATE_FIELD_NUMBER: _builtins.int
     STOP_AFTER_DISCONNECT_S_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    STAGES_INPUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -445,6 +446,8 @@ class Offer(_message.Message):
     """
     revision: _builtins.int
     """The revision of the spec (TaskStatus.revision), which the replicas' endpoints report."""
+    stages_inputs: _builtins.bool
+    """The commit will carry StagedInputs (protocol 4): a site that cannot stage them declines."""
     @_builtins.property
     def spec(self) -> _jobs_pb2.TaskSpec: ...
     @_builtins.property
@@ -477,10 +480,11 @@ class Offer(_message.Message):
         estimate: _jobs_pb2.Estimate | None = ...,
         stop_after_disconnect_s: _builtins.float = ...,
         revision: _builtins.int = ...,
+        stages_inputs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stages_inputs", b"stages_inputs", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
