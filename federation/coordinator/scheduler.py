@@ -20,7 +20,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -1293,6 +1293,8 @@ class Scheduler:
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
         back: list[tuple[str, Mutation]] = []
+        ready: list[tuple[_Negotiation, site_link_service_pb2.Commit]] = []
+        staging: dict[int, Awaitable[list[site_link_service_pb2.StagedInput] | str]] = {}
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1307,13 +1309,23 @@ class Scheduler:
             job = written[n.job_id]
             assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
-                inputs = await resolve(job, n.task, self._sites, self._config.offer_timeout_s)
-                if isinstance(inputs, str):  # a holder is away: wait, and be placed again
-                    self._release(site, reservation)
-                    back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
-                    n.verdicts.append(_refusal(site, inputs))
-                    continue
-                commit.inputs.extend(inputs)
+                timeout_s = self._config.offer_timeout_s
+                staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s)
+            ready.append((n, commit))
+        # Each holder signs its tasks' URLs over its own link, all holders at once.
+        resolved = {}
+        if staging:
+            resolved = dict(zip(staging, await asyncio.gather(*staging.values()), strict=True))
+        for i, (n, commit) in enumerate(ready):
+            assert n.chosen is not None
+            site, reservation = n.chosen
+            inputs = resolved.get(i, [])
+            if isinstance(inputs, str):  # a holder is away: wait, and be placed again
+                self._release(site, reservation)
+                back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
+                n.verdicts.append(_refusal(site, inputs))
+                continue
+            commit.inputs.extend(inputs)
             self.history.arrived(site)
             commits.setdefault(site, []).append((n, commit))
         answers = await asyncio.gather(
