@@ -7,8 +7,12 @@ History:
    ``coordinator_version`` and the version the coordinator speaks to the agent.
 3. ``ChangeTask`` and its ``ChangeAnswer``: a running service scaled or updated in place. Sent
    only to agents that speak 3; a change for a site whose agent speaks 2 is refused, naming it.
+4. Data between sites: ``TaskSpec.outputs`` reported as ``TaskReport.artifacts``, the
+   ``StagedInput`` list of a ``Commit``, and ``PresignRequest`` answered by ``PresignAnswer``.
+   A task with outputs or staged inputs is offered only to agents that speak 4, and only they
+   are asked to sign.
 
-Each release speaks its own version and at least the one before (this one speaks 1 to 3), so
+Each release speaks its own version and at least the one before (this one speaks 1 to 4), so
 an agent and a coordinator one version apart always share one: the coordinator answers with
 the older of the two. Further apart, the agent is refused with the side to upgrade
 (coordinators first, then agents, keeps every pair within one). An agent ignores a coordinator
@@ -16,14 +20,15 @@ message whose body it does not know (it logs ``unknown_message_ignored``), so a 
 in a later version must be one an older agent may ignore without harm, or be sent only to
 agents that speak it. Every message of version 2 is understood by version 1 agents, or needs
 no answer (the trust bundle after a CA rollover: such an agent keeps its CA bundle until it is
-given a new one); version 3's ChangeTask goes only to agents that speak 3.
+given a new one); version 3's ChangeTask goes only to agents that speak 3, version 4's data
+messages only to agents that speak 4.
 """
 
 from __future__ import annotations
 
 from federation.errors import ProtocolVersionError
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4
 """The site-link protocol this release speaks."""
 MIN_PROTOCOL_VERSION = 1
 """The oldest an agent may speak and still be served."""

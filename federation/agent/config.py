@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from federation.agent.object_store import ObjectStoreSettings
 from federation.agent.owner_share import OwnerShareSettings
 from federation.agent.probe import MAX_PROBE_BYTES
 from federation.config import (
@@ -183,6 +184,10 @@ class AgentConfig:
     """How to use Slurm when ``scheduler = "slurm"``: the ``[slurm]`` table."""
     owner_share: OwnerShareSettings = field(default_factory=OwnerShareSettings)
     """Room kept for the site owner's tenants: the ``[owner_share]`` table."""
+    object_store: ObjectStoreSettings = field(default_factory=ObjectStoreSettings)
+    """The site's S3-compatible object store, where its tasks' declared outputs go: the
+    ``[object_store]`` table (bucket, endpoint, region, prefix, where the keys are read). Its
+    credentials stay at the site. No bucket: the site has no store."""
 
 
 def coordinator_endpoints(config: AgentConfig) -> tuple[str, ...]:

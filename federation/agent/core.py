@@ -31,10 +31,11 @@ def task_report(
     checkpoint: jobs_pb2.CheckpointRecord | None = None,
     interrupted: bool = False,
     endpoints: list[jobs_pb2.Endpoint] | None = None,
+    artifacts: list[jobs_pb2.Artifact] | None = None,
 ) -> site_link_service_pb2.TaskReport:
     """A task's state as every core reports it to the coordinator; ``interrupted``: the site
     stopped it for a reason of its own (see ``LocalCore.stop_cut_off``); ``endpoints``: a
-    service's replicas."""
+    service's replicas; ``artifacts``: the outputs stored, once it succeeded."""
     job_id, task, epoch = key
     return site_link_service_pb2.TaskReport(
         job_id=job_id,
@@ -49,6 +50,7 @@ def task_report(
         checkpoint=checkpoint,
         interrupted=interrupted,
         endpoints=endpoints or [],
+        artifacts=artifacts or [],
     )
 
 

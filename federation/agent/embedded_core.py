@@ -36,11 +36,13 @@ from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes
+from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service
 from federation.agent.supervisor import LEAVING
+from federation.agent.task_data import TaskData
 from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -128,6 +130,10 @@ class _Task:
     """Set when a service's spec changed in place: its replicas are brought to it."""
     moved: asyncio.Event = field(default_factory=asyncio.Event)
     """Set on each report of the task (a replica's readiness, say)."""
+    inputs: list[site_link_service_pb2.StagedInput] = field(default_factory=list)
+    """Other tasks' outputs to stage into its folders before it starts (from the commit)."""
+    artifacts: list[jobs_pb2.Artifact] = field(default_factory=list)
+    """Its outputs as stored, once it succeeded."""
 
     @property
     def active(self) -> bool:
@@ -148,6 +154,7 @@ class _Task:
             # Only once stopped: a task that ended by itself first did not lose its run.
             interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
             endpoints=self.endpoints(),
+            artifacts=self.artifacts,
         )
 
     def endpoints(self) -> list[jobs_pb2.Endpoint]:
@@ -229,6 +236,8 @@ class EmbeddedCore:
             tasks are not recorded and die with this process.
         service_address: Where clients reach the services this core runs (every replica runs
             on this machine); empty: the machine's name.
+        data: Stages tasks' inputs and stores their outputs; default: a site without an
+            object store.
     """
 
     name = "embedded"
@@ -247,7 +256,9 @@ class EmbeddedCore:
         owner_share: resources_pb2.OwnerShare | None = None,
         state_dir: Path | None = None,
         service_address: str = "",
+        data: TaskData | None = None,
     ) -> None:
+        self.data = data or TaskData(None, site)
         self._address = service_address or socket.getfqdn()
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
@@ -421,6 +432,7 @@ class EmbeddedCore:
         task.tenant, task.restore = reservation.tenant, reservation.restore
         task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
         task.site, task.address = self._site, self._address
+        task.inputs = list(commit.inputs)
         if is_service(reservation.spec):
             task.service = [
                 ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
@@ -434,6 +446,56 @@ class EmbeddedCore:
             )
         self._tasks[key] = task
         self._changed()
+        if task.inputs:
+            # Downloads may take long: the commit is answered now, and the task stays
+            # DELEGATED (not RUNNING) until every input is in place.
+            task.supervisor = asyncio.create_task(self._stage_then_launch(task))
+        else:
+            await self._launch(task)
+        return site_link_service_pb2.CommitAnswer(started=True)
+
+    async def _stage_then_launch(self, task: _Task) -> None:
+        """Stages the task's inputs, then starts it; a cancel meanwhile ends it CANCELLED, an
+        input that cannot be had FAILED, before any replica ran."""
+        staging = asyncio.ensure_future(self._stage(task))
+        cancelled = asyncio.ensure_future(task.cancelled.wait())
+        try:
+            await asyncio.wait({staging, cancelled}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            cancelled.cancel()
+        if not staging.done():
+            staging.cancel()
+            await asyncio.gather(staging, return_exceptions=True)
+            self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "", "")
+            return
+        if (problem := staging.result()) is not None:
+            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
+            return
+        await self._launch(task)
+
+    async def _stage(self, task: _Task) -> str | None:
+        """Puts the inputs in every replica's folder; why not, or None."""
+        try:
+            await asyncio.to_thread(self._make_dirs, task)
+            await self.data.stage(
+                task.inputs,
+                [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
+                self._account(task),
+            )
+        except (DataError, ReplicaStartError) as exc:
+            log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
+            return str(exc)
+        except OSError as exc:
+            return f"cannot create working directory: {exc}"
+        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
+            log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
+            return f"staging failed: {type(exc).__name__}"
+        return None
+
+    async def _launch(self, task: _Task) -> None:
+        """Starts every replica and supervises the task (or ends it, if one cannot start)."""
+        key = task.key
+        devices = task.devices
         try:
             await self._start_replicas(task)
         except asyncio.CancelledError:  # the agent is going: no record, so no adoption
@@ -446,7 +508,7 @@ class EmbeddedCore:
                 self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
             else:
                 self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
-            return site_link_service_pb2.CommitAnswer(started=True)
+            return
         task.state, task.started_at = jobs_pb2.JOB_STATE_RUNNING, time.time()
         self._save(task)
         if task.checkpoints is not None:
@@ -455,7 +517,6 @@ class EmbeddedCore:
         self._report(task)
         # Held so the supervisor is not garbage-collected while it runs.
         task.supervisor = asyncio.create_task(self._supervise(task))
-        return site_link_service_pb2.CommitAnswer(started=True)
 
     async def release(self, reservation_id: str) -> None:
         """Frees an uncommitted reservation; a no-op when it is unknown."""
@@ -783,28 +844,28 @@ class EmbeddedCore:
         job_id, name, epoch = key
         return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
 
-    async def _start_replicas(self, task: _Task) -> None:
+    def _make_dirs(self, task: _Task) -> None:
+        """Creates the task's folders (again: a retried start takes those there). Blocking."""
+        # The folders above the replicas' are the agent's, so no task can put a link where
+        # another task's folder goes; each replica's is its account's alone.
         base = self._task_dir(task.key)
-        dirs = [base / str(replica) for replica in range(len(task.slots))]
         account = self._account(task)
+        agent_folder(base)
+        private_folder(self._run_dir(task.key, 0).parent, None)
+        for replica in range(len(task.slots)):
+            private_folder(base / str(replica), account)
+        if task.checkpoints is not None:
+            self._reopen(task.key, task.checkpoints.restore_from)
+            task.checkpoints.prepare(account)
 
-        def make_dirs() -> None:
-            # The folders above the replicas' are the agent's, so no task can put a link
-            # where another task's folder goes; each replica's is its account's alone.
-            agent_folder(base)
-            private_folder(self._run_dir(task.key, 0).parent, None)
-            for directory in dirs:
-                private_folder(directory, account)
-            if task.checkpoints is not None:
-                self._reopen(task.key, task.checkpoints.restore_from)
-                task.checkpoints.prepare(account)
-
+    async def _start_replicas(self, task: _Task) -> None:
+        account = self._account(task)
         try:
-            await asyncio.to_thread(make_dirs)
+            await asyncio.to_thread(self._make_dirs, task)
         except OSError as exc:
             # No replica ran, so there is no exit code to report.
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        for replica in range(len(dirs)):
+        for replica in range(len(task.slots)):
             await self._start_replica(task, replica, account)
 
     async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
@@ -871,6 +932,19 @@ class EmbeddedCore:
             # work is done, and a preempted task must not run again. (One that exits 0 once
             # signalled has not said so: it may have saved a checkpoint and quit.)
             state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
+        if state == jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
+            try:
+                task.artifacts, reason = await self.data.publish(
+                    task.key,
+                    task.tenant,
+                    task.spec.outputs,
+                    self._task_dir(task.key) / "0",
+                    self._run_dir(task.key, 0).parent,
+                )
+            except DataError as exc:
+                job_id, name, _ = task.key
+                log.warning("outputs_not_stored", job_id=job_id, task=name, error=str(exc))
+                state, reason = jobs_pb2.JOB_STATE_FAILED, str(exc)
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
     async def _watch_service(self, task: _Task) -> None:

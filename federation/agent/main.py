@@ -30,10 +30,12 @@ from federation.agent.enroll import EnrollmentError, channel_options, ensure_enr
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
+from federation.agent.object_store import SiteStore
 from federation.agent.owner_share import check_owner_share, owner_share
 from federation.agent.renewal import CertificateRenewer
 from federation.agent.runtime import AgentRejectedError, AgentRuntime, CertificateExpiredError
 from federation.agent.state_lock import StateDirLockedError, hold_state_dir
+from federation.agent.task_data import TaskData
 from federation.api.v1 import resources_pb2
 from federation.config import ConfigError, build, read_toml
 from federation.logging import LEVELS, configure_logging
@@ -137,6 +139,13 @@ def compat_table(config: AgentConfig) -> CompatTable:
         raise ConfigError(f"compat_table {config.compat_table}: {err}") from None
 
 
+def site_store(config: AgentConfig) -> SiteStore | None:
+    """The site's object store, its keys read now; None when the config names no bucket."""
+    if not config.object_store.bucket:
+        return None
+    return SiteStore(config.object_store, source="object_store")
+
+
 async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
@@ -153,6 +162,7 @@ async def embedded_core(
     )
     core = EmbeddedCore(
         site_nodes(config),
+        data=TaskData(site_store(config), config.site),
         site=config.site,
         work_dir=work_dir,
         on_status=on_status,
@@ -244,7 +254,13 @@ async def _serve(config: AgentConfig, factory: CoreFactory) -> int:
     log.info("probe_server_started", listen=bound, endpoint=endpoint)
     journal = Journal(config.state_dir / "journal.db")
     runtime = AgentRuntime(
-        config, creds, core, links=links, probe_endpoint=endpoint, journal=journal
+        config,
+        creds,
+        core,
+        links=links,
+        probe_endpoint=endpoint,
+        journal=journal,
+        data=core.data if isinstance(core, EmbeddedCore) else None,
     )
     runtime_ref.append(runtime)
     links.start()

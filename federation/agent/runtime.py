@@ -33,6 +33,7 @@ from federation.agent.enroll import SiteCredentials, channel_options, expired_me
 from federation.agent.journal import Journal, merge
 from federation.agent.links import LinkMonitor
 from federation.agent.owner_share import owner_share
+from federation.agent.task_data import TaskData
 from federation.agent.task_spans import TaskSpans
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
@@ -46,6 +47,8 @@ from federation.security.tls import channel_credentials
 from federation.site_protocol import PROTOCOL_VERSION
 
 log = structlog.get_logger()
+
+NO_DATA = "this site's scheduler core does not stage inputs or store outputs"
 
 AGENT_VERSION = __version__
 FATAL_CODES = frozenset({grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED})
@@ -97,6 +100,7 @@ class AgentRuntime:
         links: LinkMonitor | None = None,
         probe_endpoint: str = "",
         journal: Journal | None = None,
+        data: TaskData | None = None,
     ) -> None:
         """Prepare a session; ``run`` opens it.
 
@@ -107,6 +111,8 @@ class AgentRuntime:
             links: Measures and declares this site's links; without it none are published.
             probe_endpoint: Where peers may measure their link to this site; empty for none.
             journal: Keeps final statuses across agent restarts until acknowledged.
+            data: Signs URLs for the site's stored outputs; None: the core stores none (and
+                tasks with outputs or staged inputs are declined).
         """
         self._config = config
         self._creds = creds
@@ -114,6 +120,7 @@ class AgentRuntime:
         self._links = links
         self._probe_endpoint = probe_endpoint
         self._journal = journal
+        self._data = data
         self._domain = parse_domain(config.domain)
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
@@ -180,6 +187,7 @@ class AgentRuntime:
             datasets=c.datasets,
             coordinator_link=self._coordinator_link(),
             owner_share=owner_share(c.owner_share) if c.owner_share.keep else None,
+            object_store=self._data.store.where if self._data and self._data.store else "",
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:
@@ -442,18 +450,31 @@ class AgentRuntime:
         cid = message.correlation_id
         try:
             if body == "offer":
-                answer = await self.core.offer(message.offer)
+                offer = message.offer
+                if self._data is None and (offer.spec.outputs or offer.stages_inputs):
+                    answer = pb.OfferAnswer(reason=NO_DATA)
+                else:
+                    answer = await self.core.offer(message.offer)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, offer_answer=answer))
             elif body == "commit":
                 if tracing.on():
                     self._spans.committed(message.commit)
-                started = await self.core.commit(message.commit)
+                if self._data is None and message.commit.inputs:
+                    started = pb.CommitAnswer(reason=NO_DATA)
+                else:
+                    started = await self.core.commit(message.commit)
                 if tracing.on() and not started.started:
                     self._spans.not_started(message.commit)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, commit_answer=started))
             elif body == "change":
                 changed = await self.core.change(message.change)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, change_answer=changed))
+            elif body == "presign":
+                if self._data is None:
+                    signed = pb.PresignAnswer(error="this site stores no outputs")
+                else:
+                    signed = await self._data.sign(message.presign)
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, presign_answer=signed))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":

@@ -25,6 +25,7 @@ from datacenter_agent.slurm_cluster import (
 )
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import CliError
+from federation.cli.demo_data import features_moved, start_stores, with_data
 from federation.cli.explain import explanation_table
 from federation.cli.output import output_of, show
 from federation.cli.remote import cmd_status
@@ -290,6 +291,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         )
     root = args.dir or Path(tempfile.mkdtemp(prefix="federation-demo-"))
     slurm = None
+    stores = None
     sites = DEMO_SITES
     try:
         if args.slurm:
@@ -298,12 +300,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
                 slurm_site(slurm.conf, slurm.partition) if site.domain == "datacenter" else site
                 for site in DEMO_SITES
             ]
+        stores, sites = start_stores(root / "stores", sites)
         fed = LocalFederation(root, sites)
         try:
-            return asyncio.run(run_demo(fed))
+            return asyncio.run(run_demo(fed, data=stores is not None))
         finally:
             fed.stop()
     finally:
+        if stores is not None:
+            stores.stop()
         if slurm is not None:
             slurm.stop()
         if args.keep or args.dir:
@@ -336,12 +341,18 @@ def start_slurm(root: Path) -> LocalSlurmCluster:
     return cluster
 
 
-async def run_demo(fed: LocalFederation) -> int:
+async def run_demo(fed: LocalFederation, *, data: bool = False) -> int:
+    """Run the demo's jobs; ``data``: the sites have object stores, and the camera pipeline
+    moves real features from the edge to where it trains."""
     console.rule("Federation demo")
     console.print("starting a coordinator and 3 site agents as separate processes (mTLS)...")
+    if data:
+        console.print("each site has its own bucket in a SeaweedFS on loopback (weed)")
     await fed.start()
     await cmd_status(argparse.Namespace(json=False), fed.operator())
     specs = demo_jobs()
+    if data:
+        with_data(next(spec for spec in specs if spec.name == "camera-pipeline"))
     async with fed.operator().channel() as channel:
         stub = job_service_pb2_grpc.JobServiceStub(channel)
         submitted = (await stub.SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))).jobs
@@ -382,6 +393,11 @@ async def run_demo(fed: LocalFederation) -> int:
     ok = {job.spec.name: state_name(job.state) for job in final}
     expected = {"flaky-step": "FAILED", "too-big": "CANCELLED"}
     wrong = {n: s for n, s in ok.items() if s != expected.get(n, "SUCCEEDED")}
+    if data:
+        moved = features_moved(next(job for job in final if job.id == pipeline))
+        console.print(moved or text("camera-pipeline's features did not arrive intact", "red"))
+        if moved is None:
+            wrong["camera-pipeline"] = "features not intact"
     if wrong:
         console.print(text(f"unexpected outcomes: {wrong}", "red"))
         return 1

@@ -528,6 +528,11 @@ class JobManager:
             if not final:
                 return []
             del current.endpoints[:]
+            if report.state == job_state.SUCCEEDED and report.artifacts:
+                del current.artifacts[:]
+                current.artifacts.extend(report.artifacts)
+                for artifact in current.artifacts:
+                    artifact.site = site  # a site speaks only for its own store
             current.exit_code = report.exit_code
             current.output_tail = report.output_tail[-MAX_OUTPUT_TAIL:]
             if current.preempted_by:

@@ -24,7 +24,7 @@ import math
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
@@ -44,6 +44,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
+from federation.coordinator.outputs import source_of, staged
 from federation.coordinator.policy.preemption import (
     Candidate,
     choose_victims,
@@ -55,6 +57,7 @@ from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
+from federation.coordinator.staged_inputs import holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
     WAIT_GAIN,
@@ -96,13 +99,15 @@ WAIT = "Wait"
 """The stage of the verdict of a task that waits for a busy site (``waits``)."""
 RETRY = "Retry"
 """The stage of what holds back a failed task waiting out its backoff (explain only)."""
+INPUTS = "Inputs"
+"""The stage of the verdict of a task whose inputs are held by a site not connected now."""
 WAIT_RECHECK_S = 30.0
+"""Longest a task waits for a busy site before its choice is weighed again; a task's end
+there wakes it sooner."""
 WAIT_SLACK_S = 5.0
 """A task waits for a busy site at most this long past the start its first wait promised
 (or a quarter of that wait, if longer): what runs there may overrun its estimate for ever,
 and each recheck would promise "any moment now" again."""
-"""Longest a task waits for a busy site before its choice is weighed again; a task's end
-there wakes it sooner."""
 FRONT_OF_LINE = 64
 """Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
 QUEUE_GAUGES_EVERY_S = 5.0
@@ -515,6 +520,12 @@ class Scheduler:
             request = request_for(job, task)
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
+            if any(t.outputs for t in job.spec.tasks) and (
+                away := holders_away(job, task, self._sites)
+            ):
+                self._backoff(key)  # no offer while no one can sign its inputs' URLs
+                why = f"waiting for site {', '.join(away)}, which holds its inputs, to connect"
+                return [jobs_pb2.SiteVerdict(stage=INPUTS, reason=why)]
             request = self._with_learned_speeds(request)
             if request.selector and self._selector_unevaluated(request.selector, cycle.snapshot):
                 return None  # its verdicts are being found; that wakes us
@@ -1171,10 +1182,15 @@ class Scheduler:
             if task.state != job_state.PENDING:
                 n.settled = True  # cancelled meanwhile
                 continue
+            spec = find_spec(job, n.task)
+            stages_inputs = bool(spec.inputs) and staged(spec, _specs(job))
+            if spec.outputs or stages_inputs:
+                offered_to[n.key] = self._speaking_data(n, offered_to[n.key])
+                if not offered_to[n.key]:
+                    continue
             n.epoch = max(task.epoch, task.issued_epoch, n.epoch) + 1
             n.revision = task.revision
             active.append(n)
-            spec = find_spec(job, n.task)
             offer = site_link_service_pb2.Offer(
                 job_id=n.job_id,
                 task=n.task,
@@ -1186,6 +1202,7 @@ class Scheduler:
                 node_labels=job.spec.constraints.node_labels,
                 stop_after_disconnect_s=job.spec.disconnect.stop_after_s,
                 revision=task.revision,
+                stages_inputs=stages_inputs,
             )
             # The site reads device speeds as the estimate did: learned ones included.
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
@@ -1304,6 +1321,8 @@ class Scheduler:
         written = await self._jobs.update_many(marks)
         commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
         back: list[tuple[str, Mutation]] = []
+        ready: list[tuple[_Negotiation, site_link_service_pb2.Commit]] = []
+        staging: dict[int, Awaitable[list[site_link_service_pb2.StagedInput] | str]] = {}
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1320,10 +1339,30 @@ class Scheduler:
                 back.append((n.job_id, _back_from_site(n.task, n.epoch, why)))
                 n.verdicts.append(_refusal(site, why))
                 continue
-            self.history.arrived(site)
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )
+            job = written[n.job_id]
+            assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
+            if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
+                timeout_s = self._config.offer_timeout_s
+                staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s)
+            ready.append((n, commit))
+        # Each holder signs its tasks' URLs over its own link, all holders at once.
+        resolved = {}
+        if staging:
+            resolved = dict(zip(staging, await asyncio.gather(*staging.values()), strict=True))
+        for i, (n, commit) in enumerate(ready):
+            assert n.chosen is not None
+            site, reservation = n.chosen
+            inputs = resolved.get(i, [])
+            if isinstance(inputs, str):  # a holder is away: wait, and be placed again
+                self._release(site, reservation)
+                back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
+                n.verdicts.append(_refusal(site, inputs))
+                continue
+            commit.inputs.extend(inputs)
+            self.history.arrived(site)
             commits.setdefault(site, []).append((n, commit))
             n.settled = True  # from here on, only the site's refusal puts it back to PENDING
         answers = await asyncio.gather(
@@ -1353,6 +1392,18 @@ class Scheduler:
                 n.verdicts.append(_refusal(site, why))
         if back:
             await self._jobs.update_many(back)
+
+    def _speaking_data(self, n: _Negotiation, sites: list[str]) -> list[str]:
+        """The sites whose agents can store outputs and stage inputs; a verdict for others."""
+        out = []
+        for site in sites:
+            session = self._sites.session(site)
+            if session is not None and session.protocol < DATA_PROTOCOL:
+                why = f"its agent speaks site-link protocol {session.protocol}; outputs and "
+                n.verdicts.append(_refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
+            else:
+                out.append(site)
+        return out
 
     async def _offer(
         self, site: str, offers: list[site_link_service_pb2.Offer]
@@ -1494,7 +1545,8 @@ class Scheduler:
             why := self._sharing.admission(job, task_demand(job, task.name), {})
         ):
             out.append(jobs_pb2.SiteVerdict(stage=QUOTA, reason=why))
-        found = (v for v in task.verdicts if v.stage in (QUOTA, OWNER_SHARE, PREEMPT, SPREAD))
+        held = (QUOTA, OWNER_SHARE, PREEMPT, SPREAD, INPUTS)
+        found = (v for v in task.verdicts if v.stage in held)
         out += [v for v in found if v.site or v.stage != QUOTA]  # the queue's own: now
         return out
 
@@ -1683,6 +1735,10 @@ def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
         and task.epoch == n.epoch
         and (task.site, task.reservation_id) == n.chosen
     )
+
+
+def _specs(job: jobs_pb2.Job) -> dict[str, jobs_pb2.TaskSpec]:
+    return {t.name: t for t in job.spec.tasks}
 
 
 def _task_of(
@@ -1894,9 +1950,11 @@ def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
     ]
     for dep in spec.depends_on:
         size = specs[dep].output_bytes
-        for i in spec.inputs:  # an explicit "task:NAME" input may give the size
-            if i.dataset == TASK_OUTPUT + dep and i.bytes:
+        for i in spec.inputs:  # an explicit "task:NAME[.OUTPUT]" input may give the size
+            if i.bytes and (found := source_of(i.dataset, specs)) is not None and found[0] == dep:
                 size = i.bytes
+        if stored := sum(a.bytes for a in status[dep].artifacts):
+            size = stored  # what its site reported storing
         if size:
             inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
     checkpoint = status[task_name].checkpoint

@@ -259,7 +259,7 @@ class SiteLink:
             except FailedPreconditionError as err:
                 session.send(pb.CoordinatorMessage(resync=pb.ResyncRequest(reason=str(err))))
             return
-        if body in ("offer_answer", "commit_answer", "change_answer"):
+        if body in ("offer_answer", "commit_answer", "change_answer", "presign_answer"):
             if not session.resolve(request):
                 log.info("late_answer_dropped", site=site, correlation=request.correlation_id)
                 answer = request.offer_answer

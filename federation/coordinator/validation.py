@@ -9,6 +9,8 @@ from collections.abc import Collection, Iterator, Mapping
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
+from federation.coordinator.outputs import OUTPUT_NAME_RE, source_of
+from federation.coordinator.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.placement.compat import validate_requires
 from federation.placement.selectors import SelectorError, check_selector
@@ -41,8 +43,6 @@ MAX_KEY_CHARS = 256
 """Longest map key (env, labels, requires) or list item (models, regions, datasets)."""
 MAX_VALUE_BYTES = 32 * 1024
 """Longest env value; labels and requires take MAX_KEY_CHARS."""
-TASK_OUTPUT = "task:"
-"""An input dataset named ``task:NAME`` is the output of task NAME of the same job."""
 DEVICE_KINDS = set(resources_pb2.DeviceKind.values()) - {resources_pb2.DEVICE_KIND_UNSPECIFIED}
 DOMAINS = set(resources_pb2.Domain.values()) - {resources_pb2.DOMAIN_UNSPECIFIED}
 
@@ -144,6 +144,7 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
         ("resources.accelerator.models", task.resources.accelerator.models),
         ("requires", task.requires),
         ("inputs", [i.dataset for i in task.inputs]),
+        ("outputs", [o.path for o in task.outputs]),
         ("depends_on", task.depends_on),
         ("speed", task.speed),
     )
@@ -165,6 +166,9 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
             yield FieldViolation(f"{path}.inputs[{i}].dataset", "is required")
         elif item.site and (problem := name_problem(item.site)):
             yield FieldViolation(f"{path}.inputs[{i}].site", problem)
+        if item.path and (problem := _relative_path_problem(item.path)):
+            yield FieldViolation(f"{path}.inputs[{i}].path", problem)
+    yield from _output_violations(task, path)
     for model, factor in task.speed.items():
         if not math.isfinite(factor) or factor <= 0:
             yield FieldViolation(f"{path}.speed[{model}]", f"must be positive, got {factor}")
@@ -175,6 +179,41 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
     if task.HasField("spread"):
         yield from _spread_violations(task, f"{path}.spread")
     yield from _kind_violations(task, path)
+
+
+def _relative_path_problem(value: str) -> str | None:
+    """Why ``value`` is not a path inside a work folder, or None."""
+    if value.startswith("/") or "\x00" in value:
+        return f"{_quoted(value)} must be relative to the task's work folder"
+    if ".." in value.split("/") or value.strip("/.") == "":
+        return f"{_quoted(value)} must name a file or folder inside the work folder, without '..'"
+    if len(value) > MAX_KEY_CHARS:
+        return f"is over {MAX_KEY_CHARS} characters"
+    return None
+
+
+def _output_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
+    seen: set[str] = set()
+    for i, output in enumerate(task.outputs):
+        if not OUTPUT_NAME_RE.fullmatch(output.name):
+            yield FieldViolation(
+                f"{path}.outputs[{i}].name",
+                f"{_quoted(output.name)} is not a valid output name: use lower-case letters, "
+                "digits, '_' and '-' (no '.'), starting and ending with a letter or digit",
+            )
+        elif output.name in seen:
+            yield FieldViolation(f"{path}.outputs[{i}].name", f"{output.name!r} is declared twice")
+        seen.add(output.name)
+        if not output.path:
+            yield FieldViolation(f"{path}.outputs[{i}].path", "is required")
+        elif problem := _relative_path_problem(output.path):
+            yield FieldViolation(f"{path}.outputs[{i}].path", problem)
+    if task.outputs and task.kind == jobs_pb2.TASK_KIND_SERVICE:
+        yield FieldViolation(
+            f"{path}.outputs", "a service never succeeds, so its outputs would never be stored"
+        )
+    if task.outputs and task.HasField("spread"):
+        yield FieldViolation(f"{path}.outputs", "a divided task's outputs cannot be staged yet")
 
 
 def _spread_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
@@ -370,6 +409,7 @@ def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldV
     ):
         return  # most jobs: nothing to check
     names = {t.name for t in spec.tasks}
+    specs = {t.name: t for t in spec.tasks}
     services = {t.name for t in spec.tasks if t.kind == jobs_pb2.TASK_KIND_SERVICE}
     graph: dict[str, list[str]] = {}
     for i, task in enumerate(spec.tasks):
@@ -389,14 +429,45 @@ def _dependency_violations(spec: jobs_pb2.JobSpec, path: str) -> Iterator[FieldV
                     f"{_quoted(dep)} is a service, which never succeeds: nothing could follow it",
                 )
         for j, item in enumerate(task.inputs):
-            source = item.dataset.removeprefix(TASK_OUTPUT)
-            if item.dataset.startswith(TASK_OUTPUT) and source not in task.depends_on:
-                yield FieldViolation(
-                    f"{path}.tasks[{i}].inputs[{j}].dataset",
-                    f"reads the output of {source!r}; add it to depends_on",
-                )
+            yield from _input_violations(item, specs, task, f"{path}.tasks[{i}].inputs[{j}]")
     if cycle := find_cycle(graph):
         yield FieldViolation(f"{path}.tasks", f"dependency cycle: {' -> '.join(cycle)}")
+
+
+def _input_violations(
+    item: jobs_pb2.DataInput,
+    specs: Mapping[str, jobs_pb2.TaskSpec],
+    task: jobs_pb2.TaskSpec,
+    path: str,
+) -> Iterator[FieldViolation]:
+    """A ``task:`` input: the output it names exists, and its task is depended on."""
+    if not item.dataset.startswith(TASK_OUTPUT):
+        if item.path:
+            yield FieldViolation(f"{path}.path", "is only for a task's output (task:NAME.OUTPUT)")
+        return
+    name = item.dataset.removeprefix(TASK_OUTPUT)
+    found = source_of(item.dataset, specs)
+    producer = found[0] if found is not None else name
+    if found is None and (task_name := name.rpartition(".")[0]) in specs:
+        declared = ", ".join(o.name for o in specs[task_name].outputs) or "none"
+        yield FieldViolation(
+            f"{path}.dataset",
+            f"task {task_name!r} declares no output {name.rpartition('.')[2]!r} "
+            f"(it declares: {declared})",
+        )
+        return
+    if found is not None and found[1] is None and specs[producer].outputs:
+        yield FieldViolation(
+            f"{path}.dataset",
+            f"task {producer!r} declares {len(specs[producer].outputs)} outputs; name one: "
+            f"task:{producer}.OUTPUT",
+        )
+    if producer not in task.depends_on:
+        yield FieldViolation(
+            f"{path}.dataset", f"reads the output of {producer!r}; add it to depends_on"
+        )
+    if item.path and (found is None or found[1] is None):
+        yield FieldViolation(f"{path}.path", "is only for a task's declared output")
 
 
 def find_cycle(graph: dict[str, list[str]]) -> list[str]:

@@ -203,3 +203,48 @@ async def test_a_service_at_an_agent_of_protocol_2_is_not_changed_in_place(
     assert f"agent at site {site} speaks site-link protocol 2" in details
     assert f"upgrade the agent at {site}" in details
     assert "change" not in bodies
+
+
+async def test_a_task_with_outputs_is_not_offered_to_an_agent_of_protocol_3(
+    federation: LocalFederation, tmp_path: Path
+) -> None:
+    """Version 3 cannot store outputs nor stage inputs: such a task is never offered there,
+    and waits with a verdict naming the protocol."""
+    site = "v3-agent"
+    tls = await enrol_ghost(federation, site, tmp_path)
+    outbox: asyncio.Queue[pb.ConnectRequest] = asyncio.Queue()
+    hello = pb.Hello(view=await view_like(federation, site), generation=1, protocol_version=3)
+    outbox.put_nowait(one(hello=hello))
+    bodies: list[str] = []
+
+    async def agent(call: grpc.aio.StreamStreamCall[pb.ConnectRequest, pb.ConnectResponse]) -> None:
+        async for response in call:
+            bodies.extend(message.WhichOneof("body") or "" for message in response.messages)
+
+    task = python_task("make", "pass", outputs=[{"name": "data", "path": "out.bin"}])
+    pinned = spec("old-data", [task])
+    pinned.constraints.sites.append(site)
+    async with channel_as(federation, tls) as channel:
+        call = link_grpc.SiteLinkServiceStub(channel).Connect(sent_from(outbox))
+        serving = asyncio.create_task(agent(call))
+        try:
+            async with federation.operator().channel() as operator:
+                job_id = await submit(federation, pinned)
+
+                async def refused() -> list[str]:
+                    request = job_service_pb2.GetJobRequest(job_id=job_id)
+                    job = (await jobs(operator).GetJob(request)).job
+                    return [v.reason for v in job.tasks[0].verdicts if v.site == site]
+
+                deadline = asyncio.get_running_loop().time() + 30
+                while not (reasons := await refused()):
+                    assert asyncio.get_running_loop().time() < deadline, "no verdict for v3"
+                    await asyncio.sleep(0.1)
+                await jobs(operator).CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
+        finally:
+            call.cancel()
+            serving.cancel()
+    assert reasons == ["its agent speaks site-link protocol 3; outputs and staged inputs need 4"], (
+        reasons
+    )
+    assert "offer" not in bodies

@@ -194,26 +194,103 @@ class DataInput(_message.Message):
     DATASET_FIELD_NUMBER: _builtins.int
     BYTES_FIELD_NUMBER: _builtins.int
     SITE_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
     dataset: _builtins.str
-    """A dataset id held by some site, or "task:NAME" for the output of an earlier task."""
+    """A dataset id held by some site, "task:NAME.OUTPUT" for a declared output of an earlier task
+    of the job (staged into the task's work folder before it starts), or "task:NAME": that
+    task's only output when it declares one, else its output_bytes (placement only).
+    """
     bytes: _builtins.int
     """Size; when zero, the size the holding site reports."""
     site: _builtins.str
     """Where it is; when empty, every site that reports holding it."""
+    path: _builtins.str
+    """For a declared output: where it is staged, relative to each replica's work folder;
+    empty: the output's name.
+    """
     def __init__(
         self,
         *,
         dataset: _builtins.str = ...,
         bytes: _builtins.int = ...,
         site: _builtins.str = ...,
+        path: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "path", b"path", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DataInput: _TypeAlias = DataInput  # noqa: Y015
+
+@_typing.final
+class Output(_message.Message):
+    """A file or folder a task leaves for its dependants: when the task succeeds, its site uploads
+    it to the site's object store (a folder as one tar file).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Lower-case letters, digits, '_' and '-' (no '.': "task:NAME.OUTPUT" splits at the last)."""
+    path: _builtins.str
+    """Relative to replica 0's work folder."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Output: _TypeAlias = Output  # noqa: Y015
+
+@_typing.final
+class Artifact(_message.Message):
+    """An output as the site that ran the task stored it."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    FOLDER_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    bytes: _builtins.int
+    sha256: _builtins.str
+    """Hex SHA-256 of the bytes stored (a folder's tar)."""
+    site: _builtins.str
+    """The site whose object store holds it."""
+    key: _builtins.str
+    """Its key in that store; empty when the site has no store (the output stayed at the site)."""
+    folder: _builtins.bool
+    """True when the output is a folder, stored as a tar file."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        site: _builtins.str = ...,
+        key: _builtins.str = ...,
+        folder: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "folder", b"folder", "key", b"key", "name", b"name", "sha256", b"sha256", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Artifact: _TypeAlias = Artifact  # noqa: Y015
 
 @_typing.final
 class Constraints(_message.Message):
@@ -351,6 +428,7 @@ class TaskSpec(_message.Message):
     SPREAD_FIELD_NUMBER: _builtins.int
     KIND_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
+    OUTPUTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -400,6 +478,10 @@ class TaskSpec(_message.Message):
     def service(self) -> Global___ServicePolicy:
         """How a service's replicas are kept running; only with kind SERVICE."""
 
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Output]:
+        """What the task leaves for its dependants' inputs ("task:NAME.OUTPUT")."""
+
     def __init__(
         self,
         *,
@@ -421,10 +503,11 @@ class TaskSpec(_message.Message):
         spread: Global___Spread | None = ...,
         kind: Global___TaskKind.ValueType = ...,
         service: Global___ServicePolicy | None = ...,
+        outputs: _abc.Iterable[Global___Output] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -983,6 +1066,7 @@ class TaskStatus(_message.Message):
     ENDPOINTS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     ISSUED_REVISION_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     state: Global___JobState.ValueType
     reason: _builtins.str
@@ -1060,6 +1144,10 @@ class TaskStatus(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[Global___Endpoint]:
         """A service's replicas, as its site last reported them."""
 
+    @_builtins.property
+    def artifacts(self) -> _containers.RepeatedCompositeFieldContainer[Global___Artifact]:
+        """The task's outputs as its site stored them, once it succeeded."""
+
     def __init__(
         self,
         *,
@@ -1090,10 +1178,11 @@ class TaskStatus(_message.Message):
         endpoints: _abc.Iterable[Global___Endpoint] | None = ...,
         revision: _builtins.int = ...,
         issued_revision: _builtins.int = ...,
+        artifacts: _abc.Iterable[Global___Artifact] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "displaced", b"displaced", "estimate", b"estimate", "finished_at", b"finished_at", "retry_at", b"retry_at", "started_at", b"started_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "issued_revision", b"issued_revision", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "revision", b"revision", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint", b"checkpoint", "devices", b"devices", "displaced", b"displaced", "endpoints", b"endpoints", "epoch", b"epoch", "estimate", b"estimate", "exit_code", b"exit_code", "failed_attempts", b"failed_attempts", "finished_at", b"finished_at", "issued_epoch", b"issued_epoch", "issued_revision", b"issued_revision", "models", b"models", "moves", b"moves", "name", b"name", "nodes", b"nodes", "output_tail", b"output_tail", "part_of", b"part_of", "preempted_by", b"preempted_by", "preemptions", b"preemptions", "reason", b"reason", "reservation_id", b"reservation_id", "retry_at", b"retry_at", "revision", b"revision", "site", b"site", "started_at", b"started_at", "state", b"state", "verdicts", b"verdicts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -485,6 +485,7 @@ class SiteView(_message.Message):
     PROBE_ENDPOINT_FIELD_NUMBER: _builtins.int
     COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
     OWNER_SHARE_FIELD_NUMBER: _builtins.int
+    OBJECT_STORE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -496,6 +497,10 @@ class SiteView(_message.Message):
     agent_version: _builtins.str
     probe_endpoint: _builtins.str
     """host:port where peers may measure their link to this site; empty when none."""
+    object_store: _builtins.str
+    """The site's object store, where its tasks' outputs go, as people name it ("bucket b at
+    http://host:8333"); empty when it has none. Never its credentials.
+    """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]: ...
     @_builtins.property
@@ -538,10 +543,11 @@ class SiteView(_message.Message):
         probe_endpoint: _builtins.str = ...,
         coordinator_link: Global___Link | None = ...,
         owner_share: Global___OwnerShare | None = ...,
+        object_store: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -89,6 +89,7 @@ class TaskReport(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     INTERRUPTED_FIELD_NUMBER: _builtins.int
     ENDPOINTS_FIELD_NUMBER: _builtins.int
+    ARTIFACTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -115,6 +116,10 @@ class TaskReport(_message.Message):
     def endpoints(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.Endpoint]:
         """A service's replicas: their addresses, readiness and restarts (sent when they change)."""
 
+    @_builtins.property
+    def artifacts(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.Artifact]:
+        """A task that succeeded: its declared outputs as the site stored them (protocol 4)."""
+
     def __init__(
         self,
         *,
@@ -130,10 +135,11 @@ class TaskReport(_message.Message):
         nodes: _abc.Iterable[_builtins.str] | None = ...,
         interrupted: _builtins.bool = ...,
         endpoints: _abc.Iterable[_jobs_pb2.Endpoint] | None = ...,
+        artifacts: _abc.Iterable[_jobs_pb2.Artifact] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "devices", b"devices", "endpoints", b"endpoints", "epoch", b"epoch", "exit_code", b"exit_code", "interrupted", b"interrupted", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint", b"checkpoint", "devices", b"devices", "endpoints", b"endpoints", "epoch", b"epoch", "exit_code", b"exit_code", "interrupted", b"interrupted", "job_id", b"job_id", "nodes", b"nodes", "output_tail", b"output_tail", "reason", b"reason", "state", b"state", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -324,6 +330,7 @@ class AgentMessage(_message.Message):
     TASK_STATUS_FIELD_NUMBER: _builtins.int
     GOODBYE_FIELD_NUMBER: _builtins.int
     CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
+    PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -342,6 +349,8 @@ class AgentMessage(_message.Message):
     def goodbye(self) -> Global___Goodbye: ...
     @_builtins.property
     def change_answer(self) -> Global___ChangeAnswer: ...
+    @_builtins.property
+    def presign_answer(self) -> Global___PresignAnswer: ...
     def __init__(
         self,
         *,
@@ -354,12 +363,13 @@ class AgentMessage(_message.Message):
         task_status: Global___TaskReport | None = ...,
         goodbye: Global___Goodbye | None = ...,
         change_answer: Global___ChangeAnswer | None = ...,
+        presign_answer: Global___PresignAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -423,6 +433,7 @@ class Offer(_message.Message):
     ESTIMATE_FIELD_NUMBER: _builtins.int
     STOP_AFTER_DISCONNECT_S_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    STAGES_INPUTS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -435,6 +446,8 @@ class Offer(_message.Message):
     """
     revision: _builtins.int
     """The revision of the spec (TaskStatus.revision), which the replicas' endpoints report."""
+    stages_inputs: _builtins.bool
+    """The commit will carry StagedInputs (protocol 4): a site that cannot stage them declines."""
     @_builtins.property
     def spec(self) -> _jobs_pb2.TaskSpec: ...
     @_builtins.property
@@ -467,10 +480,11 @@ class Offer(_message.Message):
         estimate: _jobs_pb2.Estimate | None = ...,
         stop_after_disconnect_s: _builtins.float = ...,
         revision: _builtins.int = ...,
+        stages_inputs: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stages_inputs", b"stages_inputs", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -575,10 +589,17 @@ class Commit(_message.Message):
     JOB_ID_FIELD_NUMBER: _builtins.int
     TASK_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedInput]:
+        """The task's inputs from other tasks' outputs (protocol 4): the site downloads each from
+        its URL, checks its size and digest, and starts the task only once all are in place.
+        """
+
     def __init__(
         self,
         *,
@@ -586,14 +607,116 @@ class Commit(_message.Message):
         job_id: _builtins.str = ...,
         task: _builtins.str = ...,
         epoch: _builtins.int = ...,
+        inputs: _abc.Iterable[Global___StagedInput] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "reservation_id", b"reservation_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "inputs", b"inputs", "job_id", b"job_id", "reservation_id", b"reservation_id", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Commit: _TypeAlias = Commit  # noqa: Y015
+
+@_typing.final
+class StagedInput(_message.Message):
+    """One output of an earlier task, to be put at `path` in each replica's work folder."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DATASET_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    FOLDER_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    dataset: _builtins.str
+    """The input as the spec names it ("task:NAME.OUTPUT")."""
+    path: _builtins.str
+    bytes: _builtins.int
+    sha256: _builtins.str
+    url: _builtins.str
+    """A short-lived, read-only URL for this one object, signed by the site that holds it."""
+    folder: _builtins.bool
+    """True when the object is a folder's tar, unpacked at `path`."""
+    error: _builtins.str
+    """Set instead of url when the input cannot be had (it stayed at a site without a store):
+    the site fails the task with it.
+    """
+    def __init__(
+        self,
+        *,
+        dataset: _builtins.str = ...,
+        path: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        url: _builtins.str = ...,
+        folder: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "error", b"error", "folder", b"folder", "path", b"path", "sha256", b"sha256", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StagedInput: _TypeAlias = StagedInput  # noqa: Y015
+
+@_typing.final
+class PresignRequest(_message.Message):
+    """Asks the agent to sign a URL for one object of its store (protocol 4); answered by
+    PresignAnswer. The agent signs only keys under its prefix and the tenant's folder.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    METHOD_FIELD_NUMBER: _builtins.int
+    TTL_S_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    method: _builtins.str
+    """"GET" only, for now."""
+    ttl_s: _builtins.int
+    tenant: _builtins.str
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        method: _builtins.str = ...,
+        ttl_s: _builtins.int = ...,
+        tenant: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "method", b"method", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PresignRequest: _TypeAlias = PresignRequest  # noqa: Y015
+
+@_typing.final
+class PresignAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    URL_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    url: _builtins.str
+    error: _builtins.str
+    """Why no URL was signed; empty on success."""
+    def __init__(
+        self,
+        *,
+        url: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PresignAnswer: _TypeAlias = PresignAnswer  # noqa: Y015
 
 @_typing.final
 class Release(_message.Message):
@@ -835,6 +958,7 @@ class CoordinatorMessage(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _builtins.int
     TRUST_BUNDLE_FIELD_NUMBER: _builtins.int
     CHANGE_FIELD_NUMBER: _builtins.int
+    PRESIGN_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -867,6 +991,10 @@ class CoordinatorMessage(_message.Message):
     def change(self) -> Global___ChangeTask:
         """Protocol 3 and later."""
 
+    @_builtins.property
+    def presign(self) -> Global___PresignRequest:
+        """Protocol 4 and later."""
+
     def __init__(
         self,
         *,
@@ -882,12 +1010,13 @@ class CoordinatorMessage(_message.Message):
         heartbeat: Global___Heartbeat | None = ...,
         trust_bundle: Global___TrustBundle | None = ...,
         change: Global___ChangeTask | None = ...,
+        presign: Global___PresignRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 

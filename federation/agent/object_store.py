@@ -1,0 +1,251 @@
+"""A site's object store (``[object_store]`` of the agent's config): any S3-compatible endpoint.
+
+The site uploads its tasks' declared outputs there, under
+``{prefix}/{tenant}/{job}/{task}/{epoch}/{output}``, and signs short-lived, read-only URLs for
+one object at a time when the coordinator asks on behalf of a dependant at another site. The
+credentials are read here, from files or the environment, and never leave the site: other sites
+download through the URLs, and the coordinator never touches the bytes.
+
+A folder is stored as one tar file (its links kept as links, unpacked with tarfile's ``data``
+filter); a file as itself. The SHA-256 is computed while the bytes are read for the upload and
+checked by the downloader against every byte it received.
+
+Every function here blocks: call them through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import stat
+import tarfile
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+import obstore
+from obstore.store import S3Store
+
+from federation.config import ConfigError, within
+
+CHUNK = 1024 * 1024
+MAX_TTL_S = 3600
+
+
+class DataError(Exception):
+    """An upload, a download or a signature failed; the message is safe to show (no secret)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectStoreSettings:
+    """The ``[object_store]`` table of an agent config; no bucket: the site has no store (its
+    tasks' outputs stay at the site, and tasks elsewhere cannot read them)."""
+
+    bucket: str = ""
+    endpoint: str = ""
+    """``http(s)://host:port`` of an S3-compatible store (SeaweedFS, MinIO, Ceph); empty: AWS
+    S3 in ``region``."""
+    region: str = "us-east-1"
+    prefix: str = "federation"
+    """Where in the bucket this site's objects go; each tenant gets a folder under it."""
+    access_key_id_file: Path | None = None
+    secret_access_key_file: Path | None = None
+    """Files holding the keys (one line each); unset: the variables below."""
+    access_key_id_env: str = "AWS_ACCESS_KEY_ID"
+    secret_access_key_env: str = "AWS_SECRET_ACCESS_KEY"
+    virtual_hosted_style: bool = False
+    """Address buckets as ``bucket.host`` (AWS's default) rather than ``host/bucket``."""
+    max_retries: int = field(default=3, metadata=within(0, 20))
+    """Retries of a request that failed for the network or a 5xx, before the upload fails."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    """An object as uploaded."""
+
+    key: str
+    bytes: int
+    sha256: str
+    folder: bool
+
+
+class SiteStore:
+    """This site's bucket, with its own credentials."""
+
+    def __init__(self, settings: ObjectStoreSettings, *, source: str = "object_store") -> None:
+        self.settings = settings
+        self.prefix = settings.prefix.strip("/")
+        key_id = _secret(settings.access_key_id_file, settings.access_key_id_env, source, "id")
+        secret = _secret(
+            settings.secret_access_key_file, settings.secret_access_key_env, source, "secret"
+        )
+        self._redact = [value for value in (key_id, secret) if value]
+        self._store = S3Store(
+            settings.bucket,
+            endpoint=settings.endpoint or None,
+            region=settings.region,
+            access_key_id=key_id,
+            secret_access_key=secret,
+            virtual_hosted_style_request=settings.virtual_hosted_style,
+            client_options={"allow_http": settings.endpoint.startswith("http://")},
+            retry_config={
+                "max_retries": settings.max_retries,
+                "retry_timeout": timedelta(seconds=60),
+            },
+        )
+
+    @property
+    def where(self) -> str:
+        """The store as people name it: ``bucket at endpoint``."""
+        return f"bucket {self.settings.bucket} at {self.settings.endpoint or 'AWS S3'}"
+
+    def key(self, tenant: str, job_id: str, task: str, epoch: int, output: str) -> str:
+        parts = (self.prefix, tenant or "_", job_id, task, str(epoch), output)
+        return "/".join(part for part in parts if part)
+
+    def upload(self, source: Path, key: str, scratch: Path) -> Stored:
+        """Store the file or folder at ``source`` (never following a link there) as ``key``.
+
+        ``scratch`` is an agent-only folder for a folder's tar. Raises DataError.
+        """
+        try:
+            mode = source.lstat().st_mode
+        except FileNotFoundError:
+            raise DataError("the task did not write it") from None
+        if stat.S_ISLNK(mode):
+            raise DataError("it is a link; outputs must be real files or folders")
+        if stat.S_ISDIR(mode):
+            with tempfile.TemporaryDirectory(dir=scratch) as work:
+                packed = Path(work) / "output.tar"
+                try:
+                    with tarfile.open(packed, "w") as tar:
+                        tar.add(source, arcname=".", recursive=True)
+                except (OSError, tarfile.TarError) as err:
+                    raise DataError(f"cannot pack the folder: {err}") from None
+                return self._put(packed, key, folder=True)
+        if not stat.S_ISREG(mode):
+            raise DataError("it is neither a file nor a folder")
+        return self._put(source, key, folder=False)
+
+    def _put(self, path: Path, key: str, *, folder: bool) -> Stored:
+        digest = hashlib.sha256()
+        size = 0
+
+        def chunks(handle: int) -> Iterator[bytes]:
+            nonlocal size
+            while block := os.read(handle, CHUNK):
+                digest.update(block)
+                size += len(block)
+                yield block
+
+        handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            obstore.put(self._store, key, chunks(handle))  # multipart, parts retried
+            stored = obstore.head(self._store, key)["size"]
+        except Exception as err:
+            raise DataError(f"upload to {self.where} failed: {self.describe(err)}") from None
+        finally:
+            os.close(handle)
+        if stored != size:
+            raise DataError(f"the store holds {stored} bytes of {key}, not the {size} sent")
+        return Stored(key, size, digest.hexdigest(), folder)
+
+    def sign_get(self, key: str, tenant: str, ttl_s: int) -> str:
+        """A read-only URL for ``key`` alone, valid ``ttl_s`` seconds; only keys of ``tenant``'s
+        folder under this site's prefix are signed. Raises DataError."""
+        folder = "/".join(part for part in (self.prefix, tenant) if part) + "/"
+        if not tenant or not key.startswith(folder) or ".." in key.split("/"):
+            raise DataError(f"key {key!r} is not in tenant {tenant!r}'s folder of this store")
+        ttl = timedelta(seconds=max(1, min(ttl_s, MAX_TTL_S)))
+        try:
+            return obstore.sign(self._store, "GET", key, ttl)
+        except Exception as err:
+            raise DataError(f"cannot sign a URL: {self.describe(err)}") from None
+
+    def describe(self, err: Exception) -> str:
+        """What went wrong with a request, for a task's reason and the log: the S3 error
+        code and status, never the keys (nor the response's details)."""
+        return describe_error(err, self._redact)
+
+
+def describe_error(err: Exception, redact: list[str] | None = None) -> str:
+    text = str(err)
+    code = re.search(r"<Code>([A-Za-z0-9.]+)</Code>", text)
+    status = re.search(r"status code: (\d{3})|status: (\d{3})", text)
+    parts = [type(err).__name__]
+    if status:
+        parts.append(f"HTTP {status.group(1) or status.group(2)}")
+    if code:
+        parts.append(code.group(1))
+    elif "error sending request" in text or "Connection refused" in text:
+        parts.append("the store cannot be reached")
+    if code and code.group(1) in ("SignatureDoesNotMatch", "InvalidAccessKeyId", "AccessDenied"):
+        parts.append("(check the site's object_store credentials)")
+    out = " ".join(parts)
+    for secret in redact or []:
+        out = out.replace(secret, "<redacted>")
+    return out
+
+
+def download(url: str, dest: Path, size: int, sha256: str, *, folder: bool) -> None:
+    """Fetch ``url`` into a temporary file beside ``dest``, check its size and SHA-256, and
+    only then put it at ``dest`` (a folder's tar unpacked there). Raises DataError."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256()
+    got = 0
+    handle, temporary = tempfile.mkstemp(dir=dest.parent, prefix=".staging-")
+    try:
+        try:
+            with os.fdopen(handle, "wb") as out, urllib.request.urlopen(url, timeout=60) as answer:
+                while block := answer.read(CHUNK):
+                    digest.update(block)
+                    got += len(block)
+                    if got > size:
+                        raise DataError(f"more than the {size} bytes its site reported")
+                    out.write(block)
+        except urllib.error.HTTPError as err:
+            raise DataError(f"its site's store answered HTTP {err.code} {err.reason}") from None
+        except (urllib.error.URLError, OSError) as err:
+            reason = getattr(err, "reason", err)
+            raise DataError(f"its site's store cannot be reached: {reason}") from None
+        if got != size:
+            raise DataError(f"got {got} bytes, its site reported {size}")
+        if digest.hexdigest() != sha256:
+            raise DataError(
+                f"digest mismatch: sha256 {digest.hexdigest()[:16]}…, expected {sha256[:16]}…"
+            )
+        if folder:
+            try:
+                dest.mkdir(exist_ok=True)
+                with tarfile.open(temporary) as tar:
+                    tar.extractall(dest, filter="data")
+            except (OSError, tarfile.TarError) as err:
+                raise DataError(f"cannot unpack the folder: {err}") from None
+        else:
+            os.replace(temporary, dest)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+
+
+def _secret(path: Path | None, variable: str, source: str, what: str) -> str:
+    if path is not None:
+        try:
+            return path.read_text().strip()
+        except OSError as err:
+            raise ConfigError(
+                f"{source}: cannot read the access key {what} from {path}: {err.strerror}"
+            ) from None
+    value = os.environ.get(variable, "")
+    if not value:
+        raise ConfigError(
+            f"{source}: no access key {what}: set {variable} or the object_store's "
+            f"{'access_key_id_file' if what == 'id' else 'secret_access_key_file'}"
+        )
+    return value

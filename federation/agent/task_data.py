@@ -1,0 +1,161 @@
+"""A task's data at its site: inputs staged in before it starts, outputs stored once it succeeds.
+
+Inputs come from the commit (``StagedInput``: a URL the holding site signed, the size and the
+SHA-256 it reported); each is downloaded once, checked, and put at its path in every replica's
+work folder before any replica starts. Outputs are read from replica 0's folder, never through
+a link, and uploaded to this site's store (``federation.agent.object_store``); a site without a
+store keeps them in the task's folder and says so in the task's reason. Blocking work runs in
+threads, off the agent's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+import structlog
+
+from federation.agent.accounts import Account
+from federation.agent.object_store import DataError, SiteStore, download
+from federation.api.v1 import jobs_pb2, site_link_service_pb2
+
+log = structlog.get_logger()
+
+TaskKey = tuple[str, str, int]
+
+
+class TaskData:
+    """Stages inputs and stores outputs for one site; ``store`` None: the site has none."""
+
+    def __init__(self, store: SiteStore | None, site: str) -> None:
+        self.store = store
+        self._site = site
+
+    async def stage(
+        self,
+        inputs: Sequence[site_link_service_pb2.StagedInput],
+        folders: Sequence[Path],
+        account: Account | None,
+    ) -> None:
+        """Put every input in every folder. Raises DataError naming the input."""
+        for item in inputs:
+            if item.error:
+                raise DataError(f"input {item.dataset}: {item.error}")
+            first = folders[0] / item.path
+            try:
+                await asyncio.to_thread(
+                    download, item.url, first, item.bytes, item.sha256, folder=item.folder
+                )
+                for folder in folders[1:]:
+                    await asyncio.to_thread(_copy, first, folder / item.path)
+                if account is not None:
+                    for folder in folders:
+                        await asyncio.to_thread(_give, folder, item.path, account)
+            except DataError as err:
+                raise DataError(f"input {item.dataset}: {err}") from None
+            except OSError as err:
+                raise DataError(f"input {item.dataset}: cannot write {item.path}: {err}") from None
+            log.info("input_staged", dataset=item.dataset, path=item.path, bytes=item.bytes)
+
+    async def publish(
+        self,
+        key: TaskKey,
+        tenant: str,
+        outputs: Sequence[jobs_pb2.Output],
+        folder: Path,
+        scratch: Path,
+    ) -> tuple[list[jobs_pb2.Artifact], str]:
+        """Store each output; returns the artifacts and a note for the task's reason (empty
+        when all went to the store). Raises DataError naming the output."""
+        job_id, task, epoch = key
+        if self.store is None:
+            artifacts = []
+            for output in outputs:
+                size = await asyncio.to_thread(_local_size, folder / output.path, output.name)
+                artifacts.append(jobs_pb2.Artifact(name=output.name, bytes=size, site=self._site))
+            names = ", ".join(o.name for o in outputs)
+            note = f"outputs {names} kept at site {self._site}: it has no object store"
+            return artifacts, note
+        store = self.store
+        artifacts = []
+        for output in outputs:
+            object_key = store.key(tenant, job_id, task, epoch, output.name)
+            try:
+                source = await asyncio.to_thread(_inside, folder, output.path)
+                stored = await asyncio.to_thread(store.upload, source, object_key, scratch)
+            except DataError as err:
+                raise DataError(f"output {output.name} ({output.path}): {err}") from None
+            log.info(
+                "output_stored", job_id=job_id, task=task, output=output.name, bytes=stored.bytes
+            )
+            artifacts.append(
+                jobs_pb2.Artifact(
+                    name=output.name,
+                    bytes=stored.bytes,
+                    sha256=stored.sha256,
+                    site=self._site,
+                    key=stored.key,
+                    folder=stored.folder,
+                )
+            )
+        return artifacts, ""
+
+    async def sign(
+        self, request: site_link_service_pb2.PresignRequest
+    ) -> site_link_service_pb2.PresignAnswer:
+        """A read-only URL for one object of this site's store, for another site."""
+        if self.store is None:
+            return site_link_service_pb2.PresignAnswer(
+                error=f"site {self._site} has no object store"
+            )
+        if request.method not in ("", "GET"):
+            return site_link_service_pb2.PresignAnswer(error="only GET URLs are signed")
+        try:
+            url = await asyncio.to_thread(
+                self.store.sign_get, request.key, request.tenant, request.ttl_s
+            )
+        except DataError as err:
+            log.warning("presign_refused", key=request.key, tenant=request.tenant, error=str(err))
+            return site_link_service_pb2.PresignAnswer(error=str(err))
+        log.info("presigned", key=request.key, ttl_s=request.ttl_s)
+        return site_link_service_pb2.PresignAnswer(url=url)
+
+
+def _inside(folder: Path, relative: str) -> Path:
+    """``folder/relative``, refused if a link on the way leads out of ``folder``."""
+    path = folder / relative
+    if not path.parent.resolve().is_relative_to(folder.resolve()):
+        raise DataError("its path leads out of the work folder through a link")
+    return path
+
+
+def _local_size(path: Path, name: str) -> int:
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        raise DataError(f"output {name} ({path.name}): the task did not write it") from None
+    if os.path.isdir(path) and not path.is_symlink():
+        return sum(p.lstat().st_size for p in path.rglob("*") if p.is_file())
+    return st.st_size
+
+
+def _copy(source: Path, dest: Path) -> None:
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    if source.is_dir():
+        shutil.copytree(source, dest, symlinks=True)
+    else:
+        shutil.copy2(source, dest)
+
+
+def _give(folder: Path, relative: str, account: Account) -> None:
+    """Make a staged input (and the folders made for it) the account's."""
+    path = folder
+    for part in Path(relative).parts:
+        path = path / part
+        os.chown(path, account.uid, account.gid, follow_symlinks=False)
+    if path.is_dir() and not path.is_symlink():
+        for inner in path.rglob("*"):
+            os.chown(inner, account.uid, account.gid, follow_symlinks=False)
