@@ -93,6 +93,6 @@ def test_span_times_are_the_given_ones(spans: InMemorySpanExporter) -> None:
 
 def test_without_the_sdk_an_endpoint_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "federation.tracing.sdk", None)  # import fails
-    with pytest.raises(ConfigError, match=r"pip install 'federation\[tracing\]'"):
+    with pytest.raises(ConfigError, match=r"pip install 'fedplane\[tracing\]'"):
         tracing.configure("http://127.0.0.1:4317", "test")
     assert not tracing.on()

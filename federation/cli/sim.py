@@ -250,7 +250,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
         if not _can_draw():
             raise CliError(
                 "--plots draws with matplotlib, which this install lacks. "
-                "To fix: pip install 'federation[sim]'"
+                "To fix: pip install 'fedplane[sim]'"
             )
     if args.records:
         _writable("--records", args.records, folder=False)

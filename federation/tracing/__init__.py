@@ -107,7 +107,7 @@ def configure(
     except ImportError as err:
         raise ConfigError(
             f"otlp_endpoint is set but OpenTelemetry is not installed ({err.name} is missing). "
-            "To fix: pip install 'federation[tracing]', or leave otlp_endpoint empty"
+            "To fix: pip install 'fedplane[tracing]', or leave otlp_endpoint empty"
         ) from None
     shutdown()
     _recorder = Recorder(endpoint, service, instance, exporter)

@@ -239,7 +239,7 @@ def test_plots_without_matplotlib_say_which_extra(
     out = capsys.readouterr()
     assert out.err == (
         "fedctl: --plots draws with matplotlib, which this install lacks. "
-        "To fix: pip install 'federation[sim]'\n"
+        "To fix: pip install 'fedplane[sim]'\n"
     )
     assert out.out == ""
 
