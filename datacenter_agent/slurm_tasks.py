@@ -183,6 +183,7 @@ async def _before_restart(task: SlurmTask, started_at: float) -> None:
 
 def _back_in_queue(task: SlurmTask, reason: str, report: Report) -> None:
     task.state, task.reason = jobs_pb2.JOB_STATE_DELEGATED, reason
+    task.devices, task.nodes = [], []  # it holds none while it waits
     job_id, name, epoch = task.key
     log.info(
         "task_requeued", job_id=job_id, task=name, epoch=epoch, slurm_job=task.slurm_id, why=reason

@@ -287,3 +287,46 @@ def test_example_site_spec_writes_a_slurm_config(
     assert 'scheduler = "slurm"' in text
     assert str(slurm_cluster.conf) in text
     assert Path(slurm_cluster.conf).is_file()
+
+
+async def test_a_task_slurm_requeues_shows_waiting_until_it_runs_again(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster, tmp_path: Path
+) -> None:
+    """``scontrol requeue`` puts the running task's Slurm job back in Slurm's queue: the
+    coordinator shows the task DELEGATED (waiting at the site, no devices) while Slurm holds it
+    pending, and RUNNING again once Slurm starts it; it restores from its checkpoint."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = gpu_job("requeued", CHECKPOINTING)
+    spec.tasks[0].env["MARKERS"] = str(markers)
+    spec.tasks[0].checkpoint.interval_s = 0.2
+    job_id = await submit(operator, spec)
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+
+    async def read() -> jobs_pb2.TaskStatus:
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.tasks[0]
+
+    first = await until(
+        read,
+        lambda t: t.state == jobs_pb2.JOB_STATE_RUNNING and bool(t.checkpoint.path),
+        "running with a checkpoint",
+    )
+    assert first.devices
+    [slurm_job] = slurm_jobs_of(slurm_cluster, job_id)
+    slurm_cluster.run("scontrol", "requeue", slurm_job["JobId"])
+    waiting = await until(
+        read, lambda t: t.state == jobs_pb2.JOB_STATE_DELEGATED, "waiting at the site again"
+    )
+    [pending] = slurm_jobs_of(slurm_cluster, job_id)
+    assert pending["JobState"] == "PENDING"  # as Slurm has it while the coordinator says so
+    assert (waiting.site, waiting.epoch) == (SITE, first.epoch)
+    assert waiting.reason == f"waiting again at {SITE}: Slurm requeued job {slurm_job['JobId']}"
+    assert not waiting.devices
+    assert not waiting.HasField("started_at")
+    await until(read, lambda t: t.state == jobs_pb2.JOB_STATE_RUNNING, "running again")
+    await eventually((markers / f"start-{first.epoch}-1").exists, "the second run started")
+    (markers / "go").touch()
+    job = await wait_job(operator, job_id)
+    assert job.state == SUCCEEDED, job.tasks[0].reason
+    restored = Path((markers / f"start-{first.epoch}-1").read_text())
+    assert restored.name.startswith(("final-", "step-"))
