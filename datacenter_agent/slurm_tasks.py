@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from datacenter_agent.slurm_checkpoints import save_restored
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
 from datacenter_agent.slurm_job import (
     Outcome,
@@ -179,6 +180,8 @@ async def _before_restart(task: SlurmTask, started_at: float) -> None:
     latest = task.checkpoints.latest
     if latest is not None and task.restore_file is not None:
         await asyncio.to_thread(_replace_file, task.restore_file, latest.path)
+        # for an agent that adopts the job later: the progress that checkpoint holds
+        await asyncio.to_thread(save_restored, task.restore_file.parent, latest)
 
 
 def _back_in_queue(task: SlurmTask, reason: str, report: Report) -> None:
