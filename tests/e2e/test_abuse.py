@@ -112,10 +112,11 @@ async def test_abuse_from_one_tenant_slows_another_boundedly(
 ) -> None:
     """Expensive selectors (some that once passed the static check too), oversized specs,
     64 watches and a submit flood from mallory, a client that ignores every retry hint:
-    alice's GetJob p99 stays within SLOWDOWN times its quiet value. On two cores shared with the abuser's own process it measured 2.7 to 3.0
-    (3.2 to 5.5 before scheduling rested between its slices and pages were decoded straight
-    into the reply; 13 to 15 before refusals were held and replies charged; over 100 before
-    per-identity job and byte rates)."""
+    alice's GetJob p99 stays within SLOWDOWN times its quiet value. On two cores shared with
+    the abuser's own process it measured 2.7 to 3.0 (3.2 to 5.5 before scheduling rested
+    between its slices and pages were decoded straight into the reply; 13 to 15 before
+    refusals were held and replies charged; over 100 before per-identity job and byte
+    rates)."""
     async with channel_as(federation, tenant_tls(federation, "alice")) as channel:
         reply = await jobs(channel).SubmitJob(
             job_service_pb2.SubmitJobRequest(
