@@ -9,6 +9,7 @@ megabyte each, so a page of them ends on the byte bound before the count bound.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,11 +22,12 @@ from federation.agent.config import AgentConfig
 from federation.agent.enroll import ensure_enrolled
 from federation.api.v1 import (
     admin_service_pb2,
+    admin_service_pb2_grpc,
     resources_pb2,
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
-from federation.cli.listing import list_sites
+from federation.cli.listing import list_sites, retry_delay_s
 from federation.coordinator.admin import DEFAULT_PAGE, MAX_PAGE, MAX_REPLY_BYTES
 from federation.coordinator.config import STORE_FILE
 from federation.coordinator.sites import SITES
@@ -107,6 +109,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFedera
 @pytest_asyncio.fixture
 async def connected(federation: LocalFederation) -> AsyncIterator[list[str]]:
     """The ``LARGE`` sites joined, connected and holding their views while the test runs."""
+    async with large_sites(federation) as names:
+        yield names
+
+
+@contextlib.asynccontextmanager
+async def large_sites(federation: LocalFederation) -> AsyncIterator[list[str]]:
+    """The ``LARGE`` sites joined, connected and holding their views while it is entered."""
     channels: list[grpc.aio.Channel] = []
     calls = []
     try:
@@ -230,3 +239,38 @@ async def test_fedctl_lists_every_site(federation: LocalFederation, connected: l
     assert shown.returncode == 0, shown.stderr
     assert stored_name(STORED - 1) in shown.stdout
     assert "big-c" in shown.stdout
+
+
+async def pages_at_once(stub: admin_service_pb2_grpc.AdminServiceAsyncStub) -> None:
+    """Asks for page after page without waiting; fails if none is refused."""
+    token = ""
+    while True:
+        reply = await stub.ListSites(admin_service_pb2.ListSitesRequest(page_token=token))
+        token = reply.next_page_token
+        assert token, "every page was given at once"
+
+
+async def test_fedctl_waits_out_the_byte_rate_between_pages(tmp_path: Path) -> None:
+    """A coordinator whose operators may move 1 MiB a second (2 MiB at once) refuses pages past
+    that with RESOURCE_EXHAUSTED and a retry delay; the listing waits as told and ends with
+    every site."""
+    config = tmp_path / "limits.toml"
+    config.write_text("client_bytes_per_s = 1048576.0\nclient_byte_burst = 2097152.0\n")
+    fed = LocalFederation(
+        tmp_path, [], coordinator_args=["--missed-heartbeats", "100", "--config", str(config)]
+    )
+    try:
+        await fed.start_coordinator()
+        async with (
+            large_sites(fed),
+            channel_as(fed, fed.operator().tls) as channel,
+        ):
+            stub = admin(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await pages_at_once(stub)
+            assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (retry_delay_s(caught.value) or 0.0) > 0
+            sites = await list_sites(stub)
+        assert [site.name for site in sites] == list(LARGE)
+    finally:
+        fed.stop()
