@@ -49,5 +49,6 @@ def retry_delay_s(err: grpc.aio.AioRpcError) -> float | None:
         if detail.Is(error_details_pb2.RetryInfo.DESCRIPTOR):
             info = error_details_pb2.RetryInfo()
             detail.Unpack(info)
-            return info.retry_delay.ToTimedelta().total_seconds()
+            delay_s: float = info.retry_delay.ToTimedelta().total_seconds()
+            return delay_s
     return None
