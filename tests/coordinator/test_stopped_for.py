@@ -48,3 +48,12 @@ def test_an_ended_urgent_job_or_a_forgotten_victim_holds_nothing_back() -> None:
     stopped.forget(VICTIM)
     assert stopped.held_back(VICTIM, ["dc"]) == (["dc"], [])
     assert gate(status, True).held_back(("other", "main"), ["dc"]) == (["dc"], [])
+
+
+def test_a_new_stop_drops_the_entries_whose_urgent_task_has_started() -> None:
+    """Victims that never wait again are not kept once their urgent task runs."""
+    urgent = jobs_pb2.TaskStatus(name="main", state=P)
+    stopped = gate(urgent, True)
+    urgent.state, urgent.site = R, "dc"
+    stopped.stopped("dc", ("other", "main"), [("victim-2", "main", 1)])
+    assert set(stopped._for) == {("victim-2", "main")}

@@ -38,7 +38,11 @@ class StoppedFor:
         self._for: dict[TaskKey, tuple[str, TaskKey]] = {}
 
     def stopped(self, site: str, waiting: TaskKey, victims: Iterable[tuple[str, str, int]]) -> None:
-        """``victims`` (job, task, epoch) are being stopped at ``site`` for ``waiting``."""
+        """``victims`` (job, task, epoch) are being stopped at ``site`` for ``waiting``.
+
+        Entries whose waiting task has started, gone or ended are dropped first: a victim
+        that never waits again (its job was cancelled) is not kept for ever."""
+        self._for = {k: v for k, v in self._for.items() if self._still_coming(*v)}
         for job_id, task, _ in victims:
             self._for[(job_id, task)] = (site, waiting)
 
