@@ -29,6 +29,7 @@ from typing import Any
 
 import structlog
 
+from datacenter_agent.slurm_checkpoints import adopted_checkpoints
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, slurm_env
 from datacenter_agent.slurm_holds import HeldJobs, Reservation
 from datacenter_agent.slurm_job import (
@@ -234,6 +235,7 @@ class SlurmCore:
             work_dir=self._work_dir,
             args=foreseen.args,
             checkpoints=checkpoints,
+            restore=offer.restore if offer.HasField("restore") else None,
         )
         placed = place(nodes, spec, self._usage())  # what the view counts held
         slots = () if isinstance(placed, str) else placed
@@ -484,6 +486,12 @@ class SlurmCore:
         if self._adopted or key in self._tasks:
             return  # only a restart brings back jobs this core did not commit itself
         task = SlurmTask(key, slurm_id, f"slurm-{slurm_id}", ())
+        folder = job_dir(self._work_dir, key)
+        task.checkpoints = await asyncio.to_thread(
+            adopted_checkpoints, folder, lambda _: self._checkpointed(key)
+        )
+        if task.checkpoints is not None:  # watched from its start, as its submitter did
+            task.restore_file = folder / RESTORE_FILE
         self._tasks[key] = task
         log.info("task_adopted", job_id=key[0], task=key[1], epoch=key[2], slurm_job=slurm_id)
         await follow(task, record, self._cli, self._report)

@@ -16,6 +16,7 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from datacenter_agent.slurm_checkpoints import save_policy
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
 from datacenter_agent.slurm_job import (
     RESTORE_FILE,
@@ -175,11 +176,14 @@ async def submit_held(
     work_dir: Path,
     args: list[str],
     checkpoints: TaskCheckpoints | None = None,
+    restore: jobs_pb2.CheckpointRecord | None = None,
 ) -> str:
     """Writes the task's batch script and submits it held; returns the Slurm job id.
 
     The job runs in ``work_dir/JOB/TASK/EPOCH`` (its output in ``slurm-ID.out`` there), with
-    its checkpoint folder there as the embedded core's. It is submitted ``--requeue``, so
+    its checkpoint folder there as the embedded core's, and beside the script what an agent
+    that adopts the job needs to watch it (``slurm_checkpoints``): the task's checkpoint
+    policy and ``restore``, the checkpoint it starts from. It is submitted ``--requeue``, so
     Slurm puts it back in its queue when it is preempted or its node fails, and so can we.
 
     Raises:
@@ -193,7 +197,8 @@ async def submit_held(
         checkpoint_env=checkpoints.env() if checkpoints is not None else None,
         restore_file=folder / RESTORE_FILE if checkpoints is not None else None,
     )
-    await asyncio.to_thread(_write_script, folder, script, checkpoints)
+    policy = spec.checkpoint if checkpoints is not None else None
+    await asyncio.to_thread(_write_script, folder, script, checkpoints, policy, restore)
     out = await cli.run(
         "sbatch",
         "--parsable",
@@ -233,10 +238,18 @@ def with_partition(settings: SlurmSettings, partition: str) -> SlurmSettings:
     return dataclasses.replace(settings, partition=partition)
 
 
-def _write_script(folder: Path, script: str, checkpoints: TaskCheckpoints | None) -> None:
+def _write_script(
+    folder: Path,
+    script: str,
+    checkpoints: TaskCheckpoints | None,
+    policy: jobs_pb2.Checkpoint | None,
+    restore: jobs_pb2.CheckpointRecord | None,
+) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     if checkpoints is not None:
         checkpoints.prepare(None)  # Slurm runs the job as the agent's account
+    if policy is not None:
+        save_policy(folder, policy, restore)
     path = folder / "job.sh"
     path.write_text(script)
     path.chmod(0o700)

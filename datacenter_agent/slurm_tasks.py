@@ -22,6 +22,7 @@ from pathlib import Path
 
 import structlog
 
+from datacenter_agent.slurm_checkpoints import save_restored
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
 from datacenter_agent.slurm_job import (
     Outcome,
@@ -179,10 +180,13 @@ async def _before_restart(task: SlurmTask, started_at: float) -> None:
     latest = task.checkpoints.latest
     if latest is not None and task.restore_file is not None:
         await asyncio.to_thread(_replace_file, task.restore_file, latest.path)
+        # for an agent that adopts the job later: the progress that checkpoint holds
+        await asyncio.to_thread(save_restored, task.restore_file.parent, latest)
 
 
 def _back_in_queue(task: SlurmTask, reason: str, report: Report) -> None:
     task.state, task.reason = jobs_pb2.JOB_STATE_DELEGATED, reason
+    task.devices, task.nodes = [], []  # it holds none while it waits
     job_id, name, epoch = task.key
     log.info(
         "task_requeued", job_id=job_id, task=name, epoch=epoch, slurm_job=task.slurm_id, why=reason

@@ -24,6 +24,7 @@ import yaml
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
 from federation.cli.connection import LEADER_PATIENCE_S, Connection, on_leader
+from federation.cli.listing import list_sites
 from federation.jobspec import parse_domain
 from federation.security.pki import PkiLayout, init_pki, write_private_file
 from federation.security.tls import TlsFiles
@@ -241,10 +242,8 @@ class LocalFederation:
         async def connected(conn: Connection) -> set[str]:
             async with conn.channel() as channel:
                 admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-                reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
-            return {
-                s.name for s in reply.sites if s.state == admin_service_pb2.SITE_STATE_CONNECTED
-            }
+                sites = await list_sites(admin)
+            return {s.name for s in sites if s.state == admin_service_pb2.SITE_STATE_CONNECTED}
 
         while True:
             try:

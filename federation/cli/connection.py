@@ -15,6 +15,7 @@ from grpc_status import rpc_status
 from federation.cli.render import text
 from federation.client import CallError
 from federation.endpoints import Endpoints, call_leader, is_not_leader, parse_endpoints
+from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.pki import PkiLayout
 from federation.security.tls import TlsFiles, channel_credentials
 
@@ -24,6 +25,10 @@ T = TypeVar("T")
 class CliError(Exception):
     """An error for people: printed as one line, exit status 1."""
 
+
+CHANNEL_OPTIONS = (("grpc.max_receive_message_length", MAX_STREAM_MESSAGE_BYTES),)
+"""What fedctl's channels accept: a page of sites ends before 3 MiB, but one site alone can
+take more, up to the largest view an agent may send (gRPC's default limit is 4 MiB)."""
 
 LEADER_PATIENCE_S = 15.0
 """With several coordinators: how long a command keeps looking for the leader (an election
@@ -49,7 +54,9 @@ class Connection:
 
     def channel(self) -> grpc.aio.Channel:
         """A channel to the first coordinator (see ``on_leader`` to find the leader)."""
-        return grpc.aio.secure_channel(self.addresses[0], channel_credentials(self.tls))
+        return grpc.aio.secure_channel(
+            self.addresses[0], channel_credentials(self.tls), options=CHANNEL_OPTIONS
+        )
 
 
 async def on_leader(

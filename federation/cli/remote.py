@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from google.protobuf import json_format
 from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -25,7 +26,8 @@ from federation.cli import explain
 from federation.cli.connection import CliError, Connection, cli_error
 from federation.cli.explain import division, explain_task
 from federation.cli.follow import exit_status
-from federation.cli.output import Output, output_of, show
+from federation.cli.listing import list_sites
+from federation.cli.output import Output, message_data, output_of, show
 from federation.cli.render import (
     coordinators_table,
     endpoints_table,
@@ -148,15 +150,15 @@ async def cmd_status(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         reply = await admin.GetFederationStatus(admin_service_pb2.GetFederationStatusRequest())
+        sites = await list_sites(admin)
     out = output_of(args)
     if out.is_data:
-        out.messages(reply)
+        # As before the status counted its sites: every site, read page by page, beside it.
+        doc = json_format.MessageToDict(reply, preserving_proto_field_name=True)
+        out.data({**doc, "sites": message_data(sites)})
         return 0
-    views: list[RenderableType] = [
-        coordinators_table(reply),
-        sites_table(reply.sites, wide=out.is_wide),
-    ]
-    if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
+    views: list[RenderableType] = [coordinators_table(reply), sites_table(sites, wide=out.is_wide)]
+    if (unhealthy := unhealthy_devices_table(sites)) is not None:
         views.append(unhealthy)
     if reply.rescheduling_paused:
         views.append(
@@ -196,13 +198,13 @@ def certificates_table(reply: admin_service_pb2.GetFederationStatusResponse) -> 
 async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-        reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
+        sites = await list_sites(admin)
     out = output_of(args)
     if out.is_data:
-        out.messages(list(reply.sites))
+        out.messages(sites)
         return 0
-    views: list[RenderableType] = [sites_table(reply.sites, wide=out.is_wide)]
-    if (unhealthy := unhealthy_devices_table(reply.sites)) is not None:
+    views: list[RenderableType] = [sites_table(sites, wide=out.is_wide)]
+    if (unhealthy := unhealthy_devices_table(sites)) is not None:
         views.append(unhealthy)
     show(*views)
     return 0
@@ -211,13 +213,13 @@ async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:
 async def cmd_site_links(args: argparse.Namespace, conn: Connection) -> int:
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-        reply = await admin.ListSites(admin_service_pb2.ListSitesRequest())
+        sites = await list_sites(admin)
     now = time.time()
     out = output_of(args)
     if out.is_data:
-        out.data(link_records(reply.sites, now=now))
+        out.data(link_records(sites, now=now))
     else:
-        show(links_matrix(reply.sites, now=now))
+        show(links_matrix(sites, now=now))
     return 0
 
 

@@ -36,12 +36,14 @@ from federation.api.v1 import (
     resources_pb2,
 )
 from federation.cli.connection import (
+    CHANNEL_OPTIONS,
     CliError,
     Connection,
     describe_rpc_error,
     on_leader,
     resolve_connection,
 )
+from federation.cli.listing import list_sites
 from federation.cli.output import output_of
 from federation.cli.render import (
     console,
@@ -106,7 +108,9 @@ class Channels:
     def get(self, address: str) -> grpc.aio.Channel:
         if address not in self._open:
             credentials = channel_credentials(self.conn.tls)
-            self._open[address] = grpc.aio.secure_channel(address, credentials)
+            self._open[address] = grpc.aio.secure_channel(
+                address, credentials, options=CHANNEL_OPTIONS
+            )
         return self._open[address]
 
     async def close(self) -> None:
@@ -121,9 +125,7 @@ class Channels:
 async def fetch(channel: grpc.aio.Channel, max_jobs: int) -> Snapshot:
     """Every site, then the running jobs page by page (``max_jobs`` of them at most; 0: all)."""
     admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-    sites = (
-        await admin.ListSites(admin_service_pb2.ListSitesRequest(), timeout=RPC_TIMEOUT_S)
-    ).sites
+    sites = await list_sites(admin, timeout_s=RPC_TIMEOUT_S)
     stub = job_service_pb2_grpc.JobServiceStub(channel)
     found: list[jobs_pb2.Job] = []
     token = ""
@@ -142,7 +144,7 @@ async def fetch(channel: grpc.aio.Channel, max_jobs: int) -> Snapshot:
         if not token or (max_jobs > 0 and len(found) >= max_jobs):
             break
     more = bool(token) or (max_jobs > 0 and len(found) > max_jobs)
-    return Snapshot(list(sites), found[:max_jobs] if max_jobs > 0 else found, more, time.time())
+    return Snapshot(sites, found[:max_jobs] if max_jobs > 0 else found, more, time.time())
 
 
 # What the tables and the JSON show.

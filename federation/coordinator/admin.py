@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -17,7 +18,19 @@ from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.security.expiry import Expiries
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
-from federation.security.identity import Identity, Role
+from federation.security.identity import NAME_PATTERN, Identity, Role
+
+DEFAULT_PAGE = 100
+"""Sites in a ``ListSites`` page when the caller names no size."""
+MAX_PAGE = 1000
+"""Most sites a caller may ask for in one page. A site of 100 nodes of 8 GPUs each takes
+about 50 KiB, so the byte bound below usually ends a page of such sites first."""
+MAX_REPLY_BYTES = 3 << 20
+"""Most a page of sites may take: gRPC clients refuse a reply over 4 MiB by default. One site
+alone may take more (a view may hold 10,000 nodes); a page always holds one."""
+_OVERHEAD_BYTES = 64
+"""A bound on what a site adds to the reply beyond its own size: the tag and length in front
+of it, and its forecast (filled in once the page is chosen)."""
 
 Forecasts = Callable[[list[str]], dict[str, admin_service_pb2.SiteForecast]]
 
@@ -52,20 +65,43 @@ class Admin:
         self._forecasts = forecasts
         self._expiries = expiries
 
-    def sites(self) -> list[admin_service_pb2.Site]:
+    def list_sites(self, page_size: int, page_token: str) -> admin_service_pb2.ListSitesResponse:
+        """One page of sites in name order: ``page_size`` of them (0: ``DEFAULT_PAGE``) after
+        the site named ``page_token``, fewer where they would pass ``MAX_REPLY_BYTES``."""
+        violations = []
+        if page_size > MAX_PAGE:
+            violations.append(FieldViolation("page_size", f"at most {MAX_PAGE}, got {page_size}"))
+        if page_token and NAME_PATTERN.match(page_token) is None:
+            violations.append(FieldViolation("page_token", "is not one this service gave"))
+        if violations:
+            raise InvalidArgumentError(violations)
         names = self._sites.names()
-        sites = [self._sites.describe(name) for name in names]
+        start = bisect.bisect_right(names, page_token) if page_token else 0
+        reply = admin_service_pb2.ListSitesResponse()
+        size = 0
+        for name in names[start : start + (page_size or DEFAULT_PAGE)]:
+            site = self._sites.describe(name)
+            size += site.ByteSize() + _OVERHEAD_BYTES
+            if reply.sites and size > MAX_REPLY_BYTES:
+                break
+            reply.sites.append(site)
+        if start + len(reply.sites) < len(names):
+            reply.next_page_token = reply.sites[-1].name
         if self._forecasts is not None:
-            forecasts = self._forecasts(names)
-            for site in sites:
+            forecasts = self._forecasts([site.name for site in reply.sites])
+            for site in reply.sites:
                 site.forecast.CopyFrom(forecasts[site.name])
-        return sites
+        return reply
 
     async def status(self) -> admin_service_pb2.GetFederationStatusResponse:
         coordinators = await self._coordinators()
+        states, cordoned = self._sites.count_by_state()
         status = admin_service_pb2.GetFederationStatusResponse(
             coordinator_version=__version__,
-            sites=self.sites(),
+            sites_by_state={
+                admin_service_pb2.SiteState.Name(state): count for state, count in states.items()
+            },
+            sites_cordoned=cordoned,
             jobs_by_state=await self._jobs.count_by_state(),
             leader=next((c.address for c in coordinators if c.leader), ""),
             coordinators=coordinators,

@@ -525,6 +525,8 @@ class JobManager:
                     del current.endpoints[:]
                     current.endpoints.extend(report.endpoints)
                 return changes
+            if report.state == job_state.DELEGATED:
+                return waiting_again(job, current, site, report.reason)
             if not final:
                 return []
             del current.endpoints[:]
@@ -733,6 +735,20 @@ def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change
         else "restarts from the start (no checkpoint)"
     )
     return transition(job, task.name, job_state.PENDING, f"preempted by {by}; {restart}")
+
+
+def waiting_again(
+    job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, site: str, why: str
+) -> list[Change]:
+    """A running task its site put back in its own queue (Slurm requeued it): DELEGATED, with
+    no devices and no start until the site reports it running again."""
+    if task.state != job_state.RUNNING:
+        return []
+    forget_devices(task)
+    del task.endpoints[:]
+    task.ClearField("started_at")
+    reason = f"waiting again at {site}: {why or 'back in its queue'}"[:MAX_REPORT_REASON]
+    return [transition(job, task.name, job_state.DELEGATED, reason)]
 
 
 def placed_again(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Change:

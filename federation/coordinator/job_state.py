@@ -22,14 +22,16 @@ TERMINAL = frozenset({SUCCEEDED, FAILED, CANCELLED})
 AT_SITE = frozenset({DELEGATED, RUNNING})
 
 # A task stays PENDING while its offers are out and becomes DELEGATED once a site accepted one.
-# It returns to PENDING when every site declined it, a commit failed, its site lost it, or it
-# was moved away from a lost site. SCHEDULING (offers out) is no longer written, since offers
-# need no write before they leave; a store written by an earlier version may still hold it.
+# A RUNNING task goes back to DELEGATED when the site's own scheduler puts it back in its queue
+# (Slurm requeues a job it preempted or whose node failed). It returns to PENDING when every
+# site declined it, a commit failed, its site lost it, or it was moved away from a lost site.
+# SCHEDULING (offers out) is no longer written, since offers need no write before they leave;
+# a store written by an earlier version may still hold it.
 TRANSITIONS: dict[int, frozenset[int]] = {
     PENDING: frozenset({PENDING, SCHEDULING, DELEGATED, CANCELLED}),
     SCHEDULING: frozenset({PENDING, SCHEDULING, DELEGATED, CANCELLED}),
     DELEGATED: frozenset({PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED}),
-    RUNNING: frozenset({PENDING, SUCCEEDED, FAILED, CANCELLED}),
+    RUNNING: frozenset({PENDING, DELEGATED, SUCCEEDED, FAILED, CANCELLED}),
     SUCCEEDED: frozenset(),
     FAILED: frozenset(),
     CANCELLED: frozenset(),

@@ -56,6 +56,7 @@ from federation.coordinator.policy.preemption import (
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
+from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.staged_inputs import holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
@@ -285,6 +286,8 @@ class Scheduler:
         self._gauges_at = 0.0
         self._preempting: dict[TaskKey, list[tuple[str, str, int]]] = {}
         """Per waiting task, the (job, task, epoch) it had stopped while it waits."""
+        self._stopped_for = StoppedFor(self._status_of, lambda key: key in self._preempting)
+        """Tasks stopped for a waiting one, kept from the room they freed until it runs."""
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
@@ -545,9 +548,11 @@ class Scheduler:
             else:
                 admitted = Admitted(list(ranked), {}, need, [])
             kept, kept_for_owners = self._within_owner_shares(job, need, admitted.sites, cycle)
+            kept, behind = self._stopped_for.held_back(key, kept)
             refused = [
                 *_verdicts(QUOTA, admitted.refused),
                 *_verdicts(OWNER_SHARE, kept_for_owners),
+                *_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
             ]
             if not kept:
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
@@ -818,6 +823,7 @@ class Scheduler:
                 # Tasks already being stopped make the room (stopped before this leader's
                 # term, say): they become its victims, and it stops no more while it waits.
                 self._preempting[key] = stopped
+                self._stopped_for.stopped(site, key, stopped)
                 reason = f"waits for {len(stopped)} task(s) being stopped to make room"
                 return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
         candidates = self._preemption_candidates(job, short, lenders)
@@ -827,6 +833,7 @@ class Scheduler:
         site, victims = choice
         self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
         self._preempting[key] += stopping.get(site, [])  # theirs counts too: no other's
+        self._stopped_for.stopped(site, key, self._preempting[key])
         # Tenants see their own jobs only: the reason names no other job or queue.
         why = (
             f"a job of priority {job.spec.priority}"
@@ -1084,6 +1091,11 @@ class Scheduler:
             delay *= random.uniform(0.8, 1.0)
         self._not_before[key] = time.monotonic() + delay
 
+    def _status_of(self, key: TaskKey) -> jobs_pb2.TaskStatus | None:
+        """The task's status now; None once its job is no longer cached (it ended)."""
+        job = self._jobs.cached(key[0])
+        return next((t for t in job.tasks if t.name == key[1]), None) if job else None
+
     def _forget(self, key: TaskKey) -> None:
         self._backoff_s.pop(key, None)
         self._not_before.pop(key, None)
@@ -1091,6 +1103,7 @@ class Scheduler:
         self._unfit.discard(key)
         self._preempting.pop(key, None)
         self._promised.pop(key, None)
+        self._stopped_for.forget(key)
         self._stop_waiting(key)
 
     async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:

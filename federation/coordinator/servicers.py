@@ -255,7 +255,7 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def ListSites(
         self, request: admin_pb.ListSitesRequest, context: Context
     ) -> admin_pb.ListSitesResponse:
-        return admin_pb.ListSitesResponse(sites=self._current().admin.sites())
+        return self._current().admin.list_sites(request.page_size, request.page_token)
 
     async def CordonSite(
         self, request: admin_pb.CordonSiteRequest, context: Context

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import itertools
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -427,13 +428,9 @@ class SiteRegistry:
         entry = self.get(name)
         site = admin_service_pb2.Site()
         site.CopyFrom(entry.record)
-        if entry.session is not None:
-            site.state = admin_service_pb2.SITE_STATE_CONNECTED
-        elif entry.unreachable_since is not None:
-            site.state = admin_service_pb2.SITE_STATE_UNREACHABLE
+        site.state = _state(entry)
+        if entry.unreachable_since is not None and entry.session is None:
             site.unreachable_s = time.monotonic() - entry.unreachable_since
-        else:
-            site.state = admin_service_pb2.SITE_STATE_DISCONNECTED
         site.heartbeat_age_s = time.monotonic() - entry.last_seen if entry.last_seen else -1.0
         site.generation = entry.generation
         if with_view and entry.view is not None:
@@ -489,6 +486,20 @@ class SiteRegistry:
 
     def names(self) -> list[str]:
         return sorted(self._sites)
+
+    def count_by_state(self) -> tuple[Counter[admin_service_pb2.SiteState.ValueType], int]:
+        """How many sites are in each state, and how many are cordoned."""
+        states = Counter(_state(e) for e in self._sites.values())
+        return states, sum(e.record.cordoned for e in self._sites.values())
+
+
+def _state(entry: SiteEntry) -> admin_service_pb2.SiteState.ValueType:
+    """Connected while it has a session; else unreachable or disconnected."""
+    if entry.session is not None:
+        return admin_service_pb2.SITE_STATE_CONNECTED
+    if entry.unreachable_since is not None:
+        return admin_service_pb2.SITE_STATE_UNREACHABLE
+    return admin_service_pb2.SITE_STATE_DISCONNECTED
 
 
 def _kind_name(kind: int) -> str:

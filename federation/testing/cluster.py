@@ -22,6 +22,7 @@ from federation.api.v1 import (
     jobs_pb2,
 )
 from federation.cli.connection import Connection, on_leader
+from federation.cli.listing import list_sites
 from federation.coordinator.server import SERVICE_NAMES
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.proxy import PausableProxy
@@ -172,7 +173,5 @@ async def until(condition: Callable[[], Awaitable[bool]], timeout_s: float, what
 
 async def site_state(channel: grpc.aio.Channel, name: str) -> admin_service_pb2.Site:
     """The site ``name`` as the coordinator on ``channel`` lists it."""
-    reply = await admin_service_pb2_grpc.AdminServiceStub(channel).ListSites(
-        admin_service_pb2.ListSitesRequest()
-    )
-    return next(s for s in reply.sites if s.name == name)
+    sites = await list_sites(admin_service_pb2_grpc.AdminServiceStub(channel))
+    return next(s for s in sites if s.name == name)

@@ -23,7 +23,7 @@ LEGAL = {
     (P, P), (P, SCH), (P, DEL), (P, CAN),
     (SCH, P), (SCH, SCH), (SCH, DEL), (SCH, CAN),
     (DEL, P), (DEL, RUN), (DEL, OK), (DEL, FAIL), (DEL, CAN),
-    (RUN, P), (RUN, OK), (RUN, FAIL), (RUN, CAN),
+    (RUN, P), (RUN, DEL), (RUN, OK), (RUN, FAIL), (RUN, CAN),  # RUN -> DEL: the site requeued it
 }  # fmt: skip
 ILLEGAL = set(itertools.product(STATES, STATES)) - LEGAL
 

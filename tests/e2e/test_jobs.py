@@ -11,6 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
+from federation.cli.listing import list_sites
 from federation.coordinator import job_state
 from federation.coordinator.server import SERVICE_NAMES
 from federation.local import LocalFederation
@@ -245,11 +246,14 @@ async def test_batch_submit_and_paged_listing(operator: grpc.aio.Channel) -> Non
 
 
 async def test_status_shows_sites_and_declared_devices(operator: grpc.aio.Channel) -> None:
-    """GetFederationStatus lists every connected site with its declared devices marked."""
+    """GetFederationStatus counts the connected sites; ListSites shows each with its declared
+    devices marked."""
     status = await admin(operator).GetFederationStatus(
         admin_service_pb2.GetFederationStatusRequest()
     )
-    sites = {s.name: s for s in status.sites}
+    assert dict(status.sites_by_state) == {"SITE_STATE_CONNECTED": 3}
+    assert status.sites_cordoned == 0
+    sites = {s.name: s for s in await list_sites(admin(operator))}
     assert set(sites) == {"edge-a", "dc-a", "cloud-a"}
     assert all(s.state == admin_service_pb2.SITE_STATE_CONNECTED for s in sites.values())
     devices = [d for n in sites["dc-a"].view.nodes for d in n.devices]

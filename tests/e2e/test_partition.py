@@ -150,7 +150,7 @@ class Partition:
         status = await admin(self.channel).GetFederationStatus(
             admin_service_pb2.GetFederationStatusRequest()
         )
-        p_site = next(s for s in status.sites if s.name == "edge-p")
+        p_site = await site_state(self.channel, "edge-p")
         assert p_site.unreachable_s >= LOST_AFTER_S
         assert not status.rescheduling_paused  # one of two sites lost is not a partition
         reply = await self.get(events=True)

@@ -213,8 +213,8 @@ async def test_a_preempted_slurm_task_restarts_from_its_last_checkpoint(
     it SIGTERM, reports the checkpoint it saves then, and the task goes back to PENDING; placed
     again (a new epoch, a new Slurm job), it restores from that checkpoint and finishes.
 
-    The victim is placed again at once, beside the urgent job; which of the two Slurm starts
-    first is the order their held jobs were released in, so both are only awaited at the end.
+    The victim is not placed at the site again until the urgent job has started there
+    (``test_the_preemptor_starts_before_its_victims_run_again``); both are awaited at the end.
     """
     markers = tmp_path / "markers"
     spec = gpu_job("victim", CHECKPOINTING, gpus=2)
@@ -287,3 +287,94 @@ def test_example_site_spec_writes_a_slurm_config(
     assert 'scheduler = "slurm"' in text
     assert str(slurm_cluster.conf) in text
     assert Path(slurm_cluster.conf).is_file()
+
+
+async def test_a_task_slurm_requeues_shows_waiting_until_it_runs_again(
+    operator: grpc.aio.Channel, slurm_cluster: LocalSlurmCluster, tmp_path: Path
+) -> None:
+    """``scontrol requeue`` puts the running task's Slurm job back in Slurm's queue: the
+    coordinator shows the task DELEGATED (waiting at the site, no devices) while Slurm holds it
+    pending, and RUNNING again once Slurm starts it; it restores from its checkpoint."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    spec = gpu_job("requeued", CHECKPOINTING)
+    spec.tasks[0].env["MARKERS"] = str(markers)
+    spec.tasks[0].checkpoint.interval_s = 0.2
+    job_id = await submit(operator, spec)
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+
+    async def read() -> jobs_pb2.TaskStatus:
+        return (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=job_id))).job.tasks[0]
+
+    first = await until(
+        read,
+        lambda t: t.state == jobs_pb2.JOB_STATE_RUNNING and bool(t.checkpoint.path),
+        "running with a checkpoint",
+    )
+    assert first.devices
+    [slurm_job] = slurm_jobs_of(slurm_cluster, job_id)
+    slurm_cluster.run("scontrol", "requeue", slurm_job["JobId"])
+    waiting = await until(
+        read, lambda t: t.state == jobs_pb2.JOB_STATE_DELEGATED, "waiting at the site again"
+    )
+    [pending] = slurm_jobs_of(slurm_cluster, job_id)
+    assert pending["JobState"] == "PENDING"  # as Slurm has it while the coordinator says so
+    assert (waiting.site, waiting.epoch) == (SITE, first.epoch)
+    assert waiting.reason == f"waiting again at {SITE}: Slurm requeued job {slurm_job['JobId']}"
+    assert not waiting.devices
+    assert not waiting.HasField("started_at")
+    await until(read, lambda t: t.state == jobs_pb2.JOB_STATE_RUNNING, "running again")
+    await eventually((markers / f"start-{first.epoch}-1").exists, "the second run started")
+    (markers / "go").touch()
+    job = await wait_job(operator, job_id)
+    assert job.state == SUCCEEDED, job.tasks[0].reason
+    restored = Path((markers / f"start-{first.epoch}-1").read_text())
+    assert restored.name.startswith(("final-", "step-"))
+
+
+# Writes when it started (epoch and wall clock) to MARKERS/NAME-EPOCH; on SIGTERM, waits
+# STOP_S (a checkpoint taking a while) and exits; else runs RUN_S and succeeds.
+TIMED = """
+import os, signal, sys, time
+name = os.environ["NAME"] + "-" + os.environ["FEDERATION_EPOCH"]
+open(os.path.join(os.environ["MARKERS"], name), "w").write(repr(time.time()))
+def stop(*_):
+    time.sleep(float(os.environ["STOP_S"]))
+    sys.exit(143)
+signal.signal(signal.SIGTERM, stop)
+time.sleep(float(os.environ["RUN_S"]))
+"""
+
+
+def timed_job(name: str, markers: Path, gpus: int, run_s: float, stop_s: float) -> jobs_pb2.JobSpec:
+    spec = gpu_job(name, TIMED, gpus=gpus)
+    env = {"MARKERS": str(markers), "NAME": name, "RUN_S": str(run_s), "STOP_S": str(stop_s)}
+    spec.tasks[0].env.update(env)
+    return spec
+
+
+async def test_the_preemptor_starts_before_its_victims_run_again(
+    operator: grpc.aio.Channel, tmp_path: Path
+) -> None:
+    """An urgent job of both GPUs stops two tasks of one GPU each; the first to stop is not
+    placed back on the GPU it freed while the urgent job waits for the second: Slurm starts
+    the urgent job first, and both victims run again after it."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
+    quick = await submit(operator, timed_job("quick", markers, 1, run_s=3, stop_s=0))
+    slow = await submit(operator, timed_job("slow", markers, 1, run_s=3, stop_s=2))
+    for job_id in (quick, slow):
+        await wait_job(operator, job_id, until=(jobs_pb2.JOB_STATE_RUNNING,))
+    await eventually(lambda: (markers / "quick-1").exists(), "quick running")
+    await eventually(lambda: (markers / "slow-1").exists(), "slow running")
+    urgent = timed_job("urgent", markers, 2, run_s=1, stop_s=0)
+    urgent.priority_class = "urgent"
+    urgent_id = await submit(operator, urgent)
+    assert (await wait_job(operator, urgent_id)).state == SUCCEEDED
+    for job_id in (quick, slow):
+        job = await wait_job(operator, job_id)
+        assert job.state == SUCCEEDED, job.tasks[0].reason
+        assert job.tasks[0].preemptions == 1
+    started = {m.name: float(m.read_text()) for m in markers.iterdir()}
+    assert started["urgent-1"] < started["quick-2"]
+    assert started["urgent-1"] < started["slow-2"]

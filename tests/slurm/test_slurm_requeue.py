@@ -229,3 +229,31 @@ async def test_a_requeue_seen_only_by_its_count(state: str, states: list[int]) -
     await read(f"JobId=5 JobState={state} Restarts=1 NodeList=fed-node-1")
     assert [r.state for r in reports] == states
     assert task.restarts == states.count(RUNNING) - 1
+
+
+async def test_a_restarted_agent_watches_the_checkpoints_of_the_jobs_it_adopts(
+    make_core: MakeCore, slurm_cluster: LocalSlurmCluster, tmp_path: Path
+) -> None:
+    """The agent restarts while the task runs: the new core adopts the Slurm job, reports the
+    checkpoints it completes from then on, and when Slurm requeues the job the next run
+    restores from the newest of them, as before the restart."""
+    markers = tmp_path / "markers"
+    first = await make_core()
+    slurm_id = await first.run("adopted", checkpointing(markers))
+    await until_checkpointed(first, "adopted")
+    await first.shutdown()  # the agent exits; Slurm keeps the job
+    before = max(step_of(r.checkpoint) for r in first.of("adopted") if r.checkpoint.path)
+    second = await make_core(site=first.site)
+    assert [t.job_id for t in second.core.tasks()] == ["adopted"]
+
+    def checkpointed_after_restart() -> bool:
+        steps = [step_of(r.checkpoint) for r in second.of("adopted") if r.checkpoint.path]
+        return any(step > before for step in steps)
+
+    await eventually(checkpointed_after_restart, "a checkpoint reported by the new core")
+    slurm_cluster.run("scontrol", "requeue", slurm_id)
+    requeued = await until_requeued(second, "adopted")
+    assert requeued.reason == f"Slurm requeued job {slurm_id}"
+    assert step_of(requeued.checkpoint) > before
+    await until_running_again(second, "adopted")
+    await finishes_from(second, markers, "adopted", "1-1", requeued)

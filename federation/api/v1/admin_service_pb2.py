@@ -28,7 +28,7 @@ from federation.api.v1 import records_pb2 as federation_dot_api_dot_v1_dot_recor
 from federation.api.v1 import resources_pb2 as federation_dot_api_dot_v1_dot_resources__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%federation/api/v1/admin_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1e\x66\x65\x64\x65ration/api/v1/queues.proto\x1a\x1f\x66\x65\x64\x65ration/api/v1/records.proto\x1a!federation/api/v1/resources.proto\"\xf0\x02\n\x04Site\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.federation.api.v1.SiteState\x12\x10\n\x08\x63ordoned\x18\x04 \x01(\x08\x12-\n\tjoined_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12)\n\x04view\x18\x08 \x01(\x0b\x32\x1b.federation.api.v1.SiteView\x12\x1f\n\x17\x63\x65rtificate_fingerprint\x18\t \x01(\t\x12\x15\n\runreachable_s\x18\n \x01(\x01\x12\x31\n\x08\x66orecast\x18\x0b \x01(\x0b\x32\x1f.federation.api.v1.SiteForecast\"r\n\x0cSiteForecast\x12\r\n\x05tasks\x18\x01 \x01(\r\x12\x13\n\x0bnext_free_s\x18\x02 \x01(\x01\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x19\n\x11\x61rrivals_per_hour\x18\x04 \x01(\x01\x12\x12\n\nmean_run_s\x18\x05 \x01(\x01\"\x1c\n\x1aGetFederationStatusRequest\"D\n\x0b\x43oordinator\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0cjoin_address\x18\x02 \x01(\t\x12\x0e\n\x06leader\x18\x03 \x01(\x08\"\xac\x04\n\x1bGetFederationStatusResponse\x12\x1b\n\x13\x63oordinator_version\x18\x01 \x01(\t\x12&\n\x05sites\x18\x02 \x03(\x0b\x32\x17.federation.api.v1.Site\x12V\n\rjobs_by_state\x18\x03 \x03(\x0b\x32?.federation.api.v1.GetFederationStatusResponse.JobsByStateEntry\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\x34\n\x0c\x63oordinators\x18\x05 \x03(\x0b\x32\x1e.federation.api.v1.Coordinator\x12\x1b\n\x13rescheduling_paused\x18\x06 \x01(\x08\x12\x19\n\x11rescheduling_note\x18\x07 \x01(\t\x12J\n\x1csoonest_expiring_certificate\x18\x08 \x01(\x0b\x32$.federation.api.v1.IssuedCertificate\x12@\n\x1cserver_certificate_not_after\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63\x61_not_after\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x1a\x32\n\x10JobsByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x12\n\x10ListSitesRequest\";\n\x11ListSitesResponse\x12&\n\x05sites\x18\x01 \x03(\x0b\x32\x17.federation.api.v1.Site\"!\n\x11\x43ordonSiteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\";\n\x12\x43ordonSiteResponse\x12%\n\x04site\x18\x01 \x01(\x0b\x32\x17.federation.api.v1.Site\"#\n\x13UncordonSiteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\"=\n\x14UncordonSiteResponse\x12%\n\x04site\x18\x01 \x01(\x0b\x32\x17.federation.api.v1.Site\"`\n\x16\x43reateJoinTokenRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"X\n\x17\x43reateJoinTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"=\n\x12\x43reateQueueRequest\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\">\n\x13\x43reateQueueResponse\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\"=\n\x12UpdateQueueRequest\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\">\n\x13UpdateQueueResponse\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\"\x13\n\x11ListQueuesRequest\"D\n\x12ListQueuesResponse\x12.\n\x06queues\x18\x01 \x03(\x0b\x32\x1e.federation.api.v1.QueueStatus\"\"\n\x12\x44\x65leteQueueRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteQueueResponse*z\n\tSiteState\x12\x1a\n\x16SITE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SITE_STATE_DISCONNECTED\x10\x01\x12\x18\n\x14SITE_STATE_CONNECTED\x10\x02\x12\x1a\n\x16SITE_STATE_UNREACHABLE\x10\x03\x32\xf7\x06\n\x0c\x41\x64minService\x12t\n\x13GetFederationStatus\x12-.federation.api.v1.GetFederationStatusRequest\x1a..federation.api.v1.GetFederationStatusResponse\x12V\n\tListSites\x12#.federation.api.v1.ListSitesRequest\x1a$.federation.api.v1.ListSitesResponse\x12Y\n\nCordonSite\x12$.federation.api.v1.CordonSiteRequest\x1a%.federation.api.v1.CordonSiteResponse\x12_\n\x0cUncordonSite\x12&.federation.api.v1.UncordonSiteRequest\x1a\'.federation.api.v1.UncordonSiteResponse\x12h\n\x0f\x43reateJoinToken\x12).federation.api.v1.CreateJoinTokenRequest\x1a*.federation.api.v1.CreateJoinTokenResponse\x12\\\n\x0b\x43reateQueue\x12%.federation.api.v1.CreateQueueRequest\x1a&.federation.api.v1.CreateQueueResponse\x12\\\n\x0bUpdateQueue\x12%.federation.api.v1.UpdateQueueRequest\x1a&.federation.api.v1.UpdateQueueResponse\x12Y\n\nListQueues\x12$.federation.api.v1.ListQueuesRequest\x1a%.federation.api.v1.ListQueuesResponse\x12\\\n\x0b\x44\x65leteQueue\x12%.federation.api.v1.DeleteQueueRequest\x1a&.federation.api.v1.DeleteQueueResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n%federation/api/v1/admin_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1e\x66\x65\x64\x65ration/api/v1/queues.proto\x1a\x1f\x66\x65\x64\x65ration/api/v1/records.proto\x1a!federation/api/v1/resources.proto\"\xf0\x02\n\x04Site\x12\x0c\n\x04name\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.federation.api.v1.SiteState\x12\x10\n\x08\x63ordoned\x18\x04 \x01(\x08\x12-\n\tjoined_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x17\n\x0fheartbeat_age_s\x18\x06 \x01(\x01\x12\x12\n\ngeneration\x18\x07 \x01(\x04\x12)\n\x04view\x18\x08 \x01(\x0b\x32\x1b.federation.api.v1.SiteView\x12\x1f\n\x17\x63\x65rtificate_fingerprint\x18\t \x01(\t\x12\x15\n\runreachable_s\x18\n \x01(\x01\x12\x31\n\x08\x66orecast\x18\x0b \x01(\x0b\x32\x1f.federation.api.v1.SiteForecast\"r\n\x0cSiteForecast\x12\r\n\x05tasks\x18\x01 \x01(\r\x12\x13\n\x0bnext_free_s\x18\x02 \x01(\x01\x12\x0f\n\x07waiting\x18\x03 \x01(\r\x12\x19\n\x11\x61rrivals_per_hour\x18\x04 \x01(\x01\x12\x12\n\nmean_run_s\x18\x05 \x01(\x01\"\x1c\n\x1aGetFederationStatusRequest\"D\n\x0b\x43oordinator\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x14\n\x0cjoin_address\x18\x02 \x01(\t\x12\x0e\n\x06leader\x18\x03 \x01(\x08\"\xb8\x05\n\x1bGetFederationStatusResponse\x12\x1b\n\x13\x63oordinator_version\x18\x01 \x01(\t\x12V\n\rjobs_by_state\x18\x03 \x03(\x0b\x32?.federation.api.v1.GetFederationStatusResponse.JobsByStateEntry\x12\x0e\n\x06leader\x18\x04 \x01(\t\x12\x34\n\x0c\x63oordinators\x18\x05 \x03(\x0b\x32\x1e.federation.api.v1.Coordinator\x12\x1b\n\x13rescheduling_paused\x18\x06 \x01(\x08\x12\x19\n\x11rescheduling_note\x18\x07 \x01(\t\x12J\n\x1csoonest_expiring_certificate\x18\x08 \x01(\x0b\x32$.federation.api.v1.IssuedCertificate\x12@\n\x1cserver_certificate_not_after\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63\x61_not_after\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12X\n\x0esites_by_state\x18\x0b \x03(\x0b\x32@.federation.api.v1.GetFederationStatusResponse.SitesByStateEntry\x12\x16\n\x0esites_cordoned\x18\x0c \x01(\x04\x1a\x32\n\x10JobsByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x33\n\x11SitesByStateEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01J\x04\x08\x02\x10\x03R\x05sites\"9\n\x10ListSitesRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"T\n\x11ListSitesResponse\x12&\n\x05sites\x18\x01 \x03(\x0b\x32\x17.federation.api.v1.Site\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"!\n\x11\x43ordonSiteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\";\n\x12\x43ordonSiteResponse\x12%\n\x04site\x18\x01 \x01(\x0b\x32\x17.federation.api.v1.Site\"#\n\x13UncordonSiteRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\"=\n\x14UncordonSiteResponse\x12%\n\x04site\x18\x01 \x01(\x0b\x32\x17.federation.api.v1.Site\"`\n\x16\x43reateJoinTokenRequest\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\r\n\x05ttl_s\x18\x03 \x01(\x01\"X\n\x17\x43reateJoinTokenResponse\x12\r\n\x05token\x18\x01 \x01(\t\x12.\n\nexpires_at\x18\x02 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"=\n\x12\x43reateQueueRequest\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\">\n\x13\x43reateQueueResponse\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\"=\n\x12UpdateQueueRequest\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\">\n\x13UpdateQueueResponse\x12\'\n\x05queue\x18\x01 \x01(\x0b\x32\x18.federation.api.v1.Queue\"\x13\n\x11ListQueuesRequest\"D\n\x12ListQueuesResponse\x12.\n\x06queues\x18\x01 \x03(\x0b\x32\x1e.federation.api.v1.QueueStatus\"\"\n\x12\x44\x65leteQueueRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\"\x15\n\x13\x44\x65leteQueueResponse*z\n\tSiteState\x12\x1a\n\x16SITE_STATE_UNSPECIFIED\x10\x00\x12\x1b\n\x17SITE_STATE_DISCONNECTED\x10\x01\x12\x18\n\x14SITE_STATE_CONNECTED\x10\x02\x12\x1a\n\x16SITE_STATE_UNREACHABLE\x10\x03\x32\xf7\x06\n\x0c\x41\x64minService\x12t\n\x13GetFederationStatus\x12-.federation.api.v1.GetFederationStatusRequest\x1a..federation.api.v1.GetFederationStatusResponse\x12V\n\tListSites\x12#.federation.api.v1.ListSitesRequest\x1a$.federation.api.v1.ListSitesResponse\x12Y\n\nCordonSite\x12$.federation.api.v1.CordonSiteRequest\x1a%.federation.api.v1.CordonSiteResponse\x12_\n\x0cUncordonSite\x12&.federation.api.v1.UncordonSiteRequest\x1a\'.federation.api.v1.UncordonSiteResponse\x12h\n\x0f\x43reateJoinToken\x12).federation.api.v1.CreateJoinTokenRequest\x1a*.federation.api.v1.CreateJoinTokenResponse\x12\\\n\x0b\x43reateQueue\x12%.federation.api.v1.CreateQueueRequest\x1a&.federation.api.v1.CreateQueueResponse\x12\\\n\x0bUpdateQueue\x12%.federation.api.v1.UpdateQueueRequest\x1a&.federation.api.v1.UpdateQueueResponse\x12Y\n\nListQueues\x12$.federation.api.v1.ListQueuesRequest\x1a%.federation.api.v1.ListQueuesResponse\x12\\\n\x0b\x44\x65leteQueue\x12%.federation.api.v1.DeleteQueueRequest\x1a&.federation.api.v1.DeleteQueueResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,8 +37,10 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._loaded_options = None
   _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._serialized_options = b'8\001'
-  _globals['_SITESTATE']._serialized_start=2208
-  _globals['_SITESTATE']._serialized_end=2330
+  _globals['_GETFEDERATIONSTATUSRESPONSE_SITESBYSTATEENTRY']._loaded_options = None
+  _globals['_GETFEDERATIONSTATUSRESPONSE_SITESBYSTATEENTRY']._serialized_options = b'8\001'
+  _globals['_SITESTATE']._serialized_start=2412
+  _globals['_SITESTATE']._serialized_end=2534
   _globals['_SITE']._serialized_start=194
   _globals['_SITE']._serialized_end=562
   _globals['_SITEFORECAST']._serialized_start=564
@@ -48,41 +50,43 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_COORDINATOR']._serialized_start=710
   _globals['_COORDINATOR']._serialized_end=778
   _globals['_GETFEDERATIONSTATUSRESPONSE']._serialized_start=781
-  _globals['_GETFEDERATIONSTATUSRESPONSE']._serialized_end=1337
-  _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._serialized_start=1287
-  _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._serialized_end=1337
-  _globals['_LISTSITESREQUEST']._serialized_start=1339
-  _globals['_LISTSITESREQUEST']._serialized_end=1357
-  _globals['_LISTSITESRESPONSE']._serialized_start=1359
-  _globals['_LISTSITESRESPONSE']._serialized_end=1418
-  _globals['_CORDONSITEREQUEST']._serialized_start=1420
-  _globals['_CORDONSITEREQUEST']._serialized_end=1453
-  _globals['_CORDONSITERESPONSE']._serialized_start=1455
-  _globals['_CORDONSITERESPONSE']._serialized_end=1514
-  _globals['_UNCORDONSITEREQUEST']._serialized_start=1516
-  _globals['_UNCORDONSITEREQUEST']._serialized_end=1551
-  _globals['_UNCORDONSITERESPONSE']._serialized_start=1553
-  _globals['_UNCORDONSITERESPONSE']._serialized_end=1614
-  _globals['_CREATEJOINTOKENREQUEST']._serialized_start=1616
-  _globals['_CREATEJOINTOKENREQUEST']._serialized_end=1712
-  _globals['_CREATEJOINTOKENRESPONSE']._serialized_start=1714
-  _globals['_CREATEJOINTOKENRESPONSE']._serialized_end=1802
-  _globals['_CREATEQUEUEREQUEST']._serialized_start=1804
-  _globals['_CREATEQUEUEREQUEST']._serialized_end=1865
-  _globals['_CREATEQUEUERESPONSE']._serialized_start=1867
-  _globals['_CREATEQUEUERESPONSE']._serialized_end=1929
-  _globals['_UPDATEQUEUEREQUEST']._serialized_start=1931
-  _globals['_UPDATEQUEUEREQUEST']._serialized_end=1992
-  _globals['_UPDATEQUEUERESPONSE']._serialized_start=1994
-  _globals['_UPDATEQUEUERESPONSE']._serialized_end=2056
-  _globals['_LISTQUEUESREQUEST']._serialized_start=2058
-  _globals['_LISTQUEUESREQUEST']._serialized_end=2077
-  _globals['_LISTQUEUESRESPONSE']._serialized_start=2079
-  _globals['_LISTQUEUESRESPONSE']._serialized_end=2147
-  _globals['_DELETEQUEUEREQUEST']._serialized_start=2149
-  _globals['_DELETEQUEUEREQUEST']._serialized_end=2183
-  _globals['_DELETEQUEUERESPONSE']._serialized_start=2185
-  _globals['_DELETEQUEUERESPONSE']._serialized_end=2206
-  _globals['_ADMINSERVICE']._serialized_start=2333
-  _globals['_ADMINSERVICE']._serialized_end=3220
+  _globals['_GETFEDERATIONSTATUSRESPONSE']._serialized_end=1477
+  _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._serialized_start=1361
+  _globals['_GETFEDERATIONSTATUSRESPONSE_JOBSBYSTATEENTRY']._serialized_end=1411
+  _globals['_GETFEDERATIONSTATUSRESPONSE_SITESBYSTATEENTRY']._serialized_start=1413
+  _globals['_GETFEDERATIONSTATUSRESPONSE_SITESBYSTATEENTRY']._serialized_end=1464
+  _globals['_LISTSITESREQUEST']._serialized_start=1479
+  _globals['_LISTSITESREQUEST']._serialized_end=1536
+  _globals['_LISTSITESRESPONSE']._serialized_start=1538
+  _globals['_LISTSITESRESPONSE']._serialized_end=1622
+  _globals['_CORDONSITEREQUEST']._serialized_start=1624
+  _globals['_CORDONSITEREQUEST']._serialized_end=1657
+  _globals['_CORDONSITERESPONSE']._serialized_start=1659
+  _globals['_CORDONSITERESPONSE']._serialized_end=1718
+  _globals['_UNCORDONSITEREQUEST']._serialized_start=1720
+  _globals['_UNCORDONSITEREQUEST']._serialized_end=1755
+  _globals['_UNCORDONSITERESPONSE']._serialized_start=1757
+  _globals['_UNCORDONSITERESPONSE']._serialized_end=1818
+  _globals['_CREATEJOINTOKENREQUEST']._serialized_start=1820
+  _globals['_CREATEJOINTOKENREQUEST']._serialized_end=1916
+  _globals['_CREATEJOINTOKENRESPONSE']._serialized_start=1918
+  _globals['_CREATEJOINTOKENRESPONSE']._serialized_end=2006
+  _globals['_CREATEQUEUEREQUEST']._serialized_start=2008
+  _globals['_CREATEQUEUEREQUEST']._serialized_end=2069
+  _globals['_CREATEQUEUERESPONSE']._serialized_start=2071
+  _globals['_CREATEQUEUERESPONSE']._serialized_end=2133
+  _globals['_UPDATEQUEUEREQUEST']._serialized_start=2135
+  _globals['_UPDATEQUEUEREQUEST']._serialized_end=2196
+  _globals['_UPDATEQUEUERESPONSE']._serialized_start=2198
+  _globals['_UPDATEQUEUERESPONSE']._serialized_end=2260
+  _globals['_LISTQUEUESREQUEST']._serialized_start=2262
+  _globals['_LISTQUEUESREQUEST']._serialized_end=2281
+  _globals['_LISTQUEUESRESPONSE']._serialized_start=2283
+  _globals['_LISTQUEUESRESPONSE']._serialized_end=2351
+  _globals['_DELETEQUEUEREQUEST']._serialized_start=2353
+  _globals['_DELETEQUEUEREQUEST']._serialized_end=2387
+  _globals['_DELETEQUEUERESPONSE']._serialized_start=2389
+  _globals['_DELETEQUEUERESPONSE']._serialized_end=2410
+  _globals['_ADMINSERVICE']._serialized_start=2537
+  _globals['_ADMINSERVICE']._serialized_end=3424
 # @@protoc_insertion_point(module_scope)

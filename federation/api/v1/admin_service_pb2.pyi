@@ -192,6 +192,10 @@ Global___Coordinator: _TypeAlias = Coordinator  # noqa: Y015
 
 @_typing.final
 class GetFederationStatusResponse(_message.Message):
+    """A reply of bounded size whatever the sites: counts of sites, not the sites themselves
+    (ListSites pages those).
+    """
+
     DESCRIPTOR: _descriptor.Descriptor
 
     @_typing.final
@@ -214,8 +218,27 @@ class GetFederationStatusResponse(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class SitesByStateEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     COORDINATOR_VERSION_FIELD_NUMBER: _builtins.int
-    SITES_FIELD_NUMBER: _builtins.int
     JOBS_BY_STATE_FIELD_NUMBER: _builtins.int
     LEADER_FIELD_NUMBER: _builtins.int
     COORDINATORS_FIELD_NUMBER: _builtins.int
@@ -224,6 +247,8 @@ class GetFederationStatusResponse(_message.Message):
     SOONEST_EXPIRING_CERTIFICATE_FIELD_NUMBER: _builtins.int
     SERVER_CERTIFICATE_NOT_AFTER_FIELD_NUMBER: _builtins.int
     CA_NOT_AFTER_FIELD_NUMBER: _builtins.int
+    SITES_BY_STATE_FIELD_NUMBER: _builtins.int
+    SITES_CORDONED_FIELD_NUMBER: _builtins.int
     coordinator_version: _builtins.str
     leader: _builtins.str
     """Advertised address of the leader (the coordinator that answers)."""
@@ -233,8 +258,8 @@ class GetFederationStatusResponse(_message.Message):
     """
     rescheduling_note: _builtins.str
     """Why rescheduling is paused, for people; empty when it is not."""
-    @_builtins.property
-    def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]: ...
+    sites_cordoned: _builtins.int
+    """Sites cordoned, whatever their state."""
     @_builtins.property
     def jobs_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
         """Job counts by state name."""
@@ -255,11 +280,14 @@ class GetFederationStatusResponse(_message.Message):
 
     @_builtins.property
     def ca_not_after(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def sites_by_state(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Every site counted once, by its state's name (SITE_STATE_CONNECTED, ...)."""
+
     def __init__(
         self,
         *,
         coordinator_version: _builtins.str = ...,
-        sites: _abc.Iterable[Global___Site] | None = ...,
         jobs_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
         leader: _builtins.str = ...,
         coordinators: _abc.Iterable[Global___Coordinator] | None = ...,
@@ -268,10 +296,12 @@ class GetFederationStatusResponse(_message.Message):
         soonest_expiring_certificate: _records_pb2.IssuedCertificate | None = ...,
         server_certificate_not_after: _timestamp_pb2.Timestamp | None = ...,
         ca_not_after: _timestamp_pb2.Timestamp | None = ...,
+        sites_by_state: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        sites_cordoned: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["ca_not_after", b"ca_not_after", "server_certificate_not_after", b"server_certificate_not_after", "soonest_expiring_certificate", b"soonest_expiring_certificate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_not_after", b"ca_not_after", "coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "rescheduling_note", b"rescheduling_note", "rescheduling_paused", b"rescheduling_paused", "server_certificate_not_after", b"server_certificate_not_after", "sites", b"sites", "soonest_expiring_certificate", b"soonest_expiring_certificate"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ca_not_after", b"ca_not_after", "coordinator_version", b"coordinator_version", "coordinators", b"coordinators", "jobs_by_state", b"jobs_by_state", "leader", b"leader", "rescheduling_note", b"rescheduling_note", "rescheduling_paused", b"rescheduling_paused", "server_certificate_not_after", b"server_certificate_not_after", "sites_by_state", b"sites_by_state", "sites_cordoned", b"sites_cordoned", "soonest_expiring_certificate", b"soonest_expiring_certificate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -281,12 +311,23 @@ Global___GetFederationStatusResponse: _TypeAlias = GetFederationStatusResponse  
 class ListSitesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    PAGE_SIZE_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    page_size: _builtins.int
+    """At most 1000; zero means 100. A page also ends before it would pass 3 MiB (a site's view
+    can be large), so it can be shorter; it always holds at least one site.
+    """
+    page_token: _builtins.str
+    """The previous page's next_page_token; empty: the first page."""
     def __init__(
         self,
+        *,
+        page_size: _builtins.int = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["page_size", b"page_size", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -297,16 +338,22 @@ class ListSitesResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SITES_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Set while more sites follow; empty at the end."""
     @_builtins.property
-    def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]: ...
+    def sites(self) -> _containers.RepeatedCompositeFieldContainer[Global___Site]:
+        """In name order."""
+
     def __init__(
         self,
         *,
         sites: _abc.Iterable[Global___Site] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["sites", b"sites"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["next_page_token", b"next_page_token", "sites", b"sites"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
