@@ -164,6 +164,25 @@ def test_a_queue_within_its_nominal_quota_takes_back_what_another_borrowed(
     assert tenants(result)["tenants"]["team-a"]["preemptions"] == 4
 
 
+def test_nominal_quotas_together_are_never_exceeded_where_gpus_are_left_over(
+    tmp_path: Path,
+) -> None:
+    """8 GPUs, nominal quotas of 2 and 4. team-a borrows 2 while team-b is idle; team-b's 4
+    arrive at t=150: 2 start at once on the idle GPUs, and 2 of team-a's are taken back for
+    the other 2, though 2 GPUs are free: the two queues never hold more than their 6."""
+    queues = """queues:
+  - {name: a, tenant: team-a, quotas: [{resource: gpu, nominal: 2, borrowing_limit: 2}]}
+  - {name: b, tenant: team-b, quotas: [{resource: gpu, nominal: 4}]}
+"""
+    rows = flood("team-a", 4, duration_s=1000) + flood("team-b", 4, submit_s=150)
+    result = run(tmp_path, SITE % 8 + queues, rows, HEADER)
+    assert most_at_once(runs(result, "team-")) == 6
+    assert [r.started_s for r in runs(result, "team-b")] == [150.0] * 4
+    figures = tenants(result)["tenants"]
+    assert figures["team-a"]["preemptions"] == 2
+    assert figures["team-b"]["preemptions"] == 0
+
+
 URGENT_HEADER = "job_id,submit_s,duration_s,accelerator_count,priority_class,checkpoint_interval_s"
 
 

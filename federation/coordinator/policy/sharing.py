@@ -13,7 +13,7 @@ from federation.coordinator import job_state
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.quota import EPSILON, admission, within_nominal
+from federation.coordinator.policy.quota import EPSILON, Debt, admission, owed, within_nominal
 from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
@@ -139,6 +139,25 @@ class Sharing:
                 ):
                     borrowing.update(self._subtree(other.name))
         return borrowing
+
+    def owed(self, job: jobs_pb2.Job, need: Demand, claimed: Tentative | None = None) -> list[Debt]:
+        """What the queues beside the job's queue (and beside each queue above it) must give
+        back of what they borrow for its task that needs ``need`` to start within its nominal
+        quotas ([] when nothing, or when it would borrow itself). ``claimed`` as for
+        ``lenders``."""
+        queue = job.spec.queue
+        if not queue or queue not in self.book.queues:
+            return []
+        held = functools.partial(self.held, tentative=claimed)
+        return owed(queue, need, self.book.queues, held) or []
+
+    def subtree(self, queue: str) -> list[str]:
+        """``queue`` and every queue under it."""
+        return self._subtree(queue)
+
+    def chain(self, queue: str) -> tuple[str, ...]:
+        """``queue`` and the queues above it."""
+        return tuple(self._chain(queue))
 
     def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
         """The job's priority: its class's, if it names one."""
