@@ -437,3 +437,29 @@ def test_scoped_quota_checks_name_the_field() -> None:
         "queue.quotas[4].domain",
     }
     assert fields["queue.quotas[1].resource"] == "gpu at site dc-1 appears twice"
+
+
+def test_a_cycle_sees_the_sum_of_nominal_quotas_held_as_it_began_and_as_it_admits() -> None:
+    """Within a scheduling cycle the queues beside one within its nominal quota are read only
+    where one of them borrows (as the cycle began, or by what the cycle admitted): qb is held
+    back while qa borrows, and also once the cycle has admitted qa's borrowing."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"qa": q("qa", ("gpu", 2, 2)), "qb": q("qb", ("gpu", 4, 0))}
+    usage = QueueUsage()
+    running = gpu_job("qa", 4)
+    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    usage.update(running, {})
+    sharing = Sharing(book, usage)
+    waiting = gpu_job("qb", 3)
+    tentative: dict[str, dict[str, float]] = {}
+    with sharing.as_of_now(tentative):
+        why = sharing.admission(waiting, {"gpu": 3}, tentative)
+        assert why is not None
+        assert "hold 4 of their 6 gpu together" in why
+        assert sharing.admission(waiting, {"gpu": 2}, tentative) is None
+    usage.remove(running.id)
+    with sharing.as_of_now(tentative):
+        assert sharing.admission(waiting, {"gpu": 3}, tentative) is None  # no one borrows
+        sharing.admit(gpu_job("qa", 4), {"gpu": 4}, tentative)  # qa borrows 2 meanwhile
+        assert sharing.admission(waiting, {"gpu": 3}, tentative) is not None
+    assert sharing.admission(waiting, {"gpu": 3}, {}) is None  # outside a cycle: held now

@@ -37,10 +37,17 @@ class Debt:
 
 
 def admission(
-    name: str, need: Demand, queues: Mapping[str, queues_pb2.Queue], held: Held
+    name: str,
+    need: Demand,
+    queues: Mapping[str, queues_pb2.Queue],
+    held: Held,
+    borrowed: Callable[[str, str], bool] | None = None,
 ) -> str | None:
     """None when a task of queue ``name`` that needs ``need`` may start now; else why not,
-    in quota terms, for people (``fedctl jobs explain``)."""
+    in quota terms, for people (``fedctl jobs explain``). ``borrowed(queue, key)``: whether
+    some queue beside ``queue`` may hold more than its nominal quota of ``key``; where none
+    does, the queues beside one within its nominal quota cannot hold all of their sum, and
+    are not read (None: they are always read)."""
     current = name
     while current in queues:  # a parent deleted meanwhile ends the walk as the top would
         queue = queues[current]
@@ -53,6 +60,8 @@ def admission(
             after = now + want
             what = f"{quota_label(quota)} quota ({now:g}/{quota.nominal:g})"
             if after <= quota.nominal + EPSILON:
+                if borrowed is not None and not borrowed(current, key):
+                    continue
                 used, pool = _cohort(current, key, queues, held)
                 if used + want > pool + EPSILON:  # it is owed what the queues beside it borrow
                     return (
