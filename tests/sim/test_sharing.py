@@ -183,6 +183,28 @@ def test_nominal_quotas_together_are_never_exceeded_where_gpus_are_left_over(
     assert figures["team-b"]["preemptions"] == 0
 
 
+def test_borrowed_quota_is_not_taken_back_from_a_task_still_moving_its_input(
+    tmp_path: Path,
+) -> None:
+    """team-a borrows 4 GPUs for tasks whose input takes 200 s to arrive; team-b's arrive at
+    150. A task placed but not started has run nothing: it is taken back once it has run the
+    120 s minimum (at 320), not at once while its input still moves."""
+    topology = """links: {default: {bandwidth_mbps: 8000, rtt_ms: 0}}
+sites:
+  - {name: dc, nodes: [{cpu: 64, memory_mib: 262144, devices: [{model: A100-80GB, count: 6}]}]}
+  - {name: store, nodes: [{cpu: 4, memory_mib: 8192}], datasets: {corpus: 200000000000}}
+queues:
+  - {name: a, tenant: team-a, quotas: [{resource: gpu, nominal: 2, borrowing_limit: 4}]}
+  - {name: b, tenant: team-b, quotas: [{resource: gpu, nominal: 4}]}
+"""
+    rows = [f"{row},corpus" for row in flood("team-a", 6, duration_s=1000)]
+    rows += [f"{row}," for row in flood("team-b", 4, submit_s=150)]
+    result = run(tmp_path, topology, rows, f"{HEADER},dataset")
+    assert {r.started_s for r in runs(result, "team-a")} == {200.0, 620.0}
+    assert [r.started_s for r in runs(result, "team-b")] == [320.0] * 4
+    assert tenants(result)["tenants"]["team-a"]["preemptions"] == 4
+
+
 URGENT_HEADER = "job_id,submit_s,duration_s,accelerator_count,priority_class,checkpoint_interval_s"
 
 
