@@ -851,7 +851,17 @@ class Scheduler:
         key = (job.id, task)
         if key in self._preempting:
             return []
-        debts = self._sharing.owed(job, need, self._claimed(cycle, key))
+        claimed = self._claimed(cycle, key)
+        # Tasks being stopped that no waiting task chose (marked before this leader's term)
+        # give back what they hold soon: stopping others for it would stop them for nothing.
+        taken = {victim for victims in self._preempting.values() for victim in victims}
+        for other in self._jobs.at_any_site():
+            for status in other.tasks:
+                if status.preempted_by and (other.id, status.name, status.epoch) not in taken:
+                    held = self._holds(other.id, status.name, status.epoch)
+                    if held is not None:
+                        add(claimed.setdefault(held[0], {}), ((r, -n) for r, n in held[1].items()))
+        debts = self._sharing.owed(job, need, claimed)
         return debts if all(debt.over for debt in debts) else []
 
     def _reclaim_for(

@@ -1,7 +1,8 @@
 """Quota invariants over real agents: queues beside each other never hold more than their
 nominal quotas together, even where GPUs are left over (a queue owed its nominal quota has
 the tasks of the queues that borrow it stopped, federation-wide or at the site a quota
-counts), and preemption counts the devices each victim holds, whatever its spec names."""
+counts; a restarted coordinator counts what the tasks being stopped give back), and
+preemption counts the devices each victim holds, whatever its spec names."""
 
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, queues_pb2
 from federation.local import LocalFederation
+from federation.testing.cluster import site_state
 
-from .conftest import admin, gpu_site, jobs, running, spec, until, wait_for_job
+from .conftest import admin, gpu_site, jobs, python_task, running, spec, until, wait_for_job
 from .test_preemption import TASK, batch_job, checkpointed, get
+from .test_preemption_failover import HOLD_S
+from .test_preemption_failover import TASK as HOLDING_TASK
 from .test_queues import listed
 
 pytestmark = pytest.mark.xdist_group("e2e-reclaim")
@@ -148,3 +152,89 @@ async def test_victims_count_the_devices_they_hold_whatever_their_spec_names(
         (tmp_path / "go").touch()
     for job_id in held_ids:
         assert (await wait_for_job(operator, job_id)).state == SUCCEEDED
+
+
+@pytest.fixture
+def restartable(tmp_path: Path) -> Iterator[LocalFederation]:
+    """A federation (not started yet) on the embedded store, reclaiming after 1 s."""
+    config = tmp_path / "coordinator.toml"
+    config.write_text("reclaim_min_run_s = 1.0\n")
+    federation = LocalFederation(tmp_path / "fed", [], coordinator_args=["--config", str(config)])
+    try:
+        yield federation
+    finally:
+        federation.stop()
+
+
+async def test_a_new_leader_counts_what_the_tasks_being_taken_back_give_back(
+    restartable: LocalFederation, tmp_path: Path
+) -> None:
+    """qb is owed 2 GPUs; 2 of qa's tasks are being stopped for them (holding in their grace)
+    when the coordinator restarts. The new one marks nothing of its own for those 2: it sees
+    the quota they give back, and stops no more of qa's tasks."""
+    fed = restartable
+    await fed.start_coordinator(name="coordinator")
+    fed.sites.append(gpu_site("gpu-f", GPUS, kill_grace_s=60.0))
+    await fed.start_site(fed.sites[-1])
+    await fed.wait_connected()
+    markers = tmp_path / "markers"
+    markers.mkdir()
+
+    def task(job_id: str, tenant: str, queue: str) -> jobs_pb2.JobSpec:
+        one = {
+            "name": "t",
+            "command": [sys.executable, "-c", HOLDING_TASK, str(markers), str(HOLD_S)],
+            "resources": {"accelerator": {"kind": "GPU", "count": 1}},
+            "checkpoint": {"interval_s": 0.2},
+        }
+        return as_tenant(spec(job_id, [one], id=job_id), tenant, queue)
+
+    lent = [f"team-qa:f{n}" for n in range(4)]
+    owed = [f"team-qb:f{n}" for n in range(4)]
+    async with fed.operator().channel() as channel:
+        stub = admin(channel)
+        for name, nominal, borrow in (("qa", 2.0, 2.0), ("qb", 4.0, 0.0)):
+            quota = queues_pb2.Quota(resource="gpu", nominal=nominal, borrowing_limit=borrow)
+            made = queues_pb2.Queue(name=name, tenant=f"team-{name}", quotas=[quota])
+            await stub.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=made))
+        specs = [task(f"f{n}", "team-qa", "qa") for n in range(4)]
+        await jobs(channel).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+        await checkpointed(channel, *lent)
+        specs = [task(f"f{n}", "team-qb", "qb") for n in range(4)]
+        await jobs(channel).SubmitJobs(job_service_pb2.SubmitJobsRequest(specs=specs))
+
+        async def stopping() -> bool:
+            tasks = [(await get(channel, job_id)).tasks[0] for job_id in lent]
+            return sum(bool(t.preempted_by) and t.state == RUNNING for t in tasks) == 2
+
+        await until(stopping, "2 of qa's tasks marked and still in their grace")
+    fed.kill("coordinator")
+    await fed.start_coordinator(name="coordinator", port=fed.port, join_port=fed.join_port)
+    async with fed.operator().channel() as channel:
+
+        async def back() -> bool:
+            try:
+                site = await site_state(channel, "gpu-f")
+            except grpc.aio.AioRpcError as err:
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+                return False  # not serving yet
+            return site.state == admin_service_pb2.SITE_STATE_CONNECTED
+
+        await until(back, "the site back with the restarted coordinator")
+
+        # A job placed by the new leader: the cycle that placed it went through qb's too.
+        sentinel = spec("sentinel", [python_task("t", "pass")], id="sentinel")
+        await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=sentinel))
+        assert (await wait_for_job(channel, "sentinel")).state == SUCCEEDED
+        (markers / "release-gpu-f").touch()
+
+        async def given_back() -> bool:
+            tasks = [(await get(channel, job_id)).tasks[0] for job_id in owed]
+            return all(t.state == RUNNING for t in tasks)
+
+        await until(given_back, "qb running its 4")
+        (markers / "go").touch()
+        ended = {job_id: await wait_for_job(channel, job_id) for job_id in lent + owed}
+    assert all(job.state == SUCCEEDED for job in ended.values())
+    assert sum(ended[job_id].tasks[0].preemptions for job_id in lent) == 2
