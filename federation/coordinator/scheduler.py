@@ -50,7 +50,7 @@ from federation.coordinator.policy.preemption import (
 )
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.quota import Debt
-from federation.coordinator.policy.resources import Demand, at, demand
+from federation.coordinator.policy.resources import Demand, at, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.usage import placed
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
@@ -530,7 +530,7 @@ class Scheduler:
             verdicts, ranked, estimates, busy, unfit = placement
             if held_back is not None:  # owed what the queues beside its queue borrow
                 short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
-                options = [(debts, {*ranked, *short})]
+                options = [(debts, {*ranked, *short}, need)]
                 return [held_back, *self._reclaim_for(job, task, options, cycle)]
             feasible = ranked
             if not ranked:
@@ -550,12 +550,13 @@ class Scheduler:
             if not kept:
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
                 domain_of = self._sites.domain_of
-                options = [
-                    (owed, {site})
+                at_sites: list[tuple[list[Debt], set[str], Demand]] = [
+                    (owed, {site}, counted)
                     for site, _ in admitted.refused
-                    if (owed := self._owed(job, task, at(need, site, domain_of(site)), cycle))
+                    for counted in self._counted(job, task, need, site, cycle.snapshot)
+                    if (owed := self._owed(job, task, at(counted, site, domain_of(site)), cycle))
                 ]
-                return [*verdicts, *refused, *self._reclaim_for(job, task, options, cycle)]
+                return [*verdicts, *refused, *self._reclaim_for(job, task, at_sites, cycle)]
             ranked = tuple(kept)
             verdicts = (*verdicts, *refused)
             if spread.PART in task:
@@ -673,6 +674,24 @@ class Scheduler:
         return self._sharing.where(
             job, spec, need, ranked, models_at, self._sites.domain_of, tentative
         )
+
+    def _counted(
+        self, job: jobs_pb2.Job, task: str, need: Demand, site: str, snapshot: Snapshot
+    ) -> list[Demand]:
+        """What the job's task may count against its queues' quotas at ``site`` (before
+        ``at`` it): ``need``, or for a task that names not one model, ``need`` with each model
+        it may be given there (as ``Sharing.where`` counts it)."""
+        spec = find_spec(job, task)
+        acc = spec.resources.accelerator
+        kind = kind_of(spec)
+        if kind is None or len(acc.models) == 1:
+            return [need]
+        models = snapshot.device_models(acc.kind, site)
+        base = {r: amount for r, amount in need.items() if "/" not in r}
+        return [need] + [
+            {**base, f"{kind}/{model}": base[kind]}
+            for model in sorted(models & set(acc.models) if acc.models else models)
+        ]
 
     def _within_owner_shares(
         self, job: jobs_pb2.Job, need: Demand, sites: Sequence[str], cycle: _Cycle
@@ -852,15 +871,39 @@ class Scheduler:
         if key in self._preempting:
             return []
         claimed = self._claimed(cycle, key)
+        debts = self._sharing.owed(job, need, claimed)
+        if not debts or not all(debt.over for debt in debts):
+            return []
         # Tasks being stopped that no waiting task chose (marked before this leader's term)
         # give back what they hold soon: stopping others for it would stop them for nothing.
+        # As many as pay what it is owed become its own victims (and it claims what it will
+        # hold, so that they cannot borrow it back); the rest give back what they hold.
         taken = {victim for victims in self._preempting.values() for victim in victims}
+        stopping = []
         for other in self._jobs.at_any_site():
             for status in other.tasks:
-                if status.preempted_by and (other.id, status.name, status.epoch) not in taken:
-                    held = self._holds(other.id, status.name, status.epoch)
-                    if held is not None:
-                        add(claimed.setdefault(held[0], {}), ((r, -n) for r, n in held[1].items()))
+                victim = (other.id, status.name, status.epoch)
+                if not status.preempted_by or victim in taken:
+                    continue
+                if (held := self._holds(*victim)) is not None:
+                    queue, holds = held
+                    stopping.append(
+                        Candidate(
+                            job_id=other.id,
+                            task=status.name,
+                            site="",  # anywhere: they make no room, they pay what is owed
+                            epoch=status.epoch,
+                            priority=0,
+                            demand=holds,
+                            lost_s=0.0,
+                            queues=self._sharing.chain(queue),
+                        )
+                    )
+                    add(claimed.setdefault(queue, {}), ((r, -n) for r, n in holds.items()))
+        if stopping and (adopted := choose_victims({}, {"": {}}, stopping, debts)) is not None:
+            self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in adopted[1]]
+            self._claims[key] = dict(need)
+            return []
         debts = self._sharing.owed(job, need, claimed)
         return debts if all(debt.over for debt in debts) else []
 
@@ -868,7 +911,7 @@ class Scheduler:
         self,
         job: jobs_pb2.Job,
         task: str,
-        options: Sequence[tuple[list[Debt], set[str]]],
+        options: Sequence[tuple[list[Debt], set[str], Demand]],
         cycle: _Cycle,
     ) -> tuple[jobs_pb2.SiteVerdict, ...]:
         """A task its quotas hold back though it is within its nominal ones, as the queues
@@ -876,24 +919,25 @@ class Scheduler:
         exceeded): stop tasks of those queues, whole, of those that ran ``reclaim_min_run_s``,
         so that it fits at one of the sites of an option and they gave back its debts (the
         fewest victims of all ``options``: its federation-wide quotas at every site it may
-        go, or a scoped quota at the site it counts). It waits, held back, until they end."""
+        go, or a scoped or model quota at the site it counts, with what it then counts
+        there). It waits, held back, until they end."""
         key = (job.id, task)
         if key in self._preempting or cycle.snapshot is None:
             return ()
         need = task_demand(job, task)
-        best: tuple[str, list[Candidate]] | None = None
-        for debts, sites in options:
+        best: tuple[str, list[Candidate], Demand] | None = None
+        for debts, sites, counted in options:
             lenders = {q for d in debts for lender in d.over for q in self._sharing.subtree(lender)}
             room, _ = self._room_coming_free(cycle.snapshot, sites)
             candidates = self._preemption_candidates(job, None, lenders)
             choice = choose_victims(need, room, candidates, debts)
             if choice is not None and (best is None or len(choice[1]) < len(best[1])):
-                best = choice
+                best = (*choice, counted)
         if best is None:
             return ()  # not (yet) taken back: its backoff tries again
-        site, victims = best
+        site, victims, counted = best
         self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
-        self._claim(key, job, need, site)
+        self._claim(key, job, counted, site)
         self._start_preempting(key, victims, RECLAIMED)
         reason = f"stopping {len(victims)} task(s) on borrowed quota to give back its quota"
         return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)

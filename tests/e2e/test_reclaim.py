@@ -49,19 +49,24 @@ def as_tenant(job: jobs_pb2.JobSpec, tenant: str, queue: str) -> jobs_pb2.JobSpe
     return job
 
 
-@pytest.mark.parametrize("site", ["", SITE.name], ids=["federation-wide", "at-a-site"])
+@pytest.mark.parametrize(
+    ("scope", "key"),
+    [("all", "gpu"), ("site", f"gpu@site/{SITE.name}"), ("model", "gpu/A100-80GB")],
+    ids=["federation-wide", "at-a-site", "of-a-model"],
+)
 async def test_a_lender_gets_its_nominal_quota_back_though_gpus_are_left_over(
-    operator: grpc.aio.Channel, tmp_path: Path, site: str
+    operator: grpc.aio.Channel, tmp_path: Path, scope: str, key: str
 ) -> None:
     """qa (nominal 2, may borrow 2) borrows 2 while qb (nominal 4) is idle. qb then wants its
     4 on a site of 8 GPUs: 2 of qa's tasks are stopped (whole, from their checkpoints) so
-    that the two hold their 6 together, not 8; with the quotas counting one site, the same."""
+    that the two hold their 6 together, not 8; with the quotas counting one site, or one
+    model (of tasks that name none), the same."""
     stub = admin(operator)
-    scope = "site" if site else "all"
     names = {name: f"{name}-{scope}" for name in ("qa", "qb")}
     for name, nominal, borrow in (("qa", 2.0, 2.0), ("qb", 4.0, 0.0)):
-        quota = queues_pb2.Quota(resource="gpu", nominal=nominal, borrowing_limit=borrow)
-        quota.site = site
+        resource = key if scope == "model" else "gpu"
+        quota = queues_pb2.Quota(resource=resource, nominal=nominal, borrowing_limit=borrow)
+        quota.site = SITE.name if scope == "site" else ""
         made = queues_pb2.Queue(name=names[name], tenant=f"team-{name}", quotas=[quota])
         await stub.CreateQueue(admin_service_pb2.CreateQueueRequest(queue=made))
     lent = [f"a{n}-{scope}" for n in range(4)]
@@ -86,7 +91,6 @@ async def test_a_lender_gets_its_nominal_quota_back_though_gpus_are_left_over(
     try:
         await until(given_back, "qb running its 4, 2 of qa's stopped for them")
         held = await listed(operator)
-        key = f"gpu@site/{site}" if site else "gpu"
         assert held[names["qa"]].usage[key] == 2
         assert held[names["qb"]].usage[key] == 4
         assert not held[names["qa"]].borrowed
