@@ -245,6 +245,19 @@ def test_tasks_are_preempted_only_once_they_ran_the_minimum(tmp_path: Path) -> N
     assert low.lost_device_s == 60.0
 
 
+@pytest.mark.parametrize("models", ["", "A100-80GB|H100-80GB"])
+def test_a_victim_counts_the_devices_it_was_given_whatever_its_row_names(
+    tmp_path: Path, models: str
+) -> None:
+    """The low job accepts any model, or two: on the one A100 it counts an A100, so an urgent
+    job that wants an A100 stops it (it waited for its end before)."""
+    header = f"{URGENT_HEADER},accelerator_models"
+    rows = [f"low,0,1000,1,batch,,{models}", "urgent,250,100,1,urgent,,A100-80GB"]
+    result = run(tmp_path, SITE % 1 + URGENT, rows, header)
+    assert runs(result, "urgent")[0].started_s == 250.0
+    assert runs(result, "low")[0].preemptions == 1
+
+
 def test_only_lower_priority_preemptible_work_is_stopped(tmp_path: Path) -> None:
     """A class that is not preemptible, or of equal priority, keeps its GPU."""
     classes = (
