@@ -413,6 +413,13 @@ class JobRepository:
             if any(t.site in sites and t.state in job_state.AT_SITE for t in job.tasks)
         ]
 
+    def at_any_site(self) -> Iterator[jobs_pb2.Job]:
+        """The unfinished jobs with a task delegated to or running at some site, as cached
+        (the messages themselves: read them at once, never change them)."""
+        for job, *_ in list(self._active.values()):
+            if any(t.state in job_state.AT_SITE for t in job.tasks):
+                yield job
+
     async def get(self, job_id: str) -> jobs_pb2.Job:
         if cached := self._active.get(job_id):
             return _copy(cached[0])

@@ -52,11 +52,14 @@ from federation.coordinator.policy.preemption import (
     fits,
     free_room,
     may_stop,
+    ready_s,
 )
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.resources import Demand, demand
+from federation.coordinator.policy.quota import Debt
+from federation.coordinator.policy.resources import Demand, at, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
+from federation.coordinator.policy.usage import placed
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.staged_inputs import holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
@@ -96,6 +99,8 @@ SPREAD = "Spread"
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
+RECLAIMED = "a queue taking back the nominal quota it lent"
+"""Why a task on borrowed quota was stopped (naming no other job or queue)."""
 WAIT = "Wait"
 """The stage of the verdict of a task that waits for a busy site (``waits``)."""
 RETRY = "Retry"
@@ -288,6 +293,10 @@ class Scheduler:
         """Per waiting task, the (job, task, epoch) it had stopped while it waits."""
         self._stopped_for = StoppedFor(self._status_of, lambda key: key in self._preempting)
         """Tasks stopped for a waiting one, kept from the room they freed until it runs."""
+        self._claims: dict[TaskKey, dict[str, float]] = {}
+        """Per waiting task of a queue that had tasks stopped for it, what it will hold (at
+        the site it waits for) until it is admitted: no other task takes that quota meanwhile,
+        not even the victims back, borrowing again."""
         self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
         """Per busy site, the tasks that chose to wait for it, in the order they chose."""
         self._waits_for: dict[TaskKey, str] = {}
@@ -512,9 +521,16 @@ class Scheduler:
         try:
             need = task_demand(job, task)
             queued = bool(job.spec.queue)
-            if queued and (why := self._sharing.admission(job, need, cycle.tentative)):
+            held_back: jobs_pb2.SiteVerdict | None = None
+            debts: list[Debt] = []
+            # What is claimed by the tasks that had others stopped for them counts too.
+            tentative = self._with_claims(cycle, key) if queued else cycle.tentative
+            if queued and (why := self._sharing.admission(job, need, tentative)):
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
-                return [jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)]
+                held_back = jobs_pb2.SiteVerdict(stage=QUOTA, reason=why)
+                debts = self._owed(job, task, need, cycle)
+                if not debts:
+                    return [held_back]
             if cycle.snapshot is None:
                 # Built only when something waits: every view delta wakes the loop, and
                 # flattening the federation into arrays is the expensive part of a cycle.
@@ -537,6 +553,10 @@ class Scheduler:
             if placement is None:
                 placement = cycle.placements[request] = self._place(request, cycle.snapshot)
             verdicts, ranked, estimates, busy, unfit = placement
+            if held_back is not None:  # owed what the queues beside its queue borrow
+                short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
+                options = [(debts, {*ranked, *short}, need)]
+                return [held_back, *self._reclaim_for(job, task, options, cycle)]
             feasible = ranked
             if not ranked:
                 self._backoff(key, unfit=unfit)
@@ -544,7 +564,7 @@ class Scheduler:
                     self._unfit.add(key)
                 return [*verdicts, *self._preempt_for(job, task, verdicts, cycle)]
             if queued:
-                admitted = self._where(job, task, need, ranked, cycle.snapshot, cycle.tentative)
+                admitted = self._where(job, task, need, ranked, cycle.snapshot, tentative)
             else:
                 admitted = Admitted(list(ranked), {}, need, [])
             kept, kept_for_owners = self._within_owner_shares(job, need, admitted.sites, cycle)
@@ -556,7 +576,14 @@ class Scheduler:
             ]
             if not kept:
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
-                return [*verdicts, *refused]
+                domain_of = self._sites.domain_of
+                at_sites: list[tuple[list[Debt], set[str], Demand]] = [
+                    (owed, {site}, counted)
+                    for site, _ in admitted.refused
+                    for counted in self._counted(job, task, need, site, cycle.snapshot)
+                    if (owed := self._owed(job, task, at(counted, site, domain_of(site)), cycle))
+                ]
+                return [*verdicts, *refused, *self._reclaim_for(job, task, at_sites, cycle)]
             ranked = tuple(kept)
             verdicts = (*verdicts, *refused)
             if spread.PART in task:
@@ -583,6 +610,7 @@ class Scheduler:
             return None
         if queued:
             self._sharing.admit(job, admitted.holds, cycle.tentative)
+            self._claims.pop(key, None)  # counted now by what it was admitted with
         if cycle.guests is not None:
             shares = self._sites.owner_shares()
             for site in ranked:  # wherever it may go: no second guest in this cycle over-asks
@@ -674,6 +702,24 @@ class Scheduler:
         return self._sharing.where(
             job, spec, need, ranked, models_at, self._sites.domain_of, tentative
         )
+
+    def _counted(
+        self, job: jobs_pb2.Job, task: str, need: Demand, site: str, snapshot: Snapshot
+    ) -> list[Demand]:
+        """What the job's task may count against its queues' quotas at ``site`` (before
+        ``at`` it): ``need``, or for a task that names not one model, ``need`` with each model
+        it may be given there (as ``Sharing.where`` counts it)."""
+        spec = find_spec(job, task)
+        acc = spec.resources.accelerator
+        kind = kind_of(spec)
+        if kind is None or len(acc.models) == 1:
+            return [need]
+        models = snapshot.device_models(acc.kind, site)
+        base = {r: amount for r, amount in need.items() if "/" not in r}
+        return [need] + [
+            {**base, f"{kind}/{model}": base[kind]}
+            for model in sorted(models & set(acc.models) if acc.models else models)
+        ]
 
     def _within_owner_shares(
         self, job: jobs_pb2.Job, need: Demand, sites: Sequence[str], cycle: _Cycle
@@ -808,15 +854,22 @@ class Scheduler:
         assert cycle.snapshot is not None
         snapshot = cycle.snapshot
         need = task_demand(job, task)
-        claimed = self._claimed(cycle, key)
-        lenders = set() if urgent else self._sharing.lenders(job, need, claimed)
-        if not urgent and not lenders:
+        short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        lenders: dict[str, set[str]] = {}
+        if not urgent:
+            # What it would hold there, as the queues' site, domain and model quotas count it.
+            claimed, domain_of = self._claimed(cycle, key), self._sites.domain_of
+            for site in short:
+                there = at(need, site, domain_of(site))
+                if found := self._sharing.lenders(job, there, claimed):
+                    lenders[site] = found
+            short = set(lenders)
+        if not short:
             return ()
         if key in self._preempting:
             # Once per waiting spell: the room is summed per site, not fitted per node, so a
             # second round could stop more and more tasks for a task that never fits.
             return ()
-        short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
         room, stopping = self._room_coming_free(snapshot, short)
         for site, stopped in stopping.items():
             if fits(need, room[site]):
@@ -824,6 +877,7 @@ class Scheduler:
                 # term, say): they become its victims, and it stops no more while it waits.
                 self._preempting[key] = stopped
                 self._stopped_for.stopped(site, key, stopped)
+                self._claim(key, job, need, site)
                 reason = f"waits for {len(stopped)} task(s) being stopped to make room"
                 return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
         candidates = self._preemption_candidates(job, short, lenders)
@@ -835,16 +889,9 @@ class Scheduler:
         self._preempting[key] += stopping.get(site, [])  # theirs counts too: no other's
         self._stopped_for.stopped(site, key, self._preempting[key])
         # Tenants see their own jobs only: the reason names no other job or queue.
-        why = (
-            f"a job of priority {job.spec.priority}"
-            if urgent
-            else "a queue taking back the nominal quota it lent"
-        )
-        runner = asyncio.create_task(self._preempt(victims, why))
-        self._tasks.add(runner)
-        runner.add_done_callback(self._tasks.discard)
-        named = ", ".join(f"{v.job_id}/{v.task}" for v in victims)
-        log.info("preempting", job=job.id, task=task, site=site, victims=named)
+        why = f"a job of priority {job.spec.priority}" if urgent else RECLAIMED
+        self._claim(key, job, need, site)
+        self._start_preempting(key, victims, why)
         return (
             jobs_pb2.SiteVerdict(
                 site=site,
@@ -854,45 +901,174 @@ class Scheduler:
             ),
         )
 
-    def _claimed(self, cycle: _Cycle, but: TaskKey) -> Tentative:
+    def _owed(self, job: jobs_pb2.Job, task: str, need: Demand, cycle: _Cycle) -> list[Debt]:
+        """What the queues beside the job's queue must give back of what they borrow for its
+        task, within its nominal quotas, to start with ``need`` (as its quotas count it), or []
+        when they owe nothing, someone owed cannot be paid, or it had tasks stopped already
+        while it waits."""
+        key = (job.id, task)
+        if key in self._preempting:
+            return []
+        claimed = self._claimed(cycle, key)
+        debts = self._sharing.owed(job, need, claimed)
+        if not debts or not all(debt.over for debt in debts):
+            return []
+        # Tasks being stopped that no waiting task chose (marked before this leader's term)
+        # give back what they hold soon: stopping others for it would stop them for nothing.
+        # As many as pay what it is owed become its own victims (and it claims what it will
+        # hold, so that they cannot borrow it back); the rest give back what they hold.
+        taken = {victim for victims in self._preempting.values() for victim in victims}
+        stopping = []
+        for other in self._jobs.at_any_site():
+            for status in other.tasks:
+                victim = (other.id, status.name, status.epoch)
+                if not status.preempted_by or victim in taken:
+                    continue
+                if (held := self._holds(*victim)) is not None:
+                    queue, holds = held
+                    stopping.append(
+                        Candidate(
+                            job_id=other.id,
+                            task=status.name,
+                            site="",  # anywhere: they make no room, they pay what is owed
+                            epoch=status.epoch,
+                            priority=0,
+                            demand=holds,
+                            lost_s=0.0,
+                            queues=self._sharing.chain(queue),
+                        )
+                    )
+                    add(claimed.setdefault(queue, {}), ((r, -n) for r, n in holds.items()))
+        if stopping and (adopted := choose_victims({}, {"": {}}, stopping, debts)) is not None:
+            self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in adopted[1]]
+            self._claims[key] = dict(need)
+            return []
+        debts = self._sharing.owed(job, need, claimed)
+        return debts if all(debt.over for debt in debts) else []
+
+    def _reclaim_for(
+        self,
+        job: jobs_pb2.Job,
+        task: str,
+        options: Sequence[tuple[list[Debt], set[str], Demand]],
+        cycle: _Cycle,
+    ) -> tuple[jobs_pb2.SiteVerdict, ...]:
+        """A task its quotas hold back though it is within its nominal ones, as the queues
+        beside its queue borrow what it is owed (``_owed``: nominal quotas together are never
+        exceeded): stop tasks of those queues, whole, of those that ran ``reclaim_min_run_s``,
+        so that it fits at one of the sites of an option and they gave back its debts (the
+        fewest victims of all ``options``: its federation-wide quotas at every site it may
+        go, or a scoped or model quota at the site it counts, with what it then counts
+        there). It waits, held back, until they end."""
+        key = (job.id, task)
+        if key in self._preempting or cycle.snapshot is None:
+            return ()
+        need = task_demand(job, task)
+        best: tuple[str, list[Candidate], Demand] | None = None
+        for debts, sites, counted in options:
+            lenders = {q for d in debts for lender in d.over for q in self._sharing.subtree(lender)}
+            room, _ = self._room_coming_free(cycle.snapshot, sites)
+            candidates = self._preemption_candidates(job, None, lenders)
+            choice = choose_victims(need, room, candidates, debts)
+            if choice is not None and (best is None or len(choice[1]) < len(best[1])):
+                best = (*choice, counted)
+        if best is None:
+            return ()  # not (yet) taken back: its backoff tries again
+        site, victims, counted = best
+        self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
+        self._claim(key, job, counted, site)
+        self._start_preempting(key, victims, RECLAIMED)
+        reason = f"stopping {len(victims)} task(s) on borrowed quota to give back its quota"
+        return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
+
+    def _start_preempting(self, key: TaskKey, victims: list[Candidate], why: str) -> None:
+        runner = asyncio.create_task(self._preempt(victims, why))
+        self._tasks.add(runner)
+        runner.add_done_callback(self._tasks.discard)
+        named = ", ".join(f"{v.job_id}/{v.task}" for v in victims)
+        log.info("preempting", job=key[0], task=key[1], victims=named)
+
+    def _claim(self, key: TaskKey, job: jobs_pb2.Job, need: Demand, site: str) -> None:
+        if job.spec.queue:
+            self._claims[key] = at(need, site, self._sites.domain_of(site))
+
+    def _with_claims(self, cycle: _Cycle, but: TaskKey) -> Tentative:
         """What the queues hold beyond their placed tasks: what this cycle admitted, and what
-        the other tasks waiting for room stopped for them need. A queue owed one GPU is owed
-        it once: without these, each of its waiting tasks found it owed and stopped a task."""
+        the other tasks waiting for tasks stopped for them will (``_claims``)."""
+        if not self._claims or self._claims.keys() == {but}:
+            return cycle.tentative  # the common case: nothing is stopped for anyone
         claimed = {queue: dict(held) for queue, held in cycle.tentative.items()}
-        for job_id, task in self._preempting:
+        for (job_id, task), holds in self._claims.items():
             job = self._jobs.cached(job_id)
             if (job_id, task) != but and job is not None and job.spec.queue:
-                add(claimed.setdefault(job.spec.queue, {}), task_demand(job, task).items())
+                add(claimed.setdefault(job.spec.queue, {}), holds.items())
         return claimed
 
+    def _claimed(self, cycle: _Cycle, but: TaskKey) -> Tentative:
+        """``_with_claims``, less what the tasks being stopped for those waiting hold. A
+        queue owed one GPU is owed it once: without these, each of its waiting tasks found it
+        owed and stopped a task."""
+        claimed = self._with_claims(cycle, but)
+        claimed = {queue: dict(held) for queue, held in claimed.items()}
+        for victims in self._preempting.values():
+            for victim_id, name, epoch in victims:
+                held = self._holds(victim_id, name, epoch)
+                if held is not None:
+                    queue, holds = held
+                    add(claimed.setdefault(queue, {}), ((r, -n) for r, n in holds.items()))
+        return claimed
+
+    def _holds(self, job_id: str, task: str, epoch: int) -> tuple[str, dict[str, float]] | None:
+        """The queue of a task at a site, in ``epoch``, and what it holds against it there."""
+        job = self._jobs.cached(job_id)
+        if job is None or not job.spec.queue:
+            return None
+        for spec, status in zip(job.spec.tasks, job.tasks, strict=False):
+            at_site = status.state in job_state.AT_SITE
+            if status.name == task and status.epoch == epoch and at_site:
+                where = at(placed(spec, status), status.site, self._sites.domain_of(status.site))
+                return job.spec.queue, where
+        return None
+
     def _preemption_candidates(
-        self, urgent: jobs_pb2.Job, sites: set[str], lenders: set[str]
+        self,
+        urgent: jobs_pb2.Job,
+        sites: set[str] | None,
+        lenders: Mapping[str, set[str]] | set[str],
     ) -> list[Candidate]:
-        """Tasks at ``sites`` that ``urgent`` may stop, running long enough and not already
-        being stopped: with ``lenders``, those of the queues that borrow what its queue is
-        owed; else those of lower priority and a preemptible class."""
+        """Tasks at ``sites`` (None: anywhere) that ``urgent`` may stop, running long enough
+        and not already being stopped: with ``lenders`` (per site, or everywhere), those of
+        the queues that borrow what its queue is owed; else those of lower priority and a
+        preemptible class. Each counts what it holds as its site granted it."""
         now = time.time()
         taken = {victim for victims in self._preempting.values() for victim in victims}
-        min_run_s = self._config.reclaim_min_run_s if lenders else self._config.preemption_min_run_s
+        reclaim = bool(lenders)
+        min_run_s = self._config.reclaim_min_run_s if reclaim else self._config.preemption_min_run_s
+        domain_of = self._sites.domain_of
         out = []
-        for job in self._jobs.at_sites(sites):
-            if job.cancel_requested:
+        for job in self._jobs.at_sites(sites) if sites is not None else self._jobs.at_any_site():
+            if job.cancel_requested or not self._sharing.preemptible(job):
                 continue
-            if not self._sharing.preemptible(job) or not may_stop(
-                job.spec.priority, job.spec.queue, urgent.spec.priority, lenders
-            ):
-                continue
+            queues = self._sharing.chain(job.spec.queue)
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
-                if task.state not in job_state.AT_SITE or task.site not in sites:
+                if task.state not in job_state.AT_SITE or (
+                    sites is not None and task.site not in sites
+                ):
+                    continue
+                stoppable = (
+                    lenders.get(task.site, set()) if isinstance(lenders, Mapping) else lenders
+                )
+                if not may_stop(job.spec.priority, job.spec.queue, urgent.spec.priority, stoppable):
                     continue
                 if task.preempted_by or (job.id, task.name, task.epoch) in taken:
                     continue  # stopping already, or chosen by another waiting task
-                # A task delegated but not started loses nothing and may go at once.
-                started = task.started_at.ToSeconds() if task.HasField("started_at") else now
-                ran_s = now - started if task.HasField("started_at") else math.inf
-                if ran_s < min_run_s:
+                started = task.started_at.ToSeconds() if task.HasField("started_at") else None
+                if ready_s(started, min_run_s, reclaim=reclaim) > now:
                     continue
-                saved = task.checkpoint.time.ToSeconds() if task.checkpoint.path else started
+                since = max(
+                    started or now,
+                    task.checkpoint.time.ToSeconds() if task.checkpoint.path else 0.0,
+                )
                 out.append(
                     Candidate(
                         job_id=job.id,
@@ -900,8 +1076,9 @@ class Scheduler:
                         site=task.site,
                         epoch=task.epoch,
                         priority=job.spec.priority,
-                        demand=demand(spec),
-                        lost_s=max(0.0, now - max(started, saved)),
+                        demand=at(placed(spec, task), task.site, domain_of(task.site)),
+                        lost_s=max(0.0, now - since),
+                        queues=queues,
                     )
                 )
         return out
@@ -923,7 +1100,7 @@ class Scheduler:
                     continue
                 if task.site in room and victim not in taken:
                     stopping.setdefault(task.site, []).append(victim)
-                    add(room[task.site], demand(spec).items())
+                    add(room[task.site], placed(spec, task).items())
         return room, stopping
 
     async def _preempt(self, victims: list[Candidate], why: str) -> None:
@@ -1104,6 +1281,7 @@ class Scheduler:
         self._preempting.pop(key, None)
         self._promised.pop(key, None)
         self._stopped_for.forget(key)
+        self._claims.pop(key, None)
         self._stop_waiting(key)
 
     async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:

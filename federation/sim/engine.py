@@ -35,7 +35,14 @@ import numpy.typing as npt
 
 from federation.coordinator import job_state
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.policy.preemption import Candidate, choose_victims, free_room, may_stop
+from federation.coordinator.policy.preemption import (
+    Candidate,
+    choose_victims,
+    free_room,
+    may_stop,
+    ready_s,
+)
+from federation.coordinator.policy.resources import demand
 from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
 from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
@@ -678,7 +685,9 @@ class Simulation:
             if run.state != job_state.PENDING or self._retry_at.get(i, -math.inf) > self._now:
                 continue  # placed meanwhile, backed off, or waiting for a busy site
             if shares.admission(i) is not None:
-                continue  # over its quota: a task's end wakes it
+                if not (self._reclaim_for(i) and shares.admission(i) is None):
+                    continue  # over its quota: a task's end wakes it
+                failed.clear()  # quota and room freed; it is first in line for them
             key = self.keys[i]
             if key not in failed:
                 if self._try(i):
@@ -702,29 +711,72 @@ class Simulation:
         lenders = set() if urgent else shares.lenders(i)
         if not urgent and not lenders:
             return False
+        short, _ = self._short_and_ranked(i)
+        need, room = shares.demand(i), free_room(self.snap, short)
+
+        def choose(found: list[Candidate]) -> list[Candidate] | None:
+            choice = choose_victims(need, room, found)
+            return choice[1] if choice is not None else None
+
+        return self._stop_for(i, sorted(short), lenders, choose)
+
+    def _short_and_ranked(self, i: int) -> tuple[set[str], set[str]]:
+        """The sites only short of room for waiting task ``i``, and those it fits at now."""
         decision = self.framework.place(self._estimating(self.runs[i].request), self.snap)
         short = {r.site for r in decision.rejections if r.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        return short, set(decision.ranked)
+
+    def _reclaim_for(self, i: int) -> bool:
+        """Stop tasks of the queues that borrow what waiting task ``i``'s queue is owed within
+        its nominal quota, as ``Scheduler._reclaim_for``: victims by ``choose_victims`` with
+        the queues' debts, so that it fits at a site and the debts are paid; once while it
+        waits. True when it stopped some."""
+        assert self.shares is not None
+        shares = self.shares
+        if i in self._preempted_for:
+            return False
+        debts = shares.owed(i)
+        if not debts or not all(debt.over for debt in debts):
+            return False
+        lenders = {q for d in debts for lender in d.over for q in shares.sharing.subtree(lender)}
+        short, ranked = self._short_and_ranked(i)
+        need, room = shares.demand(i), free_room(self.snap, short | ranked)
+
+        def choose(found: list[Candidate]) -> list[Candidate] | None:
+            choice = choose_victims(need, room, found, debts)
+            return choice[1] if choice is not None else None
+
+        return self._stop_for(i, self.snap.site_ids, lenders, choose)
+
+    def _stop_for(
+        self,
+        i: int,
+        sites: Sequence[str],
+        lenders: set[str],
+        choose: Callable[[list[Candidate]], list[Candidate] | None],
+    ) -> bool:
+        """Stop the victims ``choose`` takes among the tasks at ``sites`` that waiting task
+        ``i`` may stop now; when some it could take have not run long enough yet, try again
+        once they have (the coordinator's backoff). True when it stopped some."""
         found = [
             found
-            for site in sorted(short)
+            for site in sites
             for j in sorted(self._at_site[self.site_index[site]])
             if (found := self._candidate(j, i, lenders)) is not None
         ]
-        need, room = shares.demand(i), free_room(self.snap, short)
-        choice = choose_victims(need, room, [c for c, ready_s in found if ready_s <= self._now])
-        if choice is None:
-            # Some have not run long enough yet: the coordinator's backoff tries again.
-            later = min((ready_s for _, ready_s in found if ready_s > self._now), default=None)
+        victims = choose([c for c, ready in found if ready <= self._now])
+        if victims is None:
+            later = min((ready for _, ready in found if ready > self._now), default=None)
             if (
                 later is not None
                 and self._recheck.get(i) != later
-                and choose_victims(need, room, [c for c, _ in found]) is not None
+                and choose([c for c, _ in found]) is not None
             ):
                 self._recheck[i] = later
                 self._push(later, RETRY, i)
             return False
         self._preempted_for.add(i)
-        for victim in choice[1]:
+        for victim in victims:
             self._stop(self._index[victim.job_id, victim.task])
         return True
 
@@ -740,20 +792,25 @@ class Simulation:
             shares.priority(j), shares.queue(j), shares.priority(i), lenders
         ):
             return None
-        # A task placed but not started (its input still moving) loses nothing.
         config = self.config
         min_run_s = config.reclaim_min_run_s if lenders else config.preemption_min_run_s
-        ready_s = run.started_s + min_run_s if run.state == job_state.RUNNING else -math.inf
+        started = run.started_s if run.state == job_state.RUNNING else None
+        ready = ready_s(started, min_run_s, reclaim=bool(lenders))
+        if ready == math.inf:  # placed, its input still moving: the replay knows when it starts
+            ready = run.placed_s + run.transfer_s + min_run_s
+        assert run.grant is not None
+        models = [str(self.snap.device_model[d]) for d in run.grant.devices]
         candidate = Candidate(
             job_id=run.trace.job_id,
             task=run.trace.task,
             site=self.snap.site_ids[run.site],
             epoch=run.epoch,
             priority=shares.priority(j),
-            demand=shares.demand(j),
+            demand=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
             lost_s=self._since_checkpoint(run),
+            queues=shares.sharing.chain(shares.queue(j)),
         )
-        return candidate, ready_s
+        return candidate, ready
 
     def _since_checkpoint(self, run: TaskRun) -> float:
         """Seconds ``run`` has run since its last checkpoint (every ``checkpoint_interval_s``

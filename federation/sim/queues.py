@@ -26,6 +26,7 @@ from federation.coordinator.jobs import LineKey, line_order
 from federation.coordinator.policy.fair_share import dominant_share
 from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook, queue_violations
+from federation.coordinator.policy.quota import Debt
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import QueueUsage
@@ -264,6 +265,11 @@ class Shares:
     def lenders(self, i: int) -> set[str]:
         """The queues whose tasks may be stopped to give task ``i``'s queue its nominal."""
         return self.sharing.lenders(self.job[i], self.need[i])
+
+    def owed(self, i: int) -> list[Debt]:
+        """What the queues that borrow must give back for task ``i`` to start within its
+        queue's nominal quota (``Sharing.owed``)."""
+        return self.sharing.owed(self.job[i], self.need[i])
 
     def queue(self, i: int) -> str:
         return self.job[i].spec.queue

@@ -3,16 +3,18 @@ order by weighted dominant share, priority classes and queue checks."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from prometheus_client import REGISTRY
 
 from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
 from federation.config import ConfigError
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
-from federation.coordinator.policy.preemption import Candidate, choose_victims
+from federation.coordinator.policy.preemption import Candidate, choose_victims, ready_s
 from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook, queue_violations
-from federation.coordinator.policy.quota import admission
+from federation.coordinator.policy.quota import Debt, admission, owed
 from federation.coordinator.policy.resources import demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import QueueUsage
@@ -58,6 +60,32 @@ def test_admission_within_nominal_borrowing_and_its_limits() -> None:
     assert why is not None
     assert "borrowing blocked" in why
     assert admission("b", {"gpu": 1}, queues, holds) is not None  # b may not borrow at all
+
+
+def test_a_queue_within_its_nominal_quota_is_owed_what_the_queues_beside_it_borrow() -> None:
+    """qa (nominal 2) borrows 2 of qb's nominal 4: the two hold 4 of their 6 together. qb may
+    take 2 more; past that it is within its nominal quota but the cohort is at its sum, so
+    it waits, and qa owes it back what it borrows (never more than the 6 together)."""
+    queues = {"qa": q("qa", ("gpu", 2, 2)), "qb": q("qb", ("gpu", 4, 0))}
+    held = {"qa": {"gpu": 4.0}, "qb": {"gpu": 0.0}}
+
+    def holds(name: str) -> dict[str, float]:
+        return held[name]
+
+    assert admission("qb", {"gpu": 2}, queues, holds) is None
+    assert owed("qb", {"gpu": 2}, queues, holds) == []  # nothing to give back
+    why = admission("qb", {"gpu": 4}, queues, holds)
+    assert why == (
+        "queue qb within its nominal gpu quota (0/4), but the queues beside it hold 4 of their "
+        "6 gpu together: waits for what they borrow to be given back"
+    )
+    assert owed("qb", {"gpu": 4}, queues, holds) == [Debt("qb", "gpu", 2.0, {"qa": 2.0})]
+    held["qb"]["gpu"] = 1.0
+    assert owed("qb", {"gpu": 1}, queues, holds) == []  # 6 together: room in the sum yet
+    assert owed("qb", {"gpu": 2}, queues, holds) == [Debt("qb", "gpu", 1.0, {"qa": 2.0})]
+    assert owed("qa", {"gpu": 1}, queues, holds) is None  # qa would borrow: owed nothing
+    held["qb"]["gpu"] = 4.0
+    assert owed("qb", {"gpu": 1}, queues, holds) is None  # qb at its nominal: would borrow
 
 
 def test_a_parent_bounds_its_children_together() -> None:
@@ -188,6 +216,42 @@ def test_victims_are_the_fewest_cheapest_whole_tasks() -> None:
     site, victims = choose_victims(need, {"a": free["a"]}, candidates) or ("", [])
     assert [v.job_id for v in victims] == ["a-low-fresh", "a-low"]
     assert choose_victims({"gpu": 9.0}, free, candidates) is None
+
+
+def test_borrowed_quota_is_taken_back_from_borrowers_anywhere_once_the_task_fits() -> None:
+    """qb is owed 2 GPUs that qa borrows. Site a has room for the task: 2 of qa's tasks go,
+    wherever they run, the cheapest first; qc's (not borrowing) do not pay what is owed.
+    Where the task needs room too (site b alone), it is made there, by those that pay."""
+
+    def task(job: str, site: str, queue: str, lost_s: float) -> Candidate:
+        return Candidate(job, "t", site, 1, 0, {"gpu": 1.0}, lost_s, (queue,))
+
+    debts = [Debt("qb", "gpu", 2.0, {"qa": 2.0})]
+    need = {"gpu": 1.0}
+    candidates = [
+        task("qa-b-old", "b", "qa", 30),
+        task("qa-b-new", "b", "qa", 1),
+        task("qa-c", "c", "qa", 2),
+        task("qc-b", "b", "qc", 0),  # the cheapest, but qc borrows nothing
+    ]
+    site, victims = choose_victims(need, {"a": {"gpu": 1.0}}, candidates, debts) or ("", [])
+    assert site == "a"
+    assert [v.job_id for v in victims] == ["qa-b-new", "qa-c"]
+    site, victims = choose_victims(need, {"b": {"gpu": 0.0}}, candidates, debts) or ("", [])
+    assert site == "b"
+    assert [v.job_id for v in victims] == ["qa-b-new", "qa-b-old"]
+    # qa borrows only 1 more than its nominal: a second task of it would not be borrowed.
+    one = [Debt("qb", "gpu", 2.0, {"qa": 1.0})]
+    assert choose_victims(need, {"a": {"gpu": 1.0}}, candidates, one) is None
+
+
+def test_a_task_not_started_is_taken_back_only_after_the_minimum_run() -> None:
+    """Delegated but not started, a task may be stopped for priority at once (it loses
+    nothing), but it counts as having run nothing when borrowed quota is taken back."""
+    assert ready_s(None, 60.0, reclaim=False) == -math.inf
+    assert ready_s(None, 120.0, reclaim=True) == math.inf
+    assert ready_s(None, 0.0, reclaim=True) == -math.inf
+    assert ready_s(1000.0, 120.0, reclaim=True) == 1120.0
 
 
 def test_queue_gauges_follow_usage_and_drop_what_is_gone() -> None:
@@ -373,3 +437,29 @@ def test_scoped_quota_checks_name_the_field() -> None:
         "queue.quotas[4].domain",
     }
     assert fields["queue.quotas[1].resource"] == "gpu at site dc-1 appears twice"
+
+
+def test_a_cycle_sees_the_sum_of_nominal_quotas_held_as_it_began_and_as_it_admits() -> None:
+    """Within a scheduling cycle the queues beside one within its nominal quota are read only
+    where one of them borrows (as the cycle began, or by what the cycle admitted): qb is held
+    back while qa borrows, and also once the cycle has admitted qa's borrowing."""
+    book = QueueBook(None)  # type: ignore[arg-type]  # never written: no store needed
+    book._queues = {"qa": q("qa", ("gpu", 2, 2)), "qb": q("qb", ("gpu", 4, 0))}
+    usage = QueueUsage()
+    running = gpu_job("qa", 4)
+    running.tasks[0].state = jobs_pb2.JOB_STATE_RUNNING
+    usage.update(running, {})
+    sharing = Sharing(book, usage)
+    waiting = gpu_job("qb", 3)
+    tentative: dict[str, dict[str, float]] = {}
+    with sharing.as_of_now(tentative):
+        why = sharing.admission(waiting, {"gpu": 3}, tentative)
+        assert why is not None
+        assert "hold 4 of their 6 gpu together" in why
+        assert sharing.admission(waiting, {"gpu": 2}, tentative) is None
+    usage.remove(running.id)
+    with sharing.as_of_now(tentative):
+        assert sharing.admission(waiting, {"gpu": 3}, tentative) is None  # no one borrows
+        sharing.admit(gpu_job("qa", 4), {"gpu": 4}, tentative)  # qa borrows 2 meanwhile
+        assert sharing.admission(waiting, {"gpu": 3}, tentative) is not None
+    assert sharing.admission(waiting, {"gpu": 3}, {}) is None  # outside a cycle: held now

@@ -164,6 +164,47 @@ def test_a_queue_within_its_nominal_quota_takes_back_what_another_borrowed(
     assert tenants(result)["tenants"]["team-a"]["preemptions"] == 4
 
 
+def test_nominal_quotas_together_are_never_exceeded_where_gpus_are_left_over(
+    tmp_path: Path,
+) -> None:
+    """8 GPUs, nominal quotas of 2 and 4. team-a borrows 2 while team-b is idle; team-b's 4
+    arrive at t=150: 2 start at once on the idle GPUs, and 2 of team-a's are taken back for
+    the other 2, though 2 GPUs are free: the two queues never hold more than their 6."""
+    queues = """queues:
+  - {name: a, tenant: team-a, quotas: [{resource: gpu, nominal: 2, borrowing_limit: 2}]}
+  - {name: b, tenant: team-b, quotas: [{resource: gpu, nominal: 4}]}
+"""
+    rows = flood("team-a", 4, duration_s=1000) + flood("team-b", 4, submit_s=150)
+    result = run(tmp_path, SITE % 8 + queues, rows, HEADER)
+    assert most_at_once(runs(result, "team-")) == 6
+    assert [r.started_s for r in runs(result, "team-b")] == [150.0] * 4
+    figures = tenants(result)["tenants"]
+    assert figures["team-a"]["preemptions"] == 2
+    assert figures["team-b"]["preemptions"] == 0
+
+
+def test_borrowed_quota_is_not_taken_back_from_a_task_still_moving_its_input(
+    tmp_path: Path,
+) -> None:
+    """team-a borrows 4 GPUs for tasks whose input takes 200 s to arrive; team-b's arrive at
+    150. A task placed but not started has run nothing: it is taken back once it has run the
+    120 s minimum (at 320), not at once while its input still moves."""
+    topology = """links: {default: {bandwidth_mbps: 8000, rtt_ms: 0}}
+sites:
+  - {name: dc, nodes: [{cpu: 64, memory_mib: 262144, devices: [{model: A100-80GB, count: 6}]}]}
+  - {name: store, nodes: [{cpu: 4, memory_mib: 8192}], datasets: {corpus: 200000000000}}
+queues:
+  - {name: a, tenant: team-a, quotas: [{resource: gpu, nominal: 2, borrowing_limit: 4}]}
+  - {name: b, tenant: team-b, quotas: [{resource: gpu, nominal: 4}]}
+"""
+    rows = [f"{row},corpus" for row in flood("team-a", 6, duration_s=1000)]
+    rows += [f"{row}," for row in flood("team-b", 4, submit_s=150)]
+    result = run(tmp_path, topology, rows, f"{HEADER},dataset")
+    assert {r.started_s for r in runs(result, "team-a")} == {200.0, 620.0}
+    assert [r.started_s for r in runs(result, "team-b")] == [320.0] * 4
+    assert tenants(result)["tenants"]["team-a"]["preemptions"] == 4
+
+
 URGENT_HEADER = "job_id,submit_s,duration_s,accelerator_count,priority_class,checkpoint_interval_s"
 
 
@@ -202,6 +243,19 @@ def test_tasks_are_preempted_only_once_they_ran_the_minimum(tmp_path: Path) -> N
     low, urgent = runs(result, "low")[0], runs(result, "urgent")[0]
     assert (urgent.started_s, low.started_s, low.finished_s) == (60.0, 160.0, 1160.0)
     assert low.lost_device_s == 60.0
+
+
+@pytest.mark.parametrize("models", ["", "A100-80GB|H100-80GB"])
+def test_a_victim_counts_the_devices_it_was_given_whatever_its_row_names(
+    tmp_path: Path, models: str
+) -> None:
+    """The low job accepts any model, or two: on the one A100 it counts an A100, so an urgent
+    job that wants an A100 stops it (it waited for its end before)."""
+    header = f"{URGENT_HEADER},accelerator_models"
+    rows = [f"low,0,1000,1,batch,,{models}", "urgent,250,100,1,urgent,,A100-80GB"]
+    result = run(tmp_path, SITE % 1 + URGENT, rows, header)
+    assert runs(result, "urgent")[0].started_s == 250.0
+    assert runs(result, "low")[0].preemptions == 1
 
 
 def test_only_lower_priority_preemptible_work_is_stopped(tmp_path: Path) -> None:

@@ -5,15 +5,22 @@ time (so work does not thrash), are candidates. At each site, victims are taken 
 priority first, then least work lost since their last checkpoint, until the site's free room
 plus theirs holds the urgent task; the site needing the fewest victims (then the least lost
 work) wins. A task is stopped whole with all its replicas, never part of a gang.
+
+Borrowed quota is taken back the same way: tasks of the queues that borrow, lowest priority
+first, then least work lost, until the task fits at a site and they gave back what is owed.
+A candidate counts what it holds as its site granted it (the models of its devices, at its
+site and in its domain), whatever its spec names.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+import math
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from federation.coordinator.policy.quota import Debt
 from federation.coordinator.policy.resources import Demand
 from federation.placement.snapshot import Snapshot
 from federation.resources import CPU, KINDS, MEMORY
@@ -32,8 +39,11 @@ class Candidate:
     epoch: int
     priority: int
     demand: Mapping[str, float]
+    """What it holds: as its site granted it (``usage.placed``), at its site and domain."""
     lost_s: float
     """Work it would lose: seconds since its last checkpoint (or since it started)."""
+    queues: tuple[str, ...] = ()
+    """Its job's queue and the queues above it."""
 
 
 def may_stop(priority: int, queue: str, urgent_priority: int, lenders: Collection[str]) -> bool:
@@ -43,30 +53,88 @@ def may_stop(priority: int, queue: str, urgent_priority: int, lenders: Collectio
     return queue in lenders if lenders else priority < urgent_priority
 
 
+def ready_s(started_s: float | None, min_run_s: float, *, reclaim: bool) -> float:
+    """From when a task that started at ``started_s`` may be stopped: once it has run
+    ``min_run_s``. One delegated but not started yet (None) loses nothing, and may be stopped
+    for priority at once; but it counts as having run nothing when its queue's borrowed quota
+    is taken back, or what was lent would be taken back as soon as it was lent."""
+    if started_s is None:
+        return math.inf if reclaim and min_run_s > 0 else -math.inf
+    return started_s + min_run_s
+
+
 def choose_victims(
-    need: Demand, free: Mapping[str, Mapping[str, float]], candidates: Iterable[Candidate]
+    need: Demand,
+    free: Mapping[str, Mapping[str, float]],
+    candidates: Iterable[Candidate],
+    debts: Sequence[Debt] = (),
 ) -> tuple[str, list[Candidate]] | None:
-    """The site and the tasks to stop there so that ``need`` fits, or None if none can."""
+    """The site and the tasks to stop so that ``need`` fits there, or None if none can. With
+    ``debts`` (borrowed quota taken back), also tasks elsewhere until the queues that borrow
+    have given back all of them."""
+    ordered = sorted(candidates, key=lambda c: (c.priority, c.lost_s, c.job_id, c.task))
     by_site: dict[str, list[Candidate]] = {}
-    for candidate in candidates:
-        if candidate.site in free:
-            by_site.setdefault(candidate.site, []).append(candidate)
+    for candidate in ordered:
+        by_site.setdefault(candidate.site, []).append(candidate)
     best: tuple[tuple[int, float, str], list[Candidate]] | None = None
-    for site, pool in by_site.items():
+    for site in sorted(free if debts else by_site.keys() & free.keys()):
         have = dict(free[site])
+        owed = _Owed(debts)
         chosen: list[Candidate] = []
-        for candidate in sorted(pool, key=lambda c: (c.priority, c.lost_s, c.job_id, c.task)):
-            if fits(need, have):
+        pool = by_site.get(site, [])
+        # Room there first, from those that also pay what is owed first.
+        for candidate in sorted(pool, key=lambda c: not owed.pays(c)) if debts else pool:
+            if fits(need, have) and owed.paid():
                 break
-            chosen.append(candidate)
-            for resource, amount in candidate.demand.items():
-                have[resource] = have.get(resource, 0.0) + amount
-        if not chosen or not fits(need, have):
+            if not fits(need, have) or owed.pays(candidate):
+                chosen.append(candidate)
+                owed.pay(candidate)
+                for resource, amount in candidate.demand.items():
+                    have[resource] = have.get(resource, 0.0) + amount
+        if not fits(need, have):
+            continue
+        for candidate in ordered:  # then what is still owed, from anywhere
+            if not owed.paid() and candidate.site != site and owed.pays(candidate):
+                chosen.append(candidate)
+                owed.pay(candidate)
+        if not chosen or not owed.paid():
             continue
         cost = (len(chosen), sum(c.lost_s for c in chosen), site)
         if best is None or cost < best[0]:
             best = (cost, chosen)
     return (best[0][2], best[1]) if best is not None else None
+
+
+class _Owed:
+    """What the queues that borrow still owe of ``debts`` as victims are chosen."""
+
+    def __init__(self, debts: Sequence[Debt]) -> None:
+        self._debts = debts
+        self._left = [debt.amount for debt in debts]
+        self._over = [dict(debt.over) for debt in debts]
+
+    def paid(self) -> bool:
+        return all(left <= EPSILON for left in self._left)
+
+    def pays(self, candidate: Candidate) -> bool:
+        """Whether stopping ``candidate`` gives back some of what is still owed: one of its
+        queues borrows a debt's resource, still over its nominal quota, and it holds some."""
+        return bool(self._payments(candidate))
+
+    def pay(self, candidate: Candidate) -> None:
+        for n, lender, given in self._payments(candidate):
+            self._left[n] -= given
+            self._over[n][lender] -= given
+
+    def _payments(self, candidate: Candidate) -> list[tuple[int, str, float]]:
+        out = []
+        for n, debt in enumerate(self._debts):
+            over = self._over[n]
+            lender = next((q for q in candidate.queues if q in over), None)
+            given = candidate.demand.get(debt.key, 0.0)
+            if self._left[n] > EPSILON and given > 0 and over.get(lender or "", 0.0) > EPSILON:
+                out.append((n, lender or "", given))
+        return out
 
 
 def fits(need: Demand, have: Mapping[str, float]) -> bool:

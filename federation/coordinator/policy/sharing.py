@@ -13,7 +13,7 @@ from federation.coordinator import job_state
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
 from federation.coordinator.policy.queues import QueueBook
-from federation.coordinator.policy.quota import EPSILON, admission, within_nominal
+from federation.coordinator.policy.quota import EPSILON, Debt, admission, owed, within_nominal
 from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import FieldViolation
@@ -54,6 +54,11 @@ class Sharing:
         """What the queues held when ``as_of_now`` began, while it lasts."""
         self._cycle_admitted: Tentative | None = None
         """What the cycle within ``as_of_now`` has admitted so far, not held yet."""
+        self._borrowing: set[tuple[str, str]] | None = None
+        """Within ``as_of_now``, once read: (parent, resource) for each queue that held more
+        than its nominal quota of a resource as it began."""
+        self._borrowing_at: tuple[int, set[tuple[str, str]]] | None = None
+        """The same for what the queues hold now, and the usage's version it was read at."""
 
     # The submit path --------------------------------------------------------------------
 
@@ -140,6 +145,25 @@ class Sharing:
                     borrowing.update(self._subtree(other.name))
         return borrowing
 
+    def owed(self, job: jobs_pb2.Job, need: Demand, claimed: Tentative | None = None) -> list[Debt]:
+        """What the queues beside the job's queue (and beside each queue above it) must give
+        back of what they borrow for its task that needs ``need`` to start within its nominal
+        quotas ([] when nothing, or when it would borrow itself). ``claimed`` as for
+        ``lenders``."""
+        queue = job.spec.queue
+        if not queue or queue not in self.book.queues:
+            return []
+        held = functools.partial(self.held, tentative=claimed)
+        return owed(queue, need, self.book.queues, held) or []
+
+    def subtree(self, queue: str) -> list[str]:
+        """``queue`` and every queue under it."""
+        return self._subtree(queue)
+
+    def chain(self, queue: str) -> tuple[str, ...]:
+        """``queue`` and the queues above it."""
+        return tuple(self._chain(queue))
+
     def priority_of(self, spec: jobs_pb2.JobSpec) -> int:
         """The job's priority: its class's, if it names one."""
         known = self.classes.get(spec.priority_class)
@@ -158,6 +182,7 @@ class Sharing:
             yield
         finally:
             self._as_of = self._cycle_admitted = None
+            self._borrowing = None
 
     def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
         """What ``queue`` and every queue under it hold, with what this cycle admitted (as
@@ -193,7 +218,51 @@ class Sharing:
         queue = job.spec.queue
         if not queue or queue not in self.book.queues:
             return None
-        return admission(queue, need, self.book.queues, lambda q: self.held(q, tentative))
+        held = functools.partial(self.held, tentative=tentative)
+        return admission(queue, need, self.book.queues, held, self._borrowed(tentative))
+
+    def _borrowed(
+        self, tentative: Tentative | None, *, now: bool = False
+    ) -> Callable[[str, str], bool]:
+        """For ``admission``: whether a queue beside ``queue`` may hold more than its nominal
+        quota of ``key``: it did as the cycle within ``as_of_now`` began (or does ``now``,
+        and outside a cycle), or something was admitted (or claimed) of it in ``tentative``
+        outside ``queue``. Reading every queue beside each waiting task's would cost the
+        square of the queues."""
+        as_of = self._as_of
+        if now or as_of is None:
+            version = self._usage.version
+            if self._borrowing_at is None or self._borrowing_at[0] != version:
+                self._borrowing_at = (version, self._borrowing_by(self._usage.totals()))
+            borrowing = self._borrowing_at[1]
+        else:
+            if self._borrowing is None:
+                self._borrowing = self._borrowing_by(as_of)
+            borrowing = self._borrowing
+        queues, tentative = self.book.queues, tentative or {}
+
+        def borrowed(queue: str, key: str) -> bool:
+            if (queues[queue].parent, key) in borrowing:
+                return True
+            return any(name != queue and key in held for name, held in tentative.items())
+
+        return borrowed
+
+    def _borrowing_by(self, own: Mapping[str, Mapping[str, float]]) -> set[tuple[str, str]]:
+        """(parent, resource) for each queue that holds more than its nominal quota of the
+        resource by ``own``: each queue's own usage summed up its chain, once."""
+        queues, totals = self.book.queues, dict[str, dict[str, float]]()
+        for name, theirs in own.items():
+            for current in self._chain(name):
+                add(totals.setdefault(current, {}), theirs.items())
+        out = set[tuple[str, str]]()
+        for name, total in totals.items():
+            queue = queues[name]
+            for quota in queue.quotas:
+                key = quota_key(quota)
+                if total.get(key, 0.0) > quota.nominal + EPSILON:
+                    out.add((queue.parent, key))
+        return out
 
     def admit_change(self, job: jobs_pb2.Job, need: Demand) -> str | None:
         """``admission`` for what a running task adds (a scale-up), outside the scheduler's
@@ -207,10 +276,15 @@ class Sharing:
             return None
         admitted = self._cycle_admitted  # by a cycle resting now, and not held yet
         why = admission(
-            queue, need, self.book.queues, lambda q: self._held(q, self._usage.of, admitted)
+            queue,
+            need,
+            self.book.queues,
+            lambda q: self._held(q, self._usage.of, admitted),
+            self._borrowed(admitted, now=True),
         )
         if why is None and self._as_of is not None:
             add(self._as_of.setdefault(queue, {}), need.items())
+            self._borrowing = None  # it may borrow: read again
         return why
 
     def where(

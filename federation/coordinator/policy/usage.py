@@ -22,6 +22,8 @@ class QueueUsage:
         self._domain_of = domain_of
         self._jobs: dict[str, tuple[str, dict[str, float]]] = {}
         self._queues: dict[str, dict[str, float]] = {}
+        self.version = 0
+        """Counts the changes of what queues hold: unchanged, so is what depends on it."""
 
     def update(self, job: jobs_pb2.Job, negotiating: Mapping[tuple[str, str], Demand]) -> None:
         """``job`` changed (or its tasks' negotiations began or ended)."""
@@ -52,11 +54,16 @@ class QueueUsage:
         """What ``queue``'s own jobs hold ("" for jobs in no queue)."""
         return self._queues.get(queue, {})
 
+    def totals(self) -> Mapping[str, Mapping[str, float]]:
+        """Per queue, what its own jobs hold now (read it, never change it)."""
+        return self._queues
+
     def copy(self) -> dict[str, dict[str, float]]:
         """Per queue, what its own jobs hold now."""
         return {queue: dict(totals) for queue, totals in self._queues.items()}
 
     def _add(self, queue: str, holds: Mapping[str, float], sign: float) -> None:
+        self.version += 1
         totals = self._queues.setdefault(queue, {})
         for resource, amount in holds.items():
             left = totals.get(resource, 0.0) + sign * amount
