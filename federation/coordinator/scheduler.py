@@ -1188,8 +1188,12 @@ class Scheduler:
         """Whether the selector's verdict on some device class is unknown. A user's selector
         never runs on the event loop: its verdicts are found in a thread (in the selector
         sandbox, under its time budget), and the loop is woken when they are known."""
+        known = ("selector evaluated", source)
+        if snapshot.memo.get(known):
+            return False  # every task with this selector, this snapshot: checked once
         attribute_sets = [c.attributes for c in snapshot.classes]
         if not VERDICTS.missing(source, attribute_sets):
+            snapshot.memo[known] = True
             return False
         if source not in self._selectors_evaluating:
             self._selectors_evaluating.add(source)
