@@ -34,6 +34,18 @@ def etcd_binary() -> str | None:
     return shutil.which(ETCD)
 
 
+def stop_process(process: subprocess.Popen[bytes] | None) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 10 s; nothing if it is not running."""
+    if process is None or process.poll() is not None:
+        return
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 def free_ports(n: int) -> list[int]:
     """``n`` distinct loopback ports that were free a moment ago."""
     sockets = [socket.socket() for _ in range(n)]
@@ -165,16 +177,9 @@ class LocalEtcd:
         raise RuntimeError(f"etcd not healthy after {START_TIMEOUT_S} s:\n{self._tail()}")
 
     def stop(self) -> None:
-        """Stop etcd if it runs: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+        """Stop etcd if it runs (``stop_process``)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
     def _tail(self, lines: int = 20) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

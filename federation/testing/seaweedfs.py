@@ -19,7 +19,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from federation.testing.etcd import free_ports
+from federation.testing.etcd import free_ports, stop_process
 
 WEED = "weed"
 START_TIMEOUT_S = 60.0
@@ -151,16 +151,9 @@ class LocalSeaweed:
         raise RuntimeError(f"weed not ready after {START_TIMEOUT_S} s:\n{self._tail()}")
 
     def stop(self) -> None:
-        """Stop weed if it runs: SIGTERM, then SIGKILL if it has not exited within 10 s."""
+        """Stop weed if it runs (``stop_process``)."""
         process, self.process = self.process, None
-        if process is None or process.poll() is not None:
-            return
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_process(process)
 
     def _tail(self, lines: int = 20) -> str:
         try:
