@@ -9,6 +9,7 @@ out of the view: the federation should not count on them.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from datacenter_agent.slurm_cli import (
@@ -235,7 +236,22 @@ def _node(record: Record, models: dict[str, GresModel]) -> tuple[resources_pb2.N
                     },
                 )
             )
+    for key, value in _shared_attributes(node.devices).items():
+        node.labels.setdefault(key, value)
     return node, positions
+
+
+def _shared_attributes(devices: Sequence[resources_pb2.Device]) -> dict[str, str]:
+    """The attributes every device of a node declares alike (``cuda: "12.4"`` on each GRES
+    type): the node's labels too, which requirements read (``requires: {cuda: ">=12.1"}``),
+    as discovery labels an embedded site's nodes."""
+    if not devices:
+        return {}
+    shared = dict(devices[0].attributes)
+    for device in devices[1:]:
+        shared = {k: v for k, v in shared.items() if device.attributes.get(k) == v}
+    shared.pop("slurm_gres", None)
+    return shared
 
 
 def queue_state(

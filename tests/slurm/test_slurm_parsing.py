@@ -31,6 +31,7 @@ from datacenter_agent.slurm_select import gres_options
 from datacenter_agent.slurm_view import cluster_view, is_usable, parse_gres, queue_state
 from federation.agent.config import GresModel, SlurmSettings
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.placement.compat import load_table_files, node_labels, unmet
 
 from .tasks import gpu_task
 
@@ -336,3 +337,27 @@ def test_gres_options_explain_a_mismatch() -> None:
     reason = gres_options(request, [gres_node(("gpu:a100", "A100-80GB"))], "gpu")
     assert isinstance(reason, str)
     assert "gpu:a100 (A100-80GB)" in reason
+
+
+def test_attributes_every_gres_declares_alike_are_node_labels() -> None:
+    """A GRES type declared with ``cuda = "12.4"``: its node meets ``requires: {cuda:
+    ">=12.1"}`` (it was refused, the node carrying no cuda label); attributes the node's GRES
+    types do not share, and labels Slurm gave, are left as they are."""
+    node_line = (
+        "NodeName=gpu03 Arch=x86_64 CPUTot=8 RealMemory=16000 State=IDLE Partitions=gpu "
+        "Gres=gpu:a100:2 GresUsed=gpu:a100:0"
+    )
+    models = {
+        "a100": GresModel(
+            model="A100-80GB", memory_mib=81920, attributes={"cuda": "12.4", "mig": "no"}
+        )
+    }
+    (node,) = cluster_view(parse_records(node_line), "gpu", models).nodes
+    assert node.labels["cuda"] == "12.4"
+    assert node.labels["slurm_partitions"] == "gpu"
+    requires = (("cuda", ">=12.1"),)
+    assert unmet(requires, node_labels(node), load_table_files()) is None
+    assert unmet((("cuda", ">=12.6"),), node_labels(node), load_table_files()) is not None
+    mixed = node_line.replace("Gres=gpu:a100:2", "Gres=gpu:a100:1,gpu:v100:1")
+    (node,) = cluster_view(parse_records(mixed), "gpu", models).nodes
+    assert "cuda" not in node.labels
