@@ -123,8 +123,9 @@ def call_error(err: grpc.aio.AioRpcError) -> CallError:
             bad = error_details_pb2.BadRequest()
             detail.Unpack(bad)
             violations.update({v.field: v.description for v in bad.field_violations})
-    cls = _BY_CODE.get(err.code(), CallError)
-    return cls(f"{err.code().name}: {err.details()}", violations)
+    error = _BY_CODE.get(err.code(), CallError)(f"{err.code().name}: {err.details()}", violations)
+    error.code = err.code()  # the status itself, also where no subclass names it
+    return error
 
 
 def as_spec(spec: Spec) -> list[jobs_pb2.JobSpec]:

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import TypeVar
 
 import grpc
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from federation.cli.render import text
-from federation.client import CallError
+from federation.client import CallError, call_error
 from federation.endpoints import Endpoints, call_leader, is_not_leader, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.pki import PkiLayout
@@ -123,27 +121,26 @@ def _env_path(name: str) -> Path | None:
 
 
 def cli_error(err: CallError) -> CliError:
-    """The client's refusal as one line for people: ``CODE: message``, or every bad field."""
+    """The client's refusal as one line for people (``describe_call_error``)."""
+    return CliError(describe_call_error(err))
+
+
+def describe_call_error(err: CallError) -> str:
+    """One line: ``CODE: message``, or every bad field from the status details."""
+    message = err.message
     if err.violations:
         fields = "; ".join(f"{field}: {why}" for field, why in err.violations.items())
-        return CliError(f"{err.code.name}: {fields}")
-    return CliError(text(err.message).plain)
+        message = f"{err.code.name}: {fields}"
+    # The details can echo what a tenant or a site sent: control characters come out escaped.
+    return text(message).plain
 
 
 def describe_rpc_error(err: grpc.aio.AioRpcError) -> str:
-    """One line: ``CODE: message``, or every bad field from the status details."""
-    message = f"{err.code().name}: {err.details()}"
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
-    for detail in status.details if status is not None else []:
-        if detail.Is(error_details_pb2.BadRequest.DESCRIPTOR):
-            bad = error_details_pb2.BadRequest()
-            detail.Unpack(bad)
-            fields = "; ".join(f"{v.field}: {v.description}" for v in bad.field_violations)
-            message = f"{err.code().name}: {fields}"
+    """``describe_call_error``'s line, and what to check when no coordinator answered."""
+    message = describe_call_error(call_error(err))
     if err.code() == grpc.StatusCode.UNAVAILABLE and not is_not_leader(err):
         message += (
             " (the coordinator is unreachable, or refused this certificate in the TLS "
             "handshake. To fix: check --coordinator and that the certificate is from its CA)"
         )
-    # The details can echo what a tenant or a site sent: control characters come out escaped.
-    return text(message).plain
+    return message
