@@ -21,9 +21,10 @@ lint: $(BIN)/.installed
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not solo and not fuzz"
+	$(BIN)/pytest -n 2 --dist loadgroup -q -m "not solo and not fuzz and not chaos"
 	$(BIN)/pytest -q -m solo
 	$(BIN)/pytest -q -m fuzz
+	FEDERATION_CHAOS_RUNS=20 $(BIN)/pytest -n 2 -q -m chaos  # no job runs twice, 20 runs in a row
 
 protos: $(BIN)/.installed
 	$(BIN)/python proto/generate.py

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +38,7 @@ from federation.testing.proxy import PausableProxy, proxy_to
 from .conftest import admin, jobs, python_task, spec, wait_for_job
 
 pytestmark = [
-    pytest.mark.xdist_group("chaos"),
+    pytest.mark.chaos,
     pytest.mark.skipif(
         etcd_binary() is None, reason="etcd is not installed (apt-get install -y etcd-server)"
     ),
@@ -53,6 +54,8 @@ KILL_AGENT_AFTER = 18  # jobs accepted before edge-y is SIGKILLed
 STREAM_LOST_AFTER_S = 15.0  # longer than an agent's reconnect after failover, with backoff
 HELD_LOST_AFTER_S = 2.0
 PROXIED = "edge-p"
+RUNS = int(os.environ.get("FEDERATION_CHAOS_RUNS", "1"))
+"""How many times the chaos test runs (``make test`` runs it 20 times, two at a time)."""
 KILLED_AGENT = "edge-y"
 
 # Writes a start marker; runs its time (a held task: until the file "go"), checkpointing each
@@ -242,8 +245,9 @@ class Chaos:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("run", range(RUNS))
 async def test_leader_agent_and_partition_chaos_loses_no_job(
-    fed: LocalFederation, tmp_path: Path
+    fed: LocalFederation, tmp_path: Path, run: int
 ) -> None:
     """Through a leader SIGKILL, an agent SIGKILL and a partition, every accepted job finishes
     with exactly one completed run and the copy left behind at the cut-off site is fenced."""
