@@ -13,13 +13,13 @@ the stream message it came in (upb frees nothing of a message until all of it go
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from federation.api.v1 import resources_pb2
+from federation.api.v1 import resources_pb2, site_link_service_pb2
 from federation.placement.snapshot import SitePart, site_part
 
-COMPACT_SHARE = 4
+COMPACT_SHARE = 2
 """Nodes are gathered into one message again once more than 1/COMPACT_SHARE have changed."""
 
 
@@ -34,6 +34,23 @@ class NodeChange:
     """The devices of ``was`` that changed or went."""
     came: Sequence[resources_pb2.Device]
     """The devices of ``now`` that changed or came."""
+    came_at: Sequence[int]
+    """Where each of ``came`` is among ``now``'s devices."""
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedDelta:
+    """What a delta of a stream write changes, read before any of the write is applied (so
+    its checks and its application compare each device once): valid while ``view`` is the
+    site's view and has applied ``applied`` deltas."""
+
+    view: LiveView | None
+    """None: read against a full view sent earlier in the same write."""
+    applied: int
+    changes: list[NodeChange]
+
+    def valid_for(self, view: LiveView) -> bool:
+        return view is self.view and view.applied == self.applied
 
 
 class LiveView:
@@ -54,19 +71,26 @@ class LiveView:
         """Nodes upserted or removed since the nodes were last gathered into one message."""
         self._sorted: list[resources_pb2.Node] | None = None
         self._part: SitePart | None = None
+        self.applied = 0
+        """Deltas applied so far."""
 
-    def apply(self, delta: resources_pb2.SiteViewDelta) -> bool:
+    def apply(
+        self, delta: resources_pb2.SiteViewDelta, changes: Sequence[NodeChange] | None = None
+    ) -> bool:
         """Upserted nodes replace the old ones whole, removed ones go, and the queue, links and
         coordinator link are replaced when the delta says so. The delta is copied, not kept.
-        Returns whether some node has room now that it had not (``room_grew``)."""
-        grew = False
+        ``changes``: what it changes (``changes``), when already read. Returns whether some
+        node has room now that it had not (``room_grew``)."""
+        if changes is None:
+            changes = self.changes(delta)
+        grew = any(c.now is not None and room_grew(c.was, c.now, c.came) for c in changes)
         for name in delta.removed_nodes:
             self._nodes.pop(name, None)
         for node in delta.upserted_nodes:
             own = resources_pb2.Node()
             own.CopyFrom(node)
-            grew = grew or room_grew(self._nodes.get(node.name), own)
             self._nodes[node.name] = own
+        self.applied += 1
         if changed := len(delta.removed_nodes) + len(delta.upserted_nodes):
             self._changes += changed
             self._sorted = None
@@ -94,12 +118,7 @@ class LiveView:
 
     def changes(self, delta: resources_pb2.SiteViewDelta) -> list[NodeChange]:
         """What ``delta`` changes of the nodes it names, read before it is applied."""
-        after = {node.name: node for node in delta.upserted_nodes}  # the last of a name wins
-        out = []
-        for name in dict.fromkeys([*delta.removed_nodes, *after]):
-            was, now = self._nodes.get(name), after.get(name)
-            out.append(NodeChange(was, now, *device_changes(was, now)))
-        return out
+        return node_changes(delta, self._nodes.get)
 
     def nodes(self) -> list[resources_pb2.Node]:
         """The nodes in name order (read them, never change them)."""
@@ -125,16 +144,75 @@ class LiveView:
         out.nodes.extend(self.nodes())
 
 
-def room_grew(old: resources_pb2.Node | None, new: resources_pb2.Node) -> bool:
+def node_changes(
+    delta: resources_pb2.SiteViewDelta, held: Callable[[str], resources_pb2.Node | None]
+) -> list[NodeChange]:
+    """What ``delta`` changes of the nodes it names, ``held`` giving each as it is before."""
+    upserted = delta.upserted_nodes
+    if len(upserted) == 1 and not delta.removed_nodes:  # what an agent sends most
+        only = upserted[0]
+        before = held(only.name)
+        return [NodeChange(before, only, *device_changes(before, only))]
+    after = {node.name: node for node in upserted}  # the last of a name wins
+    out = []
+    for name in dict.fromkeys([*delta.removed_nodes, *after]):
+        was, now = held(name), after.get(name)
+        out.append(NodeChange(was, now, *device_changes(was, now)))
+    return out
+
+
+def plan_deltas(
+    view: LiveView | None, messages: Sequence[site_link_service_pb2.AgentMessage]
+) -> dict[int, PlannedDelta]:
+    """Per view delta among one stream write's ``messages`` (by place), what it changes, read
+    against ``view`` as the messages before it will leave it (a full view among them starts
+    over from its nodes)."""
+    pending: dict[str, resources_pb2.Node | None] = {}
+    """Nodes the write's earlier messages upserted (or removed: None)."""
+    base, applied = view, view.applied if view is not None else 0
+    out: dict[int, PlannedDelta] = {}
+
+    def held(name: str) -> resources_pb2.Node | None:
+        if name in pending:
+            return pending[name]
+        return base.node(name) if base is not None else None
+
+    for i, message in enumerate(messages):
+        if message.WhichOneof("body") != "view":
+            continue
+        update = message.view
+        if update.HasField("full"):
+            base, view = None, None
+            pending = {node.name: node for node in update.full.nodes}
+            continue
+        changes = node_changes(update.delta, held)
+        out[i] = PlannedDelta(view, applied, changes)
+        applied += 1
+        for change in changes:
+            name = (change.now or change.was or _NAMELESS).name
+            pending[name] = change.now
+    return out
+
+
+_NAMELESS = resources_pb2.Node()
+
+
+def room_grew(
+    old: resources_pb2.Node | None,
+    new: resources_pb2.Node,
+    came: Sequence[resources_pb2.Device] | None = None,
+) -> bool:
     """Whether ``new`` has room to book that ``old`` (the same node before) had not: a task
-    that did not fit there may fit now. Only what tasks book counts, not measured use."""
+    that did not fit there may fit now. Only what tasks book counts, not measured use.
+    ``came``: ``new``'s devices that changed, when known (``device_changes``)."""
     if old is None:
         return True
     if new.schedulable and not old.schedulable:
         return True
     if new.cpu_free > old.cpu_free or new.memory_free_mib > old.memory_free_mib:
         return True
-    came = device_changes(old, new)[1]
+    if came is None:
+        came = device_changes(old, new)[1]
     if not came:
         return False
     before = {device.id: device for device in old.devices}
@@ -178,23 +256,23 @@ def hardware_came(
 
 def device_changes(
     old: resources_pb2.Node | None, new: resources_pb2.Node | None
-) -> tuple[Sequence[resources_pb2.Device], Sequence[resources_pb2.Device]]:
+) -> tuple[Sequence[resources_pb2.Device], Sequence[resources_pb2.Device], Sequence[int]]:
     """The devices of ``old`` and of ``new`` (one node before and after a delta; None: it was
-    not there, or is no longer), less each pair equal at the same place in both. A delta that
-    changes a reading or a booking changes a device or a few, and sends the rest as they were:
-    what reads a delta need not read those again."""
-    if old is None or new is None:
-        return (old.devices if old is not None else ()), (new.devices if new is not None else ())
-    olds, news = old.devices, new.devices
-    if len(olds) != len(news):
-        return olds, news
+    not there, or is no longer), less each pair equal at the same place in both, and where
+    those of ``new`` are. A delta that changes a reading or a booking changes a device or a
+    few, and sends the rest as they were: what reads a delta need not read those again."""
+    news = new.devices if new is not None else ()
+    if old is None or new is None or len(old.devices) != len(news):
+        return (old.devices if old is not None else ()), news, range(len(news))
     gone: list[resources_pb2.Device] = []
     came: list[resources_pb2.Device] = []
-    for was, now in zip(olds, news, strict=True):
+    at: list[int] = []
+    for i, (was, now) in enumerate(zip(old.devices, news, strict=True)):
         if was != now:
             gone.append(was)
             came.append(now)
-    return gone, came
+            at.append(i)
+    return gone, came, at
 
 
 def _without_nodes(view: resources_pb2.SiteView) -> resources_pb2.SiteView:

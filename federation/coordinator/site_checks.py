@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from collections.abc import Iterable, Mapping, Sequence, Sized
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import unquote
@@ -24,6 +24,7 @@ from urllib.parse import unquote
 from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator import job_state
+from federation.coordinator.live_view import PlannedDelta
 from federation.coordinator.validation import MAX_DEVICES_PER_REPLICA, MAX_REPLICAS
 from federation.envelopes import MAX_MESSAGES
 from federation.errors import FieldViolation, InvalidArgumentError
@@ -177,7 +178,7 @@ def check_envelope(
     peer: str,
     *,
     first: bool,
-    held: Callable[[str], resources_pb2.Node | None] | None = None,
+    plans: Mapping[int, PlannedDelta] | None = None,
 ) -> None:
     """Refuse a stream write with any bad field; ``first`` for the stream's first write.
 
@@ -185,9 +186,9 @@ def check_envelope(
         messages: The write's messages, in order.
         peer: Where the stream comes from, as gRPC names it (``ipv4:10.0.0.7:51234``).
         first: The first message is the stream's hello (named ``hello`` in field paths).
-        held: The node of this name the site's view holds, checked when it came: a device
-            of a delta's node equal to the held node's device at its place is not checked
-            again.
+        plans: Per delta among ``messages`` (by place), what it changes of the site's view
+            (``plan_deltas``), which was checked when it came: of a delta's node, only the
+            devices that changed are checked.
 
     Raises:
         InvalidArgumentError: Naming each bad field found, up to ``MAX_VIOLATIONS``.
@@ -204,7 +205,7 @@ def check_envelope(
             if body == "hello":
                 _hello(check, message.hello, path, peer)
             elif body == "view":
-                _update(check, message.view, path, peer, held)
+                _update(check, message.view, path, peer, plans.get(i) if plans else None)
             elif body == "task_status":
                 _report(check, message.task_status, path)
             elif body == "offer_answer":
@@ -328,18 +329,22 @@ def _update(
     update: pb.ViewUpdate,
     path: str,
     peer: str,
-    held: Callable[[str], resources_pb2.Node | None] | None,
+    plan: PlannedDelta | None,
 ) -> None:
     if update.HasField("full"):
         _view(check, update.full, f"{path}.full", peer)
         return
     delta, path = update.delta, f"{path}.delta"
-    _nodes(check, delta.upserted_nodes, path, "upserted_nodes", held)
+    _nodes(check, delta.upserted_nodes, path, "upserted_nodes", plan)
     if check.count(delta.removed_nodes, path, "removed_nodes", MAX_VIEW_NODES):
         check.texts(delta.removed_nodes, path, "removed_nodes", MAX_TEXT_CHARS)
-    check.fields(delta.queue, _QUEUE, f"{path}.queue")
-    _links(check, delta.links, path)
-    check.fields(delta.coordinator_link, _LINK, f"{path}.coordinator_link")
+    # What a delta does not say it replaces is never read (``LiveView.apply``).
+    if delta.has_queue:
+        check.fields(delta.queue, _QUEUE, f"{path}.queue")
+    if delta.has_links:
+        _links(check, delta.links, path)
+    if delta.has_coordinator_link:
+        check.fields(delta.coordinator_link, _LINK, f"{path}.coordinator_link")
 
 
 def _view(check: _Check, view: resources_pb2.SiteView, path: str, peer: str) -> None:
@@ -377,23 +382,25 @@ def _nodes(
     nodes: Sequence[resources_pb2.Node],
     path: str,
     name: str,
-    held: Callable[[str], resources_pb2.Node | None] | None = None,
+    plan: PlannedDelta | None = None,
 ) -> None:
     if not check.count(nodes, path, name, MAX_VIEW_NODES):
         return
+    changed = {c.now.name: c for c in plan.changes if c.now is not None} if plan else {}
     for i, node in enumerate(nodes):
         where = f"{path}.{name}[{i}]"
         check.fields(node, _NODE, where)
         _measured(check, node.measured, node.memory_mib, f"{where}.measured")
         check.mapping(node.labels, where, "labels", MAX_LABELS, MAX_TEXT_CHARS)
-        if not check.count(node.devices, where, "devices", MAX_NODE_DEVICES):
+        devices = node.devices
+        if not check.count(devices, where, "devices", MAX_NODE_DEVICES):
             continue
-        before = held(node.name) if held is not None else None
-        was = before.devices if before is not None else ()
-        same_places = len(was) == len(node.devices)
-        for j, device in enumerate(node.devices):
-            if not (same_places and device == was[j]):
-                _device(check, device, f"{where}.devices[{j}]")
+        change = changed.get(node.name)
+        places: Sequence[int] = range(len(devices))
+        if change is not None and change.now is node:  # else named twice: the plan read the last
+            places = change.came_at
+        for j in places:
+            _device(check, devices[j], f"{where}.devices[{j}]")
 
 
 def _measured(check: _Check, use: resources_pb2.MeasuredUse, total_mib: int, path: str) -> None:

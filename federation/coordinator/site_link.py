@@ -6,13 +6,14 @@ import asyncio
 import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 
 import structlog
 
 from federation import __version__
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.coordinator.job_manager import JobManager
+from federation.coordinator.live_view import PlannedDelta, plan_deltas
 from federation.coordinator.site_checks import check_envelope
 from federation.coordinator.sites import SiteRegistry, SiteSession
 from federation.envelopes import take_queued
@@ -196,15 +197,12 @@ class SiteLink:
             await self._handle_all(session, after_hello)
             after_hello.clear()  # parts of the first stream message: let it go (see connect)
             async for envelope in requests:
-                view = self._sites.get(site).view
-                check_envelope(
-                    envelope.messages,
-                    session.peer,
-                    first=False,
-                    held=view.node if view is not None else None,
-                )
+                # Each delta's node is compared with the view's once, for its checks and its
+                # application both (nothing is awaited before the last delta is applied).
+                plans = plan_deltas(self._sites.get(site).view, envelope.messages)
+                check_envelope(envelope.messages, session.peer, first=False, plans=plans)
                 self._sites.seen(site)
-                await self._handle_all(session, envelope.messages)
+                await self._handle_all(session, envelope.messages, plans)
         except FederationError as err:
             log.warning("site_stream_refused", site=site, error=str(err))
             failure.append(err)
@@ -214,20 +212,28 @@ class SiteLink:
         finally:
             session.close()
 
-    async def _handle_all(self, session: SiteSession, messages: Sequence[pb.AgentMessage]) -> None:
+    async def _handle_all(
+        self,
+        session: SiteSession,
+        messages: Sequence[pb.AgentMessage],
+        plans: Mapping[int, PlannedDelta] | None = None,
+    ) -> None:
         """Handle one envelope in order, except that its task reports are applied together
-        (reports of one job still in order), and a goodbye after them."""
+        (reports of one job still in order), and a goodbye after them. ``plans``: what its
+        deltas change (``plan_deltas``)."""
         reports: list[pb.TaskReport] = []
         goodbye: pb.AgentMessage | None = None
         kinds: Counter[str] = Counter()  # counted per envelope: a labelled inc is not free
         try:
-            for message in messages:
+            for i, message in enumerate(messages):
                 body = message.WhichOneof("body")
                 kinds[body or "empty"] += 1
                 if body == "task_status":
                     reports.append(message.task_status)
                 elif body == "goodbye":
                     goodbye = message
+                elif body == "view":
+                    self._view(session, message.view, plans.get(i) if plans else None)
                 else:
                     await self._handle(session, message, body)
         finally:
@@ -247,17 +253,6 @@ class SiteLink:
                 # Answered, so the agent knows it is in touch: a cut-off agent stops the tasks
                 # of jobs with disconnect.stop_after_s, counting from the last message it heard.
                 session.send(pb.CoordinatorMessage(heartbeat=request.heartbeat))
-            return
-        if body == "view":
-            update = request.view
-            if update.HasField("full"):
-                _check_site(site, update.full.site, "view.full.site")
-                update.full.domain = self._sites.get(site).record.domain
-                session.probe_endpoint = update.full.probe_endpoint  # checked with the write
-            try:
-                self._sites.apply_view(site, update)
-            except FailedPreconditionError as err:
-                session.send(pb.CoordinatorMessage(resync=pb.ResyncRequest(reason=str(err))))
             return
         if body in ("offer_answer", "commit_answer", "change_answer", "presign_answer"):
             if not session.resolve(request):
@@ -279,6 +274,17 @@ class SiteLink:
         if body == "hello":
             raise InvalidArgumentError([FieldViolation("hello", "hello may be sent only once")])
         raise InvalidArgumentError([FieldViolation("body", "empty or unknown message")])
+
+    def _view(self, session: SiteSession, update: pb.ViewUpdate, plan: PlannedDelta | None) -> None:
+        site = session.site
+        if update.HasField("full"):
+            _check_site(site, update.full.site, "view.full.site")
+            update.full.domain = self._sites.get(site).record.domain
+            session.probe_endpoint = update.full.probe_endpoint  # checked with the write
+        try:
+            self._sites.apply_view(site, update, plan)
+        except FailedPreconditionError as err:
+            session.send(pb.CoordinatorMessage(resync=pb.ResyncRequest(reason=str(err))))
 
 
 def _check_site(site: str, claimed: str, field: str) -> None:

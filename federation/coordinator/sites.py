@@ -14,7 +14,7 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator.aggregates import FederationAggregates
-from federation.coordinator.live_view import LiveView, hardware_came
+from federation.coordinator.live_view import LiveView, PlannedDelta, hardware_came
 from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
 from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
@@ -317,8 +317,14 @@ class SiteRegistry:
     def seen(self, site: str) -> None:
         self.get(site).last_seen = time.monotonic()
 
-    def apply_view(self, site: str, update: site_link_service_pb2.ViewUpdate) -> None:
-        """Apply a full view or the next delta; a gap in generations needs a resync."""
+    def apply_view(
+        self,
+        site: str,
+        update: site_link_service_pb2.ViewUpdate,
+        plan: PlannedDelta | None = None,
+    ) -> None:
+        """Apply a full view or the next delta (``plan``: what it changes, if read already
+        with its write, ``plan_deltas``); a gap in generations needs a resync."""
         entry = self.get(site)
         if update.HasField("full"):
             entry.view = LiveView(update.full)
@@ -331,12 +337,14 @@ class SiteRegistry:
                     f"view delta {update.generation} does not follow {entry.generation}"
                 )
             view, delta = entry.view, update.delta
-            changes = view.changes(delta)
+            changes = plan.changes if plan is not None and plan.valid_for(view) else None
+            if changes is None:
+                changes = view.changes(delta)
             if not self._arrived and any(
                 hardware_came(c.was, c.now, c.came) for c in changes if c.now is not None
             ):
                 self._arrived = True
-            if view.apply(delta):
+            if view.apply(delta, changes):
                 self._freed.add(site)
             if entry.session is not None:
                 self._aggregates.site_delta(

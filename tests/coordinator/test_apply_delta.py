@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from federation.api.v1 import resources_pb2
-from federation.coordinator.live_view import COMPACT_SHARE, LiveView, hardware_came
+from federation.api.v1 import site_link_service_pb2 as pb
+from federation.coordinator.live_view import COMPACT_SHARE, LiveView, hardware_came, plan_deltas
 
 GPU = resources_pb2.DEVICE_KIND_GPU
 
@@ -266,3 +267,43 @@ def test_hardware_came_only_with_devices_health_or_labels_a_node_had_not() -> No
     assert hardware_came(sick, before)
     assert not hardware_came(before, sick)
     assert hardware_came(changed(before, schedulable=False), before)
+
+
+def test_a_write_is_planned_against_the_view_as_its_earlier_messages_leave_it() -> None:
+    """``plan_deltas`` reads each delta of one stream write against the view as the deltas
+    before it in that write leave it, so each node is compared once: a plan is used only by
+    the view it was read from, after exactly the deltas before it."""
+    a, b = node("a"), node("b")
+    live = LiveView(view(a, b))
+    first = changed(a, cpu_free=2.0)
+    second = changed(first)
+    second.devices[0].health = resources_pb2.DEVICE_HEALTH_UNHEALTHY
+    heartbeat = pb.AgentMessage(heartbeat=pb.Heartbeat())
+    messages = [
+        update(upserted_nodes=[first]),
+        heartbeat,
+        update(upserted_nodes=[second], removed_nodes=["b"]),
+        update(upserted_nodes=[b]),
+    ]
+    plans = plan_deltas(live, messages)
+    assert sorted(plans) == [0, 2, 3]
+    assert [c.came_at for c in plans[0].changes] == [[]]  # only the CPU changed
+    moved = plans[2].changes
+    assert [(c.was is not None, c.now is not None) for c in moved] == [(True, False), (True, True)]
+    assert list(moved[1].came_at) == [0]  # against ``first``, not the view's ``a``
+    assert plans[3].changes[0].was is None  # b was removed by the write's earlier delta
+    for i in sorted(plans):
+        assert plans[i].valid_for(live)
+        live.apply(messages[i].view.delta, plans[i].changes)
+        assert not plans[i].valid_for(live)
+    assert live.view() == view(second, b)
+    # A full view in the write: later deltas read its nodes, and no view can use their plans.
+    full = pb.ViewUpdate(full=view(node("c")))
+    later = plan_deltas(live, [pb.AgentMessage(view=full), update(upserted_nodes=[node("c")])])
+    assert later[1].changes[0].was == node("c")
+    assert later[1].view is None
+    assert not later[1].valid_for(live)
+
+
+def update(**delta: object) -> pb.AgentMessage:
+    return pb.AgentMessage(view=pb.ViewUpdate(delta=resources_pb2.SiteViewDelta(**delta)))

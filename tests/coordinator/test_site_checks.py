@@ -17,6 +17,7 @@ from federation.agent.links import declared_links
 from federation.agent.runtime import AgentRuntime
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
+from federation.coordinator.live_view import LiveView, plan_deltas
 from federation.coordinator.site_checks import (
     MAX_ENVELOPE_MESSAGES,
     MAX_HELLO_TASKS,
@@ -319,18 +320,25 @@ def test_a_delta_checks_the_devices_it_changed() -> None:
     node.devices[1].memory_free_mib = 81
     path = "messages[0].view.delta.upserted_nodes[0]"
 
-    def found(node: resources_pb2.Node) -> set[str]:
-        delta = resources_pb2.SiteViewDelta(upserted_nodes=[node])
-        with pytest.raises(InvalidArgumentError) as caught:
-            check_envelope(
-                [pb.AgentMessage(view=pb.ViewUpdate(delta=delta))],
-                PEER,
-                first=False,
-                held={"n": held}.get,
+    live = LiveView(resources_pb2.SiteView(site="s", nodes=[held]))
+
+    def found(*nodes: resources_pb2.Node) -> set[str]:
+        messages = [
+            pb.AgentMessage(
+                view=pb.ViewUpdate(delta=resources_pb2.SiteViewDelta(upserted_nodes=[n]))
             )
+            for n in nodes
+        ]
+        with pytest.raises(InvalidArgumentError) as caught:
+            check_envelope(messages, PEER, first=False, plans=plan_deltas(live, messages))
         return {v.field for v in caught.value.violations}
 
     assert found(node) == {f"{path}.devices[1].memory_free_mib"}
+    # A second delta of the same write is compared with the first: its bad device came there.
+    again = resources_pb2.Node()
+    again.CopyFrom(node)
+    again.cpu_free = 1
+    assert found(node, again) == {f"{path}.devices[1].memory_free_mib"}
     node.devices.add().CopyFrom(node.devices[1])
     node.devices[2].memory_free_mib = 0
     assert found(node) == {
