@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from federation.api.v1 import resources_pb2, site_link_service_pb2
 from federation.placement.snapshot import SitePart, site_part
 
-COMPACT_SHARE = 2
+COMPACT_SHARE = 4
 """Nodes are gathered into one message again once more than 1/COMPACT_SHARE have changed."""
 
 
