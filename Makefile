@@ -6,10 +6,11 @@ BIN := $(VENV)/bin
 
 .PHONY: demo test lint protos
 
-$(BIN)/.installed: pyproject.toml
+$(BIN)/.installed: pyproject.toml examples/placement-plugin/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,sim,tracing]'  # sim: the plot tests; tracing: the span tests
+	$(BIN)/python -m pip install --quiet -e examples/placement-plugin  # loaded by name in the plugin tests
 	touch $@
 
 demo: $(BIN)/.installed

@@ -17,6 +17,12 @@ SUBMIT_COMMITS = Counter(
     "Store commits of submitted jobs: a SubmitJobs batch takes one, and SubmitJob calls that "
     "arrive while one is under way share the next",
 )
+PLACEMENT_PLUGINS_DISABLED = Counter(
+    "federation_placement_plugins_disabled_total",
+    "Placement plugins from outside the project disabled for raising, breaking the framework's "
+    "contract or running past placement_plugin_budget_ms",
+    ["plugin"],
+)
 JOBS_REMOVED = Counter(
     "federation_jobs_removed_total",
     "Finished jobs removed from the store once past their retention",

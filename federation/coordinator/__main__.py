@@ -19,10 +19,11 @@ from federation import __version__, tracing
 from federation.config import ConfigError, build, read_toml
 from federation.coordinator.config import CoordinatorConfig, check_settings
 from federation.coordinator.server import ListenError, start_coordinator
+from federation.coordinator.services import placement_framework
 from federation.logging import LEVELS, configure_logging
 from federation.metrics import serve_metrics
 from federation.placement.compat import CompatError
-from federation.placement.registry import UnknownPluginError, build_framework
+from federation.placement.loading import UnknownPluginError
 from federation.security.pki import PkiLayout, load_issuer
 from federation.store import StoreError
 
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     configure_logging(json=args.log_json, level=args.log_level)
     try:
         config = load_config(args)
-        build_framework(config.placement_filters, config.placement_scores, config.compat_table)
+        placement_framework(config)  # a plugin that cannot be loaded or trusted: exit 2
     except (ConfigError, UnknownPluginError, CompatError, OSError) as err:
         print(f"fed-coordinator: {err}", file=sys.stderr)
         sys.exit(2)

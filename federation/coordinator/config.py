@@ -67,11 +67,15 @@ class CoordinatorConfig:
     """Sites offered a task at once after its best site declined (that one is offered alone);
     the best that accepts gets the commit, the rest a release."""
     placement_filters: list[str] = field(default_factory=lambda: list(DEFAULT_FILTERS))
-    """Filter plugins, in order (see federation/placement/registry.py)."""
+    """Filter plugins, in order: built-in names, names published in the entry-point group
+    fedplane.placement.filters, or module:Class (see federation/placement/loading.py)."""
     placement_scores: dict[str, float] = field(
         default_factory=lambda: dict(DEFAULT_SCORERS), metadata=at_least(0)
     )
-    """Score plugin -> weight."""
+    """Score plugin -> weight (names as for filters; group fedplane.placement.scorers)."""
+    placement_plugin_budget_ms: float = field(default=100.0, metadata=positive())
+    """How long one call of a plugin from outside the project may take: one that takes longer,
+    raises or breaks the framework's contract is disabled, and the cycle goes on."""
     compat_table: Path | None = None
     """A YAML file merged over the shipped compatibility table (driver/runtime/framework)."""
     store: str = field(default="sqlite", metadata=one_of("sqlite", "etcd"))

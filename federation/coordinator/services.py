@@ -39,6 +39,8 @@ from federation.coordinator.serving import Serving
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
 from federation.errors import NotLeaderError
+from federation.metrics import PLACEMENT_PLUGINS_DISABLED
+from federation.placement.framework import Framework
 from federation.placement.registry import build_framework
 from federation.security.pki import load_certificate
 from federation.security.revocation import RevocationBook
@@ -154,7 +156,7 @@ async def start_services(
     scheduler = Scheduler(
         jobs,
         sites,
-        build_framework(config.placement_filters, config.placement_scores, config.compat_table),
+        placement_framework(config),
         SchedulerConfig(
             offer_timeout_s=config.offer_timeout_s,
             reservation_lease_s=config.reservation_lease_s,
@@ -255,3 +257,15 @@ def _held(jobs: JobRepository) -> list[tuple[str, str, str]]:
         for task in job.tasks
         if task.site and task.state in job_state.AT_SITE
     ]
+
+
+def placement_framework(config: CoordinatorConfig) -> Framework:
+    """The placement profile the config names; plugins from outside the project are tried on
+    a sample federation first (``UnknownPluginError``) and counted when disabled."""
+    return build_framework(
+        config.placement_filters,
+        config.placement_scores,
+        config.compat_table,
+        plugin_budget_s=config.placement_plugin_budget_ms / 1000,
+        on_disabled=lambda plugin, _why: PLACEMENT_PLUGINS_DISABLED.labels(plugin).inc(),
+    )

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -159,7 +159,8 @@ class Verdict:
 
 
 class FilterPlugin(Protocol):
-    name: ClassVar[str]
+    @property
+    def name(self) -> str: ...
 
     def filter(self, req: Request, snap: Snapshot) -> Verdict: ...
 
@@ -173,7 +174,8 @@ class ScorePlugin(Protocol):
     weight still adds to the total, and 0 turns it off as for any scorer.
     """
 
-    name: ClassVar[str]
+    @property
+    def name(self) -> str: ...
 
     def score(
         self, req: Request, snap: Snapshot, feasible: npt.NDArray[np.int64]

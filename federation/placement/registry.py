@@ -7,6 +7,17 @@ from pathlib import Path
 
 from federation.placement.compat import CompatTable, load_table_files
 from federation.placement.framework import FilterPlugin, Framework, ScorePlugin
+from federation.placement.loading import (
+    BUDGET_S,
+    FILTER_GROUP,
+    SCORER_GROUP,
+    Disabled,
+    UnknownPluginError,
+    construct,
+    contained_filter,
+    contained_scorer,
+    find,
+)
 from federation.placement.plugins.baselines import (
     DataLocal,
     LeastLoaded,
@@ -61,29 +72,40 @@ DEFAULT_SCORERS: Mapping[str, float] = {
 }
 
 
-class UnknownPluginError(ValueError):
-    pass
-
-
 def build_framework(
     filters: Sequence[str] = DEFAULT_FILTERS,
     scorers: Mapping[str, float] = DEFAULT_SCORERS,
     compat_table: Path | None = None,
+    *,
+    plugin_budget_s: float = BUDGET_S,
+    on_disabled: Disabled | None = None,
 ) -> Framework:
-    """A framework for a profile; unknown names or negative weights raise."""
-    for name in filters:
-        if name not in FILTERS:
-            raise UnknownPluginError(f"unknown filter plugin {name!r}; known: {sorted(FILTERS)}")
+    """A framework for a profile. Names are built-in plugins, plugins published in the
+    entry-point groups ``fedplane.placement.filters``/``scorers``, or ``module:Class``; those
+    from outside are tried on a sample federation here and contained while they run
+    (``federation.placement.loading``). Unknown or failing plugins, and negative weights,
+    raise ``UnknownPluginError``."""
     for name, weight in scorers.items():
-        if name not in SCORERS:
-            raise UnknownPluginError(f"unknown score plugin {name!r}; known: {sorted(SCORERS)}")
         if weight < 0:
             raise UnknownPluginError(f"score plugin {name!r} has a negative weight")
     table = load_table_files((compat_table,) if compat_table else ())
-    return Framework(
-        [_filter(name, table) for name in filters],
-        [(SCORERS[name](), weight) for name, weight in scorers.items()],
-    )
+    chosen_filters: list[FilterPlugin] = []
+    for name in filters:
+        outside = find(name, FILTERS, FILTER_GROUP, "filter")
+        if outside is None:
+            chosen_filters.append(_filter(name, table))
+        else:
+            plugin = construct(name, outside, "filter")
+            chosen_filters.append(contained_filter(plugin, plugin_budget_s, on_disabled))
+    chosen_scorers: list[tuple[ScorePlugin, float]] = []
+    for name, weight in scorers.items():
+        outside = find(name, SCORERS, SCORER_GROUP, "score")
+        if outside is None:
+            chosen_scorers.append((SCORERS[name](), weight))
+        else:
+            plugin = construct(name, outside, "score")
+            chosen_scorers.append((contained_scorer(plugin, plugin_budget_s, on_disabled), weight))
+    return Framework(chosen_filters, chosen_scorers)
 
 
 def _filter(name: str, table: CompatTable) -> FilterPlugin:

@@ -17,7 +17,8 @@ from federation.placement.framework import (
     Rejection,
     Verdict,
 )
-from federation.placement.registry import UnknownPluginError, build_framework
+from federation.placement.loading import UnknownPluginError
+from federation.placement.registry import build_framework
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
