@@ -22,10 +22,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from federation.cli.connection import CliError
 from federation.cli.output import output_of
 from federation.cli.render import FedctlConsole
+from federation.config import ConfigError
+from federation.placement.loading import UnknownPluginError
+from federation.placement.registry import build_framework
 from federation.sim.engine import SimConfig
 from federation.sim.fields import InputFileError
 from federation.sim.generate import DATA, Knobs, describe, generate, write_topology
-from federation.sim.policies import DEFAULT_POLICIES, PROFILES, UnknownPolicyError, profile
+from federation.sim.policies import (
+    CONFIGURED,
+    DEFAULT_POLICIES,
+    PROFILES,
+    UnknownPolicyError,
+    configured_profile,
+    profile,
+)
 from federation.sim.replay import PolicyProgress, replay
 from federation.sim.report import (
     print_tables,
@@ -74,6 +84,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--policies",
         default=",".join(DEFAULT_POLICIES),
         help="comma-separated policies (default: all)",
+    )
+    sim.add_argument(
+        "--placement-config",
+        type=Path,
+        metavar="TOML",
+        help=f"also replay the placement profile of this coordinator config as policy "
+        f"{CONFIGURED!r} (placement_filters and placement_scores, plugins from outside the "
+        "project included)",
     )
     sim.add_argument("--seed", type=int, default=0, help="seeds estimate errors and declines")
     sim.add_argument("--plots", type=Path, metavar="DIR", help="write PNG plots here")
@@ -240,6 +258,14 @@ def cmd_sim(args: argparse.Namespace) -> int:
     if args.topology is None or args.trace is None:
         raise CliError("give --topology and --trace (or run 'fedctl sim generate --out DIR')")
     policies = _policies(args.policies)
+    profiles = {}
+    if args.placement_config is not None:
+        try:
+            profiles[CONFIGURED] = configured_profile(args.placement_config)
+            build_framework(profiles[CONFIGURED].filters, profiles[CONFIGURED].scorers)
+        except (ConfigError, UnknownPluginError, OSError) as err:
+            raise CliError(f"--placement-config: {err}") from None
+        policies.append(CONFIGURED)
     _at_least("--seed", args.seed, 0)
     _at_least("--offers-at-once", args.offers_at_once, 1)
     _at_least("--max-offers", args.max_offers, 1)
@@ -278,6 +304,7 @@ def cmd_sim(args: argparse.Namespace) -> int:
                 config=config,
                 trace_source=str(args.trace),
                 progress=progress,
+                profiles=profiles,
             )
     except (InputFileError, UnknownPolicyError) as err:
         raise CliError(str(err)) from None

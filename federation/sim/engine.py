@@ -196,7 +196,10 @@ class Simulation:
         config: SimConfig | None = None,
         estimated_s: Sequence[float] | None = None,
         framework: Framework | None = None,
+        waits: str | None = None,
     ) -> None:
+        """``framework`` and ``waits``: a profile of its own, for a policy not in
+        ``PROFILES``."""
         self.policy = policy
         self.state = state
         self.snap = state.snap
@@ -246,7 +249,9 @@ class Simulation:
         self._holding = np.zeros(n_models)
         self._waiting = 0
         self._blocked: dict[object, list[int]] = {}
-        self.waits = PROFILES[policy].waits if policy in PROFILES else ""
+        if waits is None:
+            waits = PROFILES[policy].waits if policy in PROFILES else ""
+        self.waits = waits
         self._at_site: list[set[int]] = [set() for _ in range(self.snap.n_sites)]
         """Tasks each site holds (placed, not finished): what frees there, and when."""
         self._waiting_for: dict[int, list[int]] = {}

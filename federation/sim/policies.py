@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
+from federation.config import ConfigError, read_toml
 from federation.placement.framework import Framework
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS, build_framework
 from federation.placement.request import Request
@@ -104,6 +106,31 @@ def build_policy(name: str) -> Framework:
     """The placement framework for policy ``name``."""
     chosen = profile(name)
     return build_framework(chosen.filters, chosen.scorers)
+
+
+CONFIGURED = "configured"
+"""The policy of a coordinator config's placement profile (``configured_profile``)."""
+
+
+def configured_profile(path: Path) -> Profile:
+    """The placement profile a coordinator config states (``placement_filters`` and
+    ``placement_scores``, each the coordinator's default when absent), plugins from outside
+    the project included: the simulator loads them as the coordinator does."""
+    settings = read_toml(path)
+    filters = settings.get("placement_filters", list(DEFAULT_FILTERS))
+    scorers = settings.get("placement_scores", dict(DEFAULT_SCORERS))
+    if not isinstance(filters, list) or not all(isinstance(f, str) for f in filters):
+        raise ConfigError(f"{path}: placement_filters must be a list of plugin names")
+    if not isinstance(scorers, dict) or not all(
+        isinstance(w, int | float) and not isinstance(w, bool) for w in scorers.values()
+    ):
+        raise ConfigError(f"{path}: placement_scores must map plugin names to weights")
+    return Profile(
+        tuple(filters),
+        {str(k): float(v) for k, v in scorers.items()},
+        f"the placement profile of {path}",
+        waits="total",
+    )
 
 
 # Which request fields each filter reads. Waiting tasks that agree on all of them pass and

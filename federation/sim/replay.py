@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from federation.placement.registry import build_framework
 from federation.sim.engine import Outcome, SimConfig, Simulation
 from federation.sim.metrics import (
     against_default,
@@ -18,7 +19,7 @@ from federation.sim.metrics import (
     summarize,
     task_bounds,
 )
-from federation.sim.policies import DEFAULT_POLICY, profile
+from federation.sim.policies import DEFAULT_POLICY, Profile, profile
 from federation.sim.queues import resolve
 from federation.sim.state import SiteState
 from federation.sim.topology import Topology
@@ -57,10 +58,15 @@ def replay(
     config: SimConfig | None = None,
     trace_source: str = "<trace>",
     progress: PolicyProgress | None = None,
+    profiles: Mapping[str, Profile] | None = None,
 ) -> ReplayResult:
-    """Replay ``tasks`` under each policy from an idle federation; deterministic per seed."""
+    """Replay ``tasks`` under each policy from an idle federation; deterministic per seed.
+    ``profiles``: policies of their own (a coordinator config's, ``configured_profile``)."""
+    profiles = profiles or {}
+    frameworks = {name: build_framework(p.filters, p.scorers) for name, p in profiles.items()}
     for name in policies:
-        profile(name)  # unknown names fail before any work
+        if name not in profiles:
+            profile(name)  # unknown names fail before any work
     check_against(tasks, topology, trace_source)
     tasks = resolve(tasks, topology, trace_source)
     config = config or SimConfig(seed=seed)
@@ -71,7 +77,16 @@ def replay(
     per_policy: dict[str, Any] = {}
     for name in policies:
         started = time.perf_counter()
-        sim = Simulation(name, base.fresh(), tasks, config, estimates)
+        own = profiles.get(name)
+        sim = Simulation(
+            name,
+            base.fresh(),
+            tasks,
+            config,
+            estimates,
+            framework=frameworks.get(name),
+            waits=own.waits if own is not None else None,
+        )
         report = None if progress is None else functools.partial(progress, name)
         outcome = sim.run(report)
         result.wall_s[name] = time.perf_counter() - started

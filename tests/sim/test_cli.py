@@ -109,3 +109,55 @@ def test_mistakes_are_reported_without_a_traceback(
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+
+
+PREFER_B = """
+import numpy as np
+
+class PreferB:
+    name = "PreferB"
+
+    def score(self, req, snap, feasible):
+        return np.array([100.0 if snap.site_ids[i] == "b" else 0.0 for i in feasible])
+"""
+
+
+def test_the_simulator_replays_a_coordinator_configs_profile_with_its_plugins(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--placement-config`` adds the config's profile as policy ``configured``, loading its
+    plugins from outside the project as the coordinator does: here a scorer that sends every
+    task to site b, where the default profile breaks the tie by name (a)."""
+    write(tmp_path, "outside_sim_plugins.py", PREFER_B)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    topology = write(
+        tmp_path,
+        "topology.yaml",
+        "sites:\n"
+        + "".join(
+            f"  - {{name: {n}, nodes: [{{cpu: 8, memory_mib: 8192, "
+            "devices: [{model: A100-80GB, count: 1}]}]}\n"
+            for n in "ab"
+        ),
+    )
+    trace = write(
+        tmp_path,
+        "trace.csv",
+        "job_id,submit_s,duration_s,accelerator_count\nj0,0,60,1\nj1,600,60,1\n",
+    )
+    config = write(
+        tmp_path,
+        "coordinator.toml",
+        '[placement_scores]\nCompletionTime = 1.0\n"outside_sim_plugins:PreferB" = 5.0\n',
+    )
+    records = tmp_path / "records.csv"
+    argv = ["sim", "--topology", topology, "--trace", trace, "--policies", "completion-time"]
+    code = fedctl(*argv, "--placement-config", config, "--json", "--records", records)
+    assert code == 0, capsys.readouterr().err
+    assert set(json.loads(capsys.readouterr().out)["policies"]) == {"completion-time", "configured"}
+    with records.open() as f:
+        sites = {(r["policy"], r["site"]) for r in csv.DictReader(f)}
+    assert sites == {("completion-time", "a"), ("configured", "b")}
+    bad = write(tmp_path, "bad.toml", 'placement_filters = ["SiteState", "nowhere:Filter"]\n')
+    assert fedctl(*argv, "--placement-config", bad) == 1
+    assert "--placement-config: filter plugin 'nowhere:Filter'" in capsys.readouterr().err
