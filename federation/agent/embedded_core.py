@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
@@ -980,7 +980,7 @@ class EmbeddedCore:
         added: tuple[Slot, ...] = ()
         if task is not None and not problem:
             extra = (spec.replicas or 1) - len(task.slots)
-            placed = self._place_added(task, spec, change.node_labels, extra) if extra > 0 else ()
+            placed = self._place_added(task, spec, change, extra) if extra > 0 else ()
             if isinstance(placed, str):
                 problem = f"no room for {extra} more replicas: {placed}"
             else:
@@ -1030,13 +1030,22 @@ class EmbeddedCore:
         return _fixed_port_problem(change.spec)
 
     def _place_added(
-        self, task: _Task, new: jobs_pb2.TaskSpec, node_labels: Mapping[str, str], extra: int
+        self,
+        task: _Task,
+        new: jobs_pb2.TaskSpec,
+        change: site_link_service_pb2.ChangeTask,
+        extra: int,
     ) -> tuple[Slot, ...] | str:
         """Room for ``extra`` more replicas of a service, on nodes that may run it."""
         spec = jobs_pb2.TaskSpec()
         spec.CopyFrom(new)
         spec.replicas = extra
-        wanted = site_link_service_pb2.Offer(spec=spec, tenant=task.tenant, node_labels=node_labels)
+        wanted = site_link_service_pb2.Offer(
+            spec=spec,
+            tenant=task.tenant,
+            node_labels=change.node_labels,
+            cordoned_nodes=change.cordoned_nodes,
+        )
         nodes = qualifying_nodes(self._nodes.values(), wanted, self._compat)
         if isinstance(nodes, str):
             return nodes

@@ -45,8 +45,11 @@ def qualifying_nodes(
     requires = tuple(sorted(offer.spec.requires.items()))
     found: list[resources_pb2.Node] = []
     refused: list[str] = []
+    cordoned = set(offer.cordoned_nodes)
     for node in nodes:
-        if problem := node_problem(node, offer.node_labels, requires, table):
+        if node.name in cordoned:
+            refused.append(f"{node.name} is cordoned")
+        elif problem := node_problem(node, offer.node_labels, requires, table):
             refused.append(f"{node.name} {problem}")
         else:
             found.append(node)

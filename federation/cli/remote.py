@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
+import math
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from google.protobuf import json_format
-from rich.console import RenderableType
+from rich.console import Console, RenderableType
+from rich.progress import BarColumn, Progress, TextColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -46,6 +49,22 @@ from federation.client import CallError, Client
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
 from federation.watch import events_of
 
+DRAIN_POLL_S = 1.0
+"""How often ``sites drain`` asks how far the drain is."""
+_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_seconds(value: str) -> float:
+    """A duration as seconds: a number of seconds, or one with a unit (90s, 10m, 2h, 1d)."""
+    number, unit = (value[:-1], _UNITS[value[-1]]) if value[-1:] in _UNITS else (value, 1.0)
+    try:
+        seconds = float(number) * unit
+    except ValueError:
+        seconds = math.nan
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise argparse.ArgumentTypeError(f"{value!r} is not a duration (90s, 10m, 2h, 1d)")
+    return seconds
+
 
 def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = sub.add_parser(
@@ -53,17 +72,40 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     status.set_defaults(func=cmd_status)
 
-    sites = sub.add_parser("sites", help="list, cordon and uncordon sites")
+    sites = sub.add_parser("sites", help="list, cordon, drain and uncordon sites")
     sites.set_defaults(func=cmd_sites)
     sites_sub = sites.add_subparsers(dest="sites_command")
     sites_sub.add_parser("list").set_defaults(func=cmd_sites)
     sites_sub.add_parser(
         "links", help="bandwidth and RTT between sites: measured, with their age, or declared"
     ).set_defaults(func=cmd_site_links)
-    for name, func in (("cordon", cmd_cordon), ("uncordon", cmd_uncordon)):
-        p = sites_sub.add_parser(name, help=f"{name} a site")
+    for name, func, what in (
+        ("cordon", cmd_cordon, "nothing new lands on a site, or on one node of it (--node)"),
+        ("uncordon", cmd_uncordon, "undo a cordon or a drain (of the site: of its nodes too)"),
+    ):
+        p = sites_sub.add_parser(name, help=what)
         p.add_argument("site")
+        p.add_argument("--node", default="", help="only this node of the site")
         p.set_defaults(func=func)
+    drain = sites_sub.add_parser(
+        "drain",
+        help="empty a site or a node for maintenance: cordon it, stop what checkpoints now "
+        "(placed again elsewhere from its checkpoint), the rest at --deadline",
+    )
+    drain.add_argument("site")
+    drain.add_argument("--node", default="", help="only this node of the site")
+    drain.add_argument(
+        "--deadline",
+        type=parse_seconds,
+        default=0.0,
+        metavar="DURATION",
+        help="how long tasks that do not checkpoint may still run (90s, 10m, 2h; default: "
+        "until they end)",
+    )
+    drain.add_argument(
+        "--no-wait", action="store_true", help="return at once instead of following the drain"
+    )
+    drain.set_defaults(func=cmd_drain)
 
     token = sub.add_parser("token", help="join tokens")
     token_sub = token.add_subparsers(dest="token_command", required=True)
@@ -227,19 +269,83 @@ async def _cordon(args: argparse.Namespace, conn: Connection, cordoned: bool) ->
     async with conn.channel() as channel:
         admin = admin_service_pb2_grpc.AdminServiceStub(channel)
         if cordoned:
-            site = (
-                await admin.CordonSite(admin_service_pb2.CordonSiteRequest(site=args.site))
-            ).site
+            request = admin_service_pb2.CordonSiteRequest(site=args.site, node=args.node)
+            site = (await admin.CordonSite(request)).site
         else:
-            site = (
-                await admin.UncordonSite(admin_service_pb2.UncordonSiteRequest(site=args.site))
-            ).site
+            undo = admin_service_pb2.UncordonSiteRequest(site=args.site, node=args.node)
+            site = (await admin.UncordonSite(undo)).site
     out = output_of(args)
     if out.is_data:
         out.messages(site)
+    elif args.node:
+        state = "cordoned" if args.node in site.cordoned_nodes else "schedulable"
+        show(text(f"node {args.node} of site {site.name} is {state}"))
     else:
         show(text(f"site {site.name} is {'cordoned' if site.cordoned else 'schedulable'}"))
     return 0
+
+
+async def cmd_drain(args: argparse.Namespace, conn: Connection) -> int:
+    """Start a drain, then follow it until nothing is left there (unless --no-wait)."""
+    where = f"node {args.node} of site {args.site}" if args.node else f"site {args.site}"
+    out = output_of(args)
+    async with conn.channel() as channel:
+        admin = admin_service_pb2_grpc.AdminServiceStub(channel)
+        request = admin_service_pb2.DrainSiteRequest(
+            site=args.site, node=args.node, deadline_s=args.deadline
+        )
+        site = (await admin.DrainSite(request)).site
+        if not args.no_wait:
+            site = await follow_drain(admin, site, args.node, where, quiet=out.is_data)
+    if out.is_data:
+        out.messages(site)
+        return 0
+    left = _drain_of(site, args.node).tasks_left
+    state = "empty" if not left else f"draining, {left} task(s) left"
+    show(text(f"{where} is cordoned and {state}"))
+    return 0
+
+
+def _drain_of(site: admin_service_pb2.Site, node: str) -> admin_service_pb2.Drain:
+    return next((d for d in site.drains if d.node == node), admin_service_pb2.Drain())
+
+
+async def follow_drain(
+    admin: admin_service_pb2_grpc.AdminServiceAsyncStub,
+    site: admin_service_pb2.Site,
+    node: str,
+    where: str,
+    *,
+    quiet: bool,
+) -> admin_service_pb2.Site:
+    """Poll the site until its drain of ``node`` has no task left; a bar on a terminal, a
+    line per change in a log (nothing with ``quiet``)."""
+    first = _drain_of(site, node).tasks_left
+    bar = None
+    if not quiet and sys.stderr.isatty():
+        bar = Progress(
+            TextColumn(f"draining {where}"),
+            BarColumn(),
+            TextColumn("{task.completed}/{task.total} tasks moved or ended"),
+            console=Console(stderr=True),
+            transient=True,
+        )
+        bar.start()
+    task = bar.add_task("drain", total=first) if bar is not None else None
+    said = -1
+    try:
+        while (left := _drain_of(site, node).tasks_left) > 0:
+            if bar is not None and task is not None:
+                bar.update(task, completed=first - left)
+            elif not quiet and left != said:
+                print(f"draining {where}: {left} task(s) left", file=sys.stderr)
+            said = left
+            await asyncio.sleep(DRAIN_POLL_S)
+            site = next(s for s in await list_sites(admin) if s.name == site.name)
+    finally:
+        if bar is not None:
+            bar.stop()
+    return site
 
 
 async def cmd_cordon(args: argparse.Namespace, conn: Connection) -> int:

@@ -166,6 +166,10 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
             if value in provenances
         )
         state = site_state_name(site.state) + (" cordoned" if site.cordoned else "")
+        if site.cordoned_nodes:
+            state += f" ({len(site.cordoned_nodes)} nodes cordoned)"
+        if left := sum(d.tasks_left for d in site.drains):
+            state += f" draining ({left} tasks left)"
         age = f"{site.heartbeat_age_s:.1f}s" if site.heartbeat_age_s >= 0 else "never"
         unreachable = (
             format_duration(site.unreachable_s)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
@@ -11,6 +12,7 @@ from google.protobuf import text_format
 from federation import __version__
 from federation.api.v1 import admin_service_pb2, queues_pb2
 from federation.coordinator import audit
+from federation.coordinator.drains import with_progress
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.lost_sites import LostSites
 from federation.coordinator.policy.queues import QueueBook
@@ -20,6 +22,8 @@ from federation.coordinator.sites import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.security.identity import NAME_PATTERN, Identity, Role
 
+MAX_DRAIN_DEADLINE_S = 30 * 86400.0
+"""The longest a drain may let tasks that do not checkpoint run."""
 DEFAULT_PAGE = 100
 """Sites in a ``ListSites`` page when the caller names no size."""
 MAX_PAGE = 1000
@@ -80,7 +84,7 @@ class Admin:
         reply = admin_service_pb2.ListSitesResponse()
         size = 0
         for name in names[start : start + (page_size or DEFAULT_PAGE)]:
-            site = self._sites.describe(name)
+            site = with_progress(self._jobs, self._sites.describe(name))
             size += site.ByteSize() + _OVERHEAD_BYTES
             if reply.sites and size > MAX_REPLY_BYTES:
                 break
@@ -116,11 +120,46 @@ class Admin:
             status.ca_not_after.CopyFrom(self._expiries.ca_not_after)
         return status
 
-    async def cordon(self, caller: str, site: str, cordoned: bool) -> admin_service_pb2.Site:
+    async def cordon(
+        self, caller: str, site: str, cordoned: bool, node: str = ""
+    ) -> admin_service_pb2.Site:
+        """Cordon or uncordon ``site``, or only its ``node``; an uncordon ends the drains it
+        covers."""
         if not site:
             raise InvalidArgumentError([FieldViolation("site", "is required")])
         action = "site.cordon" if cordoned else "site.uncordon"
-        return await self._sites.set_cordoned(site, cordoned, [audit.entry(caller, action, site)])
+        entry = audit.entry(caller, action, site, f"node {node}" if node else "")
+        described = await self._sites.set_cordoned(site, cordoned, [entry], node=node)
+        return with_progress(self._jobs, described)
+
+    async def drain(
+        self, caller: str, site: str, node: str, deadline_s: float
+    ) -> admin_service_pb2.Site:
+        """Cordon ``site`` (or its ``node``) and record a drain there (``drains.Drains``
+        stops what it holds); a drain of the same place replaces the one before."""
+        violations = []
+        if not site:
+            violations.append(FieldViolation("site", "is required"))
+        if not 0 <= deadline_s <= MAX_DRAIN_DEADLINE_S:  # NaN fails too
+            violations.append(
+                FieldViolation(
+                    "deadline_s", f"must be in [0, {MAX_DRAIN_DEADLINE_S:g}], got {deadline_s}"
+                )
+            )
+        if violations:
+            raise InvalidArgumentError(violations)
+        drain = admin_service_pb2.Drain(node=node, requested_by=caller)
+        now = time.time()
+        drain.started_at.FromNanoseconds(int(now * 1e9))
+        if deadline_s:
+            drain.deadline.FromNanoseconds(int((now + deadline_s) * 1e9))
+        parts = [f"node {node}"] if node else []
+        if deadline_s:
+            parts.append(f"deadline {deadline_s:g}s")
+        detail = ", ".join(parts)
+        entry = audit.entry(caller, "site.drain", site, detail)
+        described = await self._sites.set_cordoned(site, True, [entry], node=node, drain=drain)
+        return with_progress(self._jobs, described)
 
     # Queues ------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
 from federation.coordinator.outputs import source_of, staged
 from federation.coordinator.policy.preemption import (
     Candidate,
+    TaskAt,
     choose_victims,
     fits,
     free_room,
@@ -1103,11 +1104,16 @@ class Scheduler:
                     add(room[task.site], placed(spec, task).items())
         return room, stopping
 
-    async def _preempt(self, victims: list[Candidate], why: str) -> None:
+    async def stop(self, tasks: Sequence[TaskAt], why: str) -> None:
+        """Stop ``tasks`` as preemption does, ``why`` naming what for (a drain): each goes
+        back to PENDING and is placed again, from its newest checkpoint if it has one."""
+        await self._preempt(tasks, why)
+
+    async def _preempt(self, victims: Sequence[Candidate | TaskAt], why: str) -> None:
         """Mark each victim as being preempted (written first, so a new leader knows), then
         tell its site to stop it; its final report puts it back to PENDING."""
 
-        def mark(victim: Candidate) -> Mutation:
+        def mark(victim: Candidate | TaskAt) -> Mutation:
             def mutate(job: jobs_pb2.Job) -> list[Change]:
                 task = find_task(job, victim.task)
                 if task.epoch == victim.epoch and task.state in job_state.AT_SITE:
@@ -1402,7 +1408,8 @@ class Scheduler:
             # The site reads device speeds as the estimate did: learned ones included.
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
             for site in offered_to[n.key]:
-                own = _for_site(offer, n.estimates.get(site), n.models.get(site))
+                cordoned = self._sites.get(site).record.cordoned_nodes
+                own = _for_site(offer, n.estimates.get(site), n.models.get(site), cordoned)
                 offers.setdefault(site, []).append((n, own))
         # Sites answer in their own time: a task is decided once every site it was offered
         # to has answered, so a slow site holds up only the tasks offered to it.
@@ -1981,14 +1988,17 @@ def _for_site(
     offer: site_link_service_pb2.Offer,
     estimated: jobs_pb2.Estimate | None,
     models: list[str] | None,
+    cordoned: Sequence[str] = (),
 ) -> site_link_service_pb2.Offer:
     """The offer for one site: with what placement estimated there, so the site packs onto
-    devices as fast as the estimate assumed (or answers its own run time); and with only the
-    device ``models`` its queues' quotas leave the task there, if they rule some out."""
-    if estimated is None and not models:
+    devices as fast as the estimate assumed (or answers its own run time); with only the
+    device ``models`` its queues' quotas leave the task there, if they rule some out; and
+    with the site's ``cordoned`` nodes, which no replica may take."""
+    if estimated is None and not models and not cordoned:
         return offer
     own = site_link_service_pb2.Offer()
     own.CopyFrom(offer)
+    own.cordoned_nodes.extend(cordoned)
     if estimated is not None:
         own.estimate.CopyFrom(estimated)
     if models:

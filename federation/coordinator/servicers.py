@@ -97,6 +97,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "ListSites",
             "CordonSite",
             "UncordonSite",
+            "DrainSite",
             "CreateJoinToken",
             "CreateQueue",
             "UpdateQueue",
@@ -260,14 +261,25 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     async def CordonSite(
         self, request: admin_pb.CordonSiteRequest, context: Context
     ) -> admin_pb.CordonSiteResponse:
-        site = await self._current().admin.cordon(str(current_caller()), request.site, True)
+        admin = self._current().admin
+        site = await admin.cordon(str(current_caller()), request.site, True, request.node)
         return admin_pb.CordonSiteResponse(site=site)
 
     async def UncordonSite(
         self, request: admin_pb.UncordonSiteRequest, context: Context
     ) -> admin_pb.UncordonSiteResponse:
-        site = await self._current().admin.cordon(str(current_caller()), request.site, False)
+        admin = self._current().admin
+        site = await admin.cordon(str(current_caller()), request.site, False, request.node)
         return admin_pb.UncordonSiteResponse(site=site)
+
+    async def DrainSite(
+        self, request: admin_pb.DrainSiteRequest, context: Context
+    ) -> admin_pb.DrainSiteResponse:
+        admin = self._current().admin
+        site = await admin.drain(
+            str(current_caller()), request.site, request.node, request.deadline_s
+        )
+        return admin_pb.DrainSiteResponse(site=site)
 
     async def CreateJoinToken(
         self, request: admin_pb.CreateJoinTokenRequest, context: Context

@@ -19,6 +19,7 @@ from federation.api.v1 import admin_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.admin import Admin
 from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.drains import Drains
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
@@ -84,6 +85,8 @@ class Services:
     """Set when the term ended by stepping down: streams still open end with it."""
     retention_task: asyncio.Task[None] | None = None
     """Removes finished jobs and audit entries past their retention."""
+    drains_task: asyncio.Task[None] | None = None
+    """Stops what operators' drains hold."""
 
     async def stop(self, step_down: NotLeaderError | None = None) -> None:
         """Stop scheduling; with ``step_down``, also end every agent session and watch.
@@ -106,6 +109,7 @@ class Services:
             self.learning_task,
             self.expiry_task,
             self.retention_task,
+            self.drains_task,
         ):
             if task is None:
                 continue
@@ -207,6 +211,7 @@ async def start_services(
         archive_dir=config.archive_dir,
     )
     retention_task = asyncio.create_task(retention.run())
+    drains_task = asyncio.create_task(Drains(sites, jobs, scheduler.stop).run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
@@ -243,6 +248,7 @@ async def start_services(
         learning_task=learning_task,
         expiry_task=expiry_task,
         retention_task=retention_task,
+        drains_task=drains_task,
         authorities=authorities,
         store=store,
         stop_telling_bundles=authorities.on_bundle_change(sites.tell_trust_bundle),

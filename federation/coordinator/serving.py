@@ -243,6 +243,7 @@ class Serving:
                 spec=new,
                 revision=revision,
                 node_labels=job.spec.constraints.node_labels,
+                cordoned_nodes=self._sites.get(site).record.cordoned_nodes,
             )
         )
         (reply,) = await session.request_many([message], CHANGE_TIMEOUT_S)

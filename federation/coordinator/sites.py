@@ -4,21 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator.aggregates import FederationAggregates
 from federation.coordinator.live_view import LiveView, PlannedDelta, hardware_came
-from federation.errors import FailedPreconditionError, SiteNotFoundError, UnavailableError
+from federation.errors import (
+    FailedPreconditionError,
+    FieldViolation,
+    InvalidArgumentError,
+    SiteNotFoundError,
+    UnavailableError,
+)
 from federation.jobspec import domain_name, short_name
 from federation.metrics import SITES_CONNECTED, SITES_UNREACHABLE
-from federation.placement.snapshot import SiteInput, Snapshot, build_snapshot
+from federation.placement.snapshot import SiteInput, SitePart, Snapshot, build_snapshot
 from federation.resources import capacity
 from federation.store import Op, Put, Store
 
@@ -241,20 +249,54 @@ class SiteRegistry:
         self._changed()
 
     async def set_cordoned(
-        self, name: str, cordoned: bool, also: Sequence[Op] = ()
+        self,
+        name: str,
+        cordoned: bool,
+        also: Sequence[Op] = (),
+        *,
+        node: str = "",
+        drain: admin_service_pb2.Drain | None = None,
     ) -> admin_service_pb2.Site:
-        """Cordon or uncordon ``name``, writing ``also`` (its audit entry) in the same commit."""
+        """Cordon or uncordon ``name``, or only its ``node``, writing ``also`` (its audit
+        entry) in the same commit; with ``drain``, cordon and record that drain (one per site
+        or node: a new one replaces it). Uncordoning the site uncordons its nodes too and
+        ends every drain there; uncordoning a node ends that node's drain."""
         entry = self.get(name)
+        if node and (entry.view is None or entry.view.node(node) is None):
+            raise InvalidArgumentError(
+                [FieldViolation("node", f"site {name} reports no node {node!r}")]
+            )
         record = admin_service_pb2.Site()
         record.CopyFrom(entry.record)
-        record.cordoned = cordoned
+        nodes = [n for n in record.cordoned_nodes if n != node]
+        drains = [d for d in record.drains if d.node != node]
+        if cordoned and node:
+            nodes.append(node)
+        elif cordoned:
+            record.cordoned = True
+        elif not node:
+            record.cordoned, nodes, drains = False, [], []
+        if drain is not None:
+            drains.append(drain)
+        record.cordoned_nodes[:] = sorted(nodes)
+        del record.drains[:]
+        record.drains.extend(sorted(drains, key=lambda d: d.node))
         await self._store.commit([self.record_put(record), *also])
         entry.record = record
         if not cordoned:
             self._freed.add(name)
         self._changed()
-        log.info("site_cordoned" if cordoned else "site_uncordoned", site=name)
+        event = (
+            "site_drained"
+            if drain is not None
+            else ("site_cordoned" if cordoned else "site_uncordoned")
+        )
+        log.info(event, site=name, node=node or None)
         return self.describe(name)
+
+    def drained(self) -> list[tuple[str, admin_service_pb2.Drain]]:
+        """Every drain under way, with its site."""
+        return [(e.record.name, d) for e in self._sites.values() for d in e.record.drains]
 
     def attach(
         self, session: SiteSession, hello: site_link_service_pb2.Hello
@@ -417,7 +459,7 @@ class SiteRegistry:
         """The placement snapshot, rebuilt only when some view or state changed."""
         if self._snapshot is None or self._snapshot[0] != self._version:
             inputs = [
-                SiteInput(e.view.header, e.session is not None, e.record.cordoned, e.view.part())
+                SiteInput(e.view.header, e.session is not None, e.record.cordoned, _part(e))
                 for e in self._sites.values()
                 if e.view is not None
             ]
@@ -513,3 +555,14 @@ def _state(entry: SiteEntry) -> admin_service_pb2.SiteState.ValueType:
 def _kind_name(kind: int) -> str:
     """ "GPU": a device kind as sites name it in the devices they report."""
     return short_name(resources_pb2.DeviceKind, kind, "DEVICE_KIND_")
+
+
+def _part(entry: SiteEntry) -> SitePart:
+    """The site's placement arrays, its cordoned nodes not schedulable."""
+    assert entry.view is not None
+    part = entry.view.part()
+    if not entry.record.cordoned_nodes:
+        return part
+    names = np.array(part.node_names, dtype=object)
+    cordoned = np.isin(names, list(entry.record.cordoned_nodes))
+    return dataclasses.replace(part, node_schedulable=part.node_schedulable & ~cordoned)

@@ -65,6 +65,8 @@ class Site(_message.Message):
     CERTIFICATE_FINGERPRINT_FIELD_NUMBER: _builtins.int
     UNREACHABLE_S_FIELD_NUMBER: _builtins.int
     FORECAST_FIELD_NUMBER: _builtins.int
+    CORDONED_NODES_FIELD_NUMBER: _builtins.int
+    DRAINS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     domain: _resources_pb2.Domain.ValueType
     state: Global___SiteState.ValueType
@@ -83,6 +85,14 @@ class Site(_message.Message):
     def forecast(self) -> Global___SiteForecast:
         """What the coordinator expects of the site's room (from the leader; empty on followers)."""
 
+    @_builtins.property
+    def cordoned_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes cordoned on their own (CordonSiteRequest.node): no new replica lands there."""
+
+    @_builtins.property
+    def drains(self) -> _containers.RepeatedCompositeFieldContainer[Global___Drain]:
+        """Drains of the site or of its nodes (DrainSite), until an uncordon ends them."""
+
     def __init__(
         self,
         *,
@@ -97,14 +107,56 @@ class Site(_message.Message):
         certificate_fingerprint: _builtins.str = ...,
         unreachable_s: _builtins.float = ...,
         forecast: Global___SiteForecast | None = ...,
+        cordoned_nodes: _abc.Iterable[_builtins.str] | None = ...,
+        drains: _abc.Iterable[Global___Drain] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["forecast", b"forecast", "joined_at", b"joined_at", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "domain", b"domain", "forecast", b"forecast", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "unreachable_s", b"unreachable_s", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["certificate_fingerprint", b"certificate_fingerprint", "cordoned", b"cordoned", "cordoned_nodes", b"cordoned_nodes", "domain", b"domain", "drains", b"drains", "forecast", b"forecast", "generation", b"generation", "heartbeat_age_s", b"heartbeat_age_s", "joined_at", b"joined_at", "name", b"name", "state", b"state", "unreachable_s", b"unreachable_s", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Site: _TypeAlias = Site  # noqa: Y015
+
+@_typing.final
+class Drain(_message.Message):
+    """An operator's drain of a site or of one of its nodes."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_FIELD_NUMBER: _builtins.int
+    STARTED_AT_FIELD_NUMBER: _builtins.int
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    TASKS_LEFT_FIELD_NUMBER: _builtins.int
+    REQUESTED_BY_FIELD_NUMBER: _builtins.int
+    node: _builtins.str
+    """The node drained; empty: the whole site."""
+    tasks_left: _builtins.int
+    """Tasks still there (delegated, starting or running) when the record was read."""
+    requested_by: _builtins.str
+    """Who asked for it."""
+    @_builtins.property
+    def started_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp:
+        """When tasks that do not checkpoint are stopped; unset: they run to their end."""
+
+    def __init__(
+        self,
+        *,
+        node: _builtins.str = ...,
+        started_at: _timestamp_pb2.Timestamp | None = ...,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+        tasks_left: _builtins.int = ...,
+        requested_by: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "started_at", b"started_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "node", b"node", "requested_by", b"requested_by", "started_at", b"started_at", "tasks_left", b"tasks_left"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Drain: _TypeAlias = Drain  # noqa: Y015
 
 @_typing.final
 class SiteForecast(_message.Message):
@@ -364,15 +416,19 @@ class CordonSiteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SITE_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
+    node: _builtins.str
+    """Cordon only this node of the site (it must be in the site's view)."""
     def __init__(
         self,
         *,
         site: _builtins.str = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -403,15 +459,21 @@ class UncordonSiteRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     SITE_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
+    node: _builtins.str
+    """Uncordon only this node (and end its drain); empty: the site, every node of it, and
+    every drain there.
+    """
     def __init__(
         self,
         *,
         site: _builtins.str = ...,
+        node: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node", b"node", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -436,6 +498,55 @@ class UncordonSiteResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___UncordonSiteResponse: _TypeAlias = UncordonSiteResponse  # noqa: Y015
+
+@_typing.final
+class DrainSiteRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    NODE_FIELD_NUMBER: _builtins.int
+    DEADLINE_S_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    node: _builtins.str
+    """Drain only this node of the site (it must be in the site's view); empty: the whole site."""
+    deadline_s: _builtins.float
+    """Seconds tasks that do not checkpoint may still run; 0: until they end by themselves."""
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        node: _builtins.str = ...,
+        deadline_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline_s", b"deadline_s", "node", b"node", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainSiteRequest: _TypeAlias = DrainSiteRequest  # noqa: Y015
+
+@_typing.final
+class DrainSiteResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def site(self) -> Global___Site:
+        """The site, its drains with the tasks each has left."""
+
+    def __init__(
+        self,
+        *,
+        site: Global___Site | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["site", b"site"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DrainSiteResponse: _TypeAlias = DrainSiteResponse  # noqa: Y015
 
 @_typing.final
 class CreateJoinTokenRequest(_message.Message):

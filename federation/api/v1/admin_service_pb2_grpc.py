@@ -55,6 +55,11 @@ class AdminServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteResponse.FromString,
                 _registered_method=True)
+        self.DrainSite = channel.unary_unary(
+                '/federation.api.v1.AdminService/DrainSite',
+                request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteResponse.FromString,
+                _registered_method=True)
         self.CreateJoinToken = channel.unary_unary(
                 '/federation.api.v1.AdminService/CreateJoinToken',
                 request_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.CreateJoinTokenRequest.SerializeToString,
@@ -106,6 +111,15 @@ class AdminServiceServicer:
 
     def UncordonSite(self, request, context):
         """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DrainSite(self, request, context):
+        """Empties a site, or one node of it, for maintenance: cordons it, stops each task that
+        checkpoints at once (placed again elsewhere from its checkpoint) and the others at the
+        deadline. Undone by UncordonSite.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -164,6 +178,11 @@ def add_AdminServiceServicer_to_server(servicer, server):
                     servicer.UncordonSite,
                     request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteResponse.SerializeToString,
+            ),
+            'DrainSite': grpc.unary_unary_rpc_method_handler(
+                    servicer.DrainSite,
+                    request_deserializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteResponse.SerializeToString,
             ),
             'CreateJoinToken': grpc.unary_unary_rpc_method_handler(
                     servicer.CreateJoinToken,
@@ -300,6 +319,33 @@ class AdminService:
             '/federation.api.v1.AdminService/UncordonSite',
             federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_admin__service__pb2.UncordonSiteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DrainSite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.AdminService/DrainSite',
+            federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_admin__service__pb2.DrainSiteResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -37,6 +37,11 @@ class AdminServiceStub:
     ListSites: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.ListSitesRequest, _admin_service_pb2.ListSitesResponse]
     CordonSite: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CordonSiteRequest, _admin_service_pb2.CordonSiteResponse]
     UncordonSite: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.UncordonSiteRequest, _admin_service_pb2.UncordonSiteResponse]
+    DrainSite: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.DrainSiteRequest, _admin_service_pb2.DrainSiteResponse]
+    """Empties a site, or one node of it, for maintenance: cordons it, stops each task that
+    checkpoints at once (placed again elsewhere from its checkpoint) and the others at the
+    deadline. Undone by UncordonSite.
+    """
     CreateJoinToken: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CreateJoinTokenRequest, _admin_service_pb2.CreateJoinTokenResponse]
     CreateQueue: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.CreateQueueRequest, _admin_service_pb2.CreateQueueResponse]
     UpdateQueue: _grpc.UnaryUnaryMultiCallable[_admin_service_pb2.UpdateQueueRequest, _admin_service_pb2.UpdateQueueResponse]
@@ -54,6 +59,11 @@ class AdminServiceAsyncStub(AdminServiceStub):
     ListSites: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.ListSitesRequest, _admin_service_pb2.ListSitesResponse]  # type: ignore[assignment]
     CordonSite: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CordonSiteRequest, _admin_service_pb2.CordonSiteResponse]  # type: ignore[assignment]
     UncordonSite: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.UncordonSiteRequest, _admin_service_pb2.UncordonSiteResponse]  # type: ignore[assignment]
+    DrainSite: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.DrainSiteRequest, _admin_service_pb2.DrainSiteResponse]  # type: ignore[assignment]
+    """Empties a site, or one node of it, for maintenance: cordons it, stops each task that
+    checkpoints at once (placed again elsewhere from its checkpoint) and the others at the
+    deadline. Undone by UncordonSite.
+    """
     CreateJoinToken: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CreateJoinTokenRequest, _admin_service_pb2.CreateJoinTokenResponse]  # type: ignore[assignment]
     CreateQueue: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.CreateQueueRequest, _admin_service_pb2.CreateQueueResponse]  # type: ignore[assignment]
     UpdateQueue: _aio.UnaryUnaryMultiCallable[_admin_service_pb2.UpdateQueueRequest, _admin_service_pb2.UpdateQueueResponse]  # type: ignore[assignment]
@@ -92,6 +102,17 @@ class AdminServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_service_pb2.UncordonSiteRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_service_pb2.UncordonSiteResponse, _abc.Awaitable[_admin_service_pb2.UncordonSiteResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def DrainSite(
+        self,
+        request: _admin_service_pb2.DrainSiteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_service_pb2.DrainSiteResponse, _abc.Awaitable[_admin_service_pb2.DrainSiteResponse]]:
+        """Empties a site, or one node of it, for maintenance: cordons it, stops each task that
+        checkpoints at once (placed again elsewhere from its checkpoint) and the others at the
+        deadline. Undone by UncordonSite.
+        """
 
     @_abc_1.abstractmethod
     def CreateJoinToken(

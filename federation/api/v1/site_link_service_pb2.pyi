@@ -434,6 +434,7 @@ class Offer(_message.Message):
     STOP_AFTER_DISCONNECT_S_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     STAGES_INPUTS_FIELD_NUMBER: _builtins.int
+    CORDONED_NODES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -466,6 +467,10 @@ class Offer(_message.Message):
         The site reserves devices at least that fast where it can; else it answers its own run_s.
         """
 
+    @_builtins.property
+    def cordoned_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes an operator cordoned: no replica may be placed there."""
+
     def __init__(
         self,
         *,
@@ -481,10 +486,11 @@ class Offer(_message.Message):
         stop_after_disconnect_s: _builtins.float = ...,
         revision: _builtins.int = ...,
         stages_inputs: _builtins.bool = ...,
+        cordoned_nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["estimate", b"estimate", "restore", b"restore", "spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stages_inputs", b"stages_inputs", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned_nodes", b"cordoned_nodes", "epoch", b"epoch", "estimate", b"estimate", "job_id", b"job_id", "lease_s", b"lease_s", "node_labels", b"node_labels", "restore", b"restore", "revision", b"revision", "spec", b"spec", "stages_inputs", b"stages_inputs", "stop_after_disconnect_s", b"stop_after_disconnect_s", "task", b"task", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -524,6 +530,7 @@ class ChangeTask(_message.Message):
     SPEC_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     NODE_LABELS_FIELD_NUMBER: _builtins.int
+    CORDONED_NODES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
@@ -540,6 +547,10 @@ class ChangeTask(_message.Message):
     def node_labels(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
         """The job's node labels (constraints.node_labels), which added replicas' nodes must carry."""
 
+    @_builtins.property
+    def cordoned_nodes(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Nodes an operator cordoned: no added replica may be placed there."""
+
     def __init__(
         self,
         *,
@@ -549,10 +560,11 @@ class ChangeTask(_message.Message):
         spec: _jobs_pb2.TaskSpec | None = ...,
         revision: _builtins.int = ...,
         node_labels: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        cordoned_nodes: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["spec", b"spec"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "job_id", b"job_id", "node_labels", b"node_labels", "revision", b"revision", "spec", b"spec", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cordoned_nodes", b"cordoned_nodes", "epoch", b"epoch", "job_id", b"job_id", "node_labels", b"node_labels", "revision", b"revision", "spec", b"spec", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

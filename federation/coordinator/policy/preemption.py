@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -27,6 +28,15 @@ from federation.resources import CPU, KINDS, MEMORY
 
 EPSILON = 1e-9
 _KIND_NAMES: dict[int, str] = {int(kind): name for kind, name in KINDS.items()}
+
+
+class TaskAt(NamedTuple):
+    """One delegation of a task: what stopping it names."""
+
+    job_id: str
+    task: str
+    site: str
+    epoch: int
 
 
 @dataclass(frozen=True, slots=True)
