@@ -253,3 +253,13 @@ async def until_event(
 
     await until(recorded, what, timeout_s)
     return found[0]
+
+
+async def until_past(unix_s: float, what: str) -> None:
+    """Poll the wall clock until it is past ``unix_s`` (a moment the coordinator named, such as
+    an expiry it keeps in whole seconds)."""
+
+    async def past() -> bool:
+        return time.time() > unix_s
+
+    await until(past, what, timeout_s=max(0.0, unix_s - time.time()) + 10)

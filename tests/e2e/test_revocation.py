@@ -23,6 +23,7 @@ from federation.api.v1 import (
     certificate_service_pb2,
     certificate_service_pb2_grpc,
     job_service_pb2,
+    records_pb2,
 )
 from federation.api.v1 import site_link_service_pb2_grpc as link_grpc
 from federation.local import LocalFederation
@@ -43,6 +44,7 @@ from .conftest import (
     tenant_tls,
     tls_for,
     until,
+    until_past,
 )
 
 pytestmark = pytest.mark.xdist_group("e2e-revocation")
@@ -63,10 +65,10 @@ async def revoke(
     return await certificates(channel).RevokeCertificates(request)
 
 
-async def next_second() -> None:
-    """Sleep into the next whole second: certificates carry their issue time in seconds, so one
-    issued in the revocation's own second counts as revoked."""
-    await asyncio.sleep(1.05 - time.time() % 1)
+async def after(revocation: records_pb2.Revocation) -> None:
+    """Wait into the second after the revocation's: certificates carry their issue time in
+    seconds, so one issued in the revocation's own second counts as revoked."""
+    await until_past(revocation.revoked_at.seconds + 1, "the second after the revocation")
 
 
 async def stored(operator: grpc.aio.Channel) -> tuple[int, int]:
@@ -120,7 +122,7 @@ async def test_a_revoked_tenant_is_refused_and_its_watch_ends_within_a_second(
     assert "laptop stolen" in details
     assert "rev-b" not in details
 
-    await next_second()
+    await after(reply.revocation)
     fresh = tenant_tls(federation, "rev-a")  # issued offline after the revocation
     async with channel_as(federation, fresh) as channel:
         listed = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
