@@ -152,9 +152,27 @@ async def test_a_watch_that_never_heard_a_coordinator_stops_nothing(
     """The clock starts when contact is lost, not when the agent starts."""
     core = make_core([node("n")])
     await run(core, offer(code=SLEEP, stop_after_s=0.1))
-    looking = asyncio.create_task(CutOffWatch(core, tick_s=0.05).run())
-    await asyncio.sleep(0.5)
-    looking.cancel()
+    clock = Clock()
+    watch = CutOffWatch(core, tick_s=0.05, clock=clock)
+    looks: list[float] = []
+    look = watch.cut_off_s
+    looked_thrice = asyncio.Event()
+
+    def counted() -> float:
+        looks.append(look())
+        if len(looks) == 3:
+            looked_thrice.set()
+        return looks[-1]
+
+    watch.cut_off_s = counted  # type: ignore[method-assign]
+    looking = asyncio.create_task(watch.run())
+    clock.now += 3600  # an hour since the agent started: far past the task's stop_after_s
+    try:
+        async with asyncio.timeout(10):
+            await looked_thrice.wait()
+    finally:
+        looking.cancel()
+    assert looks[:3] == [0.0, 0.0, 0.0]
     assert states(core) == {"job-1": RUNNING}
 
 

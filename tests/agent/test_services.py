@@ -137,7 +137,13 @@ async def test_on_failure_leaves_a_replica_that_exited_0_down(
         ),
     )
     await until(lambda: endpoints(recorder)[1].restarts >= 2, "replica 1 restarted")
-    await asyncio.sleep(0.5)
+    (task,) = [t for t in core._tasks.values() if t.key[0] == "job-1"]
+    assert task.service is not None
+    # Replica 0's keeper has seen it exit 0 and returned: it will not start it again.
+    await until(lambda: task.keepers[0].done(), "replica 0's keeper to settle")
+    assert task.replicas[0].exited
+    assert task.service[0].down
+    assert not task.keepers[1].done()  # replica 1's keeper goes on restarting it
     ended, failing = endpoints(recorder)
     assert (ended.restarts, ended.ready) == (0, False)
     assert failing.restarts >= 2

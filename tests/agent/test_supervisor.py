@@ -43,6 +43,16 @@ def alive(pid: int) -> bool:
         return False
 
 
+def pidfds(pid: int) -> int:
+    """How many pidfds process ``pid`` holds: a supervisor watches its replica and its agent
+    by one each."""
+    held = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # closed since it was listed
+            held += os.readlink(fd) == "anon_inode:[pidfd]"
+    return held
+
+
 async def first_line(path: Path, timeout_s: float = 10.0) -> str:
     """The first line written to ``path`` (the supervisor writes its output file at most once a
     second, whole)."""
@@ -157,7 +167,12 @@ async def test_an_agent_that_leaves_leaves_its_replica_running_for_the_next(
     """Its agent gone on purpose, the replica runs on; the next agent adopts its supervisor
     (same pid and start) and can still stop it."""
     supervisor, start, replica = await run_agent(tmp_path, "leave")
-    await asyncio.sleep(1.0)  # time enough to notice the agent is gone
+    # The supervisor has seen its agent exit: it let go of the pidfd it watched it by, and
+    # holds only its replica's.
+    deadline = time.monotonic() + 10
+    while pidfds(supervisor) != 1:
+        assert time.monotonic() < deadline, "the supervisor still watches the agent that left"
+        await asyncio.sleep(0.05)
     assert alive(supervisor)
     assert alive(replica)
     TaskRecords(tmp_path / "state").claim()

@@ -11,6 +11,7 @@ import pwd
 import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -120,11 +121,12 @@ async def test_one_tenant_cannot_read_or_signal_anothers_task(
     state, work = site_dirs
     victim = "echo private > secret.txt; echo started; exec sleep 30"
     await run(core, tenant_offer("job-b", "tenant-b", victim, env={"TOKEN": "B-SECRET"}))
-    for _ in range(100):  # until B's file is written
-        if any(r.job_id == "job-b" and r.state == RUNNING for r in recorder.reports):
-            break
+    secret = work / "job-b" / "train" / "1" / "0" / "secret.txt"
+    deadline = time.monotonic() + 10
+    while not (secret.exists() and secret.read_text() == "private\n"):  # B's file is written
+        assert time.monotonic() < deadline, "tenant B's task never wrote its file"
         await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)
+    assert any(r.job_id == "job-b" and r.state == RUNNING for r in recorder.reports)
     attack = tenant_offer("job-a", "tenant-a", ATTACK)
     attack.spec.command.extend(["attack", str(work), str(state), B])
     await run(core, attack)

@@ -28,10 +28,15 @@ class CountingStore(SqliteStore):
     """A store that counts commits (and the puts in each) and can be made to fail."""
 
     commits: list[int]
+    attempts: int
+    """Commits asked for, failed ones too."""
+    attempted: asyncio.Event
     fail: bool
     committed: asyncio.Event
 
     async def commit(self, ops: Sequence[Op]) -> int:
+        self.attempts += 1
+        self.attempted.set()
         if self.fail:
             raise NotLeaderError()
         revision = await super().commit(ops)
@@ -44,7 +49,8 @@ class CountingStore(SqliteStore):
 async def counting(tmp_path: Path) -> AsyncIterator[CountingStore]:
     store = await CountingStore.open(tmp_path / "counted")
     assert isinstance(store, CountingStore)
-    store.commits, store.fail, store.committed = [], False, asyncio.Event()
+    store.commits, store.attempts, store.fail = [], 0, False
+    store.attempted, store.committed = asyncio.Event(), asyncio.Event()
     yield store
     await store.close()
 
@@ -158,19 +164,25 @@ async def test_saver_batches_writes_and_saves_when_stopped(counting: CountingSto
 
 
 async def test_saver_writes_after_an_interval_despite_failures(counting: CountingStore) -> None:
+    interval_s = 0.05
     learner = SpeedLearner(metrics=False)
-    saver = LearningSaver(learner, counting, interval_s=0.05, batch=1000, min_gap_s=0.0)
+    saver = LearningSaver(learner, counting, interval_s=interval_s, batch=1000, min_gap_s=0.0)
     counting.fail = True
     learner.observe("training", "T4", 10.0, 10.0, 20.0)
     task = asyncio.create_task(saver.run())
-    await asyncio.sleep(0.2)
+    async with asyncio.timeout(2.0):
+        while counting.attempts < 2:  # it tried, failed, and tried again
+            counting.attempted.clear()
+            await counting.attempted.wait()
     assert counting.commits == []
     assert not task.done()
     counting.fail = False
     async with asyncio.timeout(2.0):
         await counting.committed.wait()
-    await asyncio.sleep(0.2)
-    assert counting.commits == [1]  # nothing new since: no more writes
+    attempts = counting.attempts
+    await asyncio.sleep(4 * interval_s)  # four intervals with nothing new: no timer writes
+    assert counting.commits == [1]
+    assert counting.attempts == attempts  # not even tried
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

@@ -230,3 +230,36 @@ def tenant_tls(fed: LocalFederation, name: str) -> TlsFiles:
 
 def read_marker(path: Path) -> list[str]:
     return path.read_text().split() if path.exists() else []
+
+
+async def until_event(
+    channel: grpc.aio.Channel,
+    job_id: str,
+    matches: Callable[[jobs_pb2.JobEvent], bool],
+    what: str,
+    timeout_s: float = 45,
+) -> job_service_pb2.GetJobResponse:
+    """Poll GetJob (with its events) until one of the job's recorded events ``matches``; the
+    evidence that the coordinator took the decision that event records. Returns that answer,
+    its job at least as new as the event (GetJob reads the job, then its events)."""
+    request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+    found: list[job_service_pb2.GetJobResponse] = []
+
+    async def recorded() -> bool:
+        reply = await jobs(channel).GetJob(request)
+        found[:] = [reply]
+        newest = reply.job.last_event_sequence
+        return any(matches(e) for e in reply.events if e.sequence <= newest)
+
+    await until(recorded, what, timeout_s)
+    return found[0]
+
+
+async def until_past(unix_s: float, what: str) -> None:
+    """Poll the wall clock until it is past ``unix_s`` (a moment the coordinator named, such as
+    an expiry it keeps in whole seconds)."""
+
+    async def past() -> bool:
+        return time.time() > unix_s
+
+    await until(past, what, timeout_s=max(0.0, unix_s - time.time()) + 10)

@@ -31,7 +31,16 @@ from federation.security.identity import Identity, Role
 from federation.security.pki import init_pki, issue_client_files, load_issuer, make_csr
 from federation.security.tls import TlsFiles
 
-from .conftest import admin, jobs, python_task, site_tls, spec, tenant_tls, wait_for_job
+from .conftest import (
+    admin,
+    jobs,
+    python_task,
+    site_tls,
+    spec,
+    tenant_tls,
+    until_past,
+    wait_for_job,
+)
 from .test_refusals import enrol_ghost
 
 pytestmark = pytest.mark.xdist_group("e2e-independent")
@@ -140,7 +149,7 @@ def stage(federation: LocalFederation, tmp_path_factory: pytest.TempPathFactory)
                 admin_service_pb2.CreateJoinTokenRequest(site="indep-late", domain=1, ttl_s=0.001)
             )
         used = await federation.create_token("indep-once", "edge")
-        await asyncio.sleep(1.1)  # the short token's whole-second expiry passes
+        await until_past(short.expires_at.seconds, "the short token's expiry")
         return {"ghost": ghost, "job": job, "used": used, "expired": short.token}
 
     made = asyncio.run(prepare())

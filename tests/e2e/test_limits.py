@@ -112,18 +112,36 @@ async def test_streams_past_the_limit_are_refused_until_one_closes(
 ) -> None:
     """A tenant may hold three watches; a fourth is refused until one of them ends."""
     stub = jobs(tenant)
-    watches = [stub.WatchJobs(job_service_pb2.WatchJobsRequest()) for _ in range(3)]
-    await asyncio.sleep(0.5)  # the server has entered each handler (no message is due yet)
-    fourth = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
+    request = job_service_pb2.SubmitJobRequest(spec=spec("watched", [python_task("t", "pass")]))
+    job_id = (await politely(stub.SubmitJob, request)).job.id
+    # Each sends the job's current state first: once read, the server holds the stream open.
+    current = job_service_pb2.WatchJobsRequest(job_ids=[job_id], include_current=True)
+    watches = [stub.WatchJobs(current) for _ in range(3)]
+    for watch in watches:
+        await watch.read()
+    fourth = stub.WatchJobs(current)
     with pytest.raises(grpc.aio.AioRpcError) as caught:
         await fourth.read()
     assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "3 open streams" in (caught.value.details() or "")
     watches[0].cancel()
-    await asyncio.sleep(1.0)  # the cancellation reaches the server; tokens refill too
-    again = stub.WatchJobs(job_service_pb2.WatchJobsRequest())
-    with pytest.raises(asyncio.TimeoutError):  # open and waiting for events: not refused
-        await asyncio.wait_for(again.read(), 0.5)
+
+    async def accepted(watch: Any) -> bool:
+        """Whether the watch sends the job's current state, rather than being refused."""
+        try:
+            await watch.read()
+        except grpc.aio.AioRpcError as err:
+            if err.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            return False
+        return True
+
+    deadline = asyncio.get_running_loop().time() + 10
+    again = stub.WatchJobs(current)
+    while not await accepted(again):  # until the cancellation reaches the server
+        assert asyncio.get_running_loop().time() < deadline, "still refused a fourth watch"
+        await asyncio.sleep(0.1)
+        again = stub.WatchJobs(current)
     for watch in [*watches, again]:
         watch.cancel()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 
 import grpc
@@ -11,7 +10,7 @@ import pytest
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, running, spec, wait_for_job
+from .conftest import jobs, python_task, running, spec, until_event, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-node-enforcement")
 
@@ -64,9 +63,18 @@ async def test_no_qualifying_node_leaves_the_task_pending_with_the_node_reason(
     job_spec = spec("needs-cuda-13", [python_task("t", "print()", requires={"cuda": ">=13"})])
     stub = jobs(operator)
     reply = await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job_spec))
-    await asyncio.sleep(2.0)  # several scheduling passes
-    job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=reply.job.id))).job
+
+    def held_for_cuda(event: jobs_pb2.JobEvent) -> bool:
+        return event.state == jobs_pb2.JOB_STATE_PENDING and "cuda" in event.reason
+
+    # The scheduler has tried it: it recorded the task PENDING with the sites' verdicts.
+    seen = await until_event(operator, reply.job.id, held_for_cuda, "the scheduler's verdicts")
+    job = seen.job
     assert job.state == jobs_pb2.JOB_STATE_PENDING
-    reasons = [job.tasks[0].reason, *(v.reason for v in job.tasks[0].verdicts)]
+    task = job.tasks[0]
+    reasons = [task.reason, *(v.reason for v in task.verdicts)]
     assert any("cuda" in reason and "13" in reason for reason in reasons), reasons
+    assert [v.site for v in task.verdicts] == ["mixed"]
+    assert (task.site, list(task.nodes), task.epoch) == ("", [], 0)  # never offered anywhere
+    assert all(e.state == jobs_pb2.JOB_STATE_PENDING for e in seen.events), seen.events
     await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=reply.job.id))

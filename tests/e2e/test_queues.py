@@ -34,6 +34,7 @@ from .conftest import (
     spec,
     tenant_tls,
     until,
+    until_event,
     wait_for_job,
 )
 from .test_cli import fedctl
@@ -214,9 +215,16 @@ async def test_a_quota_holds_under_concurrent_batches_and_says_why(
             return list((await states(a, ids)).values()).count(RUNNING) == 1
 
         await until(one_runs, "one job running")
-        await asyncio.sleep(1.0)  # time for any over-admission to show
+        first = await states(a, ids)
+
+        def held(event: jobs_pb2.JobEvent) -> bool:
+            return event.state == jobs_pb2.JOB_STATE_PENDING and "gpu quota (1/1)" in event.reason
+
+        for job_id in (i for i, s in first.items() if s != RUNNING):  # each one was tried
+            await until_event(a, job_id, held, f"{job_id} held back by the quota")
         now = await states(a, ids)
-        assert list(now.values()).count(RUNNING) == 1
+        assert now == first
+        assert sorted(now.values()) == [jobs_pb2.JOB_STATE_PENDING] * 5 + [RUNNING]
         waiting = next(i for i, s in now.items() if s != RUNNING)
         job = (await jobs(a).GetJob(job_service_pb2.GetJobRequest(job_id=waiting))).job
         assert "queue qa at its gpu quota (1/1)" in job.tasks[0].reason

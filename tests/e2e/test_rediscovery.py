@@ -21,7 +21,7 @@ from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, reso
 from federation.cli.render import sites_table, unhealthy_devices_table
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import admin, jobs, python_task, spec, wait_for_job
+from .conftest import admin, jobs, python_task, spec, until_event, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-rediscovery")
 
@@ -129,9 +129,24 @@ async def test_a_device_that_fails_or_goes_away_gets_no_new_work(
     three = await stub.SubmitJob(
         job_service_pb2.SubmitJobRequest(spec=spec("three-npus", [python_task("t", "pass", **ask)]))
     )
-    await asyncio.sleep(1.5)
-    job = (await stub.GetJob(job_service_pb2.GetJobRequest(job_id=three.job.id))).job
+
+    def tried_with_two_free(event: jobs_pb2.JobEvent) -> bool:
+        return (
+            event.task == "t"
+            and event.state == jobs_pb2.JOB_STATE_PENDING
+            and "2 matching free device(s)" in event.reason
+        )
+
+    # The scheduler has tried it once two-npus had given its NPUs back: it recorded the task
+    # PENDING because the site has two free NPUs that count (four, were the bad ones counted).
+    seen = await until_event(operator, three.job.id, tried_with_two_free, "the scheduler's verdict")
+    job = seen.job
     assert job.state == jobs_pb2.JOB_STATE_PENDING
+    (verdict,) = job.tasks[0].verdicts
+    assert verdict.site == "edge-npu"
+    assert verdict.code == "INSUFFICIENT_FREE_CAPACITY"
+    assert "3xNPU" in verdict.reason
+    assert (job.tasks[0].site, job.tasks[0].epoch) == ("", 0)  # never offered
     await stub.CancelJob(job_service_pb2.CancelJobRequest(job_id=three.job.id))
 
 

@@ -40,6 +40,7 @@ from .conftest import (
     spec,
     tenant_tls,
     until,
+    until_past,
     wait_for_job,
 )
 
@@ -319,7 +320,7 @@ async def test_join_tokens_work_once(federation: LocalFederation) -> None:
         short = await admin(channel).CreateJoinToken(
             admin_service_pb2.CreateJoinTokenRequest(site="short-lived", domain=1, ttl_s=0.001)
         )
-    await asyncio.sleep(1.1)  # let the token's whole-second expiry pass
+    await until_past(short.expires_at.seconds, "the short token's expiry")
     for bad in (token, short.token, "fedjoin.made-up"):
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await join(federation, bad)

@@ -23,9 +23,11 @@ from federation.api.v1 import (
     certificate_service_pb2,
     certificate_service_pb2_grpc,
     job_service_pb2,
+    records_pb2,
 )
 from federation.api.v1 import site_link_service_pb2_grpc as link_grpc
 from federation.local import LocalFederation
+from federation.security.identity import Identity, Role
 from federation.security.pki import serial_hex
 from federation.security.tls import channel_credentials
 from federation.testing.cluster import etcd_coordinator_args, leader_name
@@ -40,7 +42,9 @@ from .conftest import (
     site_tls,
     spec,
     tenant_tls,
+    tls_for,
     until,
+    until_past,
 )
 
 pytestmark = pytest.mark.xdist_group("e2e-revocation")
@@ -61,10 +65,10 @@ async def revoke(
     return await certificates(channel).RevokeCertificates(request)
 
 
-async def next_second() -> None:
-    """Sleep into the next whole second: certificates carry their issue time in seconds, so one
-    issued in the revocation's own second counts as revoked."""
-    await asyncio.sleep(1.05 - time.time() % 1)
+async def after(revocation: records_pb2.Revocation) -> None:
+    """Wait into the second after the revocation's: certificates carry their issue time in
+    seconds, so one issued in the revocation's own second counts as revoked."""
+    await until_past(revocation.revoked_at.seconds + 1, "the second after the revocation")
 
 
 async def stored(operator: grpc.aio.Channel) -> tuple[int, int]:
@@ -118,7 +122,7 @@ async def test_a_revoked_tenant_is_refused_and_its_watch_ends_within_a_second(
     assert "laptop stolen" in details
     assert "rev-b" not in details
 
-    await next_second()
+    await after(reply.revocation)
     fresh = tenant_tls(federation, "rev-a")  # issued offline after the revocation
     async with channel_as(federation, fresh) as channel:
         listed = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
@@ -128,10 +132,33 @@ async def test_a_revoked_tenant_is_refused_and_its_watch_ends_within_a_second(
 async def test_an_operator_revoked_is_refused_and_others_are_not(
     federation: LocalFederation, operator: grpc.aio.Channel
 ) -> None:
-    other = tenant_tls(federation, "rev-c")
-    await revoke(operator, identity="tenant:rev-d", reason="left the team")
-    async with channel_as(federation, other) as channel:
-        await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())  # still fine
+    revoked = tls_for(federation, Identity(Role.OPERATOR, "rev-d"))
+    peer = tls_for(federation, Identity(Role.OPERATOR, "rev-d2"))  # issued with it, not revoked
+    tenant = tenant_tls(federation, "rev-c")
+    request = certificate_service_pb2.ListCertificatesRequest(limit=1)
+    async with channel_as(federation, revoked) as channel:
+        await certificates(channel).ListCertificates(request)  # an operator's call, allowed
+        reply = await revoke(operator, identity="operator:rev-d", reason="left the team")
+        assert reply.revocation.identity == "operator:rev-d"
+        for call in (
+            certificates(channel).ListCertificates(request),
+            jobs(channel).ListJobs(job_service_pb2.ListJobsRequest()),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            details = refused.value.details() or ""
+            assert f"certificate {serial_hex(revoked.cert.read_bytes())} was revoked at" in details
+            assert "left the team" in details
+
+    async with channel_as(federation, peer) as channel:
+        await certificates(channel).ListCertificates(request)
+    async with channel_as(federation, tenant) as channel:
+        await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
+    page = await certificates(operator).ListCertificates(request)  # the admin is not refused
+    revocations = {r.identity: r.reason for r in page.revocations}
+    assert revocations["operator:rev-d"] == "left the team"
+    assert "operator:rev-d2" not in revocations
 
 
 async def test_a_revoked_site_is_dropped_and_cannot_reconnect(

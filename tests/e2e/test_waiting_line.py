@@ -14,7 +14,7 @@ import pytest_asyncio
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, python_task, running, spec, wait_for_job
+from .conftest import jobs, python_task, running, spec, until_event, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-waiting-line")
 
@@ -47,7 +47,13 @@ async def test_priority_then_submission_order(operator: grpc.aio.Channel, tmp_pa
         job = spec(job_id, [python_task("t", "pass", **one_cpu)], id=job_id, priority=priority)
         await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=job))
         await asyncio.sleep(0.05)
-    await asyncio.sleep(2.0)  # tried, fit nowhere, retry timers of different lengths
+
+    def fit_nowhere(event: jobs_pb2.JobEvent) -> bool:
+        return event.task == "t" and "no site can take it now" in event.reason
+
+    for job_id, _ in waiting:  # each was tried and fit nowhere: each waits on a retry timer
+        seen = await until_event(operator, job_id, fit_nowhere, f"{job_id} tried")
+        assert seen.job.state == jobs_pb2.JOB_STATE_PENDING
     go.touch()
     finished = [await wait_for_job(operator, job_id) for job_id, _ in waiting]
     assert all(j.state == jobs_pb2.JOB_STATE_SUCCEEDED for j in finished)
