@@ -204,6 +204,10 @@ class TaskCheckpoints:
         if self.latest is not None:
             self._restore = self.latest
 
+    def restore_from_copy(self, record: jobs_pb2.CheckpointRecord) -> None:
+        """The task restores from ``record``, a copy staged at this site (before it starts)."""
+        self._restore = record
+
     def _scanner_from(self, started_at: float) -> CheckpointScanner:
         """The folder's scanner, counting work from the restored checkpoint's on at
         ``started_at``."""

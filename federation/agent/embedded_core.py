@@ -31,6 +31,7 @@ from federation.agent.accounts import (
     agent_folder,
     private_folder,
 )
+from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
@@ -134,6 +135,14 @@ class _Task:
     """Other tasks' outputs to stage into its folders before it starts (from the commit)."""
     artifacts: list[jobs_pb2.Artifact] = field(default_factory=list)
     """Its outputs as stored, once it succeeded."""
+    checkpoint: jobs_pb2.CheckpointRecord | None = None
+    """The newest checkpoint reported: at a site with a store, the newest uploaded."""
+    uploads: CheckpointUploads | None = None
+    """Uploads its checkpoints, at a site with a store."""
+    restore_input: site_link_service_pb2.StagedInput | None = None
+    """The uploaded checkpoint to stage in before it starts (from the commit)..."""
+    restore_of: jobs_pb2.CheckpointRecord | None = None
+    """... and its record (from the offer)."""
 
     @property
     def active(self) -> bool:
@@ -150,7 +159,7 @@ class _Task:
             reason=self.reason,
             devices=self.devices,
             nodes=[slot.node for slot in self.slots],
-            checkpoint=self.checkpoints.latest if self.checkpoints is not None else None,
+            checkpoint=self.checkpoint,
             # Only once stopped: a task that ended by itself first did not lose its run.
             interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
             endpoints=self.endpoints(),
@@ -433,20 +442,26 @@ class EmbeddedCore:
         task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
         task.site, task.address = self._site, self._address
         task.inputs = list(commit.inputs)
+        restore = reservation.restore
+        if restore is not None and restore.HasField("stored"):
+            # Uploaded: the task restores from a copy staged here, or starts fresh.
+            task.restore_input = site_link_service_pb2.StagedInput(
+                dataset=restore.stored.name,
+                error="the commit carried no copy of the checkpoint to restore",
+            )
+            if commit.HasField("restore"):
+                task.restore_input.CopyFrom(commit.restore)
+            task.restore_of, task.restore = restore, None
+            restore = None
         if is_service(reservation.spec):
             task.service = [
                 ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
             ]
         if reservation.spec.HasField("checkpoint"):
-            task.checkpoints = TaskCheckpoints(
-                reservation.spec.checkpoint,
-                self._task_dir(key),
-                reservation.restore,
-                lambda _: self._report(task),
-            )
+            self._watch_checkpoints(task, restore)
         self._tasks[key] = task
         self._changed()
-        if task.inputs:
+        if task.inputs or task.restore_input is not None:
             # Downloads may take long: the commit is answered now, and the task stays
             # DELEGATED (not RUNNING) until every input is in place.
             task.supervisor = asyncio.create_task(self._stage_then_launch(task))
@@ -482,6 +497,8 @@ class EmbeddedCore:
                 [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
                 self._account(task),
             )
+            if task.restore_input is not None:
+                await self._stage_restore(task, task.restore_input)
         except (DataError, ReplicaStartError) as exc:
             log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
             return str(exc)
@@ -491,6 +508,25 @@ class EmbeddedCore:
             log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
             return f"staging failed: {type(exc).__name__}"
         return None
+
+    async def _stage_restore(self, task: _Task, item: site_link_service_pb2.StagedInput) -> None:
+        """Stages the uploaded checkpoint the task restores from; one that cannot be had is
+        no failure: the task starts fresh, and its reason says why."""
+        dest = restore_path(self._task_dir(task.key), item)
+        try:
+            await self.data.restore(item, dest, self._account(task))
+        except DataError as exc:
+            task.reason = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
+            job_id, name, _ = task.key
+            log.warning("checkpoint_not_restored", job_id=job_id, task=name, error=str(exc))
+            return
+        record = jobs_pb2.CheckpointRecord()
+        if task.restore_of is not None:
+            record.CopyFrom(task.restore_of)
+        record.path = str(dest)
+        task.restore = record
+        if task.checkpoints is not None:
+            task.checkpoints.restore_from_copy(record)
 
     async def _launch(self, task: _Task) -> None:
         """Starts every replica and supervises the task (or ends it, if one cannot start)."""
@@ -666,13 +702,8 @@ class EmbeddedCore:
         task = self._adopted(record)
         task.replicas, task.state = replicas, jobs_pb2.JOB_STATE_RUNNING
         if record.spec.HasField("checkpoint"):
-            task.checkpoints = TaskCheckpoints(
-                record.spec.checkpoint,
-                self._task_dir(record.key),
-                record.restore,
-                lambda _: self._report(task),
-            )
-            task.checkpoints.start(record.started_at)
+            checkpoints = self._watch_checkpoints(task, record.restore)
+            checkpoints.start(record.started_at)
         job_id, name, epoch = record.key
         log.info(
             "task_adopted",
@@ -683,6 +714,50 @@ class EmbeddedCore:
             ended=[p.exited for p in replicas],
         )
         task.supervisor = asyncio.create_task(self._supervise(task))
+
+    def _watch_checkpoints(
+        self, task: _Task, restore: jobs_pb2.CheckpointRecord | None
+    ) -> TaskCheckpoints:
+        """The task's checkpoint folder and watcher; at a site with a store, its uploads."""
+        policy = task.spec.checkpoint
+        task.checkpoints = TaskCheckpoints(
+            policy, self._task_dir(task.key), restore, lambda found: self._found(task, found)
+        )
+        if self.data.store is not None:
+            task.uploads = CheckpointUploads(
+                self.data.store,
+                task.key,
+                task.tenant,
+                policy,
+                self._run_dir(task.key, 0).parent,
+                lambda stored: self._checkpoint_stored(task, stored),
+            )
+        return task.checkpoints
+
+    def _found(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
+        """A checkpoint completed: reported now, or once uploaded where there is a store."""
+        if task.uploads is not None:
+            task.uploads.submit(record)
+        else:
+            task.checkpoint = record
+            self._report(task)
+
+    def _checkpoint_stored(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
+        if task.final is None:
+            task.checkpoint = record
+            self._report(task)
+
+    async def _settle_checkpoints(self, task: _Task, state: State) -> None:
+        """Before a task's end is reported: one more look for a checkpoint (one saved in its
+        stop's grace) and, unless it succeeded, its newest one uploaded."""
+        if task.checkpoints is not None:
+            await task.checkpoints.last_look(task.started_at)
+        if task.uploads is None:
+            return
+        if state == jobs_pb2.JOB_STATE_SUCCEEDED:
+            task.uploads.cancel()  # never restored from: not worth the wait
+        else:
+            await task.uploads.flush()
 
     def _save(self, task: _Task) -> None:
         """Records the task for a later agent; a failure costs its adoption, not the task."""
@@ -932,6 +1007,7 @@ class EmbeddedCore:
             # work is done, and a preempted task must not run again. (One that exits 0 once
             # signalled has not said so: it may have saved a checkpoint and quit.)
             state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
+        await self._settle_checkpoints(task, state)
         if state == jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
             try:
                 task.artifacts, reason = await self.data.publish(
@@ -961,6 +1037,7 @@ class EmbeddedCore:
                 keeper.cancel()
             await asyncio.gather(*task.keepers, return_exceptions=True)
         await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
+        await self._settle_checkpoints(task, jobs_pb2.JOB_STATE_CANCELLED)
         self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", "")
 
     async def change(
@@ -1283,6 +1360,8 @@ class EmbeddedCore:
         task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
         if task.checkpoints is not None:
             task.checkpoints.stop()
+        if task.uploads is not None:
+            task.uploads.cancel()
         task.final = task.report()
         self._save(task)  # before it is reported: a restarted agent reports it again
         self._lock(task.key)

@@ -168,6 +168,56 @@ class SiteStore:
         except Exception as err:
             raise DataError(f"cannot sign a URL: {self.describe(err)}") from None
 
+    def sign_put(self, below_prefix: str, tenant: str, ttl_s: int) -> tuple[str, str]:
+        """A write-only URL for one object of ``tenant``'s folder, given its key below this
+        site's prefix (``TENANT/...``); returns the URL and the object's full key. Raises
+        DataError."""
+        key = "/".join(part for part in (self.prefix, below_prefix) if part)
+        if not below_prefix.startswith(f"{tenant}/"):
+            raise DataError(f"key {below_prefix!r} is not in tenant {tenant!r}'s folder")
+        ttl = timedelta(seconds=max(1, min(ttl_s, MAX_TTL_S)))
+        self.check_tenant_key(key, tenant)
+        try:
+            return obstore.sign(self._store, "PUT", key, ttl), key
+        except Exception as err:
+            raise DataError(f"cannot sign a URL: {self.describe(err)}") from None
+
+    def keys(self, folder: str) -> list[str]:
+        """The keys of the objects in ``folder`` (a key prefix ending in '/'). Raises
+        DataError."""
+        try:
+            return [
+                meta["path"]
+                for batch in obstore.list(self._store, folder, chunk_size=1000)
+                for meta in batch
+            ]
+        except Exception as err:
+            raise DataError(f"cannot list {self.where}: {self.describe(err)}") from None
+
+    def delete(self, keys: list[str]) -> None:
+        """Delete the objects at ``keys``. Raises DataError."""
+        if not keys:
+            return
+        try:
+            obstore.delete(self._store, keys)
+        except Exception as err:
+            raise DataError(f"cannot delete from {self.where}: {self.describe(err)}") from None
+
+    def fetch(self, key: str, dest: Path) -> None:
+        """Copy the object at ``key`` into the file ``dest``. Raises DataError."""
+        try:
+            with dest.open("wb") as out:
+                for block in obstore.get(self._store, key).stream(min_chunk_size=CHUNK):
+                    out.write(block)
+        except Exception as err:
+            raise DataError(f"cannot read {key} from {self.where}: {self.describe(err)}") from None
+
+    def check_tenant_key(self, key: str, tenant: str) -> None:
+        """Raises DataError unless ``key`` is in ``tenant``'s folder under this site's prefix."""
+        folder = "/".join(part for part in (self.prefix, tenant) if part) + "/"
+        if not tenant or not key.startswith(folder) or ".." in key.split("/"):
+            raise DataError(f"key {key!r} is not in tenant {tenant!r}'s folder of this store")
+
     def describe(self, err: Exception) -> str:
         """What went wrong with a request, for a task's reason and the log: the S3 error
         code and status, never the keys (nor the response's details)."""

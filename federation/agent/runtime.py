@@ -475,6 +475,12 @@ class AgentRuntime:
                 else:
                     signed = await self._data.sign(message.presign)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, presign_answer=signed))
+            elif body == "replicate":
+                if self._data is None:
+                    copied = pb.ReplicateAnswer(error="this site stores no checkpoints")
+                else:
+                    copied = await self._data.replicate(message.replicate)
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, replicate_answer=copied))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":

@@ -13,12 +13,14 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
 
 from federation.agent.accounts import Account
+from federation.agent.checkpoint_store import prune, replicate
 from federation.agent.object_store import DataError, SiteStore, download
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
@@ -30,9 +32,11 @@ TaskKey = tuple[str, str, int]
 class TaskData:
     """Stages inputs and stores outputs for one site; ``store`` None: the site has none."""
 
-    def __init__(self, store: SiteStore | None, site: str) -> None:
+    def __init__(self, store: SiteStore | None, site: str, scratch: Path | None = None) -> None:
         self.store = store
         self._site = site
+        self._scratch = scratch or Path(tempfile.gettempdir())
+        """An agent-only folder for checkpoints copied to other sites."""
 
     async def stage(
         self,
@@ -111,17 +115,66 @@ class TaskData:
             return site_link_service_pb2.PresignAnswer(
                 error=f"site {self._site} has no object store"
             )
-        if request.method not in ("", "GET"):
-            return site_link_service_pb2.PresignAnswer(error="only GET URLs are signed")
+        if request.method not in ("", "GET", "PUT"):
+            return site_link_service_pb2.PresignAnswer(error="only GET and PUT URLs are signed")
         try:
-            url = await asyncio.to_thread(
-                self.store.sign_get, request.key, request.tenant, request.ttl_s
-            )
+            if request.method == "PUT":
+                url, key = await asyncio.to_thread(self._sign_put, request)
+            else:
+                key = request.key
+                url = await asyncio.to_thread(
+                    self.store.sign_get, request.key, request.tenant, request.ttl_s
+                )
         except DataError as err:
             log.warning("presign_refused", key=request.key, tenant=request.tenant, error=str(err))
             return site_link_service_pb2.PresignAnswer(error=str(err))
-        log.info("presigned", key=request.key, ttl_s=request.ttl_s)
-        return site_link_service_pb2.PresignAnswer(url=url)
+        log.info("presigned", key=key, method=request.method or "GET", ttl_s=request.ttl_s)
+        return site_link_service_pb2.PresignAnswer(url=url, key=key)
+
+    def _sign_put(self, request: site_link_service_pb2.PresignRequest) -> tuple[str, str]:
+        """A PUT URL for a checkpoint copied in from another site, once the older copies of
+        its folder beyond ``keep`` are deleted (the new one is the ``keep``-th)."""
+        assert self.store is not None
+        url, key = self.store.sign_put(request.key, request.tenant, request.ttl_s)
+        if request.keep:
+            prune(self.store, key.rsplit("/", 1)[0] + "/", max(0, request.keep - 1))
+        return url, key
+
+    async def replicate(
+        self, request: site_link_service_pb2.ReplicateCheckpoint
+    ) -> site_link_service_pb2.ReplicateAnswer:
+        """Copy one of this site's checkpoints to another site's store through its URL."""
+        if self.store is None:
+            return site_link_service_pb2.ReplicateAnswer(error=f"site {self._site} has no store")
+        try:
+            await asyncio.to_thread(replicate, self.store, request, self._scratch)
+        except DataError as err:
+            log.warning("checkpoint_not_copied", key=request.key, error=str(err))
+            return site_link_service_pb2.ReplicateAnswer(error=str(err))
+        log.info("checkpoint_copied", key=request.key, bytes=request.bytes)
+        return site_link_service_pb2.ReplicateAnswer()
+
+    async def restore(
+        self, item: site_link_service_pb2.StagedInput, dest: Path, account: Account | None
+    ) -> None:
+        """Stage an uploaded checkpoint at ``dest`` (in the task's work folder). Raises
+        DataError."""
+        if item.error:
+            raise DataError(item.error)
+        try:
+            await asyncio.to_thread(
+                download, item.url, dest, item.bytes, item.sha256, folder=item.folder
+            )
+            if account is not None:
+                await asyncio.to_thread(_give, dest.parent.parent, _relative(dest), account)
+        except OSError as err:
+            raise DataError(f"cannot write {dest.name}: {err}") from None
+        log.info("checkpoint_staged", name=item.dataset, bytes=item.bytes)
+
+
+def _relative(dest: Path) -> str:
+    """``dest`` below its grandparent (the task's folder): the parts ``_give`` hands over."""
+    return str(Path(dest.parent.name) / dest.name)
 
 
 def _inside(folder: Path, relative: str) -> Path:

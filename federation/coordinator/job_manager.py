@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import math
 import time
@@ -14,6 +15,7 @@ import structlog
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import audit, job_state, retries, spread
+from federation.coordinator.checkpoint_copies import copy_checkpoint, replicates
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     MADE_ID,
@@ -52,6 +54,9 @@ from federation.store import CommitTooLargeError
 from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
+
+COPY_ASK_TIMEOUT_S = 10.0
+"""How long a site may take to sign the URL for a checkpoint's copy."""
 
 DEFAULT_TENANT = "default"
 MAX_BATCH = 10_000
@@ -119,6 +124,8 @@ class JobManager:
         self._hub = hub
         self._wake = wake
         self._reconciler = Reconciler(jobs, self.tell_site)
+        self._copies: set[asyncio.Task[None]] = set()
+        """Checkpoint copies under way (held so they are not garbage-collected)."""
 
     # Clients -----------------------------------------------------------------------------
 
@@ -491,6 +498,7 @@ class JobManager:
         def mutate(job: jobs_pb2.Job) -> list[Change]:
             effects.superseded = False
             effects.siblings.clear()
+            effects.uploaded = None
             current = find_task(job, report.task)
             if current.epoch != report.epoch or current.state not in job_state.AT_SITE:
                 effects.superseded = True  # moved on since it was checked
@@ -511,12 +519,20 @@ class JobManager:
                     site=site,
                     path=report.checkpoint.path,
                     bytes=report.checkpoint.bytes,
+                    key=current.checkpoint.stored.key,
                 )
+                if current.checkpoint.HasField("stored") and replicates(
+                    find_spec(job, report.task).checkpoint
+                ):
+                    effects.uploaded = jobs_pb2.CheckpointRecord()
+                    effects.uploaded.CopyFrom(current.checkpoint)
             if report.state == job_state.RUNNING:
                 changes = []
                 if current.state != job_state.RUNNING:
+                    # A site's word on the start (it started fresh, say) is kept with it.
+                    said = f"; {report.reason}" if report.reason else ""
                     changes.append(
-                        transition(job, report.task, job_state.RUNNING, f"running at {site}")
+                        transition(job, report.task, job_state.RUNNING, f"running at {site}{said}")
                     )
                 # Endpoints change without an event (readiness flaps are not history); a
                 # crash loop's start and end are events, in the commit of their report.
@@ -593,6 +609,33 @@ class JobManager:
         self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")
         if final:
             self._freed(site, _ran_s(find_task(updated, report.task)))
+        if effects.uploaded is not None:
+            copying = asyncio.create_task(self._copy(updated, report.task, effects.uploaded))
+            self._copies.add(copying)
+            copying.add_done_callback(self._copies.discard)
+
+    async def _copy(
+        self, job: jobs_pb2.Job, task_name: str, record: jobs_pb2.CheckpointRecord
+    ) -> None:
+        """Has another site keep a copy of an uploaded checkpoint, and records it while it is
+        still the task's newest."""
+        try:
+            copy = await copy_checkpoint(job, task_name, record, self._sites, COPY_ASK_TIMEOUT_S)
+        except Exception:  # a bug must not go unseen in a task nobody awaits
+            log.exception("checkpoint_copy_failed", job=job.id, task=task_name)
+            return
+        if isinstance(copy, str):
+            log.warning("checkpoint_not_copied", job=job.id, task=task_name, reason=copy)
+            return
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            current = find_task(job, task_name).checkpoint
+            if (current.stored.site, current.stored.key) == (record.stored.site, record.stored.key):
+                current.replicas.append(copy)
+            return []
+
+        await self._jobs.update(job.id, mutate)
+        log.info("checkpoint_copied", job=job.id, task=task_name, site=copy.site, key=copy.key)
 
     def _fence(self, site: str, report: site_link_service_pb2.TaskReport, final: bool) -> None:
         """A report for a delegation that is no longer current: stop it, never accept it."""
@@ -688,6 +731,8 @@ class _Effects:
     """The task moved on since the report was checked: fence the report off."""
     siblings: list[tuple[str, str, int]] = field(default_factory=list)
     """(site, task, epoch) of sibling tasks to cancel because this one failed."""
+    uploaded: jobs_pb2.CheckpointRecord | None = None
+    """A checkpoint recorded as uploaded, for another site to keep a copy of."""
 
 
 def crash_loop_changes(

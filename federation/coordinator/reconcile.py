@@ -45,6 +45,9 @@ def record_checkpoint(
     reported.CopyFrom(report.checkpoint)
     reported.site = site  # a site speaks only for itself
     reported.epoch = report.epoch
+    if reported.HasField("stored"):
+        reported.stored.site = site  # in its own store
+    del reported.replicas[:]  # copies are the coordinator's to record
     recorded = task.checkpoint if task.HasField("checkpoint") else None
     if not is_newer_checkpoint(recorded, reported):
         return False

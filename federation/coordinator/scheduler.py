@@ -33,6 +33,8 @@ import structlog
 from federation import tracing
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import job_state, retries, spread
+from federation.coordinator.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
+from federation.coordinator.checkpoint_copies import restore_input
 from federation.coordinator.forecast import SiteHistory
 from federation.coordinator.jobs import (
     Change,
@@ -1525,6 +1527,7 @@ class Scheduler:
         back: list[tuple[str, Mutation]] = []
         ready: list[tuple[_Negotiation, site_link_service_pb2.Commit]] = []
         staging: dict[int, Awaitable[list[site_link_service_pb2.StagedInput] | str]] = {}
+        restoring: dict[int, Awaitable[site_link_service_pb2.StagedInput]] = {}
         for n in negotiations:
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1549,11 +1552,18 @@ class Scheduler:
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
                 timeout_s = self._config.offer_timeout_s
                 staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s)
+            session = self._sites.session(site)
+            if task.checkpoint.HasField("stored") and session and session.protocol >= CKPT_PROTOCOL:
+                timeout_s = self._config.offer_timeout_s
+                restoring[len(ready)] = restore_input(
+                    job, n.task, task.checkpoint, self._sites, timeout_s
+                )
             ready.append((n, commit))
         # Each holder signs its tasks' URLs over its own link, all holders at once.
         resolved = {}
         if staging:
             resolved = dict(zip(staging, await asyncio.gather(*staging.values()), strict=True))
+        restores = dict(zip(restoring, await asyncio.gather(*restoring.values()), strict=True))
         for i, (n, commit) in enumerate(ready):
             assert n.chosen is not None
             site, reservation = n.chosen
@@ -1564,6 +1574,12 @@ class Scheduler:
                 n.verdicts.append(_refusal(site, inputs))
                 continue
             commit.inputs.extend(inputs)
+            if (restore := restores.get(i)) is not None:
+                commit.restore.CopyFrom(restore)
+                if restore.error:
+                    log.warning(
+                        "checkpoint_not_restorable", job=n.job_id, task=n.task, why=restore.error
+                    )
             self.history.arrived(site)
             commits.setdefault(site, []).append((n, commit))
             n.settled = True  # from here on, only the site's refusal puts it back to PENDING

@@ -832,28 +832,43 @@ class Checkpoint(_message.Message):
     checkpoint there as a file or folder NAME, then an empty marker NAME.done: the agent reports a
     checkpoint when its marker appears (or is touched again). A task placed again after its site
     was lost, or after its agent restarted, starts with FEDERATION_RESTORE_FROM set to the newest
-    recorded checkpoint.
+    recorded checkpoint. At a site with an object store each completed checkpoint is uploaded
+    there, so a task placed again at any site restores from the newest uploaded one.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
 
     DIR_FIELD_NUMBER: _builtins.int
     INTERVAL_S_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
+    REPLICATE_FIELD_NUMBER: _builtins.int
     dir: _builtins.str
     """Folder relative to the task's work folder at the site; empty: "checkpoints"."""
     interval_s: _builtins.float
     """Seconds between two checkpoints; the agent looks for new ones this often. Zero: 60."""
+    keep: _builtins.int
+    """How many of the task's newest uploaded checkpoints each store keeps; older ones are
+    deleted. Zero: 2.
+    """
+    replicate: _builtins.bool
+    """Copy each uploaded checkpoint to one other site's store too, so it survives the loss of
+    its site; unset means true.
+    """
     def __init__(
         self,
         *,
         dir: _builtins.str = ...,
         interval_s: _builtins.float = ...,
+        keep: _builtins.int = ...,
+        replicate: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_replicate", b"_replicate", "replicate", b"replicate"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dir", b"dir", "interval_s", b"interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_replicate", b"_replicate", "dir", b"dir", "interval_s", b"interval_s", "keep", b"keep", "replicate", b"replicate"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__replicate: _TypeAlias = _typing.Literal["replicate"]  # noqa: Y015
+    _WhichOneofArgType__replicate: _TypeAlias = _typing.Literal["_replicate", b"_replicate"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__replicate) -> _WhichOneofReturnType__replicate | None: ...
 
 Global___Checkpoint: _TypeAlias = Checkpoint  # noqa: Y015
 
@@ -1200,6 +1215,8 @@ class CheckpointRecord(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     PROGRESS_S_FIELD_NUMBER: _builtins.int
+    STORED_FIELD_NUMBER: _builtins.int
+    REPLICAS_FIELD_NUMBER: _builtins.int
     path: _builtins.str
     """Absolute path at the site that holds it."""
     bytes: _builtins.int
@@ -1212,6 +1229,18 @@ class CheckpointRecord(_message.Message):
     def time(self) -> _timestamp_pb2.Timestamp:
         """When the task completed it (the time of its .done marker)."""
 
+    @_builtins.property
+    def stored(self) -> Global___Artifact:
+        """The checkpoint as uploaded to its site's object store (name: the checkpoint's name);
+        unset while it is not (the site has no store, or the upload failed).
+        """
+
+    @_builtins.property
+    def replicas(self) -> _containers.RepeatedCompositeFieldContainer[Global___Artifact]:
+        """Copies of `stored` in other sites' stores (the same bytes and digest, each under that
+        store's key), as the coordinator had them made.
+        """
+
     def __init__(
         self,
         *,
@@ -1221,10 +1250,12 @@ class CheckpointRecord(_message.Message):
         site: _builtins.str = ...,
         epoch: _builtins.int = ...,
         progress_s: _builtins.float = ...,
+        stored: Global___Artifact | None = ...,
+        replicas: _abc.Iterable[Global___Artifact] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["time", b"time"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["stored", b"stored", "time", b"time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "path", b"path", "progress_s", b"progress_s", "site", b"site", "time", b"time"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "epoch", b"epoch", "path", b"path", "progress_s", b"progress_s", "replicas", b"replicas", "site", b"site", "stored", b"stored", "time", b"time"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -331,6 +331,7 @@ class AgentMessage(_message.Message):
     GOODBYE_FIELD_NUMBER: _builtins.int
     CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
     PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
+    REPLICATE_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -351,6 +352,8 @@ class AgentMessage(_message.Message):
     def change_answer(self) -> Global___ChangeAnswer: ...
     @_builtins.property
     def presign_answer(self) -> Global___PresignAnswer: ...
+    @_builtins.property
+    def replicate_answer(self) -> Global___ReplicateAnswer: ...
     def __init__(
         self,
         *,
@@ -364,12 +367,13 @@ class AgentMessage(_message.Message):
         goodbye: Global___Goodbye | None = ...,
         change_answer: Global___ChangeAnswer | None = ...,
         presign_answer: Global___PresignAnswer | None = ...,
+        replicate_answer: Global___ReplicateAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -602,6 +606,7 @@ class Commit(_message.Message):
     TASK_FIELD_NUMBER: _builtins.int
     EPOCH_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
+    RESTORE_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     job_id: _builtins.str
     task: _builtins.str
@@ -612,6 +617,13 @@ class Commit(_message.Message):
         its URL, checks its size and digest, and starts the task only once all are in place.
         """
 
+    @_builtins.property
+    def restore(self) -> Global___StagedInput:
+        """The uploaded checkpoint to restore from (protocol 5; dataset: the checkpoint's name): the
+        site stages it into the task's work folder and points FEDERATION_RESTORE_FROM at it. With
+        error set, or unset while the offer's restore was uploaded, the task starts fresh.
+        """
+
     def __init__(
         self,
         *,
@@ -620,10 +632,11 @@ class Commit(_message.Message):
         task: _builtins.str = ...,
         epoch: _builtins.int = ...,
         inputs: _abc.Iterable[Global___StagedInput] | None = ...,
+        restore: Global___StagedInput | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "inputs", b"inputs", "job_id", b"job_id", "reservation_id", b"reservation_id", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "inputs", b"inputs", "job_id", b"job_id", "reservation_id", b"reservation_id", "restore", b"restore", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -686,11 +699,19 @@ class PresignRequest(_message.Message):
     METHOD_FIELD_NUMBER: _builtins.int
     TTL_S_FIELD_NUMBER: _builtins.int
     TENANT_FIELD_NUMBER: _builtins.int
+    KEEP_FIELD_NUMBER: _builtins.int
     key: _builtins.str
+    """GET: the object's full key in the site's store. PUT: its key below the site's prefix
+    (TENANT/...), which the site puts under its own prefix.
+    """
     method: _builtins.str
-    """"GET" only, for now."""
+    """"GET", or "PUT" (protocol 5) for a checkpoint copied in from another site."""
     ttl_s: _builtins.int
     tenant: _builtins.str
+    keep: _builtins.int
+    """PUT only: how many of the newest objects of the key's folder to keep once it is written;
+    the site deletes older ones before it signs. Zero: keep all.
+    """
     def __init__(
         self,
         *,
@@ -698,10 +719,11 @@ class PresignRequest(_message.Message):
         method: _builtins.str = ...,
         ttl_s: _builtins.int = ...,
         tenant: _builtins.str = ...,
+        keep: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "method", b"method", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep", b"keep", "key", b"key", "method", b"method", "tenant", b"tenant", "ttl_s", b"ttl_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -713,22 +735,84 @@ class PresignAnswer(_message.Message):
 
     URL_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
     url: _builtins.str
     error: _builtins.str
     """Why no URL was signed; empty on success."""
+    key: _builtins.str
+    """The full key the URL is for (PUT: where the object will be in this site's store)."""
     def __init__(
         self,
         *,
         url: _builtins.str = ...,
         error: _builtins.str = ...,
+        key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "key", b"key", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PresignAnswer: _TypeAlias = PresignAnswer  # noqa: Y015
+
+@_typing.final
+class ReplicateCheckpoint(_message.Message):
+    """Asks the site holding an uploaded checkpoint to copy it into another site's store through a
+    URL that site signed (protocol 5); answered by ReplicateAnswer once the copy is written.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    KEY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    URL_FIELD_NUMBER: _builtins.int
+    key: _builtins.str
+    """The object's key in this site's store."""
+    tenant: _builtins.str
+    bytes: _builtins.int
+    """Size and SHA-256 this site reported for it: the copy must match both."""
+    sha256: _builtins.str
+    url: _builtins.str
+    """A short-lived PUT URL for the copy, signed by the receiving site."""
+    def __init__(
+        self,
+        *,
+        key: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        url: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "key", b"key", "sha256", b"sha256", "tenant", b"tenant", "url", b"url"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateCheckpoint: _TypeAlias = ReplicateCheckpoint  # noqa: Y015
+
+@_typing.final
+class ReplicateAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ERROR_FIELD_NUMBER: _builtins.int
+    error: _builtins.str
+    """Why the copy was not written; empty on success."""
+    def __init__(
+        self,
+        *,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReplicateAnswer: _TypeAlias = ReplicateAnswer  # noqa: Y015
 
 @_typing.final
 class Release(_message.Message):
@@ -971,6 +1055,7 @@ class CoordinatorMessage(_message.Message):
     TRUST_BUNDLE_FIELD_NUMBER: _builtins.int
     CHANGE_FIELD_NUMBER: _builtins.int
     PRESIGN_FIELD_NUMBER: _builtins.int
+    REPLICATE_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -1007,6 +1092,10 @@ class CoordinatorMessage(_message.Message):
     def presign(self) -> Global___PresignRequest:
         """Protocol 4 and later."""
 
+    @_builtins.property
+    def replicate(self) -> Global___ReplicateCheckpoint:
+        """Protocol 5 and later."""
+
     def __init__(
         self,
         *,
@@ -1023,12 +1112,13 @@ class CoordinatorMessage(_message.Message):
         trust_bundle: Global___TrustBundle | None = ...,
         change: Global___ChangeTask | None = ...,
         presign: Global___PresignRequest | None = ...,
+        replicate: Global___ReplicateCheckpoint | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "replicate"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
