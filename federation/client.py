@@ -20,6 +20,7 @@ fields; ``NotFound``, ``PermissionDenied``...), never a bare ``grpc`` error.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -274,6 +275,33 @@ class Client:
         try:
             async for event in events_of(stub.WatchJobs(request)):
                 yield event
+        except grpc.aio.AioRpcError as err:
+            raise call_error(err) from None
+
+    async def logs(
+        self,
+        job_id: str,
+        task: str = "",
+        *,
+        replica: int = 0,
+        follow: bool = False,
+        tail: int = 0,
+        since: datetime | None = None,
+    ) -> AsyncIterator[jobs_pb2.LogLine]:
+        """A replica's output lines from the site that ran it (``task`` may be left out for a
+        job of one task); with ``follow``, new ones as they come until that run ends; ``tail``:
+        only the last that many kept so far; ``since``: only lines from then on."""
+        await self._on_leader("ListJobs", job_service_pb2.ListJobsRequest(page_size=1))
+        request = job_service_pb2.StreamLogsRequest(
+            job_id=job_id, task=task, replica=replica, follow=follow, tail_lines=tail
+        )
+        if since is not None:
+            request.since.FromDatetime(since)
+        stub = self._stub(self._endpoints.current)
+        try:
+            async for response in stub.StreamLogs(request):
+                for line in response.lines:
+                    yield line
         except grpc.aio.AioRpcError as err:
             raise call_error(err) from None
 

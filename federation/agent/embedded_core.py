@@ -44,6 +44,7 @@ from federation.agent.process import ReplicaProcess, ReplicaStartError, describe
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
+from federation.agent.task_logs import read_log
 from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -595,6 +596,17 @@ class EmbeddedCore:
             victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
+
+    async def read_logs(
+        self, request: site_link_service_pb2.ReadLogs
+    ) -> site_link_service_pb2.LogsAnswer:
+        """A replica's output lines, from its log beside its work folder (kept after the
+        task ends, as the work folder is)."""
+        key = (request.job_id, request.task, request.epoch)
+        if not all(_safe_part(part) for part in (request.job_id, request.task)):
+            return site_link_service_pb2.LogsAnswer(error="no such task here")
+        run_dir = self._run_dir(key, request.replica)
+        return await asyncio.to_thread(read_log, run_dir, request)
 
     def forget(self, job_id: str, task: str, epoch: int) -> None:
         """Drops a finished task's record; a running task is kept."""
@@ -1391,3 +1403,8 @@ class EmbeddedCore:
             self._on_change()
         except Exception:
             log.exception("change_callback_failed")
+
+
+def _safe_part(name: str) -> bool:
+    """Whether ``name`` (a job id or task name from the coordinator) is one path part."""
+    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name

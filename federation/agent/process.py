@@ -27,6 +27,7 @@ from federation.agent import supervisor
 from federation.agent.accounts import Account
 from federation.agent.supervisor import TAIL_BYTES as TAIL_BYTES
 from federation.agent.supervisor import process_start
+from federation.agent.task_logs import LOG_BYTES, LOG_FILE
 
 log = structlog.get_logger()
 
@@ -288,6 +289,8 @@ def _spawn(
         "owner": str(owner) if owner is not None else "",
         "output": str(run_dir / OUTPUT_FILE),
         "exit": str(run_dir / EXIT_FILE),
+        "log": str(run_dir / LOG_FILE),
+        "log_bytes": LOG_BYTES,
     }
     # Its own session, so it outlives the agent, and a clean environment, as it runs as the
     # agent's user: the task's goes to the replica only. Started by vfork (no user change).

@@ -481,6 +481,14 @@ class AgentRuntime:
                 else:
                     copied = await self._data.replicate(message.replicate)
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, replicate_answer=copied))
+            elif body == "read_logs":
+                read = getattr(self.core, "read_logs", None)
+                logs = (
+                    await read(message.read_logs)
+                    if read is not None
+                    else pb.LogsAnswer(error="this site's core keeps no logs")
+                )
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, logs_answer=logs))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":

@@ -5,9 +5,10 @@ The agent starts it as ``python -I -S supervisor.py LABEL`` (standard library on
 of its own, and writes a JSON launch spec to its stdin. The supervisor starts the replica as
 the leader of another new session, as the tenant's account, answers ``ok PID`` (or
 ``error CODE MESSAGE``) on stdout, then keeps the last ``TAIL_BYTES`` of the replica's output in
-a file and, once the replica has exited and the stragglers it left are killed, writes its exit
-status to another, atomically. A restarted agent reads both, or adopts the supervisor while it
-runs. The replica dies with its supervisor (parent-death signal).
+a file and every line of it in a log (``LogWriter``: stamped, rotated at a size), and, once the
+replica has exited and the stragglers it left are killed, writes its exit status to another,
+atomically. A restarted agent reads both, or adopts the supervisor while it runs. The replica
+dies with its supervisor (parent-death signal).
 
 Signals from the agent:
 
@@ -34,6 +35,8 @@ import time
 from typing import Any
 
 TAIL_BYTES = 4096
+LOG_LINE_BYTES = 16 * 1024
+"""A line longer than this (a progress bar redrawn with \r, say) is logged in pieces."""
 _READ_CHUNK = 64 * 1024
 _FLUSH_S = 1.0
 """At most this often the output file is rewritten while the replica runs."""
@@ -82,6 +85,58 @@ def write_atomically(path: str, data: bytes, *, sync: bool = False) -> None:
     finally:
         os.close(fd)
     os.replace(temporary, path)
+
+
+class LogWriter:
+    """Appends a replica's output to ``path`` a line at a time, each line as ``STAMP TEXT``
+    with STAMP its arrival in nanoseconds since the epoch, strictly increasing, so a reader
+    can ask for what came after the last line it read. Past ``limit`` bytes the file is
+    renamed ``path.1`` (replacing the one before) and a new one begun: a replica keeps at
+    most twice ``limit``."""
+
+    def __init__(self, path: str, limit: int) -> None:
+        self._path = path
+        self._limit = limit
+        self._partial = bytearray()
+        self._stamp = 0
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        self._size = os.fstat(self._fd).st_size
+
+    def write(self, chunk: bytes) -> None:
+        self._partial += chunk
+        lines = []
+        while (end := self._partial.find(b"\n")) >= 0 or len(self._partial) > LOG_LINE_BYTES:
+            cut = end + 1 if 0 <= end < LOG_LINE_BYTES else LOG_LINE_BYTES
+            lines.append(bytes(self._partial[:cut]).rstrip(b"\n"))
+            del self._partial[:cut]
+        self._append(lines)
+
+    def close(self) -> None:
+        """Log what is left of an unfinished last line."""
+        if self._partial:
+            self._append([bytes(self._partial)])
+            self._partial.clear()
+        os.close(self._fd)
+
+    def _append(self, lines: list[bytes]) -> None:
+        if not lines:
+            return
+        records = []
+        for line in lines:
+            self._stamp = max(time.time_ns(), self._stamp + 1)
+            records.append(b"%d %s\n" % (self._stamp, line))
+        data = b"".join(records)
+        if self._size and self._size + len(data) > self._limit:
+            os.close(self._fd)
+            os.replace(self._path, self._path + ".1")
+            self._fd = os.open(
+                self._path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600
+            )
+            self._size = 0
+        view = memoryview(data)
+        while view:
+            view = view[os.write(self._fd, view) :]
+        self._size += len(data)
 
 
 def _die_with_supervisor(supervisor: int) -> None:
@@ -133,6 +188,7 @@ class Supervisor:
         os.set_blocking(self._output, False)
         self._selector.register(self._output, selectors.EVENT_READ, "output")
         self._tail = bytearray()
+        self._log = LogWriter(spec["log"], spec["log_bytes"]) if spec.get("log") else None
         self._flushed_at = 0.0
         self._dirty = False
         self._stopped = False
@@ -275,6 +331,8 @@ class Supervisor:
             return False
         self._tail += chunk
         del self._tail[:-TAIL_BYTES]
+        if self._log is not None:
+            self._log.write(chunk)
         self._dirty = True
         return True
 
@@ -298,6 +356,8 @@ class Supervisor:
                 break
             draining = self._read_output()
         self._flush(force=True)
+        if self._log is not None:
+            self._log.close()
         status = {"returncode": returncode, "stopped": self._stopped, "why": self._why}
         write_atomically(self._spec["exit"], json.dumps(status).encode(), sync=True)
 

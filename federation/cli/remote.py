@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import sys
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from google.protobuf import json_format
@@ -44,6 +46,7 @@ from federation.cli.render import (
     time_left,
     unhealthy_devices_table,
     utc_time,
+    visible_line,
 )
 from federation.client import CallError, Client
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
@@ -157,6 +160,26 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     events.add_argument("job_id")
     events.add_argument("--task", default="", help="only this task's (and the job's own)")
     events.set_defaults(func=cmd_events)
+    logs = jobs_sub.add_parser(
+        "logs", help="a replica's output lines, from the site that ran it (-f: as they come)"
+    )
+    logs.add_argument("job_id")
+    logs.add_argument("task", nargs="?", default="", help="may be left out for one task")
+    logs.add_argument("--replica", type=int, default=0, help="which replica (default 0)")
+    logs.add_argument(
+        "-f", "--follow", action="store_true", help="go on with new lines until the run ends"
+    )
+    logs.add_argument("--tail", type=int, default=0, metavar="N", help="only the last N lines")
+    logs.add_argument(
+        "--since",
+        type=parse_since,
+        metavar="WHEN",
+        help="only lines from then on: a duration back from now (10m) or an ISO 8601 time",
+    )
+    logs.add_argument(
+        "--timestamps", action="store_true", help="start each line with when the site read it"
+    )
+    logs.set_defaults(func=cmd_logs)
     watch = jobs_sub.add_parser(
         "watch", help="stream job events; with job ids, until those jobs end (else Ctrl-C)"
     )
@@ -528,6 +551,44 @@ async def cmd_cancel(args: argparse.Namespace, conn: Connection) -> int:
         out.messages(job)
     else:
         show(text(f"{job.id}: {state_name(job.state)} ({job.reason})"))
+    return 0
+
+
+def parse_since(value: str) -> datetime:
+    """``--since``: a duration back from now (90s, 10m, 2h) or an ISO 8601 time."""
+    try:
+        when = datetime.fromisoformat(value)
+    except ValueError:
+        return datetime.now(UTC) - timedelta(seconds=parse_seconds(value))
+    return when if when.tzinfo is not None else when.astimezone()
+
+
+async def cmd_logs(args: argparse.Namespace, conn: Connection) -> int:
+    """Print the lines as they arrive: text, or one JSON object a line with -o json."""
+    out = output_of(args)
+    if args.replica < 0 or args.tail < 0:
+        raise CliError("--replica and --tail take a number >= 0")
+    async with Client(conn.address, conn.tls) as client:
+        lines = client.logs(
+            args.job_id,
+            args.task,
+            replica=args.replica,
+            follow=args.follow,
+            tail=args.tail,
+            since=args.since,
+        )
+        try:
+            async for line in lines:
+                when = datetime.fromtimestamp(line.stamp_ns / 1e9, UTC).isoformat()
+                if out.is_data:
+                    record = {"time": when, "stamp_ns": line.stamp_ns, "text": line.text}
+                    print(json.dumps(record, ensure_ascii=True))
+                else:
+                    shown = visible_line(line.text)
+                    print(f"{when} {shown}" if args.timestamps else shown)
+                sys.stdout.flush()  # a reader of a pipe sees each line as it comes
+        except CallError as err:
+            raise cli_error(err) from None
     return 0
 
 

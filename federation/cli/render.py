@@ -49,6 +49,12 @@ def text(value: str, style: str = "") -> Text:
     return Text(visible, style=style)
 
 
+def visible_line(value: str) -> str:
+    """A line of a task's output as ``text`` shows a value (control characters made
+    visible, so it cannot drive the terminal), but with its tabs kept."""
+    return "\t".join(text(part).plain for part in value.split("\t"))
+
+
 def site_state_name(value: int) -> str:
     return admin_service_pb2.SiteState.Name(value).removeprefix("SITE_STATE_")  # type: ignore[arg-type]
 

@@ -88,6 +88,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "CancelJob",
             "WatchJobs",
             "ExplainJob",
+            "StreamLogs",
         )
     },
     **{
@@ -206,6 +207,12 @@ class JobServicer(job_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
         async for events in self._current().manager.watch(current_caller(), request):
             yield job_pb.WatchJobsResponse(events=events)
+
+    async def StreamLogs(
+        self, request: job_pb.StreamLogsRequest, context: Context
+    ) -> AsyncIterator[job_pb.StreamLogsResponse]:
+        async for response in self._current().logs.stream(current_caller(), request):
+            yield response
 
 
 class ServingServicer(serving_grpc.ServingServiceServicer):

@@ -39,6 +39,7 @@ from federation.coordinator.security.renewal import Renewal
 from federation.coordinator.serving import Serving
 from federation.coordinator.site_link import SiteLink
 from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.task_logs import TaskLogs
 from federation.errors import NotLeaderError
 from federation.metrics import PLACEMENT_PLUGINS_DISABLED
 from federation.placement.framework import Framework
@@ -68,6 +69,7 @@ class Services:
     admin: Admin
     renewal: Renewal
     serving: Serving
+    logs: TaskLogs
     scheduler_task: asyncio.Task[None]
     lost_sites: LostSites
     lost_sites_task: asyncio.Task[None]
@@ -233,6 +235,7 @@ async def start_services(
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
         serving=Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed),
+        logs=TaskLogs(manager, jobs, sites),
         renewal=Renewal(
             store,
             sites,

@@ -33,7 +33,14 @@ from federation.site_protocol import agreed_version
 log = structlog.get_logger()
 
 ANSWERS = frozenset(
-    {"offer_answer", "commit_answer", "change_answer", "presign_answer", "replicate_answer"}
+    {
+        "offer_answer",
+        "commit_answer",
+        "change_answer",
+        "presign_answer",
+        "replicate_answer",
+        "logs_answer",
+    }
 )
 """Agent messages that answer a coordinator request (matched by correlation id)."""
 

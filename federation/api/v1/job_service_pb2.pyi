@@ -7,6 +7,7 @@ from collections import abc as _abc
 from federation.api.v1 import jobs_pb2 as _jobs_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -18,6 +19,76 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+@_typing.final
+class StreamLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    TAIL_LINES_FIELD_NUMBER: _builtins.int
+    SINCE_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    task: _builtins.str
+    """The task; may be left empty for a job of one task."""
+    replica: _builtins.int
+    """Which replica (from 0)."""
+    follow: _builtins.bool
+    """Go on with new lines until the run ends."""
+    tail_lines: _builtins.int
+    """Only the last this many lines kept so far (then, with follow, every new one); 0: all."""
+    @_builtins.property
+    def since(self) -> _timestamp_pb2.Timestamp:
+        """Only lines that came at or after this time; unset: any."""
+
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+        replica: _builtins.int = ...,
+        follow: _builtins.bool = ...,
+        tail_lines: _builtins.int = ...,
+        since: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["since", b"since"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["follow", b"follow", "job_id", b"job_id", "replica", b"replica", "since", b"since", "tail_lines", b"tail_lines", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamLogsRequest: _TypeAlias = StreamLogsRequest  # noqa: Y015
+
+@_typing.final
+class StreamLogsResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINES_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    """The site and run (epoch) they come from: the task's current one when the stream began."""
+    epoch: _builtins.int
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.LogLine]:
+        """In the order they came; a response holds at most about 1 MiB of them."""
+
+    def __init__(
+        self,
+        *,
+        lines: _abc.Iterable[_jobs_pb2.LogLine] | None = ...,
+        site: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "lines", b"lines", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamLogsResponse: _TypeAlias = StreamLogsResponse  # noqa: Y015
 
 @_typing.final
 class ExplainJobRequest(_message.Message):

@@ -70,6 +70,11 @@ class JobServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.FromString,
                 _registered_method=True)
+        self.StreamLogs = channel.unary_stream(
+                '/federation.api.v1.JobService/StreamLogs',
+                request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -121,6 +126,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamLogs(self, request, context):
+        """A replica's output lines, read through the coordinator from the site that ran it, for as
+        long as that site keeps them; with follow, new lines as they come until that run ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -158,6 +171,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.ExplainJob,
                     request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.SerializeToString,
+            ),
+            'StreamLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamLogs,
+                    request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -350,6 +368,33 @@ class JobService:
             '/federation.api.v1.JobService/ExplainJob',
             federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_job__service__pb2.ExplainJobResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/federation.api.v1.JobService/StreamLogs',
+            federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,10 @@ class JobServiceStub:
     """Events of the caller's jobs as they happen."""
     ExplainJob: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.ExplainJobRequest, _job_service_pb2.ExplainJobResponse]
     """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
+    StreamLogs: _grpc.UnaryStreamMultiCallable[_job_service_pb2.StreamLogsRequest, _job_service_pb2.StreamLogsResponse]
+    """A replica's output lines, read through the coordinator from the site that ran it, for as
+    long as that site keeps them; with follow, new lines as they come until that run ends.
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -59,6 +63,10 @@ class JobServiceAsyncStub(JobServiceStub):
     """Events of the caller's jobs as they happen."""
     ExplainJob: _aio.UnaryUnaryMultiCallable[_job_service_pb2.ExplainJobRequest, _job_service_pb2.ExplainJobResponse]  # type: ignore[assignment]
     """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
+    StreamLogs: _aio.UnaryStreamMultiCallable[_job_service_pb2.StreamLogsRequest, _job_service_pb2.StreamLogsResponse]  # type: ignore[assignment]
+    """A replica's output lines, read through the coordinator from the site that ran it, for as
+    long as that site keeps them; with follow, new lines as they come until that run ends.
+    """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     """Cross-site jobs, for clients."""
@@ -114,5 +122,15 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_job_service_pb2.ExplainJobResponse, _abc.Awaitable[_job_service_pb2.ExplainJobResponse]]:
         """Why a job's tasks are (or would be) placed where they are: every site, filter or score."""
+
+    @_abc_1.abstractmethod
+    def StreamLogs(
+        self,
+        request: _job_service_pb2.StreamLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_job_service_pb2.StreamLogsResponse], _abc.AsyncIterator[_job_service_pb2.StreamLogsResponse]]:
+        """A replica's output lines, read through the coordinator from the site that ran it, for as
+        long as that site keeps them; with follow, new lines as they come until that run ends.
+        """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

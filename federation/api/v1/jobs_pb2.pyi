@@ -1290,9 +1290,37 @@ class DisplacedCopy(_message.Message):
 Global___DisplacedCopy: _TypeAlias = DisplacedCopy  # noqa: Y015
 
 @_typing.final
-class Estimate(_message.Message):
-    """Estimated completion time at one site, by term, in seconds; and its cost and energy."""
+class LogLine(_message.Message):
+    """Estimated completion time at one site, by term, in seconds; and its cost and energy.
+    One line a replica wrote (stdout and stderr together), as its site keeps it.
+    """
 
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STAMP_NS_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    stamp_ns: _builtins.int
+    """When the site read it, in nanoseconds since the Unix epoch; strictly increasing within a
+    replica's run, so it also marks how far a reader got.
+    """
+    text: _builtins.str
+    """The line without its newline; a line over 16 KiB comes in pieces."""
+    def __init__(
+        self,
+        *,
+        stamp_ns: _builtins.int = ...,
+        text: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["stamp_ns", b"stamp_ns", "text", b"text"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogLine: _TypeAlias = LogLine  # noqa: Y015
+
+@_typing.final
+class Estimate(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUE_S_FIELD_NUMBER: _builtins.int

@@ -332,6 +332,7 @@ class AgentMessage(_message.Message):
     CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
     PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
     REPLICATE_ANSWER_FIELD_NUMBER: _builtins.int
+    LOGS_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -354,6 +355,8 @@ class AgentMessage(_message.Message):
     def presign_answer(self) -> Global___PresignAnswer: ...
     @_builtins.property
     def replicate_answer(self) -> Global___ReplicateAnswer: ...
+    @_builtins.property
+    def logs_answer(self) -> Global___LogsAnswer: ...
     def __init__(
         self,
         *,
@@ -368,12 +371,13 @@ class AgentMessage(_message.Message):
         change_answer: Global___ChangeAnswer | None = ...,
         presign_answer: Global___PresignAnswer | None = ...,
         replicate_answer: Global___ReplicateAnswer | None = ...,
+        logs_answer: Global___LogsAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "logs_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -686,6 +690,80 @@ class StagedInput(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___StagedInput: _TypeAlias = StagedInput  # noqa: Y015
+
+@_typing.final
+class ReadLogs(_message.Message):
+    """Asks the site for a replica's output lines as its core keeps them (protocol 6); answered by
+    LogsAnswer.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    REPLICA_FIELD_NUMBER: _builtins.int
+    AFTER_NS_FIELD_NUMBER: _builtins.int
+    SINCE_NS_FIELD_NUMBER: _builtins.int
+    TAIL_LINES_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    task: _builtins.str
+    epoch: _builtins.int
+    replica: _builtins.int
+    after_ns: _builtins.int
+    """Only lines after this stamp (the last line read); 0: from the first line kept."""
+    since_ns: _builtins.int
+    """Only lines that came at or after this time (nanoseconds since the Unix epoch); 0: any."""
+    tail_lines: _builtins.int
+    """With after_ns 0: only the last this many lines; 0: all."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        replica: _builtins.int = ...,
+        after_ns: _builtins.int = ...,
+        since_ns: _builtins.int = ...,
+        tail_lines: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_ns", b"after_ns", "epoch", b"epoch", "job_id", b"job_id", "replica", b"replica", "since_ns", b"since_ns", "tail_lines", b"tail_lines", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ReadLogs: _TypeAlias = ReadLogs  # noqa: Y015
+
+@_typing.final
+class LogsAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LINES_FIELD_NUMBER: _builtins.int
+    MORE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    more: _builtins.bool
+    """More lines were there than the answer holds: ask again after the last one."""
+    error: _builtins.str
+    """Why no lines could be read (the site keeps no logs for that run); empty otherwise."""
+    @_builtins.property
+    def lines(self) -> _containers.RepeatedCompositeFieldContainer[_jobs_pb2.LogLine]:
+        """The first lines asked for, oldest first, up to about 1 MiB."""
+
+    def __init__(
+        self,
+        *,
+        lines: _abc.Iterable[_jobs_pb2.LogLine] | None = ...,
+        more: _builtins.bool = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "lines", b"lines", "more", b"more"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogsAnswer: _TypeAlias = LogsAnswer  # noqa: Y015
 
 @_typing.final
 class PresignRequest(_message.Message):
@@ -1056,6 +1134,7 @@ class CoordinatorMessage(_message.Message):
     CHANGE_FIELD_NUMBER: _builtins.int
     PRESIGN_FIELD_NUMBER: _builtins.int
     REPLICATE_FIELD_NUMBER: _builtins.int
+    READ_LOGS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -1096,6 +1175,10 @@ class CoordinatorMessage(_message.Message):
     def replicate(self) -> Global___ReplicateCheckpoint:
         """Protocol 5 and later."""
 
+    @_builtins.property
+    def read_logs(self) -> Global___ReadLogs:
+        """Protocol 6."""
+
     def __init__(
         self,
         *,
@@ -1113,12 +1196,13 @@ class CoordinatorMessage(_message.Message):
         change: Global___ChangeTask | None = ...,
         presign: Global___PresignRequest | None = ...,
         replicate: Global___ReplicateCheckpoint | None = ...,
+        read_logs: Global___ReadLogs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "replicate"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "replicate", "read_logs"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
