@@ -11,8 +11,10 @@ History:
    ``StagedInput`` list of a ``Commit``, and ``PresignRequest`` answered by ``PresignAnswer``.
    A task with outputs or staged inputs is offered only to agents that speak 4, and only they
    are asked to sign.
+5. ``DescribeRequest`` answered by ``DescribeAnswer``: the size and SHA-256 of an object of
+   the site's store, for a dataset being registered. Asked only of agents that speak 5.
 
-Each release speaks its own version and at least the one before (this one speaks 1 to 4), so
+Each release speaks its own version and at least the one before (this one speaks 1 to 5), so
 an agent and a coordinator one version apart always share one: the coordinator answers with
 the older of the two. Further apart, the agent is refused with the side to upgrade
 (coordinators first, then agents, keeps every pair within one). An agent ignores a coordinator
@@ -21,14 +23,14 @@ in a later version must be one an older agent may ignore without harm, or be sen
 agents that speak it. Every message of version 2 is understood by version 1 agents, or needs
 no answer (the trust bundle after a CA rollover: such an agent keeps its CA bundle until it is
 given a new one); version 3's ChangeTask goes only to agents that speak 3, version 4's data
-messages only to agents that speak 4.
+messages only to agents that speak 4, version 5's DescribeRequest only to agents that speak 5.
 """
 
 from __future__ import annotations
 
 from federation.errors import ProtocolVersionError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The site-link protocol this release speaks."""
 MIN_PROTOCOL_VERSION = 1
 """The oldest an agent may speak and still be served."""

@@ -32,6 +32,11 @@ from federation.site_protocol import agreed_version
 
 log = structlog.get_logger()
 
+ANSWERS = frozenset(
+    {"offer_answer", "commit_answer", "change_answer", "presign_answer", "describe_answer"}
+)
+"""Agent messages that answer a request of the coordinator's (by correlation id)."""
+
 HELLO_TIMEOUT_S = 30.0
 MISSED_HEARTBEATS = 3
 
@@ -254,7 +259,7 @@ class SiteLink:
                 # of jobs with disconnect.stop_after_s, counting from the last message it heard.
                 session.send(pb.CoordinatorMessage(heartbeat=request.heartbeat))
             return
-        if body in ("offer_answer", "commit_answer", "change_answer", "presign_answer"):
+        if body in ANSWERS:
             if not session.resolve(request):
                 log.info("late_answer_dropped", site=site, correlation=request.correlation_id)
                 answer = request.offer_answer

@@ -331,6 +331,7 @@ class AgentMessage(_message.Message):
     GOODBYE_FIELD_NUMBER: _builtins.int
     CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
     PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
+    DESCRIBE_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -351,6 +352,10 @@ class AgentMessage(_message.Message):
     def change_answer(self) -> Global___ChangeAnswer: ...
     @_builtins.property
     def presign_answer(self) -> Global___PresignAnswer: ...
+    @_builtins.property
+    def describe_answer(self) -> Global___DescribeAnswer:
+        """Protocol 5 and later."""
+
     def __init__(
         self,
         *,
@@ -364,12 +369,13 @@ class AgentMessage(_message.Message):
         goodbye: Global___Goodbye | None = ...,
         change_answer: Global___ChangeAnswer | None = ...,
         presign_answer: Global___PresignAnswer | None = ...,
+        describe_answer: Global___DescribeAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "describe_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -719,6 +725,75 @@ class PresignAnswer(_message.Message):
 Global___PresignAnswer: _TypeAlias = PresignAnswer  # noqa: Y015
 
 @_typing.final
+class DescribeRequest(_message.Message):
+    """Asks the agent for the size and SHA-256 of one object of its store, for a dataset being
+    registered (protocol 5); answered by DescribeAnswer. The agent describes only keys under its
+    prefix and the tenant's folder, as it signs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKET_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    bucket: _builtins.str
+    """The object's bucket: the agent refuses any bucket but its own."""
+    key: _builtins.str
+    """The object's key in that bucket."""
+    tenant: _builtins.str
+    """The tenant the dataset is registered for."""
+    bytes: _builtins.int
+    """The size the registrant gave; 0: unknown. With sha256, the agent checks only the size."""
+    sha256: _builtins.str
+    """The digest the registrant gave, hex; empty: the agent reads the object to compute it."""
+    def __init__(
+        self,
+        *,
+        bucket: _builtins.str = ...,
+        key: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "bytes", b"bytes", "key", b"key", "sha256", b"sha256", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+
+@_typing.final
+class DescribeAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """The object's size in bytes."""
+    sha256: _builtins.str
+    """SHA-256 of the object, hex (the given one when the agent did not read the object)."""
+    error: _builtins.str
+    """Why the object was not described; empty on success."""
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "error", b"error", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeAnswer: _TypeAlias = DescribeAnswer  # noqa: Y015
+
+@_typing.final
 class Release(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -959,6 +1034,7 @@ class CoordinatorMessage(_message.Message):
     TRUST_BUNDLE_FIELD_NUMBER: _builtins.int
     CHANGE_FIELD_NUMBER: _builtins.int
     PRESIGN_FIELD_NUMBER: _builtins.int
+    DESCRIBE_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
     @_builtins.property
@@ -995,6 +1071,10 @@ class CoordinatorMessage(_message.Message):
     def presign(self) -> Global___PresignRequest:
         """Protocol 4 and later."""
 
+    @_builtins.property
+    def describe(self) -> Global___DescribeRequest:
+        """Protocol 5 and later."""
+
     def __init__(
         self,
         *,
@@ -1011,12 +1091,13 @@ class CoordinatorMessage(_message.Message):
         trust_bundle: Global___TrustBundle | None = ...,
         change: Global___ChangeTask | None = ...,
         presign: Global___PresignRequest | None = ...,
+        describe: Global___DescribeRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "describe", b"describe", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "describe", b"describe", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "release", b"release", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "describe"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
