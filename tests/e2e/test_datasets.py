@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from federation.local import LocalFederation
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
 from .conftest import channel_as, jobs, running, spec, tenant_tls
+from .test_cli import fedctl
 from .test_data_plane import at, finished, said, site, submit, tasks
 from .test_refusals import violations
 
@@ -257,3 +259,45 @@ async def test_a_removed_dataset_is_refused_at_submission(
         lambda: bytes(obstore.get(bucket(seaweed, "edge-s"), KEY).bytes())
     )
     assert kept == DATA
+
+
+def as_tenant(fed: LocalFederation, tenant: str) -> dict[str, str]:
+    tls = tenant_tls(fed, tenant)
+    return {"FEDCTL_CA": str(tls.ca), "FEDCTL_CERT": str(tls.cert), "FEDCTL_KEY": str(tls.key)}
+
+
+def test_fedctl_data_registers_lists_shows_and_removes(fed: LocalFederation) -> None:
+    mine = as_tenant(fed, "tenant-a")
+    registered = fedctl(
+        fed, "-o", "json", "data", "register", "clip", LOCATION, "--site", "edge-s", env=mine
+    )
+    assert registered.returncode == 0, registered.stderr
+    clip = json.loads(registered.stdout)
+    assert (clip["name"], clip["tenant"], clip["site"]) == ("clip", "tenant-a", "edge-s")
+    assert clip["sha256"] == hashlib.sha256(DATA).hexdigest()
+    listed = fedctl(fed, "-o", "json", "data", "list", env=mine)
+    assert listed.returncode == 0, listed.stderr
+    assert "clip" in {d["name"] for d in json.loads(listed.stdout)}
+    table = fedctl(fed, "data", "list", env=mine)  # piped: the table whole
+    assert table.returncode == 0, table.stderr
+    assert LOCATION in table.stdout
+    assert str(len(DATA)) in table.stdout
+    shown = fedctl(fed, "data", "show", "clip", env=mine)
+    assert shown.returncode == 0, shown.stderr
+    assert hashlib.sha256(DATA).hexdigest() in shown.stdout
+    # Another tenant: as if it did not exist; a bad registration names its field.
+    theirs = as_tenant(fed, "tenant-b")
+    for command in (("show", "clip"), ("remove", "clip")):
+        refused = fedctl(fed, "data", *command, env=theirs)
+        assert refused.returncode != 0
+        assert "no dataset 'clip'" in refused.stderr
+        assert "Traceback" not in refused.stderr
+    assert "clip" not in fedctl(fed, "data", "list", env=theirs).stdout
+    bad = fedctl(fed, "data", "register", "bad", "/tmp/x", "--site", "edge-s", env=mine)
+    assert bad.returncode == 1
+    assert "dataset.location" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    removed = fedctl(fed, "-o", "json", "data", "remove", "clip", env=mine)
+    assert removed.returncode == 0, removed.stderr
+    assert json.loads(removed.stdout) == {"removed": "clip"}
+    assert fedctl(fed, "data", "show", "clip", env=mine).returncode != 0
