@@ -15,9 +15,10 @@ History:
    (``PresignRequest.method`` "PUT") and ``ReplicateCheckpoint`` answered by
    ``ReplicateAnswer``. Only agents that speak 5 are sent them; an older site's task restores
    from the path its checkpoint was written at, as before.
-6. Logs: ``ReadLogs`` answered by ``LogsAnswer``, a replica's output lines as its site keeps
-   them. Only agents that speak 6 are asked; for an older site's task ``StreamLogs`` says to
-   upgrade its agent.
+6. Logs and datasets: ``ReadLogs`` answered by ``LogsAnswer``, a replica's output lines as
+   its site keeps them (for an older site's task ``StreamLogs`` says to upgrade its agent), and
+   ``DescribeRequest`` answered by ``DescribeAnswer``, the size and SHA-256 of an object of the
+   site's store, for a dataset being registered. Asked only of agents that speak 6.
 
 Each release speaks its own version and at least the one before (this one speaks 1 to 6), so
 an agent and a coordinator one version apart always share one: the coordinator answers with
@@ -29,7 +30,7 @@ agents that speak it. Every message of version 2 is understood by version 1 agen
 no answer (the trust bundle after a CA rollover: such an agent keeps its CA bundle until it is
 given a new one); version 3's ChangeTask goes only to agents that speak 3, version 4's data
 messages only to agents that speak 4, version 5's checkpoint messages only to agents that
-speak 5, version 6's log reads only to agents that speak 6.
+speak 5, version 6's log reads and describe requests only to agents that speak 6.
 """
 
 from __future__ import annotations

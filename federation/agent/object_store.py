@@ -1,10 +1,11 @@
 """A site's object store (``[object_store]`` of the agent's config): any S3-compatible endpoint.
 
 The site uploads its tasks' declared outputs there, under
-``{prefix}/{tenant}/{job}/{task}/{epoch}/{output}``, and signs short-lived, read-only URLs for
-one object at a time when the coordinator asks on behalf of a dependant at another site. The
-credentials are read here, from files or the environment, and never leave the site: other sites
-download through the URLs, and the coordinator never touches the bytes.
+``{prefix}/{tenant}/{job}/{task}/{epoch}/{output}``, reads the size and digest of a tenant's
+object under ``{prefix}/{tenant}/`` for a dataset being registered, and signs short-lived,
+read-only URLs for one object at a time when the coordinator asks on behalf of a dependant at
+another site. The credentials are read here, from files or the environment, and never leave
+the site: other sites download through the URLs, and the coordinator never touches the bytes.
 
 A folder is stored as one tar file (its links kept as links, unpacked with tarfile's ``data``
 filter); a file as itself. The SHA-256 is computed while the bytes are read for the upload and
@@ -159,9 +160,7 @@ class SiteStore:
     def sign_get(self, key: str, tenant: str, ttl_s: int) -> str:
         """A read-only URL for ``key`` alone, valid ``ttl_s`` seconds; only keys of ``tenant``'s
         folder under this site's prefix are signed. Raises DataError."""
-        folder = "/".join(part for part in (self.prefix, tenant) if part) + "/"
-        if not tenant or not key.startswith(folder) or ".." in key.split("/"):
-            raise DataError(f"key {key!r} is not in tenant {tenant!r}'s folder of this store")
+        self.check_tenant_key(key, tenant)
         ttl = timedelta(seconds=max(1, min(ttl_s, MAX_TTL_S)))
         try:
             return obstore.sign(self._store, "GET", key, ttl)
@@ -211,6 +210,34 @@ class SiteStore:
                     out.write(block)
         except Exception as err:
             raise DataError(f"cannot read {key} from {self.where}: {self.describe(err)}") from None
+
+    def stat(self, key: str, tenant: str, size: int = 0, sha256: str = "") -> tuple[int, str]:
+        """The size and SHA-256 of ``key``, an object of ``tenant``'s folder under this site's
+        prefix, for a dataset being registered. Given ``sha256``, only the size is read (and
+        the digest is checked by every download); else the object is read and hashed. A given
+        size or digest must match. Raises DataError."""
+        self.check_tenant_key(key, tenant)
+        try:
+            stored = int(obstore.head(self._store, key)["size"])
+        except FileNotFoundError:
+            raise DataError(f"no object {key!r} in {self.where}") from None
+        except Exception as err:
+            raise DataError(f"cannot read {key!r}: {self.describe(err)}") from None
+        if size and stored != size:
+            raise DataError(f"the store holds {stored} bytes of {key!r}, not the {size} given")
+        if sha256:
+            return stored, sha256
+        digest = hashlib.sha256()
+        got = 0
+        try:
+            for block in obstore.get(self._store, key).stream(min_chunk_size=CHUNK):
+                digest.update(block)
+                got += len(block)
+        except Exception as err:
+            raise DataError(f"cannot read {key!r}: {self.describe(err)}") from None
+        if got != stored:
+            raise DataError(f"read {got} bytes of {key!r}, the store reported {stored}")
+        return got, digest.hexdigest()
 
     def check_tenant_key(self, key: str, tenant: str) -> None:
         """Raises DataError unless ``key`` is in ``tenant``'s folder under this site's prefix."""

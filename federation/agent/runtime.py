@@ -489,6 +489,12 @@ class AgentRuntime:
                     else pb.LogsAnswer(error="this site's core keeps no logs")
                 )
                 outbox.put_nowait(pb.AgentMessage(correlation_id=cid, logs_answer=logs))
+            elif body == "describe":
+                if self._data is None:
+                    described = pb.DescribeAnswer(error="this site has no object store")
+                else:
+                    described = await self._data.describe(message.describe)
+                outbox.put_nowait(pb.AgentMessage(correlation_id=cid, describe_answer=described))
             elif body == "release":
                 await self.core.release(message.release.reservation_id)
             elif body == "cancel":

@@ -171,6 +171,30 @@ class TaskData:
             raise DataError(f"cannot write {dest.name}: {err}") from None
         log.info("checkpoint_staged", name=item.dataset, bytes=item.bytes)
 
+    async def describe(
+        self, request: site_link_service_pb2.DescribeRequest
+    ) -> site_link_service_pb2.DescribeAnswer:
+        """The size and digest of one object of this site's store, for a dataset being
+        registered; only objects of the tenant's folder in this site's own bucket."""
+        if self.store is None:
+            return site_link_service_pb2.DescribeAnswer(
+                error=f"site {self._site} has no object store"
+            )
+        if request.bucket != self.store.settings.bucket:
+            return site_link_service_pb2.DescribeAnswer(
+                error=f"site {self._site}'s store is bucket {self.store.settings.bucket}, "
+                f"not {request.bucket}"
+            )
+        try:
+            size, sha256 = await asyncio.to_thread(
+                self.store.stat, request.key, request.tenant, request.bytes, request.sha256
+            )
+        except DataError as err:
+            log.warning("describe_refused", key=request.key, tenant=request.tenant, error=str(err))
+            return site_link_service_pb2.DescribeAnswer(error=str(err))
+        log.info("described", key=request.key, bytes=size)
+        return site_link_service_pb2.DescribeAnswer(bytes=size, sha256=sha256)
+
 
 def _relative(dest: Path) -> str:
     """``dest`` below its grandparent (the task's folder): the parts ``_give`` hands over."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 
 from federation import __version__
-from federation.cli import audit, demo, pki, queues, remote, sim, store, top
+from federation.cli import audit, data, demo, pki, queues, remote, sim, store, top
 from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
 from federation.cli.output import add_to_every_command, output_of, quiet_on_closed_pipe
 
@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     pki.add_parser(sub)
     remote.add_parsers(sub)
     queues.add_parser(sub)
+    data.add_parser(sub)
     audit.add_parser(sub)
     store.add_parser(sub)
     demo.add_parser(sub)

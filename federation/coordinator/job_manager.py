@@ -16,6 +16,7 @@ from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator import audit, job_state, retries, spread
 from federation.coordinator.checkpoint_copies import copy_checkpoint, replicates
+from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
     MADE_ID,
@@ -33,6 +34,7 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.outputs import names_dataset
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
@@ -109,8 +111,11 @@ class JobManager:
         learner: SpeedLearner | None = None,
         freed: Callable[[str, float], None] | None = None,
         sharing: Sharing | None = None,
+        datasets: DatasetBook | None = None,
     ) -> None:
         self._jobs = jobs
+        self._datasets = datasets
+        """The registered datasets that inputs may name (``dataset:NAME``)."""
         self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
         """Which queues a tenant may submit to, and the priority classes."""
         self._learner = learner
@@ -190,6 +195,11 @@ class JobManager:
                         FieldViolation(f"{path}.id", f"duplicate id {spec.id!r} in this batch")
                     )
                 ids.add(job_id)
+        if self._datasets is not None:
+            violations += self._datasets.resolve_inputs(
+                (f"specs[{i}]" if batch else "spec", tenant_of(caller, spec), spec)
+                for i, spec in enumerate(specs)
+            )
         violations += self._unknown_datasets(specs, batch)
         if violations:
             raise InvalidArgumentError(violations)
@@ -257,7 +267,12 @@ class JobManager:
             for t, task in enumerate(spec.tasks):
                 for n, item in enumerate(task.inputs):
                     dataset = item.dataset
-                    if not dataset or item.site or dataset.startswith(TASK_OUTPUT):
+                    if (
+                        not dataset
+                        or item.site
+                        or dataset.startswith(TASK_OUTPUT)
+                        or names_dataset(dataset)  # the registry's (resolve_inputs)
+                    ):
                         continue
                     if known is None:
                         known = self._sites.known_datasets()

@@ -11,6 +11,10 @@ from collections.abc import Mapping
 from federation.api.v1 import jobs_pb2
 
 TASK_OUTPUT = "task:"
+DATASET = "dataset:"
+"""An input naming a dataset the job's tenant registered (``federation.coordinator.datasets``)."""
+S3 = "s3://"
+"""An input naming a registered dataset by its location; stored as ``dataset:NAME``."""
 OUTPUT_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")
 """Output names: no '.', so "task:NAME.OUTPUT" splits at the last one."""
 PROTOCOL = 4
@@ -35,10 +39,16 @@ def source_of(
     return (task, found) if found is not None else None
 
 
+def names_dataset(reference: str) -> bool:
+    """Whether a task input names a registered dataset (by name or by location)."""
+    return reference.startswith((DATASET, S3))
+
+
 def staged(spec: jobs_pb2.TaskSpec, specs: Mapping[str, jobs_pb2.TaskSpec]) -> bool:
-    """Whether any input of ``spec`` is an output to stage (most tasks: none)."""
+    """Whether any input of ``spec`` is an output or a dataset to stage (most tasks: none)."""
     return any(
-        (found := source_of(i.dataset, specs)) is not None and found[1] is not None
+        i.dataset.startswith(DATASET)
+        or ((found := source_of(i.dataset, specs)) is not None and found[1] is not None)
         for i in spec.inputs
     )
 

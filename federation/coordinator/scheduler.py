@@ -46,8 +46,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.outputs import DATASET, source_of, staged
 from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
-from federation.coordinator.outputs import source_of, staged
 from federation.coordinator.policy.preemption import (
     Candidate,
     TaskAt,
@@ -64,7 +64,7 @@ from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, 
 from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
 from federation.coordinator.policy.usage import placed
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
-from federation.coordinator.staged_inputs import holders_away, resolve
+from federation.coordinator.staged_inputs import Registered, holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
     WAIT_GAIN,
@@ -262,8 +262,11 @@ class Scheduler:
         config: SchedulerConfig,
         learner: SpeedLearner | None = None,
         sharing: Sharing | None = None,
+        datasets: Registered | None = None,
     ) -> None:
         self._jobs = jobs
+        self._datasets = datasets
+        """The registered datasets, whose holders sign URLs for tasks reading them."""
         self._learner = learner or SpeedLearner()
         """Speeds learned from finished tasks: estimates and offers use them."""
         self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
@@ -542,9 +545,10 @@ class Scheduler:
             request = request_for(job, task)
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
-            if any(t.outputs for t in job.spec.tasks) and (
-                away := holders_away(job, task, self._sites)
-            ):
+            reads_data = any(t.outputs for t in job.spec.tasks) or any(
+                i.dataset.startswith(DATASET) for i in find_spec(job, task).inputs
+            )
+            if reads_data and (away := holders_away(job, task, self._sites)):
                 self._backoff(key)  # no offer while no one can sign its inputs' URLs
                 why = f"waiting for site {', '.join(away)}, which holds its inputs, to connect"
                 return [jobs_pb2.SiteVerdict(stage=INPUTS, reason=why)]
@@ -1551,7 +1555,7 @@ class Scheduler:
             assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
                 timeout_s = self._config.offer_timeout_s
-                staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s)
+                staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s, self._datasets)
             session = self._sites.session(site)
             if task.checkpoint.HasField("stored") and session and session.protocol >= CKPT_PROTOCOL:
                 timeout_s = self._config.offer_timeout_s

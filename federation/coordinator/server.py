@@ -28,6 +28,8 @@ from federation.api.v1 import (
     audit_service_pb2_grpc,
     certificate_service_pb2,
     certificate_service_pb2_grpc,
+    data_service_pb2,
+    data_service_pb2_grpc,
     job_service_pb2,
     job_service_pb2_grpc,
     serving_service_pb2,
@@ -53,6 +55,7 @@ from federation.coordinator.servicers import (
     AdminServicer,
     AuditServicer,
     CertificateServicer,
+    DataServicer,
     JobServicer,
     ServingServicer,
     SiteLinkServicer,
@@ -77,6 +80,7 @@ SERVICE_NAMES = (
     certificate_service_pb2.DESCRIPTOR.services_by_name["CertificateService"].full_name,
     site_link_service_pb2.DESCRIPTOR.services_by_name["SiteLinkService"].full_name,
     store_service_pb2.DESCRIPTOR.services_by_name["StoreService"].full_name,
+    data_service_pb2.DESCRIPTOR.services_by_name["DataService"].full_name,
 )
 _WILDCARDS = frozenset({"", "0.0.0.0", "::", "[::]"})
 _NO_PORT_SHARING = ("grpc.so_reuseport", 0)
@@ -258,6 +262,7 @@ def _servers(
         CertificateServicer(current), server
     )
     store_service_pb2_grpc.add_StoreServiceServicer_to_server(StoreServicer(current), server)
+    data_service_pb2_grpc.add_DataServiceServicer_to_server(DataServicer(current), server)
     site_link_service_pb2_grpc.add_SiteLinkServiceServicer_to_server(
         SiteLinkServicer(current, serves_connect=True), server
     )

@@ -26,6 +26,12 @@ from federation.api.v1 import (
     certificate_service_pb2_grpc as certificate_grpc,
 )
 from federation.api.v1 import (
+    data_service_pb2 as data_pb,
+)
+from federation.api.v1 import (
+    data_service_pb2_grpc as data_grpc,
+)
+from federation.api.v1 import (
     job_service_pb2 as job_pb,
 )
 from federation.api.v1 import (
@@ -73,6 +79,7 @@ _LINK = "/federation.api.v1.SiteLinkService/"
 _AUDIT = "/federation.api.v1.AuditService/"
 _CERTIFICATES = "/federation.api.v1.CertificateService/"
 _STORE = "/federation.api.v1.StoreService/"
+_DATA = "/federation.api.v1.DataService/"
 CLIENTS = frozenset({Role.OPERATOR, Role.TENANT})
 OPERATORS = frozenset({Role.OPERATOR})
 SITES = frozenset({Role.SITE})
@@ -111,6 +118,11 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     **{
         _SERVING + m: CLIENTS
         for m in ("ListEndpoints", "WatchEndpoints", "ScaleService", "UpdateService")
+    },
+    # A tenant registers, reads and removes its own datasets; operators any tenant's.
+    **{
+        _DATA + m: CLIENTS
+        for m in ("RegisterDataset", "GetDataset", "ListDatasets", "RemoveDataset")
     },
     _AUDIT + "ListAuditEvents": OPERATORS,
     _CERTIFICATES + "RenewCertificate": frozenset(Role),
@@ -317,6 +329,35 @@ class AdminServicer(admin_grpc.AdminServiceServicer):
     ) -> admin_pb.DeleteQueueResponse:
         await self._current().admin.delete_queue(str(current_caller()), request.name)
         return admin_pb.DeleteQueueResponse()
+
+
+class DataServicer(data_grpc.DataServiceServicer):
+    def __init__(self, current: Current) -> None:
+        self._current = current
+
+    async def RegisterDataset(
+        self, request: data_pb.RegisterDatasetRequest, context: Context
+    ) -> data_pb.RegisterDatasetResponse:
+        dataset = await self._current().datasets.register(current_caller(), request.dataset)
+        return data_pb.RegisterDatasetResponse(dataset=dataset)
+
+    async def GetDataset(
+        self, request: data_pb.GetDatasetRequest, context: Context
+    ) -> data_pb.GetDatasetResponse:
+        dataset = self._current().datasets.get(current_caller(), request.name, request.tenant)
+        return data_pb.GetDatasetResponse(dataset=dataset)
+
+    async def ListDatasets(
+        self, request: data_pb.ListDatasetsRequest, context: Context
+    ) -> data_pb.ListDatasetsResponse:
+        found = self._current().datasets.visible(current_caller(), request.tenant)
+        return data_pb.ListDatasetsResponse(datasets=found)
+
+    async def RemoveDataset(
+        self, request: data_pb.RemoveDatasetRequest, context: Context
+    ) -> data_pb.RemoveDatasetResponse:
+        await self._current().datasets.remove(current_caller(), request.name, request.tenant)
+        return data_pb.RemoveDatasetResponse()
 
 
 class AuditServicer(audit_grpc.AuditServiceServicer):

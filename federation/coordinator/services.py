@@ -19,6 +19,7 @@ from federation.api.v1 import admin_service_pb2
 from federation.coordinator import job_state
 from federation.coordinator.admin import Admin
 from federation.coordinator.config import CoordinatorConfig
+from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.drains import Drains
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
@@ -70,6 +71,7 @@ class Services:
     renewal: Renewal
     serving: Serving
     logs: TaskLogs
+    datasets: DatasetBook
     scheduler_task: asyncio.Task[None]
     lost_sites: LostSites
     lost_sites_task: asyncio.Task[None]
@@ -158,6 +160,8 @@ async def start_services(
     classes = parse_priority_classes(config.priority_classes, source="config")
     sharing = Sharing(book, jobs.usage, classes)
     await sites.load()
+    datasets = DatasetBook(store, sites)
+    await datasets.load()
     recovered = await jobs.load()
     scheduler = Scheduler(
         jobs,
@@ -176,6 +180,7 @@ async def start_services(
         ),
         learner,
         sharing,
+        datasets.datasets,
     )
     scheduler_ref.append(scheduler)
     manager = JobManager(
@@ -188,6 +193,7 @@ async def start_services(
         learner=learner,
         sharing=sharing,
         freed=scheduler.capacity_freed,
+        datasets=datasets,
     )
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
@@ -236,6 +242,7 @@ async def start_services(
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
         serving=Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed),
         logs=TaskLogs(manager, jobs, sites),
+        datasets=datasets,
         renewal=Renewal(
             store,
             sites,

@@ -39,6 +39,7 @@ ANSWERS = frozenset(
         "change_answer",
         "presign_answer",
         "replicate_answer",
+        "describe_answer",
         "logs_answer",
     }
 )

@@ -11,15 +11,23 @@ digests, never bytes nor any site's credentials.
 A key must lie in the job's own folder (``.../TENANT/JOB/TASK/EPOCH/OUTPUT``) before a URL is
 asked for, so a job names only objects of its own tenant; the holding site checks the tenant's
 folder again before it signs.
+
+A registered dataset (``dataset:NAME``, ``federation.coordinator.datasets``) is staged the same
+way: its holder signs a URL for its key, and the size and digest recorded at registration are
+checked by the downloading site.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 
-from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator.outputs import PROTOCOL, in_job_folder, source_of
+from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.coordinator.outputs import DATASET, PROTOCOL, in_job_folder, source_of
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
+
+Registered = Mapping[tuple[str, str], data_service_pb2.Dataset]
+"""The registered datasets by (tenant, name)."""
 
 URL_TTL_S = 900
 """How long a signed URL may be used: the download starts at once, so 15 minutes is ample."""
@@ -32,6 +40,9 @@ def holders_away(job: jobs_pb2.Job, task_name: str, sites: SiteRegistry) -> list
     status = {t.name: t for t in job.tasks}
     away = set()
     for item in specs[task_name].inputs:
+        if item.dataset.startswith(DATASET) and item.site and sites.session(item.site) is None:
+            away.add(item.site)
+            continue
         found = source_of(item.dataset, specs)
         if found is None or (output := found[1]) is None:
             continue
@@ -46,7 +57,11 @@ def holders_away(job: jobs_pb2.Job, task_name: str, sites: SiteRegistry) -> list
 
 
 async def resolve(
-    job: jobs_pb2.Job, task_name: str, sites: SiteRegistry, timeout_s: float
+    job: jobs_pb2.Job,
+    task_name: str,
+    sites: SiteRegistry,
+    timeout_s: float,
+    datasets: Registered | None = None,
 ) -> list[site_link_service_pb2.StagedInput] | str:
     """The staged inputs of a task about to be committed, each with a URL its holder signed
     (or, for one that cannot be had, the reason); a string instead while a holder is not
@@ -57,6 +72,12 @@ async def resolve(
     out: list[site_link_service_pb2.StagedInput] = []
     asks: dict[str, list[tuple[site_link_service_pb2.StagedInput, str]]] = {}
     for item in spec.inputs:
+        if item.dataset.startswith(DATASET):
+            staged_input, key, holder = _dataset(job.spec.tenant, item, datasets or {})
+            out.append(staged_input)
+            if not staged_input.error:
+                asks.setdefault(holder, []).append((staged_input, key))
+            continue
         found = source_of(item.dataset, specs)
         if found is None or (output := found[1]) is None:
             continue
@@ -107,3 +128,19 @@ async def resolve(
             else:
                 staged_input.url = answer.presign_answer.url
     return out
+
+
+def _dataset(
+    tenant: str, item: jobs_pb2.DataInput, datasets: Registered
+) -> tuple[site_link_service_pb2.StagedInput, str, str]:
+    """A registered dataset to stage: the input, its key and the site holding it (the input's
+    error says why when it is no longer registered)."""
+    name = item.dataset.removeprefix(DATASET)
+    staged_input = site_link_service_pb2.StagedInput(dataset=item.dataset, path=item.path or name)
+    record = datasets.get((tenant, name))
+    if record is None:
+        staged_input.error = f"dataset {name} is no longer registered"
+        return staged_input, "", ""
+    staged_input.bytes, staged_input.sha256 = record.bytes, record.sha256
+    _, _, key = record.location.removeprefix("s3://").partition("/")
+    return staged_input, key, record.site

@@ -9,7 +9,7 @@ from collections.abc import Collection, Iterator, Mapping
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
-from federation.coordinator.outputs import OUTPUT_NAME_RE, source_of
+from federation.coordinator.outputs import OUTPUT_NAME_RE, names_dataset, source_of
 from federation.coordinator.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.placement.compat import validate_requires
@@ -442,8 +442,12 @@ def _input_violations(
 ) -> Iterator[FieldViolation]:
     """A ``task:`` input: the output it names exists, and its task is depended on."""
     if not item.dataset.startswith(TASK_OUTPUT):
-        if item.path:
-            yield FieldViolation(f"{path}.path", "is only for a task's output (task:NAME.OUTPUT)")
+        if item.path and not names_dataset(item.dataset):
+            yield FieldViolation(
+                f"{path}.path",
+                "is only for a task's output (task:NAME.OUTPUT) or a registered dataset "
+                "(dataset:NAME)",
+            )
         return
     name = item.dataset.removeprefix(TASK_OUTPUT)
     found = source_of(item.dataset, specs)

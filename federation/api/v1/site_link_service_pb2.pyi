@@ -332,6 +332,7 @@ class AgentMessage(_message.Message):
     CHANGE_ANSWER_FIELD_NUMBER: _builtins.int
     PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
     REPLICATE_ANSWER_FIELD_NUMBER: _builtins.int
+    DESCRIBE_ANSWER_FIELD_NUMBER: _builtins.int
     LOGS_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
@@ -356,6 +357,10 @@ class AgentMessage(_message.Message):
     @_builtins.property
     def replicate_answer(self) -> Global___ReplicateAnswer: ...
     @_builtins.property
+    def describe_answer(self) -> Global___DescribeAnswer:
+        """Protocol 6 and later."""
+
+    @_builtins.property
     def logs_answer(self) -> Global___LogsAnswer: ...
     def __init__(
         self,
@@ -371,13 +376,14 @@ class AgentMessage(_message.Message):
         change_answer: Global___ChangeAnswer | None = ...,
         presign_answer: Global___PresignAnswer | None = ...,
         replicate_answer: Global___ReplicateAnswer | None = ...,
+        describe_answer: Global___DescribeAnswer | None = ...,
         logs_answer: Global___LogsAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "logs_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "describe_answer", "logs_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
@@ -893,6 +899,75 @@ class ReplicateAnswer(_message.Message):
 Global___ReplicateAnswer: _TypeAlias = ReplicateAnswer  # noqa: Y015
 
 @_typing.final
+class DescribeRequest(_message.Message):
+    """Asks the agent for the size and SHA-256 of one object of its store, for a dataset being
+    registered (protocol 5); answered by DescribeAnswer. The agent describes only keys under its
+    prefix and the tenant's folder, as it signs.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BUCKET_FIELD_NUMBER: _builtins.int
+    KEY_FIELD_NUMBER: _builtins.int
+    TENANT_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    bucket: _builtins.str
+    """The object's bucket: the agent refuses any bucket but its own."""
+    key: _builtins.str
+    """The object's key in that bucket."""
+    tenant: _builtins.str
+    """The tenant the dataset is registered for."""
+    bytes: _builtins.int
+    """The size the registrant gave; 0: unknown. With sha256, the agent checks only the size."""
+    sha256: _builtins.str
+    """The digest the registrant gave, hex; empty: the agent reads the object to compute it."""
+    def __init__(
+        self,
+        *,
+        bucket: _builtins.str = ...,
+        key: _builtins.str = ...,
+        tenant: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bucket", b"bucket", "bytes", b"bytes", "key", b"key", "sha256", b"sha256", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeRequest: _TypeAlias = DescribeRequest  # noqa: Y015
+
+@_typing.final
+class DescribeAnswer(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    bytes: _builtins.int
+    """The object's size in bytes."""
+    sha256: _builtins.str
+    """SHA-256 of the object, hex (the given one when the agent did not read the object)."""
+    error: _builtins.str
+    """Why the object was not described; empty on success."""
+    def __init__(
+        self,
+        *,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        error: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "error", b"error", "sha256", b"sha256"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DescribeAnswer: _TypeAlias = DescribeAnswer  # noqa: Y015
+
+@_typing.final
 class Release(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -1134,6 +1209,7 @@ class CoordinatorMessage(_message.Message):
     CHANGE_FIELD_NUMBER: _builtins.int
     PRESIGN_FIELD_NUMBER: _builtins.int
     REPLICATE_FIELD_NUMBER: _builtins.int
+    DESCRIBE_FIELD_NUMBER: _builtins.int
     READ_LOGS_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Set on requests the agent must answer."""
@@ -1176,9 +1252,11 @@ class CoordinatorMessage(_message.Message):
         """Protocol 5 and later."""
 
     @_builtins.property
-    def read_logs(self) -> Global___ReadLogs:
-        """Protocol 6."""
+    def describe(self) -> Global___DescribeRequest:
+        """Protocol 6 and later."""
 
+    @_builtins.property
+    def read_logs(self) -> Global___ReadLogs: ...
     def __init__(
         self,
         *,
@@ -1196,13 +1274,14 @@ class CoordinatorMessage(_message.Message):
         change: Global___ChangeTask | None = ...,
         presign: Global___PresignRequest | None = ...,
         replicate: Global___ReplicateCheckpoint | None = ...,
+        describe: Global___DescribeRequest | None = ...,
         read_logs: Global___ReadLogs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "describe", b"describe", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack", b"ack", "body", b"body", "cancel", b"cancel", "change", b"change", "commit", b"commit", "correlation_id", b"correlation_id", "describe", b"describe", "heartbeat", b"heartbeat", "offer", b"offer", "presign", b"presign", "probe_peers", b"probe_peers", "read_logs", b"read_logs", "release", b"release", "replicate", b"replicate", "resync", b"resync", "trust_bundle", b"trust_bundle", "welcome", b"welcome"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "replicate", "read_logs"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["welcome", "offer", "commit", "release", "cancel", "ack", "resync", "probe_peers", "heartbeat", "trust_bundle", "change", "presign", "replicate", "describe", "read_logs"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
