@@ -98,6 +98,18 @@ async def register(fed: LocalFederation, tenant: str, **fields: object) -> data_
     return reply.dataset
 
 
+async def tenant_a_frames(fed: LocalFederation) -> data_service_pb2.Dataset:
+    """tenant-a's dataset "frames", registered by whichever test asks first (any order)."""
+    try:
+        return await register(fed, "tenant-a", name="frames", location=LOCATION, site="edge-s")
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.ALREADY_EXISTS:
+            raise
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        reply = await data(channel).GetDataset(data_service_pb2.GetDatasetRequest(name="frames"))
+    return reply.dataset
+
+
 def reader(name: str, dataset: str, where: str = "cloud-s") -> dict[str, object]:
     command = [sys.executable, "-c", READ]
     inputs = [{"dataset": dataset, "path": "in/frames.bin"}]
@@ -107,7 +119,7 @@ def reader(name: str, dataset: str, where: str = "cloud-s") -> dict[str, object]
 async def test_a_dataset_at_one_site_is_staged_intact_into_a_task_at_another(
     fed: LocalFederation,
 ) -> None:
-    frames = await register(fed, "tenant-a", name="frames", location=LOCATION, site="edge-s")
+    frames = await tenant_a_frames(fed)
     assert (frames.tenant, frames.site, frames.location) == ("tenant-a", "edge-s", LOCATION)
     # The holding site read the object: the coordinator never had its bytes nor the keys.
     assert frames.bytes == len(DATA)
@@ -187,6 +199,7 @@ async def test_bad_registrations_name_their_fields(fed: LocalFederation) -> None
 async def test_another_tenant_cannot_see_remove_register_or_stage_a_tenants_dataset(
     fed: LocalFederation,
 ) -> None:
+    await tenant_a_frames(fed)
     await register(
         fed,
         "tenant-b",
