@@ -46,6 +46,8 @@ def visibility_env(node: resources_pb2.Node, slot: Slot) -> dict[str, str]:
     for (vendor, kind), names in _VISIBILITY_VARS.items():
         if any(d.vendor.lower() == vendor and d.kind == kind for d in node.devices):
             indices = [str(d.index) for d in held if d.vendor.lower() == vendor and d.kind == kind]
+            if slot.instance and indices:
+                indices = [slot.instance]  # the runtime then sees that instance alone
             env.update(dict.fromkeys(names, ",".join(indices)))
     return env
 

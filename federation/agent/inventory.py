@@ -55,7 +55,7 @@ _DEVICE_KEYS = {
     "shareable",
     "partitions",
 }
-_PARTITION_KEYS = {"profile", "count", "memory_mib"}
+_PARTITION_KEYS = {"profile", "count", "memory_mib", "instances"}
 
 
 class _Reader:
@@ -113,9 +113,10 @@ class _Reader:
 
 
 def _parse_partitions(
-    reader: _Reader, entries: Any, device_memory_mib: int, field: str
+    reader: _Reader, entries: Any, device_memory_mib: int, devices: int, field: str
 ) -> list[resources_pb2.PartitionProfile]:
-    """Profiles a device can be cut into: ``count`` is how many of that profile fit on it."""
+    """Profiles a device can be cut into: ``count`` is how many of that profile fit on it,
+    ``instances`` the names of those made (MIG: ``MIG-<uuid>``), for an entry of one device."""
     if not isinstance(entries, list):
         raise reader.fail(field, f"expected a list, got {type(entries).__name__}")
     if len(entries) > MAX_DEVICE_PARTITIONS:
@@ -154,12 +155,33 @@ def _parse_partitions(
                 f"{path}.memory_mib",
                 f"{memory_mib} exceeds the device's memory_mib {device_memory_mib}",
             )
+        instances = _parse_instances(reader, entry.get("instances", []), count, devices, path)
         profiles.append(
             resources_pb2.PartitionProfile(
-                profile=profile, total=count, free=count, memory_mib=memory_mib
+                profile=profile,
+                total=count,
+                free=count,
+                memory_mib=memory_mib,
+                instances=instances,
             )
         )
     return profiles
+
+
+def _parse_instances(
+    reader: _Reader, entries: Any, count: int, devices: int, path: str
+) -> list[str]:
+    field = f"{path}.instances"
+    if not isinstance(entries, list):
+        raise reader.fail(field, f"expected a list, got {type(entries).__name__}")
+    names = [reader.string(name, f"{field}[{i}]") for i, name in enumerate(entries)]
+    if names and devices != 1:
+        raise reader.fail(field, "names one device's instances: give that device count 1")
+    if len(names) > count:
+        raise reader.fail(field, f"at most count ({count}) instances, got {len(names)}")
+    if len(set(names)) != len(names) or not all(names):
+        raise reader.fail(field, "must be distinct, non-empty names")
+    return names
 
 
 def _parse_devices(
@@ -222,7 +244,7 @@ def _parse_devices(
             shareable=reader.boolean(entry.get("shareable", False), f"{path}.shareable"),
             free_fraction=1.0,
             partitions=_parse_partitions(
-                reader, entry.get("partitions", []), memory_mib, f"{path}.partitions"
+                reader, entry.get("partitions", []), memory_mib, count, f"{path}.partitions"
             ),
         )
         for _ in range(count):

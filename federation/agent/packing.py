@@ -328,6 +328,14 @@ def _fit(
         memory_free_mib - res.memory_mib,
         node.name,
     )
+    instance = ""
+    if acc.partition and pick.positions:
+        pos = pick.positions[0]
+        profile = next(
+            (p for p in node.devices[pos].partitions if p.profile == acc.partition), None
+        )
+        if profile is not None:
+            instance = usage.free_instance((node.name, pos), profile)
     slot = Slot(
         node.name,
         res.cpu,
@@ -336,6 +344,7 @@ def _fit(
         fraction=acc.fraction,
         device_memory_mib=acc.memory_mib if acc.fraction else 0,
         partition=acc.partition,
+        instance=instance,
     )
     return _Fit(rank, slot)
 

@@ -52,6 +52,9 @@ class Slot:
     """Memory of that device the share holds; 0 when it asks for none."""
     partition: str = ""
     """Profile of the slot held on the one device in ``device_positions``; "" when none."""
+    instance: str = ""
+    """The instance of that profile the slot holds (``PartitionProfile.instances``), where the
+    device names its instances; "" otherwise."""
 
 
 def shares_fit(free_fraction: float, fraction: float) -> int:
@@ -73,6 +76,8 @@ class Usage:
     """Device memory (MiB) the shares hold, per shared device."""
     partitions: dict[DeviceRef, Counter[str]] = field(default_factory=dict)
     """Slots held per profile, per partitioned device."""
+    instances: dict[DeviceRef, set[str]] = field(default_factory=dict)
+    """The named instances held, per partitioned device."""
 
     @classmethod
     def of(cls, slots: Iterable[Slot]) -> Usage:
@@ -91,6 +96,7 @@ class Usage:
             dict(self.fractions),
             Counter(self.device_memory),
             {ref: Counter(held) for ref, held in self.partitions.items()},
+            {ref: set(held) for ref, held in self.instances.items()},
         )
 
     def add(self, slot: Slot) -> None:
@@ -104,8 +110,16 @@ class Usage:
                 self.device_memory[ref] += slot.device_memory_mib
             elif slot.partition:
                 self.partitions.setdefault(ref, Counter())[slot.partition] += 1
+                if slot.instance:
+                    self.instances.setdefault(ref, set()).add(slot.instance)
             else:
                 self.devices.add(ref)
+
+    def free_instance(self, ref: DeviceRef, profile: resources_pb2.PartitionProfile) -> str:
+        """The first of ``profile``'s named instances on the device that no slot holds; ""
+        where the device names none (or, past its count, none is left)."""
+        held = self.instances.get(ref, set())
+        return next((name for name in profile.instances if name not in held), "")
 
     def slots_held(self, ref: DeviceRef) -> int:
         """Partition slots held on the device, of any profile."""

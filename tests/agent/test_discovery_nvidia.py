@@ -180,12 +180,13 @@ class StandInGpu:
 class StandInNvml:
     """A STAND-IN for NVML, not NVIDIA's library: a few dozen lines answering the calls
     discovery makes (init, count, handle, UUID, name, memory, MIG mode, GPU instance profiles
-    and instances, event sets) from ``StandInGpu`` descriptions; every other ``nvml*`` function
-    of pynvml raises NVML_ERROR_NOT_SUPPORTED, as a GPU without those features does. Its
-    behaviour follows NVML's documentation, not a recording of a real driver: handles are
-    ctypes device pointers, an event set only receives the Xids of GPUs registered with it
-    after they were registered, ``nvmlEventSetWait`` with nothing queued raises
-    NVML_ERROR_TIMEOUT, and nvmlInit/nvmlShutdown are counted as NVML counts them.
+    and instances, MIG devices and their UUIDs, event sets) from ``StandInGpu`` descriptions;
+    every other ``nvml*`` function of pynvml raises NVML_ERROR_NOT_SUPPORTED, as a GPU without
+    those features does. Its behaviour follows NVML's documentation, not a recording of a real
+    driver: handles are ctypes device pointers (a MIG device's: its GPU's plus 1 plus its
+    index), an event set only receives the Xids of GPUs registered with it after they were
+    registered, ``nvmlEventSetWait`` with nothing queued raises NVML_ERROR_TIMEOUT, and
+    nvmlInit/nvmlShutdown are counted as NVML counts them.
     """
 
     def __init__(self, gpus: list[StandInGpu], *, event_sets: bool = True) -> None:
@@ -213,6 +214,14 @@ class StandInNvml:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         index = (ctypes.cast(handle, ctypes.c_void_p).value or 0) // 0x100 - 1
         return index, self.gpus[index]
+
+    def _mig(self, handle: Any) -> tuple[StandInGpu, int, int]:
+        """A MIG device handle (its GPU's + 1 + its index): the GPU, the instance's NVML
+        profile id and its number among that profile's instances."""
+        gpu = self._gpu(handle)[1]
+        k = (ctypes.cast(handle, ctypes.c_void_p).value or 0) % 0x100 - 1
+        made = [(profile, n) for profile, count in gpu.instances.items() for n in range(count)]
+        return gpu, *made[k]
 
     def _call(self, handle: Any, name: str) -> StandInGpu:
         gpu = self._gpu(handle)[1]
@@ -246,7 +255,33 @@ class StandInNvml:
         return ctypes.cast(ctypes.c_void_p(0x100 * (index + 1)), pynvml.c_nvmlDevice_t)
 
     def nvmlDeviceGetUUID(self, handle: Any) -> str:
+        if (ctypes.cast(handle, ctypes.c_void_p).value or 0) % 0x100:
+            gpu, profile, n = self._mig(handle)
+            return f"MIG-{gpu.uuid}-{profile}-{n}"
         return self._gpu(handle)[1].uuid
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any) -> int:
+        gpu = self._call(handle, "nvmlDeviceGetMaxMigDeviceCount")
+        if gpu.mig is None:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return 7
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: int) -> Any:
+        gpu = self._gpu(handle)[1]
+        if index >= sum(gpu.instances.values()):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        base = ctypes.cast(handle, ctypes.c_void_p).value or 0
+        return ctypes.cast(ctypes.c_void_p(base + 1 + index), pynvml.c_nvmlDevice_t)
+
+    def nvmlDeviceGetGpuInstanceId(self, mig: Any) -> int:
+        _, profile, n = self._mig(mig)
+        return profile * 10 + n
+
+    def nvmlDeviceGetGpuInstanceById(self, handle: Any, instance_id: int) -> Any:
+        return SimpleNamespace(profile=instance_id // 10)
+
+    def nvmlGpuInstanceGetInfo(self, instance: Any) -> Any:
+        return SimpleNamespace(profileId=instance.profile)
 
     def nvmlDeviceGetName(self, handle: Any) -> str:
         return "NVIDIA A100-SXM4-80GB"
@@ -397,9 +432,14 @@ def test_existing_gpu_instances_are_the_slots(
     gpu = StandInGpu("GPU-a", mig=(on, on), profiles=A100_PROFILES, instances={100: 3, 102: 1})
     (device,) = _scan(monkeypatch, xids, gpu)
     assert device.attributes["mig_gpu_instances"] == "4"
+    small = [f"MIG-GPU-a-100-{n}" for n in range(3)]
     assert list(device.partitions) == [
-        resources_pb2.PartitionProfile(profile="1g.10gb", total=3, free=3, memory_mib=9856),
-        resources_pb2.PartitionProfile(profile="3g.40gb", total=1, free=1, memory_mib=40192),
+        resources_pb2.PartitionProfile(
+            profile="1g.10gb", total=3, free=3, memory_mib=9856, instances=small
+        ),
+        resources_pb2.PartitionProfile(
+            profile="3g.40gb", total=1, free=1, memory_mib=40192, instances=["MIG-GPU-a-102-0"]
+        ),
     ]
 
 

@@ -225,7 +225,21 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
         (
             f"{GPU_WITH}[{{profile: 1g.10gb, count: 7, slices: 1}}]\n",
             "nodes[0].devices[0].partitions[0].slices: unknown key "
-            "(expected one of count, memory_mib, profile)",
+            "(expected one of count, instances, memory_mib, profile)",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 1, instances: [MIG-a, MIG-b]}}]\n",
+            "nodes[0].devices[0].partitions[0].instances: at most count (1) instances, got 2",
+        ),
+        (
+            f"{GPU_WITH}[{{profile: 1g.10gb, count: 2, instances: [MIG-a, MIG-a]}}]\n",
+            "nodes[0].devices[0].partitions[0].instances: must be distinct, non-empty names",
+        ),
+        (
+            "nodes:\n  - name: a\n    devices:\n      - kind: GPU\n        count: 2\n"
+            "        partitions: [{profile: 1g.10gb, count: 2, instances: [MIG-a]}]\n",
+            "nodes[0].devices[0].partitions[0].instances: names one device's instances: "
+            "give that device count 1",
         ),
         (f"{GPU_WITH}[{{count: 7}}]\n", "nodes[0].devices[0].partitions[0].profile: is required"),
         (

@@ -272,3 +272,22 @@ def test_mps_thread_percentage_rounds_down_to_at_least_one(
 ) -> None:
     """The MPS limit is the share in percent, rounded down, and never 0."""
     assert mps_thread_percentage(fraction) == percentage
+
+
+async def test_each_slot_of_a_device_that_names_its_instances_sees_its_own(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder, tmp_path: Path
+) -> None:
+    """Where the device names its MIG instances, each replica's runtime is given one of them
+    alone (CUDA_VISIBLE_DEVICES=MIG-...), never one another replica holds."""
+    box = node("n", devices=1)
+    box.devices[0].partitions.add(
+        profile="1g.10gb", total=2, free=2, instances=["MIG-aaaa", "MIG-bbbb"]
+    )
+    core = make_core([box])
+    assert (await core.offer(offer("job-1", partition="1g.10gb"))).accepted  # holds MIG-aaaa
+    await run(core, offer("job-2", partition="1g.10gb", code=DUMP_ENV))
+    report = await recorder.final("job-2")
+    assert report.state == SUCCEEDED, report.reason
+    env = json.loads((tmp_path / "work/job-2/train/1/0/env.json").read_text())
+    assert env["CUDA_VISIBLE_DEVICES"] == "MIG-bbbb"
+    assert env["FEDERATION_PARTITION"] == "1g.10gb"

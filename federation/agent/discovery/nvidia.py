@@ -13,7 +13,7 @@ import ctypes
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import combinations
 from typing import Any, TypeVar
@@ -334,8 +334,10 @@ def _mig(q: _Queries, device: resources_pb2.Device) -> list[resources_pb2.Partit
     change waits for a GPU reset, and with MIG on ``mig_gpu_instances``, how many GPU
     instances exist. A GPU without MIG gets none of them and no profiles.
 
-    The embedded core only counts slots and names the profile to the task
-    (``FEDERATION_PARTITION``); it does not create GPU instances. So while none exist, each
+    The embedded core counts slots, names the profile to the task (``FEDERATION_PARTITION``)
+    and, where the instances exist, gives each replica one of them by name
+    (``CUDA_VISIBLE_DEVICES=MIG-<uuid>``, the profile's ``instances``); it does not create GPU
+    instances. So while none exist, each
     profile the GPU offers is listed with ``total`` the instances it holds when cut into that
     profile alone (an operator or a MIG manager makes them). Once some exist, the GPU is cut:
     only the profiles of the existing instances are listed, ``total`` counting them.
@@ -355,11 +357,7 @@ def _mig(q: _Queries, device: resources_pb2.Device) -> list[resources_pb2.Partit
         info = _optional(None, pynvml.nvmlDeviceGetGpuInstanceProfileInfo, q.handle, profile_index)
         if info is None or not info.instanceCount:
             continue  # a profile this GPU does not offer
-        raw = info.name.decode(errors="replace") if isinstance(info.name, bytes) else ""
-        # NVML names them "MIG 1g.10gb"; older drivers leave the name empty.
-        name = raw.removeprefix("MIG ").strip() or (
-            f"{info.sliceCount}g.{math.ceil(info.memorySizeMB / 1024)}gb"
-        )
+        name = _profile_name(info)
         offered.setdefault(
             name,
             resources_pb2.PartitionProfile(
@@ -376,7 +374,51 @@ def _mig(q: _Queries, device: resources_pb2.Device) -> list[resources_pb2.Partit
             slots.total += made
             slots.free += made
     device.attributes["mig_gpu_instances"] = str(sum(p.total for p in existing.values()))
+    if existing:
+        names = {info_id: name for info_id, name in _profile_ids(q, offered)}
+        for name, uuids in _mig_devices(q, names).items():
+            if name in existing:
+                existing[name].instances.extend(uuids[: existing[name].total])
     return list((existing or offered).values())
+
+
+def _profile_name(info: Any) -> str:
+    """A GPU instance profile's name: NVML says "MIG 1g.10gb"; older drivers say nothing."""
+    raw = info.name.decode(errors="replace") if isinstance(info.name, bytes) else ""
+    return raw.removeprefix("MIG ").strip() or (
+        f"{info.sliceCount}g.{math.ceil(info.memorySizeMB / 1024)}gb"
+    )
+
+
+def _profile_ids(
+    q: _Queries, offered: Mapping[str, resources_pb2.PartitionProfile]
+) -> Iterator[tuple[int, str]]:
+    """(NVML's profile id, profile name) of each profile the GPU offers."""
+    for profile_index in range(getattr(pynvml, "NVML_GPU_INSTANCE_PROFILE_COUNT", 0)):
+        info = _optional(None, pynvml.nvmlDeviceGetGpuInstanceProfileInfo, q.handle, profile_index)
+        if info is None or not info.instanceCount:
+            continue
+        if (name := _profile_name(info)) in offered:
+            yield info.id, name
+
+
+def _mig_devices(q: _Queries, profile_names: Mapping[int, str]) -> dict[str, list[str]]:
+    """The MIG devices on the GPU (what a runtime is given: ``MIG-<uuid>``), by the profile of
+    the GPU instance each belongs to; one that cannot be read is left out."""
+    out: dict[str, list[str]] = {}
+    for i in range(_optional(0, pynvml.nvmlDeviceGetMaxMigDeviceCount, q.handle)):
+        mig = _optional(None, pynvml.nvmlDeviceGetMigDeviceHandleByIndex, q.handle, i)
+        if mig is None:
+            continue  # an empty slot
+        uuid = str(_optional("", pynvml.nvmlDeviceGetUUID, mig))
+        instance_id = _optional(None, pynvml.nvmlDeviceGetGpuInstanceId, mig)
+        if not uuid or instance_id is None:
+            continue
+        instance = _optional(None, pynvml.nvmlDeviceGetGpuInstanceById, q.handle, instance_id)
+        info = _optional(None, pynvml.nvmlGpuInstanceGetInfo, instance) if instance else None
+        if info is not None and (name := profile_names.get(info.profileId)):
+            out.setdefault(name, []).append(uuid)
+    return out
 
 
 def _nvidia_gpu(

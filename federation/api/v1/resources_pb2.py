@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!federation/api/v1/resources.proto\x12\x11\x66\x65\x64\x65ration.api.v1\"\xd7\x05\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\x04kind\x18\x03 \x01(\x0e\x32\x1d.federation.api.v1.DeviceKind\x12\x0e\n\x06vendor\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10memory_total_mib\x18\x06 \x01(\x04\x12\x17\n\x0fmemory_free_mib\x18\x07 \x01(\x04\x12\x13\n\x0btflops_fp32\x18\x08 \x01(\x01\x12\x13\n\x0btflops_fp16\x18\t \x01(\x01\x12\x13\n\x0btflops_int8\x18\n \x01(\x01\x12\x13\n\x0bpower_watts\x18\x0b \x01(\x01\x12\x17\n\x0fpower_tdp_watts\x18\x0c \x01(\x01\x12\x15\n\rtemperature_c\x18\r \x01(\x01\x12/\n\x06health\x18\x0e \x01(\x0e\x32\x1f.federation.api.v1.DeviceHealth\x12\x15\n\rhealth_reason\x18\x0f \x01(\t\x12\x1a\n\x12interconnect_group\x18\x10 \x01(\t\x12\x31\n\nprovenance\x18\x11 \x01(\x0e\x32\x1d.federation.api.v1.Provenance\x12=\n\nattributes\x18\x12 \x03(\x0b\x32).federation.api.v1.Device.AttributesEntry\x12\x11\n\tallocated\x18\x13 \x01(\x08\x12\x37\n\npartitions\x18\x14 \x03(\x0b\x32#.federation.api.v1.PartitionProfile\x12\x11\n\tshareable\x18\x15 \x01(\x08\x12\x15\n\rfree_fraction\x18\x16 \x01(\x01\x12\x30\n\x08measured\x18\x17 \x01(\x0b\x32\x1e.federation.api.v1.MeasuredUse\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMeasuredUse\x12\x13\n\x0bmeasured_at\x18\x01 \x01(\x01\x12\x0f\n\x07\x63ompute\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_used_mib\x18\x03 \x01(\x04\"T\n\x10PartitionProfile\x12\x0f\n\x07profile\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\r\x12\x0c\n\x04\x66ree\x18\x03 \x01(\r\x12\x12\n\nmemory_mib\x18\x04 \x01(\x04\"\xfe\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x11\n\tcpu_cores\x18\x03 \x01(\x01\x12\x10\n\x08\x63pu_free\x18\x04 \x01(\x01\x12\x12\n\nmemory_mib\x18\x05 \x01(\x04\x12\x17\n\x0fmemory_free_mib\x18\x06 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x19.federation.api.v1.Device\x12\x33\n\x06labels\x18\x08 \x03(\x0b\x32#.federation.api.v1.Node.LabelsEntry\x12\x13\n\x0bschedulable\x18\t \x01(\x08\x12\x31\n\nprovenance\x18\n \x01(\x0e\x32\x1d.federation.api.v1.Provenance\x12\x30\n\x08measured\x18\x0b \x01(\x0b\x32\x1e.federation.api.v1.MeasuredUse\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\nQueueState\x12\x15\n\rpending_tasks\x18\x01 \x01(\r\x12\x15\n\rrunning_tasks\x18\x02 \x01(\r\x12\x18\n\x10\x65stimated_wait_s\x18\x03 \x01(\x01\"h\n\x04Link\x12\x11\n\tpeer_site\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61ndwidth_mbps\x18\x02 \x01(\x01\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63lared\x18\x04 \x01(\x08\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\"\x9a\x05\n\x08SiteView\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\x0e\n\x06region\x18\x03 \x01(\t\x12&\n\x05nodes\x18\x04 \x03(\x0b\x32\x17.federation.api.v1.Node\x12,\n\x05queue\x18\x05 \x01(\x0b\x32\x1d.federation.api.v1.QueueState\x12\x1d\n\x15price_per_device_hour\x18\x06 \x01(\x01\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\x12;\n\x08\x64\x61tasets\x18\x08 \x03(\x0b\x32).federation.api.v1.SiteView.DatasetsEntry\x12&\n\x05links\x18\t \x03(\x0b\x32\x17.federation.api.v1.Link\x12\x37\n\x06labels\x18\n \x03(\x0b\x32\'.federation.api.v1.SiteView.LabelsEntry\x12\x11\n\tscheduler\x18\x0b \x01(\t\x12\x15\n\ragent_version\x18\x0c \x01(\t\x12\x16\n\x0eprobe_endpoint\x18\r \x01(\t\x12\x31\n\x10\x63oordinator_link\x18\x0e \x01(\x0b\x32\x17.federation.api.v1.Link\x12\x32\n\x0bowner_share\x18\x0f \x01(\x0b\x32\x1d.federation.api.v1.OwnerShare\x12\x14\n\x0cobject_store\x18\x10 \x01(\t\x1a/\n\rDatasetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x01\n\nOwnerShare\x12\x0f\n\x07tenants\x18\x01 \x03(\t\x12\x35\n\x04keep\x18\x02 \x03(\x0b\x32\'.federation.api.v1.OwnerShare.KeepEntry\x1a+\n\tKeepEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa4\x02\n\rSiteViewDelta\x12/\n\x0eupserted_nodes\x18\x01 \x03(\x0b\x32\x17.federation.api.v1.Node\x12\x15\n\rremoved_nodes\x18\x02 \x03(\t\x12,\n\x05queue\x18\x03 \x01(\x0b\x32\x1d.federation.api.v1.QueueState\x12\x11\n\thas_queue\x18\x04 \x01(\x08\x12&\n\x05links\x18\x05 \x03(\x0b\x32\x17.federation.api.v1.Link\x12\x11\n\thas_links\x18\x06 \x01(\x08\x12\x31\n\x10\x63oordinator_link\x18\x07 \x01(\x0b\x32\x17.federation.api.v1.Link\x12\x1c\n\x14has_coordinator_link\x18\x08 \x01(\x08*Z\n\x06\x44omain\x12\x16\n\x12\x44OMAIN_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44OMAIN_EDGE\x10\x01\x12\x15\n\x11\x44OMAIN_DATACENTER\x10\x02\x12\x10\n\x0c\x44OMAIN_CLOUD\x10\x03*\x93\x01\n\nDeviceKind\x12\x1b\n\x17\x44\x45VICE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_KIND_GPU\x10\x01\x12\x13\n\x0f\x44\x45VICE_KIND_NPU\x10\x02\x12\x13\n\x0f\x44\x45VICE_KIND_MLU\x10\x03\x12\x14\n\x10\x44\x45VICE_KIND_FPGA\x10\x04\x12\x13\n\x0f\x44\x45VICE_KIND_DPU\x10\x05*\x81\x01\n\x0c\x44\x65viceHealth\x12\x1d\n\x19\x44\x45VICE_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45VICE_HEALTH_HEALTHY\x10\x01\x12\x1a\n\x16\x44\x45VICE_HEALTH_DEGRADED\x10\x02\x12\x1b\n\x17\x44\x45VICE_HEALTH_UNHEALTHY\x10\x03*\\\n\nProvenance\x12\x1a\n\x16PROVENANCE_UNSPECIFIED\x10\x00\x12\x19\n\x15PROVENANCE_DISCOVERED\x10\x01\x12\x17\n\x13PROVENANCE_DECLARED\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!federation/api/v1/resources.proto\x12\x11\x66\x65\x64\x65ration.api.v1\"\xd7\x05\n\x06\x44\x65vice\x12\n\n\x02id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12+\n\x04kind\x18\x03 \x01(\x0e\x32\x1d.federation.api.v1.DeviceKind\x12\x0e\n\x06vendor\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10memory_total_mib\x18\x06 \x01(\x04\x12\x17\n\x0fmemory_free_mib\x18\x07 \x01(\x04\x12\x13\n\x0btflops_fp32\x18\x08 \x01(\x01\x12\x13\n\x0btflops_fp16\x18\t \x01(\x01\x12\x13\n\x0btflops_int8\x18\n \x01(\x01\x12\x13\n\x0bpower_watts\x18\x0b \x01(\x01\x12\x17\n\x0fpower_tdp_watts\x18\x0c \x01(\x01\x12\x15\n\rtemperature_c\x18\r \x01(\x01\x12/\n\x06health\x18\x0e \x01(\x0e\x32\x1f.federation.api.v1.DeviceHealth\x12\x15\n\rhealth_reason\x18\x0f \x01(\t\x12\x1a\n\x12interconnect_group\x18\x10 \x01(\t\x12\x31\n\nprovenance\x18\x11 \x01(\x0e\x32\x1d.federation.api.v1.Provenance\x12=\n\nattributes\x18\x12 \x03(\x0b\x32).federation.api.v1.Device.AttributesEntry\x12\x11\n\tallocated\x18\x13 \x01(\x08\x12\x37\n\npartitions\x18\x14 \x03(\x0b\x32#.federation.api.v1.PartitionProfile\x12\x11\n\tshareable\x18\x15 \x01(\x08\x12\x15\n\rfree_fraction\x18\x16 \x01(\x01\x12\x30\n\x08measured\x18\x17 \x01(\x0b\x32\x1e.federation.api.v1.MeasuredUse\x1a\x31\n\x0f\x41ttributesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"L\n\x0bMeasuredUse\x12\x13\n\x0bmeasured_at\x18\x01 \x01(\x01\x12\x0f\n\x07\x63ompute\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_used_mib\x18\x03 \x01(\x04\"g\n\x10PartitionProfile\x12\x0f\n\x07profile\x18\x01 \x01(\t\x12\r\n\x05total\x18\x02 \x01(\r\x12\x0c\n\x04\x66ree\x18\x03 \x01(\r\x12\x12\n\nmemory_mib\x18\x04 \x01(\x04\x12\x11\n\tinstances\x18\x05 \x03(\t\"\xfe\x02\n\x04Node\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x11\n\tcpu_cores\x18\x03 \x01(\x01\x12\x10\n\x08\x63pu_free\x18\x04 \x01(\x01\x12\x12\n\nmemory_mib\x18\x05 \x01(\x04\x12\x17\n\x0fmemory_free_mib\x18\x06 \x01(\x04\x12*\n\x07\x64\x65vices\x18\x07 \x03(\x0b\x32\x19.federation.api.v1.Device\x12\x33\n\x06labels\x18\x08 \x03(\x0b\x32#.federation.api.v1.Node.LabelsEntry\x12\x13\n\x0bschedulable\x18\t \x01(\x08\x12\x31\n\nprovenance\x18\n \x01(\x0e\x32\x1d.federation.api.v1.Provenance\x12\x30\n\x08measured\x18\x0b \x01(\x0b\x32\x1e.federation.api.v1.MeasuredUse\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"T\n\nQueueState\x12\x15\n\rpending_tasks\x18\x01 \x01(\r\x12\x15\n\rrunning_tasks\x18\x02 \x01(\r\x12\x18\n\x10\x65stimated_wait_s\x18\x03 \x01(\x01\"h\n\x04Link\x12\x11\n\tpeer_site\x18\x01 \x01(\t\x12\x16\n\x0e\x62\x61ndwidth_mbps\x18\x02 \x01(\x01\x12\x0e\n\x06rtt_ms\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63lared\x18\x04 \x01(\x08\x12\x13\n\x0bmeasured_at\x18\x05 \x01(\x01\"\x9a\x05\n\x08SiteView\x12\x0c\n\x04site\x18\x01 \x01(\t\x12)\n\x06\x64omain\x18\x02 \x01(\x0e\x32\x19.federation.api.v1.Domain\x12\x0e\n\x06region\x18\x03 \x01(\t\x12&\n\x05nodes\x18\x04 \x03(\x0b\x32\x17.federation.api.v1.Node\x12,\n\x05queue\x18\x05 \x01(\x0b\x32\x1d.federation.api.v1.QueueState\x12\x1d\n\x15price_per_device_hour\x18\x06 \x01(\x01\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\x12;\n\x08\x64\x61tasets\x18\x08 \x03(\x0b\x32).federation.api.v1.SiteView.DatasetsEntry\x12&\n\x05links\x18\t \x03(\x0b\x32\x17.federation.api.v1.Link\x12\x37\n\x06labels\x18\n \x03(\x0b\x32\'.federation.api.v1.SiteView.LabelsEntry\x12\x11\n\tscheduler\x18\x0b \x01(\t\x12\x15\n\ragent_version\x18\x0c \x01(\t\x12\x16\n\x0eprobe_endpoint\x18\r \x01(\t\x12\x31\n\x10\x63oordinator_link\x18\x0e \x01(\x0b\x32\x17.federation.api.v1.Link\x12\x32\n\x0bowner_share\x18\x0f \x01(\x0b\x32\x1d.federation.api.v1.OwnerShare\x12\x14\n\x0cobject_store\x18\x10 \x01(\t\x1a/\n\rDatasetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a-\n\x0bLabelsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x81\x01\n\nOwnerShare\x12\x0f\n\x07tenants\x18\x01 \x03(\t\x12\x35\n\x04keep\x18\x02 \x03(\x0b\x32\'.federation.api.v1.OwnerShare.KeepEntry\x1a+\n\tKeepEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xa4\x02\n\rSiteViewDelta\x12/\n\x0eupserted_nodes\x18\x01 \x03(\x0b\x32\x17.federation.api.v1.Node\x12\x15\n\rremoved_nodes\x18\x02 \x03(\t\x12,\n\x05queue\x18\x03 \x01(\x0b\x32\x1d.federation.api.v1.QueueState\x12\x11\n\thas_queue\x18\x04 \x01(\x08\x12&\n\x05links\x18\x05 \x03(\x0b\x32\x17.federation.api.v1.Link\x12\x11\n\thas_links\x18\x06 \x01(\x08\x12\x31\n\x10\x63oordinator_link\x18\x07 \x01(\x0b\x32\x17.federation.api.v1.Link\x12\x1c\n\x14has_coordinator_link\x18\x08 \x01(\x08*Z\n\x06\x44omain\x12\x16\n\x12\x44OMAIN_UNSPECIFIED\x10\x00\x12\x0f\n\x0b\x44OMAIN_EDGE\x10\x01\x12\x15\n\x11\x44OMAIN_DATACENTER\x10\x02\x12\x10\n\x0c\x44OMAIN_CLOUD\x10\x03*\x93\x01\n\nDeviceKind\x12\x1b\n\x17\x44\x45VICE_KIND_UNSPECIFIED\x10\x00\x12\x13\n\x0f\x44\x45VICE_KIND_GPU\x10\x01\x12\x13\n\x0f\x44\x45VICE_KIND_NPU\x10\x02\x12\x13\n\x0f\x44\x45VICE_KIND_MLU\x10\x03\x12\x14\n\x10\x44\x45VICE_KIND_FPGA\x10\x04\x12\x13\n\x0f\x44\x45VICE_KIND_DPU\x10\x05*\x81\x01\n\x0c\x44\x65viceHealth\x12\x1d\n\x19\x44\x45VICE_HEALTH_UNSPECIFIED\x10\x00\x12\x19\n\x15\x44\x45VICE_HEALTH_HEALTHY\x10\x01\x12\x1a\n\x16\x44\x45VICE_HEALTH_DEGRADED\x10\x02\x12\x1b\n\x17\x44\x45VICE_HEALTH_UNHEALTHY\x10\x03*\\\n\nProvenance\x12\x1a\n\x16PROVENANCE_UNSPECIFIED\x10\x00\x12\x19\n\x15PROVENANCE_DISCOVERED\x10\x01\x12\x17\n\x13PROVENANCE_DECLARED\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -41,14 +41,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SITEVIEW_LABELSENTRY']._serialized_options = b'8\001'
   _globals['_OWNERSHARE_KEEPENTRY']._loaded_options = None
   _globals['_OWNERSHARE_KEEPENTRY']._serialized_options = b'8\001'
-  _globals['_DOMAIN']._serialized_start=2623
-  _globals['_DOMAIN']._serialized_end=2713
-  _globals['_DEVICEKIND']._serialized_start=2716
-  _globals['_DEVICEKIND']._serialized_end=2863
-  _globals['_DEVICEHEALTH']._serialized_start=2866
-  _globals['_DEVICEHEALTH']._serialized_end=2995
-  _globals['_PROVENANCE']._serialized_start=2997
-  _globals['_PROVENANCE']._serialized_end=3089
+  _globals['_DOMAIN']._serialized_start=2642
+  _globals['_DOMAIN']._serialized_end=2732
+  _globals['_DEVICEKIND']._serialized_start=2735
+  _globals['_DEVICEKIND']._serialized_end=2882
+  _globals['_DEVICEHEALTH']._serialized_start=2885
+  _globals['_DEVICEHEALTH']._serialized_end=3014
+  _globals['_PROVENANCE']._serialized_start=3016
+  _globals['_PROVENANCE']._serialized_end=3108
   _globals['_DEVICE']._serialized_start=57
   _globals['_DEVICE']._serialized_end=784
   _globals['_DEVICE_ATTRIBUTESENTRY']._serialized_start=735
@@ -56,25 +56,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MEASUREDUSE']._serialized_start=786
   _globals['_MEASUREDUSE']._serialized_end=862
   _globals['_PARTITIONPROFILE']._serialized_start=864
-  _globals['_PARTITIONPROFILE']._serialized_end=948
-  _globals['_NODE']._serialized_start=951
-  _globals['_NODE']._serialized_end=1333
-  _globals['_NODE_LABELSENTRY']._serialized_start=1288
-  _globals['_NODE_LABELSENTRY']._serialized_end=1333
-  _globals['_QUEUESTATE']._serialized_start=1335
-  _globals['_QUEUESTATE']._serialized_end=1419
-  _globals['_LINK']._serialized_start=1421
-  _globals['_LINK']._serialized_end=1525
-  _globals['_SITEVIEW']._serialized_start=1528
-  _globals['_SITEVIEW']._serialized_end=2194
-  _globals['_SITEVIEW_DATASETSENTRY']._serialized_start=2100
-  _globals['_SITEVIEW_DATASETSENTRY']._serialized_end=2147
-  _globals['_SITEVIEW_LABELSENTRY']._serialized_start=1288
-  _globals['_SITEVIEW_LABELSENTRY']._serialized_end=1333
-  _globals['_OWNERSHARE']._serialized_start=2197
-  _globals['_OWNERSHARE']._serialized_end=2326
-  _globals['_OWNERSHARE_KEEPENTRY']._serialized_start=2283
-  _globals['_OWNERSHARE_KEEPENTRY']._serialized_end=2326
-  _globals['_SITEVIEWDELTA']._serialized_start=2329
-  _globals['_SITEVIEWDELTA']._serialized_end=2621
+  _globals['_PARTITIONPROFILE']._serialized_end=967
+  _globals['_NODE']._serialized_start=970
+  _globals['_NODE']._serialized_end=1352
+  _globals['_NODE_LABELSENTRY']._serialized_start=1307
+  _globals['_NODE_LABELSENTRY']._serialized_end=1352
+  _globals['_QUEUESTATE']._serialized_start=1354
+  _globals['_QUEUESTATE']._serialized_end=1438
+  _globals['_LINK']._serialized_start=1440
+  _globals['_LINK']._serialized_end=1544
+  _globals['_SITEVIEW']._serialized_start=1547
+  _globals['_SITEVIEW']._serialized_end=2213
+  _globals['_SITEVIEW_DATASETSENTRY']._serialized_start=2119
+  _globals['_SITEVIEW_DATASETSENTRY']._serialized_end=2166
+  _globals['_SITEVIEW_LABELSENTRY']._serialized_start=1307
+  _globals['_SITEVIEW_LABELSENTRY']._serialized_end=1352
+  _globals['_OWNERSHARE']._serialized_start=2216
+  _globals['_OWNERSHARE']._serialized_end=2345
+  _globals['_OWNERSHARE_KEEPENTRY']._serialized_start=2302
+  _globals['_OWNERSHARE_KEEPENTRY']._serialized_end=2345
+  _globals['_SITEVIEWDELTA']._serialized_start=2348
+  _globals['_SITEVIEWDELTA']._serialized_end=2640
 # @@protoc_insertion_point(module_scope)

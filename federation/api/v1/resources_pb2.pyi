@@ -267,10 +267,18 @@ class PartitionProfile(_message.Message):
     TOTAL_FIELD_NUMBER: _builtins.int
     FREE_FIELD_NUMBER: _builtins.int
     MEMORY_MIB_FIELD_NUMBER: _builtins.int
+    INSTANCES_FIELD_NUMBER: _builtins.int
     profile: _builtins.str
     total: _builtins.int
     free: _builtins.int
     memory_mib: _builtins.int
+    @_builtins.property
+    def instances(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The instances of this profile that exist on the device, as its runtime names them (MIG:
+        "MIG-<uuid>"), so a replica given a slot sees that instance alone; empty where none was
+        made yet or the site does not know them.
+        """
+
     def __init__(
         self,
         *,
@@ -278,10 +286,11 @@ class PartitionProfile(_message.Message):
         total: _builtins.int = ...,
         free: _builtins.int = ...,
         memory_mib: _builtins.int = ...,
+        instances: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["free", b"free", "memory_mib", b"memory_mib", "profile", b"profile", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["free", b"free", "instances", b"instances", "memory_mib", b"memory_mib", "profile", b"profile", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
