@@ -119,6 +119,7 @@ async def test_a_drain_moves_checkpointing_work_now_and_the_rest_at_the_deadline
     # The checkpointing task moves at once, restoring from its checkpoint; the plain one is
     # still at drain-a meanwhile.
     await running_at(operator, "ckpt", "drain-b")
+    await started(markers / "start-ckpt-drain-b")
     assert restored_step(markers / "start-ckpt-drain-b") >= 1
     plain = (await get(operator, "plain")).tasks[0]
     assert (plain.site, plain.state) == ("drain-a", RUNNING)
@@ -133,6 +134,7 @@ async def test_a_drain_moves_checkpointing_work_now_and_the_rest_at_the_deadline
     await until(refused_as_cordoned, "pinned refused at the cordoned drain-a")
     # At the deadline the plain task is stopped and placed again, from the start.
     await running_at(operator, "plain", "drain-b")
+    await started(markers / "start-plain-drain-b")
     assert (markers / "start-plain-drain-b").read_text() == ""
     events = (
         await stub.GetJob(job_service_pb2.GetJobRequest(job_id="plain", include_events=True))
@@ -149,6 +151,15 @@ async def test_a_drain_moves_checkpointing_work_now_and_the_rest_at_the_deadline
     (markers / "go").touch()
     for job_id in ("ckpt", "plain", "pinned"):
         assert (await wait_for_job(operator, job_id)).state == jobs_pb2.JOB_STATE_SUCCEEDED
+
+
+async def started(marker: Path) -> None:
+    """Until the task's process has written its start marker (it reports RUNNING first)."""
+
+    async def written() -> bool:
+        return marker.exists()
+
+    await until(written, f"{marker.name} written")
 
 
 def restored_step(marker: Path) -> int:
