@@ -4,6 +4,7 @@ again, nothing new lands there until an uncordon, and a cordoned node takes no r
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
 from collections.abc import Iterator
@@ -157,7 +158,7 @@ async def started(marker: Path) -> None:
     """Until the task's process has written its start marker (it reports RUNNING first)."""
 
     async def written() -> bool:
-        return marker.exists()
+        return await asyncio.to_thread(marker.exists)
 
     await until(written, f"{marker.name} written")
 
