@@ -162,7 +162,7 @@ async def embedded_core(
     )
     core = EmbeddedCore(
         site_nodes(config),
-        data=TaskData(site_store(config), config.site),
+        data=TaskData(site_store(config), config.site, config.object_store),
         site=config.site,
         work_dir=work_dir,
         on_status=on_status,

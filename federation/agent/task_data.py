@@ -19,7 +19,7 @@ from pathlib import Path
 import structlog
 
 from federation.agent.accounts import Account
-from federation.agent.object_store import DataError, SiteStore, download
+from federation.agent.object_store import DataError, ObjectStoreSettings, SiteStore, download
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
 log = structlog.get_logger()
@@ -30,9 +30,12 @@ TaskKey = tuple[str, str, int]
 class TaskData:
     """Stages inputs and stores outputs for one site; ``store`` None: the site has none."""
 
-    def __init__(self, store: SiteStore | None, site: str) -> None:
+    def __init__(
+        self, store: SiteStore | None, site: str, settings: ObjectStoreSettings | None = None
+    ) -> None:
         self.store = store
         self._site = site
+        self._settings = settings or (store.settings if store else ObjectStoreSettings())
 
     async def stage(
         self,
@@ -47,7 +50,14 @@ class TaskData:
             first = folders[0] / item.path
             try:
                 await asyncio.to_thread(
-                    download, item.url, first, item.bytes, item.sha256, folder=item.folder
+                    download,
+                    item.url,
+                    first,
+                    item.bytes,
+                    item.sha256,
+                    folder=item.folder,
+                    attempts=self._settings.download_attempts,
+                    stall_s=self._settings.download_stall_s,
                 )
                 for folder in folders[1:]:
                     await asyncio.to_thread(_copy, first, folder / item.path)
