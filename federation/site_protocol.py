@@ -11,8 +11,11 @@ History:
    ``StagedInput`` list of a ``Commit``, and ``PresignRequest`` answered by ``PresignAnswer``.
    A task with outputs or staged inputs is offered only to agents that speak 4, and only they
    are asked to sign.
+5. Stage-in measured: ``StageProgress`` from the agent (an input's progress while it downloads,
+   and its bytes and seconds once in place) and ``StagedInput.site``. Sent only to, and by,
+   sides that speak 5.
 
-Each release speaks its own version and at least the one before (this one speaks 1 to 4), so
+Each release speaks its own version and at least the one before (this one speaks 1 to 5), so
 an agent and a coordinator one version apart always share one: the coordinator answers with
 the older of the two. Further apart, the agent is refused with the side to upgrade
 (coordinators first, then agents, keeps every pair within one). An agent ignores a coordinator
@@ -28,8 +31,10 @@ from __future__ import annotations
 
 from federation.errors import ProtocolVersionError
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """The site-link protocol this release speaks."""
+STAGE_PROGRESS_PROTOCOL = 5
+"""The first that carries ``StageProgress``."""
 MIN_PROTOCOL_VERSION = 1
 """The oldest an agent may speak and still be served."""
 

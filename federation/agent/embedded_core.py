@@ -481,6 +481,7 @@ class EmbeddedCore:
                 task.inputs,
                 [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
                 self._account(task),
+                task.key,
             )
         except (DataError, ReplicaStartError) as exc:
             log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
