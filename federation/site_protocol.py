@@ -15,10 +15,12 @@ History:
    (``PresignRequest.method`` "PUT") and ``ReplicateCheckpoint`` answered by
    ``ReplicateAnswer``. Only agents that speak 5 are sent them; an older site's task restores
    from the path its checkpoint was written at, as before.
-6. Logs and datasets: ``ReadLogs`` answered by ``LogsAnswer``, a replica's output lines as
-   its site keeps them (for an older site's task ``StreamLogs`` says to upgrade its agent), and
-   ``DescribeRequest`` answered by ``DescribeAnswer``, the size and SHA-256 of an object of the
-   site's store, for a dataset being registered. Asked only of agents that speak 6.
+6. Logs, datasets and measured stage-ins: ``ReadLogs`` answered by ``LogsAnswer``, a
+   replica's output lines as its site keeps them (for an older site's task ``StreamLogs`` says
+   to upgrade its agent); ``DescribeRequest`` answered by ``DescribeAnswer``, the size and
+   SHA-256 of an object of the site's store, for a dataset being registered; and
+   ``StageProgress`` from the agent (an input's progress while it downloads, its bytes and
+   seconds once in place) with ``StagedInput.site``. Sent only to, and by, sides that speak 6.
 
 Each release speaks its own version and at least the one before (this one speaks 1 to 6), so
 an agent and a coordinator one version apart always share one: the coordinator answers with
@@ -39,6 +41,8 @@ from federation.errors import ProtocolVersionError
 
 PROTOCOL_VERSION = 6
 """The site-link protocol this release speaks."""
+STAGE_PROGRESS_PROTOCOL = 6
+"""The first that carries ``StageProgress``."""
 MIN_PROTOCOL_VERSION = 1
 """The oldest an agent may speak and still be served."""
 

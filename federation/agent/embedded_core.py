@@ -497,6 +497,7 @@ class EmbeddedCore:
                 task.inputs,
                 [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
                 self._account(task),
+                task.key,
             )
             if task.restore_input is not None:
                 await self._stage_restore(task, task.restore_input)

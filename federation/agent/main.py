@@ -162,7 +162,12 @@ async def embedded_core(
     )
     core = EmbeddedCore(
         site_nodes(config),
-        data=TaskData(site_store(config), config.site, scratch=config.state_dir / "scratch"),
+        data=TaskData(
+            site_store(config),
+            config.site,
+            config.object_store,
+            scratch=config.state_dir / "scratch",
+        ),
         site=config.site,
         work_dir=work_dir,
         on_status=on_status,

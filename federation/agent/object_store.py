@@ -18,29 +18,51 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.client
 import os
 import re
 import stat
 import tarfile
 import tempfile
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import BinaryIO
 
 import obstore
+import structlog
 from obstore.store import S3Store
 
 from federation.config import ConfigError, within
 
 CHUNK = 1024 * 1024
 MAX_TTL_S = 3600
+DOWNLOAD_ATTEMPTS = 8
+DOWNLOAD_STALL_S = 30.0
+"""A connection that brings no byte for this long is given up and opened again."""
+BACKOFF_S = 1.0
+MAX_BACKOFF_S = 30.0
+
+log = structlog.get_logger()
 
 
 class DataError(Exception):
     """An upload, a download or a signature failed; the message is safe to show (no secret)."""
+
+
+class _StoreFailure(Exception):
+    """A request to this site's store failed; ``refused``: the store said no (a 4xx, such as
+    wrong keys), which trying again cannot mend."""
+
+    def __init__(self, err: Exception) -> None:
+        super().__init__(type(err).__name__)
+        self.err = err
+        status = re.search(r"status code: (\d{3})|status: (\d{3})", str(err))
+        self.refused = status is not None and (status.group(1) or status.group(2))[0] == "4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +86,14 @@ class ObjectStoreSettings:
     """Address buckets as ``bucket.host`` (AWS's default) rather than ``host/bucket``."""
     max_retries: int = field(default=3, metadata=within(0, 20))
     """Retries of a request that failed for the network or a 5xx, before the upload fails."""
+    upload_attempts: int = field(default=3, metadata=within(1, 20))
+    """Tries of a whole upload (each after its requests' own retries), from its first byte:
+    a cut multipart upload is never completed, so no partial object is ever seen."""
+    download_attempts: int = field(default=DOWNLOAD_ATTEMPTS, metadata=within(1, 50))
+    """Tries of an input's download; each after the first resumes from the bytes already
+    written (an HTTP Range), after a backoff doubling from 1 s."""
+    download_stall_s: float = field(default=DOWNLOAD_STALL_S, metadata=within(1, 600))
+    """Seconds without a byte before a download's connection is given up and opened again."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +165,24 @@ class SiteStore:
         return self._put(source, key, folder=False)
 
     def _put(self, path: Path, key: str, *, folder: bool) -> Stored:
+        """Upload ``path`` whole, again from its first byte after a failure the store did not
+        refuse (a cut connection, a 5xx), up to ``upload_attempts`` tries with a backoff. A
+        multipart upload that was cut is never completed, so the key holds no partial object;
+        the size stored is checked against the size sent before the output counts as stored."""
+        attempts = self.settings.upload_attempts
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._put_once(path, key, folder=folder)
+            except _StoreFailure as failure:
+                reason = self.describe(failure.err)
+                if failure.refused or attempt == attempts:
+                    raise DataError(f"upload to {self.where} failed: {reason}") from None
+                wait = min(BACKOFF_S * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                log.info("upload_retries", key=key, error=reason, wait_s=wait)
+                time.sleep(wait)
+        raise AssertionError("unreachable")
+
+    def _put_once(self, path: Path, key: str, *, folder: bool) -> Stored:
         digest = hashlib.sha256()
         size = 0
 
@@ -150,7 +198,7 @@ class SiteStore:
             obstore.put(self._store, key, chunks(handle))  # multipart, parts retried
             stored = obstore.head(self._store, key)["size"]
         except Exception as err:
-            raise DataError(f"upload to {self.where} failed: {self.describe(err)}") from None
+            raise _StoreFailure(err) from None
         finally:
             os.close(handle)
         if stored != size:
@@ -270,33 +318,75 @@ def describe_error(err: Exception, redact: list[str] | None = None) -> str:
     return out
 
 
-def download(url: str, dest: Path, size: int, sha256: str, *, folder: bool) -> None:
+@dataclass(frozen=True, slots=True)
+class Transfer:
+    """What one download moved: its bytes over the network (a resumed one counts the bytes
+    fetched again, none twice), the seconds from first request to the last byte, the seconds a
+    connection was open and reading (what the link's throughput is measured over), and how
+    many times it resumed after a cut."""
+
+    bytes: int
+    seconds: float
+    active_s: float
+    resumes: int
+
+
+Progress = Callable[[int, float], None]
+"""Told the bytes in place so far and the seconds since the download began."""
+
+
+class _Cut(Exception):
+    """The connection broke or stalled mid-way: the download resumes from what it holds."""
+
+
+def download(
+    url: str,
+    dest: Path,
+    size: int,
+    sha256: str,
+    *,
+    folder: bool,
+    attempts: int = DOWNLOAD_ATTEMPTS,
+    stall_s: float = DOWNLOAD_STALL_S,
+    backoff_s: float = BACKOFF_S,
+    progress: Progress | None = None,
+) -> Transfer:
     """Fetch ``url`` into a temporary file beside ``dest``, check its size and SHA-256, and
-    only then put it at ``dest`` (a folder's tar unpacked there). Raises DataError."""
+    only then put it at ``dest`` (a folder's tar unpacked there). Raises DataError.
+
+    A connection that breaks, or stalls ``stall_s`` seconds, is opened again after a backoff
+    and asks only for the bytes still missing (an HTTP Range), up to ``attempts`` tries in
+    all; a refusal (4xx: an expired or wrong signature) is not tried again.
+    """
     dest.parent.mkdir(parents=True, exist_ok=True)
-    digest = hashlib.sha256()
-    got = 0
     handle, temporary = tempfile.mkstemp(dir=dest.parent, prefix=".staging-")
+    began = time.monotonic()
+    active, resumes = 0.0, 0
     try:
-        try:
-            with os.fdopen(handle, "wb") as out, urllib.request.urlopen(url, timeout=60) as answer:
-                while block := answer.read(CHUNK):
-                    digest.update(block)
-                    got += len(block)
-                    if got > size:
-                        raise DataError(f"more than the {size} bytes its site reported")
-                    out.write(block)
-        except urllib.error.HTTPError as err:
-            raise DataError(f"its site's store answered HTTP {err.code} {err.reason}") from None
-        except (urllib.error.URLError, OSError) as err:
-            reason = getattr(err, "reason", err)
-            raise DataError(f"its site's store cannot be reached: {reason}") from None
-        if got != size:
-            raise DataError(f"got {got} bytes, its site reported {size}")
-        if digest.hexdigest() != sha256:
-            raise DataError(
-                f"digest mismatch: sha256 {digest.hexdigest()[:16]}…, expected {sha256[:16]}…"
-            )
+        with os.fdopen(handle, "wb") as out:
+            part = _Partial(out, began, progress)
+            for attempt in range(1, attempts + 1):
+                opened = time.monotonic()
+                try:
+                    _fetch(url, part, size, stall_s)
+                    active += time.monotonic() - opened
+                    break
+                except _Cut as cut:
+                    active += time.monotonic() - opened
+                    got = part.held
+                    if attempt == attempts:
+                        raise DataError(
+                            f"its site's store cannot be reached: {cut.args[0]} "
+                            f"({got} of {size} bytes after {attempts} tries)"
+                        ) from None
+                    resumes += 1
+                    wait = min(backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+                    log.info("download_resumes", after=str(cut.args[0]), held=got, wait_s=wait)
+                    time.sleep(wait)
+        if part.held != size:
+            raise DataError(f"got {part.held} bytes, its site reported {size}")
+        if (found := part.digest.hexdigest()) != sha256:
+            raise DataError(f"digest mismatch: sha256 {found[:16]}…, expected {sha256[:16]}…")
         if folder:
             try:
                 dest.mkdir(exist_ok=True)
@@ -309,6 +399,59 @@ def download(url: str, dest: Path, size: int, sha256: str, *, folder: bool) -> N
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
+    return Transfer(part.moved, time.monotonic() - began, active, resumes)
+
+
+@dataclass
+class _Partial:
+    """A download's temporary file so far: the bytes in it and their digest."""
+
+    out: BinaryIO
+    began: float
+    progress: Progress | None
+    held: int = 0
+    moved: int = 0
+    digest: hashlib._Hash = field(default_factory=hashlib.sha256)
+
+    def restart(self) -> None:
+        self.out.seek(0)
+        self.out.truncate()
+        self.held, self.digest = 0, hashlib.sha256()
+
+    def add(self, block: bytes) -> None:
+        self.digest.update(block)
+        self.out.write(block)
+        self.held += len(block)
+        self.moved += len(block)
+        if self.progress is not None:
+            self.progress(self.held, time.monotonic() - self.began)
+
+
+def _fetch(url: str, part: _Partial, size: int, stall_s: float) -> None:
+    """One request for the bytes from ``part.held`` on, appended to ``part``. Raises _Cut to
+    resume, DataError to give up."""
+    request = urllib.request.Request(url)
+    if part.held:
+        request.add_header("Range", f"bytes={part.held}-")
+    try:
+        with urllib.request.urlopen(request, timeout=stall_s) as answer:
+            if part.held and answer.status != 206:
+                part.restart()  # the whole object came again: never append it twice
+            length = answer.headers.get("Content-Length")
+            end = part.held + int(length) if length is not None else None
+            while block := answer.read(CHUNK):
+                if part.held + len(block) > size:
+                    raise DataError(f"more than the {size} bytes its site reported")
+                part.add(block)
+            if end is not None and part.held < end:
+                raise _Cut("the connection closed early")
+    except urllib.error.HTTPError as err:
+        if err.code >= 500:
+            raise _Cut(f"HTTP {err.code} {err.reason}") from None
+        raise DataError(f"its site's store answered HTTP {err.code} {err.reason}") from None
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
+        raise _Cut(str(getattr(err, "reason", None) or err or type(err).__name__)) from None
+    part.out.flush()
 
 
 def _secret(path: Path | None, variable: str, source: str, what: str) -> str:

@@ -44,7 +44,7 @@ from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
 from federation.security.pki import load_bundle, write_public_file
 from federation.security.tls import channel_credentials
-from federation.site_protocol import PROTOCOL_VERSION
+from federation.site_protocol import PROTOCOL_VERSION, STAGE_PROGRESS_PROTOCOL
 
 log = structlog.get_logger()
 
@@ -121,6 +121,10 @@ class AgentRuntime:
         self._probe_endpoint = probe_endpoint
         self._journal = journal
         self._data = data
+        self._protocol = 1
+        """The site-link protocol the coordinator speaks to this agent (its welcome says)."""
+        if data is not None:
+            data.on_progress = self.on_stage_progress
         self._domain = parse_domain(config.domain)
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
@@ -154,6 +158,12 @@ class AgentRuntime:
             self._spans.status(report)
         if self._outbox is not None:
             self._outbox.put_nowait(pb.AgentMessage(task_status=report))
+
+    def on_stage_progress(self, progress: pb.StageProgress) -> None:
+        """Tell the coordinator how an input's stage-in goes, if it speaks protocol 5; one
+        lost while offline is not sent again (the task's own report is what counts)."""
+        if self._outbox is not None and self._protocol >= STAGE_PROGRESS_PROTOCOL:
+            self._outbox.put_nowait(pb.AgentMessage(stage_progress=progress))
 
     def on_change(self) -> None:
         AGENT_TASKS_RUNNING.set(self.core.queue().running_tasks)
@@ -403,6 +413,7 @@ class AgentRuntime:
         body = message.WhichOneof("body")
         if body == "welcome":
             self._heartbeat_s = message.welcome.heartbeat_interval_s or self._heartbeat_s
+            self._protocol = message.welcome.protocol_version or 1
             if self._links is not None:
                 self._links.set_coordinator(message.welcome.probe_endpoint)
             self._keep_trust_bundle(message.welcome.trust_bundle_pem)

@@ -14,45 +14,75 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import structlog
 
 from federation.agent.accounts import Account
 from federation.agent.checkpoint_store import prune, replicate
-from federation.agent.object_store import DataError, SiteStore, download
+from federation.agent.object_store import (
+    DataError,
+    ObjectStoreSettings,
+    SiteStore,
+    Transfer,
+    download,
+)
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
 log = structlog.get_logger()
 
 TaskKey = tuple[str, str, int]
+PROGRESS_EVERY_S = 5.0
+"""How often a long stage-in tells the coordinator how far it is."""
 
 
 class TaskData:
     """Stages inputs and stores outputs for one site; ``store`` None: the site has none."""
 
-    def __init__(self, store: SiteStore | None, site: str, scratch: Path | None = None) -> None:
+    def __init__(
+        self,
+        store: SiteStore | None,
+        site: str,
+        settings: ObjectStoreSettings | None = None,
+        scratch: Path | None = None,
+    ) -> None:
         self.store = store
         self._site = site
+        self._settings = settings or (store.settings if store else ObjectStoreSettings())
         self._scratch = scratch or Path(tempfile.gettempdir())
         """An agent-only folder for checkpoints copied to other sites."""
+        self.on_progress: Callable[[site_link_service_pb2.StageProgress], None] | None = None
+        """Told each input's progress and, once in place, what it moved (the runtime sends
+        it to the coordinator); None: nobody is told."""
 
     async def stage(
         self,
         inputs: Sequence[site_link_service_pb2.StagedInput],
         folders: Sequence[Path],
         account: Account | None,
+        key: TaskKey = ("", "", 0),
     ) -> None:
         """Put every input in every folder. Raises DataError naming the input."""
         for item in inputs:
             if item.error:
                 raise DataError(f"input {item.dataset}: {item.error}")
             first = folders[0] / item.path
+            progress = _Progress(key, item, self.on_progress)
             try:
-                await asyncio.to_thread(
-                    download, item.url, first, item.bytes, item.sha256, folder=item.folder
+                moved = await asyncio.to_thread(
+                    download,
+                    item.url,
+                    first,
+                    item.bytes,
+                    item.sha256,
+                    folder=item.folder,
+                    attempts=self._settings.download_attempts,
+                    stall_s=self._settings.download_stall_s,
+                    progress=progress.tick,
                 )
+                progress.done(moved)
                 for folder in folders[1:]:
                     await asyncio.to_thread(_copy, first, folder / item.path)
                 if account is not None:
@@ -62,7 +92,15 @@ class TaskData:
                 raise DataError(f"input {item.dataset}: {err}") from None
             except OSError as err:
                 raise DataError(f"input {item.dataset}: cannot write {item.path}: {err}") from None
-            log.info("input_staged", dataset=item.dataset, path=item.path, bytes=item.bytes)
+            log.info(
+                "input_staged",
+                dataset=item.dataset,
+                path=item.path,
+                bytes=item.bytes,
+                source=item.site,
+                seconds=round(moved.seconds, 3),
+                resumes=moved.resumes,
+            )
 
     async def publish(
         self,
@@ -199,6 +237,55 @@ class TaskData:
 def _relative(dest: Path) -> str:
     """``dest`` below its grandparent (the task's folder): the parts ``_give`` hands over."""
     return str(Path(dest.parent.name) / dest.name)
+
+
+class _Progress:
+    """One input's stage-in as the coordinator hears of it: a report each ``PROGRESS_EVERY_S``
+    while the download runs (none for a short one), and one when it is in place. ``tick`` is
+    called from the download's thread: each report is handed to the event loop."""
+
+    def __init__(
+        self,
+        key: TaskKey,
+        item: site_link_service_pb2.StagedInput,
+        tell: Callable[[site_link_service_pb2.StageProgress], None] | None,
+    ) -> None:
+        self._key, self._item, self._tell = key, item, tell
+        self._loop = asyncio.get_running_loop()
+        self._next = PROGRESS_EVERY_S
+
+    def _report(self, **fields: Any) -> site_link_service_pb2.StageProgress:
+        job_id, task, epoch = self._key
+        return site_link_service_pb2.StageProgress(
+            job_id=job_id,
+            task=task,
+            epoch=epoch,
+            dataset=self._item.dataset,
+            source_site=self._item.site,
+            bytes_total=self._item.bytes,
+            **fields,
+        )
+
+    def tick(self, held: int, seconds: float) -> None:
+        if self._tell is None or seconds < self._next or held >= self._item.bytes:
+            return
+        self._next = seconds + PROGRESS_EVERY_S
+        report = self._report(bytes_done=held, seconds=seconds)
+        self._loop.call_soon_threadsafe(self._tell, report)
+
+    def done(self, moved: Transfer) -> None:
+        if self._tell is None:
+            return
+        self._tell(
+            self._report(
+                bytes_done=self._item.bytes,
+                seconds=moved.seconds,
+                done=True,
+                bytes_moved=moved.bytes,
+                active_s=moved.active_s,
+                resumes=moved.resumes,
+            )
+        )
 
 
 def _inside(folder: Path, relative: str) -> Path:

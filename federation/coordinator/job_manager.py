@@ -14,7 +14,7 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import audit, job_state, retries, spread
+from federation.coordinator import audit, job_state, retries, spread, transfers
 from federation.coordinator.checkpoint_copies import copy_checkpoint, replicates
 from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.events import WATCH_BATCH, EventHub
@@ -482,6 +482,33 @@ class JobManager:
         task = next((t for t in job.tasks if t.name == report.task), None)
         return task is not None and _reports_on(task, site, report)
 
+    async def note_staging(self, site: str, progress: site_link_service_pb2.StageProgress) -> None:
+        """A stage-in's progress from ``site``: an event on the task, and, once the input is in
+        place, its bytes counted per link and tenant and its throughput learnt for the link
+        from the holder. Progress of a delegation the task no longer holds is dropped."""
+        job = self._jobs.cached(progress.job_id)
+        if job is None:
+            return
+        task = next((t for t in job.tasks if t.name == progress.task), None)
+        if task is None or not _stages_on(task, site, progress.epoch):
+            return
+        if progress.done:
+            transfers.count(progress, site, job.spec.tenant)
+            self._sites.observe_transfer(
+                progress.source_site, site, progress.bytes_moved, progress.active_s
+            )
+        reason = transfers.line(progress)
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            task = find_task(job, progress.task)
+            if not _stages_on(task, site, progress.epoch):
+                return []
+            return [Change(task.name, task.state, reason, site)]
+
+        # The job went meanwhile, or its record is full: the progress is not kept.
+        with contextlib.suppress(JobNotFoundError, CommitTooLargeError):
+            await self._jobs.update(progress.job_id, mutate)
+
     async def apply_report(self, site: str, report: site_link_service_pb2.TaskReport) -> None:
         """Record a task status from ``site``; stale or foreign reports are fenced off."""
         try:
@@ -736,6 +763,12 @@ def _reports_on(
 ) -> bool:
     """Whether ``report`` from ``site`` is about the delegation ``task`` holds now."""
     return task.site == site and task.epoch == report.epoch and task.state in job_state.AT_SITE
+
+
+def _stages_on(task: jobs_pb2.TaskStatus, site: str, epoch: int) -> bool:
+    """Whether ``task`` is delegated to ``site`` in ``epoch`` and not started yet: when its
+    inputs are staged in."""
+    return task.site == site and task.epoch == epoch and task.state == job_state.DELEGATED
 
 
 @dataclass(slots=True)

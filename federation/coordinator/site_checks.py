@@ -163,6 +163,11 @@ _MEASURED = _Rules(
     )
 )
 _TIMESTAMP = _Rules(ranges=(("seconds", 0, MAX_TIMESTAMP_S), ("nanos", 0, 999_999_999)))
+_STAGE = _Rules(
+    ranges=(("seconds", 0, MAX_FIGURE), ("active_s", 0, MAX_FIGURE)),
+    free=(("bytes_done", "bytes_total"),),
+    texts=(("dataset", MAX_ATTRIBUTE_CHARS), ("source_site", MAX_ATTRIBUTE_CHARS)),
+)
 _ANSWER = _Rules(
     ranges=(
         ("expected_start_s", 0, MAX_FIGURE),
@@ -210,6 +215,8 @@ def check_envelope(
                 _report(check, message.task_status, path)
             elif body == "offer_answer":
                 check.fields(message.offer_answer, _ANSWER, path)
+            elif body == "stage_progress":
+                check.fields(message.stage_progress, _STAGE, path)
     except _EnoughFound:
         pass
     if check.found:

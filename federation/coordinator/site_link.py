@@ -279,6 +279,9 @@ class SiteLink:
                         )
                     )
             return
+        if body == "stage_progress":
+            await self._jobs.note_staging(site, request.stage_progress)
+            return
         if body == "goodbye":
             log.info("site_said_goodbye", site=site, reason=request.goodbye.reason)
             session.said_goodbye = True

@@ -17,6 +17,7 @@ import structlog
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator.aggregates import FederationAggregates
 from federation.coordinator.live_view import LiveView, PlannedDelta, hardware_came
+from federation.coordinator.transfers import TransferLinks
 from federation.errors import (
     FailedPreconditionError,
     FieldViolation,
@@ -180,6 +181,7 @@ class SiteRegistry:
         self._aggregates = FederationAggregates()
         self._freed: set[str] = set()
         """Sites with room that they had not when the scheduler last asked (``take_freed``)."""
+        self._transfers = TransferLinks()
         self._arrived = False
         """A site said hello, sent a whole view or a node with hardware it had not, since the
         scheduler last asked (``take_arrived``)."""
@@ -463,8 +465,17 @@ class SiteRegistry:
                 for e in self._sites.values()
                 if e.view is not None
             ]
-            self._snapshot = (self._version, build_snapshot(inputs))
+            self._snapshot = (
+                self._version,
+                build_snapshot(inputs, self._transfers.bandwidth()),
+            )
         return self._snapshot[1]
+
+    def observe_transfer(self, source: str, site: str, moved: int, active_s: float) -> None:
+        """Learn a link's throughput from a stage-in (``TransferLinks``): the next snapshot's
+        estimates of transfers from ``source`` to ``site`` use it."""
+        if source in self._sites and self._transfers.observe(source, site, moved, active_s):
+            self._version += 1  # the snapshot is built again; nothing else changed
 
     def capacity(self) -> dict[str, float]:
         """What the sites' views hold of each resource quotas count (``policy.resources``),

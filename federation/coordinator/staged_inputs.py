@@ -91,7 +91,7 @@ async def resolve(
             staged_input.error = f"task {producer} reported no output {output.name}"
             continue
         staged_input.bytes, staged_input.sha256 = artifact.bytes, artifact.sha256
-        staged_input.folder = artifact.folder
+        staged_input.folder, staged_input.site = artifact.folder, artifact.site
         if not artifact.key:
             staged_input.error = (
                 f"output {output.name} of task {producer} stayed at site {artifact.site}, "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -396,12 +396,15 @@ def _joined(arrays: list[npt.NDArray[Any]], dtype: type) -> npt.NDArray[Any]:
     return np.concatenate(arrays) if arrays else np.zeros(0, dtype=dtype)
 
 
-def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
+def build_snapshot(
+    sites: Sequence[SiteInput], measured: Mapping[tuple[str, str], float] | None = None
+) -> Snapshot:
     """Flatten site views into arrays, sites sorted by name so order never matters.
 
     Each site's nodes and devices come from its ``SitePart`` (given, or built from its view),
     placed after the previous sites' with their node, device and group numbers shifted and
-    their classes numbered federation-wide in order of first appearance.
+    their classes numbered federation-wide in order of first appearance. ``measured``: Mbit/s
+    per (holder, receiver) that real transfers gave, over any probe's figure for that way.
     """
     ordered = sorted(sites, key=lambda s: s.view.site)
     index = {s.view.site: i for i, s in enumerate(ordered)}
@@ -441,6 +444,14 @@ def build_snapshot(sites: Sequence[SiteInput]) -> Snapshot:
             bandwidth[i, j] = bw
             rtt[i, j] = _capacity(link.rtt_ms)
             known[i, j] = True
+    for (source, receiver), mbps in (measured or {}).items():
+        holder, to = index.get(source), index.get(receiver)
+        if holder is None or to is None or holder == to or mbps <= 0:
+            continue
+        bandwidth[holder, to] = mbps
+        if not known[holder, to]:
+            rtt[holder, to] = rtt[to, holder] if known[to, holder] else 0.0
+        known[holder, to] = True
     # A link measured one way stands for the other way until that is measured too.
     fill = ~known & known.T
     bandwidth[fill] = bandwidth.T[fill]

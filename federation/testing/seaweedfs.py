@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,16 +57,26 @@ class LocalSeaweed:
     filer_port: int
     buckets: dict[str, Bucket] = field(default_factory=dict)
     process: subprocess.Popen[bytes] | None = None
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        """The S3 endpoint, ``http://127.0.0.1:PORT``."""
-        return f"http://127.0.0.1:{self.s3_port}"
+        """The S3 endpoint, ``http://HOST:PORT``."""
+        return f"http://{self.host}:{self.s3_port}"
 
     @classmethod
-    def start(cls, directory: Path, buckets: list[str]) -> LocalSeaweed:
+    def start(
+        cls,
+        directory: Path,
+        buckets: list[str],
+        *,
+        host: str = "127.0.0.1",
+        wrap: Callable[[list[str]], list[str]] = list,
+    ) -> LocalSeaweed:
         """Start SeaweedFS in ``directory`` with one bucket and key per name in ``buckets``,
-        and wait until its S3 gateway answers and every bucket exists.
+        and wait until its S3 gateway answers and every bucket exists. ``host``: the address
+        it binds and is reached at; ``wrap``: how its command is run (in a network namespace:
+        ``Namespace.command``).
 
         Raises:
             RuntimeError: weed is missing, exited, or was not ready in time (with its log).
@@ -98,8 +109,8 @@ class LocalSeaweed:
                 weed,
                 "server",
                 f"-dir={data}",
-                "-ip=127.0.0.1",
-                "-ip.bind=127.0.0.1",
+                f"-ip={host}",
+                f"-ip.bind={host}",
                 f"-master.port={master}",
                 f"-master.port.grpc={grpc_master}",
                 f"-volume.port={volume}",
@@ -117,7 +128,10 @@ class LocalSeaweed:
                 "-volume.max=20",
                 "-master.volumeSizeLimitMB=64",
             ]
-            server = cls(directory, command, directory / f"weed-{attempt}.log", s3, filer, keys)
+            server = cls(
+                directory, wrap(command), directory / f"weed-{attempt}.log", s3, filer, keys
+            )
+            server.host = host
             try:
                 server._run()
             except RuntimeError:
@@ -143,7 +157,7 @@ class LocalSeaweed:
         while time.monotonic() < deadline:
             if process.poll() is not None:
                 raise RuntimeError(f"weed exited with {process.returncode}:\n{self._tail()}")
-            while pending and _post(f"http://127.0.0.1:{self.filer_port}/buckets/{pending[0]}/"):
+            while pending and _post(f"http://{self.host}:{self.filer_port}/buckets/{pending[0]}/"):
                 pending.pop(0)
             if not pending and _answers(self.endpoint):
                 return

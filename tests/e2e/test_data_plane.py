@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,9 +15,11 @@ import grpc
 import obstore
 import pytest
 from obstore.store import S3Store
+from prometheus_client.parser import text_string_to_metric_families
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
+from federation.placement.snapshot import UNKNOWN_BANDWIDTH_MBPS
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
 from .conftest import admin, channel_as, jobs, running, spec, tenant_tls, until, wait_for_job
@@ -34,12 +37,19 @@ WRONG_SECRET = "this-is-not-the-secret-of-wrong-d"
 GPU = 1
 
 
+SLOW_LINK = {"peer": "cloud-d", "bandwidth_mbps": 1, "rtt_ms": 1}
+"""Declared by edge-d, far slower than loopback: what the stage-ins really give must win."""
+
+
 def site(name: str, domain: str, store: dict[str, object] | None) -> SiteSpec:
     """One node with one GPU of a model no other site has: a task asks for the model to be
     pinned to the site."""
     device = {"kind": "GPU", "vendor": "nvidia", "model": f"M-{name}", "count": 2}
     node = {"name": "n", "cpu_cores": 8, "memory_mib": 8192, "devices": [device]}
-    return SiteSpec(name, domain, nodes=[node], settings={"object_store": store} if store else {})
+    settings: dict[str, object] = {"object_store": store} if store else {}
+    if name == "edge-d":
+        settings["links"] = [SLOW_LINK]
+    return SiteSpec(name, domain, nodes=[node], settings=settings)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +83,9 @@ def fed(
         site("wrong-d", "datacenter", stores["wrong-d"]),
         site("bare-d", "datacenter", None),
     ]
-    with running(tmp_path_factory.mktemp("fed"), sites) as federation:
+    with running(
+        tmp_path_factory.mktemp("fed"), sites, ["--metrics-listen", "127.0.0.1:0"]
+    ) as federation:
         yield federation
 
 
@@ -335,3 +347,62 @@ def test_no_key_nor_signed_url_in_any_log(fed: LocalFederation, seaweed: LocalSe
         assert log
         leaked = [secret for secret in secrets if secret in log]
         assert not leaked, f"{name}'s log holds {leaked}"
+
+
+def staged_bytes(fed: LocalFederation) -> dict[tuple[str, ...], float]:
+    url = f"http://127.0.0.1:{fed.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {
+        (sample.name, *sorted(sample.labels.values())): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name.startswith("federation_staged_")
+    }
+
+
+async def estimated_transfer_s(fed: LocalFederation, size: int) -> float:
+    """Placement's estimate now of moving ``size`` bytes from edge-d to a task at cloud-d."""
+    job = spec(
+        "estimate",
+        [
+            task(
+                "use",
+                "print(1)",
+                "cloud-d",
+                inputs=[{"dataset": "somewhere", "bytes": size, "site": "edge-d"}],
+            )
+        ],
+    )
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        reply = await jobs(channel).SubmitJob(
+            job_service_pb2.SubmitJobRequest(spec=job, validate_only=True)
+        )
+    (placed,) = reply.placement
+    assert placed.ranked_site == "cloud-d"
+    return placed.ranked_estimate.transfer_s
+
+
+async def test_a_stage_in_is_shown_counted_and_learnt_by_the_link_model(
+    fed: LocalFederation,
+) -> None:
+    before = staged_bytes(fed)
+    job_id = await submit(fed, pipeline("measured", "edge-d"))
+    job = await finished(fed, job_id)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        reply = await jobs(channel).GetJob(
+            job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+        )
+    staged = [e.reason for e in reply.events if e.task == "use" and "staged" in e.reason]
+    assert any(r.startswith("staged task:make.data: 3 MiB from edge-d in ") for r in staged)
+    assert all(r.endswith("MB/s") for r in staged), staged
+    # The bytes are counted on the link and for the tenant (a folder's tar besides the file).
+    after = staged_bytes(fed)
+    link = ("federation_staged_bytes_total", "cloud-d", "edge-d")
+    tenant = ("federation_staged_tenant_bytes_total", "tenant-a")
+    assert after[link] - before.get(link, 0) > 3 * 1024 * 1024
+    assert after[tenant] - before.get(tenant, 0) == after[link] - before.get(link, 0)
+    # The link model learnt loopback's throughput over the 1 Mbit/s edge-d declared: a
+    # gigabyte is estimated to take less than even the unknown link's default would say.
+    gigabyte = 10**9
+    assert await estimated_transfer_s(fed, gigabyte) < gigabyte * 8 / (UNKNOWN_BANDWIDTH_MBPS * 1e6)

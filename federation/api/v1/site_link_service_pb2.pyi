@@ -333,6 +333,7 @@ class AgentMessage(_message.Message):
     PRESIGN_ANSWER_FIELD_NUMBER: _builtins.int
     REPLICATE_ANSWER_FIELD_NUMBER: _builtins.int
     DESCRIBE_ANSWER_FIELD_NUMBER: _builtins.int
+    STAGE_PROGRESS_FIELD_NUMBER: _builtins.int
     LOGS_ANSWER_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
@@ -361,6 +362,8 @@ class AgentMessage(_message.Message):
         """Protocol 6 and later."""
 
     @_builtins.property
+    def stage_progress(self) -> Global___StageProgress: ...
+    @_builtins.property
     def logs_answer(self) -> Global___LogsAnswer: ...
     def __init__(
         self,
@@ -377,17 +380,82 @@ class AgentMessage(_message.Message):
         presign_answer: Global___PresignAnswer | None = ...,
         replicate_answer: Global___ReplicateAnswer | None = ...,
         describe_answer: Global___DescribeAnswer | None = ...,
+        stage_progress: Global___StageProgress | None = ...,
         logs_answer: Global___LogsAnswer | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "describe_answer", "logs_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "describe_answer", "stage_progress", "logs_answer"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___AgentMessage: _TypeAlias = AgentMessage  # noqa: Y015
+
+@_typing.final
+class StageProgress(_message.Message):
+    """One input of a task being staged in at the sending site (protocol 5): sent now and then
+    while a long download runs (done false), and once when the input is in place (done true),
+    so the coordinator shows the progress and learns the link's throughput from the holder.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    TASK_FIELD_NUMBER: _builtins.int
+    EPOCH_FIELD_NUMBER: _builtins.int
+    DATASET_FIELD_NUMBER: _builtins.int
+    SOURCE_SITE_FIELD_NUMBER: _builtins.int
+    BYTES_DONE_FIELD_NUMBER: _builtins.int
+    BYTES_TOTAL_FIELD_NUMBER: _builtins.int
+    SECONDS_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    BYTES_MOVED_FIELD_NUMBER: _builtins.int
+    ACTIVE_S_FIELD_NUMBER: _builtins.int
+    RESUMES_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    task: _builtins.str
+    epoch: _builtins.int
+    dataset: _builtins.str
+    """The input as the spec names it ("task:NAME.OUTPUT")."""
+    source_site: _builtins.str
+    """The site whose store holds it (StagedInput.site)."""
+    bytes_done: _builtins.int
+    bytes_total: _builtins.int
+    seconds: _builtins.float
+    """Seconds since the download began."""
+    done: _builtins.bool
+    bytes_moved: _builtins.int
+    """When done: bytes that came over the network (a resumed download fetches none twice)
+    and the seconds a connection was open and reading them, the link's throughput.
+    """
+    active_s: _builtins.float
+    resumes: _builtins.int
+    """Times the download resumed after its connection was cut."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        task: _builtins.str = ...,
+        epoch: _builtins.int = ...,
+        dataset: _builtins.str = ...,
+        source_site: _builtins.str = ...,
+        bytes_done: _builtins.int = ...,
+        bytes_total: _builtins.int = ...,
+        seconds: _builtins.float = ...,
+        done: _builtins.bool = ...,
+        bytes_moved: _builtins.int = ...,
+        active_s: _builtins.float = ...,
+        resumes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_s", b"active_s", "bytes_done", b"bytes_done", "bytes_moved", b"bytes_moved", "bytes_total", b"bytes_total", "dataset", b"dataset", "done", b"done", "epoch", b"epoch", "job_id", b"job_id", "resumes", b"resumes", "seconds", b"seconds", "source_site", b"source_site", "task", b"task"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StageProgress: _TypeAlias = StageProgress  # noqa: Y015
 
 @_typing.final
 class Goodbye(_message.Message):
@@ -665,6 +733,7 @@ class StagedInput(_message.Message):
     URL_FIELD_NUMBER: _builtins.int
     FOLDER_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    SITE_FIELD_NUMBER: _builtins.int
     dataset: _builtins.str
     """The input as the spec names it ("task:NAME.OUTPUT")."""
     path: _builtins.str
@@ -678,6 +747,8 @@ class StagedInput(_message.Message):
     """Set instead of url when the input cannot be had (it stayed at a site without a store):
     the site fails the task with it.
     """
+    site: _builtins.str
+    """The site whose store holds the object (protocol 5), named in the stage-in's progress."""
     def __init__(
         self,
         *,
@@ -688,10 +759,11 @@ class StagedInput(_message.Message):
         url: _builtins.str = ...,
         folder: _builtins.bool = ...,
         error: _builtins.str = ...,
+        site: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "error", b"error", "folder", b"folder", "path", b"path", "sha256", b"sha256", "url", b"url"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "error", b"error", "folder", b"folder", "path", b"path", "sha256", b"sha256", "site", b"site", "url", b"url"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

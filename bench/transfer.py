@@ -1,0 +1,173 @@
+"""Stage-ins over a real shaped link: throughput, the link model's estimate, resumes.
+
+A site's SeaweedFS runs in a network namespace behind a veth shaped with tc tbf (``--mbit``);
+the host downloads an object from it by a signed URL with the agent's own ``download`` (as a
+dependant's site does), three times: the first teaches the link model (``TransferLinks``, what
+the coordinator learns from ``StageProgress``), the second is compared with the model's
+estimate, the third is cut by taking the link down mid-way and must resume and arrive intact.
+Baselines from the same run: the same download from inside the namespace, over its own
+loopback (what the store gives with no link in the way), and the estimate the unknown-link
+default would have made. Needs root and iproute2.
+
+    python bench/transfer.py [--mbit 200] [--mib 256] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import structlog
+
+from federation.agent.object_store import ObjectStoreSettings, SiteStore, Transfer, download
+from federation.coordinator.transfers import TransferLinks
+from federation.placement.snapshot import UNKNOWN_BANDWIDTH_MBPS
+from federation.testing.netns import ShapedLinks, unavailable
+from federation.testing.seaweedfs import LocalSeaweed
+
+SITE = "cloud-b"
+
+
+def _fetch_inside(namespace_cmd: list[str], url: str) -> float:
+    """Seconds to read ``url`` from inside the namespace (the loopback baseline)."""
+    code = (
+        "import sys,time,urllib.request\n"
+        "t=time.monotonic()\n"
+        "with urllib.request.urlopen(sys.argv[1]) as r:\n"
+        "    while r.read(1<<20): pass\n"
+        "print(time.monotonic()-t)\n"
+    )
+    out = subprocess.run(
+        [*namespace_cmd, sys.executable, "-c", code, url], check=True, capture_output=True
+    )
+    return float(out.stdout)
+
+
+def run(mbit: float, mib: int) -> dict[str, object]:
+    size = mib * 1024 * 1024
+    with tempfile.TemporaryDirectory() as work, ShapedLinks() as links:
+        root = Path(work)
+        site = links.add(SITE, mbit)
+        (root / "weed").mkdir()
+        weed = LocalSeaweed.start(root / "weed", [SITE], host=site.ip, wrap=site.command)
+        try:
+            keys = weed.buckets[SITE]
+            (root / "id").write_text(keys.access_key_id)
+            (root / "secret").write_text(keys.secret_access_key)
+            store = SiteStore(
+                ObjectStoreSettings(
+                    bucket=SITE,
+                    endpoint=weed.endpoint,
+                    access_key_id_file=root / "id",
+                    secret_access_key_file=root / "secret",
+                )
+            )
+            data = root / "object.bin"
+            with data.open("wb") as out:
+                for _ in range(mib):
+                    out.write(os.urandom(1024 * 1024))
+            stored = store.upload(data, "federation/t/j/make/1/out", root)
+            url = store.sign_get(stored.key, "t", 3600)
+            baseline_s = _fetch_inside(site.command([]), url)
+
+            def fetch(name: str, **options: object) -> Transfer:
+                dest = root / name
+                got = download(url, dest, size, stored.sha256, folder=False, **options)  # type: ignore[arg-type]
+                if hashlib.sha256(dest.read_bytes()).hexdigest() != stored.sha256:
+                    lost.append(name)
+                dest.unlink()
+                return got
+
+            lost: list[str] = []
+            model = TransferLinks()
+            first = fetch("first")
+            model.observe(SITE, "here", first.bytes, first.active_s)
+            estimate_s = size * 8 / (model.bandwidth()[(SITE, "here")] * 1e6)
+            second = fetch("second")
+
+            # The third is cut: the link goes down once a quarter is in, and up again once the
+            # download has given its connection up (it stalls 2 s without a byte).
+            cut = threading.Event()
+
+            def progress(held: int, _seconds: float) -> None:
+                if held > size // 4 and not cut.is_set():
+                    cut.set()
+                    site.down()
+
+            def watch() -> None:
+                cut.wait()
+                time.sleep(4)  # past the 2 s stall: the connection is given up meanwhile
+                site.up()
+
+            watcher = threading.Thread(target=watch)
+            watcher.start()
+            third = fetch("third", stall_s=2.0, backoff_s=0.5, progress=progress)
+            watcher.join()
+        finally:
+            weed.stop()
+    shaped_bps = mbit * 1e6
+    return {
+        "throughput_ratio": round(size * 8 / second.seconds / shaped_bps, 3),
+        "estimate_error": round(abs(estimate_s - second.seconds) / second.seconds, 3),
+        "coordinator_bytes": None,
+        "restore_s": None,
+        "lost_objects": len(lost),
+        "_baseline": {
+            "loopback_ratio": round(size * 8 / baseline_s / shaped_bps, 3),
+            "default_estimate_error": round(
+                abs(size * 8 / (UNKNOWN_BANDWIDTH_MBPS * 1e6) - second.seconds) / second.seconds,
+                3,
+            ),
+            "first_s": round(first.seconds, 2),
+            "second_s": round(second.seconds, 2),
+            "cut_resumes": third.resumes,
+            "cut_bytes": third.bytes,
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mbit", type=float, default=200.0, help="shaped rate, Mbit/s")
+    parser.add_argument("--mib", type=int, default=256, help="object size, MiB")
+    parser.add_argument("--json", action="store_true", help="one JSON object")
+    args = parser.parse_args()
+    if (why := unavailable()) is not None:
+        sys.exit(why)
+    structlog.configure(logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    result = run(args.mbit, args.mib)
+    baseline = result.pop("_baseline")
+    if args.json:
+        print(json.dumps(result))
+        return
+    assert isinstance(baseline, dict)
+    rows = [
+        ("throughput_ratio", result["throughput_ratio"], f"loopback {baseline['loopback_ratio']}"),
+        (
+            "estimate_error",
+            result["estimate_error"],
+            f"unknown-link default {baseline['default_estimate_error']}",
+        ),
+        ("coordinator_bytes", "null", "no coordinator runs here; see the README"),
+        ("restore_s", "null", "checkpoint restore is not part of this bench"),
+        (
+            "lost_objects",
+            result["lost_objects"],
+            f"of 3 (one cut, resumed {baseline['cut_resumes']}x, {baseline['cut_bytes']} B)",
+        ),
+    ]
+    print(f"{args.mib} MiB over a {args.mbit:g} Mbit/s link")
+    for name, value, beside in rows:
+        print(f"{name:<18} {value!s:>8}   {beside}")
+
+
+if __name__ == "__main__":
+    main()
