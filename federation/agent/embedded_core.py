@@ -973,10 +973,17 @@ class EmbeddedCore:
     def _bind_container(
         self, key: TaskKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
     ) -> None:
-        """A container replica's container goes when the replica has ended."""
-        if spec.image:
-            name = container_name(self._work_dir, key, replica)
-            process.after_exit = lambda: self._containers.remove(name)
+        """A container replica's container, and the file of its environment, go when the
+        replica has ended."""
+        if not spec.image:
+            return
+        name = container_name(self._work_dir, key, replica)
+
+        async def clean_up() -> None:
+            await self._containers.remove(name)
+            (process.run_dir / ENV_FILE).unlink(missing_ok=True)
+
+        process.after_exit = clean_up
 
     def _task_dir(self, key: TaskKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""

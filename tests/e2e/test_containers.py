@@ -187,6 +187,8 @@ async def test_a_container_runs_as_the_tenant_in_its_folder_and_is_pulled_once(
     assert second.tasks[0].output_tail.split()[0] == uid
     assert registry.manifest_gets(repository) == pulls
     assert _containers_left(federation) == []
+    # The environment podman read is not kept once the replica has ended.
+    assert list(_work(federation).glob("*/t/*.run/*/container.env")) == []
 
 
 async def test_an_image_the_registry_does_not_have_fails_with_its_answer(
