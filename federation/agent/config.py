@@ -6,6 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from federation.agent.containers import ContainerSettings
 from federation.agent.object_store import ObjectStoreSettings
 from federation.agent.owner_share import OwnerShareSettings
 from federation.agent.probe import MAX_PROBE_BYTES
@@ -188,6 +189,9 @@ class AgentConfig:
     """The site's S3-compatible object store, where its tasks' declared outputs go: the
     ``[object_store]`` table (bucket, endpoint, region, prefix, where the keys are read). Its
     credentials stay at the site. No bucket: the site has no store."""
+    containers: ContainerSettings = field(default_factory=ContainerSettings)
+    """Tasks that name an OCI image, run with Podman: the ``[containers]`` table (enabled,
+    registries, insecure_registries, podman, pull_timeout_s)."""
 
 
 def coordinator_endpoints(config: AgentConfig) -> tuple[str, ...]:

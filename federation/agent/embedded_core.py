@@ -33,6 +33,13 @@ from federation.agent.accounts import (
 )
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.containers import (
+    ENV_FILE,
+    Containers,
+    ContainerSettings,
+    container_name,
+    device_args,
+)
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
@@ -248,6 +255,8 @@ class EmbeddedCore:
             on this machine); empty: the machine's name.
         data: Stages tasks' inputs and stores their outputs; default: a site without an
             object store.
+        containers: Runs tasks that name an image (``federation.agent.containers``);
+            default: Podman on PATH, any registry.
     """
 
     name = "embedded"
@@ -267,9 +276,11 @@ class EmbeddedCore:
         state_dir: Path | None = None,
         service_address: str = "",
         data: TaskData | None = None,
+        containers: ContainerSettings | None = None,
     ) -> None:
         self.data = data or TaskData(None, site)
         self._address = service_address or socket.getfqdn()
+        self._containers = Containers(containers or ContainerSettings(), work_dir.absolute())
         self._nodes: dict[str, resources_pb2.Node] = {}
         for node in nodes:
             if node.name in self._nodes:
@@ -661,6 +672,11 @@ class EmbeddedCore:
                 ReplicaProcess.adopt(r.pid, r.start_ticks, self._run_dir(record.key, i))
                 for i, r in enumerate(record.replicas)
             ]
+            for i, replica in enumerate(replicas):
+                self._bind_container(record.key, record.spec, i, replica)
+                if replica.exited and record.spec.image:
+                    # Ended meanwhile: its supervisor may have had to leave the container.
+                    await self._containers.remove(container_name(self._work_dir, record.key, i))
             ended_alone = all(
                 p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas
             )
@@ -801,6 +817,8 @@ class EmbeddedCore:
             return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
         if not offer.spec.command:
             return "task has no command"
+        if offer.spec.image and (problem := self._containers.refusal(offer.spec.image)):
+            return problem
         if problem := _fixed_port_problem(offer.spec):
             return problem
         cpu = offer.spec.resources.cpu
@@ -903,16 +921,22 @@ class EmbeddedCore:
     async def _start_replica(self, task: _Task, replica: int, account: Account | None) -> None:
         """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
         job_id, name, epoch = task.key
+        cwd, env = self._task_dir(task.key) / str(replica), self._replica_env(task, replica)
+        argv = list(task.spec.command)
+        if task.spec.image:
+            argv, env = await self._in_container(task, replica, account, cwd, env)
+            account = None  # podman runs as the agent; the container as the account
         process = await ReplicaProcess.start(
-            task.spec.command,
-            cwd=self._task_dir(task.key) / str(replica),
-            env=self._replica_env(task, replica),
+            argv,
+            cwd=cwd,
+            env=env,
             run_dir=self._run_dir(task.key, replica),
             account=account,
             grace_s=self._kill_grace_s,
             owner=self._records.owner if self._records is not None else None,
             label=f"{job_id}/{name}/{epoch}/{replica}",
         )
+        self._bind_container(task.key, task.spec, replica, process)
         if replica < len(task.replicas):
             task.replicas[replica] = process
         else:
@@ -920,6 +944,59 @@ class EmbeddedCore:
         if task.service is not None:
             task.service[replica].revision = task.revision
             task.service[replica].checked = False
+
+    async def _in_container(
+        self, task: _Task, replica: int, account: Account | None, cwd: Path, env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
+        """The ``podman run`` that runs the replica in its image, and podman's environment;
+        pulls the image first if the node does not have it."""
+        if account is None:
+            raise ReplicaStartError("containers run as the tenant's account: this site has none", 0)
+        await self._containers.pull(task.spec.image)
+        slot = task.slots[replica]
+        devices = device_args(self._nodes[slot.node], slot)
+        # The image's own PATH and libraries, not the host's; what the task set stays.
+        env = {k: v for k, v in env.items() if k not in INHERITED_ENV or k in task.spec.env}
+        home = account.home or str(cwd)
+        env.update(HOME=home, USER=account.name, LOGNAME=account.name)
+        if devices and "CUDA_VISIBLE_DEVICES" in env:
+            # The container holds only its own GPUs, numbered from 0.
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(len(slot.device_positions))))
+        mounts = [cwd]
+        for variable in ("FEDERATION_CHECKPOINT_DIR", "FEDERATION_RESTORE_FROM"):
+            if variable in env and not Path(env[variable]).is_relative_to(cwd):
+                mounts.append(Path(env[variable]))
+        run_dir = self._run_dir(task.key, replica)
+        await asyncio.to_thread(private_folder, run_dir, None)
+        return self._containers.command(
+            container_name(self._work_dir, task.key, replica),
+            task.spec.image,
+            list(task.spec.command),
+            uid=account.uid,
+            gid=account.gid,
+            cwd=cwd,
+            mounts=mounts,
+            env=env,
+            env_file=run_dir / ENV_FILE,
+            cpu=slot.cpu,
+            memory_mib=slot.memory_mib,
+            devices=devices,
+        )
+
+    def _bind_container(
+        self, key: TaskKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
+    ) -> None:
+        """A container replica's container, and the file of its environment, go when the
+        replica has ended."""
+        if not spec.image:
+            return
+        name = container_name(self._work_dir, key, replica)
+
+        async def clean_up() -> None:
+            await self._containers.remove(name)
+            (process.run_dir / ENV_FILE).unlink(missing_ok=True)
+
+        process.after_exit = clean_up
 
     def _task_dir(self, key: TaskKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""

@@ -178,6 +178,7 @@ async def embedded_core(
         owner_share=owner_share(config.owner_share),
         state_dir=config.state_dir,
         service_address=config.service_address,
+        containers=config.containers,
     )
     await core.adopt()  # before the first hello, which reports the tasks adopted
     return core

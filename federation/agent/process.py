@@ -17,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -111,6 +111,11 @@ class ReplicaProcess:
         self._ended: ReplicaExit | None = None
         self._tail = ""
         self._done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self.after_exit: Callable[[], Awaitable[None]] | None = None
+        """Run once the supervisor has exited, before ``wait`` returns (set it before the
+        next await after ``start`` or ``adopt``): what the replica leaves outside its
+        supervisor's reach, a container, is cleaned up before its end is known."""
+        self._cleanup: asyncio.Future[None] | None = None
         if pidfd is None:
             self._supervisor_exited()
         else:
@@ -228,7 +233,7 @@ class ReplicaProcess:
             except TimeoutError:
                 log.info("replica_killed", supervisor=self.pid, grace_s=grace_s)
                 self._signal(signal.SIGUSR1)
-                await asyncio.shield(self._done)
+        await asyncio.shield(self._done)  # and its ``after_exit``
         assert self._ended is not None
         return self._ended.stopped
 
@@ -257,6 +262,17 @@ class ReplicaProcess:
         self._ended = _read_exit(self.run_dir, self.pid)
         self._tail = _read_tail(self.run_dir)
         log.debug("replica_exited", supervisor=self.pid, returncode=self._ended.returncode)
+        if self.after_exit is None:
+            self._done.set_result(self._ended.returncode)
+        else:
+            self._cleanup = asyncio.ensure_future(self._clean_up(self.after_exit))
+
+    async def _clean_up(self, after_exit: Callable[[], Awaitable[None]]) -> None:
+        assert self._ended is not None
+        try:
+            await after_exit()
+        except Exception:
+            log.exception("replica_cleanup_failed", supervisor=self.pid)
         self._done.set_result(self._ended.returncode)
 
 

@@ -12,6 +12,7 @@ from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
 from federation.coordinator.outputs import OUTPUT_NAME_RE, names_dataset, source_of
 from federation.coordinator.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
 from federation.errors import FieldViolation, InvalidArgumentError
+from federation.images import ImageReferenceError, parse_image
 from federation.placement.compat import validate_requires
 from federation.placement.selectors import SelectorError, check_selector
 
@@ -159,6 +160,11 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
         yield from _accelerator_violations(res.accelerator, f"{path}.resources.accelerator")
     yield from _number(path, "estimated_duration_s", task.estimated_duration_s, 0, 1e9)
     yield from _number(path, "timeout_s", task.timeout_s, 0, 1e9)
+    if task.image:
+        try:
+            parse_image(task.image)
+        except ImageReferenceError as err:
+            yield FieldViolation(f"{path}.image", str(err))
     for key, problem in validate_requires(task.requires):
         yield FieldViolation(f"{path}.requires[{key}]", problem)
     for i, item in enumerate(task.inputs):

@@ -136,6 +136,21 @@ def test_yaml_file_with_one_spec(tmp_path: Path) -> None:
     assert dict(spec.constraints.node_labels) == {"zone": "a"}
 
 
+def test_an_image_is_one_line_of_yaml_and_checked_at_its_field(tmp_path: Path) -> None:
+    """``image:`` names the task's image; a malformed one is reported at its field."""
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "name: c\ntasks:\n"
+        "  - {name: a, image: registry.example.org/team/tools:1.2, command: [id]}\n"
+        "  - {name: b, image: 'tools:1.2', command: [id]}\n"
+    )
+    (spec,) = load_job_specs(path)
+    assert [t.image for t in spec.tasks] == ["registry.example.org/team/tools:1.2", "tools:1.2"]
+    (violation,) = spec_violations(spec)
+    assert violation.field == "spec.tasks[1].image"
+    assert "does not name its registry" in violation.description
+
+
 @pytest.mark.parametrize(
     "text",
     [

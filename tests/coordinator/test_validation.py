@@ -330,6 +330,24 @@ CASES: list[tuple[str, Mutation, str, str]] = [
         "spec.tasks",
         "dependency cycle: trainer -> eval.v2 -> trainer",
     ),
+    (
+        "image-short-name",
+        _call(lambda s: setattr(s.tasks[1], "image", "busybox:1.36")),
+        "spec.tasks[1].image",
+        "does not name its registry",
+    ),
+    (
+        "image-bad-tag",
+        _call(lambda s: setattr(s.tasks[1], "image", "registry.example.org/tools:b@d")),
+        "spec.tasks[1].image",
+        "is not sha256: and 64 hex digits",
+    ),
+    (
+        "image-upper-case",
+        _call(lambda s: setattr(s.tasks[1], "image", "registry.example.org/Tools:1")),
+        "spec.tasks[1].image",
+        "repository 'Tools' is not valid",
+    ),
 ]
 
 
@@ -353,6 +371,21 @@ def test_names_at_the_edges_of_the_pattern_are_accepted(name: str) -> None:
     spec = valid_spec()
     spec.id = name
     spec.tasks[0].name = name
+    assert spec_violations(spec) == []
+
+
+@pytest.mark.parametrize(
+    "image",
+    [
+        "registry.example.org/tools:1.2",
+        "127.0.0.1:5000/team/tools",
+        "localhost/tools@sha256:" + "0" * 64,
+        "docker.io/library/busybox:1.36@sha256:" + "f" * 64,
+    ],
+)
+def test_images_naming_their_registry_are_accepted(image: str) -> None:
+    spec = valid_spec()
+    spec.tasks[0].image = image
     assert spec_violations(spec) == []
 
 

@@ -429,6 +429,7 @@ class TaskSpec(_message.Message):
     KIND_FIELD_NUMBER: _builtins.int
     SERVICE_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
+    IMAGE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -440,6 +441,10 @@ class TaskSpec(_message.Message):
     """Workload class for the speed table ("training", "inference", ...); default "training"."""
     kind: Global___TaskKind.ValueType
     """Batch work that ends, or a service kept running until it is cancelled."""
+    image: _builtins.str
+    """An OCI image ("registry/name:tag" or "registry/name@sha256:..."): each replica runs
+    command inside it, with Podman, as the tenant's account; empty: a process on the host.
+    """
     @_builtins.property
     def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """argv of the process each replica runs."""
@@ -504,10 +509,11 @@ class TaskSpec(_message.Message):
         kind: Global___TaskKind.ValueType = ...,
         service: Global___ServicePolicy | None = ...,
         outputs: _abc.Iterable[Global___Output] | None = ...,
+        image: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "image", b"image", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

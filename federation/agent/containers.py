@@ -1,0 +1,266 @@
+"""Replicas of tasks that name an OCI image, run with rootful Podman under the supervisor.
+
+The supervisor runs ``podman run`` (as the agent: root) in place of the task's program; the
+container then keeps what a bare replica is given: the tenant's uid and gid (``--user``, no
+capabilities, no new privileges), the same work folder at the same path as its working
+directory, the same environment, the host's network, the spec's cpu and memory as limits, and
+only the devices it was granted. ``podman run`` stays attached, so the container's output is
+the replica's output and its exit code the replica's; a SIGTERM to it is passed on to the
+container's init (``--init``), which passes it on to the command. A container is removed once
+its replica has ended however it ended (``remove``): a SIGKILL reaches ``podman run`` only, not
+the container, which ``podman rm --force`` then kills.
+
+Images are pulled once per node: a replica whose image is in the node's store starts from it
+(``--pull=never``), and a pull that fails fails the task with the registry's answer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import re
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import structlog
+
+from federation.agent.process import ReplicaStartError
+from federation.agent.usage import Slot
+from federation.api.v1 import resources_pb2
+from federation.config import positive
+from federation.images import ImageReferenceError, parse_image
+
+log = structlog.get_logger()
+
+ENV_FILE = "container.env"
+"""In the replica's run folder (the agent's alone): the environment podman gives the
+container. Given as a file, not through podman's own environment, which a task's variables
+(HOME, TMPDIR, CONTAINERS_CONF...) would otherwise steer."""
+CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
+_PODMAN_ENV = ("HOME", "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "REGISTRY_AUTH_FILE")
+"""The agent's own variables podman runs with (operators set these); no task's."""
+_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+
+
+@dataclass(frozen=True, slots=True)
+class ContainerSettings:
+    """Tasks from OCI images: the ``[containers]`` table of an agent's config."""
+
+    enabled: bool = True
+    """Run tasks that name an image (needs Podman, and the agent running as root); false:
+    offers of them are declined, saying so."""
+    registries: list[str] = field(default_factory=list)
+    """Registries (host[:port]) images may come from; empty: any."""
+    insecure_registries: list[str] = field(default_factory=list)
+    """Registries reached over plain HTTP or with an unverified certificate (a registry on
+    loopback, say): pulled with ``--tls-verify=false``."""
+    podman: str = "podman"
+    """The podman program, by name on the agent's PATH or by path."""
+    pull_timeout_s: float = field(default=900.0, metadata=positive())
+    """A pull that takes longer fails the task."""
+
+
+def container_name(work_dir: Path, key: tuple[str, str, int], replica: int) -> str:
+    """Names one replica's container for good: a restarted agent finds it by this name.
+
+    Readable (job, task, epoch, replica) and unique on the host (a hash that includes the
+    agent's work folder: several agents may share one host's Podman).
+    """
+    job_id, task, epoch = key
+    digest = hashlib.sha256(f"{work_dir}\0{job_id}\0{task}\0{epoch}\0{replica}".encode())
+    readable = re.sub(r"[^a-zA-Z0-9_.-]+", "-", f"{job_id}-{task}")[:80]
+    return f"fed-{readable}-{epoch}-{replica}-{digest.hexdigest()[:12]}"
+
+
+class Containers:
+    """A node's Podman: which images it may run, pulling them once, running replicas."""
+
+    def __init__(self, settings: ContainerSettings, work_dir: Path) -> None:
+        self._settings = settings
+        self._work_dir = work_dir
+        self._podman = shutil.which(settings.podman)
+        self._pulls: dict[str, asyncio.Lock] = {}
+
+    def refusal(self, image: str) -> str:
+        """Why this site does not run ``image``, or ""."""
+        if not self._settings.enabled:
+            return (
+                f"this site does not run containers (image {image}): [containers] enabled = false"
+            )
+        if self._podman is None:
+            podman = self._settings.podman
+            return f"this site cannot run containers (image {image}): {podman} is not installed"
+        if os.geteuid() != 0:
+            return (
+                f"this site cannot run containers (image {image}): its agent does not run as root"
+            )
+        try:
+            registry = parse_image(image).registry
+        except ImageReferenceError as err:
+            return f"image {image!r} {err}"
+        allowed = self._settings.registries
+        if allowed and registry not in allowed:
+            return (
+                f"this site runs images from {', '.join(allowed)} only, not from {registry} "
+                f"(image {image})"
+            )
+        return ""
+
+    async def pull(self, image: str) -> None:
+        """Makes sure ``image`` is in the node's store: pulled once, then found there.
+
+        Raises:
+            ReplicaStartError: The pull failed; the message names the image and has the
+                registry's answer.
+        """
+        async with self._pulls.setdefault(image, asyncio.Lock()):
+            code, _ = await self._podman_run("image", "exists", image)
+            if code == 0:
+                log.info("image_cached", image=image)
+                return
+            registry = parse_image(image).registry
+            tls = ["--tls-verify=false"] if registry in self._settings.insecure_registries else []
+            started = time.monotonic()
+            try:
+                code, answer = await asyncio.wait_for(
+                    self._podman_run("pull", "--quiet", *tls, image),
+                    self._settings.pull_timeout_s,
+                )
+            except TimeoutError:
+                limit = self._settings.pull_timeout_s
+                raise ReplicaStartError(
+                    f"cannot pull image {image}: not done within {limit:g}s", 0
+                ) from None
+            if code != 0:
+                log.warning("image_pull_failed", image=image, answer=answer)
+                raise ReplicaStartError(f"cannot pull image {image}: {answer}", 0)
+            log.info("image_pulled", image=image, seconds=round(time.monotonic() - started, 3))
+
+    def command(
+        self,
+        name: str,
+        image: str,
+        argv: list[str],
+        *,
+        uid: int,
+        gid: int,
+        cwd: Path,
+        mounts: list[Path],
+        env: Mapping[str, str],
+        env_file: Path,
+        cpu: float,
+        memory_mib: int,
+        devices: list[str],
+    ) -> tuple[list[str], dict[str, str]]:
+        """The ``podman run`` command line for one replica and the environment podman runs
+        with; writes the container's environment to ``env_file`` (values may hold no newline).
+        """
+        assert self._podman is not None
+        if uid == 0 or gid == 0:
+            raise ReplicaStartError("containers run as the tenant's account, never as root", 126)
+        lines = []
+        for key, value in env.items():
+            if "\n" in value or "\r" in value:
+                raise ReplicaStartError(
+                    f"env {key}: a container's variable may not hold a line break", 126
+                )
+            lines.append(f"{key}={value}\n")
+        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with open(fd, "w", encoding="utf-8") as out:
+            out.writelines(lines)
+        volumes = [f"--volume={path}:{path}" for path in dict.fromkeys(mounts)]
+        limits = [f"--cpus={cpu:g}"] if cpu > 0 else []
+        limits += [f"--memory={memory_mib}m"] if memory_mib > 0 else []
+        argv = [
+            self._podman,
+            "run",
+            "--rm",
+            "--replace",  # a service replica restarted at once reuses its name
+            f"--name={name}",
+            f"--label=federation.work_dir={self._work_dir}",
+            "--pull=never",  # pulled beforehand (``pull``), once per node
+            "--init",  # passes the stop's SIGTERM on to the command
+            f"--user={uid}:{gid}",
+            "--cap-drop=all",
+            "--security-opt=no-new-privileges",
+            "--umask=0077",
+            "--network=host",  # as a bare replica: a service's port is the host's
+            f"--workdir={cwd}",
+            f"--env-file={env_file}",
+            "--log-driver=none",  # the output goes to the supervisor alone
+            *volumes,
+            *limits,
+            *devices,
+            "--",
+            image,
+            *argv,
+        ]
+        own = {k: v for k, v in os.environ.items() if k in _PODMAN_ENV}
+        return argv, {"PATH": _PATH, **own}
+
+    async def remove(self, name: str) -> None:
+        """Kills and removes the container, if it is still there."""
+        code, answer = await self._podman_run("rm", "--force", "--ignore", "--time=0", name)
+        if code != 0:
+            log.warning("container_not_removed", container=name, answer=answer)
+
+    async def _podman_run(self, *args: str) -> tuple[int, str]:
+        """Runs podman; its exit code and the last line it wrote to stderr (its error)."""
+        assert self._podman is not None
+        process = await asyncio.create_subprocess_exec(
+            self._podman,
+            *args,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            env={"PATH": _PATH, **{k: v for k, v in os.environ.items() if k in _PODMAN_ENV}},
+        )
+        try:
+            _, err = await process.communicate()
+        except asyncio.CancelledError:
+            process.kill()
+            await process.wait()
+            raise
+        lines = err.decode(errors="replace").strip().splitlines()
+        answer = lines[-1].removeprefix("Error: ") if lines else ""
+        return process.returncode or 0, answer
+
+
+def device_args(node: resources_pb2.Node, slot: Slot) -> list[str]:
+    """``--device`` options for the slot's devices: NVIDIA GPUs by their CDI name where the
+    host has a CDI spec for them (the driver's libraries come with it), their /dev nodes
+    otherwise (the image must then bring libraries matching the host's driver).
+
+    Raises:
+        ReplicaStartError: A device this site cannot give a container (shares, partitions and
+            other vendors' devices are not supported yet).
+    """
+    held = [node.devices[pos] for pos in slot.device_positions]
+    if not held:
+        return []
+    if slot.fraction or slot.partition:
+        raise ReplicaStartError("containers take whole devices only at this site", 126)
+    for device in held:
+        if device.vendor.lower() != "nvidia" or device.kind != resources_pb2.DEVICE_KIND_GPU:
+            raise ReplicaStartError("containers take NVIDIA GPUs only at this site", 126)
+    if _has_cdi("nvidia.com/gpu"):
+        return [f"--device=nvidia.com/gpu={d.index}" for d in held]
+    nodes = [f"/dev/nvidia{d.index}" for d in held]
+    nodes += [path for path in _NVIDIA_CONTROL if os.path.exists(path)]
+    return [f"--device={path}" for path in nodes]
+
+
+def _has_cdi(kind: str) -> bool:
+    for folder in CDI_DIRS:
+        try:
+            for spec in folder.iterdir():
+                if spec.suffix in (".json", ".yaml") and kind in spec.read_text(errors="replace"):
+                    return True
+        except OSError:
+            continue
+    return False

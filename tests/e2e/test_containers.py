@@ -1,0 +1,291 @@
+"""Tasks from OCI images: a real agent runs them with real Podman, from a real registry.
+
+The image is built here from a static busybox and pushed to a registry on loopback that this
+module starts; its access log shows every pull.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tarfile
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from deploy_tools import need_tool
+
+from federation.agent.service import free_port
+from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.local import LocalFederation, SiteSpec
+
+from .conftest import channel_as, jobs, spec, tenant_tls, until, wait_for_job
+
+pytestmark = [
+    pytest.mark.skipif(os.geteuid() != 0, reason="needs root: rootful Podman, task uids"),
+    pytest.mark.xdist_group("e2e-containers"),
+]
+
+UIDS = (210_000, 210_099)
+SITE = "boxes"
+TOOLS = ("sh", "id", "echo", "sleep", "cat", "pwd", "ls", "test", "[")
+
+
+@dataclass
+class Registry:
+    address: str
+    log: Path
+    image: str
+    """The test image, pushed, and not in the node's store when the module starts."""
+
+    def manifest_gets(self, repository: str) -> int:
+        """How often the registry was asked for a manifest of ``repository`` (pulls)."""
+        text = self.log.read_text(errors="replace")
+        return text.count(f"GET /v2/{repository}/manifests/")
+
+
+def _podman(*args: str) -> str:
+    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"podman {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
+    need_tool("podman", "apt-get install podman runc catatonit")
+    server = need_tool("docker-registry", "apt-get install docker-registry")
+    busybox = need_tool("busybox", "apt-get install busybox-static")
+    root = tmp_path_factory.mktemp("registry")
+    address = f"127.0.0.1:{free_port()}"
+    (root / "config.yml").write_text(
+        "version: 0.1\nlog: {level: info, accesslog: {disabled: false}}\n"
+        f"storage: {{filesystem: {{rootdirectory: {root / 'data'}}}}}\n"
+        f"http: {{addr: {address}}}\n"
+    )
+    log = root / "registry.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen(
+            [server, "serve", str(root / "config.yml")], stdout=out, stderr=out
+        )
+    image = f"{address}/fedtest-{uuid.uuid4().hex[:8]}/busybox:1"
+    try:
+        tree = root / "rootfs"
+        (tree / "bin").mkdir(parents=True)
+        (tree / "tmp").mkdir(mode=0o1777)
+        shutil.copy(busybox, tree / "bin" / "busybox")
+        for tool in TOOLS:
+            (tree / "bin" / tool).symlink_to("busybox")
+        with tarfile.open(root / "rootfs.tar", "w") as tar:
+            tar.add(tree, arcname=".")
+        _podman("import", "--change", "ENV=PATH=/bin", str(root / "rootfs.tar"), image)
+        asyncio.run(until(_answers(address), "the registry to answer", timeout_s=30))
+        _podman("push", "--tls-verify=false", image)
+        _podman("rmi", image)  # the agent pulls it
+        yield Registry(address, log, image)
+    finally:
+        subprocess.run(["podman", "rmi", "--ignore", image], capture_output=True, check=False)
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _answers(address: str) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        try:
+            _, writer = await asyncio.open_connection(*address.split(":"))
+        except OSError:
+            return False
+        writer.close()
+        return True
+
+    return check
+
+
+def _site(work: Path, registry: Registry, **settings: object) -> SiteSpec:
+    return SiteSpec(
+        SITE,
+        "datacenter",
+        nodes=[{"name": "n", "cpu_cores": 4, "memory_mib": 8192}],
+        settings={
+            "task_uid_range": f"{UIDS[0]}-{UIDS[1]}",
+            "work_dir": str(work),
+            "run_tasks_as_agent": False,
+            "stop_tasks_on_exit": False,  # an agent restart leaves its tasks to the next
+            "containers": {"insecure_registries": [registry.address]},
+            **settings,
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def federation(
+    tmp_path_factory: pytest.TempPathFactory, registry: Registry
+) -> Iterator[LocalFederation]:
+    root = tmp_path_factory.mktemp("containers")
+    root.chmod(0o755)  # the work folder below must be reachable by the task uids
+    fed = LocalFederation(root, [_site(root / "tasks", registry)])
+    try:
+        asyncio.run(fed.start())
+        yield fed
+    finally:
+        fed.stop()
+
+
+def _work(fed: LocalFederation) -> Path:
+    return fed.root / "tasks"
+
+
+def _containers_left(fed: LocalFederation) -> list[str]:
+    label = f"label=federation.work_dir={_work(fed)}"
+    return _podman("ps", "--all", "--filter", label, "--format", "{{.Names}}").split()
+
+
+async def _submit(fed: LocalFederation, tenant: str, task: dict[str, object]) -> str:
+    async with channel_as(fed, tenant_tls(fed, tenant)) as channel:
+        reply = await jobs(channel).SubmitJob(
+            job_service_pb2.SubmitJobRequest(spec=spec("c", [{"name": "t", **task}]))
+        )
+        return reply.job.id
+
+
+async def _run(fed: LocalFederation, tenant: str, task: dict[str, object]) -> jobs_pb2.Job:
+    job_id = await _submit(fed, tenant, task)
+    async with channel_as(fed, tenant_tls(fed, tenant)) as channel:
+        return await wait_for_job(channel, job_id, timeout_s=120)
+
+
+def _script(registry: Registry, script: str) -> dict[str, object]:
+    return {"image": registry.image, "command": ["sh", "-c", script]}
+
+
+async def test_a_container_runs_as_the_tenant_in_its_folder_and_is_pulled_once(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    """The first run pulls the image, runs as the tenant's uid in its work folder (which it
+    writes to); a second run on the node starts from the node's copy, asking the registry
+    nothing."""
+    repository = registry.image.split("/", 1)[1].split(":")[0]
+    assert registry.manifest_gets(repository) == 0
+    task = _script(registry, 'id -u; id -g; pwd; echo "$FEDERATION_TASK" > made; cat made')
+    first = await _run(federation, "tenant-a", task)
+    assert first.state == jobs_pb2.JOB_STATE_SUCCEEDED, first.tasks[0].reason
+    uid, gid, folder, said = first.tasks[0].output_tail.split()
+    assert UIDS[0] <= int(uid) <= UIDS[1]
+    assert int(gid) != 0
+    assert said == "t"
+    made = Path(folder) / "made"  # the same path inside and out
+    assert Path(folder).is_relative_to(_work(federation))
+    assert (made.stat().st_uid, made.read_text()) == (int(uid), "t\n")
+    pulls = registry.manifest_gets(repository)
+    assert pulls >= 1
+
+    second = await _run(federation, "tenant-a", task)
+    assert second.state == jobs_pb2.JOB_STATE_SUCCEEDED, second.tasks[0].reason
+    assert second.tasks[0].output_tail.split()[0] == uid
+    assert registry.manifest_gets(repository) == pulls
+    assert _containers_left(federation) == []
+    # The environment podman read is not kept once the replica has ended.
+    assert list(_work(federation).glob("*/t/*.run/*/container.env")) == []
+
+
+async def test_an_image_the_registry_does_not_have_fails_with_its_answer(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    image = f"{registry.address}/fedtest-missing/{uuid.uuid4().hex[:8]}:1"
+    job = await _run(federation, "tenant-a", {"image": image, "command": ["id"]})
+    assert job.state == jobs_pb2.JOB_STATE_FAILED
+    reason = job.tasks[0].reason
+    assert f"cannot pull image {image}" in reason
+    assert "manifest unknown" in reason  # the registry's own words
+
+
+async def test_a_site_that_refuses_containers_declines_them_saying_so(
+    tmp_path: Path, registry: Registry
+) -> None:
+    root = tmp_path / "fed"
+    root.mkdir(mode=0o755)
+    site = _site(root / "tasks", registry, containers={"enabled": False})
+    fed = LocalFederation(root, [site])
+    reason = "this site does not run containers (image " + registry.image + ")"
+
+    async def declined() -> bool:
+        return reason in fed.log_path(SITE).read_text(errors="replace")
+
+    try:
+        await fed.start()
+        job_id = await _submit(fed, "tenant-a", _script(registry, "id -u"))
+        await until(declined, "the offer to be declined")
+        async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+            reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+    finally:
+        fed.stop()
+    assert reply.job.state == jobs_pb2.JOB_STATE_PENDING  # no site took it
+    assert "[containers] enabled = false" in fed.log_path(SITE).read_text(errors="replace")
+    assert list((root / "tasks").glob(f"{job_id}/*")) == []
+
+
+@pytest.mark.parametrize("trap", ['"echo stopping; exit 7"', '""'], ids=["quits", "ignores"])
+async def test_cancel_stops_the_container_within_the_grace(
+    federation: LocalFederation, registry: Registry, trap: str
+) -> None:
+    """The command gets SIGTERM (and quits), or, ignoring it, is killed after the grace;
+    either way no container is left."""
+    script = f"trap {trap} TERM; echo up > up; while true; do sleep 0.1; done"
+    job_id = await _submit(federation, "tenant-a", _script(registry, script))
+    async with channel_as(federation, tenant_tls(federation, "tenant-a")) as channel:
+        up = list(_work(federation).glob(f"{job_id}/t/*/0/up"))
+
+        async def started() -> bool:
+            up[:] = list(_work(federation).glob(f"{job_id}/t/*/0/up"))
+            return bool(up)
+
+        await until(started, "the container to start", timeout_s=120)
+        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
+        job = await wait_for_job(channel, job_id)
+    assert job.state == jobs_pb2.JOB_STATE_CANCELLED
+    if trap != '""':
+        assert "stopping" in job.tasks[0].output_tail
+    assert _containers_left(federation) == []
+
+
+async def test_tenants_containers_cannot_read_each_others_folders(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    mine = await _run(federation, "tenant-a", _script(registry, "echo secret > s; pwd"))
+    assert mine.state == jobs_pb2.JOB_STATE_SUCCEEDED, mine.tasks[0].reason
+    folder = mine.tasks[0].output_tail.strip()
+    assert (Path(folder) / "s").read_text() == "secret\n"
+    probe = f"cat {folder}/s && echo LEAKED; ls {folder} && echo LISTED; echo done"
+    theirs = await _run(federation, "tenant-b", _script(registry, probe))
+    assert theirs.state == jobs_pb2.JOB_STATE_SUCCEEDED, theirs.tasks[0].reason
+    out = theirs.tasks[0].output_tail
+    assert "done" in out
+    for leak in ("LEAKED", "LISTED", "secret"):
+        assert leak not in out
+
+
+async def test_a_restarted_agent_adopts_a_running_container(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    script = "echo up > up; until [ -e go ]; do sleep 0.1; done; echo adopted-ok"
+    job_id = await _submit(federation, "tenant-a", _script(registry, script))
+    up: list[Path] = []
+
+    async def started() -> bool:
+        up[:] = list(_work(federation).glob(f"{job_id}/t/*/0/up"))
+        return bool(up)
+
+    await until(started, "the container to start", timeout_s=120)
+    assert federation.terminate(SITE)
+    await federation.start_site(federation.sites[0])
+    await federation.wait_connected()
+    (up[0].parent / "go").touch()
+    async with channel_as(federation, tenant_tls(federation, "tenant-a")) as channel:
+        job = await wait_for_job(channel, job_id)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.tasks[0].reason
+    assert job.tasks[0].output_tail.strip() == "adopted-ok"
+    assert "task_adopted" in federation.log_path(SITE).read_text(errors="replace")
+    assert _containers_left(federation) == []
