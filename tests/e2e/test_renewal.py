@@ -73,6 +73,12 @@ def serial_of(path: Path) -> str:
     return format(x509.load_pem_x509_certificate(path.read_bytes()).serial_number, "x")
 
 
+async def _replaced(fed: LocalFederation) -> bool:
+    """Whether the coordinator has seen a site's session replaced by its next one."""
+    log = await asyncio.to_thread(fed.log_path("coordinator").read_text, errors="replace")
+    return "site_session_replaced" in log
+
+
 async def renewals(channel: grpc.aio.Channel) -> list[audit_service_pb2.AuditEvent]:
     """Every ``certificate.renew`` entry of the trail, oldest first."""
     request = audit_service_pb2.ListAuditEventsRequest(action_prefix="certificate.renew")
@@ -127,7 +133,9 @@ async def test_agent_keeps_its_session_and_task_across_three_renewals(tmp_path: 
             await wait_for_job(channel, job.id, frozenset({jobs_pb2.JOB_STATE_RUNNING}))
             await until(lambda: _started(starts), "the task to start", timeout_s=10)
             await until(lambda: _changed(tls.cert, first_serial), "the first renewal", 20)
-            # The old certificate is still within its lifetime, but no longer the site's.
+            # Once the agent's session runs on the new certificate (its first use ends the old
+            # one's overlap), the old one is still within its lifetime, but no longer the site's.
+            await until(lambda: _replaced(fed), "the session on the new certificate", 20)
             async with channel_as(fed, old) as as_old:
                 call = site_link_service_pb2_grpc.SiteLinkServiceStub(as_old).Connect(
                     hello(site.name)
