@@ -156,7 +156,7 @@ def main() -> None:
             result["estimate_error"],
             f"unknown-link default {baseline['default_estimate_error']}",
         ),
-        ("coordinator_bytes", "null", "no coordinator runs here; see the README"),
+        ("coordinator_bytes", "null", "no coordinator runs here; see bench/README.md"),
         ("restore_s", "null", "checkpoint restore is not part of this bench"),
         (
             "lost_objects",

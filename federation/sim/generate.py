@@ -6,7 +6,7 @@ sites in measured regions (links: ``network/skyplane_*.csv``). The trace samples
 from Microsoft Philly's (``runtimes/philly_runtime.csv``), GPUs per job from Philly's mix
 (mean 1.93 GPUs per job: AcmeTrace's ``cluster_summary.csv``), and arrivals from a Poisson
 process whose rate makes the offered load what ``load`` asks for. Every knob is in
-``Knobs``; the README's ``sim`` section lists them.
+``Knobs``; docs/simulator.md lists them.
 """
 
 from __future__ import annotations

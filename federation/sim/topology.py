@@ -1,6 +1,6 @@
 """Topology files: the simulated sites, their nodes and devices, and the links between them.
 
-The format (YAML) is described in the README's ``sim`` section. Device models the simulator
+The format (YAML) is described in docs/simulator.md. Device models the simulator
 knows (``KNOWN_MODELS``) need only a model name and a count; any other model states its kind,
 vendor, memory, fp16 TFLOPS and power.
 """

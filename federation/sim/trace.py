@@ -21,7 +21,7 @@ from federation.sim.fields import InputFileError, read_text
 from federation.sim.topology import KIND_NAMES, KNOWN_MODELS, Topology
 
 REQUIRED = ("submit_s", "duration_s")
-# Column -> what it means (the README's table is written from the same facts).
+# Column -> what it means (docs/simulator.md's table is written from the same facts).
 COLUMNS: dict[str, str] = {
     "job_id": "rows sharing an id are the tasks of one job (default: one job per row)",
     "task": "task name within the job (default: main)",

@@ -270,18 +270,20 @@ def test_lower_case_full_domain_name_in_a_spec() -> None:
     assert list(spec.constraints.domains) == [resources_pb2.DOMAIN_EDGE]
 
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def readme_job_specs() -> list[str]:
-    """The README's YAML blocks that are job specs (they have a top-level ``tasks:``)."""
-    blocks = re.findall(r"```ya?ml\n(.*?)```", README.read_text(), re.S)
+    """The documentation's YAML blocks that are job specs (they have a top-level ``tasks:``)."""
+    blocks = [b for page in DOCS for b in re.findall(r"```ya?ml\n(.*?)```", page.read_text(), re.S)]
     return [b for b in blocks if re.search(r"^tasks:", b, re.M)]
 
 
 @pytest.mark.parametrize("block", readme_job_specs())
 def test_every_job_spec_in_the_readme_is_accepted(block: str) -> None:
-    """What the README shows a user parses, with its short names, and passes validation."""
+    """What the documentation shows a user parses, with its short names, and passes
+    validation."""
     doc = yaml.safe_load(block)
     spec = job_spec_from_dict(doc)
     if not spec.name:

@@ -28,7 +28,7 @@ from federation.placement.snapshot import Snapshot
 
 from .builders import CLOUD, DATACENTER, EDGE, GPU, NPU, device, node, request, site, snapshot
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+SCHEDULING = Path(__file__).resolve().parents[2] / "docs" / "scheduling.md"
 
 
 class Coded:
@@ -211,5 +211,5 @@ def test_every_rejection_is_built_only_when_read() -> None:
 def test_every_code_is_documented_in_the_table_and_the_readme() -> None:
     assert set(REASON_CODES) == set(Code)
     assert all(filters and meaning for filters, meaning in REASON_CODES.values())
-    readme = README.read_text()
+    readme = SCHEDULING.read_text()
     assert {c.value for c in Code} <= set(re.findall(r"`([A-Z_]+)`", readme))
