@@ -1560,7 +1560,7 @@ class Scheduler:
             if task.checkpoint.HasField("stored") and session and session.protocol >= CKPT_PROTOCOL:
                 timeout_s = self._config.offer_timeout_s
                 restoring[len(ready)] = restore_input(
-                    job, n.task, task.checkpoint, self._sites, timeout_s
+                    job, n.task, task.checkpoint, self._sites, timeout_s, to_site=site
                 )
             ready.append((n, commit))
         # Each holder signs its tasks' URLs over its own link, all holders at once.

@@ -64,6 +64,20 @@ class LocalSeaweed:
         """The S3 endpoint, ``http://HOST:PORT``."""
         return f"http://{self.host}:{self.s3_port}"
 
+    def site_store(self, name: str, keys: Path, secret: str = "") -> dict[str, object]:
+        """An agent's ``[object_store]`` for bucket ``name``, its key pair written as files in
+        ``keys`` (``secret``: another secret than the bucket's, to be refused)."""
+        bucket = self.buckets[name]
+        (keys / f"{name}.id").write_text(bucket.access_key_id)
+        (keys / f"{name}.secret").write_text(secret or bucket.secret_access_key)
+        return {
+            "bucket": name,
+            "endpoint": self.endpoint,
+            "access_key_id_file": str(keys / f"{name}.id"),
+            "secret_access_key_file": str(keys / f"{name}.secret"),
+            "max_retries": 0,
+        }
+
     @classmethod
     def start(
         cls,

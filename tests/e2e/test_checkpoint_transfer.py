@@ -96,16 +96,7 @@ def fed(
     keys = tmp_path_factory.mktemp("keys")
     sites = []
     for name in SITES:
-        bucket = seaweed.buckets[name]
-        (keys / f"{name}.id").write_text(bucket.access_key_id)
-        (keys / f"{name}.secret").write_text(bucket.secret_access_key)
-        store = {
-            "bucket": name,
-            "endpoint": seaweed.endpoint,
-            "access_key_id_file": str(keys / f"{name}.id"),
-            "secret_access_key_file": str(keys / f"{name}.secret"),
-            "max_retries": 0,
-        }
+        store = seaweed.site_store(name, keys)
         sites.append(site(name, store))
     root = tmp_path_factory.mktemp("fed")
     config = root / "coordinator.toml"

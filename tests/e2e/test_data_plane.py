@@ -66,17 +66,7 @@ def fed(
     keys = tmp_path_factory.mktemp("keys")
     stores: dict[str, dict[str, object]] = {}
     for name in STORED:
-        bucket = seaweed.buckets[name]
-        (keys / f"{name}.id").write_text(bucket.access_key_id)
-        secret = WRONG_SECRET if name == "wrong-d" else bucket.secret_access_key
-        (keys / f"{name}.secret").write_text(secret)
-        stores[name] = {
-            "bucket": name,
-            "endpoint": seaweed.endpoint,
-            "access_key_id_file": str(keys / f"{name}.id"),
-            "secret_access_key_file": str(keys / f"{name}.secret"),
-            "max_retries": 0,
-        }
+        stores[name] = seaweed.site_store(name, keys, WRONG_SECRET if name == "wrong-d" else "")
     sites = [
         site("edge-d", "edge", stores["edge-d"]),
         site("cloud-d", "cloud", stores["cloud-d"]),

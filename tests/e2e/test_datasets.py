@@ -71,15 +71,7 @@ def fed(
     keys = tmp_path_factory.mktemp("keys")
     sites = []
     for name in STORED:
-        (keys / f"{name}.id").write_text(seaweed.buckets[name].access_key_id)
-        (keys / f"{name}.secret").write_text(seaweed.buckets[name].secret_access_key)
-        store = {
-            "bucket": name,
-            "endpoint": seaweed.endpoint,
-            "access_key_id_file": str(keys / f"{name}.id"),
-            "secret_access_key_file": str(keys / f"{name}.secret"),
-            "max_retries": 0,
-        }
+        store = seaweed.site_store(name, keys)
         sites.append(site(name, "edge" if name == "edge-s" else "cloud", store))
     with running(tmp_path_factory.mktemp("fed"), sites) as federation:
         yield federation
