@@ -34,6 +34,7 @@ from federation.cli.follow import exit_status
 from federation.cli.listing import list_sites
 from federation.cli.output import Output, message_data, output_of, show
 from federation.cli.render import (
+    capacity_table,
     coordinators_table,
     endpoints_table,
     event_line,
@@ -75,6 +76,11 @@ def add_parsers(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     status.set_defaults(func=cmd_status)
 
+    capacity = sub.add_parser(
+        "capacity",
+        help="what the federation has per domain and device model, and what your jobs hold",
+    )
+    capacity.set_defaults(func=cmd_capacity)
     sites = sub.add_parser("sites", help="list, cordon, drain and uncordon sites")
     sites.set_defaults(func=cmd_sites)
     sites_sub = sites.add_subparsers(dest="sites_command")
@@ -258,6 +264,18 @@ def certificates_table(reply: admin_service_pb2.GetFederationStatusResponse) -> 
         if stamp.seconds:
             table.add_row(text(name), text(utc_time(stamp)), text(time_left(stamp)))
     return table
+
+
+async def cmd_capacity(args: argparse.Namespace, conn: Connection) -> int:
+    async with conn.channel() as channel:
+        stub = job_service_pb2_grpc.JobServiceStub(channel)
+        reply = await stub.GetCapacity(job_service_pb2.GetCapacityRequest())
+    out = output_of(args)
+    if out.is_data:
+        out.messages(list(reply.rows))
+    else:
+        show(capacity_table(reply.rows))
+    return 0
 
 
 async def cmd_sites(args: argparse.Namespace, conn: Connection) -> int:

@@ -486,3 +486,24 @@ def print_whole(out: Console, renderables: Sequence[RenderableType]) -> None:
             out.print(renderable, crop=False)
     finally:
         out.width = width
+
+
+def capacity_table(rows: Sequence[job_service_pb2.CapacityRow]) -> Table:
+    """The federation's capacity per domain and model, and what the caller's jobs hold."""
+    table = Table(title="Capacity (sites taking work now)")
+    for column in ("domain", "kind", "model", "sites", "total", "healthy", "free", "yours"):
+        table.add_column(
+            column, justify="right" if column not in ("domain", "kind", "model") else "left"
+        )
+    for row in rows:
+        table.add_row(
+            text(row.domain),
+            text(row.kind),
+            text(row.model or "-"),
+            str(row.sites),
+            f"{row.total:g}",
+            f"{row.healthy:g}",
+            f"{row.free:.4g}",
+            f"{row.yours:.4g}",
+        )
+    return table

@@ -44,8 +44,9 @@ from federation.cli.connection import (
     resolve_connection,
 )
 from federation.cli.listing import list_sites
-from federation.cli.output import output_of
+from federation.cli.output import message_data, output_of
 from federation.cli.render import (
+    capacity_table,
     console,
     format_age,
     format_duration,
@@ -95,6 +96,8 @@ class Snapshot:
     """More running jobs matched than ``--max-jobs``."""
     taken_at: float
     """Unix time of the reading."""
+    capacity: Sequence[job_service_pb2.CapacityRow] = ()
+    """For a tenant, who may not list sites: the federation's capacity and what it holds."""
 
 
 class Channels:
@@ -123,10 +126,19 @@ class Channels:
 
 
 async def fetch(channel: grpc.aio.Channel, max_jobs: int) -> Snapshot:
-    """Every site, then the running jobs page by page (``max_jobs`` of them at most; 0: all)."""
+    """Every site, then the running jobs page by page (``max_jobs`` of them at most; 0: all).
+    A tenant, who may not list sites, gets the capacity summary instead, and its own jobs."""
     admin = admin_service_pb2_grpc.AdminServiceStub(channel)
-    sites = await list_sites(admin, timeout_s=RPC_TIMEOUT_S)
     stub = job_service_pb2_grpc.JobServiceStub(channel)
+    capacity: Sequence[job_service_pb2.CapacityRow] = ()
+    try:
+        sites = await list_sites(admin, timeout_s=RPC_TIMEOUT_S)
+    except grpc.aio.AioRpcError as err:
+        if err.code() != grpc.StatusCode.PERMISSION_DENIED:
+            raise
+        sites = []
+        request = job_service_pb2.GetCapacityRequest()
+        capacity = (await stub.GetCapacity(request, timeout=RPC_TIMEOUT_S)).rows
     found: list[jobs_pb2.Job] = []
     token = ""
     while True:
@@ -144,7 +156,8 @@ async def fetch(channel: grpc.aio.Channel, max_jobs: int) -> Snapshot:
         if not token or (max_jobs > 0 and len(found) >= max_jobs):
             break
     more = bool(token) or (max_jobs > 0 and len(found) > max_jobs)
-    return Snapshot(sites, found[:max_jobs] if max_jobs > 0 else found, more, time.time())
+    jobs = found[:max_jobs] if max_jobs > 0 else found
+    return Snapshot(sites, jobs, more, time.time(), capacity)
 
 
 # What the tables and the JSON show.
@@ -291,6 +304,7 @@ def snapshot_record(snapshot: Snapshot) -> dict[str, object]:
         ],
         "jobs": [record for job in snapshot.jobs for record in job_records(job, now)],
         "more_jobs": snapshot.more_jobs,
+        "capacity": [message_data(row) for row in snapshot.capacity],
     }
 
 
@@ -383,6 +397,8 @@ def jobs_table(snapshot: Snapshot) -> Table:
 
 
 def snapshot_tables(snapshot: Snapshot) -> list[Table]:
+    if snapshot.capacity:  # a tenant's: the fleet as a summary, and its own jobs
+        return [capacity_table(snapshot.capacity), jobs_table(snapshot)]
     return [sites_table(snapshot), devices_table(snapshot), jobs_table(snapshot)]
 
 

@@ -57,6 +57,7 @@ from federation.api.v1 import (
 )
 from federation.coordinator import audit
 from federation.coordinator.backup import backup_chunks
+from federation.coordinator.capacity import capacity_rows
 from federation.coordinator.redaction import for_reader, redact_for_reader
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.services import Services
@@ -96,6 +97,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
             "WatchJobs",
             "ExplainJob",
             "StreamLogs",
+            "GetCapacity",
         )
     },
     **{
@@ -219,6 +221,13 @@ class JobServicer(job_grpc.JobServiceServicer):
     ) -> AsyncIterator[job_pb.WatchJobsResponse]:
         async for events in self._current().manager.watch(current_caller(), request):
             yield job_pb.WatchJobsResponse(events=events)
+
+    async def GetCapacity(
+        self, request: job_pb.GetCapacityRequest, context: Context
+    ) -> job_pb.GetCapacityResponse:
+        services = self._current()
+        rows = capacity_rows(services.sites, services.jobs, current_caller())
+        return job_pb.GetCapacityResponse(rows=rows)
 
     async def StreamLogs(
         self, request: job_pb.StreamLogsRequest, context: Context

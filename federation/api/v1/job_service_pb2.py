@@ -26,45 +26,51 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from federation.api.v1 import jobs_pb2 as federation_dot_api_dot_v1_dot_jobs__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#federation/api/v1/job_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\"\x91\x01\n\x11StreamLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x12\x12\n\ntail_lines\x18\x05 \x01(\r\x12)\n\x05since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\\\n\x12StreamLogsResponse\x12)\n\x05lines\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.LogLine\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"#\n\x11\x45xplainJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"W\n\x12\x45xplainJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x05tasks\x18\x02 \x03(\x0b\x32\".federation.api.v1.TaskExplanation\"S\n\x10SubmitJobRequest\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.JobSpec\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\"o\n\x11SubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12\x35\n\tplacement\x18\x02 \x03(\x0b\x32\".federation.api.v1.TaskExplanation\">\n\x11SubmitJobsRequest\x12)\n\x05specs\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.JobSpec\":\n\x12SubmitJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.federation.api.v1.Job\"7\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0einclude_events\x18\x02 \x01(\x08\"b\n\x0eGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent\"\x92\x01\n\x0fListJobsRequest\x12+\n\x06states\x18\x01 \x03(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\x12\r\n\x05queue\x18\x06 \x01(\t\"Q\n\x10ListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.federation.api.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"8\n\x11\x43\x61ncelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\"<\n\x10WatchJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0finclude_current\x18\x02 \x01(\x08\"@\n\x11WatchJobsResponse\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent2\xcd\x05\n\nJobService\x12V\n\tSubmitJob\x12#.federation.api.v1.SubmitJobRequest\x1a$.federation.api.v1.SubmitJobResponse\x12Y\n\nSubmitJobs\x12$.federation.api.v1.SubmitJobsRequest\x1a%.federation.api.v1.SubmitJobsResponse\x12M\n\x06GetJob\x12 .federation.api.v1.GetJobRequest\x1a!.federation.api.v1.GetJobResponse\x12S\n\x08ListJobs\x12\".federation.api.v1.ListJobsRequest\x1a#.federation.api.v1.ListJobsResponse\x12V\n\tCancelJob\x12#.federation.api.v1.CancelJobRequest\x1a$.federation.api.v1.CancelJobResponse\x12X\n\tWatchJobs\x12#.federation.api.v1.WatchJobsRequest\x1a$.federation.api.v1.WatchJobsResponse0\x01\x12Y\n\nExplainJob\x12$.federation.api.v1.ExplainJobRequest\x1a%.federation.api.v1.ExplainJobResponse\x12[\n\nStreamLogs\x12$.federation.api.v1.StreamLogsRequest\x1a%.federation.api.v1.StreamLogsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n#federation/api/v1/job_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1c\x66\x65\x64\x65ration/api/v1/jobs.proto\"\x14\n\x12GetCapacityRequest\"\x86\x01\n\x0b\x43\x61pacityRow\x12\x0e\n\x06\x64omain\x18\x01 \x01(\t\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\r\n\x05model\x18\x03 \x01(\t\x12\r\n\x05sites\x18\x04 \x01(\r\x12\r\n\x05total\x18\x05 \x01(\x01\x12\x0f\n\x07healthy\x18\x06 \x01(\x01\x12\x0c\n\x04\x66ree\x18\x07 \x01(\x01\x12\r\n\x05yours\x18\x08 \x01(\x01\"C\n\x13GetCapacityResponse\x12,\n\x04rows\x18\x01 \x03(\x0b\x32\x1e.federation.api.v1.CapacityRow\"\x91\x01\n\x11StreamLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x04 \x01(\x08\x12\x12\n\ntail_lines\x18\x05 \x01(\r\x12)\n\x05since\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\\\n\x12StreamLogsResponse\x12)\n\x05lines\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.LogLine\x12\x0c\n\x04site\x18\x02 \x01(\t\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\"#\n\x11\x45xplainJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"W\n\x12\x45xplainJobResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x31\n\x05tasks\x18\x02 \x03(\x0b\x32\".federation.api.v1.TaskExplanation\"S\n\x10SubmitJobRequest\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.JobSpec\x12\x15\n\rvalidate_only\x18\x02 \x01(\x08\"o\n\x11SubmitJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12\x35\n\tplacement\x18\x02 \x03(\x0b\x32\".federation.api.v1.TaskExplanation\">\n\x11SubmitJobsRequest\x12)\n\x05specs\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.JobSpec\":\n\x12SubmitJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.federation.api.v1.Job\"7\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x16\n\x0einclude_events\x18\x02 \x01(\x08\"b\n\x0eGetJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\x12+\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent\"\x92\x01\n\x0fListJobsRequest\x12+\n\x06states\x18\x01 \x03(\x0e\x32\x1b.federation.api.v1.JobState\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x0c\n\x04site\x18\x03 \x01(\t\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\x12\r\n\x05queue\x18\x06 \x01(\t\"Q\n\x10ListJobsResponse\x12$\n\x04jobs\x18\x01 \x03(\x0b\x32\x16.federation.api.v1.Job\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"2\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"8\n\x11\x43\x61ncelJobResponse\x12#\n\x03job\x18\x01 \x01(\x0b\x32\x16.federation.api.v1.Job\"<\n\x10WatchJobsRequest\x12\x0f\n\x07job_ids\x18\x01 \x03(\t\x12\x17\n\x0finclude_current\x18\x02 \x01(\x08\"@\n\x11WatchJobsResponse\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.federation.api.v1.JobEvent2\xab\x06\n\nJobService\x12V\n\tSubmitJob\x12#.federation.api.v1.SubmitJobRequest\x1a$.federation.api.v1.SubmitJobResponse\x12Y\n\nSubmitJobs\x12$.federation.api.v1.SubmitJobsRequest\x1a%.federation.api.v1.SubmitJobsResponse\x12M\n\x06GetJob\x12 .federation.api.v1.GetJobRequest\x1a!.federation.api.v1.GetJobResponse\x12S\n\x08ListJobs\x12\".federation.api.v1.ListJobsRequest\x1a#.federation.api.v1.ListJobsResponse\x12V\n\tCancelJob\x12#.federation.api.v1.CancelJobRequest\x1a$.federation.api.v1.CancelJobResponse\x12X\n\tWatchJobs\x12#.federation.api.v1.WatchJobsRequest\x1a$.federation.api.v1.WatchJobsResponse0\x01\x12Y\n\nExplainJob\x12$.federation.api.v1.ExplainJobRequest\x1a%.federation.api.v1.ExplainJobResponse\x12[\n\nStreamLogs\x12$.federation.api.v1.StreamLogsRequest\x1a%.federation.api.v1.StreamLogsResponse0\x01\x12\\\n\x0bGetCapacity\x12%.federation.api.v1.GetCapacityRequest\x1a&.federation.api.v1.GetCapacityResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'federation.api.v1.job_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_STREAMLOGSREQUEST']._serialized_start=122
-  _globals['_STREAMLOGSREQUEST']._serialized_end=267
-  _globals['_STREAMLOGSRESPONSE']._serialized_start=269
-  _globals['_STREAMLOGSRESPONSE']._serialized_end=361
-  _globals['_EXPLAINJOBREQUEST']._serialized_start=363
-  _globals['_EXPLAINJOBREQUEST']._serialized_end=398
-  _globals['_EXPLAINJOBRESPONSE']._serialized_start=400
-  _globals['_EXPLAINJOBRESPONSE']._serialized_end=487
-  _globals['_SUBMITJOBREQUEST']._serialized_start=489
-  _globals['_SUBMITJOBREQUEST']._serialized_end=572
-  _globals['_SUBMITJOBRESPONSE']._serialized_start=574
-  _globals['_SUBMITJOBRESPONSE']._serialized_end=685
-  _globals['_SUBMITJOBSREQUEST']._serialized_start=687
-  _globals['_SUBMITJOBSREQUEST']._serialized_end=749
-  _globals['_SUBMITJOBSRESPONSE']._serialized_start=751
-  _globals['_SUBMITJOBSRESPONSE']._serialized_end=809
-  _globals['_GETJOBREQUEST']._serialized_start=811
-  _globals['_GETJOBREQUEST']._serialized_end=866
-  _globals['_GETJOBRESPONSE']._serialized_start=868
-  _globals['_GETJOBRESPONSE']._serialized_end=966
-  _globals['_LISTJOBSREQUEST']._serialized_start=969
-  _globals['_LISTJOBSREQUEST']._serialized_end=1115
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1117
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1198
-  _globals['_CANCELJOBREQUEST']._serialized_start=1200
-  _globals['_CANCELJOBREQUEST']._serialized_end=1250
-  _globals['_CANCELJOBRESPONSE']._serialized_start=1252
-  _globals['_CANCELJOBRESPONSE']._serialized_end=1308
-  _globals['_WATCHJOBSREQUEST']._serialized_start=1310
-  _globals['_WATCHJOBSREQUEST']._serialized_end=1370
-  _globals['_WATCHJOBSRESPONSE']._serialized_start=1372
-  _globals['_WATCHJOBSRESPONSE']._serialized_end=1436
-  _globals['_JOBSERVICE']._serialized_start=1439
-  _globals['_JOBSERVICE']._serialized_end=2156
+  _globals['_GETCAPACITYREQUEST']._serialized_start=121
+  _globals['_GETCAPACITYREQUEST']._serialized_end=141
+  _globals['_CAPACITYROW']._serialized_start=144
+  _globals['_CAPACITYROW']._serialized_end=278
+  _globals['_GETCAPACITYRESPONSE']._serialized_start=280
+  _globals['_GETCAPACITYRESPONSE']._serialized_end=347
+  _globals['_STREAMLOGSREQUEST']._serialized_start=350
+  _globals['_STREAMLOGSREQUEST']._serialized_end=495
+  _globals['_STREAMLOGSRESPONSE']._serialized_start=497
+  _globals['_STREAMLOGSRESPONSE']._serialized_end=589
+  _globals['_EXPLAINJOBREQUEST']._serialized_start=591
+  _globals['_EXPLAINJOBREQUEST']._serialized_end=626
+  _globals['_EXPLAINJOBRESPONSE']._serialized_start=628
+  _globals['_EXPLAINJOBRESPONSE']._serialized_end=715
+  _globals['_SUBMITJOBREQUEST']._serialized_start=717
+  _globals['_SUBMITJOBREQUEST']._serialized_end=800
+  _globals['_SUBMITJOBRESPONSE']._serialized_start=802
+  _globals['_SUBMITJOBRESPONSE']._serialized_end=913
+  _globals['_SUBMITJOBSREQUEST']._serialized_start=915
+  _globals['_SUBMITJOBSREQUEST']._serialized_end=977
+  _globals['_SUBMITJOBSRESPONSE']._serialized_start=979
+  _globals['_SUBMITJOBSRESPONSE']._serialized_end=1037
+  _globals['_GETJOBREQUEST']._serialized_start=1039
+  _globals['_GETJOBREQUEST']._serialized_end=1094
+  _globals['_GETJOBRESPONSE']._serialized_start=1096
+  _globals['_GETJOBRESPONSE']._serialized_end=1194
+  _globals['_LISTJOBSREQUEST']._serialized_start=1197
+  _globals['_LISTJOBSREQUEST']._serialized_end=1343
+  _globals['_LISTJOBSRESPONSE']._serialized_start=1345
+  _globals['_LISTJOBSRESPONSE']._serialized_end=1426
+  _globals['_CANCELJOBREQUEST']._serialized_start=1428
+  _globals['_CANCELJOBREQUEST']._serialized_end=1478
+  _globals['_CANCELJOBRESPONSE']._serialized_start=1480
+  _globals['_CANCELJOBRESPONSE']._serialized_end=1536
+  _globals['_WATCHJOBSREQUEST']._serialized_start=1538
+  _globals['_WATCHJOBSREQUEST']._serialized_end=1598
+  _globals['_WATCHJOBSRESPONSE']._serialized_start=1600
+  _globals['_WATCHJOBSRESPONSE']._serialized_end=1664
+  _globals['_JOBSERVICE']._serialized_start=1667
+  _globals['_JOBSERVICE']._serialized_end=2478
 # @@protoc_insertion_point(module_scope)

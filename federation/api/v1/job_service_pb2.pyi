@@ -21,6 +21,95 @@ else:
 DESCRIPTOR: _descriptor.FileDescriptor
 
 @_typing.final
+class GetCapacityRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCapacityRequest: _TypeAlias = GetCapacityRequest  # noqa: Y015
+
+@_typing.final
+class CapacityRow(_message.Message):
+    """One kind of capacity in one domain."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DOMAIN_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    SITES_FIELD_NUMBER: _builtins.int
+    TOTAL_FIELD_NUMBER: _builtins.int
+    HEALTHY_FIELD_NUMBER: _builtins.int
+    FREE_FIELD_NUMBER: _builtins.int
+    YOURS_FIELD_NUMBER: _builtins.int
+    domain: _builtins.str
+    """"edge", "datacenter" or "cloud"."""
+    kind: _builtins.str
+    """"GPU", "NPU", "MLU", "FPGA", or "CPU" (then counted in cores)."""
+    model: _builtins.str
+    """The device model; empty for CPU."""
+    sites: _builtins.int
+    """How many sites (connected, not cordoned) have it."""
+    total: _builtins.float
+    """Devices (or cores) there."""
+    healthy: _builtins.float
+    """Of them, healthy (CPU: on schedulable nodes)."""
+    free: _builtins.float
+    """Not booked by any task now; a shared device counts by the share left, a partitioned one by
+    its slots left.
+    """
+    yours: _builtins.float
+    """Held by the caller's own tasks now (an operator: by every job's)."""
+    def __init__(
+        self,
+        *,
+        domain: _builtins.str = ...,
+        kind: _builtins.str = ...,
+        model: _builtins.str = ...,
+        sites: _builtins.int = ...,
+        total: _builtins.float = ...,
+        healthy: _builtins.float = ...,
+        free: _builtins.float = ...,
+        yours: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["domain", b"domain", "free", b"free", "healthy", b"healthy", "kind", b"kind", "model", b"model", "sites", b"sites", "total", b"total", "yours", b"yours"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CapacityRow: _TypeAlias = CapacityRow  # noqa: Y015
+
+@_typing.final
+class GetCapacityResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ROWS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def rows(self) -> _containers.RepeatedCompositeFieldContainer[Global___CapacityRow]:
+        """By domain, kind, then model."""
+
+    def __init__(
+        self,
+        *,
+        rows: _abc.Iterable[Global___CapacityRow] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["rows", b"rows"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetCapacityResponse: _TypeAlias = GetCapacityResponse  # noqa: Y015
+
+@_typing.final
 class StreamLogsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -75,6 +75,11 @@ class JobServiceStub:
                 request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.SerializeToString,
                 response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.FromString,
                 _registered_method=True)
+        self.GetCapacity = channel.unary_unary(
+                '/federation.api.v1.JobService/GetCapacity',
+                request_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityRequest.SerializeToString,
+                response_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityResponse.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -134,6 +139,14 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetCapacity(self, request, context):
+        """What the federation has, per domain and device model, and what the caller's own jobs hold
+        of it: a tenant sees its capacity without any other tenant's jobs or any site's name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -176,6 +189,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.StreamLogs,
                     request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.FromString,
                     response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.SerializeToString,
+            ),
+            'GetCapacity': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetCapacity,
+                    request_deserializer=federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityRequest.FromString,
+                    response_serializer=federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -395,6 +413,33 @@ class JobService:
             '/federation.api.v1.JobService/StreamLogs',
             federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsRequest.SerializeToString,
             federation_dot_api_dot_v1_dot_job__service__pb2.StreamLogsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetCapacity(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/federation.api.v1.JobService/GetCapacity',
+            federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityRequest.SerializeToString,
+            federation_dot_api_dot_v1_dot_job__service__pb2.GetCapacityResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,10 @@ class JobServiceStub:
     """A replica's output lines, read through the coordinator from the site that ran it, for as
     long as that site keeps them; with follow, new lines as they come until that run ends.
     """
+    GetCapacity: _grpc.UnaryUnaryMultiCallable[_job_service_pb2.GetCapacityRequest, _job_service_pb2.GetCapacityResponse]
+    """What the federation has, per domain and device model, and what the caller's own jobs hold
+    of it: a tenant sees its capacity without any other tenant's jobs or any site's name.
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -66,6 +70,10 @@ class JobServiceAsyncStub(JobServiceStub):
     StreamLogs: _aio.UnaryStreamMultiCallable[_job_service_pb2.StreamLogsRequest, _job_service_pb2.StreamLogsResponse]  # type: ignore[assignment]
     """A replica's output lines, read through the coordinator from the site that ran it, for as
     long as that site keeps them; with follow, new lines as they come until that run ends.
+    """
+    GetCapacity: _aio.UnaryUnaryMultiCallable[_job_service_pb2.GetCapacityRequest, _job_service_pb2.GetCapacityResponse]  # type: ignore[assignment]
+    """What the federation has, per domain and device model, and what the caller's own jobs hold
+    of it: a tenant sees its capacity without any other tenant's jobs or any site's name.
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -131,6 +139,16 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_job_service_pb2.StreamLogsResponse], _abc.AsyncIterator[_job_service_pb2.StreamLogsResponse]]:
         """A replica's output lines, read through the coordinator from the site that ran it, for as
         long as that site keeps them; with follow, new lines as they come until that run ends.
+        """
+
+    @_abc_1.abstractmethod
+    def GetCapacity(
+        self,
+        request: _job_service_pb2.GetCapacityRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_job_service_pb2.GetCapacityResponse, _abc.Awaitable[_job_service_pb2.GetCapacityResponse]]:
+        """What the federation has, per domain and device model, and what the caller's own jobs hold
+        of it: a tenant sees its capacity without any other tenant's jobs or any site's name.
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
