@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
-from federation.coordinator import job_index, job_state
+from federation.common import job_state
+from federation.coordinator import job_index
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import (
     JOBS,

@@ -46,7 +46,7 @@ from federation.api.v1 import (
     jobs_pb2,
     resources_pb2,
 )
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import Change, JobRepository, new_job_id, transition
 from federation.local import LocalFederation

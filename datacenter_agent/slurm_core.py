@@ -34,7 +34,6 @@ from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, slurm_env
 from datacenter_agent.slurm_holds import HeldJobs, Reservation
 from datacenter_agent.slurm_job import (
     RESTORE_FILE,
-    TaskKey,
     is_held,
     job_dir,
     job_outcome,
@@ -56,6 +55,7 @@ from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
 from federation.stop_after import STOP_GRACE_S, announce_stop
 
@@ -107,7 +107,7 @@ class SlurmCore:
         self._queue = resources_pb2.QueueState()
         self._health = "Slurm not read yet"
         self._held = HeldJobs(self._cli, self._changed)
-        self._tasks: dict[TaskKey, SlurmTask] = {}
+        self._tasks: dict[RunKey, SlurmTask] = {}
         self._forgotten: set[str] = set()
         self._adopted = False
         self._offer_lock = asyncio.Lock()
@@ -174,7 +174,7 @@ class SlurmCore:
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         """Asks Slurm whether and when the task would start, then holds a job for it."""
-        key: TaskKey = (offer.job_id, offer.task, offer.epoch)
+        key: RunKey = (offer.job_id, offer.task, offer.epoch)
         lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
         held = self._held.for_task(key)
         if held is not None:  # a repeated offer: the same held job, its lease renewed
@@ -199,7 +199,7 @@ class SlurmCore:
         return answer
 
     async def _reserve(
-        self, offer: site_link_service_pb2.Offer, key: TaskKey, lease_s: float
+        self, offer: site_link_service_pb2.Offer, key: RunKey, lease_s: float
     ) -> site_link_service_pb2.OfferAnswer | str:
         spec = offer.spec
         nodes = qualifying_nodes(self._cluster.nodes, offer, self._compat)
@@ -261,7 +261,7 @@ class SlurmCore:
         self, commit: site_link_service_pb2.Commit
     ) -> site_link_service_pb2.CommitAnswer:
         """Releases the held job; Slurm starts it when it can."""
-        key: TaskKey = (commit.job_id, commit.task, commit.epoch)
+        key: RunKey = (commit.job_id, commit.task, commit.epoch)
         known = self._tasks.get(key)
         if known is not None and known.reservation_id == commit.reservation_id:
             return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
@@ -316,7 +316,7 @@ class SlurmCore:
         job for the task is cancelled too, so it can no longer be committed.
         """
 
-        def targeted(key: TaskKey) -> bool:
+        def targeted(key: RunKey) -> bool:
             return key[:2] == (job_id, task) and epoch in (0, key[2])
 
         held = [r for r in self._held if targeted(r.key)]
@@ -472,7 +472,7 @@ class SlurmCore:
                 self._spawn(self._stop(task, task.cancel_reason, self._kill_grace_s))
         self._adopted = True
 
-    async def _adopt(self, key: TaskKey, slurm_id: str, record: Record) -> None:
+    async def _adopt(self, key: RunKey, slurm_id: str, record: Record) -> None:
         """Takes back a job an earlier run of the agent submitted; cancels stale held ones.
 
         A held job of this site that no reservation knows is stale (from before a restart, or
@@ -498,7 +498,7 @@ class SlurmCore:
 
     # Plumbing ------------------------------------------------------------------------------
 
-    def _checkpointed(self, key: TaskKey) -> None:
+    def _checkpointed(self, key: RunKey) -> None:
         """A task completed a checkpoint: report it (the report carries the newest)."""
         task = self._tasks.get(key)
         if task is not None:

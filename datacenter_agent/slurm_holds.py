@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import structlog
 
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
-from datacenter_agent.slurm_job import TaskKey
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.packing import Slot
+from federation.common.keys import RunKey
 
 log = structlog.get_logger()
 
@@ -26,7 +26,7 @@ log = structlog.get_logger()
 class Reservation:
     """A held Slurm job waiting for a commit, and the capacity the view counts for it."""
 
-    key: TaskKey
+    key: RunKey
     slurm_id: str
     slots: tuple[Slot, ...]
     """Where the view counts the held capacity (Slurm itself counts none for a held job)."""
@@ -66,7 +66,7 @@ class HeldJobs:
         """The reservation, if it is still held."""
         return self._held.get(reservation_id)
 
-    def for_task(self, key: TaskKey) -> Reservation | None:
+    def for_task(self, key: RunKey) -> Reservation | None:
         """The reservation held for a task, if any."""
         return next((r for r in self._held.values() if r.key == key), None)
 

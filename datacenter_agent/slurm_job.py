@@ -20,8 +20,8 @@ from federation.agent.config import SlurmSettings
 from federation.agent.discovery import device_kind_name
 from federation.agent.process import describe_exit
 from federation.api.v1 import jobs_pb2
+from federation.common.keys import RunKey
 
-TaskKey = tuple[str, str, int]  # job id, task name, epoch
 State: TypeAlias = jobs_pb2.JobState.ValueType
 
 _COMMENT_RE = re.compile(
@@ -65,12 +65,12 @@ _DEVICES_PRELUDE = (
 )
 
 
-def job_comment(site: str, key: TaskKey) -> str:
+def job_comment(site: str, key: RunKey) -> str:
     """The comment that marks a Slurm job as this site's copy of a task."""
     return f"federation:{site}:{key[0]}:{key[1]}:{key[2]}"
 
 
-def parse_comment(comment: str, site: str) -> TaskKey | None:
+def parse_comment(comment: str, site: str) -> RunKey | None:
     """The task a job's comment names, when the job belongs to ``site``; else None."""
     match = _COMMENT_RE.match(comment)
     if match is None or match.group("site") != site:
@@ -78,12 +78,12 @@ def parse_comment(comment: str, site: str) -> TaskKey | None:
     return match.group("job"), match.group("task"), int(match.group("epoch"))
 
 
-def job_dir(work_dir: Path, key: TaskKey) -> Path:
+def job_dir(work_dir: Path, key: RunKey) -> Path:
     """The folder a task's job runs in, as the embedded core's: ``work_dir/JOB/TASK/EPOCH``."""
     return work_dir / key[0] / key[1] / str(key[2])
 
 
-def job_name(key: TaskKey) -> str:
+def job_name(key: RunKey) -> str:
     """A job name people can read in ``squeue``."""
     return f"fed.{key[0]}.{key[1]}.{key[2]}"
 
@@ -139,7 +139,7 @@ def task_env(spec: jobs_pb2.TaskSpec) -> dict[str, str]:
 
 def batch_script(
     spec: jobs_pb2.TaskSpec,
-    key: TaskKey,
+    key: RunKey,
     *,
     site: str,
     checkpoint_env: Mapping[str, str] | None = None,

@@ -20,7 +20,6 @@ from datacenter_agent.slurm_checkpoints import save_policy
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
 from datacenter_agent.slurm_job import (
     RESTORE_FILE,
-    TaskKey,
     batch_script,
     job_comment,
     job_dir,
@@ -34,6 +33,7 @@ from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.config import SlurmSettings
 from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[0-9]+)?$")
 """A task, or a part of a divided one ("train/1")."""
@@ -46,8 +46,8 @@ def offer_problem(
     offer: site_link_service_pb2.Offer,
     *,
     health: str,
-    held: Iterable[TaskKey],
-    committed: Collection[TaskKey],
+    held: Iterable[RunKey],
+    committed: Collection[RunKey],
 ) -> str:
     """Why an offer is declined before Slurm is even asked, or "".
 
@@ -170,7 +170,7 @@ async def foresee(
 async def submit_held(
     cli: SlurmCli,
     spec: jobs_pb2.TaskSpec,
-    key: TaskKey,
+    key: RunKey,
     *,
     site: str,
     work_dir: Path,

@@ -27,7 +27,6 @@ from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_host
 from datacenter_agent.slurm_job import (
     Outcome,
     State,
-    TaskKey,
     job_devices,
     job_outcome,
     slurm_state,
@@ -36,6 +35,7 @@ from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.core import task_report
 from federation.agent.packing import Slot
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 
 log = structlog.get_logger()
 
@@ -47,7 +47,7 @@ _READ_BYTES = 8 * OUTPUT_TAIL_CHARS
 class SlurmTask:
     """A committed task: its Slurm job and, once it has ended, its outcome."""
 
-    key: TaskKey
+    key: RunKey
     slurm_id: str
     reservation_id: str
     slots: tuple[Slot, ...]

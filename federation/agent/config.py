@@ -9,7 +9,7 @@ from pathlib import Path
 from federation.agent.containers import ContainerSettings
 from federation.agent.object_store import ObjectStoreSettings
 from federation.agent.owner_share import OwnerShareSettings
-from federation.agent.probe import MAX_PROBE_BYTES
+from federation.common.probe import MAX_PROBE_BYTES
 from federation.config import (
     ConfigError,
     address,

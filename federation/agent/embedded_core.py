@@ -55,6 +55,7 @@ from federation.agent.task_logs import read_log
 from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
 from federation.resources import capacity, owner_share_refusal
 from federation.service_policy import RestartPolicy, in_place, max_unavailable, only_scaled
@@ -62,7 +63,6 @@ from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
-TaskKey = tuple[str, str, int]  # job id, task name, epoch
 State: TypeAlias = jobs_pb2.JobState.ValueType
 
 _DEFAULT_LEASE_S = 10.0
@@ -77,7 +77,7 @@ class Reservation:
     """Capacity held for every replica of a task until it is committed or its lease lapses."""
 
     id: str
-    key: TaskKey
+    key: RunKey
     spec: jobs_pb2.TaskSpec
     slots: tuple[Slot, ...]
     lease_s: float
@@ -99,7 +99,7 @@ class Reservation:
 class _Task:
     """A committed task: its replicas and, once it has ended, its outcome."""
 
-    key: TaskKey
+    key: RunKey
     reservation_id: str
     spec: jobs_pb2.TaskSpec
     slots: tuple[Slot, ...]
@@ -298,7 +298,7 @@ class EmbeddedCore:
         self._owner_share = owner_share or resources_pb2.OwnerShare()
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: dict[TaskKey, _Task] = {}
+        self._tasks: dict[RunKey, _Task] = {}
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
         self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
@@ -371,7 +371,7 @@ class EmbeddedCore:
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         """Reserves room for every replica of the task at once, or declines with a reason."""
-        key: TaskKey = (offer.job_id, offer.task, offer.epoch)
+        key: RunKey = (offer.job_id, offer.task, offer.epoch)
         lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
         held = next((r for r in self._reservations.values() if r.key == key), None)
         if held is not None:
@@ -430,7 +430,7 @@ class EmbeddedCore:
         A replica that cannot be started (a missing program, say) does not refuse the commit:
         the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
         """
-        key: TaskKey = (commit.job_id, commit.task, commit.epoch)
+        key: RunKey = (commit.job_id, commit.task, commit.epoch)
         known = self._tasks.get(key)
         if known is not None and known.reservation_id == commit.reservation_id:
             return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
@@ -580,7 +580,7 @@ class EmbeddedCore:
         reservation for the task is dropped too, so it can no longer be committed.
         """
 
-        def targeted(key: TaskKey) -> bool:
+        def targeted(key: RunKey) -> bool:
             return key[:2] == (job_id, task) and epoch in (0, key[2])
 
         dropped = [r.id for r in self._reservations.values() if targeted(r.key)]
@@ -984,7 +984,7 @@ class EmbeddedCore:
         )
 
     def _bind_container(
-        self, key: TaskKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
+        self, key: RunKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
     ) -> None:
         """A container replica's container, and the file of its environment, go when the
         replica has ended."""
@@ -998,12 +998,12 @@ class EmbeddedCore:
 
         process.after_exit = clean_up
 
-    def _task_dir(self, key: TaskKey) -> Path:
+    def _task_dir(self, key: RunKey) -> Path:
         """The work folder of one epoch of a task; its replicas run in subfolders."""
         job_id, name, epoch = key
         return self._work_dir / job_id / name / str(epoch)
 
-    def _run_dir(self, key: TaskKey, replica: int) -> Path:
+    def _run_dir(self, key: RunKey, replica: int) -> Path:
         """The agent's own folder for a replica's supervisor files (output tail, exit status):
         beside the epoch's folder, where no task can reach."""
         job_id, name, epoch = key
@@ -1136,7 +1136,7 @@ class EmbeddedCore:
         """Takes a running service's new spec (``federation.service_policy``) or declines it
         with a reason. Room for added replicas is held at once; the replicas are brought to
         the spec after the answer (``_converge``)."""
-        key: TaskKey = (change.job_id, change.task, change.epoch)
+        key: RunKey = (change.job_id, change.task, change.epoch)
         task = self._tasks.get(key)
         problem = self._change_problem(task, change)
         spec = in_place(task.spec, change.spec) if task is not None else change.spec
@@ -1418,7 +1418,7 @@ class EmbeddedCore:
                 self._report(task)
             await asyncio.sleep(check.period_s or 1.0)
 
-    def _lock(self, key: TaskKey) -> None:
+    def _lock(self, key: RunKey) -> None:
         """Once a task has ended only the agent may enter its folder: a task that opened its
         own folder to others while it ran leaves nothing reachable. (One chmod: no walk.)"""
         try:
@@ -1428,7 +1428,7 @@ class EmbeddedCore:
         except OSError as exc:
             log.warning("work_folder_not_locked", job_id=key[0], task=key[1], error=str(exc))
 
-    def _reopen(self, key: TaskKey, checkpoint: Path | None) -> None:
+    def _reopen(self, key: RunKey, checkpoint: Path | None) -> None:
         """A restart from a checkpoint of an ended epoch here passes through that epoch's
         folder again (locked by ``_lock``); the checkpoint's own folder stays its account's.
         Blocking: run it in a thread."""

@@ -17,7 +17,7 @@ import structlog
 import yaml
 
 from federation.api.v1 import resources_pb2
-from federation.coordinator.site_checks import (
+from federation.common.view_limits import (
     MAX_DEVICE_MEMORY_MIB,
     MAX_DEVICE_PARTITIONS,
     MAX_FIGURE,

@@ -17,11 +17,10 @@ import structlog
 from google.protobuf.message import DecodeError
 
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.job_state import is_terminal
+from federation.common.job_state import is_terminal
+from federation.common.keys import RunKey
 
 log = structlog.get_logger()
-
-TaskKey = tuple[str, str, int]
 
 
 class Journal:
@@ -80,5 +79,5 @@ class Journal:
 
 def merge(live: list[pb.TaskReport], journaled: list[pb.TaskReport]) -> list[pb.TaskReport]:
     """The core's reports, plus journaled ones for tasks the core no longer knows."""
-    known: set[TaskKey] = {(r.job_id, r.task, r.epoch) for r in live}
+    known: set[RunKey] = {(r.job_id, r.task, r.epoch) for r in live}
     return live + [r for r in journaled if (r.job_id, r.task, r.epoch) not in known]

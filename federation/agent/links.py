@@ -2,7 +2,7 @@
 
 The coordinator tells each agent which peers publish a probe endpoint (``ProbePeers``); the
 agent's ``LinkMonitor`` measures round-trip time and throughput to each of them (see
-``federation.agent.probe``), now and then on a schedule, and publishes the results as ``Link``
+``federation.common.probe``), now and then on a schedule, and publishes the results as ``Link``
 messages with the time of the measurement, so readers can tell how old they are. Operators
 may declare links an agent cannot measure; a declared link replaces any measurement of the
 same peer and is marked ``declared``.
@@ -20,7 +20,9 @@ from typing import Any
 import structlog
 
 from federation.agent.config import AgentConfig
-from federation.agent.probe import (
+from federation.api.v1 import resources_pb2
+from federation.api.v1 import site_link_service_pb2 as pb
+from federation.common.probe import (
     LinkProbeError,
     MeasureFn,
     Measurement,
@@ -28,8 +30,6 @@ from federation.agent.probe import (
     measure_link,
     split_endpoint,
 )
-from federation.api.v1 import resources_pb2
-from federation.api.v1 import site_link_service_pb2 as pb
 from federation.config import ConfigError
 
 __all__ = [

@@ -30,10 +30,10 @@ from federation.agent.object_store import (
     download,
 )
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 
 log = structlog.get_logger()
 
-TaskKey = tuple[str, str, int]
 PROGRESS_EVERY_S = 5.0
 """How often a long stage-in tells the coordinator how far it is."""
 
@@ -62,7 +62,7 @@ class TaskData:
         inputs: Sequence[site_link_service_pb2.StagedInput],
         folders: Sequence[Path],
         account: Account | None,
-        key: TaskKey = ("", "", 0),
+        key: RunKey = ("", "", 0),
     ) -> None:
         """Put every input in every folder. Raises DataError naming the input."""
         for item in inputs:
@@ -104,7 +104,7 @@ class TaskData:
 
     async def publish(
         self,
-        key: TaskKey,
+        key: RunKey,
         tenant: str,
         outputs: Sequence[jobs_pb2.Output],
         folder: Path,
@@ -246,7 +246,7 @@ class _Progress:
 
     def __init__(
         self,
-        key: TaskKey,
+        key: RunKey,
         item: site_link_service_pb2.StagedInput,
         tell: Callable[[site_link_service_pb2.StageProgress], None] | None,
     ) -> None:

@@ -35,10 +35,10 @@ from federation.agent.supervisor import (
 )
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
 
 log = structlog.get_logger()
 
-TaskKey = tuple[str, str, int]  # job id, task name, epoch
 OWNER_FILE = "agent"
 
 
@@ -54,7 +54,7 @@ class ReplicaRecord:
 class TaskRecord:
     """A task of the embedded core as a later agent adopts it."""
 
-    key: TaskKey
+    key: RunKey
     reservation_id: str
     spec: jobs_pb2.TaskSpec
     slots: tuple[Slot, ...]

@@ -10,20 +10,20 @@ from __future__ import annotations
 from federation import tracing
 from federation.api.v1 import jobs_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.job_state import is_terminal
+from federation.common.job_state import is_terminal
+from federation.common.keys import RunKey
 
-TaskKey = tuple[str, str, int]
 """(job id, task, epoch): one delegation of a task."""
 
 
 class TaskSpans:
     def __init__(self, site: str) -> None:
         self._site = site
-        self._committed: dict[TaskKey, int] = {}
+        self._committed: dict[RunKey, int] = {}
         """When each commit arrived: a task's run starts there if no RUNNING report came."""
-        self._running: dict[TaskKey, int] = {}
+        self._running: dict[RunKey, int] = {}
         """When each task was reported RUNNING."""
-        self._reported: dict[TaskKey, int] = {}
+        self._reported: dict[RunKey, int] = {}
         """When each final report was first sent, until its ack."""
 
     def committed(self, commit: pb.Commit) -> None:

@@ -30,7 +30,7 @@ from federation.cli.explain import explanation_table
 from federation.cli.output import output_of, show
 from federation.cli.remote import cmd_status
 from federation.cli.render import console, event_line, text
-from federation.coordinator.job_state import is_terminal
+from federation.common.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
 from federation.local import LocalFederation, SiteSpec
 from federation.watch import events_of

@@ -11,7 +11,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, resources_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.job_manager import visible_to
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.sites import SiteRegistry

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.stop_after import gone_after_s
 
 DEFAULT_LOST_AFTER_S = 60.0

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 import structlog
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.policy.preemption import TaskAt
 from federation.coordinator.sites import SiteRegistry

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from urllib.parse import quote
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.store import Delete, Op, Put, Store
 
 INDEX = "/index/"

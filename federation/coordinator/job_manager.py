@@ -14,7 +14,8 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import audit, job_state, retries, spread, transfers
+from federation.common import job_state
+from federation.coordinator import audit, retries, spread, transfers
 from federation.coordinator.checkpoint_copies import copy_checkpoint, replicates
 from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.events import WATCH_BATCH, EventHub

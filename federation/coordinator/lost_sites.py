@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import structlog
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.disconnect import is_due, is_partitioned, policy_of
 from federation.coordinator.jobs import (
     Change,

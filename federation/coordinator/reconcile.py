@@ -14,7 +14,7 @@ from collections.abc import Callable
 import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.disconnect import (
     is_displaced_original,
     is_newer_checkpoint,

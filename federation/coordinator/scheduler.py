@@ -32,7 +32,9 @@ import structlog
 
 from federation import tracing
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator import job_state, retries, spread
+from federation.common import job_state
+from federation.common.keys import TaskKey
+from federation.coordinator import retries, spread
 from federation.coordinator.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
 from federation.coordinator.checkpoint_copies import restore_input
 from federation.coordinator.forecast import SiteHistory
@@ -127,7 +129,6 @@ cycle's walk of the line later: a backlog whose timers come due one after anothe
 a walk now and then (at most 1/21 of the loop), not one walk after another."""
 CHECKPOINT = "checkpoint:"
 """Placement input naming the newest checkpoint of a task that restarts from it."""
-TaskKey = tuple[str, str]
 MAX_REMEMBERED_PLACEMENTS = 10_000
 """Distinct requests whose placement on the current snapshot is kept for later cycles."""
 

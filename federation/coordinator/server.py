@@ -20,7 +20,6 @@ from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
 from federation import __version__
-from federation.agent.probe import ProbeServer
 from federation.api.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -39,6 +38,7 @@ from federation.api.v1 import (
     store_service_pb2,
     store_service_pb2_grpc,
 )
+from federation.common.probe import ProbeServer
 from federation.coordinator.config import STORE_FILE, CoordinatorConfig
 from federation.coordinator.fencing import FencedStore
 from federation.coordinator.layout import check_layout

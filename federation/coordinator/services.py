@@ -16,7 +16,7 @@ from datetime import timedelta
 import structlog
 
 from federation.api.v1 import admin_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.admin import Admin
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.datasets import DatasetBook

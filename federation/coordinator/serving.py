@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import Change, JobRepository, find_spec, find_task

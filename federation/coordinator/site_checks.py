@@ -23,7 +23,20 @@ from urllib.parse import unquote
 
 from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator import job_state
+from federation.common import job_state
+from federation.common.view_limits import (
+    ABSOLUTE_ZERO_C,
+    MAX_DEVICE_MEMORY_MIB,
+    MAX_DEVICE_PARTITIONS,
+    MAX_FIGURE,
+    MAX_NODE_DEVICES,
+    MAX_NODE_MEMORY_MIB,
+    MAX_STORED_BYTES,
+    MAX_TIMESTAMP_S,
+    MAX_VIEW_DATASETS,
+    MAX_VIEW_LINKS,
+    MAX_VIEW_NODES,
+)
 from federation.coordinator.live_view import PlannedDelta
 from federation.coordinator.validation import MAX_DEVICES_PER_REPLICA, MAX_REPLICAS
 from federation.envelopes import MAX_MESSAGES
@@ -32,28 +45,6 @@ from federation.placement.selector_cost import MAX_ATTRIBUTE_CHARS, MAX_DEVICE_A
 from federation.resources import resource_problem
 from federation.security.interceptors import MAX_VIOLATIONS
 
-MAX_FIGURE = 1e12
-"""Largest figure (cores, TFLOPS, watts, USD, seconds, Mbit/s, ms) a site may report: far above
-any real one, and far enough below float64's range that placement's sums and products of a
-few of them stay finite."""
-MAX_DEVICE_MEMORY_MIB = 1 << 30
-"""Largest memory of a device or partition: 1 PiB (2^50 bytes), thousands of times today's."""
-MAX_NODE_MEMORY_MIB = 1 << 40
-"""Largest memory of a node: 1 EiB, far above any machine; scripted test sites declare 2^40
-MiB to mean "unlimited"."""
-MAX_STORED_BYTES = 1 << 60
-"""Largest dataset or checkpoint: 1 EiB."""
-ABSOLUTE_ZERO_C = -273.15
-"""Lowest temperature a device may report (edge devices can be below 0 °C)."""
-MAX_TIMESTAMP_S = 253_402_300_799
-"""9999-12-31T23:59:59Z, the latest time a protobuf ``Timestamp`` may hold."""
-MAX_VIEW_NODES = 10_000
-MAX_NODE_DEVICES = 1024
-MAX_DEVICE_PARTITIONS = 64
-"""Partition profiles per device (a MIG-capable GPU offers at most about 20)."""
-MAX_VIEW_LINKS = 10_000
-"""Links per view: one per peer site."""
-MAX_VIEW_DATASETS = 10_000
 MAX_LABELS = MAX_DEVICE_ATTRIBUTES
 """Labels per node or site, as attributes per device."""
 MAX_HELLO_TASKS = 10_000

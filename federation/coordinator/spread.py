@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.validation import TASK_OUTPUT, part_count
 
 PART = "/"

@@ -12,7 +12,7 @@ import asyncio
 from collections.abc import AsyncIterator
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.sites import SessionClosedError, SiteRegistry

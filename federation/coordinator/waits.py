@@ -23,7 +23,7 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.placement.estimates import class_speed, estimate, once_free
 from federation.placement.plugins.capacity_fit import (
     EPSILON,

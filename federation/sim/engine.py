@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.policy.preemption import (
     Candidate,

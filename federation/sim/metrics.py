@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.plugins.capacity_fit import matching_devices, replicas_per_device
 from federation.placement.registry import DEFAULT_FILTERS, build_framework

@@ -14,7 +14,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from federation.coordinator.job_state import S as JobState
+from federation.common.job_state import S as JobState
 from federation.sim.metrics import job_table
 from federation.sim.replay import ReplayResult
 

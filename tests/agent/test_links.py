@@ -23,9 +23,9 @@ from federation.agent.links import (
     measure_link,
 )
 from federation.agent.main import load_config, parse_args
-from federation.agent.probe import MAX_PROBE_BYTES
 from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
+from federation.common.probe import MAX_PROBE_BYTES
 from federation.config import ConfigError
 
 MIB = 1024 * 1024

@@ -4,7 +4,7 @@ RUNNING), written with the report that carried it; other endpoint changes are no
 from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 
 from .test_reconcile import RUN, Federation, _run_at, fed, report
 

@@ -4,7 +4,7 @@ it, so the old spec never runs where the store says the new one does."""
 from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.scheduler import _mark_delegated
 
 

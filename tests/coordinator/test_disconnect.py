@@ -6,7 +6,7 @@ import pytest
 from google.protobuf import timestamp_pb2
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.disconnect import (
     BEST,
     KEEP_ORIGINAL,

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, records_pb2
-from federation.coordinator import job_state, jobs
+from federation.common import job_state
+from federation.common.job_state import IllegalTransitionError
+from federation.coordinator import jobs
 from federation.coordinator.events import EventHub, Subscription
-from federation.coordinator.job_state import IllegalTransitionError
 from federation.coordinator.jobs import (
     Change,
     JobRepository,

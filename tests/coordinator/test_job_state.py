@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from federation.coordinator.job_state import (
+from federation.common.job_state import (
     IllegalTransitionError,
     check_transition,
     is_terminal,

@@ -11,7 +11,7 @@ import pytest_asyncio
 from structlog.testing import capture_logs
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
 from federation.coordinator.lost_sites import LostSites

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from coordinator.test_job_repository import move, new_job
 from federation.api.v1 import audit_service_pb2, job_service_pb2, jobs_pb2
-from federation.coordinator import audit, job_index, job_state
+from federation.common import job_state
+from federation.coordinator import audit, job_index
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import JOBS, JobRepository, ListFilter, read_record
 from federation.coordinator.redaction import REDACTED

@@ -8,7 +8,8 @@ import time
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state, retries
+from federation.common import job_state
+from federation.coordinator import retries
 from federation.coordinator.jobs import Change, find_task
 
 from .test_reconcile import CAN, Federation, _run_at, bodies, fed, report

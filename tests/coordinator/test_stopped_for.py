@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.policy.stopped_for import StoppedFor, TaskKey
+from federation.common.keys import TaskKey
+from federation.coordinator.policy.stopped_for import StoppedFor
 
 URGENT: TaskKey = ("urgent", "main")
 VICTIM: TaskKey = ("victim", "main")

@@ -20,7 +20,7 @@ from federation.api.v1 import (
     job_service_pb2_grpc,
     jobs_pb2,
 )
-from federation.coordinator.job_state import is_terminal
+from federation.common.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict
 from federation.local import LocalFederation, SiteSpec
 from federation.security.identity import Identity, Role

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
 from federation.coordinator.waits import (
     MAX_AHEAD,
     Holding,

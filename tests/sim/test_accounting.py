@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from federation.coordinator import job_state
-from federation.coordinator.job_state import IllegalTransitionError
+from federation.common import job_state
+from federation.common.job_state import IllegalTransitionError
 from federation.sim.engine import Simulation
 from federation.sim.replay import replay
 from federation.sim.state import SiteState

@@ -17,7 +17,8 @@ from federation.api.v1 import (
     queues_pb2,
     records_pb2,
 )
-from federation.coordinator import audit, job_index, job_state
+from federation.common import job_state
+from federation.coordinator import audit, job_index
 from federation.coordinator.enrollment import CERTIFICATES
 from federation.coordinator.events import EventHub
 from federation.coordinator.jobs import (

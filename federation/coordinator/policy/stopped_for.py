@@ -15,10 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator import job_state
+from federation.common import job_state
+from federation.common.keys import TaskKey
 
-TaskKey = tuple[str, str]
-"""(job id, task name)."""
 StatusOf = Callable[[TaskKey], jobs_pb2.TaskStatus | None]
 """The task's status now; None once its job is no longer cached (it ended)."""
 HOLD_REASON = "waits until the work it was stopped for starts here"
