@@ -10,6 +10,7 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -51,12 +52,13 @@ def federation(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFedera
         fed.stop()
 
 
-def abuse(address: str, tls: TlsFiles, seconds: float) -> None:
-    """The abuser, in a process of its own so its client work does not slow the victim's."""
-    asyncio.run(_abuse(address, tls, seconds))
+def abuse(address: str, tls: TlsFiles, seconds: float, swinging: Any) -> None:
+    """The abuser, in a process of its own so its client work does not slow the victim's;
+    ``swinging`` (a multiprocessing event) is set once every kind of abuse is under way."""
+    asyncio.run(_abuse(address, tls, seconds, swinging))
 
 
-async def _abuse(address: str, tls: TlsFiles, seconds: float) -> None:
+async def _abuse(address: str, tls: TlsFiles, seconds: float, swinging: Any) -> None:
     from federation.security.tls import channel_credentials
 
     options = [("grpc.max_send_message_length", 64 << 20)]
@@ -77,10 +79,15 @@ async def _abuse(address: str, tls: TlsFiles, seconds: float) -> None:
         huge = spec("huge", [{**sleeper, "env": {f"V{i}": "x" * 30_000 for i in range(100)}}])
         flood = [spec(f"flood-{i}", [sleeper]) for i in range(100)]
 
+        answered: set[int] = set()
+
         async def hammer(call: object, request: object) -> None:
             while time.monotonic() < deadline:
                 with contextlib.suppress(grpc.aio.AioRpcError):  # refused: keep pushing
                     await call(request, timeout=5)  # type: ignore[operator]
+                answered.add(id(request))
+                if len(answered) == 4:  # every hammer has had an answer
+                    swinging.set()
 
         await asyncio.gather(
             hammer(stub.SubmitJobs, job_service_pb2.SubmitJobsRequest(specs=costly)),
@@ -126,13 +133,15 @@ async def test_abuse_from_one_tenant_slows_another_boundedly(
         job_id = reply.job.id
         await get_job_latencies(channel, job_id)  # warm up the channel and the coordinator
         quiet = p99(await get_job_latencies(channel, job_id))
-        abuser = multiprocessing.get_context("spawn").Process(
+        spawn = multiprocessing.get_context("spawn")
+        swinging = spawn.Event()
+        abuser = spawn.Process(
             target=abuse,
-            args=(federation.address, tenant_tls(federation, "mallory"), ABUSE_S),
+            args=(federation.address, tenant_tls(federation, "mallory"), ABUSE_S, swinging),
         )
         abuser.start()
         try:
-            await asyncio.sleep(2.0)  # the abuse is in full swing
+            assert await asyncio.to_thread(swinging.wait, 60), "the abuse never got going"
             loud = p99(await get_job_latencies(channel, job_id))
             assert abuser.is_alive(), "the abuse ended before the measurement did"
         finally:
