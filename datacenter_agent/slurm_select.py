@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from datacenter_agent.slurm_view import GRES_KINDS
-from federation.agent.packing import describe_request
+from federation.agent.packing import describe_request, selectors
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.placement.selectors import SelectorError, selector_matches
-from federation.placement.snapshot import device_attributes
+from federation.placement.devices import device_attributes
 
 _MIB_PER_GIB = 1024.0
 
@@ -29,9 +28,10 @@ def matches(device: resources_pb2.Device, acc: jobs_pb2.AcceleratorRequest) -> b
     if device.memory_total_mib < acc.min_memory_mib:
         return False
     if acc.selector:
+        cel = selectors()
         try:
-            return selector_matches(acc.selector, [device_attributes(device)])[0]
-        except SelectorError:
+            return bool(cel.selector_matches(acc.selector, [device_attributes(device)])[0])
+        except cel.SelectorError:
             return False  # a bad selector does not match
     return True
 

@@ -13,14 +13,13 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import NamedTuple
 
 from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.placement.estimates import device_speeds
-from federation.placement.selectors import SelectorError, compile_selector, selector_matches
-from federation.placement.snapshot import device_attributes
+from federation.placement.devices import device_attributes, device_speeds
 
 __all__ = [
     "Placed",
@@ -103,7 +102,7 @@ class _Matcher:
     ) -> None:
         self._acc = acc
         if acc.selector:
-            compile_selector(acc.selector)
+            selectors().compile_selector(acc.selector)
         self._speed = speed
         self._min_speed = min_speed * (1 - _EPS)  # the estimate's float, read back
 
@@ -120,7 +119,15 @@ class _Matcher:
             return False
         if not acc.selector:
             return True
-        return selector_matches(acc.selector, [device_attributes(device)])[0]
+        return bool(selectors().selector_matches(acc.selector, [device_attributes(device)])[0])
+
+
+def selectors() -> ModuleType:
+    """CEL selectors, loaded when a task first has one: an agent whose tasks name none does
+    not load CEL, numpy or the placement framework."""
+    from federation.placement import selectors as loaded
+
+    return loaded
 
 
 def fragmentation(free: int) -> int:
@@ -163,9 +170,10 @@ def request_problem(acc: jobs_pb2.AcceleratorRequest) -> str:
     if acc.memory_mib and not acc.fraction:
         return "asks for share memory without a fraction"
     if acc.selector:
+        cel = selectors()
         try:
-            compile_selector(acc.selector)
-        except SelectorError as err:
+            cel.compile_selector(acc.selector)
+        except cel.SelectorError as err:
             return f"invalid selector: {err}"
     return ""
 

@@ -6,15 +6,12 @@ run. Computed once per (request, snapshot) and shared by every plugin that needs
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from importlib import resources
 
 import numpy as np
 import numpy.typing as npt
-import yaml
 
+from federation.placement.devices import device_speeds
 from federation.placement.plugins.capacity_fit import (
     matching_classes,
     matching_devices,
@@ -24,7 +21,6 @@ from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 
 F64 = npt.NDArray[np.float64]
-REFERENCE_TFLOPS_FP16 = 312.0  # the A100's, which the speed table calls 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,28 +40,6 @@ class Estimates:
     @property
     def total_s(self) -> F64:
         return self.queue_s + self.transfer_s + self.run_s
-
-
-@functools.lru_cache(maxsize=1)
-def speed_table() -> dict[str, dict[str, float]]:
-    text = resources.files("federation.placement").joinpath("data/speed.yaml").read_text()
-    doc: dict[str, dict[str, float]] = yaml.safe_load(text)
-    return doc
-
-
-def device_speeds(
-    workload_class: str, overrides: Iterable[tuple[str, float]] = ()
-) -> Callable[[str, float], float]:
-    """Speed of a device (its model, its fp16 TFLOPS) for a workload class (1.0 = A100-80GB):
-    the speed table's row, the task's overrides, else TFLOPS against the reference. The
-    coordinator's estimates and the sites' packers both read speeds through this."""
-    table = {**speed_table().get(workload_class, speed_table()["training"]), **dict(overrides)}
-
-    def speed(model: str, tflops_fp16: float) -> float:
-        fallback = tflops_fp16 / REFERENCE_TFLOPS_FP16 if tflops_fp16 > 0 else 1.0
-        return float(table.get(model, fallback))
-
-    return speed
 
 
 def class_speed(req: Request, snap: Snapshot) -> F64:

@@ -20,6 +20,7 @@ import numpy.typing as npt
 
 from federation.api.v1 import resources_pb2
 from federation.placement.compat import node_labels
+from federation.placement.devices import device_attributes
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]
@@ -218,32 +219,6 @@ def _class_key(dev: resources_pb2.Device) -> tuple[object, ...]:
         dev.provenance,
         tuple(sorted(dev.attributes.items())),
     )
-
-
-def device_attributes(dev: resources_pb2.Device) -> dict[str, Any]:
-    """What a CEL selector sees as ``device``: the coordinator's and the agents' single source.
-
-    Args:
-        dev: A device as a site view publishes it.
-
-    Returns:
-        The keys of ``selectors.SAMPLE_DEVICE``; ``attributes`` is a fresh dict.
-    """
-    kind_name = resources_pb2.DeviceKind.Name(dev.kind).removeprefix("DEVICE_KIND_")
-    memory_mib = float(dev.memory_total_mib)
-    return {
-        "kind": kind_name,
-        "vendor": dev.vendor.lower(),
-        "model": dev.model,
-        "memory_mib": memory_mib,
-        "memory_gib": memory_mib / 1024.0,
-        "tflops_fp32": dev.tflops_fp32,
-        "tflops_fp16": dev.tflops_fp16,
-        "tflops_int8": dev.tflops_int8,
-        "power_tdp_watts": dev.power_tdp_watts,
-        "declared": dev.provenance == resources_pb2.PROVENANCE_DECLARED,
-        "attributes": dict(dev.attributes),
-    }
 
 
 def _device_class(dev: resources_pb2.Device) -> DeviceClass:

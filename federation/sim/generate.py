@@ -24,7 +24,7 @@ import numpy as np
 import yaml
 
 from federation.jobspec import parse_domain
-from federation.placement.estimates import REFERENCE_TFLOPS_FP16, speed_table
+from federation.placement.devices import REFERENCE_TFLOPS_FP16, speed_table
 from federation.sim.fields import InputFileError, read_text
 from federation.sim.links import load_rtt_csv, load_throughput_csv
 from federation.sim.topology import KNOWN_MODELS

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from federation.api.v1 import resources_pb2
 from federation.jobspec import parse_domain
-from federation.placement.estimates import speed_table
+from federation.placement.devices import speed_table
 from federation.placement.request import Input, Request
 from federation.sim.fields import InputFileError, read_text
 from federation.sim.topology import KIND_NAMES, KNOWN_MODELS, Topology

@@ -14,7 +14,7 @@ from federation.agent.packing import (
     place_as_estimated,
 )
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.placement.estimates import device_speeds
+from federation.placement.devices import device_speeds
 
 from .cores import node, offer
 

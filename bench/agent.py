@@ -1,0 +1,126 @@
+"""What a site agent costs a small edge box: its import time, its memory idle, and each running
+replica's supervisor.
+
+Baselines in the same run: a bare ``python -I -c pass`` (start-up and memory of the
+interpreter alone). A real coordinator and one agent run on loopback; the agent is measured
+once connected and idle, then while it runs N replicas that sleep (their supervisors' memory,
+apart from the replicas' own).
+
+    python bench/agent.py [--replicas 4] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from federation.client import Client
+from federation.local import LocalFederation
+from federation.testing.cluster import cpu_site
+
+AGENT_MODULES = "import federation.agent.main, federation.agent.embedded_core, edge_agent"
+
+
+def startup_s(code: str, repeat: int = 5) -> float:
+    """Median wall time of ``python -c code`` in a fresh interpreter."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bare_rss_mib() -> float:
+    """The resident set of an idle interpreter, for comparison."""
+    with subprocess.Popen([sys.executable, "-I", "-c", "import time; time.sleep(5)"]) as bare:
+        time.sleep(0.5)
+        found = rss_mib(bare.pid)
+        bare.kill()
+    return found
+
+
+def supervisors(agent_pid: int) -> list[int]:
+    """The agent's replica supervisors: its children running supervisor.py."""
+    out = []
+    for child in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split():
+        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+        if b"supervisor.py" in cmdline:
+            out.append(int(child))
+    return out
+
+
+async def measure(replicas: int) -> dict[str, float | None]:
+    python_s = startup_s("pass")
+    agent_s = startup_s(AGENT_MODULES)
+    bare = bare_rss_mib()
+    with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
+        fed = LocalFederation(Path(root), [cpu_site("bench-agent", stop_tasks_on_exit=True)])
+        await fed.start()
+        try:
+            agent = fed.processes["bench-agent"].pid
+            await asyncio.sleep(2)  # a few heartbeats: the agent settles after its hello
+            idle = rss_mib(agent)
+            async with Client(fed.address, fed.operator().tls) as client:
+                task = {
+                    "name": "t",
+                    "command": [sys.executable, "-c", "import time; time.sleep(600)"],
+                    "replicas": replicas,
+                    "resources": {"cpu": 0.5, "memory_mib": 16},
+                }
+                job = await client.submit({"name": "sleepers", "tasks": [task]})
+                for _ in range(600):  # a minute at most
+                    if len(supervisors(agent)) >= replicas:
+                        break
+                    await asyncio.sleep(0.1)
+                else:
+                    raise RuntimeError("the replicas did not start")
+                per_replica = statistics.median(rss_mib(pid) for pid in supervisors(agent))
+                await client.cancel(job.id)
+        finally:
+            fed.stop()
+    return {
+        "import_s": agent_s - python_s,
+        "python_start_s": python_s,
+        "idle_rss_mib": idle,
+        "bare_python_rss_mib": bare,
+        "per_replica_rss_mib": per_replica,
+        "install_mb": None,  # the base install is one for coordinator and agent alike
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--replicas", type=int, default=4)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = asyncio.run(measure(args.replicas))
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        print()
+        return
+    print(f"{'figure':<22} {'agent':>9} {'bare python':>12}")
+    print(f"{'import / start s':<22} {result['import_s']:>9.3f} {result['python_start_s']:>12.3f}")
+    print(
+        f"{'idle RSS MiB':<22} {result['idle_rss_mib']:>9.1f} "
+        f"{result['bare_python_rss_mib']:>12.1f}"
+    )
+    print(f"{'per replica RSS MiB':<22} {result['per_replica_rss_mib']:>9.1f} {'':>12}")
+
+
+if __name__ == "__main__":
+    main()
