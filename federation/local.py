@@ -49,6 +49,9 @@ class SiteSpec:
     price_per_device_hour: float = 0.0
     settings: dict[str, Any] = field(default_factory=dict)
     """More agent settings (datasets, declared links, ...), written into its config file."""
+    prefix: tuple[str, ...] = ()
+    """What the agent's command runs under: ``ip netns exec NAME`` starts the site (and the
+    tasks it runs) in a network namespace, which reaches the coordinator at ``host``."""
 
 
 def _toml_value(value: object) -> str:
@@ -78,6 +81,9 @@ class LocalFederation:
     metrics_port: int = 0
     coordinators: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Every coordinator started, by name: its (port, join port), in start order."""
+    host: str = "127.0.0.1"
+    """The address coordinators listen on and agents reach them at (in their certificates too):
+    a bridge's address where sites run in network namespaces."""
 
     @property
     def pki(self) -> PkiLayout:
@@ -87,19 +93,19 @@ class LocalFederation:
     def address(self) -> str:
         """The coordinator's address; with several, all of them, comma-separated."""
         if len(self.coordinators) <= 1:
-            return f"127.0.0.1:{self.port}"
+            return f"{self.host}:{self.port}"
         return ",".join(self.address_of(name) for name in self.coordinators)
 
     @property
     def join_address(self) -> str:
         """The coordinator's join address; with several, all of them, comma-separated."""
         if len(self.coordinators) <= 1:
-            return f"127.0.0.1:{self.join_port}"
-        return ",".join(f"127.0.0.1:{join}" for _, join in self.coordinators.values())
+            return f"{self.host}:{self.join_port}"
+        return ",".join(f"{self.host}:{join}" for _, join in self.coordinators.values())
 
     def address_of(self, name: str) -> str:
         """The mTLS address of the coordinator started as ``name``."""
-        return f"127.0.0.1:{self.coordinators[name][0]}"
+        return f"{self.host}:{self.coordinators[name][0]}"
 
     def operator(self) -> Connection:
         tls = TlsFiles(
@@ -112,12 +118,14 @@ class LocalFederation:
     def log_path(self, name: str) -> Path:
         return self.root / "logs" / f"{name}.log"
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, argv: list[str], prefix: Sequence[str] = ()
+    ) -> subprocess.Popen[bytes]:
         self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path(name).open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         proc = subprocess.Popen(
-            [sys.executable, "-m", *argv],
+            [*prefix, sys.executable, "-m", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -147,7 +155,8 @@ class LocalFederation:
             args: More arguments for this coordinator, after ``coordinator_args``.
         """
         if not self.pki.ca_cert.exists():
-            init_pki(self.pki.dir, server_sans=["localhost", "127.0.0.1"])
+            sans = ["localhost", "127.0.0.1"]
+            init_pki(self.pki.dir, server_sans=[*sans, *{self.host} - set(sans)])
         ready = self.root / f"{name}.ready"
         ready.unlink(missing_ok=True)
         proc = self._spawn(
@@ -159,9 +168,9 @@ class LocalFederation:
                 "--data-dir",
                 str(self.root / name),
                 "--listen",
-                f"127.0.0.1:{port}",
+                f"{self.host}:{port}",
                 "--join-listen",
-                f"127.0.0.1:{join_port}",
+                f"{self.host}:{join_port}",
                 "--ready-file",
                 str(ready),
                 "--log-json",
@@ -232,7 +241,7 @@ class LocalFederation:
         config = home / "agent.toml"
         config.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
         module = "edge_agent" if site.domain == "edge" else "datacenter_agent"
-        self._spawn(site.name, [module, "--config", str(config), "--log-json"])
+        self._spawn(site.name, [module, "--config", str(config), "--log-json"], site.prefix)
 
     async def wait_connected(self, names: list[str] | None = None, timeout_s: float = 30.0) -> None:
         """Wait until every named site (default: all) has a live session."""
