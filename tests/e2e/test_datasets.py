@@ -156,6 +156,7 @@ async def test_a_registered_digest_that_does_not_match_fails_the_task_before_it_
 
 
 async def test_bad_registrations_name_their_fields(fed: LocalFederation) -> None:
+    await tenant_a_frames(fed)  # a name taken, refused below
     async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
         stub = data(channel)
         bad = data_service_pb2.Dataset(name="No Good", location="http://x/y", sha256="abc")
