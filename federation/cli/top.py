@@ -55,6 +55,7 @@ from federation.cli.render import (
     text,
 )
 from federation.jobspec import domain_name, kind_name
+from federation.resources import booked_share
 from federation.security.tls import channel_credentials
 
 T = TypeVar("T")
@@ -161,21 +162,6 @@ async def fetch(channel: grpc.aio.Channel, max_jobs: int) -> Snapshot:
 
 
 # What the tables and the JSON show.
-
-
-def booked_share(device: resources_pb2.Device) -> float:
-    """How much of the device tasks booked, in [0, 1]: whole, by shares or by MIG slots."""
-    if device.allocated:
-        return 1.0
-    share = 1.0 - device.free_fraction if device.shareable else 0.0
-    if share > 1e-9:
-        # Shares are out, so the device's slots are closed to tasks (one mode at a time), not
-        # taken: the shares alone say how much is booked.
-        return min(share, 1.0)
-    for profile in device.partitions:
-        if profile.total:
-            share = max(share, (profile.total - profile.free) / profile.total)
-    return min(max(share, 0.0), 1.0)
 
 
 def _measured(use: resources_pb2.MeasuredUse) -> bool:

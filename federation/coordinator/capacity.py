@@ -16,6 +16,7 @@ from federation.coordinator.job_manager import visible_to
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.sites import SiteRegistry
 from federation.jobspec import domain_name, kind_name
+from federation.resources import booked_share
 from federation.security.identity import Identity
 
 Key = tuple[str, str, str]
@@ -50,7 +51,7 @@ def capacity_rows(
                 counted = row(key)
                 counted.total += 1
                 counted.healthy += device.health == resources_pb2.DEVICE_HEALTH_HEALTHY
-                counted.free += _free(device)
+                counted.free += 1.0 - booked_share(device)
                 seen[key].add(name)
     visible = visible_to(caller)
     for job in jobs.at_site():
@@ -59,18 +60,6 @@ def capacity_rows(
     for key, names in seen.items():
         rows[key].sites = len(names)
     return [rows[key] for key in sorted(rows)]
-
-
-def _free(device: resources_pb2.Device) -> float:
-    """What of the device no task has booked: 1, a share's part, or the slots left."""
-    if device.allocated:
-        return 0.0
-    if device.shareable:
-        return min(1.0, max(0.0, device.free_fraction))
-    slots = sum(p.total for p in device.partitions)
-    if slots:
-        return sum(p.free for p in device.partitions) / slots
-    return 1.0
 
 
 def _count_held(

@@ -13,7 +13,6 @@ from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
 from federation.cli.render import print_whole
 from federation.cli.top import (
     Snapshot,
-    booked_share,
     devices_table,
     frame,
     jobs_table,
@@ -21,6 +20,7 @@ from federation.cli.top import (
     snapshot_record,
     until_stopped,
 )
+from federation.resources import booked_share
 
 NOW = 1_700_000_100.0
 ESCAPES = "evil\x1b]0;pwned\x07\x1b[2J[bold]x[/bold]"

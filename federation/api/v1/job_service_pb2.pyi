@@ -62,8 +62,8 @@ class CapacityRow(_message.Message):
     healthy: _builtins.float
     """Of them, healthy (CPU: on schedulable nodes)."""
     free: _builtins.float
-    """Not booked by any task now; a shared device counts by the share left, a partitioned one by
-    its slots left.
+    """Not booked by any task now: a device counts 1 less what tasks booked of it, whole, by
+    shares or by partition slots (as fedctl top counts it).
     """
     yours: _builtins.float
     """Held by the caller's own tasks now (an operator: by every job's)."""
