@@ -35,7 +35,7 @@ def tasks_drained(
     jobs: JobRepository, site: str, node: str
 ) -> Iterator[tuple[jobs_pb2.Job, jobs_pb2.TaskStatus]]:
     """The tasks at ``site`` (on ``node``, if named) that a drain there waits for."""
-    for job in jobs.active():
+    for job in jobs.at_site():  # the cached messages, not a copy of every job a second
         for task in job.tasks:
             if task.site != site or task.state not in job_state.AT_SITE:
                 continue
