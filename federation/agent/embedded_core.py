@@ -48,7 +48,7 @@ from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
 from federation.agent.packing import place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
-from federation.agent.service import ReplicaService, free_port, is_ready, is_service
+from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
 from federation.agent.task_logs import read_log
@@ -66,6 +66,9 @@ log = structlog.get_logger()
 State: TypeAlias = jobs_pb2.JobState.ValueType
 
 _DEFAULT_LEASE_S = 10.0
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+"""How long a replica taken away from an autoscaled service may take to finish what it has
+in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
 _OUTPUT_TAIL_CHARS = 2000
 _FINAL = frozenset(
     {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
@@ -190,6 +193,8 @@ class _Task:
                 restarts=replica.restarts,
                 crash_looping=policy.crash_looping(replica.short_runs),
                 revision=replica.revision,
+                load=replica.load,
+                draining=replica.draining,
             )
             for i, (slot, replica) in enumerate(zip(self.slots, self.service, strict=True))
         ]
@@ -1288,6 +1293,8 @@ class EmbeddedCore:
         ready first, so whoever follows the endpoints stops sending to it."""
         assert task.service is not None
         replica = len(task.slots) - 1
+        if task.spec.service.HasField("autoscale") and replica < len(task.replicas):
+            await self._drain(task, replica)
         if replica < len(task.keepers):
             keeper = task.keepers.pop(replica)
             keeper.cancel()
@@ -1350,6 +1357,11 @@ class EmbeddedCore:
         while True:
             process = task.replicas[replica]
             checker = asyncio.create_task(self._check_readiness(task, replica, process))
+            loads = (
+                asyncio.create_task(self._watch_load(task, replica, process))
+                if task.spec.service.HasField("autoscale")
+                else None
+            )
             try:
                 try:
                     code = await asyncio.wait_for(process.wait(), policy.min_run_s)
@@ -1361,6 +1373,8 @@ class EmbeddedCore:
                     code, short = await process.wait(), False
             finally:
                 checker.cancel()
+                if loads is not None:
+                    loads.cancel()
             state.ready, state.checked = False, True
             if not policy.restarts(code):
                 state.down = True
@@ -1413,10 +1427,56 @@ class EmbeddedCore:
             if process.exited:
                 break
             first, state.checked = not state.checked, True
+            ready = ready and not state.draining
             if ready != state.ready or first:
                 state.ready = ready
                 self._report(task)
             await asyncio.sleep(check.period_s or 1.0)
+
+    async def _watch_load(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
+        """Reads an autoscaled replica's load every readiness period; reports each change (to
+        a hundredth). A replica that does not answer keeps its last reading."""
+        assert task.service is not None
+        state = task.service[replica]
+        period_s = task.spec.service.readiness.period_s or 1.0
+        while not process.exited:
+            load = await read_load(
+                task.spec.service.autoscale,
+                address=self._address,
+                port=state.port,
+                timeout_s=task.spec.service.readiness.timeout_s or 1.0,
+            )
+            if load is not None and round(load, 2) != round(state.load, 2):
+                state.load = load
+                self._report(task)
+            await asyncio.sleep(period_s)
+
+    async def _drain(self, task: _Task, replica: int) -> None:
+        """Waits until a replica being taken away has nothing in flight: shown draining (so
+        whoever follows the endpoints stops sending to it) for at least two readiness periods,
+        then until its load reads 0, or drain_timeout_s."""
+        assert task.service is not None
+        scale = task.spec.service.autoscale
+        state, process = task.service[replica], task.replicas[replica]
+        period_s = task.spec.service.readiness.period_s or 1.0
+        state.ready, state.draining = False, True
+        self._report(task)
+        started = time.monotonic()
+        timeout_s = scale.drain_timeout_s or DEFAULT_DRAIN_TIMEOUT_S
+        await asyncio.sleep(min(2 * period_s, timeout_s))
+        while not process.exited and time.monotonic() - started < timeout_s:
+            load = await read_load(scale, address=self._address, port=state.port, timeout_s=1.0)
+            if load == 0:
+                return
+            await asyncio.sleep(period_s)
+        if not process.exited:
+            log.warning(
+                "replica_drain_timed_out",
+                job_id=task.key[0],
+                task=task.key[1],
+                replica=replica,
+                after_s=timeout_s,
+            )
 
     def _lock(self, key: RunKey) -> None:
         """Once a task has ended only the agent may enter its folder: a task that opened its

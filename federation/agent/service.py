@@ -45,6 +45,10 @@ class ReplicaService:
     adopted replica is not taken for one that is down until then."""
     down: bool = False
     """It exited 0 under restart on_failure: it stays down."""
+    load: float = 0.0
+    """Its last load reading (autoscaled services)."""
+    draining: bool = False
+    """Being taken away: shown not ready, stopped once its load reads 0."""
 
     @classmethod
     def new(cls, spec: jobs_pb2.TaskSpec, revision: int) -> ReplicaService:
@@ -93,6 +97,15 @@ async def _connects(address: str, port: int) -> bool:
 
 
 async def _http_ok(address: str, port: int, path: str) -> bool:
+    return (await _http_get(address, port, path, read_body=False)) is not None
+
+
+MAX_LOAD_ANSWER_BYTES = 64 * 1024
+
+
+async def _http_get(address: str, port: int, path: str, *, read_body: bool) -> bytes | None:
+    """The body of a 2xx answer to GET ``path`` (empty unless ``read_body``; at most
+    MAX_LOAD_ANSWER_BYTES), or None for any other status."""
     reader, writer = await asyncio.open_connection(address, port)
     try:
         host = f"[{address}]" if ":" in address else address
@@ -101,11 +114,62 @@ async def _http_ok(address: str, port: int, path: str) -> bool:
         )
         await writer.drain()
         status = (await reader.readline()).split()
-        return len(status) >= 2 and status[0].startswith(b"HTTP/") and status[1][:1] == b"2"
+        if not (len(status) >= 2 and status[0].startswith(b"HTTP/") and status[1][:1] == b"2"):
+            return None
+        if not read_body:
+            return b""
+        while (await reader.readline()).strip():
+            pass  # the headers
+        return await reader.read(MAX_LOAD_ANSWER_BYTES)
     finally:
         writer.close()
         with contextlib.suppress(OSError):
             await writer.wait_closed()
+
+
+async def read_load(
+    scale: jobs_pb2.Autoscale, *, address: str, port: int, timeout_s: float
+) -> float | None:
+    """A replica's load from its load path, or None where it did not answer one."""
+    try:
+        body = await asyncio.wait_for(
+            _http_get(address, port, scale.load_path, read_body=True), timeout_s
+        )
+    except (OSError, TimeoutError, ValueError):
+        return None
+    if body is None:
+        return None
+    return parse_load(body.decode(errors="replace"), scale.load_metric)
+
+
+def parse_load(text: str, metric: str) -> float | None:
+    """A number alone (``metric`` empty), or the sum of ``metric``'s samples in Prometheus
+    text; None where there is no such number."""
+    try:
+        if not metric:
+            value = float(text.strip())
+        else:
+            samples = [_sample(line, metric) for line in text.splitlines()]
+            found = [v for v in samples if v is not None]
+            if not found:
+                return None
+            value = sum(found)
+    except ValueError:
+        return None
+    return value if value >= 0 and value != float("inf") else None
+
+
+def _sample(line: str, metric: str) -> float | None:
+    """The value of a Prometheus sample line of ``metric`` (any labels), else None."""
+    if not line.startswith(metric) or line.startswith("#"):
+        return None
+    rest = line[len(metric) :]
+    if rest.startswith("{"):
+        rest = rest[rest.index("}") + 1 :]  # labels; a "}" inside a label value is not met here
+    elif not rest[:1].isspace():
+        return None  # another metric whose name starts with this one
+    value = rest.split()[:1]
+    return float(value[0]) if value else None
 
 
 async def _command_ok(

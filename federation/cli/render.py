@@ -125,15 +125,16 @@ SITE_WIDE_COLUMNS = (
 def endpoints_table(endpoints: Sequence[jobs_pb2.Endpoint], title: str = "Endpoints") -> Table:
     """One row per replica of a service: where clients reach it and whether it is ready."""
     table = Table(title=title)
-    for column in ("site", "node", "address", "replica", "revision", "ready", "restarts"):
+    loaded = any(e.load or e.draining for e in endpoints)  # an autoscaled service
+    columns = ("site", "node", "address", "replica", "revision", "ready", "restarts")
+    for column in (*columns, "load") if loaded else columns:
         table.add_column(column)
     for e in endpoints:
         host = f"[{e.address}]" if ":" in e.address else e.address
-        ready = "yes" if e.ready else "no"
+        ready = "draining" if e.draining else "yes" if e.ready else "no"
         restarts = f"{e.restarts} (crash loop)" if e.crash_looping else str(e.restarts)
-        table.add_row(
-            e.site, e.node, f"{host}:{e.port}", str(e.replica), str(e.revision), ready, restarts
-        )
+        row = [e.site, e.node, f"{host}:{e.port}", str(e.replica), str(e.revision), ready, restarts]
+        table.add_row(*row, f"{e.load:g}") if loaded else table.add_row(*row)
     return table
 
 

@@ -18,6 +18,7 @@ import structlog
 from federation.api.v1 import admin_service_pb2
 from federation.common import job_state
 from federation.coordinator.admin import Admin
+from federation.coordinator.autoscaler import Autoscaler
 from federation.coordinator.config import CoordinatorConfig
 from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.drains import Drains
@@ -90,6 +91,7 @@ class Services:
     retention_task: asyncio.Task[None] | None = None
     """Removes finished jobs and audit entries past their retention."""
     drains_task: asyncio.Task[None] | None = None
+    autoscale_task: asyncio.Task[None] | None = None
     """Stops what operators' drains hold."""
 
     async def stop(self, step_down: NotLeaderError | None = None) -> None:
@@ -114,6 +116,7 @@ class Services:
             self.expiry_task,
             self.retention_task,
             self.drains_task,
+            self.autoscale_task,
         ):
             if task is None:
                 continue
@@ -220,6 +223,8 @@ async def start_services(
     )
     retention_task = asyncio.create_task(retention.run())
     drains_task = asyncio.create_task(Drains(sites, jobs, scheduler.stop).run())
+    serving = Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed)
+    autoscale_task = asyncio.create_task(Autoscaler(jobs, serving.autoscale).run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(
@@ -240,7 +245,7 @@ async def start_services(
             renewed_as=revocations.successor_fingerprint,
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
-        serving=Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed),
+        serving=serving,
         logs=TaskLogs(manager, jobs, sites),
         datasets=datasets,
         renewal=Renewal(
@@ -259,6 +264,7 @@ async def start_services(
         expiry_task=expiry_task,
         retention_task=retention_task,
         drains_task=drains_task,
+        autoscale_task=autoscale_task,
         authorities=authorities,
         store=store,
         stop_telling_bundles=authorities.on_bundle_change(sites.tell_trust_bundle),

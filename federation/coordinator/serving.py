@@ -118,11 +118,33 @@ class Serving:
                     )
                 ]
             )
+        if old.service.HasField("autoscale"):
+            bounds = old.service.autoscale
+            if not bounds.min_replicas <= replicas <= bounds.max_replicas:
+                raise InvalidArgumentError(
+                    [
+                        FieldViolation(
+                            "replicas",
+                            f"{old.name} is autoscaled within {bounds.min_replicas} to "
+                            f"{bounds.max_replicas} replicas, got {replicas}; to change the "
+                            "bounds, update its service.autoscale",
+                        )
+                    ]
+                )
         new = jobs_pb2.TaskSpec()
         new.CopyFrom(old)
         new.replicas = replicas
         what = f"scaled from {old.replicas or 1} to {replicas} replicas"
         return await self._change(caller, job.id, new, what)
+
+    async def autoscale(self, job_id: str, task: str, replicas: int, what: str) -> jobs_pb2.Job:
+        """The coordinator's own scale of a service task (``federation.coordinator.autoscaler``),
+        with ``what`` as the job's event."""
+        job = await self._jobs.get(job_id)
+        new = jobs_pb2.TaskSpec()
+        new.CopyFrom(find_spec(job, task))
+        new.replicas = replicas
+        return await self._change(None, job.id, new, what)
 
     async def update(self, caller: Identity, job_id: str, spec: jobs_pb2.TaskSpec) -> jobs_pb2.Job:
         """Replaces a service task's spec (the task ``spec.name``): its replicas are replaced
@@ -143,13 +165,17 @@ class Serving:
         return await self._change(caller, job.id, spec, _described(old, spec))
 
     async def _change(
-        self, caller: Identity, job_id: str, new: jobs_pb2.TaskSpec, what: str
+        self, caller: Identity | None, job_id: str, new: jobs_pb2.TaskSpec, what: str
     ) -> jobs_pb2.Job:
         """Takes the task ``new.name`` of the job to spec ``new``: through its site while it
         runs (the site holds room for added replicas, or declines), then in the store with a
-        new revision and a job event. Changes of one job are made one at a time."""
+        new revision and a job event. Changes of one job are made one at a time. ``caller``
+        None: the coordinator's own change."""
         async with self._one_at_a_time(job_id):
-            job = await self._manager.get(caller, job_id)
+            if caller is None:
+                job = await self._jobs.get(job_id)
+            else:
+                job = await self._manager.get(caller, job_id)
             old = find_spec(job, new.name)
             status = find_task(job, new.name)
             if job_state.is_terminal(status.state):

@@ -8,6 +8,7 @@ import re
 from collections.abc import Collection, Iterator, Mapping
 
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.common.view_limits import MAX_FIGURE
 from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
 from federation.coordinator.outputs import OUTPUT_NAME_RE, names_dataset, source_of
 from federation.coordinator.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
@@ -304,6 +305,53 @@ def _service_violations(
         yield FieldViolation(f"{path}.near_region", f"is over {MAX_KEY_CHARS} characters")
     if policy.HasField("readiness"):
         yield from _readiness_violations(policy.readiness, f"{path}.readiness")
+    if policy.HasField("autoscale"):
+        yield from _autoscale_violations(policy.autoscale, replicas, f"{path}.autoscale")
+
+
+METRIC_NAME_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+"""A Prometheus metric name."""
+
+
+def _autoscale_violations(
+    scale: jobs_pb2.Autoscale, replicas: int, path: str
+) -> Iterator[FieldViolation]:
+    yield from _number(path, "min_replicas", scale.min_replicas, 1, MAX_REPLICAS)
+    yield from _number(path, "max_replicas", scale.max_replicas, scale.min_replicas, MAX_REPLICAS)
+    if not 0 < scale.target_load <= MAX_FIGURE:
+        yield FieldViolation(
+            f"{path}.target_load",
+            f"must be above 0 and at most {_show(MAX_FIGURE)}, got {_show(scale.target_load)}",
+        )
+    yield from _url_path_violations(scale.load_path, f"{path}.load_path")
+    if scale.load_metric and not (
+        len(scale.load_metric) <= MAX_KEY_CHARS and METRIC_NAME_RE.fullmatch(scale.load_metric)
+    ):
+        yield FieldViolation(
+            f"{path}.load_metric", f"{_quoted(scale.load_metric)} is not a Prometheus metric name"
+        )
+    for name in ("scale_down_after_s", "drain_timeout_s"):
+        yield from _number(path, name, getattr(scale, name), 0, MAX_INTERVAL_S)
+    if scale.min_replicas <= scale.max_replicas and not (
+        scale.min_replicas <= replicas <= scale.max_replicas
+    ):
+        yield FieldViolation(
+            path.removesuffix(".service.autoscale") + ".replicas",
+            f"{replicas} is outside autoscale's {scale.min_replicas} to {scale.max_replicas}",
+        )
+
+
+def _url_path_violations(value: str, path: str) -> Iterator[FieldViolation]:
+    if (
+        not value.startswith("/")
+        or len(value) > MAX_KEY_CHARS
+        or any(c.isspace() or not c.isprintable() for c in value)
+    ):
+        yield FieldViolation(
+            path,
+            f"{_quoted(value)} must be a URL path starting with '/', without spaces, "
+            f"at most {MAX_KEY_CHARS} characters",
+        )
 
 
 def _readiness_violations(check: jobs_pb2.ReadinessCheck, path: str) -> Iterator[FieldViolation]:
@@ -313,17 +361,7 @@ def _readiness_violations(check: jobs_pb2.ReadinessCheck, path: str) -> Iterator
     elif kind == "tcp_port":
         yield from _number(path, "tcp_port", check.tcp_port, 1, MAX_PORT)
     elif kind == "http_path":
-        value = check.http_path
-        if (
-            not value.startswith("/")
-            or len(value) > MAX_KEY_CHARS
-            or any(c.isspace() or not c.isprintable() for c in value)
-        ):
-            yield FieldViolation(
-                f"{path}.http_path",
-                f"{_quoted(value)} must be a URL path starting with '/', without spaces, "
-                f"at most {MAX_KEY_CHARS} characters",
-            )
+        yield from _url_path_violations(check.http_path, f"{path}.http_path")
     elif not check.command.argv or not check.command.argv[0]:
         yield FieldViolation(f"{path}.command.argv", "is empty; give the program and its arguments")
     elif sum(len(arg.encode()) for arg in check.command.argv) > MAX_COMMAND_BYTES:

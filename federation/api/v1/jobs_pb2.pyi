@@ -555,6 +555,7 @@ class ServicePolicy(_message.Message):
     READINESS_FIELD_NUMBER: _builtins.int
     MAX_UNAVAILABLE_FIELD_NUMBER: _builtins.int
     NEAR_REGION_FIELD_NUMBER: _builtins.int
+    AUTOSCALE_FIELD_NUMBER: _builtins.int
     restart: Global___ServicePolicy.Restart.ValueType
     backoff_s: _builtins.float
     """Wait before a replica's first restart, doubled for each restart that follows a run
@@ -580,6 +581,10 @@ class ServicePolicy(_message.Message):
     def readiness(self) -> Global___ReadinessCheck:
         """When a replica counts as ready; unset: once it runs."""
 
+    @_builtins.property
+    def autoscale(self) -> Global___Autoscale:
+        """The coordinator sets replicas within these bounds from the replicas' reported load."""
+
     def __init__(
         self,
         *,
@@ -592,14 +597,71 @@ class ServicePolicy(_message.Message):
         readiness: Global___ReadinessCheck | None = ...,
         max_unavailable: _builtins.int = ...,
         near_region: _builtins.str = ...,
+        autoscale: Global___Autoscale | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["readiness", b"readiness"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "readiness", b"readiness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backoff_s", b"backoff_s", "crash_loop_after", b"crash_loop_after", "max_backoff_s", b"max_backoff_s", "max_unavailable", b"max_unavailable", "min_run_s", b"min_run_s", "near_region", b"near_region", "port", b"port", "readiness", b"readiness", "restart", b"restart"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["autoscale", b"autoscale", "backoff_s", b"backoff_s", "crash_loop_after", b"crash_loop_after", "max_backoff_s", b"max_backoff_s", "max_unavailable", b"max_unavailable", "min_run_s", b"min_run_s", "near_region", b"near_region", "port", b"port", "readiness", b"readiness", "restart", b"restart"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ServicePolicy: _TypeAlias = ServicePolicy  # noqa: Y015
+
+@_typing.final
+class Autoscale(_message.Message):
+    """How a service follows its load (Kubernetes' HorizontalPodAutoscaler on a per-replica
+    target): replicas = ceil(load of all replicas / target_load), within min and max.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MIN_REPLICAS_FIELD_NUMBER: _builtins.int
+    MAX_REPLICAS_FIELD_NUMBER: _builtins.int
+    TARGET_LOAD_FIELD_NUMBER: _builtins.int
+    LOAD_PATH_FIELD_NUMBER: _builtins.int
+    LOAD_METRIC_FIELD_NUMBER: _builtins.int
+    SCALE_DOWN_AFTER_S_FIELD_NUMBER: _builtins.int
+    DRAIN_TIMEOUT_S_FIELD_NUMBER: _builtins.int
+    min_replicas: _builtins.int
+    """At least 1."""
+    max_replicas: _builtins.int
+    """At least min_replicas."""
+    target_load: _builtins.float
+    """The load one replica should carry (in-flight requests, or the exported metric's unit)."""
+    load_path: _builtins.str
+    """An HTTP GET of this path on the replica's port answers its load: a number alone, or
+    Prometheus text holding load_metric.
+    """
+    load_metric: _builtins.str
+    """The metric to read in a Prometheus answer (summed over its labels); empty: the answer
+    is a number.
+    """
+    scale_down_after_s: _builtins.float
+    """How long a lower load must last before replicas are taken away (and the least time
+    between two scale-downs). 0: 30 s.
+    """
+    drain_timeout_s: _builtins.float
+    """A replica taken away is shown not ready first, then stopped once its load reads 0, or
+    after this long. 0: 30 s.
+    """
+    def __init__(
+        self,
+        *,
+        min_replicas: _builtins.int = ...,
+        max_replicas: _builtins.int = ...,
+        target_load: _builtins.float = ...,
+        load_path: _builtins.str = ...,
+        load_metric: _builtins.str = ...,
+        scale_down_after_s: _builtins.float = ...,
+        drain_timeout_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain_timeout_s", b"drain_timeout_s", "load_metric", b"load_metric", "load_path", b"load_path", "max_replicas", b"max_replicas", "min_replicas", b"min_replicas", "scale_down_after_s", b"scale_down_after_s", "target_load", b"target_load"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Autoscale: _TypeAlias = Autoscale  # noqa: Y015
 
 @_typing.final
 class ReadinessCheck(_message.Message):
@@ -682,6 +744,8 @@ class Endpoint(_message.Message):
     RESTARTS_FIELD_NUMBER: _builtins.int
     CRASH_LOOPING_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
+    LOAD_FIELD_NUMBER: _builtins.int
+    DRAINING_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     node: _builtins.str
     address: _builtins.str
@@ -695,6 +759,10 @@ class Endpoint(_message.Message):
     crash_looping: _builtins.bool
     revision: _builtins.int
     """The revision of the task's spec this replica runs (TaskStatus.revision when it started)."""
+    load: _builtins.float
+    """Its last load reading (autoscaled services; ServicePolicy.autoscale.load_path)."""
+    draining: _builtins.bool
+    """Being taken away: no new requests; it stops once those in flight are done."""
     def __init__(
         self,
         *,
@@ -707,10 +775,12 @@ class Endpoint(_message.Message):
         restarts: _builtins.int = ...,
         crash_looping: _builtins.bool = ...,
         revision: _builtins.int = ...,
+        load: _builtins.float = ...,
+        draining: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "crash_looping", b"crash_looping", "node", b"node", "port", b"port", "ready", b"ready", "replica", b"replica", "restarts", b"restarts", "revision", b"revision", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "crash_looping", b"crash_looping", "draining", b"draining", "load", b"load", "node", b"node", "port", b"port", "ready", b"ready", "replica", b"replica", "restarts", b"restarts", "revision", b"revision", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
