@@ -70,6 +70,11 @@ def offer_problem(
             "services are not run under Slurm, which takes work that ends: this site keeps "
             "no replica running"
         )
+    if spec.topology.required:
+        return (
+            f"replicas must share a {spec.topology.required}, and this site does not place by "
+            "topology (Slurm's switches are not mapped to node labels)"
+        )
     if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
         return f"invalid cpu request {spec.resources.cpu}"
     if bad := sorted(k for k in spec.env if not _ENV_KEY_RE.match(k)):

@@ -236,6 +236,9 @@ def place(
         speed: How fast each device runs the task, for ``min_speed``.
         min_speed: Only devices at least this fast.
 
+    With ``spec.topology``, the replicas go to the nodes of one value of the required level
+    (``_at_one``), and where they fit so to one value of the preferred level.
+
     Returns:
         One slot per replica, or the reason the gang was declined.
     """
@@ -245,6 +248,75 @@ def place(
     if not schedulable:
         return "no schedulable nodes"
     matches = _Matcher(spec.resources.accelerator, speed, min_speed)
+    required, preferred = spec.topology.required, spec.topology.preferred
+    if required:
+        return _at_one(required, preferred, schedulable, spec, usage, matches)
+    if preferred:
+        found = _at_one(preferred, "", schedulable, spec, usage, matches)
+        if not isinstance(found, str):
+            return found
+    return _among(schedulable, spec, usage, matches)
+
+
+def _at_one(
+    level: str,
+    preferred: str,
+    nodes: list[resources_pb2.Node],
+    spec: jobs_pb2.TaskSpec,
+    usage: Usage,
+    matches: _Matcher,
+) -> tuple[Slot, ...] | str:
+    """Every replica on the nodes of one value of the node label ``level`` (one rack, say),
+    and within it at one value of ``preferred`` where one has room. Of the values that fit,
+    one where the preferred level is met first, then the one with the fewest free devices
+    left, then the fewest free CPUs: the fullest rack takes the gang, so an empty one stays
+    whole for a larger gang."""
+    groups: dict[str, list[resources_pb2.Node]] = {}
+    for node in nodes:
+        if value := node.labels.get(level):
+            groups.setdefault(value, []).append(node)
+    if not groups:
+        return f"no node has a {level} (node label {level!r})"
+    fits: list[tuple[tuple[bool, int, float, str], tuple[Slot, ...]]] = []
+    example = ""
+    for value, members in sorted(groups.items()):
+        found: tuple[Slot, ...] | str = ""
+        if preferred:
+            found = _at_one(preferred, "", members, spec, usage, matches)
+        missed_preferred = isinstance(found, str)
+        if isinstance(found, str):
+            found = _among(members, spec, usage, matches)
+        if isinstance(found, str):
+            example = example or f"{level} {value}: {found}"
+            continue
+        fits.append(((missed_preferred, *_left_after(members, usage, found), value), found))
+    if not fits:
+        return f"no {level} has room for all {spec.replicas or 1} replicas ({example})"
+    return min(fits, key=lambda fit: fit[0])[1]
+
+
+def _left_after(
+    nodes: list[resources_pb2.Node], usage: Usage, slots: tuple[Slot, ...]
+) -> tuple[int, float]:
+    """Free whole devices and free CPUs ``nodes`` would keep after ``slots``."""
+    devices = sum(
+        1
+        for node in nodes
+        for pos, device in enumerate(node.devices)
+        if _usable(device) and usage.is_whole_free((node.name, pos))
+    )
+    devices -= sum(len(slot.device_positions) for slot in slots)
+    cpus = sum(node.cpu_cores - usage.cpu[node.name] for node in nodes)
+    return devices, cpus - sum(slot.cpu for slot in slots)
+
+
+def _among(
+    schedulable: list[resources_pb2.Node],
+    spec: jobs_pb2.TaskSpec,
+    usage: Usage,
+    matches: _Matcher,
+) -> tuple[Slot, ...] | str:
+    """Every replica on ``schedulable``, each where it fits best by ``_fit``'s rank."""
     replicas = spec.replicas or 1
     tentative = usage.copy()
     slots: list[Slot] = []

@@ -166,6 +166,14 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
             parse_image(task.image)
         except ImageReferenceError as err:
             yield FieldViolation(f"{path}.image", str(err))
+    for level in ("required", "preferred"):
+        value = getattr(task.topology, level)
+        if len(value) > MAX_KEY_CHARS or any(c.isspace() or not c.isprintable() for c in value):
+            yield FieldViolation(
+                f"{path}.topology.{level}",
+                f"{_quoted(value)} must be a node label name: at most {MAX_KEY_CHARS} "
+                "characters, without spaces",
+            )
     for key, problem in validate_requires(task.requires):
         yield FieldViolation(f"{path}.requires[{key}]", problem)
     for i, item in enumerate(task.inputs):

@@ -37,6 +37,7 @@ class Code(StrEnum):
     INSUFFICIENT_DEVICE_MEMORY = "INSUFFICIENT_DEVICE_MEMORY"
     DEVICE_SELECTOR_UNMATCHED = "DEVICE_SELECTOR_UNMATCHED"
     NODE_LABELS_UNMATCHED = "NODE_LABELS_UNMATCHED"
+    TOPOLOGY_UNMET = "TOPOLOGY_UNMET"
     INSUFFICIENT_FREE_CAPACITY = "INSUFFICIENT_FREE_CAPACITY"
     OVER_BUDGET = "OVER_BUDGET"
     DATA_NOT_LOCAL = "DATA_NOT_LOCAL"
@@ -68,6 +69,11 @@ REASON_CODES: Mapping[Code, tuple[str, str]] = {
         "the site's devices of that model and memory all fail the task's device selector",
     ),
     Code.NODE_LABELS_UNMATCHED: ("CapacityFit", "no node has the job's node labels"),
+    Code.TOPOLOGY_UNMET: (
+        "CapacityFit",
+        "the site has room for every replica, but not within one value of the topology level"
+        " the task requires (one rack, say)",
+    ),
     Code.INSUFFICIENT_FREE_CAPACITY: (
         "CapacityFit",
         "matching hardware exists, but not enough of its CPU, memory or devices is free now"

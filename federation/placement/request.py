@@ -48,6 +48,8 @@ class Request:
     deadline_s: float = 0.0
     near_region: str = ""
     """A service's ``near_region``: sites are ranked by their RTT to it first (``NearRegion``)."""
+    topology_required: str = ""
+    """Every replica at one value of this node label (``TopologyRequest.required``)."""
     sequence: int = 0
     """Arrival order of the task, for policies that take turns (the simulator sets it)."""
 
@@ -104,4 +106,5 @@ class Request:
             max_cost_usd=job.objective.max_cost_usd,
             deadline_s=job.objective.deadline_s,
             near_region=task.service.near_region,  # submit allows a service policy on services only
+            topology_required=task.topology.required,
         )

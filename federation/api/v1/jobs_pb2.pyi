@@ -430,6 +430,7 @@ class TaskSpec(_message.Message):
     SERVICE_FIELD_NUMBER: _builtins.int
     OUTPUTS_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -487,6 +488,10 @@ class TaskSpec(_message.Message):
     def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___Output]:
         """What the task leaves for its dependants' inputs ("task:NAME.OUTPUT")."""
 
+    @_builtins.property
+    def topology(self) -> Global___TopologyRequest:
+        """Where the replicas sit in the site's topology (block, rack, ...: node labels)."""
+
     def __init__(
         self,
         *,
@@ -510,14 +515,46 @@ class TaskSpec(_message.Message):
         service: Global___ServicePolicy | None = ...,
         outputs: _abc.Iterable[Global___Output] | None = ...,
         image: _builtins.str = ...,
+        topology: Global___TopologyRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "image", b"image", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "image", b"image", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "topology", b"topology", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class TopologyRequest(_message.Message):
+    """Replicas that talk a lot should share a switch (Kueue's topology-aware scheduling). A level
+    is a node label that sites give their nodes ("rack": "r07"); replicas share a level when
+    their nodes have the same value of it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUIRED_FIELD_NUMBER: _builtins.int
+    PREFERRED_FIELD_NUMBER: _builtins.int
+    required: _builtins.str
+    """Every replica at one value of this level, or the task waits."""
+    preferred: _builtins.str
+    """At one value of this level where one has room (the fullest that fits first), else
+    anywhere (within required).
+    """
+    def __init__(
+        self,
+        *,
+        required: _builtins.str = ...,
+        preferred: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["preferred", b"preferred", "required", b"required"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopologyRequest: _TypeAlias = TopologyRequest  # noqa: Y015
 
 @_typing.final
 class ServicePolicy(_message.Message):

@@ -195,12 +195,18 @@ class CapacityFit:
 
     def filter(self, req: Request, snap: Snapshot) -> Verdict:
         room = replicas_per_node(req, snap, table=self.table)
-        per_site = np.bincount(snap.node_site, weights=room, minlength=snap.n_sites)
+        per_site = np.bincount(snap.node_site, weights=room, minlength=snap.n_sites).astype(
+            np.float64
+        )
+        if req.topology_required:
+            per_site = best_group_room(req.topology_required, room, snap)
         mask = per_site >= req.replicas
         devices: list[F64] = []
 
         def explain(site: int) -> str:
             room = f"room for {int(per_site[site])}"
+            if req.topology_required:
+                room += f" in its roomiest {req.topology_required}"
             if req.wants_accelerator:
                 if not devices:  # counted once, for the first reason anyone reads
                     free = matching_devices(req, snap) & snap.device_available
@@ -217,6 +223,27 @@ class CapacityFit:
             reasons=LazyReasons(failing, explain),
             codes=LazyReasons(failing, shortfall_code(req, snap, self.table)),
         )
+
+
+def best_group_room(level: str, room: F64, snap: Snapshot) -> F64:
+    """Per site: the replicas the roomiest value of node label ``level`` holds (one rack's
+    nodes, say); 0 where no node has the label."""
+    key = ("topology_groups", level)
+    cached = snap.memo.get(key)
+    if cached is None:
+        ids: dict[tuple[int, str], int] = {}
+        group = np.full(snap.n_nodes, -1, dtype=np.int64)
+        for node, labels in enumerate(snap.node_labels):
+            if value := labels.get(level):
+                group[node] = ids.setdefault((int(snap.node_site[node]), value), len(ids))
+        site_of = np.array([site for site, _ in ids], dtype=np.int64)
+        cached = snap.memo[key] = (group, site_of)
+    group, site_of = cached  # type: ignore[misc]
+    labelled = group >= 0
+    per_group = np.bincount(group[labelled], weights=room[labelled], minlength=len(site_of))
+    best = np.zeros(snap.n_sites, dtype=np.float64)
+    np.maximum.at(best, site_of, per_group)
+    return best
 
 
 def site_counts(snap: Snapshot) -> tuple[F64, F64]:
@@ -271,6 +298,8 @@ def shortfall_code(req: Request, snap: Snapshot, table: CompatTable) -> Callable
             out["selector"] = by_class @ full
         if req.node_labels:
             out["labelled"] = per_site(node_label_mask(req, snap).astype(np.float64))
+        if req.requires or req.topology_required:
+            out["room"] = per_site(replicas_per_node(req, snap, table=table))
         if req.requires:
             out["room"] = per_site(replicas_per_node(req, snap))
             out["compatible_room"] = per_site(replicas_per_node(req, snap, table=table))
@@ -293,6 +322,8 @@ def shortfall_code(req: Request, snap: Snapshot, table: CompatTable) -> Callable
             return Code.NODE_LABELS_UNMATCHED
         if req.requires and c["room"][site] >= req.replicas > c["compatible_room"][site]:
             return Code.REQUIREMENTS_UNMET
+        if req.topology_required and c["room"][site] >= req.replicas:
+            return Code.TOPOLOGY_UNMET
         return Code.INSUFFICIENT_FREE_CAPACITY
 
     return code
