@@ -44,6 +44,8 @@ class SiteSpec:
     domain: str
     nodes: list[dict[str, Any]] = field(default_factory=list)
     """Inventory nodes (declared hardware), in the inventory file's format."""
+    node_types: list[dict[str, Any]] = field(default_factory=list)
+    """Inventory node types an elastic site launches (with ``settings["elastic"]``)."""
     discover_host: bool = False
     region: str = ""
     price_per_device_hour: float = 0.0
@@ -234,9 +236,10 @@ class LocalFederation:
             "price_per_device_hour": site.price_per_device_hour,
             **site.settings,
         }
-        if site.nodes:
+        if site.nodes or site.node_types:
             inventory = home / "inventory.yaml"
-            inventory.write_text(yaml.safe_dump({"nodes": site.nodes}, sort_keys=False))
+            declared = {"nodes": site.nodes, "node_types": site.node_types}
+            inventory.write_text(yaml.safe_dump(declared, sort_keys=False))
             settings["inventory"] = inventory
         config = home / "agent.toml"
         config.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from federation.agent.containers import ContainerSettings
+from federation.agent.elastic import ElasticSettings
 from federation.agent.object_store import ObjectStoreSettings
 from federation.agent.owner_share import OwnerShareSettings
 from federation.common.probe import MAX_PROBE_BYTES
@@ -192,6 +193,9 @@ class AgentConfig:
     containers: ContainerSettings = field(default_factory=ContainerSettings)
     """Tasks that name an OCI image, run with Podman: the ``[containers]`` table (enabled,
     registries, insecure_registries, podman, pull_timeout_s)."""
+    elastic: ElasticSettings = field(default_factory=ElasticSettings)
+    """Nodes launched on demand, of the inventory's ``node_types``: the ``[elastic]`` table
+    (provider, idle_release_s, warm_min). No provider: none are launched."""
 
 
 def coordinator_endpoints(config: AgentConfig) -> tuple[str, ...]:

@@ -42,11 +42,12 @@ from federation.agent.containers import (
 )
 from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
+from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
-from federation.agent.packing import place_as_estimated
+from federation.agent.packing import Placed, place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
 from federation.agent.supervisor import LEAVING
@@ -282,12 +283,17 @@ class EmbeddedCore:
         service_address: str = "",
         data: TaskData | None = None,
         containers: ContainerSettings | None = None,
+        elastic: Elastic | None = None,
     ) -> None:
+        """``elastic``: the nodes of the site's node types, launched when a task needs them
+        (``federation.agent.elastic``); they join ``nodes`` as launchable ones."""
         self.data = data or TaskData(None, site)
         self._address = service_address or socket.getfqdn()
         self._containers = Containers(containers or ContainerSettings(), work_dir.absolute())
         self._nodes: dict[str, resources_pb2.Node] = {}
-        for node in nodes:
+        self._elastic = elastic
+        self._idle_releases: asyncio.Task[None] | None = None
+        for node in [*nodes, *(elastic.nodes() if elastic is not None else [])]:
             if node.name in self._nodes:
                 raise ValueError(f"duplicate node name {node.name!r}")
             self._nodes[node.name] = resources_pb2.Node()
@@ -320,6 +326,8 @@ class EmbeddedCore:
             node = resources_pb2.Node()
             node.CopyFrom(base)
             apply_usage(node, usage)
+            if self._elastic is not None:
+                self._elastic.decorate(node)
             views.append(node)
         return views
 
@@ -387,11 +395,7 @@ class EmbeddedCore:
             return self._accepted(held)
         problem = self._offer_problem(offer)
         nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
-        placed = (
-            nodes
-            if isinstance(nodes, str)
-            else place_as_estimated(nodes, offer.spec, self._usage(), offer.estimate.device_speed)
-        )
+        placed = nodes if isinstance(nodes, str) else self._place(nodes, offer)
         if not isinstance(placed, str):
             placed = self._owner_share_refusal(offer.tenant, placed.slots) or placed
         if isinstance(placed, str):
@@ -426,6 +430,20 @@ class EmbeddedCore:
         )
         self._changed()
         return self._accepted(reservation)
+
+    def _place(
+        self, nodes: list[resources_pb2.Node], offer: site_link_service_pb2.Offer
+    ) -> Placed | str:
+        """Room for the offer: on running nodes where they have it, else (an elastic site)
+        with nodes still to launch."""
+        usage, speed = self._usage(), offer.estimate.device_speed
+        if self._elastic is None:
+            return place_as_estimated(nodes, offer.spec, usage, speed)
+        running = [node for node in nodes if self._elastic.ready(node.name)]
+        placed = place_as_estimated(running, offer.spec, usage, speed) if running else ""
+        if isinstance(placed, str):
+            placed = place_as_estimated(nodes, offer.spec, usage, speed)
+        return placed
 
     async def commit(
         self, commit: site_link_service_pb2.Commit
@@ -478,18 +496,25 @@ class EmbeddedCore:
             self._watch_checkpoints(task, restore)
         self._tasks[key] = task
         self._changed()
-        if task.inputs or task.restore_input is not None:
-            # Downloads may take long: the commit is answered now, and the task stays
-            # DELEGATED (not RUNNING) until every input is in place.
+        if task.inputs or task.restore_input is not None or self._to_launch(task):
+            # Downloads and launches may take long: the commit is answered now, and the task
+            # stays DELEGATED (not RUNNING) until its nodes run and every input is in place.
             task.supervisor = asyncio.create_task(self._stage_then_launch(task))
         else:
             await self._launch(task)
         return site_link_service_pb2.CommitAnswer(started=True)
 
+    def _to_launch(self, task: _Task) -> set[str]:
+        """The nodes of the task that an elastic site has yet to launch."""
+        if self._elastic is None:
+            return set()
+        return {slot.node for slot in task.slots if not self._elastic.ready(slot.node)}
+
     async def _stage_then_launch(self, task: _Task) -> None:
-        """Stages the task's inputs, then starts it; a cancel meanwhile ends it CANCELLED, an
-        input that cannot be had FAILED, before any replica ran."""
-        staging = asyncio.ensure_future(self._stage(task))
+        """Launches the task's nodes that do not run yet and stages its inputs, then starts
+        it; a cancel meanwhile ends it CANCELLED, a node that cannot be launched or an input
+        that cannot be had FAILED, before any replica ran."""
+        staging = asyncio.ensure_future(self._provision_and_stage(task))
         cancelled = asyncio.ensure_future(task.cancelled.wait())
         try:
             await asyncio.wait({staging, cancelled}, return_when=asyncio.FIRST_COMPLETED)
@@ -504,6 +529,16 @@ class EmbeddedCore:
             self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
             return
         await self._launch(task)
+
+    async def _provision_and_stage(self, task: _Task) -> str | None:
+        if self._elastic is not None and (nodes := self._to_launch(task)):
+            try:
+                await self._elastic.ensure_running(nodes, self._changed)
+            except LaunchError as exc:
+                return str(exc)
+        if not task.inputs and task.restore_input is None:
+            return None
+        return await self._stage(task)
 
     async def _stage(self, task: _Task) -> str | None:
         """Puts the inputs in every replica's folder; why not, or None."""
@@ -642,6 +677,9 @@ class EmbeddedCore:
             self._drop_reservation(reservation_id)
         if self._records is not None:
             self._records.leave()
+        if self._idle_releases is not None:
+            self._idle_releases.cancel()
+            await asyncio.gather(self._idle_releases, return_exceptions=True)
         log.info("core_closed", running_tasks=self.queue().running_tasks)
 
     async def shutdown(self, grace_s: float) -> None:
@@ -665,6 +703,10 @@ class EmbeddedCore:
         places them again, as it does for every task a site no longer reports; but one whose
         replicas had all ended by themselves is reported as they ended.
         """
+        if self._elastic is not None and self._idle_releases is None:
+            self._idle_releases = asyncio.create_task(
+                self._elastic.run(self._busy_nodes, self._changed)
+            )
         if self._records is None:
             return
         previous = self._records.claim()
@@ -699,7 +741,15 @@ class EmbeddedCore:
             for replica in replicas:
                 replica.claim()
             self._adopt_running(record, replicas)
+        if self._elastic is not None:  # launched by the agent before: they run
+            self._elastic.running(self._busy_nodes())
         self._changed()
+
+    def _busy_nodes(self) -> set[str]:
+        """Nodes that hold a reservation or an unfinished task."""
+        held = [r.slots for r in self._reservations.values()]
+        held += [t.slots for t in self._tasks.values() if t.active]
+        return {slot.node for slots in held for slot in slots}
 
     def _adopted(self, record: TaskRecord) -> _Task:
         task = _Task(

@@ -16,6 +16,7 @@ from typing import Any
 import structlog
 import yaml
 
+from federation.agent.elastic import NodeType
 from federation.api.v1 import resources_pb2
 from federation.common.view_limits import (
     MAX_DEVICE_MEMORY_MIB,
@@ -307,17 +308,7 @@ def load_inventory(path: Path) -> list[resources_pb2.Node]:
     Raises:
         InventoryError: The file cannot be read or parsed, or a field is invalid.
     """
-    reader = _Reader(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-        document = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
-    except OSError as exc:
-        raise reader.fail("", f"cannot read: {exc.strerror or exc}") from exc
-    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
-        raise reader.fail("", f"cannot parse: {exc}") from exc
-    if document is None:  # an empty file declares nothing
-        return []
-    top = reader.mapping(document, "", {"nodes"})
+    reader, top = _read(path)
     entries = top.get("nodes", [])
     if not isinstance(entries, list):
         raise reader.fail("nodes", f"expected a list, got {type(entries).__name__}")
@@ -334,6 +325,58 @@ def load_inventory(path: Path) -> list[resources_pb2.Node]:
         nodes.append(node)
     log.info("inventory_loaded", path=str(path), nodes=len(nodes))
     return nodes
+
+
+def _read(path: Path) -> tuple[_Reader, Mapping[str, Any]]:
+    reader = _Reader(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+        document = tomllib.loads(text) if path.suffix == ".toml" else yaml.safe_load(text)
+    except OSError as exc:
+        raise reader.fail("", f"cannot read: {exc.strerror or exc}") from exc
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as exc:
+        raise reader.fail("", f"cannot parse: {exc}") from exc
+    if document is None:  # an empty file declares nothing
+        return reader, {}
+    return reader, reader.mapping(document, "", {"nodes", "node_types"})
+
+
+_NODE_TYPE_KEYS = (_NODE_KEYS - {"schedulable"}) | {
+    "max",
+    "price_per_hour",
+    "spot_price_per_hour",
+    "delay_s",
+}
+MAX_LAUNCHABLE = 1000
+"""Nodes of one type a site may launch: each is a node of its view."""
+
+
+def load_node_types(path: Path) -> list[NodeType]:
+    """The node types an elastic site may launch (``node_types`` of the inventory): each a
+    node's fields (``name`` is the type's) with ``max`` (how many may run; default 1),
+    ``price_per_hour`` and ``spot_price_per_hour`` (USD per node-hour) and ``delay_s`` (the
+    expected launch delay; default 60)."""
+    reader, top = _read(path)
+    entries = top.get("node_types", [])
+    if not isinstance(entries, list):
+        raise reader.fail("node_types", f"expected a list, got {type(entries).__name__}")
+    types: list[NodeType] = []
+    for i, raw in enumerate(entries):
+        field = f"node_types[{i}]"
+        entry = reader.mapping(raw, field, _NODE_TYPE_KEYS)
+        node = _parse_node(reader, {k: v for k, v in entry.items() if k in _NODE_KEYS}, field)
+        if any(t.name == node.name for t in types):
+            raise reader.fail(f"{field}.name", f"duplicate node type {node.name!r}")
+        count = reader.number(entry.get("max", 1), f"{field}.max", integer=True)
+        if not 1 <= count <= MAX_LAUNCHABLE:
+            raise reader.fail(f"{field}.max", f"must be 1 to {MAX_LAUNCHABLE}, got {count:g}")
+        price, spot, delay_s = (
+            reader.number(entry.get(key, default), f"{field}.{key}")
+            for key, default in (("price_per_hour", 0), ("spot_price_per_hour", 0), ("delay_s", 60))
+        )
+        node.name = ""
+        types.append(NodeType(str(entry["name"]), node, int(count), price, spot, delay_s))
+    return types
 
 
 def check_node_names(nodes: Sequence[resources_pb2.Node], source: Path) -> None:

@@ -25,9 +25,11 @@ from federation.agent.discovery import (
     discover_host_node,
     load_inventory,
 )
+from federation.agent.elastic import Elastic, provider_named
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, channel_options, ensure_enrolled
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
+from federation.agent.inventory import load_node_types
 from federation.agent.journal import Journal
 from federation.agent.links import LinkMonitor, ProbeServer, link_settings
 from federation.agent.object_store import SiteStore
@@ -114,6 +116,7 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
     if config.inventory:  # read now, before a join token is spent on a site that cannot start
         check_node_names(load_inventory(config.inventory), config.inventory)
+    elastic_nodes(config)
     return config
 
 
@@ -126,7 +129,7 @@ def site_nodes(config: AgentConfig) -> list[resources_pb2.Node]:
     if config.inventory:
         nodes += load_inventory(config.inventory)
         check_node_names(nodes, config.inventory)
-    if not nodes:
+    if not nodes and not config.elastic.provider:
         raise ConfigError("the site has no nodes: enable discover_host or give an inventory")
     return nodes
 
@@ -179,9 +182,24 @@ async def embedded_core(
         state_dir=config.state_dir,
         service_address=config.service_address,
         containers=config.containers,
+        elastic=elastic_nodes(config),
     )
     await core.adopt()  # before the first hello, which reports the tasks adopted
     return core
+
+
+def elastic_nodes(config: AgentConfig) -> Elastic | None:
+    """The nodes of the inventory's node types, launched by the configured provider; None
+    without a provider."""
+    if not config.elastic.provider:
+        return None
+    types = load_node_types(config.inventory) if config.inventory is not None else []
+    if not types:
+        raise ConfigError(
+            f"[elastic] provider {config.elastic.provider!r} is set but the inventory declares "
+            "no node_types: there is nothing to launch"
+        )
+    return Elastic(types, provider_named(config.elastic.provider), config.elastic)
 
 
 def host_watcher(config: AgentConfig, core: LocalCore, links: LinkMonitor) -> HostWatcher | None:

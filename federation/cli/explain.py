@@ -43,12 +43,16 @@ def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
         return None
     where = f" at {task.site}" if task.site else ""
     table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}: feasible sites"))
-    for column in ("rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"):
+    launches = any(s.estimate.provision_s > 0 for s in feasible)  # an elastic site's option
+    columns = ["rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"]
+    if launches:
+        columns.insert(4, "launch")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for site in feasible:
         est = site.estimate
         terms = ", ".join(f"{k} {v:.0f}" for k, v in sorted(site.scores.items()))
-        cells = (
+        cells = [
             str(site.rank),
             site.site,
             f"{site.score:.1f}",
@@ -58,7 +62,9 @@ def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
             _seconds(est.total_s),
             f"${est.cost_usd:.2f}",
             terms,
-        )
+        ]
+        if launches:
+            cells.insert(4, _seconds(est.provision_s))
         table.add_row(*map(text, cells))
     return table
 
@@ -90,9 +96,11 @@ def rejections_table(task: jobs_pb2.TaskExplanation) -> Table | None:
 
 def estimate_terms(e: jobs_pb2.Estimate) -> str:
     """``3s queue + 1m 05s transfer + 24s run = 1m 32s, $0.40 on H100-80GB (±12%)``"""
+    launch = f"{format_duration(e.provision_s)} launch + " if e.provision_s > 0 else ""
     line = (
-        f"{format_duration(e.queue_s)} queue + {format_duration(e.transfer_s)} transfer + "
-        f"{format_duration(e.run_s)} run = {format_duration(e.total_s)}, ${e.cost_usd:.2f}"
+        f"{format_duration(e.queue_s)} queue + {launch}{format_duration(e.transfer_s)} "
+        f"transfer + {format_duration(e.run_s)} run = {format_duration(e.total_s)}, "
+        f"${e.cost_usd:.2f}"
     )
     if e.device_model:
         line += f" on {e.device_model}"

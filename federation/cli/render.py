@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 from google.protobuf import timestamp_pb2
@@ -159,8 +160,12 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
         table.add_column(column)
     for site in sites:
         view = site.view
-        cpu_free = sum(n.cpu_free for n in view.nodes)
-        cpu_total = sum(n.cpu_cores for n in view.nodes)
+        # What could still be launched is counted in the nodes column, not as capacity.
+        there = [
+            n for n in view.nodes if n.launch.state != resources_pb2.NodeLaunch.STATE_LAUNCHABLE
+        ]
+        cpu_free = sum(n.cpu_free for n in there)
+        cpu_total = sum(n.cpu_cores for n in there)
         provenances = {n.provenance for n in view.nodes} | {
             d.provenance for n in view.nodes for d in n.devices
         }
@@ -187,9 +192,9 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
             site.name,
             domain_name(site.domain),
             state,
-            str(len(view.nodes)),
+            nodes_cell(view.nodes),
             f"{cpu_free:g}/{cpu_total:g}",
-            device_summary(view.nodes),
+            device_summary(there),
             age,
             unreachable,
             coordinator_link(view.coordinator_link),
@@ -209,6 +214,26 @@ def sites_table(sites: Sequence[admin_service_pb2.Site], *, wide: bool = False) 
             )
         table.add_row(*map(text, cells))
     return table
+
+
+def nodes_cell(nodes: Sequence[resources_pb2.Node]) -> str:
+    """Nodes running; for an elastic site also those it could launch, is launching, and
+    that run idle (``3 (1 idle; 1 launching; +2 launchable)``)."""
+    launch = resources_pb2.NodeLaunch
+    states = Counter(n.launch.state for n in nodes if n.HasField("launch"))
+    running = len(nodes) - states[launch.STATE_LAUNCHABLE] - states[launch.STATE_LAUNCHING]
+    idle = sum(1 for n in nodes if n.launch.state == launch.STATE_RUNNING and n.launch.idle_since)
+    notes = [
+        f"{count} {what}"
+        for count, what in (
+            (idle, "idle"),
+            (states[launch.STATE_LAUNCHING], "launching"),
+        )
+        if count
+    ]
+    if states[launch.STATE_LAUNCHABLE]:
+        notes.append(f"+{states[launch.STATE_LAUNCHABLE]} launchable")
+    return f"{running} ({'; '.join(notes)})" if notes else str(running)
 
 
 def forecast_cells(forecast: admin_service_pb2.SiteForecast) -> tuple[str, str]:

@@ -2045,7 +2045,7 @@ def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") 
     committed.CopyFrom(placed)
     ratio = run_s / placed.run_s if placed.run_s > 0 else 1.0
     committed.run_s = run_s
-    committed.total_s = placed.queue_s + placed.transfer_s + run_s
+    committed.total_s = placed.queue_s + placed.provision_s + placed.transfer_s + run_s
     committed.cost_usd = placed.cost_usd * ratio
     committed.energy_kwh = placed.energy_kwh * ratio
     if placed.device_speed > 0:
@@ -2218,4 +2218,5 @@ def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
         energy_kwh=float(estimates.energy_kwh[site]),
         transfer_bytes=int(estimates.transfer_bytes[site]),
         device_speed=float(estimates.device_speed[site]),
+        provision_s=float(estimates.provision_s[site]),
     )

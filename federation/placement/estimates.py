@@ -16,6 +16,7 @@ from federation.placement.plugins.capacity_fit import (
     matching_classes,
     matching_devices,
     replicas_per_device,
+    replicas_per_node,
 )
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
@@ -36,10 +37,12 @@ class Estimates:
     energy_kwh: F64
     transfer_bytes: F64
     unknown_links: npt.NDArray[np.bool_]
+    provision_s: F64
+    """Launch delay of the nodes an elastic site would start for the task; 0 elsewhere."""
 
     @property
     def total_s(self) -> F64:
-        return self.queue_s + self.transfer_s + self.run_s
+        return self.queue_s + self.provision_s + self.transfer_s + self.run_s
 
 
 def class_speed(req: Request, snap: Snapshot) -> F64:
@@ -125,6 +128,29 @@ def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bo
     return seconds, moved, unknown
 
 
+def _provisioning(req: Request, snap: Snapshot, run_s: F64) -> tuple[F64, F64]:
+    """Per site: the delay before the task could start on nodes still to launch (the longest
+    p50 delay among the launchable nodes with room; 0 where running nodes have room for every
+    replica), and what those nodes cost, price per node-hour from launch to the run's end.
+    How many nodes: the replicas running nodes cannot hold, over the most one such node
+    holds."""
+    zeros = np.zeros(snap.n_sites)
+    if len(snap.node_provision_s) != snap.n_nodes or not snap.node_provision_s.any():
+        return zeros, zeros.copy()
+    room = replicas_per_node(req, snap)
+    later = snap.node_provision_s > 0
+    ready = np.bincount(snap.node_site, weights=np.where(later, 0.0, room), minlength=snap.n_sites)
+    with_room = later & (room > 0)
+    delay, per_node, price = zeros.copy(), zeros.copy(), zeros.copy()
+    np.maximum.at(delay, snap.node_site[with_room], snap.node_provision_s[with_room])
+    np.maximum.at(per_node, snap.node_site[with_room], room[with_room])
+    np.maximum.at(price, snap.node_site[with_room], snap.node_price_per_hour[with_room])
+    short = np.maximum(req.replicas - ready, 0.0)
+    launched = np.ceil(short / np.where(per_node > 0, per_node, 1.0))
+    delay = np.where(short > 0, delay, 0.0)
+    return delay, launched * price * (delay + run_s) / 3600.0
+
+
 def once_free(req: Request, snap: Snapshot) -> tuple[F64, F64]:
     """Run time at each site on its fastest matching devices whether free or not, and their
     speed: the run a task would get at a busy site once room frees there (memoised)."""
@@ -144,7 +170,8 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
         run_s, speed, power = _run_s(req, snap)
         transfer_s, moved, unknown = _transfer(req, snap)
         devices = req.devices_per_replica * req.replicas
-        cost = snap.price_per_device_hour * devices * run_s / 3600.0
+        provision_s, launch_cost = _provisioning(req, snap, run_s)
+        cost = snap.price_per_device_hour * devices * run_s / 3600.0 + launch_cost
         energy = power * devices * run_s / 3.6e6
         cached = Estimates(
             queue_s=snap.queue_wait_s.copy(),
@@ -155,6 +182,7 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
             energy_kwh=energy,
             transfer_bytes=moved,
             unknown_links=unknown,
+            provision_s=provision_s,
         )
         snap.memo[key] = cached
     result: Estimates = cached  # type: ignore[assignment]

@@ -106,6 +106,10 @@ class Snapshot:
     device_class: I64 = field(default_factory=lambda: np.zeros(0, np.int64))
     node_names: tuple[str, ...] = ()
     """Per node, its name (a site's nodes are in name order where views are live)."""
+    node_provision_s: F64 = field(default_factory=lambda: np.zeros(0))
+    """Per node, how long until its capacity is there (``launch_delay_s``); empty: none."""
+    node_price_per_hour: F64 = field(default_factory=lambda: np.zeros(0))
+    """Per node of an elastic site, USD per node-hour from its launch; 0 elsewhere."""
     device_shareable: Bool = field(default_factory=lambda: np.zeros(0, bool))
     device_free_fraction: F64 = field(default_factory=lambda: np.zeros(0))
     device_memory_free_mib: F64 = field(default_factory=lambda: np.zeros(0))
@@ -238,6 +242,8 @@ class SitePart:
     node_schedulable: Bool
     node_labels: tuple[dict[str, str], ...]
     node_names: tuple[str, ...]
+    node_provision_s: F64
+    node_price_per_hour: F64
     device_node: I64
     device_kind: I64
     device_vendor: Obj
@@ -262,6 +268,15 @@ class SitePart:
     partition_free: F64
 
 
+def launch_delay_s(node: resources_pb2.Node) -> float:
+    """How long until the node's capacity is there: its p50 launch delay while it could be
+    launched or is launching, else 0."""
+    waiting = (resources_pb2.NodeLaunch.STATE_LAUNCHABLE, resources_pb2.NodeLaunch.STATE_LAUNCHING)
+    if node.HasField("launch") and node.launch.state in waiting:
+        return _capacity(node.launch.delay_p50_s)
+    return 0.0
+
+
 def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
     """The arrays of one site's nodes (see ``SitePart``)."""
     cpu_free: list[float] = []
@@ -269,6 +284,8 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
     schedulable: list[bool] = []
     labels: list[dict[str, str]] = []
     names: list[str] = []
+    provision: list[float] = []
+    price: list[float] = []
     dev: dict[str, list[Any]] = {
         k: []
         for k in (
@@ -304,6 +321,8 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         schedulable.append(node.schedulable)
         labels.append(node_labels(node))
         names.append(node.name)
+        provision.append(launch_delay_s(node))
+        price.append(_capacity(node.launch.price_per_hour) if node.HasField("launch") else 0.0)
         for d in node.devices:
             device_index = len(dev["node"])
             key = _class_key(d)
@@ -342,6 +361,8 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         node_schedulable=np.array(schedulable, dtype=bool),
         node_labels=tuple(labels),
         node_names=tuple(names),
+        node_provision_s=np.array(provision, dtype=np.float64),
+        node_price_per_hour=np.array(price, dtype=np.float64),
         device_node=np.array(dev["node"], dtype=np.int64),
         device_kind=np.array(dev["kind"], dtype=np.int64),
         device_vendor=np.array(dev["vendor"], dtype=object),
@@ -447,6 +468,8 @@ def build_snapshot(
         node_schedulable=joined("node_schedulable", bool),
         node_labels=tuple(labels for p in parts for labels in p.node_labels),
         node_names=tuple(name for p in parts for name in p.node_names),
+        node_provision_s=joined("node_provision_s", np.float64),
+        node_price_per_hour=joined("node_price_per_hour", np.float64),
         device_node=joined("device_node", np.int64, nodes),
         device_kind=joined("device_kind", np.int64),
         device_vendor=joined("device_vendor", object),

@@ -174,7 +174,7 @@ def test_empty_inventory_declares_nothing(tmp_path: Path) -> None:
             "nodes:\n  - name: a\n    gpus: 2\n",
             "nodes[0].gpus: unknown key (expected one of arch, cpu_cores, devices, ",
         ),
-        ("sites: []\n", "sites: unknown key (expected one of nodes)"),
+        ("sites: []\n", "sites: unknown key (expected one of node_types, nodes)"),
         ("nodes:\n  - arch: x86_64\n", "nodes[0].name: is required"),
         ("nodes:\n  - name: ''\n", "nodes[0].name: must not be empty"),
         (

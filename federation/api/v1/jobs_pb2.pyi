@@ -1446,6 +1446,7 @@ class Estimate(_message.Message):
     DEVICE_SPEED_FIELD_NUMBER: _builtins.int
     DEVICE_MODEL_FIELD_NUMBER: _builtins.int
     RUN_ERROR_FIELD_NUMBER: _builtins.int
+    PROVISION_S_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     transfer_s: _builtins.float
     run_s: _builtins.float
@@ -1461,6 +1462,10 @@ class Estimate(_message.Message):
     """Expected relative error of run_s: the spread of measured against learned speeds of this
     workload class on this model (0.2: about 20 %); 0 while too few such tasks finished.
     """
+    provision_s: _builtins.float
+    """Time to launch the nodes the task needs at an elastic site (their p50 delay); 0 where
+    running nodes have room. Part of total_s; cost_usd counts their price from the launch.
+    """
     def __init__(
         self,
         *,
@@ -1474,10 +1479,11 @@ class Estimate(_message.Message):
         device_speed: _builtins.float = ...,
         device_model: _builtins.str = ...,
         run_error: _builtins.float = ...,
+        provision_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_model", b"device_model", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "queue_s", b"queue_s", "run_error", b"run_error", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_model", b"device_model", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "provision_s", b"provision_s", "queue_s", b"queue_s", "run_error", b"run_error", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

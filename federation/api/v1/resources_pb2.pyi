@@ -331,6 +331,7 @@ class Node(_message.Message):
     SCHEDULABLE_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
     MEASURED_FIELD_NUMBER: _builtins.int
+    LAUNCH_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     arch: _builtins.str
     cpu_cores: _builtins.float
@@ -349,6 +350,13 @@ class Node(_message.Message):
     def measured(self) -> Global___MeasuredUse:
         """What the node is using now, as measured; cpu_free and memory_free_mib say what is booked."""
 
+    @_builtins.property
+    def launch(self) -> Global___NodeLaunch:
+        """Set on a node of an elastic (cloud) site that its provider starts and stops: one that
+        could be launched (its capacity is there only after the launch delay), one launching,
+        or one running. Unset: a node that is simply there.
+        """
+
     def __init__(
         self,
         *,
@@ -363,14 +371,77 @@ class Node(_message.Message):
         schedulable: _builtins.bool = ...,
         provenance: Global___Provenance.ValueType = ...,
         measured: Global___MeasuredUse | None = ...,
+        launch: Global___NodeLaunch | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["measured", b"measured"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["launch", b"launch", "measured", b"measured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "launch", b"launch", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Node: _TypeAlias = Node  # noqa: Y015
+
+@_typing.final
+class NodeLaunch(_message.Message):
+    """A node an elastic site launches on demand and releases when idle."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    class _State:
+        ValueType = _typing.NewType("ValueType", _builtins.int)
+        V: _TypeAlias = ValueType  # noqa: Y015
+
+    class _StateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[NodeLaunch._State.ValueType], _builtins.type):
+        DESCRIPTOR: _descriptor.EnumDescriptor
+        STATE_UNSPECIFIED: NodeLaunch._State.ValueType  # 0
+        STATE_LAUNCHABLE: NodeLaunch._State.ValueType  # 1
+        """Not running: the site can start it when a task needs it."""
+        STATE_LAUNCHING: NodeLaunch._State.ValueType  # 2
+        STATE_RUNNING: NodeLaunch._State.ValueType  # 3
+
+    class State(_State, metaclass=_StateEnumTypeWrapper): ...
+    STATE_UNSPECIFIED: NodeLaunch.State.ValueType  # 0
+    STATE_LAUNCHABLE: NodeLaunch.State.ValueType  # 1
+    """Not running: the site can start it when a task needs it."""
+    STATE_LAUNCHING: NodeLaunch.State.ValueType  # 2
+    STATE_RUNNING: NodeLaunch.State.ValueType  # 3
+
+    NODE_TYPE_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    DELAY_P50_S_FIELD_NUMBER: _builtins.int
+    DELAY_P90_S_FIELD_NUMBER: _builtins.int
+    PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
+    SPOT_PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
+    IDLE_SINCE_FIELD_NUMBER: _builtins.int
+    node_type: _builtins.str
+    """The site's node type ("a100x2")."""
+    state: Global___NodeLaunch.State.ValueType
+    delay_p50_s: _builtins.float
+    """Launch delay, learned from the site's own launches (configured until it has some)."""
+    delay_p90_s: _builtins.float
+    price_per_hour: _builtins.float
+    """USD per node-hour, on demand and spot, billed from the launch."""
+    spot_price_per_hour: _builtins.float
+    idle_since: _builtins.float
+    """Unix time since when a running node holds no task; 0 while it holds one."""
+    def __init__(
+        self,
+        *,
+        node_type: _builtins.str = ...,
+        state: Global___NodeLaunch.State.ValueType = ...,
+        delay_p50_s: _builtins.float = ...,
+        delay_p90_s: _builtins.float = ...,
+        price_per_hour: _builtins.float = ...,
+        spot_price_per_hour: _builtins.float = ...,
+        idle_since: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_p50_s", b"delay_p50_s", "delay_p90_s", b"delay_p90_s", "idle_since", b"idle_since", "node_type", b"node_type", "price_per_hour", b"price_per_hour", "spot_price_per_hour", b"spot_price_per_hour", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NodeLaunch: _TypeAlias = NodeLaunch  # noqa: Y015
 
 @_typing.final
 class QueueState(_message.Message):

@@ -1,0 +1,249 @@
+"""Elastic capacity: nodes a cloud site launches when a task needs them and releases when
+idle, through a provider.
+
+The site's inventory declares node types (``node_types``: a node's hardware, how many may
+run, the price per node-hour and the expected launch delay). The agent publishes every node it
+may run, each with ``Node.launch``: LAUNCHABLE ones carry their capacity, their delay (p50 and
+p90, learned from the site's own launches) and price, so the coordinator's placement counts
+them with the delay added to the completion time and the price to the cost. An offer goes to
+running nodes where they have room, else to launchable ones; the commit launches them, and the
+task starts once they run (it stays DELEGATED meanwhile, like a task staging its inputs). A
+running node that has held no task for ``idle_release_s`` is released (at most down to
+``warm_min`` running), and is launchable again.
+
+Providers: ``simulated`` starts no machine (a node "launches" after its type's delay; the
+tasks run on the agent's host, as the declared inventory's do): for tests, demos and
+rehearsals. A real cloud's provider implements ``Provider``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass, field
+from typing import Protocol, TypeAlias
+
+import structlog
+
+from federation.api.v1 import resources_pb2
+from federation.config import at_least, one_of, positive
+
+log = structlog.get_logger()
+
+State: TypeAlias = resources_pb2.NodeLaunch.State.ValueType
+LAUNCHABLE = resources_pb2.NodeLaunch.STATE_LAUNCHABLE
+LAUNCHING = resources_pb2.NodeLaunch.STATE_LAUNCHING
+RUNNING = resources_pb2.NodeLaunch.STATE_RUNNING
+LEARNED_LAUNCHES = 20
+"""Launches per node type whose delays give its p50 and p90."""
+IDLE_CHECK_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class ElasticSettings:
+    """The ``[elastic]`` table of an agent's config."""
+
+    provider: str = field(default="", metadata=one_of("", "simulated"))
+    """Who starts and stops the inventory's ``node_types``; empty: none (they are ignored)."""
+    idle_release_s: float = field(default=300.0, metadata=positive())
+    """A launched node that holds no task this long is released."""
+    warm_min: int = field(default=0, metadata=at_least(0))
+    """At least this many launched nodes stay running, busy or idle."""
+
+
+@dataclass(frozen=True, slots=True)
+class NodeType:
+    """One kind of node a site may launch, as its inventory declares it."""
+
+    name: str
+    template: resources_pb2.Node
+    """The hardware of one such node (its name unset)."""
+    max: int
+    """How many may run at once (the site's quota)."""
+    price_per_hour: float = 0.0
+    spot_price_per_hour: float = 0.0
+    delay_s: float = 60.0
+    """Expected launch delay until launches are measured; the simulated provider's delay."""
+
+    def node_names(self) -> list[str]:
+        return [f"{self.name}-{i}" for i in range(self.max)]
+
+
+class LaunchError(Exception):
+    """A provider could not start a node; the message says why."""
+
+
+class Provider(Protocol):
+    """Starts and stops the machines of an elastic site."""
+
+    async def launch(self, node: str, node_type: NodeType) -> None:
+        """Returns once the node runs and can take tasks; raises LaunchError."""
+
+    async def release(self, node: str) -> None:
+        """Stops the node (it holds no task)."""
+
+
+class SimulatedProvider:
+    """Launches nothing: a node runs after its type's ``delay_s`` (tasks run on the agent's
+    host, as for a declared inventory). For tests, demos and rehearsals."""
+
+    async def launch(self, node: str, node_type: NodeType) -> None:
+        await asyncio.sleep(node_type.delay_s)
+
+    async def release(self, node: str) -> None:
+        return None
+
+
+def provider_named(name: str) -> Provider:
+    if name == "simulated":
+        return SimulatedProvider()
+    raise ValueError(f"unknown elastic provider {name!r}")
+
+
+class Elastic:
+    """The launch state of an elastic site's nodes."""
+
+    def __init__(
+        self,
+        types: Iterable[NodeType],
+        provider: Provider,
+        settings: ElasticSettings,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._types = {t.name: t for t in types}
+        self._provider = provider
+        self._settings = settings
+        self._clock = clock
+        self._type_of = {name: t for t in self._types.values() for name in t.node_names()}
+        self._state: dict[str, State] = dict.fromkeys(self._type_of, LAUNCHABLE)
+        self._idle_since: dict[str, float] = {}
+        self._launches: dict[str, asyncio.Task[None]] = {}
+        self._delays: dict[str, deque[float]] = {
+            t: deque(maxlen=LEARNED_LAUNCHES) for t in self._types
+        }
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        """Every node the site may launch, as launchable nodes with their capacity."""
+        out = []
+        for name, node_type in self._type_of.items():
+            node = resources_pb2.Node()
+            node.CopyFrom(node_type.template)
+            node.name = name
+            node.labels["node_type"] = node_type.name
+            for i, device in enumerate(node.devices):
+                device.id = f"{name}-{i}"
+            self.decorate(node)
+            out.append(node)
+        return out
+
+    def decorate(self, node: resources_pb2.Node) -> None:
+        """Sets ``node.launch`` from its state now (nothing for a node that is not elastic)."""
+        node_type = self._type_of.get(node.name)
+        if node_type is None:
+            return
+        p50, p90 = self.delays(node_type.name)
+        node.launch.CopyFrom(
+            resources_pb2.NodeLaunch(
+                node_type=node_type.name,
+                state=self._state[node.name],
+                delay_p50_s=p50,
+                delay_p90_s=p90,
+                price_per_hour=node_type.price_per_hour,
+                spot_price_per_hour=node_type.spot_price_per_hour,
+                idle_since=self._idle_since.get(node.name, 0.0),
+            )
+        )
+
+    def delays(self, node_type: str) -> tuple[float, float]:
+        """The p50 and p90 launch delay of the type: learned, else as configured."""
+        seen = self._delays[node_type]
+        if not seen:
+            configured = self._types[node_type].delay_s
+            return configured, configured
+        if len(seen) == 1:
+            return seen[0], seen[0]
+        cuts = statistics.quantiles(seen, n=10, method="inclusive")
+        return statistics.median(seen), cuts[8]
+
+    def ready(self, node: str) -> bool:
+        """Whether the node runs now (a node that is not elastic always does)."""
+        return self._state.get(node, RUNNING) == RUNNING
+
+    def running(self, nodes: Collection[str]) -> None:
+        """Marks nodes running without a launch: a restarted agent found tasks on them."""
+        for node in nodes:
+            if node in self._state:
+                self._state[node] = RUNNING
+
+    async def ensure_running(self, nodes: Collection[str], changed: Callable[[], None]) -> None:
+        """Launches those of ``nodes`` not running (each once, however many tasks wait for
+        it) and returns once all run; raises LaunchError naming the node that failed."""
+        waits = []
+        for node in nodes:
+            if self.ready(node):
+                continue
+            launch = self._launches.get(node)
+            if launch is None:
+                launch = self._launches[node] = asyncio.create_task(self._launch(node, changed))
+            waits.append(asyncio.shield(launch))
+        await asyncio.gather(*waits)
+
+    async def _launch(self, node: str, changed: Callable[[], None]) -> None:
+        node_type = self._type_of[node]
+        self._state[node] = LAUNCHING
+        changed()
+        started = time.monotonic()
+        log.info("node_launching", node=node, node_type=node_type.name)
+        try:
+            await self._provider.launch(node, node_type)
+        except Exception as exc:
+            self._state[node] = LAUNCHABLE
+            changed()
+            log.warning("node_launch_failed", node=node, error=str(exc))
+            raise LaunchError(f"launching node {node} ({node_type.name}) failed: {exc}") from exc
+        finally:
+            del self._launches[node]
+        delay_s = time.monotonic() - started
+        self._delays[node_type.name].append(delay_s)
+        self._state[node] = RUNNING
+        self._idle_since[node] = self._clock()
+        log.info("node_launched", node=node, node_type=node_type.name, delay_s=round(delay_s, 2))
+        changed()
+
+    async def release_idle(self, busy: Collection[str], changed: Callable[[], None]) -> list[str]:
+        """Releases the running nodes idle for idle_release_s, longest idle first, keeping
+        warm_min running; returns their names."""
+        now = self._clock()
+        running = [n for n, s in self._state.items() if s == RUNNING]
+        for node in running:
+            if node in busy:
+                self._idle_since.pop(node, None)
+            else:
+                self._idle_since.setdefault(node, now)
+        idle = sorted(
+            (self._idle_since[n], n)
+            for n in running
+            if n not in busy and now - self._idle_since[n] >= self._settings.idle_release_s
+        )
+        spare = max(0, len(running) - self._settings.warm_min)
+        released = [node for _, node in idle[:spare]]
+        for node in released:
+            await self._provider.release(node)
+            self._state[node] = LAUNCHABLE
+            idle_s = now - self._idle_since.pop(node)
+            log.info("node_released", node=node, idle_s=round(idle_s, 1))
+        if released:
+            changed()
+        return released
+
+    async def run(self, busy: Callable[[], Collection[str]], changed: Callable[[], None]) -> None:
+        """Releases idle nodes, every IDLE_CHECK_S."""
+        while True:
+            await asyncio.sleep(IDLE_CHECK_S)
+            try:
+                await self.release_idle(busy(), changed)
+            except Exception:
+                log.exception("idle_release_failed")
