@@ -1,8 +1,11 @@
-"""What a site agent costs a small edge box: its import time, its memory idle, and each running
-replica's supervisor.
+"""What a site agent costs a small edge box: its install, its import time, its memory idle,
+and each running replica's supervisor, on an agent-only install.
 
-Baselines in the same run: a bare ``python -I -c pass`` (start-up and memory of the
-interpreter alone). A real coordinator and one agent run on loopback; the agent is measured
+The wheel built from this tree is installed with its base dependencies alone (no extras, no
+pip) into a fresh virtual environment; the agent is imported and run from there, away from
+the source tree. Baselines in the same run: a bare ``python -I -c pass`` (start-up and memory
+of the interpreter alone) and the empty environment. A real coordinator (from this
+environment) and one agent (from the agent-only one) run on loopback; the agent is measured
 once connected and idle, then while it runs N replicas that sleep (their supervisors' memory,
 apart from the replicas' own).
 
@@ -14,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,21 +32,14 @@ from federation.testing.cluster import cpu_site
 AGENT_MODULES = "import federation.agent.main, federation.agent.embedded_core, edge_agent"
 
 
-def startup_s(code: str, repeat: int = 5) -> float:
-    """Median wall time of ``python -c code`` in a fresh interpreter."""
+def startup_s(python: str, code: str, repeat: int = 5) -> float:
+    """Median wall time of ``python -c code`` in a fresh interpreter, away from the sources."""
     times = []
     for _ in range(repeat):
         start = time.perf_counter()
-        subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+        subprocess.run([python, "-c", code], check=True, capture_output=True, cwd="/")
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def bare_rss_mib() -> float:
@@ -52,6 +49,37 @@ def bare_rss_mib() -> float:
         found = rss_mib(bare.pid)
         bare.kill()
     return found
+
+
+def tree_mb(root: Path) -> float:
+    """Bytes of the files under ``root``, in MB (10^6)."""
+    files = (p for p in root.rglob("*") if p.is_file() and not p.is_symlink())
+    return sum(p.stat().st_size for p in files) / 1e6
+
+
+def agent_only_install(root: Path) -> tuple[Path, float, float]:
+    """A fresh virtual environment holding the wheel built from this tree and its base
+    dependencies (no pip): its python, its size and the empty environment's, in MB. Raises
+    where the wheel cannot be built or the package index cannot be reached."""
+    repo = Path(__file__).resolve().parent.parent
+    venv, wheels = root / "agent-venv", root / "wheels"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    empty = tree_mb(venv)
+    pip = [sys.executable, "-m", "pip", "--quiet", "--disable-pip-version-check"]
+    subprocess.run([*pip, "wheel", "--no-deps", "-w", str(wheels), str(repo)], check=True)
+    (wheel,) = wheels.glob("fedplane-*.whl")
+    python = venv / "bin" / "python"
+    # Not PYTHONPATH: a source tree on it would pass for fedplane installed already.
+    alone = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([*pip, "--python", str(python), "install", str(wheel)], check=True, env=alone)
+    return python, tree_mb(venv), empty
+
+
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
 
 
 def supervisors(agent_pid: int) -> list[int]:
@@ -65,11 +93,13 @@ def supervisors(agent_pid: int) -> list[int]:
 
 
 async def measure(replicas: int) -> dict[str, float | None]:
-    python_s = startup_s("pass")
-    agent_s = startup_s(AGENT_MODULES)
-    bare = bare_rss_mib()
     with tempfile.TemporaryDirectory(prefix="bench-agent-") as root:
-        fed = LocalFederation(Path(root), [cpu_site("bench-agent", stop_tasks_on_exit=True)])
+        python, installed, empty = agent_only_install(Path(root))
+        python_s = startup_s(str(python), "pass")
+        agent_s = startup_s(str(python), AGENT_MODULES)
+        bare = bare_rss_mib()
+        site = cpu_site("bench-agent", stop_tasks_on_exit=True)
+        fed = LocalFederation(Path(root) / "fed", [site], agent_python=str(python))
         await fed.start()
         try:
             agent = fed.processes["bench-agent"].pid
@@ -99,7 +129,8 @@ async def measure(replicas: int) -> dict[str, float | None]:
         "idle_rss_mib": idle,
         "bare_python_rss_mib": bare,
         "per_replica_rss_mib": per_replica,
-        "install_mb": None,  # the base install is one for coordinator and agent alike
+        "install_mb": installed,
+        "empty_venv_mb": empty,
     }
 
 
@@ -120,6 +151,9 @@ def main() -> None:
         f"{result['bare_python_rss_mib']:>12.1f}"
     )
     print(f"{'per replica RSS MiB':<22} {result['per_replica_rss_mib']:>9.1f} {'':>12}")
+    installed, empty = result["install_mb"], result["empty_venv_mb"]
+    shown = f"{installed:>9.1f}" if installed is not None else f"{'n/a':>9}"
+    print(f"{'install MB':<22} {shown} {empty or 0:>12.1f}  (beside: an empty venv)")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,8 @@ class LocalFederation:
     metrics_port: int = 0
     coordinators: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Every coordinator started, by name: its (port, join port), in start order."""
+    agent_python: str = ""
+    """The interpreter agents run with (an agent-only install's, say); empty: this one."""
     host: str = "127.0.0.1"
     """The address coordinators listen on and agents reach them at (in their certificates too):
     a bridge's address where sites run in network namespaces."""
@@ -121,13 +123,15 @@ class LocalFederation:
         return self.root / "logs" / f"{name}.log"
 
     def _spawn(
-        self, name: str, argv: list[str], prefix: Sequence[str] = ()
+        self, name: str, argv: list[str], prefix: Sequence[str] = (), python: str = ""
     ) -> subprocess.Popen[bytes]:
         self.log_path(name).parent.mkdir(parents=True, exist_ok=True)
         log = self.log_path(name).open("ab")
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if python:  # an install of its own: not the sources this one may import from
+            env.pop("PYTHONPATH", None)
         proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", *argv],
+            [*prefix, python or sys.executable, "-m", *argv],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
@@ -244,7 +248,8 @@ class LocalFederation:
         config = home / "agent.toml"
         config.write_text("".join(f"{k} = {_toml_value(v)}\n" for k, v in settings.items()))
         module = "edge_agent" if site.domain == "edge" else "datacenter_agent"
-        self._spawn(site.name, [module, "--config", str(config), "--log-json"], site.prefix)
+        argv = [module, "--config", str(config), "--log-json"]
+        self._spawn(site.name, argv, site.prefix, self.agent_python)
 
     async def wait_connected(self, names: list[str] | None = None, timeout_s: float = 30.0) -> None:
         """Wait until every named site (default: all) has a live session."""

@@ -10,6 +10,8 @@ vendor, models, memory and the CEL selector, which sees the attributes the coord
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -130,6 +132,13 @@ def selectors() -> ModuleType:
     return loaded
 
 
+@functools.cache
+def selectors_installed() -> bool:
+    """Whether this host can evaluate selectors: an agent-only install has neither CEL nor
+    numpy (the ``cel`` extra brings both)."""
+    return all(importlib.util.find_spec(name) is not None for name in ("cel", "numpy"))
+
+
 def fragmentation(free: int) -> int:
     """How badly a node with ``free`` whole devices free serves ``GANG_MIX``: per gang size, the
     free devices no gang of that size can use (``free % size``), weighted by how often such
@@ -170,6 +179,11 @@ def request_problem(acc: jobs_pb2.AcceleratorRequest) -> str:
     if acc.memory_mib and not acc.fraction:
         return "asks for share memory without a fraction"
     if acc.selector:
+        if not selectors_installed():
+            return (
+                "this site's agent cannot evaluate device selectors: CEL is not installed "
+                "here (install fedplane[cel] on it)"
+            )
         cel = selectors()
         try:
             cel.compile_selector(acc.selector)
