@@ -69,9 +69,7 @@ async def test_running_nodes_first_then_a_launch_that_the_task_waits_for(
     final = await recorder.final("gang")
     assert final.state == jobs_pb2.JOB_STATE_SUCCEEDED
     assert set(states(core).values()) == {RUNNING}
-    assert {r.state for r in recorder.reports if r.job_id == "gang"} >= {
-        jobs_pb2.JOB_STATE_RUNNING
-    }
+    assert {r.state for r in recorder.reports if r.job_id == "gang"} >= {jobs_pb2.JOB_STATE_RUNNING}
     p50, _ = elastic.delays("a100x2")
     assert p50 == pytest.approx(0.3, abs=0.2)  # learned, not configured
 
