@@ -31,11 +31,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 from typing import BinaryIO
 
-import obstore
 import structlog
-from obstore.store import S3Store
 
 from federation.config import ConfigError, within
 
@@ -48,6 +47,13 @@ BACKOFF_S = 1.0
 MAX_BACKOFF_S = 30.0
 
 log = structlog.get_logger()
+
+
+def _obstore() -> ModuleType:
+    """The S3 client, imported by the first site store: an agent without one never loads it."""
+    import obstore
+
+    return obstore
 
 
 class DataError(Exception):
@@ -117,6 +123,8 @@ class SiteStore:
             settings.secret_access_key_file, settings.secret_access_key_env, source, "secret"
         )
         self._redact = [value for value in (key_id, secret) if value]
+        from obstore.store import S3Store  # loaded by sites with a store only (7 MiB)
+
         self._store = S3Store(
             settings.bucket,
             endpoint=settings.endpoint or None,
@@ -195,8 +203,8 @@ class SiteStore:
 
         handle = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         try:
-            obstore.put(self._store, key, chunks(handle))  # multipart, parts retried
-            stored = obstore.head(self._store, key)["size"]
+            _obstore().put(self._store, key, chunks(handle))  # multipart, parts retried
+            stored = _obstore().head(self._store, key)["size"]
         except Exception as err:
             raise _StoreFailure(err) from None
         finally:
@@ -211,7 +219,7 @@ class SiteStore:
         self.check_tenant_key(key, tenant)
         ttl = timedelta(seconds=max(1, min(ttl_s, MAX_TTL_S)))
         try:
-            return obstore.sign(self._store, "GET", key, ttl)
+            return str(_obstore().sign(self._store, "GET", key, ttl))
         except Exception as err:
             raise DataError(f"cannot sign a URL: {self.describe(err)}") from None
 
@@ -225,7 +233,7 @@ class SiteStore:
         ttl = timedelta(seconds=max(1, min(ttl_s, MAX_TTL_S)))
         self.check_tenant_key(key, tenant)
         try:
-            return obstore.sign(self._store, "PUT", key, ttl), key
+            return _obstore().sign(self._store, "PUT", key, ttl), key
         except Exception as err:
             raise DataError(f"cannot sign a URL: {self.describe(err)}") from None
 
@@ -235,7 +243,7 @@ class SiteStore:
         try:
             return [
                 meta["path"]
-                for batch in obstore.list(self._store, folder, chunk_size=1000)
+                for batch in _obstore().list(self._store, folder, chunk_size=1000)
                 for meta in batch
             ]
         except Exception as err:
@@ -246,7 +254,7 @@ class SiteStore:
         if not keys:
             return
         try:
-            obstore.delete(self._store, keys)
+            _obstore().delete(self._store, keys)
         except Exception as err:
             raise DataError(f"cannot delete from {self.where}: {self.describe(err)}") from None
 
@@ -254,7 +262,7 @@ class SiteStore:
         """Copy the object at ``key`` into the file ``dest``. Raises DataError."""
         try:
             with dest.open("wb") as out:
-                for block in obstore.get(self._store, key).stream(min_chunk_size=CHUNK):
+                for block in _obstore().get(self._store, key).stream(min_chunk_size=CHUNK):
                     out.write(block)
         except Exception as err:
             raise DataError(f"cannot read {key} from {self.where}: {self.describe(err)}") from None
@@ -266,7 +274,7 @@ class SiteStore:
         size or digest must match. Raises DataError."""
         self.check_tenant_key(key, tenant)
         try:
-            stored = int(obstore.head(self._store, key)["size"])
+            stored = int(_obstore().head(self._store, key)["size"])
         except FileNotFoundError:
             raise DataError(f"no object {key!r} in {self.where}") from None
         except Exception as err:
@@ -278,7 +286,7 @@ class SiteStore:
         digest = hashlib.sha256()
         got = 0
         try:
-            for block in obstore.get(self._store, key).stream(min_chunk_size=CHUNK):
+            for block in _obstore().get(self._store, key).stream(min_chunk_size=CHUNK):
                 digest.update(block)
                 got += len(block)
         except Exception as err:
