@@ -70,9 +70,11 @@ class Leadership:
         if self._fence is not None:
             self._fence.fence()  # first, before anything can await
         services, self._services = self._services, None
+        # Not serving before the term's streams end: a client they send away, or a health
+        # check, never finds this one still serving while its services stop.
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         if services is not None:
             await services.stop(step_down=not_leader(self.leader()))
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         COORDINATOR_LEADER.set(0)
 
     async def stop(self) -> None:
