@@ -36,6 +36,11 @@ OFFERS = Counter(
     "Negotiation rounds with a site: settled (delegated, or moot after a cancel) or refused",
     ["outcome"],
 )
+GANG_RESERVATIONS_LET_GO = Counter(
+    "federation_gang_reservation_device_seconds_total",
+    "Device-seconds held by reservations of gang parts let go because another part of the "
+    "gang found no site (all or nothing)",
+)
 SITE_MESSAGES = Counter(
     "federation_site_messages_total", "Messages received from site agents", ["kind"]
 )

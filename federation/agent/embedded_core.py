@@ -144,6 +144,10 @@ class _Task:
     moved: asyncio.Event = field(default_factory=asyncio.Event)
     """Set on each report of the task (a replica's readiness, say)."""
     inputs: list[site_link_service_pb2.StagedInput] = field(default_factory=list)
+    gang_peers: list[str] = field(default_factory=list)
+    """Every replica's host:port of its all-or-nothing gang, in rank order; empty: none."""
+    gang_rank: int = 0
+    """The gang rank of its replica 0."""
     """Other tasks' outputs to stage into its folders before it starts (from the commit)."""
     artifacts: list[jobs_pb2.Artifact] = field(default_factory=list)
     """Its outputs as stored, once it succeeded."""
@@ -477,6 +481,7 @@ class EmbeddedCore:
         task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
         task.site, task.address = self._site, self._address
         task.inputs = list(commit.inputs)
+        task.gang_peers, task.gang_rank = list(commit.gang_peers), commit.gang_rank
         restore = reservation.restore
         if restore is not None and restore.HasField("stored"):
             # Uploaded: the task restores from a copy staged here, or starts fresh.
@@ -964,6 +969,16 @@ class EmbeddedCore:
             env.update(task.checkpoints.env())
         if task.service is not None:
             env["FEDERATION_PORT"] = str(task.service[replica].port)
+        if task.gang_peers:  # a part of a gang across sites: its rendezvous
+            rank = task.gang_rank + replica
+            env.update(
+                FEDERATION_GANG_PEERS=",".join(task.gang_peers),
+                FEDERATION_GANG_RANK=str(rank),
+                FEDERATION_GANG_SIZE=str(len(task.gang_peers)),
+                FEDERATION_GANG_PORT=task.gang_peers[
+                    min(rank, len(task.gang_peers) - 1)
+                ].rpartition(":")[2],
+            )
         return env
 
     def _account(self, task: _Task) -> Account | None:

@@ -38,6 +38,7 @@ from federation.coordinator import retries, spread
 from federation.coordinator.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
 from federation.coordinator.checkpoint_copies import restore_input
 from federation.coordinator.forecast import SiteHistory
+from federation.coordinator.gangs import gangs, host_of, rendezvous
 from federation.coordinator.jobs import (
     Change,
     JobRepository,
@@ -81,6 +82,7 @@ from federation.coordinator.waits import (
 from federation.errors import FederationError, UnavailableError
 from federation.jobspec import domain_name
 from federation.metrics import (
+    GANG_RESERVATIONS_LET_GO,
     OFFERS,
     PREEMPTIONS,
     SCHEDULING_JOBS_READ,
@@ -101,6 +103,8 @@ NEGOTIATE = "Negotiate"
 QUOTA = "Quota"
 OWNER_SHARE = "OwnerShare"
 SPREAD = "Spread"
+GANG = "Gang"
+"""Stage of a gang part's verdict when another part of its gang has no site."""
 """The stage of a verdict that holds a task back for its queue's quota, at every site."""
 PREEMPT = "Preempt"
 """The stage of the verdict naming the tasks stopped to make room for a waiting one."""
@@ -239,6 +243,13 @@ class _Negotiation:
     over: bool = False
     """Let go already (delegated before the rest of its batch ended): the batch must not
     touch it again, since a later negotiation may hold the task by then."""
+    gang: list[_Negotiation] | None = None
+    """Its gang's negotiations, itself included, when it is a part of an all-or-nothing
+    gang (``federation.coordinator.gangs``): committed only with all of them."""
+    committing: bool = False
+    """Its gang is being committed (every part held a reservation)."""
+    chosen_at: float = 0.0
+    """When ``chosen`` was set (monotonic): how long a gang part's reservation is held."""
     key: TaskKey = field(init=False)
 
     def __post_init__(self) -> None:
@@ -462,8 +473,12 @@ class Scheduler:
                 if job.cancel_requested:
                     continue
                 rest = _Rest(job)
+                job_gangs = gangs(job)
+                in_gangs = {t.name for parts in job_gangs.values() for t in parts}
                 for task in job.tasks:
                     key = (job.id, task.name)
+                    if task.name in in_gangs:
+                        continue  # considered with its gang, below
                     if task.state != job_state.PENDING or key in held:
                         rest.awake |= key in held  # its negotiation may end with no write
                         continue
@@ -491,6 +506,17 @@ class Scheduler:
                         rest.add(key, not_before)  # backed off just now
                     else:
                         rest.awake = True  # waits for its dependencies, not a timer
+                for parts in job_gangs.values():
+                    if not swept:
+                        break
+                    if len(batch) + len(parts) > room:
+                        self._full = True
+                        swept = False
+                        break
+                    pending.update((job.id, t.name) for t in parts if t.state == job_state.PENDING)
+                    started, waits = self._consider_gang(job, parts, cycle, held, rest)
+                    batch.extend(started)
+                    nowhere.extend(waits)
                 if not swept:
                     break
                 if rest.keys and not rest.awake:
@@ -650,6 +676,61 @@ class Scheduler:
             holds=admitted.holds,
             models=admitted.models,
         )
+
+    def _consider_gang(
+        self,
+        job: jobs_pb2.Job,
+        parts: list[jobs_pb2.TaskStatus],
+        cycle: _Cycle,
+        held: set[TaskKey],
+        rest: _Rest,
+    ) -> tuple[list[_Negotiation], list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]]:
+        """An all-or-nothing gang's parts, together (``federation.coordinator.gangs``): a
+        negotiation for each once every part is PENDING, none negotiating, and every one has
+        sites; else none, and the verdicts they wait with."""
+        now, wall = time.monotonic(), time.time()
+        keys = [(job.id, t.name) for t in parts]
+        if any(t.state != job_state.PENDING for t in parts) or any(k in held for k in keys):
+            rest.awake = True  # the keeper stops the parts at sites; their ends wake us
+            return [], []
+        for task, key in zip(parts, keys, strict=True):
+            if (retry_in_s := retries.due_in_s(task, wall)) > 0:
+                self._not_before[key] = max(self._not_before.get(key, 0.0), now + retry_in_s)
+        not_before = max(self._not_before.get(key, 0.0) for key in keys)
+        if not_before > now:  # one part backs off: the gang does
+            for key in keys:
+                rest.add(key, not_before)
+            return [], []
+        found = [self._consider(job, task.name, cycle) for task in parts]
+        started = [n for n in found if isinstance(n, _Negotiation)]
+        if len(started) == len(parts):
+            for n in started:
+                n.gang = started
+            rest.awake = True
+            return started, []
+        missing = next(
+            t.name for t, f in zip(parts, found, strict=True) if not isinstance(f, _Negotiation)
+        )
+        why = f"waits for its gang: part {missing} has no site now (all or nothing)"
+        waits = []
+        for task, outcome, key in zip(parts, found, keys, strict=True):
+            verdicts: list[jobs_pb2.SiteVerdict] | None
+            if not isinstance(outcome, _Negotiation):
+                verdicts = outcome
+            else:
+                self._backoff(key)
+                if (offered := self._offered_parts.get(job.id)) is not None:
+                    offered.pop(task.name, None)  # not offered after all
+                    if not offered:
+                        del self._offered_parts[job.id]
+                verdicts = [*outcome.verdicts, jobs_pb2.SiteVerdict(stage=GANG, reason=why)]
+            if verdicts is not None and list(task.verdicts) != verdicts:
+                waits.append((job.id, task.name, verdicts))
+            if (until := self._not_before.get(key, 0.0)) > now:
+                rest.add(key, until)
+            else:
+                rest.awake = True
+        return [], waits
 
     def _within_spread(
         self,
@@ -1307,6 +1388,7 @@ class Scheduler:
         unsettled: list[_Negotiation] = []
         try:
             await self._rounds(batch)
+            self._let_go_incomplete_gangs(batch)
             unsettled = [n for n in batch if not n.settled]
             for n in unsettled:
                 self._backoff(n.key)
@@ -1325,6 +1407,21 @@ class Scheduler:
             # the front is tried again, with them in their places.
             self._front_due = True
             self.wake()
+
+    def _let_go_incomplete_gangs(self, batch: list[_Negotiation]) -> None:
+        """Gang parts that hold a reservation while a part of their gang found no site let
+        it go: all or nothing."""
+        for n in batch:
+            if n.gang is None or n.committing or n.chosen is None:
+                continue
+            missing = next((m.task for m in n.gang if m.chosen is None), "?")
+            if (job := self._jobs.cached(n.job_id)) is not None:
+                held_s = time.monotonic() - n.chosen_at
+                GANG_RESERVATIONS_LET_GO.inc(devices_of(find_spec(job, n.task)) * held_s)
+            self._release(*n.chosen)
+            why = f"accepted, but let go: part {missing} of its gang found no site"
+            n.verdicts.append(_refusal(n.chosen[0], why))
+            n.chosen = None
 
     def _let_go(self, negotiations: list[_Negotiation]) -> None:
         """These negotiations are over: their room is free, and tasks left PENDING can be
@@ -1349,7 +1446,13 @@ class Scheduler:
             for first, stop in offer_rounds(
                 self._config.max_offers_per_round + 1, self._config.offers_at_once
             ):
-                open_ = [n for n in batch if not n.settled and first < len(n.candidates)]
+                open_ = [
+                    n
+                    for n in batch
+                    if not n.settled
+                    and first < len(n.candidates)
+                    and (n.gang is None or n.chosen is None)  # a gang part holding room waits
+                ]
                 if not open_:
                     return
                 await self._round(open_, first, stop)
@@ -1500,12 +1603,13 @@ class Scheduler:
                     )
                 )
                 continue
-            n.chosen = best
+            n.chosen, n.chosen_at = best, time.monotonic()
             for site, reservation in others:
                 self._release(site, reservation)
                 why = f"accepted, but {best[0]} finishes sooner or ranked higher"
                 n.verdicts.append(_refusal(site, why))
-        await self._delegate([n for n in negotiations if n.key in accepted])
+        chosen = [n for n in negotiations if n.key in accepted]
+        await self._delegate([n for n in chosen if n.gang is None] + _whole_gangs(chosen))
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
 
@@ -1520,6 +1624,7 @@ class Scheduler:
         if not negotiations:
             return
         started_ns = tracing.now_ns()
+        ranks = self._rendezvous(negotiations)
         marks = []
         for n in negotiations:
             assert n.chosen is not None
@@ -1552,6 +1657,9 @@ class Scheduler:
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
             )
+            if (gang_rank := ranks.get(n.key)) is not None:
+                commit.gang_peers.extend(gang_rank[0])
+                commit.gang_rank = gang_rank[1]
             job = written[n.job_id]
             assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
@@ -1615,6 +1723,26 @@ class Scheduler:
                 n.verdicts.append(_refusal(site, why))
         if back:
             await self._jobs.update_many(back)
+
+    def _rendezvous(self, negotiations: list[_Negotiation]) -> dict[TaskKey, tuple[list[str], int]]:
+        """Per gang part being committed: every replica's host:port of its gang, and its
+        first rank (``federation.coordinator.gangs.rendezvous``)."""
+        out: dict[TaskKey, tuple[list[str], int]] = {}
+        for n in negotiations:
+            if n.gang is None or n.key in out or (job := self._jobs.cached(n.job_id)) is None:
+                continue
+            parts, hosts = [], {}
+            for m in n.gang:
+                assert m.chosen is not None
+                site = m.chosen[0]
+                parts.append((m.task, site, find_spec(job, m.task).replicas))
+                if (session := self._sites.session(site)) is not None:
+                    hosts[site] = host_of(session.probe_endpoint, session.peer)
+            port = find_spec(job, n.task).spread.rendezvous_port
+            peers, first = rendezvous(parts, hosts, port)
+            for m in n.gang:
+                out[m.key] = (peers, first[m.task])
+        return out
 
     def _speaking_data(self, n: _Negotiation, sites: list[str]) -> list[str]:
         """The sites whose agents can store outputs and stage inputs; a verdict for others."""
@@ -1853,6 +1981,29 @@ def _with_devices_left(ranked: tuple[str, ...], need: Demand, cycle: _Cycle) -> 
         for kind, n in wanted.items():
             left[kept[0]][kind] -= n
     return kept
+
+
+def devices_of(spec: jobs_pb2.TaskSpec) -> float:
+    """Device-equivalents a task holds: per replica its whole devices, its share of one, or
+    one partition slot."""
+    acc = spec.resources.accelerator
+    each = acc.count or acc.fraction or (1.0 if acc.partition else 0.0)
+    return float(each) * max(1, spec.replicas)
+
+
+def _whole_gangs(chosen: list[_Negotiation]) -> list[_Negotiation]:
+    """The gangs whose last part ``chosen`` gave a site: every part of each, to commit
+    together (each marked, so that no other decision commits it again)."""
+    out: list[_Negotiation] = []
+    for n in chosen:
+        gang = n.gang
+        if gang is None or n.committing:
+            continue
+        if all(m.chosen is not None and not m.settled and not m.over for m in gang):
+            for m in gang:
+                m.committing = True
+            out.extend(gang)
+    return out
 
 
 def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:

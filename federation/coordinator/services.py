@@ -24,6 +24,7 @@ from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.drains import Drains
 from federation.coordinator.enrollment import Enrollment
 from federation.coordinator.events import EventHub
+from federation.coordinator.gangs import GangKeeper
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.jobs import JobRepository
 from federation.coordinator.layout import upgrade_layout
@@ -92,6 +93,7 @@ class Services:
     """Removes finished jobs and audit entries past their retention."""
     drains_task: asyncio.Task[None] | None = None
     autoscale_task: asyncio.Task[None] | None = None
+    gangs_task: asyncio.Task[None] | None = None
     """Stops what operators' drains hold."""
 
     async def stop(self, step_down: NotLeaderError | None = None) -> None:
@@ -117,6 +119,7 @@ class Services:
             self.retention_task,
             self.drains_task,
             self.autoscale_task,
+            self.gangs_task,
         ):
             if task is None:
                 continue
@@ -223,6 +226,7 @@ async def start_services(
     )
     retention_task = asyncio.create_task(retention.run())
     drains_task = asyncio.create_task(Drains(sites, jobs, scheduler.stop).run())
+    gangs_task = asyncio.create_task(GangKeeper(jobs, scheduler.stop).run())
     serving = Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed)
     autoscale_task = asyncio.create_task(Autoscaler(jobs, serving.autoscale).run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
@@ -265,6 +269,7 @@ async def start_services(
         retention_task=retention_task,
         drains_task=drains_task,
         autoscale_task=autoscale_task,
+        gangs_task=gangs_task,
         authorities=authorities,
         store=store,
         stop_telling_bundles=authorities.on_bundle_change(sites.tell_trust_bundle),

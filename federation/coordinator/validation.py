@@ -247,6 +247,12 @@ def _spread_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViol
             f"unknown topology {spread.topology}; expected site, domain or region",
         )
     yield from _number(path, "max_skew", spread.max_skew, 0, MAX_REPLICAS)
+    part = max(1, spread.part_replicas)
+    yield from _number(path, "rendezvous_port", spread.rendezvous_port, 0, MAX_PORT - part + 1)
+    if spread.rendezvous_port and not spread.all_or_nothing:
+        yield FieldViolation(
+            f"{path}.rendezvous_port", "is for a gang's rendezvous: give all_or_nothing too"
+        )
     if not spread.site_weights:
         return
     yield from _sizes(path, ("site_weights", spread.site_weights))

@@ -875,6 +875,8 @@ class Spread(_message.Message):
     TOPOLOGY_FIELD_NUMBER: _builtins.int
     MAX_SKEW_FIELD_NUMBER: _builtins.int
     SITE_WEIGHTS_FIELD_NUMBER: _builtins.int
+    ALL_OR_NOTHING_FIELD_NUMBER: _builtins.int
+    RENDEZVOUS_PORT_FIELD_NUMBER: _builtins.int
     part_replicas: _builtins.int
     """Replicas per part: those that must run together (a gang). 0 means 1. Must divide replicas."""
     topology: Global___Spread.Topology.ValueType
@@ -883,6 +885,15 @@ class Spread(_message.Message):
     """Parts in any one topology value may exceed those in the one with the fewest (of those the
     task may run in) by at most this many. 0: no limit, each part goes where it finishes
     soonest (division by available capacity).
+    """
+    all_or_nothing: _builtins.bool
+    """The parts are one gang across sites: placed all together or not at all (each holds a
+    reservation at its site before any is committed), and stopped and placed again together
+    when one is lost, preempted or fails.
+    """
+    rendezvous_port: _builtins.int
+    """With all_or_nothing, the port of each part's first replica in the gang's rendezvous
+    (FEDERATION_GANG_PEERS); a part's replica r gets this + r. 0: 29500.
     """
     @_builtins.property
     def site_weights(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
@@ -897,10 +908,12 @@ class Spread(_message.Message):
         topology: Global___Spread.Topology.ValueType = ...,
         max_skew: _builtins.int = ...,
         site_weights: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
+        all_or_nothing: _builtins.bool = ...,
+        rendezvous_port: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_skew", b"max_skew", "part_replicas", b"part_replicas", "site_weights", b"site_weights", "topology", b"topology"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["all_or_nothing", b"all_or_nothing", "max_skew", b"max_skew", "part_replicas", b"part_replicas", "rendezvous_port", b"rendezvous_port", "site_weights", b"site_weights", "topology", b"topology"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -685,10 +685,13 @@ class Commit(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     INPUTS_FIELD_NUMBER: _builtins.int
     RESTORE_FIELD_NUMBER: _builtins.int
+    GANG_PEERS_FIELD_NUMBER: _builtins.int
+    GANG_RANK_FIELD_NUMBER: _builtins.int
     reservation_id: _builtins.str
     job_id: _builtins.str
     task: _builtins.str
     epoch: _builtins.int
+    gang_rank: _builtins.int
     @_builtins.property
     def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___StagedInput]:
         """The task's inputs from other tasks' outputs (protocol 4): the site downloads each from
@@ -702,6 +705,12 @@ class Commit(_message.Message):
         error set, or unset while the offer's restore was uploaded, the task starts fresh.
         """
 
+    @_builtins.property
+    def gang_peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """A part of an all-or-nothing gang: every replica's host:port of the whole gang, in rank
+        order, and the rank of this part's first replica (FEDERATION_GANG_PEERS, _RANK, _SIZE).
+        """
+
     def __init__(
         self,
         *,
@@ -711,10 +720,12 @@ class Commit(_message.Message):
         epoch: _builtins.int = ...,
         inputs: _abc.Iterable[Global___StagedInput] | None = ...,
         restore: Global___StagedInput | None = ...,
+        gang_peers: _abc.Iterable[_builtins.str] | None = ...,
+        gang_rank: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["restore", b"restore"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "inputs", b"inputs", "job_id", b"job_id", "reservation_id", b"reservation_id", "restore", b"restore", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["epoch", b"epoch", "gang_peers", b"gang_peers", "gang_rank", b"gang_rank", "inputs", b"inputs", "job_id", b"job_id", "reservation_id", b"reservation_id", "restore", b"restore", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

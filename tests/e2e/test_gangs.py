@@ -1,0 +1,199 @@
+"""Gangs across sites, end to end: three sites of 2 GPUs each (a declared inventory: this
+machine has none), real agents and a real coordinator. An all-or-nothing gang of 3 parts
+starts all together or not at all, learns its peers' addresses, and when a site is lost
+stops and starts again as one; two gangs that want the same sites both finish, one after the
+other."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.local import LocalFederation, SiteSpec
+
+from .conftest import jobs, running, until, wait_for_job
+
+pytestmark = pytest.mark.xdist_group("e2e-gangs")
+
+SITES = ("gang-a", "gang-b", "gang-c")
+RUNNING = jobs_pb2.JOB_STATE_RUNNING
+PENDING = jobs_pb2.JOB_STATE_PENDING
+REPORT = """
+import json, os, sys, time
+print(json.dumps({k: os.environ[k] for k in ("FEDERATION_GANG_PEERS", "FEDERATION_GANG_RANK",
+      "FEDERATION_GANG_SIZE", "FEDERATION_GANG_PORT", "FEDERATION_SITE")}), flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+"""Prints its rendezvous environment, then sleeps argv[1] seconds."""
+
+
+def node(site: str, gpus: int = 2) -> dict[str, object]:
+    return {
+        "name": f"{site}-box",
+        "cpu_cores": 8,
+        "memory_mib": 32768,
+        "devices": [{"kind": "GPU", "vendor": "nvidia", "model": "H100", "count": gpus}],
+    }
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    sites = [SiteSpec(name, "datacenter", nodes=[node(name)]) for name in SITES]
+    with running(tmp_path_factory.mktemp("gangs"), sites) as f:
+        yield f
+
+
+def gang(
+    name: str, seconds: float, parts: int = 3, gpus: int = 2, **spread: object
+) -> jobs_pb2.JobSpec:
+    return jobs_pb2.JobSpec(
+        name=name,
+        tasks=[
+            jobs_pb2.TaskSpec(
+                name="train",
+                command=[sys.executable, "-c", REPORT, str(seconds)],
+                replicas=parts,
+                resources=jobs_pb2.ResourceRequest(
+                    cpu=1, accelerator=jobs_pb2.AcceleratorRequest(kind=1, count=gpus)
+                ),
+                spread=jobs_pb2.Spread(part_replicas=1, all_or_nothing=True, **spread),  # type: ignore[arg-type]
+            )
+        ],
+        disconnect=jobs_pb2.DisconnectPolicy(lost_after_s=3),
+    )
+
+
+async def submit(channel: grpc.aio.Channel, spec: jobs_pb2.JobSpec) -> str:
+    reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec))
+    return reply.job.id
+
+
+async def get(channel: grpc.aio.Channel, job_id: str) -> jobs_pb2.Job:
+    reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
+    return reply.job
+
+
+def started(job: jobs_pb2.Job) -> list[float]:
+    return [t.started_at.ToNanoseconds() / 1e9 for t in job.tasks]
+
+
+async def test_a_gang_starts_together_with_one_rendezvous(fed: LocalFederation) -> None:
+    """One part per site (static weights); every part starts within a second of the others,
+    and each replica sees the same peers, its own rank and port."""
+    weights = dict.fromkeys(SITES, 1)
+    async with fed.operator().channel() as channel:
+        job_id = await submit(channel, gang("together", 1.0, site_weights=weights))
+        job = await wait_for_job(channel, job_id, timeout_s=60)
+        assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.reason
+        times = started(job)
+        assert max(times) - min(times) < 1.0, times
+        seen = [json.loads(t.output_tail.splitlines()[0]) for t in job.tasks]
+        assert len({s["FEDERATION_GANG_PEERS"] for s in seen}) == 1
+        peers = seen[0]["FEDERATION_GANG_PEERS"].split(",")
+        assert len(peers) == 3
+        assert sorted(int(s["FEDERATION_GANG_RANK"]) for s in seen) == [0, 1, 2]
+        for s in seen:
+            assert s["FEDERATION_GANG_SIZE"] == "3"
+            assert peers[int(s["FEDERATION_GANG_RANK"])].endswith(":" + s["FEDERATION_GANG_PORT"])
+        assert {s["FEDERATION_SITE"] for s in seen} == set(SITES)
+
+
+async def test_with_one_site_full_no_part_runs_until_it_frees(fed: LocalFederation) -> None:
+    """gang-c's GPUs are taken: the parts for gang-a and gang-b do not start (nor hold their
+    room), the explanation names the missing part; once gang-c frees, all three start."""
+    weights = dict.fromkeys(SITES, 1)
+    async with fed.operator().channel() as channel:
+        blocker = jobs_pb2.JobSpec(
+            name="blocker",
+            constraints=jobs_pb2.Constraints(sites=["gang-c"]),
+            tasks=[
+                jobs_pb2.TaskSpec(
+                    name="hold",
+                    command=[sys.executable, "-c", "import time; time.sleep(600)"],
+                    resources=jobs_pb2.ResourceRequest(
+                        cpu=1, accelerator=jobs_pb2.AcceleratorRequest(kind=1, count=2)
+                    ),
+                )
+            ],
+        )
+        blocker_id = await submit(channel, blocker)
+        await wait_for_job(channel, blocker_id, until=frozenset({RUNNING}))
+        job_id = await submit(channel, gang("waits", 1.0, site_weights=weights))
+
+        async def explained() -> bool:
+            job = await get(channel, job_id)
+            return any(
+                "waits for its gang: part train/2" in v.reason
+                for t in job.tasks
+                for v in t.verdicts
+            )
+
+        await until(explained, "the gang's parts waiting for train/2")
+        job = await get(channel, job_id)
+        assert {t.state for t in job.tasks} == {PENDING}
+        assert all(not t.site for t in job.tasks)
+        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=blocker_id))
+        done = await wait_for_job(channel, job_id, timeout_s=60)
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+        times = started(done)
+        assert max(times) - min(times) < 1.0, times
+
+
+async def test_two_gangs_for_the_same_sites_both_finish(fed: LocalFederation) -> None:
+    """Two 3-part gangs each want a whole site of each of the three, submitted together, three
+    times over: each pair finishes, one gang after the other, and never does a gang run
+    partly."""
+    weights = dict.fromkeys(SITES, 1)
+    async with fed.operator().channel() as channel:
+        for round_ in range(3):
+            ids = [
+                await submit(channel, gang(f"rival-{round_}-{i}", 1.0, site_weights=weights))
+                for i in range(2)
+            ]
+            done = [await wait_for_job(channel, job_id, timeout_s=90) for job_id in ids]
+            assert [j.state for j in done] == [jobs_pb2.JOB_STATE_SUCCEEDED] * 2
+            spans = sorted(
+                (min(started(j)), max(t.finished_at.ToNanoseconds() / 1e9 for t in j.tasks))
+                for j in done
+            )
+            assert spans[0][1] <= spans[1][0] + 0.5, spans  # one after the other
+            for j in done:
+                assert max(started(j)) - min(started(j)) < 1.0
+
+
+async def test_a_lost_site_restarts_the_whole_gang(fed: LocalFederation) -> None:
+    """The gang's three parts (1 GPU each) run where they fit; the agent of train/0's site
+    dies: that part is placed again once the site is lost, and the parts elsewhere are
+    stopped and placed again with it, so all three run again at new epochs (on the sites
+    left: 4 GPUs for 3 parts), started together."""
+    async with fed.operator().channel() as channel:
+        job_id = await submit(channel, gang("survives", 600, gpus=1))
+
+        async def all_running() -> bool:
+            return {t.state for t in (await get(channel, job_id)).tasks} == {RUNNING}
+
+        await until(all_running, "every part running", timeout_s=60)
+        before = (await get(channel, job_id)).tasks
+        first = {t.name: t.epoch for t in before}
+        lost = before[0].site
+        fed.kill(lost)
+
+        async def restarted() -> bool:
+            job = await get(channel, job_id)
+            return all(t.state == RUNNING and t.epoch > first[t.name] for t in job.tasks)
+
+        await until(restarted, "the whole gang running again", timeout_s=90)
+        job = await get(channel, job_id)
+        assert lost not in {t.site for t in job.tasks}
+        times = started(job)
+        assert max(times) - min(times) < 1.0, times
+        request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+        reasons = [e.reason for e in (await jobs(channel).GetJob(request)).events]
+        assert any("its parts stop and start again together" in r for r in reasons)
+        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=job_id))
+        await wait_for_job(channel, job_id)
