@@ -213,6 +213,16 @@ class Elastic:
         log.info("node_launched", node=node, node_type=node_type.name, delay_s=round(delay_s, 2))
         changed()
 
+    def taken_back(self, node: str) -> bool:
+        """The provider lost a running or launching node (a spot node taken back by the
+        cloud): it is launchable again. False for a node not elastic or not running."""
+        if self._state.get(node, LAUNCHABLE) == LAUNCHABLE:
+            return False
+        self._state[node] = LAUNCHABLE
+        self._idle_since.pop(node, None)
+        log.warning("node_taken_back", node=node)
+        return True
+
     async def release_idle(self, busy: Collection[str], changed: Callable[[], None]) -> list[str]:
         """Releases the running nodes idle for idle_release_s, longest idle first, keeping
         warm_min running; returns their names."""

@@ -654,6 +654,29 @@ class EmbeddedCore:
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
+    async def node_taken_back(self, node: str, why: str) -> None:
+        """An elastic node its provider lost (a spot node taken back): the tasks on it stop
+        and are reported interrupted, so the coordinator places them again (from their
+        newest checkpoints) as capacity lost; reservations there are dropped, and the node is
+        launchable again."""
+        if self._elastic is None or not self._elastic.taken_back(node):
+            return
+        for reservation in list(self._reservations.values()):
+            if any(slot.node == node for slot in reservation.slots):
+                self._drop_reservation(reservation.id)
+        victims = [
+            t
+            for t in self._tasks.values()
+            if t.active and t.cancel_reason is None and any(s.node == node for s in t.slots)
+        ]
+        for victim in victims:
+            victim.interrupted = True
+            victim.cancel_reason = f"node {node} was taken back by its provider: {why}"
+            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
+            victim.cancelled.set()
+        self._changed()
+        await asyncio.gather(*(victim.finished.wait() for victim in victims))
+
     async def read_logs(
         self, request: site_link_service_pb2.ReadLogs
     ) -> site_link_service_pb2.LogsAnswer:

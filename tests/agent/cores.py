@@ -166,6 +166,13 @@ class Recorder:
                 self._reported.clear()
                 await self._reported.wait()
 
+    async def reached(self, job_id: str, state: int, timeout_s: float = 15.0) -> None:
+        """Waits for a report of the job in ``state``."""
+        async with asyncio.timeout(timeout_s):
+            while state not in self.states(job_id):
+                self._reported.clear()
+                await self._reported.wait()
+
     def states(self, job_id: str = "job-1") -> list[int]:
         return [r.state for r in self.reports if r.job_id == job_id]
 

@@ -159,3 +159,23 @@ def test_node_types_are_read_from_the_inventory(tmp_path: Path) -> None:
     inventory.write_text("node_types:\n  - {name: x, max: 0}\n")
     with pytest.raises(InventoryError, match=r"node_types\[0\]\.max: must be 1 to 1000, got 0"):
         load_node_types(inventory)
+
+
+async def test_a_node_taken_back_stops_its_tasks_as_interrupted(
+    make_core: Callable[..., EmbeddedCore], recorder: Recorder
+) -> None:
+    """A spot node the cloud takes back: its task ends CANCELLED and interrupted (the
+    coordinator places such a task again, from its checkpoint), and the node is launchable."""
+    elastic = Elastic([a100x2(delay_s=0)], SimulatedProvider(), ElasticSettings())
+    core = make_core([], elastic=elastic)
+    o = offer("spot", devices=2, code="import time; time.sleep(60)")
+    answer = await core.offer(o)
+    await core.commit(commit_for(o, answer))
+    await recorder.reached("spot", jobs_pb2.JOB_STATE_RUNNING)
+    await core.node_taken_back("a100x2-0", "spot capacity reclaimed")
+    final = await recorder.final("spot")
+    assert final.state == jobs_pb2.JOB_STATE_CANCELLED
+    assert final.interrupted
+    assert "node a100x2-0 was taken back by its provider: spot capacity reclaimed" in final.reason
+    assert states(core)["a100x2-0"] == LAUNCHABLE
+    await core.node_taken_back("a100x2-0", "again")  # not running: nothing to do
