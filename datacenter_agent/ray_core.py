@@ -36,6 +36,7 @@ from federation.agent.packing import Usage, place
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
+from federation.stop_after import announce_stop
 
 log = structlog.get_logger()
 
@@ -427,19 +428,21 @@ class RayCore:
         await asyncio.gather(*(self._stop(v, reason) for v in victims))
 
     async def stop_cut_off(self, cut_off_s: float) -> None:
+        """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
+        coordinator, and waits for their end: CANCELLED, reported interrupted."""
         victims = [
             t
             for t in self._tasks.values()
             if t.is_active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
         ]
+        stops = []
         for victim in victims:
             victim.interrupted = True
-        await asyncio.gather(
-            *(
-                self._stop(v, f"cut off from every coordinator for {cut_off_s:.0f}s")
-                for v in victims
+            reason = announce_stop(
+                victim.key, cut_off_s, victim.stop_after_s, ray_job=victim.submission_id
             )
-        )
+            stops.append(self._stop(victim, reason))
+        await asyncio.gather(*stops)
 
     async def _stop(self, task: RayTask, reason: str) -> None:
         task.cancel_reason = reason
@@ -492,7 +495,10 @@ class RayCore:
         records = await asyncio.to_thread(ray.nodes)
         self._nodes = ray_nodes(records, self._settings.devices)
         for task in [t for t in self._tasks.values() if t.is_active]:
-            await self._follow(task)
+            try:
+                await self._follow(task)
+            except Exception as err:  # one job Ray cannot describe does not stop the others
+                log.warning("ray_job_unreadable", ray_job=task.submission_id, error=str(err))
         self._changed()
 
     async def _follow(self, task: RayTask) -> None:

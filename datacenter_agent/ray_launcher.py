@@ -13,6 +13,8 @@ whose own handler may save a checkpoint, and this launcher exits once they have 
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import importlib
 import json
 import os
@@ -26,6 +28,13 @@ ray: Any = importlib.import_module("ray")  # untyped here: the cluster's Ray, an
 strategies: Any = importlib.import_module("ray.util.scheduling_strategies")
 
 TAIL_CHARS = 4000
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    """A replica's process dies with its actor, which Ray kills when the job is killed."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 class Replica:
@@ -45,6 +54,7 @@ class Replica:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=_die_with_parent,  # only prctl: safe between fork and exec
         )
         output, _ = self.process.communicate()
         return self.process.returncode, output[-TAIL_CHARS:]
