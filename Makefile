@@ -9,7 +9,7 @@ BIN := $(VENV)/bin
 $(BIN)/.installed: pyproject.toml examples/placement-plugin/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[coordinator,dev,sim,tracing]'  # sim: the plot tests; tracing: the span tests
+	$(BIN)/python -m pip install --quiet -e '.[coordinator,dev,sim,tracing,ray]'  # sim: the plot tests; tracing: the span tests; ray: the Ray core's tests
 	$(BIN)/python -m pip install --quiet -e examples/placement-plugin  # loaded by name in the plugin tests
 	touch $@
 

@@ -1,10 +1,14 @@
 """``fed-datacenter-agent``: a site agent for datacenter and cloud sites.
 
-Besides the embedded core it offers ``scheduler = "slurm"``, which delegates to the site's Slurm.
+Besides the embedded core it offers ``scheduler = "slurm"``, which delegates to the site's Slurm,
+and ``scheduler = "ray"``, which delegates to an existing Ray cluster (the ``ray`` extra).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
+from datacenter_agent.ray_core import RayCore
 from datacenter_agent.slurm_core import SlurmCore
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback
@@ -41,9 +45,43 @@ async def start_slurm_core(
     return core
 
 
+async def start_ray_core(
+    config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
+) -> RayCore:
+    """The core of a ``scheduler = "ray"`` agent, connected to the head (its jobs adopted).
+
+    Raises:
+        ConfigError: A setting that cannot apply to a Ray site, or Ray is not installed.
+    """
+    if config.task_user or config.task_accounts or config.task_uid_range:
+        raise ConfigError(
+            "task_user, task_accounts and task_uid_range do not apply to Ray sites: Ray runs "
+            "jobs as the account its nodes run as. To fix: drop them"
+        )
+    if config.inventory:
+        raise ConfigError("inventory does not apply to Ray sites: Ray describes the nodes")
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            'scheduler = "ray" needs Ray\'s client. To fix: pip install "federation[ray]"'
+        )
+    core = RayCore(
+        config.ray,
+        site=config.site,
+        work_dir=config.work_dir or config.state_dir / "work",
+        on_status=on_status,
+        on_change=on_change,
+        kill_grace_s=config.kill_grace_s,
+    )
+    await core.start()
+    return core
+
+
 def main(argv: list[str] | None = None) -> None:
     run_agent(
-        argv, prog="fed-datacenter-agent", domain="datacenter", cores={"slurm": start_slurm_core}
+        argv,
+        prog="fed-datacenter-agent",
+        domain="datacenter",
+        cores={"slurm": start_slurm_core, "ray": start_ray_core},
     )
 
 

@@ -66,6 +66,40 @@ class SlurmSettings:
     """GRES type (``"a100"``, or ``"npu:910b"`` for another GRES name) → device description."""
 
 
+@dataclass(frozen=True, slots=True)
+class RayDevice:
+    """How the federation describes the devices one Ray resource counts (Ray counts them
+    without names or models; the core names them ``RESOURCE-INDEX`` per node)."""
+
+    model: str = ""
+    """Device model to publish, e.g. "A100-80GB"; default: the resource's name."""
+    vendor: str = ""
+    memory_mib: int = field(default=0, metadata=at_least(0))
+    kind: str = field(default="gpu", metadata=one_of("gpu", "npu", "mlu", "fpga", "dpu"))
+    declared: bool = False
+    """The resource is declared to Ray (``--resources``) for hardware Ray cannot see: its
+    devices are published with declared provenance."""
+    attributes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class RaySettings:
+    """How an agent delegates to an existing Ray cluster: the ``[ray]`` table of its config."""
+
+    address: str = "127.0.0.1:6379"
+    """The head's GCS address, host:port, as ``ray start --head`` printed it."""
+    dashboard: str = "http://127.0.0.1:8265"
+    """The head's dashboard URL: the Ray Jobs API (``ray[default]`` on the head)."""
+    namespace: str = "federation"
+    """Ray namespace of the core's placement groups (their names carry site and task)."""
+    python: str = "python3"
+    """The cluster's Python, which runs each job's launcher."""
+    poll_interval_s: float = field(default=1.0, metadata=positive())
+    """Time between two readings of Ray's nodes and this site's jobs."""
+    devices: dict[str, RayDevice] = field(default_factory=lambda: {"GPU": RayDevice()})
+    """Ray resource (``GPU``, or a custom one such as ``GPU_A100``) → its devices."""
+
+
 def slurm_settings(table: object, *, source: str) -> SlurmSettings:
     """Reads and checks the ``[slurm]`` table of an agent config.
 
@@ -179,11 +213,14 @@ class AgentConfig:
     links: list[dict[str, object]] = field(default_factory=list)
     """Declared links, ``[[links]]`` tables with peer, bandwidth_mbps and rtt_ms: for peers
     the agent cannot measure. A declared link replaces a measurement of the same peer."""
-    scheduler: str = field(default="embedded", metadata=one_of("embedded", "slurm"))
+    scheduler: str = field(default="embedded", metadata=one_of("embedded", "slurm", "ray"))
     """Local scheduler core: "embedded" runs tasks as processes on this site's nodes; "slurm"
-    (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``."""
+    (fed-datacenter-agent) delegates them to the site's Slurm, set up in ``[slurm]``; "ray"
+    (fed-datacenter-agent) to an existing Ray cluster, set up in ``[ray]``."""
     slurm: SlurmSettings = field(default_factory=SlurmSettings)
     """How to use Slurm when ``scheduler = "slurm"``: the ``[slurm]`` table."""
+    ray: RaySettings = field(default_factory=RaySettings)
+    """How to use Ray when ``scheduler = "ray"``: the ``[ray]`` table."""
     owner_share: OwnerShareSettings = field(default_factory=OwnerShareSettings)
     """Room kept for the site owner's tenants: the ``[owner_share]`` table."""
     object_store: ObjectStoreSettings = field(default_factory=ObjectStoreSettings)

@@ -1,0 +1,660 @@
+"""The Ray local scheduler core: an existing Ray cluster holds and runs the site's tasks.
+
+* **View.** Ray's live nodes (``ray.nodes()``) with their devices named (``ray_view``), less
+  what this core's placement groups hold, read every ``poll_interval_s``.
+* **Offers.** The reservation is a detached placement group named after the site and task,
+  one bundle per replica pinned to the node the view placed it on (``PACK``, or
+  ``STRICT_PACK`` when every replica is on one node). Ray has no lease: the core removes the
+  group when the offer's lease lapses. A group Ray cannot place at once is removed and the
+  offer declined with Ray's scheduling state.
+* **Runs.** Commit submits a Ray job (submission id: site, job, task and epoch, so a retried
+  commit finds the job it submitted) whose 0-CPU launcher starts one actor per bundle
+  (``ray_launcher``). Cancel stops the job: Ray sends the launcher SIGTERM, which passes it to
+  every replica; Ray kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, set to the stop grace.
+* **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs
+  and removes groups no job uses (reservations it no longer knows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from datacenter_agent.ray_view import bundle, ray_nodes
+from federation.agent.config import RaySettings
+from federation.agent.core import ChangeCallback, StatusCallback, task_report
+from federation.agent.packing import Usage, place
+from federation.agent.usage import Slot
+from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.common.keys import RunKey
+from federation.stop_after import announce_stop
+
+log = structlog.get_logger()
+
+_DEFAULT_LEASE_S = 10.0
+_PLACE_WAIT_S = 2.0
+"""How long an offer waits for Ray to place its group before declining."""
+_UNPLACEABLE = {"NO_RESOURCES", "INFEASIBLE"}
+"""Ray's scheduling states of a group its scheduler tried and could not place."""
+_TAIL_CHARS = 4000
+_FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
+_LAUNCHER = Path(__file__).with_name("ray_launcher.py")
+
+
+def group_name(site: str, key: RunKey) -> str:
+    """The placement group (and reservation id) of a task's offer."""
+    return f"fed|{site}|{key[0]}|{key[1]}|{key[2]}"
+
+
+def submission_id(site: str, key: RunKey) -> str:
+    """The Ray job of a task: the same for a retried commit of the same epoch."""
+    return f"fed-{site}-{key[0]}-{key[1].replace('/', '~')}-{key[2]}"
+
+
+def parse_group(name: str, site: str) -> RunKey | None:
+    parts = name.split("|")
+    if len(parts) != 5 or parts[:2] != ["fed", site] or not parts[4].isdigit():
+        return None
+    return parts[2], parts[3], int(parts[4])
+
+
+@dataclass(slots=True)
+class Held:
+    """An uncommitted reservation: a placement group Ray has placed."""
+
+    key: RunKey
+    name: str
+    group: Any
+    slots: tuple[Slot, ...]
+    replica_devices: list[list[str]]
+    bundles: list[dict[str, float]]
+    deadline: float
+    stop_after_s: float
+    spec: jobs_pb2.TaskSpec
+
+
+@dataclass(slots=True)
+class RayTask:
+    """A committed task and what Ray last said of its job."""
+
+    key: RunKey
+    submission_id: str
+    reservation_id: str
+    slots: tuple[Slot, ...]
+    devices: list[str]
+    state: int = jobs_pb2.JOB_STATE_DELEGATED
+    exit_code: int = 0
+    output_tail: str = ""
+    reason: str = ""
+    cancel_reason: str | None = None
+    interrupted: bool = False
+    stop_after_s: float = 0.0
+    finished: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def is_active(self) -> bool:
+        return self.state in (jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING)
+
+    def report(self) -> site_link_service_pb2.TaskReport:
+        return task_report(
+            self.key,
+            self.state,
+            exit_code=self.exit_code,
+            output_tail=self.output_tail,
+            reason=self.reason,
+            devices=self.devices,
+            nodes=sorted({slot.node for slot in self.slots}),
+            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
+        )
+
+
+class RayCore:
+    """Delegates tasks to a Ray cluster; satisfies ``LocalCore``. ``start`` it before use.
+
+    Args:
+        settings: The head's addresses, namespace, device descriptions, timings.
+        site: This site's name, carried by every group and job.
+        work_dir: Task folders (``JOB/TASK/EPOCH``); the Ray nodes must see it too.
+        on_status: Called with a task's report when it starts running and when it ends.
+        on_change: Called whenever the view or the queue changes.
+        kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
+    """
+
+    name = "ray"
+
+    def __init__(
+        self,
+        settings: RaySettings,
+        *,
+        site: str,
+        work_dir: Path,
+        on_status: StatusCallback,
+        on_change: ChangeCallback,
+        kill_grace_s: float = 5.0,
+    ) -> None:
+        self._settings = settings
+        self._site, self._work_dir = site, work_dir.absolute()
+        self._on_status, self._on_change = on_status, on_change
+        self._kill_grace_s = kill_grace_s
+        self._nodes: list[resources_pb2.Node] = []
+        self._held: dict[str, Held] = {}
+        self._tasks: dict[RunKey, RayTask] = {}
+        self._lock = asyncio.Lock()
+        self._wake = asyncio.Event()
+        self._poller: asyncio.Task[None] | None = None
+        self._jobs: Any = None
+        self._published = b""
+
+    async def start(self) -> None:
+        """Connects to the head, adopts this site's jobs, then follows Ray in the background."""
+
+        def connect() -> Any:
+            import ray
+            from ray.job_submission import JobSubmissionClient
+
+            if not ray.is_initialized():
+                ray.init(
+                    address=self._settings.address,
+                    namespace=self._settings.namespace,
+                    logging_level=logging.ERROR,
+                    log_to_driver=False,
+                )
+            return JobSubmissionClient(self._settings.dashboard)
+
+        self._jobs = await asyncio.to_thread(connect)
+        await self._adopt()
+        await self.refresh()
+        self._poller = asyncio.create_task(self._poll())
+
+    # The view ------------------------------------------------------------------------------
+
+    def nodes(self) -> list[resources_pb2.Node]:
+        """Ray's nodes less what this core's groups hold."""
+        usage = self._usage()
+        views = []
+        for base in self._nodes:
+            node = resources_pb2.Node()
+            node.CopyFrom(base)
+            node.cpu_free = max(0.0, node.cpu_cores - usage.cpu[node.name])
+            node.memory_free_mib = max(0, node.memory_mib - usage.memory_mib[node.name])
+            for pos, device in enumerate(node.devices):
+                device.allocated = (node.name, pos) in usage.devices
+            views.append(node)
+        return views
+
+    def queue(self) -> resources_pb2.QueueState:
+        """This core's reservations and jobs (Ray keeps no queue of other users' work here)."""
+        active = [t for t in self._tasks.values() if t.is_active]
+        return resources_pb2.QueueState(
+            pending_tasks=len(self._held)
+            + sum(t.state == jobs_pb2.JOB_STATE_DELEGATED for t in active),
+            running_tasks=sum(t.state == jobs_pb2.JOB_STATE_RUNNING for t in active),
+        )
+
+    def tasks(self) -> list[site_link_service_pb2.TaskReport]:
+        return [task.report() for task in self._tasks.values()]
+
+    def _usage(self) -> Usage:
+        held = [slot for h in self._held.values() for slot in h.slots]
+        held += [slot for t in self._tasks.values() if t.is_active for slot in t.slots]
+        return Usage.of(held)
+
+    # Negotiation ---------------------------------------------------------------------------
+
+    async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
+        """Places a group for the task's replicas in Ray, or declines with Ray's reason."""
+        key: RunKey = (offer.job_id, offer.task, offer.epoch)
+        lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
+        name = group_name(self._site, key)
+        async with self._lock:
+            held = self._held.get(name)
+            if held is not None:  # a repeated offer: the same group, its lease renewed
+                held.deadline = time.monotonic() + lease_s
+                return _accepted(name, lease_s)
+            problem = self._problem(offer)
+            if not problem:
+                answer = await self._reserve(offer, key, name, lease_s)
+                if isinstance(answer, str):
+                    problem = answer
+        if problem:
+            log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
+            return site_link_service_pb2.OfferAnswer(accepted=False, reason=problem)
+        self._changed()
+        self._wake.set()  # the poller now watches this lease
+        return _accepted(name, lease_s)
+
+    def _problem(self, offer: site_link_service_pb2.Offer) -> str:
+        spec = offer.spec
+        acc = spec.resources.accelerator
+        if not spec.command:
+            return "task has no command"
+        if spec.kind == jobs_pb2.TASK_KIND_SERVICE:
+            return "services are not run on this Ray site, which takes work that ends"
+        if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
+            return f"invalid cpu request {spec.resources.cpu}"
+        if acc.fraction or acc.partition:
+            return "this Ray site gives whole devices only (no fractions or MIG partitions)"
+        key = (offer.job_id, offer.task)
+        epochs = [
+            k[2] for k in [*self._tasks, *(h.key for h in self._held.values())] if k[:2] == key
+        ]
+        if epochs and max(epochs) > offer.epoch:
+            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
+        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
+            return f"epoch {offer.epoch} of the task was already committed here"
+        return ""
+
+    async def _reserve(
+        self, offer: site_link_service_pb2.Offer, key: RunKey, name: str, lease_s: float
+    ) -> Held | str:
+        spec = offer.spec
+        replicas = spec.replicas or 1
+        placed = place(self.nodes(), spec, self._usage())
+        if isinstance(placed, str):
+            # Ask Ray all the same, so the decline carries Ray's own word on the request.
+            bundles = [self._requested_bundle(spec)] * replicas
+            slots: tuple[Slot, ...] = ()
+        else:
+            slots = placed
+            by_name = {node.name: node for node in self._nodes}
+            bundles = [
+                bundle(by_name[s.node], spec.resources.cpu, s.memory_mib, s.device_positions)
+                for s in slots
+            ]
+        strategy = "STRICT_PACK" if len({s.node for s in slots}) == 1 else "PACK"
+        group, state = await asyncio.to_thread(
+            _place_group, name, bundles, strategy, expect_room=not isinstance(placed, str)
+        )
+        if state:
+            why = f"Ray cannot place the group ({strategy}, {bundles}): {state}"
+            if isinstance(placed, str):
+                why += f"; {placed}"
+            return why
+        by_name = {node.name: node for node in self._nodes}
+        devices = [
+            [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
+        ]
+        held = Held(
+            key,
+            name,
+            group,
+            slots,
+            devices,
+            bundles,
+            time.monotonic() + lease_s,
+            offer.stop_after_disconnect_s,
+            spec,
+        )
+        self._held[name] = held
+        log.info("offer_accepted", job_id=key[0], task=key[1], epoch=key[2], group=name)
+        return held
+
+    def _requested_bundle(self, spec: jobs_pb2.TaskSpec) -> dict[str, float]:
+        wanted: dict[str, float] = {"CPU": spec.resources.cpu} if spec.resources.cpu else {}
+        acc = spec.resources.accelerator
+        if acc.count:
+            models = set(acc.models)
+            resource = next(
+                (r for r, d in sorted(self._settings.devices.items()) if (d.model or r) in models),
+                next(iter(sorted(self._settings.devices)), "GPU"),
+            )
+            wanted[resource] = float(acc.count)
+        return wanted or {"CPU": 0.001}
+
+    async def release(self, reservation_id: str) -> None:
+        """Removes an uncommitted group; a no-op when it is unknown."""
+        held = self._held.pop(reservation_id, None)
+        if held is not None:
+            await asyncio.to_thread(_remove_group, held.group)
+            log.info("reservation_released", group=reservation_id)
+            self._changed()
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        """Submits the task's Ray job into its group."""
+        key: RunKey = (commit.job_id, commit.task, commit.epoch)
+        known = self._tasks.get(key)
+        if known is not None and known.reservation_id == commit.reservation_id:
+            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
+        held = self._held.get(commit.reservation_id)
+        if held is None or held.key != key:
+            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
+            if held is not None:
+                reason = f"reservation {commit.reservation_id!r} is for another task or epoch"
+            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        del self._held[held.name]
+        sid = submission_id(self._site, key)
+        task = RayTask(
+            key, sid, held.name, held.slots, [d for r in held.replica_devices for d in r]
+        )
+        task.stop_after_s = held.stop_after_s
+        self._tasks[key] = task
+        try:
+            await asyncio.to_thread(self._submit, held, sid)
+        except Exception as err:
+            del self._tasks[key]
+            await asyncio.to_thread(_remove_group, held.group)
+            reason = f"Ray would not take job {sid}: {err}"
+            log.warning("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
+            self._changed()
+            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        log.info("task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=sid)
+        self._changed()
+        self._wake.set()
+        return site_link_service_pb2.CommitAnswer(started=True)
+
+    def _submit(self, held: Held, sid: str) -> None:
+        key, spec = held.key, held.spec
+        folder = self._work_dir / key[0] / key[1].replace("/", "~") / str(key[2])
+        folder.mkdir(parents=True, exist_ok=True)
+        launcher = folder / "ray_launcher.py"
+        shutil.copyfile(_LAUNCHER, launcher)
+        replicas = []
+        for index in range(len(held.bundles)):
+            wanted = dict(held.bundles[index])
+            cwd = folder / f"replica-{index}"
+            cwd.mkdir(exist_ok=True)
+            env = {
+                **spec.env,
+                "FEDERATION_JOB_ID": key[0],
+                "FEDERATION_TASK": key[1],
+                "FEDERATION_EPOCH": str(key[2]),
+                "FEDERATION_SITE": self._site,
+                "FEDERATION_REPLICA": str(index),
+                "FEDERATION_REPLICAS": str(len(held.bundles)),
+                "FEDERATION_WORK_DIR": str(cwd),
+                "FEDERATION_DEVICES": ",".join(
+                    held.replica_devices[index] if held.replica_devices else []
+                ),
+            }
+            replicas.append(
+                {
+                    "cpu": wanted.pop("CPU", 0.0),
+                    "memory": int(wanted.pop("memory", 0.0)),
+                    "resources": {r: n for r, n in wanted.items() if not r.startswith("node:")},
+                    "env": env,
+                    "cwd": str(cwd),
+                }
+            )
+        launch = {
+            "namespace": self._settings.namespace,
+            "group": held.name,
+            "command": list(spec.command),
+            "replicas": replicas,
+        }
+        (folder / "launch.json").write_text(json.dumps(launch))
+        try:
+            self._jobs.submit_job(
+                entrypoint=f"{self._settings.python} {launcher} {folder / 'launch.json'}",
+                submission_id=sid,
+                metadata={"federation_site": self._site, "federation_group": held.name},
+                runtime_env={
+                    "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self._kill_grace_s))}
+                },
+                entrypoint_num_cpus=0,
+            )
+        except RuntimeError as err:
+            if "already exists" not in str(err):  # a retried commit
+                raise
+
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        return site_link_service_pb2.ChangeAnswer(
+            accepted=False, reason="a Ray site runs no services, so none can change in place"
+        )
+
+    # Running tasks -------------------------------------------------------------------------
+
+    async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
+        """Stops the task's job (SIGTERM, SIGKILL after the grace) and waits for its end."""
+
+        def targeted(key: RunKey) -> bool:
+            return key[:2] == (job_id, task) and epoch in (0, key[2])
+
+        for held in [h for h in self._held.values() if targeted(h.key)]:
+            await self.release(held.name)
+        victims = [t for key, t in self._tasks.items() if targeted(key) and t.is_active]
+        await asyncio.gather(*(self._stop(v, reason) for v in victims))
+
+    async def stop_cut_off(self, cut_off_s: float) -> None:
+        """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
+        coordinator, and waits for their end: CANCELLED, reported interrupted."""
+        victims = [
+            t
+            for t in self._tasks.values()
+            if t.is_active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
+        ]
+        stops = []
+        for victim in victims:
+            victim.interrupted = True
+            reason = announce_stop(
+                victim.key, cut_off_s, victim.stop_after_s, ray_job=victim.submission_id
+            )
+            stops.append(self._stop(victim, reason))
+        await asyncio.gather(*stops)
+
+    async def _stop(self, task: RayTask, reason: str) -> None:
+        task.cancel_reason = reason
+        await asyncio.to_thread(self._jobs.stop_job, task.submission_id)
+        log.info("task_signalled", ray_job=task.submission_id, signal="TERM")
+        self._wake.set()
+        try:
+            async with asyncio.timeout(self._kill_grace_s + 30.0):
+                await task.finished.wait()
+        except TimeoutError:
+            log.warning("task_still_ending", ray_job=task.submission_id)
+
+    def forget(self, job_id: str, task: str, epoch: int) -> None:
+        known = self._tasks.get((job_id, task, epoch))
+        if known is not None and not known.is_active:
+            del self._tasks[known.key]
+
+    # Following Ray -------------------------------------------------------------------------
+
+    async def _poll(self) -> None:
+        while True:
+            now = time.monotonic()
+            wait = self._settings.poll_interval_s
+            if self._held:
+                wait = max(0.0, min(wait, min(h.deadline for h in self._held.values()) - now))
+            try:
+                async with asyncio.timeout(wait):
+                    await self._wake.wait()
+            except TimeoutError:
+                pass
+            self._wake.clear()
+            try:
+                await self._lapse()
+                await self.refresh()
+            except Exception:
+                log.exception("ray_refresh_failed")
+
+    async def _lapse(self) -> None:
+        now = time.monotonic()
+        for held in [h for h in self._held.values() if h.deadline <= now]:
+            if self._held.pop(held.name, None) is not None:
+                await asyncio.to_thread(_remove_group, held.group)
+                log.info("reservation_lapsed", group=held.name)
+                self._changed()
+
+    async def refresh(self) -> None:
+        """Reads Ray's nodes and the state of every active job once."""
+        import ray
+
+        records = await asyncio.to_thread(ray.nodes)
+        self._nodes = ray_nodes(records, self._settings.devices)
+        for task in [t for t in self._tasks.values() if t.is_active]:
+            try:
+                await self._follow(task)
+            except Exception as err:  # one job Ray cannot describe does not stop the others
+                log.warning("ray_job_unreadable", ray_job=task.submission_id, error=str(err))
+        self._changed()
+
+    async def _follow(self, task: RayTask) -> None:
+        info = await asyncio.to_thread(self._jobs.get_job_info, task.submission_id)
+        status = str(info.status.value if hasattr(info.status, "value") else info.status)
+        if status == "RUNNING" and task.state != jobs_pb2.JOB_STATE_RUNNING:
+            task.state = jobs_pb2.JOB_STATE_RUNNING
+            log.info("task_running", ray_job=task.submission_id)
+            self._report(task)
+        elif status in _FINAL:
+            logs = await asyncio.to_thread(self._jobs.get_job_logs, task.submission_id)
+            task.output_tail = logs[-_TAIL_CHARS:]
+            code = info.driver_exit_code
+            task.exit_code = int(code) if code is not None else 0
+            if task.cancel_reason is not None or status == "STOPPED":
+                task.state = jobs_pb2.JOB_STATE_CANCELLED
+                task.reason = task.cancel_reason or "stopped in Ray"
+            elif status == "SUCCEEDED":
+                task.state = jobs_pb2.JOB_STATE_SUCCEEDED
+            else:
+                task.state = jobs_pb2.JOB_STATE_FAILED
+                task.reason = info.message or f"exit code {task.exit_code}"
+            await asyncio.to_thread(_remove_named_group, task.reservation_id)
+            log.info(
+                "task_ended", ray_job=task.submission_id, status=status, exit_code=task.exit_code
+            )
+            task.finished.set()
+            self._report(task)
+
+    async def _adopt(self) -> None:
+        """Takes back this site's unfinished jobs; removes its groups that no job uses."""
+        jobs = await asyncio.to_thread(self._jobs.list_jobs)
+        for job in jobs:
+            meta = job.metadata or {}
+            status = str(job.status.value if hasattr(job.status, "value") else job.status)
+            if meta.get("federation_site") != self._site or status in _FINAL:
+                continue
+            name = meta.get("federation_group", "")
+            key = parse_group(name, self._site)
+            if key is None or key in self._tasks:
+                continue
+            devices = await asyncio.to_thread(_launch_devices, self._work_dir, key)
+            self._tasks[key] = RayTask(key, job.submission_id, name, (), devices)
+            log.info(
+                "task_adopted", job_id=key[0], task=key[1], epoch=key[2], ray_job=job.submission_id
+            )
+        used = {t.reservation_id for t in self._tasks.values()}
+        for name in await asyncio.to_thread(_site_groups, self._site):
+            if name not in used:
+                await asyncio.to_thread(_remove_named_group, name)
+                log.info("stale_reservation_removed", group=name)
+
+    # Plumbing ------------------------------------------------------------------------------
+
+    def _report(self, task: RayTask) -> None:
+        try:
+            self._on_status(task.report())
+        except Exception:
+            log.exception("status_callback_failed")
+
+    def _changed(self) -> None:
+        encoded = b"".join(n.SerializeToString(deterministic=True) for n in self.nodes())
+        encoded += self.queue().SerializeToString(deterministic=True)
+        if encoded == self._published:
+            return
+        self._published = encoded
+        try:
+            self._on_change()
+        except Exception:
+            log.exception("change_callback_failed")
+
+    async def close(self) -> None:
+        """Stops following Ray and removes uncommitted groups; jobs stay with Ray."""
+        if self._poller is not None:
+            self._poller.cancel()
+            await asyncio.gather(self._poller, return_exceptions=True)
+            self._poller = None
+        for name in list(self._held):
+            await self.release(name)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Lets go of Ray for agent exit: committed jobs keep running, as under Slurm."""
+        await self.close()
+
+
+def _accepted(name: str, lease_s: float) -> site_link_service_pb2.OfferAnswer:
+    return site_link_service_pb2.OfferAnswer(accepted=True, reservation_id=name, lease_s=lease_s)
+
+
+def _place_group(
+    name: str, bundles: list[dict[str, float]], strategy: str, *, expect_room: bool
+) -> tuple[Any, str]:
+    """Creates the detached group; "" when Ray placed it, else Ray's scheduling state.
+
+    Ray queues a group it cannot place rather than refusing it. With ``expect_room`` (the view
+    has the room) Ray gets ``_PLACE_WAIT_S`` to place it: a group just removed frees its
+    resources a moment later. Without, Ray's first ``NO_RESOURCES`` or ``INFEASIBLE`` is the
+    answer. A group not placed is removed.
+    """
+    from ray.util.placement_group import placement_group, placement_group_table
+
+    group = placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
+    deadline = time.monotonic() + _PLACE_WAIT_S
+    state = "not placed"
+    while time.monotonic() < deadline:
+        if group.wait(timeout_seconds=0.05):
+            return group, ""
+        table = placement_group_table(group)
+        state = str(table.get("stats", {}).get("scheduling_state", state))
+        if table.get("state") == "CREATED":
+            return group, ""
+        if state in _UNPLACEABLE and (not expect_room or state == "INFEASIBLE"):
+            break
+    _remove_group(group)
+    return None, state
+
+
+def _remove_group(group: Any) -> None:
+    from ray.util import remove_placement_group
+
+    try:
+        remove_placement_group(group)
+    except Exception as err:  # already gone
+        log.debug("group_remove_failed", error=str(err))
+
+
+def _remove_named_group(name: str) -> None:
+    from ray.util import get_placement_group
+
+    try:
+        group = get_placement_group(name)
+    except ValueError:
+        return
+    _remove_group(group)
+
+
+def _site_groups(site: str) -> list[str]:
+    from ray.util.placement_group import placement_group_table
+
+    return [
+        g["name"]
+        for g in placement_group_table().values()
+        if g.get("state") != "REMOVED" and parse_group(g.get("name", ""), site) is not None
+    ]
+
+
+def _launch_devices(work_dir: Path, key: RunKey) -> list[str]:
+    """The devices an adopted job's launcher was given, from its launch file."""
+    path = work_dir / key[0] / key[1].replace("/", "~") / str(key[2]) / "launch.json"
+    try:
+        launch = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [
+        d
+        for r in launch["replicas"]
+        for d in r["env"].get("FEDERATION_DEVICES", "").split(",")
+        if d
+    ]

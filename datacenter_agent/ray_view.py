@@ -1,0 +1,84 @@
+"""Ray's nodes, turned into the federation's nodes: CPU, memory and named devices.
+
+Ray counts devices (``GPU: 4``, ``GPU_A100: 2``) without naming them; the view names each one
+``RESOURCE-INDEX`` on its node, as the Slurm view names GRES devices, and the core keeps which
+of them its placement groups hold. A node is addressed in Ray by its ``node:IP`` resource.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from federation.agent.config import RayDevice
+from federation.api.v1 import resources_pb2
+
+KINDS: dict[str, resources_pb2.DeviceKind.ValueType] = {
+    "gpu": resources_pb2.DEVICE_KIND_GPU,
+    "npu": resources_pb2.DEVICE_KIND_NPU,
+    "mlu": resources_pb2.DEVICE_KIND_MLU,
+    "fpga": resources_pb2.DEVICE_KIND_FPGA,
+    "dpu": resources_pb2.DEVICE_KIND_DPU,
+}
+RESOURCE_ATTRIBUTE = "ray_resource"
+"""The device attribute naming the Ray resource that counts it."""
+_MIB = 1024 * 1024
+
+
+def ray_nodes(
+    records: list[dict[str, Any]], devices: Mapping[str, RayDevice]
+) -> list[resources_pb2.Node]:
+    """The live nodes of ``ray.nodes()``, each with its devices named, all free."""
+    nodes = []
+    for record in records:
+        if not record.get("Alive"):
+            continue
+        resources: dict[str, float] = record.get("Resources", {})
+        address = record["NodeManagerAddress"]
+        cpus = float(resources.get("CPU", 0.0))
+        memory_mib = int(resources.get("memory", 0.0) // _MIB)
+        node = resources_pb2.Node(
+            name=address,
+            cpu_cores=cpus,
+            cpu_free=cpus,
+            memory_mib=memory_mib,
+            memory_free_mib=memory_mib,
+            labels={"ray_node_id": record["NodeID"]},
+            schedulable=True,
+            provenance=resources_pb2.PROVENANCE_DISCOVERED,
+        )
+        for resource, described in sorted(devices.items()):
+            for index in range(int(resources.get(resource, 0.0))):
+                node.devices.append(
+                    resources_pb2.Device(
+                        id=f"{resource}-{index}",
+                        index=index,
+                        kind=KINDS[described.kind],
+                        vendor=described.vendor,
+                        model=described.model or resource,
+                        memory_total_mib=described.memory_mib,
+                        memory_free_mib=described.memory_mib,
+                        health=resources_pb2.DEVICE_HEALTH_HEALTHY,
+                        provenance=resources_pb2.PROVENANCE_DECLARED
+                        if described.declared
+                        else resources_pb2.PROVENANCE_DISCOVERED,
+                        attributes={**described.attributes, RESOURCE_ATTRIBUTE: resource},
+                    )
+                )
+        nodes.append(node)
+    return nodes
+
+
+def bundle(
+    node: resources_pb2.Node, cpu: float, memory_mib: int, positions: tuple[int, ...]
+) -> dict[str, float]:
+    """One replica's Ray bundle, pinned to ``node`` so Ray holds the devices the view names."""
+    wanted: dict[str, float] = {f"node:{node.name}": 0.001}
+    if cpu > 0:
+        wanted["CPU"] = cpu
+    if memory_mib > 0:
+        wanted["memory"] = float(memory_mib * _MIB)
+    for pos in positions:
+        resource = node.devices[pos].attributes[RESOURCE_ATTRIBUTE]
+        wanted[resource] = wanted.get(resource, 0.0) + 1.0
+    return wanted

@@ -1,0 +1,157 @@
+"""A real Ray head (``ray start --head --block``) on this machine, for the Ray core's tests.
+
+The head declares ``GPU_A100`` devices as a custom resource: the machine has no GPU, so they
+are declared inventory (``RayDevice.declared``), as an inventory file declares hardware to an
+embedded site. The ``ray`` program comes from the ``ray`` extra, beside the interpreter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+from federation.agent.config import RayDevice, RaySettings
+from federation.testing.etcd import free_ports, stop_process
+
+START_TIMEOUT_S = 60.0
+
+
+def ray_binary() -> str | None:
+    """The ``ray`` program beside this interpreter or on PATH, if Ray is installed."""
+    beside = Path(sys.executable).parent / "ray"
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("ray")
+
+
+@dataclass
+class LocalRayHead:
+    """One Ray head node with ``cpus`` CPUs and ``a100s`` declared ``GPU_A100`` devices."""
+
+    cpus: int = 4
+    a100s: int = 2
+    process: subprocess.Popen[bytes] | None = None
+    address: str = ""
+    dashboard: str = ""
+    temp_dir: str = ""
+
+    def start(self) -> None:
+        binary = ray_binary()
+        if binary is None:
+            raise RuntimeError("Ray is not installed (the ray extra)")
+        gcs, dashboard, agent, client = free_ports(4)
+        # Short: Ray's sockets live under it, and a socket path must stay under 108 bytes.
+        self.temp_dir = tempfile.mkdtemp(prefix="ray", dir="/tmp")
+        self.address, self.dashboard = f"127.0.0.1:{gcs}", f"http://127.0.0.1:{dashboard}"
+        command = [
+            binary,
+            "start",
+            "--head",
+            "--block",
+            f"--port={gcs}",
+            "--node-ip-address=127.0.0.1",
+            f"--dashboard-port={dashboard}",
+            # Not Ray's fixed defaults, which another head on this machine may hold.
+            f"--dashboard-agent-listen-port={agent}",
+            f"--ray-client-server-port={client}",
+            "--dashboard-host=127.0.0.1",
+            "--include-dashboard=true",
+            f"--num-cpus={self.cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps({'GPU_A100': self.a100s})}",
+            f"--temp-dir={self.temp_dir}",
+            "--disable-usage-stats",
+        ]
+        env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        self.process = subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while True:  # the Jobs API takes jobs once the dashboard and its node agent are up
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ray start exited with {self.process.returncode}")
+            try:
+                with urllib.request.urlopen(f"{self.dashboard}/api/version", timeout=1):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the Ray dashboard did not answer") from None
+                time.sleep(0.2)
+        self._first_job(deadline)
+
+    def _first_job(self, deadline: float) -> None:
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        client = JobSubmissionClient(self.dashboard)
+        while True:
+            try:
+                job = client.submit_job(entrypoint="true", entrypoint_num_cpus=0)
+                break
+            except RuntimeError:  # "No available agent to submit job" at first
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        while client.get_job_status(job) not in (JobStatus.SUCCEEDED, JobStatus.FAILED):
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Ray head ran no job")
+            time.sleep(0.1)
+
+    def settings(self, **overrides: object) -> RaySettings:
+        """Settings for a core on this head; ``GPU_A100`` devices are declared A100-80GB."""
+        values: dict[str, object] = {
+            "address": self.address,
+            "dashboard": self.dashboard,
+            "python": sys.executable,
+            "poll_interval_s": 0.25,
+            "devices": {
+                "GPU_A100": RayDevice(
+                    model="A100-80GB", vendor="nvidia", memory_mib=81920, declared=True
+                )
+            },
+        }
+        values.update(overrides)
+        return RaySettings(**values)  # type: ignore[arg-type]
+
+    def stop(self) -> None:
+        """Stops the head and every process it started.
+
+        ``ray start --block`` leaves its processes running when it is stopped, and some of them
+        start sessions of their own: each is found by this head's temp dir in its command line.
+        """
+        stop_process(self.process)
+        for signum in (signal.SIGTERM, signal.SIGKILL):
+            pids = self._pids()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
+            deadline = time.monotonic() + 5.0
+            while self._pids() and time.monotonic() < deadline:
+                time.sleep(0.1)
+        shutil.rmtree(self.temp_dir, ignore_errors=True)
+
+    def _pids(self) -> list[int]:
+        pids = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if self.temp_dir.encode() in command:
+                pids.append(int(entry.name))
+        return pids
