@@ -243,6 +243,13 @@ class RayCore:
             return f"invalid cpu request {spec.resources.cpu}"
         if acc.fraction or acc.partition:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
+        # Not yet on Ray: staging inputs, storing outputs, checkpoints, images. Declined,
+        # rather than run without them.
+        if offer.stages_inputs or spec.outputs or spec.HasField("checkpoint") or spec.image:
+            return (
+                "this Ray site does not stage inputs, store outputs, keep checkpoints or run "
+                "images yet"
+            )
         key = (offer.job_id, offer.task)
         epochs = [
             k[2] for k in [*self._tasks, *(h.key for h in self._held.values())] if k[:2] == key
