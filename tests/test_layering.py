@@ -46,11 +46,16 @@ def test_neither_side_imports_the_other(folders: list[str], forbidden: tuple[str
     assert not crossing, "\n".join(crossing)
 
 
-def test_the_cli_does_not_import_the_slurm_agent() -> None:
+@pytest.mark.parametrize(
+    ("folder", "above"),
+    [
+        ("federation/cli", ("datacenter_agent", "edge_agent", "federation.agent")),
+        ("federation/security", ("federation.store",)),
+    ],
+)
+def test_no_upward_import(folder: str, above: tuple[str, ...]) -> None:
     crossing = sorted(
-        f"{path}: {module}"
-        for path, module in imported(ROOT / "federation/cli")
-        if within(module, ("datacenter_agent",))
+        f"{path}: {module}" for path, module in imported(ROOT / folder) if within(module, above)
     )
     assert not crossing, "\n".join(crossing)
 
