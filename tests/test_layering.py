@@ -46,6 +46,91 @@ def test_neither_side_imports_the_other(folders: list[str], forbidden: tuple[str
     assert not crossing, "\n".join(crossing)
 
 
+@pytest.mark.parametrize(
+    ("folder", "above"),
+    [
+        ("federation/cli", ("datacenter_agent", "edge_agent", "federation.agent")),
+        ("federation/security", ("federation.store",)),
+    ],
+)
+def test_no_upward_import(folder: str, above: tuple[str, ...]) -> None:
+    crossing = sorted(
+        f"{path}: {module}" for path, module in imported(ROOT / folder) if within(module, above)
+    )
+    assert not crossing, "\n".join(crossing)
+
+
+def module_graph(files: dict[str, str]) -> dict[str, set[str]]:
+    """Module -> the tree's modules it imports at module level (imports inside functions and
+    ``if TYPE_CHECKING:`` blocks run later or never, so they close no cycle at import time)."""
+    graph: dict[str, set[str]] = {}
+    for name, source in files.items():
+        edges: set[str] = set()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                for alias in node.names:
+                    whole = f"{node.module}.{alias.name}"
+                    edges.add(whole if whole in files else node.module)
+            elif isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+        graph[name] = {m for m in edges if m in files and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected parts of more than one module (Tarjan's algorithm)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            part = [stack.pop()]
+            while part[-1] != module:
+                part.append(stack.pop())
+            if len(part) > 1:
+                found.append(sorted(part))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def tree_sources() -> dict[str, str]:
+    files = {}
+    for package in ("federation", "edge_agent", "datacenter_agent"):
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            files[name] = path.read_text()
+    return files
+
+
+def test_no_module_level_import_cycle() -> None:
+    assert cycles(module_graph(tree_sources())) == []
+
+
+def test_the_cycle_check_finds_a_planted_cycle() -> None:
+    planted = {
+        "pkg.a": "from pkg.b import x\n",
+        "pkg.b": "import pkg.c\n",
+        "pkg.c": "from pkg import a\n",
+        "pkg": "",
+        "pkg.d": "def later() -> None:\n    from pkg.a import y\n",
+    }
+    assert cycles(module_graph(planted)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
 def test_the_check_sees_imports() -> None:
     modules = {module for _, module in imported(ROOT / "federation/agent")}
     assert "federation.common.keys" in modules

@@ -17,12 +17,6 @@ from pathlib import Path
 
 from rich.table import Table
 
-from datacenter_agent.slurm_cluster import (
-    LocalNode,
-    LocalSlurmCluster,
-    SlurmClusterError,
-    missing_binaries,
-)
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import CliError
 from federation.cli.demo_data import features_moved, start_stores, with_data
@@ -33,6 +27,12 @@ from federation.cli.render import console, event_line, text
 from federation.common.job_state import is_terminal
 from federation.jobspec import job_spec_from_dict, state_name
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.slurm_cluster import (
+    LocalNode,
+    LocalSlurmCluster,
+    SlurmClusterError,
+    missing_binaries,
+)
 from federation.watch import events_of
 
 NPU = {

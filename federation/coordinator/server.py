@@ -64,11 +64,12 @@ from federation.coordinator.servicers import (
 from federation.coordinator.services import ListCoordinators, start_services
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
 from federation.security.interceptors import AuthInterceptor
-from federation.security.revocation import RevocationBook, follow, load
+from federation.security.revocation import RevocationBook
 from federation.security.throttle import Throttle, ThrottleLimits
 from federation.security.tls import TlsFiles
 from federation.store import SqliteStore, Store, StoreUnreachableError
 from federation.store.etcd import EtcdStore
+from federation.store.revocations import follow, load
 
 log = structlog.get_logger()
 

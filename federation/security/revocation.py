@@ -11,8 +11,8 @@ accepted on until its successor is first used (as this coordinator sees it) or i
 ends, and after that only to repeat the renewal that superseded it.
 
 Every coordinator keeps a ``RevocationBook``: loaded before it serves, then kept current by
-``follow`` from the store's watch, so each coordinator of an HA group refuses a revoked peer
-as soon as the revocation is committed, leader or not.
+``federation.store.revocations.follow`` from the store's watch, so each coordinator of an HA
+group refuses a revoked peer as soon as the revocation is committed, leader or not.
 """
 
 from __future__ import annotations
@@ -30,8 +30,6 @@ from federation.api.v1 import records_pb2
 from federation.errors import CertificateRevokedError, CertificateSupersededError
 from federation.security.identity import Identity, identity_from_certificate
 from federation.security.pki import CLOCK_SKEW
-from federation.store import Store, WatchEvent, WatchEventType
-from federation.store.follow import follow as follow_prefix
 
 log = structlog.get_logger()
 
@@ -249,35 +247,3 @@ class RevocationBook:
             for s in candidates
             if covers(revocation, s.cert.serial_hex, str(s.cert.identity), s.cert.issued_s)
         ]
-
-
-async def load(store: Store, book: RevocationBook) -> int:
-    """Read every revocation into ``book``; returns the store revision it read at or after."""
-    revision = await store.revision()
-    kvs = await store.range(REVOCATIONS)
-    revoked = [kv for kv in kvs if not kv.key.startswith(SUPERSEDED)]
-    renewed = [kv for kv in kvs if kv.key.startswith(SUPERSEDED)]
-    book.replace(
-        (records_pb2.Revocation.FromString(kv.value) for kv in revoked),
-        (records_pb2.Supersession.FromString(kv.value) for kv in renewed),
-    )
-    return revision
-
-
-async def follow(store: Store, book: RevocationBook, revision: int) -> None:
-    """Keep ``book`` current from the store's watch after ``revision``, until cancelled.
-
-    A broken watch (the store restarting, history compacted) reads the whole list again.
-    """
-
-    async def apply(event: WatchEvent) -> None:
-        if event.type is WatchEventType.DELETE:
-            book.forget(event.kv.key)
-        elif event.kv.key.startswith(SUPERSEDED):
-            book.supersede(records_pb2.Supersession.FromString(event.kv.value))
-        else:
-            book.apply(records_pb2.Revocation.FromString(event.kv.value))
-
-    await follow_prefix(
-        store, REVOCATIONS, revision, apply, lambda: load(store, book), "revocation"
-    )

@@ -13,12 +13,11 @@ from federation.security.pki import CertificateAuthority
 from federation.security.revocation import (
     PeerCertificate,
     RevocationBook,
-    follow,
-    load,
     peer_certificate_of,
     revocation_key,
 )
 from federation.store import Delete, Put, SqliteStore
+from federation.store.revocations import follow, load
 
 TENANT = Identity(Role.TENANT, "team-a")
 

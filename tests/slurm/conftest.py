@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_cluster import LocalNode, LocalSlurmCluster, missing_binaries
 from datacenter_agent.slurm_core import SlurmCore
 from federation.agent.config import GresModel, SlurmSettings
 from federation.api.v1 import site_link_service_pb2
+from federation.testing.slurm_cluster import LocalNode, LocalSlurmCluster, missing_binaries
 
 from .cores import FINAL, Harness, MakeCore, sites
 

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_cluster import LocalSlurmCluster, free_port
 from datacenter_agent.slurm_core import DEGRADED_NODE
 from federation.agent.config import SlurmSettings
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
+from federation.testing.slurm_cluster import LocalSlurmCluster, free_port
 
 from .conftest import NODE
 from .cores import RUNNING, MakeCore, slurm_job

@@ -11,7 +11,6 @@ import grpc
 import pytest
 
 from datacenter_agent.slurm_cli import parse_records
-from datacenter_agent.slurm_cluster import LocalSlurmCluster
 from federation.api.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,
@@ -22,6 +21,7 @@ from federation.api.v1 import (
 )
 from federation.jobspec import job_spec_from_dict
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.slurm_cluster import LocalSlurmCluster
 from federation.watch import events_of
 
 from .conftest import GRES, MAX_MEM_PER_NODE_MIB, NODE, PARTITION

@@ -33,7 +33,7 @@ from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, Spee
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.security.certificates import Certificates
 from federation.security.pki import CertificateAuthority
-from federation.security.revocation import RevocationBook, follow, load, supersession_key
+from federation.security.revocation import RevocationBook, supersession_key
 from federation.store import (
     CasConflictError,
     Check,
@@ -44,6 +44,7 @@ from federation.store import (
     WatchEvent,
     WatchEventType,
 )
+from federation.store.revocations import follow, load
 
 PUT = WatchEventType.PUT
 DELETE = WatchEventType.DELETE
