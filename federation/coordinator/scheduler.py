@@ -65,11 +65,35 @@ from federation.coordinator.policy.resources import Demand, at, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
 from federation.coordinator.policy.usage import placed
+from federation.coordinator.scheduling.config import (
+    CHECKPOINT,
+    DEVICE_KINDS,
+    FRONT_OF_LINE,
+    INPUTS,
+    MAX_REMEMBERED_PLACEMENTS,
+    OWNER_SHARE,
+    PREEMPT,
+    QUEUE_GAUGES_EVERY_S,
+    QUOTA,
+    RECLAIMED,
+    RETRY,
+    SPREAD,
+    TIMER_PACE,
+    WAIT_RECHECK_S,
+    WAIT_SLACK_S,
+    SchedulerConfig,
+)
+from federation.coordinator.scheduling.rounds import offer_rounds
+from federation.coordinator.scheduling.verdicts import (
+    refusal,
+    stage_verdicts,
+    summarize,
+    waiting_verdict,
+)
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.staged_inputs import Registered, holders_away, resolve
 from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
-    WAIT_GAIN,
     Holding,
     Wait,
     Waiter,
@@ -92,45 +116,10 @@ from federation.placement.plugins.near_region import NearRegion, describe
 from federation.placement.request import Input, Request
 from federation.placement.selectors import VERDICTS, selector_matches
 from federation.placement.snapshot import Snapshot
-from federation.resources import KINDS, add, owner_share_refusal
+from federation.resources import add, owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
-
-NEGOTIATE = "Negotiate"
-QUOTA = "Quota"
-OWNER_SHARE = "OwnerShare"
-SPREAD = "Spread"
-"""The stage of a verdict that holds a task back for its queue's quota, at every site."""
-PREEMPT = "Preempt"
-"""The stage of the verdict naming the tasks stopped to make room for a waiting one."""
-RECLAIMED = "a queue taking back the nominal quota it lent"
-"""Why a task on borrowed quota was stopped (naming no other job or queue)."""
-WAIT = "Wait"
-"""The stage of the verdict of a task that waits for a busy site (``waits``)."""
-RETRY = "Retry"
-"""The stage of what holds back a failed task waiting out its backoff (explain only)."""
-INPUTS = "Inputs"
-"""The stage of the verdict of a task whose inputs are held by a site not connected now."""
-WAIT_RECHECK_S = 30.0
-"""Longest a task waits for a busy site before its choice is weighed again; a task's end
-there wakes it sooner."""
-WAIT_SLACK_S = 5.0
-"""A task waits for a busy site at most this long past the start its first wait promised
-(or a quarter of that wait, if longer): what runs there may overrun its estimate for ever,
-and each recheck would promise "any moment now" again."""
-FRONT_OF_LINE = 64
-"""Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
-QUEUE_GAUGES_EVERY_S = 5.0
-"""How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
-TIMER_PACE = 20
-"""After a cycle, a retry timer alone starts the next one no sooner than this many times the
-cycle's walk of the line later: a backlog whose timers come due one after another then costs
-a walk now and then (at most 1/21 of the loop), not one walk after another."""
-CHECKPOINT = "checkpoint:"
-"""Placement input naming the newest checkpoint of a task that restarts from it."""
-MAX_REMEMBERED_PLACEMENTS = 10_000
-"""Distinct requests whose placement on the current snapshot is kept for later cycles."""
 
 
 _OfferReply: TypeAlias = tuple[str, str, site_link_service_pb2.OfferAnswer | None]
@@ -155,37 +144,6 @@ class _Rest:
     def add(self, key: TaskKey, not_before: float) -> None:
         self.keys.append(key)
         self.until = min(self.until, not_before)
-
-
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    offer_timeout_s: float = 5.0
-    """How long a site may take to answer an offer or a commit."""
-    reservation_lease_s: float = 10.0
-    """How long a site holds a reservation that no commit follows."""
-    max_offers_per_round: int = 5
-    """Sites tried, best first, before a task goes back to PENDING."""
-    offers_at_once: int = 3
-    """Sites offered a task at the same time once the best site has declined it; the best one
-    that accepts gets the commit (see ``offer_rounds``)."""
-    retry_interval_s: float = 5.0
-    """Longest wait before pending tasks are tried again without any change."""
-    unfit_retry_interval_s: float = 60.0
-    """The same for tasks every site refused for what room coming free cannot change
-    (``UNFIT``); each of their waits is cut by up to a fifth at random, to spread them."""
-    max_concurrent_negotiations: int = 2048
-    batch_window_s: float = 0.002
-    """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
-    preemption_min_run_s: float = 60.0
-    """A task runs at least this long before it may be preempted, so work does not thrash."""
-    reclaim_min_run_s: float = 120.0
-    """A task on borrowed quota runs at least this long before its lender takes it back."""
-    wait_gain: float = WAIT_GAIN
-    """A task waits for a busy site where it would finish by this share of its finish on the
-    best site free now (``waits``); 0: tasks never wait while some site can take them."""
-
-
-DEVICE_KINDS = frozenset(KINDS.values())
 
 
 @dataclass(slots=True)
@@ -578,9 +536,9 @@ class Scheduler:
             kept, kept_for_owners = self._within_owner_shares(job, need, admitted.sites, cycle)
             kept, behind = self._stopped_for.held_back(key, kept)
             refused = [
-                *_verdicts(QUOTA, admitted.refused),
-                *_verdicts(OWNER_SHARE, kept_for_owners),
-                *_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
+                *stage_verdicts(QUOTA, admitted.refused),
+                *stage_verdicts(OWNER_SHARE, kept_for_owners),
+                *stage_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
             ]
             if not kept:
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
@@ -596,7 +554,7 @@ class Scheduler:
             verdicts = (*verdicts, *refused)
             if spread.PART in task:
                 kept, apart = self._within_spread(job, task, feasible, ranked, cycle.snapshot)
-                verdicts = (*verdicts, *_verdicts(SPREAD, apart))
+                verdicts = (*verdicts, *stage_verdicts(SPREAD, apart))
                 if not kept:
                     self._backoff(key)  # a sibling's placement or end wakes it
                     return list(verdicts)
@@ -604,7 +562,7 @@ class Scheduler:
             wait = self._sooner_by_waiting(request, placement, ranked, cycle) if busy else None
             if wait is not None and self._within_promise(key, wait):
                 self._wait_for(key, wait)
-                return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
+                return [waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
             ranked = _with_devices_left(ranked, need, cycle)
             if not ranked:
                 # Earlier tasks in line were offered the devices free now: offered too, it
@@ -1373,7 +1331,7 @@ class Scheduler:
             live = []
             for site in n.candidates[first:stop]:
                 if self._sites.session(site) is None:
-                    n.verdicts.append(_refusal(site, "site disconnected before the offer"))
+                    n.verdicts.append(refusal(site, "site disconnected before the offer"))
                 else:
                     live.append(site)
             if live:
@@ -1449,7 +1407,7 @@ class Scheduler:
                             accepted.setdefault(n.key, []).append((site, reservation))
                             self._commit_estimate(n, site, answer)
                         else:
-                            n.verdicts.append(_refusal(site, why))
+                            n.verdicts.append(refusal(site, why))
                         if tracing.on():
                             _trace_offer(n, site, asked_ns, answer, why)
                         unanswered[n.key] -= 1
@@ -1493,7 +1451,7 @@ class Scheduler:
                 n.deferred.add(best[0])
                 n.candidates = (*n.candidates, best[0])
                 n.verdicts.append(
-                    _refusal(
+                    refusal(
                         best[0],
                         f"accepted, but would finish in {n.estimates[best[0]].total_s:.0f} s, "
                         f"later than {sooner} was estimated to; asked last",
@@ -1504,7 +1462,7 @@ class Scheduler:
             for site, reservation in others:
                 self._release(site, reservation)
                 why = f"accepted, but {best[0]} finishes sooner or ranked higher"
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
         await self._delegate([n for n in negotiations if n.key in accepted])
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
@@ -1547,7 +1505,7 @@ class Scheduler:
                 if tracing.on():
                     _trace_commit(n, site, started_ns, why)
                 back.append((n.job_id, _back_from_site(n.task, n.epoch, why)))
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
                 continue
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
@@ -1576,7 +1534,7 @@ class Scheduler:
             if isinstance(inputs, str):  # a holder is away: wait, and be placed again
                 self._release(site, reservation)
                 back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
-                n.verdicts.append(_refusal(site, inputs))
+                n.verdicts.append(refusal(site, inputs))
                 continue
             commit.inputs.extend(inputs)
             if (restore := restores.get(i)) is not None:
@@ -1612,7 +1570,7 @@ class Scheduler:
                 log.warning("commit_failed", job=n.job_id, task=n.task, site=site, reason=why)
                 n.settled = False  # the site does not run it: later rounds may offer it on
                 back.append((n.job_id, _back_from_site(n.task, commit.epoch, why)))
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
         if back:
             await self._jobs.update_many(back)
 
@@ -1623,7 +1581,7 @@ class Scheduler:
             session = self._sites.session(site)
             if session is not None and session.protocol < DATA_PROTOCOL:
                 why = f"its agent speaks site-link protocol {session.protocol}; outputs and "
-                n.verdicts.append(_refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
+                n.verdicts.append(refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
             else:
                 out.append(site)
         return out
@@ -1855,21 +1813,6 @@ def _with_devices_left(ranked: tuple[str, ...], need: Demand, cycle: _Cycle) -> 
     return kept
 
 
-def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
-    """The ``[first, stop)`` slices of the ranked sites that each negotiation round offers to.
-
-    The first round offers the best site alone: it usually accepts, and an offer holds
-    capacity at a site until it is committed or released, so offering more sites at once would
-    reserve every job several times over and make the others decline their own offers. Once
-    the best site has declined, later rounds offer ``offers_at_once`` sites at a time, so a run
-    of declines costs few round trips.
-    """
-    rounds = [(0, min(1, candidates))] if candidates else []
-    step = max(1, offers_at_once)
-    rounds += [(first, min(first + step, candidates)) for first in range(1, candidates, step)]
-    return rounds
-
-
 _Placement = tuple[
     tuple[jobs_pb2.SiteVerdict, ...],
     tuple[str, ...],
@@ -1945,10 +1888,6 @@ def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None
         error=why,
         attributes={"federation.started": not why},
     )
-
-
-def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
-    return jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=reason)
 
 
 def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
@@ -2110,45 +2049,6 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
         return [transition(job, task_name, job_state.PENDING, reason)]
 
     return mutate
-
-
-def _verdicts(stage: str, refused: list[tuple[str, str]]) -> list[jobs_pb2.SiteVerdict]:
-    """Why ``stage`` keeps the task from each of these sites."""
-    return [jobs_pb2.SiteVerdict(site=site, stage=stage, reason=why) for site, why in refused]
-
-
-def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:
-    """One line for people: why no site took the task."""
-    if not verdicts:
-        return "no sites are connected"
-    if verdicts[0].stage == WAIT:
-        return verdicts[0].reason
-    if all(v.stage == QUOTA for v in verdicts):
-        return verdicts[0].reason  # its queue holds it back, whatever the sites have
-    parts = [f"{v.site}: {v.reason}" for v in verdicts[:3]]
-    more = f" (+{len(verdicts) - 3} more)" if len(verdicts) > 3 else ""
-    return "no site can take it now: " + "; ".join(parts) + more
-
-
-def _waiting_verdict(wait: Wait, now_site: str, now_s: float) -> jobs_pb2.SiteVerdict:
-    """Why the task waits although ``now_site`` could take it; figures are rounded so that
-    the record is written again only when they change notably."""
-    sooner = 5 * round(20 * (1 - wait.finish_s / now_s)) if now_s > 0 else 0
-    return jobs_pb2.SiteVerdict(
-        site=wait.site,
-        stage=WAIT,
-        reason=f"waits for room at {wait.site}, expected in {_about(wait.wait_s)}: it should"
-        f" finish there about {sooner} % sooner than at {now_site}, which could take it now",
-    )
-
-
-def _about(seconds: float) -> str:
-    """A duration to two figures, for people."""
-    if seconds < 90:
-        return f"{max(1, round(seconds))} s"
-    if seconds < 5400:
-        return f"{round(seconds / 60)} min"
-    return f"{seconds / 3600:.1f} h"
 
 
 def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
