@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 import random
@@ -48,7 +47,7 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.outputs import DATASET, source_of, staged
+from federation.coordinator.outputs import DATASET, staged
 from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
 from federation.coordinator.policy.preemption import (
     Candidate,
@@ -66,7 +65,6 @@ from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, 
 from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
 from federation.coordinator.policy.usage import placed
 from federation.coordinator.scheduling.config import (
-    CHECKPOINT,
     DEVICE_KINDS,
     FRONT_OF_LINE,
     INPUTS,
@@ -84,6 +82,13 @@ from federation.coordinator.scheduling.config import (
     SchedulerConfig,
 )
 from federation.coordinator.scheduling.rounds import offer_rounds
+from federation.coordinator.scheduling.task_requests import (
+    copy_estimate,
+    estimate_proto,
+    once_free,
+    request_for,
+    waiting_on,
+)
 from federation.coordinator.scheduling.verdicts import (
     refusal,
     stage_verdicts,
@@ -92,7 +97,6 @@ from federation.coordinator.scheduling.verdicts import (
 )
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.staged_inputs import Registered, holders_away, resolve
-from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
     Holding,
     Wait,
@@ -110,10 +114,10 @@ from federation.metrics import (
     SCHEDULING_JOBS_READ,
     SCHEDULING_WALK_SECONDS,
 )
-from federation.placement.estimates import Estimates, estimate
+from federation.placement.estimates import estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.plugins.near_region import NearRegion, describe
-from federation.placement.request import Input, Request
+from federation.placement.request import Request
 from federation.placement.selectors import VERDICTS, selector_matches
 from federation.placement.snapshot import Snapshot
 from federation.resources import add, owner_share_refusal
@@ -1624,7 +1628,7 @@ class Scheduler:
             workload = spec.workload_class if spec is not None else ""
             error = self._learner.error(workload, answer.device_model, site=site)
             if error != estimated.run_error:
-                n.estimates[site] = _copy_estimate(estimated, run_error=error)
+                n.estimates[site] = copy_estimate(estimated, run_error=error)
 
     def _release(self, site: str, reservation_id: str) -> None:
         # Room another task of the negotiation may have been refused for: it goes to the
@@ -1691,7 +1695,7 @@ class Scheduler:
                     reason=every[0].reason,
                     code=every[0].code,
                     rejections=verdicts,
-                    estimate=_once_free(now, waits.get(site)),
+                    estimate=once_free(now, waits.get(site)),
                 )
             ranked_site = task.site or (decision.ranked[0] if decision.ranked else "")
             index = snapshot.site_index(ranked_site) if ranked_site else None
@@ -1975,7 +1979,7 @@ def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") 
     """
     placed = n.estimates.get(site)
     if placed is not None and model and placed.device_model != model:
-        placed = n.estimates[site] = _copy_estimate(placed, device_model=model)
+        placed = n.estimates[site] = copy_estimate(placed, device_model=model)
     if placed is None or not (math.isfinite(run_s) and run_s > 0) or run_s == placed.run_s:
         return
     if run_s > placed.run_s * (1 + 1e-9):
@@ -1990,27 +1994,6 @@ def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") 
     if placed.device_speed > 0:
         committed.device_speed = placed.device_speed / ratio
     n.estimates[site] = committed
-
-
-def _once_free(estimate: jobs_pb2.Estimate, wait: Wait | None) -> jobs_pb2.Estimate:
-    """A busy site's estimate once room frees there, the predicted wait as its queue time."""
-    if wait is None:
-        return estimate
-    return _copy_estimate(
-        estimate,
-        queue_s=wait.wait_s,
-        run_s=wait.waiter.run_s,
-        total_s=wait.finish_s,
-        device_speed=wait.waiter.speed,
-    )
-
-
-def _copy_estimate(estimate: jobs_pb2.Estimate, **changes: Any) -> jobs_pb2.Estimate:
-    copy = jobs_pb2.Estimate()
-    copy.CopyFrom(estimate)
-    for name, value in changes.items():
-        setattr(copy, name, value)
-    return copy
 
 
 def _mark_delegated(
@@ -2049,73 +2032,3 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
         return [transition(job, task_name, job_state.PENDING, reason)]
 
     return mutate
-
-
-def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
-    """Dependencies of a task that have not succeeded yet."""
-    spec = find_spec(job, task_name)
-    states = {t.name: t.state for t in job.tasks}
-    return [d for d in spec.depends_on if states.get(d) != job_state.SUCCEEDED]
-
-
-def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
-    """The placement request for a task, or None while it waits for its dependencies.
-
-    The outputs of the tasks it depends on become its inputs, located where those ran, and so
-    does the task's newest recorded checkpoint, which a restart reads.
-    """
-    specs = {t.name: t for t in job.spec.tasks}
-    spec = specs[task_name]
-    if spec.depends_on and waiting_on(job, task_name):
-        return None
-    status = {t.name: t for t in job.tasks}
-    inputs = [
-        Input(i.dataset, i.bytes, i.site)
-        for i in spec.inputs
-        if not i.dataset.startswith(TASK_OUTPUT)
-    ]
-    for dep in spec.depends_on:
-        size = specs[dep].output_bytes
-        for i in spec.inputs:  # an explicit "task:NAME[.OUTPUT]" input may give the size
-            if i.bytes and (found := source_of(i.dataset, specs)) is not None and found[0] == dep:
-                size = i.bytes
-        if stored := sum(a.bytes for a in status[dep].artifacts):
-            size = stored  # what its site reported storing
-        if size:
-            inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
-    checkpoint = status[task_name].checkpoint
-    if checkpoint.path and checkpoint.bytes:
-        # A restart reads its newest checkpoint from the site that holds it.
-        inputs.append(Input(CHECKPOINT + task_name, checkpoint.bytes, checkpoint.site))
-    return _request(
-        spec.SerializeToString(deterministic=True),
-        job.spec.constraints.SerializeToString(deterministic=True),
-        job.spec.objective.SerializeToString(deterministic=True),
-        tuple(inputs),
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _request(
-    task: bytes, constraints: bytes, objective: bytes, inputs: tuple[Input, ...]
-) -> Request:
-    """``Request.from_spec`` by what it reads: the tasks of job arrays share one, and a key
-    costs a seventh of building a request."""
-    job = jobs_pb2.JobSpec(
-        constraints=jobs_pb2.Constraints.FromString(constraints),
-        objective=jobs_pb2.Objective.FromString(objective),
-    )
-    return Request.from_spec(job, jobs_pb2.TaskSpec.FromString(task), inputs)
-
-
-def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
-    return jobs_pb2.Estimate(
-        queue_s=float(estimates.queue_s[site]),
-        transfer_s=float(estimates.transfer_s[site]),
-        run_s=float(estimates.run_s[site]),
-        total_s=float(estimates.total_s[site]),
-        cost_usd=float(estimates.cost_usd[site]),
-        energy_kwh=float(estimates.energy_kwh[site]),
-        transfer_bytes=int(estimates.transfer_bytes[site]),
-        device_speed=float(estimates.device_speed[site]),
-    )
