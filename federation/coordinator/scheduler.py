@@ -81,6 +81,13 @@ from federation.coordinator.scheduling.config import (
     WAIT_SLACK_S,
     SchedulerConfig,
 )
+from federation.coordinator.scheduling.offers import (
+    Negotiation,
+    by_promise,
+    commit_estimate,
+    for_site,
+    sooner_untried,
+)
 from federation.coordinator.scheduling.rounds import offer_rounds
 from federation.coordinator.scheduling.task_requests import (
     copy_estimate,
@@ -166,45 +173,6 @@ class _Cycle:
     devices_left: dict[str, dict[str, float]] | None = None
     """Per site, its free whole devices by kind less those this cycle's offers were sent for,
     gathered once a task that needs whole devices is offered (``_with_devices_left``)."""
-
-
-@dataclass(slots=True)
-class _Negotiation:
-    """One task on its way through the negotiation rounds of a batch."""
-
-    job_id: str
-    task: str
-    candidates: tuple[str, ...]
-    """Sites to try, best first."""
-    verdicts: list[jobs_pb2.SiteVerdict]
-    """Why sites did not take it: placement's, then each refusal."""
-    estimates: dict[str, jobs_pb2.Estimate]
-    """Placement's estimate per site; a site that accepts with its own run time replaces it
-    there (``committed``)."""
-    holds: dict[str, float] = field(default_factory=dict)
-    """What it counts against its queue while offers are out (``Admitted.holds``)."""
-    models: dict[str, list[str]] = field(default_factory=dict)
-    """Per site, the only device models its queues' quotas let it be given there."""
-    slower: set[str] = field(default_factory=set)
-    """Sites that accepted with a longer run time than placement estimated there."""
-    deferred: set[str] = field(default_factory=set)
-    """Slower sites let go once for untried sites estimated sooner (tried again last)."""
-    settled: bool = False
-    """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
-    epoch: int = 0
-    """The epoch of its latest round's offers."""
-    revision: int = 0
-    """The revision of the spec its offers carried (a service changed meanwhile is not
-    delegated with the spec it had before)."""
-    chosen: tuple[str, str] | None = None
-    """The site and reservation it is delegated to, once a round found one."""
-    over: bool = False
-    """Let go already (delegated before the rest of its batch ended): the batch must not
-    touch it again, since a later negotiation may hold the task by then."""
-    key: TaskKey = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = (self.job_id, self.task)
 
 
 class Scheduler:
@@ -402,7 +370,7 @@ class Scheduler:
         if self._full:
             return  # the next negotiation to end wakes the loop again
         cycle = _Cycle()
-        batch: list[_Negotiation] = []
+        batch: list[Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         rested: set[str] = set()  # jobs passed by, resting (``_awake``)
@@ -443,7 +411,7 @@ class Scheduler:
                         swept = False
                         break
                     outcome = self._consider(job, task.name, cycle)
-                    if isinstance(outcome, _Negotiation):
+                    if isinstance(outcome, Negotiation):
                         batch.append(outcome)
                         rest.awake = True
                         continue
@@ -479,7 +447,7 @@ class Scheduler:
 
     def _consider(
         self, job: jobs_pb2.Job, task: str, cycle: _Cycle
-    ) -> _Negotiation | list[jobs_pb2.SiteVerdict] | None:
+    ) -> Negotiation | list[jobs_pb2.SiteVerdict] | None:
         """One waiting task, through its queue's quota and placement: a negotiation to
         start, or the verdicts it waits with (backed off), or None (its dependencies have
         not succeeded, or placing it failed)."""
@@ -603,7 +571,7 @@ class Scheduler:
             )
         if spread.PART in task:
             self._offered_parts.setdefault(job.id, {})[task] = ranked[0]
-        return _Negotiation(
+        return Negotiation(
             job.id,
             task,
             ranked,
@@ -1263,10 +1231,10 @@ class Scheduler:
         self._claims.pop(key, None)
         self._stop_waiting(key)
 
-    async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:
+    async def _negotiate(self, batch: list[Negotiation], frees: int) -> None:
         """Rounds of offers until every task is delegated or has run out of sites. ``frees``:
         ``_frees`` when the batch was formed."""
-        unsettled: list[_Negotiation] = []
+        unsettled: list[Negotiation] = []
         try:
             await self._rounds(batch)
             unsettled = [n for n in batch if not n.settled]
@@ -1288,7 +1256,7 @@ class Scheduler:
             self._front_due = True
             self.wake()
 
-    def _let_go(self, negotiations: list[_Negotiation]) -> None:
+    def _let_go(self, negotiations: list[Negotiation]) -> None:
         """These negotiations are over: their room is free, and tasks left PENDING can be
         picked up again. Each is let go once: by then another may hold its task."""
         keys = [n.key for n in negotiations if not n.over]
@@ -1304,7 +1272,7 @@ class Scheduler:
         if self._full:
             self.wake()  # tasks wait for the room this leaves
 
-    async def _rounds(self, batch: list[_Negotiation]) -> None:
+    async def _rounds(self, batch: list[Negotiation]) -> None:
         """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
         try:
             # One round more than the sites ranked: a slower site let go is asked last.
@@ -1323,7 +1291,7 @@ class Scheduler:
         except Exception:
             log.exception("negotiation_crashed", tasks=len(batch))
 
-    async def _round(self, negotiations: list[_Negotiation], first: int, stop: int) -> None:
+    async def _round(self, negotiations: list[Negotiation], first: int, stop: int) -> None:
         """Offer each task to its sites ``first:stop`` at once, commit the best acceptance,
         release the others; tasks delegated (or moot) end ``settled``, others gain verdicts.
 
@@ -1340,7 +1308,7 @@ class Scheduler:
                     live.append(site)
             if live:
                 offered_to[n.key] = live
-        offers: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Offer]]] = {}
+        offers: dict[str, list[tuple[Negotiation, site_link_service_pb2.Offer]]] = {}
         active = []
         for n in negotiations:
             if n.key not in offered_to:
@@ -1378,7 +1346,7 @@ class Scheduler:
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
             for site in offered_to[n.key]:
                 cordoned = self._sites.get(site).record.cordoned_nodes
-                own = _for_site(offer, n.estimates.get(site), n.models.get(site), cordoned)
+                own = for_site(offer, n.estimates.get(site), n.models.get(site), cordoned)
                 offers.setdefault(site, []).append((n, own))
         # Sites answer in their own time: a task is decided once every site it was offered
         # to has answered, so a slow site holds up only the tasks offered to it.
@@ -1437,7 +1405,7 @@ class Scheduler:
 
     async def _decide(
         self,
-        negotiations: list[_Negotiation],
+        negotiations: list[Negotiation],
         offered_to: dict[TaskKey, list[str]],
         accepted: dict[TaskKey, list[tuple[str, str]]],
     ) -> None:
@@ -1446,7 +1414,7 @@ class Scheduler:
         for n in negotiations:
             if n.key not in accepted:
                 continue
-            best, *others = _by_promise(n, offered_to[n.key], accepted[n.key])
+            best, *others = by_promise(n, offered_to[n.key], accepted[n.key])
             if not others and (sooner := sooner_untried(n, best[0], offered_to[n.key])):
                 # Its own answer is slower than a site not asked yet was estimated: ask
                 # that one first, and this one again last.
@@ -1471,7 +1439,7 @@ class Scheduler:
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
 
-    async def _delegate(self, negotiations: list[_Negotiation]) -> None:
+    async def _delegate(self, negotiations: list[Negotiation]) -> None:
         """Write DELEGATED for each task's chosen site, then send the commits.
 
         Once its commit has left, a task goes back to PENDING only when its site refuses the
@@ -1490,9 +1458,9 @@ class Scheduler:
             mark = _mark_delegated(n.task, site, n.epoch, n.revision, reservation, estimated)
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
-        commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        commits: dict[str, list[tuple[Negotiation, site_link_service_pb2.Commit]]] = {}
         back: list[tuple[str, Mutation]] = []
-        ready: list[tuple[_Negotiation, site_link_service_pb2.Commit]] = []
+        ready: list[tuple[Negotiation, site_link_service_pb2.Commit]] = []
         staging: dict[int, Awaitable[list[site_link_service_pb2.StagedInput] | str]] = {}
         restoring: dict[int, Awaitable[site_link_service_pb2.StagedInput]] = {}
         for n in negotiations:
@@ -1578,7 +1546,7 @@ class Scheduler:
         if back:
             await self._jobs.update_many(back)
 
-    def _speaking_data(self, n: _Negotiation, sites: list[str]) -> list[str]:
+    def _speaking_data(self, n: Negotiation, sites: list[str]) -> list[str]:
         """The sites whose agents can store outputs and stage inputs; a verdict for others."""
         out = []
         for site in sites:
@@ -1617,10 +1585,10 @@ class Scheduler:
         return out
 
     def _commit_estimate(
-        self, n: _Negotiation, site: str, answer: site_link_service_pb2.OfferAnswer
+        self, n: Negotiation, site: str, answer: site_link_service_pb2.OfferAnswer
     ) -> None:
         """The site's answer into its estimate, with the error learned for that model."""
-        _commit_estimate(n, site, answer.run_s, answer.device_model)
+        commit_estimate(n, site, answer.run_s, answer.device_model)
         estimated = n.estimates.get(site)
         if estimated is not None and answer.device_model:
             job = self._jobs.cached(n.job_id)
@@ -1770,8 +1738,8 @@ class Scheduler:
             session.end(UnavailableError(why))
         return answers
 
-    async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
-        def mutation(n: _Negotiation) -> Mutation:
+    async def _back_to_pending(self, negotiations: list[Negotiation]) -> None:
+        def mutation(n: Negotiation) -> Mutation:
             task_name, verdicts = n.task, n.verdicts
 
             def mutate(job: jobs_pb2.Job) -> list[Change]:
@@ -1855,7 +1823,7 @@ def _to_pending(
 
 
 def _trace_offer(
-    n: _Negotiation,
+    n: Negotiation,
     site: str,
     asked_ns: int,
     answer: site_link_service_pb2.OfferAnswer | None,
@@ -1880,7 +1848,7 @@ def _trace_offer(
     )
 
 
-def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None:
+def _trace_commit(n: Negotiation, site: str, started_ns: int, why: str) -> None:
     """``task.commit``: from writing DELEGATED to the site's answer (``why``: not started)."""
     tracing.record(
         "task.commit",
@@ -1894,7 +1862,7 @@ def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None
     )
 
 
-def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
+def _delegated_as(task: jobs_pb2.TaskStatus, n: Negotiation) -> bool:
     """Whether ``task`` is DELEGATED as ``n`` wrote it: its epoch, site and reservation."""
     return (
         task.state == job_state.DELEGATED
@@ -1908,7 +1876,7 @@ def _specs(job: jobs_pb2.Job) -> dict[str, jobs_pb2.TaskSpec]:
 
 
 def _task_of(
-    written: dict[str, jobs_pb2.Job | FederationError], n: _Negotiation
+    written: dict[str, jobs_pb2.Job | FederationError], n: Negotiation
 ) -> jobs_pb2.TaskStatus | None:
     """The task as written, or None (logged) when its job could not be written."""
     job = written[n.job_id]
@@ -1916,84 +1884,6 @@ def _task_of(
         log.warning("negotiation_failed", job=n.job_id, task=n.task, error=str(job))
         return None
     return find_task(job, n.task)
-
-
-def _by_promise(
-    n: _Negotiation, rank: list[str], answers: list[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """A task's acceptances, the one to commit first: by placement's rank, except that a site
-    that can run the task only slower than placement estimated (``n.slower``) goes last unless
-    it still finishes soonest of all."""
-
-    def total(answer: tuple[str, str]) -> float:
-        estimated = n.estimates.get(answer[0])
-        return estimated.total_s if estimated is not None else math.inf
-
-    soonest = min(total(a) for a in answers)
-    return sorted(
-        answers,
-        key=lambda a: (a[0] in n.slower and total(a) > soonest, rank.index(a[0])),
-    )
-
-
-def sooner_untried(n: _Negotiation, site: str, offered: list[str]) -> str | None:
-    """An untried site estimated to finish sooner than ``site`` answered it would, when
-    ``site`` accepted only slower than placement estimated (and was not let go once already);
-    else None. Placement ranked ``site`` first for an estimate its answer broke."""
-    if site not in n.slower or site in n.deferred or not offered:
-        return None
-    answered = n.estimates[site].total_s
-    untried = n.candidates[n.candidates.index(offered[-1]) + 1 :]
-    sooner = [s for s in untried if s in n.estimates and n.estimates[s].total_s < answered]
-    return min(sooner, key=lambda s: n.estimates[s].total_s) if sooner else None
-
-
-def _for_site(
-    offer: site_link_service_pb2.Offer,
-    estimated: jobs_pb2.Estimate | None,
-    models: list[str] | None,
-    cordoned: Sequence[str] = (),
-) -> site_link_service_pb2.Offer:
-    """The offer for one site: with what placement estimated there, so the site packs onto
-    devices as fast as the estimate assumed (or answers its own run time); with only the
-    device ``models`` its queues' quotas leave the task there, if they rule some out; and
-    with the site's ``cordoned`` nodes, which no replica may take."""
-    if estimated is None and not models and not cordoned:
-        return offer
-    own = site_link_service_pb2.Offer()
-    own.CopyFrom(offer)
-    own.cordoned_nodes.extend(cordoned)
-    if estimated is not None:
-        own.estimate.CopyFrom(estimated)
-    if models:
-        own.spec.resources.accelerator.models[:] = models
-    return own
-
-
-def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") -> None:
-    """Take a site's own run time into its estimate: what the task is ranked and shown by.
-
-    Cost and energy scale with the run time; a run time the site does not give (0) or that
-    is not a finite positive number leaves placement's estimate as it was. ``model`` is the
-    device model the site reserved.
-    """
-    placed = n.estimates.get(site)
-    if placed is not None and model and placed.device_model != model:
-        placed = n.estimates[site] = copy_estimate(placed, device_model=model)
-    if placed is None or not (math.isfinite(run_s) and run_s > 0) or run_s == placed.run_s:
-        return
-    if run_s > placed.run_s * (1 + 1e-9):
-        n.slower.add(site)
-    committed = jobs_pb2.Estimate()
-    committed.CopyFrom(placed)
-    ratio = run_s / placed.run_s if placed.run_s > 0 else 1.0
-    committed.run_s = run_s
-    committed.total_s = placed.queue_s + placed.transfer_s + run_s
-    committed.cost_usd = placed.cost_usd * ratio
-    committed.energy_kwh = placed.energy_kwh * ratio
-    if placed.device_speed > 0:
-        committed.device_speed = placed.device_speed / ratio
-    n.estimates[site] = committed
 
 
 def _mark_delegated(
