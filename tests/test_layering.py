@@ -134,3 +134,27 @@ def test_the_cycle_check_finds_a_planted_cycle() -> None:
 def test_the_check_sees_imports() -> None:
     modules = {module for _, module in imported(ROOT / "federation/agent")}
     assert "federation.common.keys" in modules
+
+
+SCHEDULING = ROOT / "federation" / "coordinator" / "scheduling"
+MAX_SCHEDULING_MODULE_LINES = 600
+MAX_SCHEDULING_FUNCTION_LINES = 80
+
+
+def test_the_scheduling_parts_stay_small() -> None:
+    """Each part of the scheduling cycle reads in one sitting: no module of
+    ``federation.coordinator.scheduling`` over 600 lines, no function there over 80."""
+    modules = sorted(SCHEDULING.glob("*.py"))
+    assert modules, "the scheduling package is where this test looks"
+    long_modules, long_functions = [], []
+    for path in modules:
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_SCHEDULING_MODULE_LINES:
+            long_modules.append(path.name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_SCHEDULING_FUNCTION_LINES:
+                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
+    assert long_modules == []
+    assert long_functions == []

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import itertools
 import math
 import random
@@ -49,7 +48,7 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.outputs import DATASET, source_of, staged
+from federation.coordinator.outputs import DATASET, staged
 from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
 from federation.coordinator.policy.preemption import (
     Candidate,
@@ -66,11 +65,48 @@ from federation.coordinator.policy.resources import Demand, at, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
 from federation.coordinator.policy.usage import placed
+from federation.coordinator.scheduling.config import (
+    DEVICE_KINDS,
+    FRONT_OF_LINE,
+    GANG,
+    INPUTS,
+    MAX_REMEMBERED_PLACEMENTS,
+    OWNER_SHARE,
+    PREEMPT,
+    QUEUE_GAUGES_EVERY_S,
+    QUOTA,
+    RECLAIMED,
+    RETRY,
+    SPREAD,
+    TIMER_PACE,
+    WAIT_RECHECK_S,
+    WAIT_SLACK_S,
+    SchedulerConfig,
+)
+from federation.coordinator.scheduling.offers import (
+    Negotiation,
+    by_promise,
+    commit_estimate,
+    for_site,
+    sooner_untried,
+)
+from federation.coordinator.scheduling.rounds import offer_rounds
+from federation.coordinator.scheduling.task_requests import (
+    copy_estimate,
+    estimate_proto,
+    once_free,
+    request_for,
+    waiting_on,
+)
+from federation.coordinator.scheduling.verdicts import (
+    refusal,
+    stage_verdicts,
+    summarize,
+    waiting_verdict,
+)
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
 from federation.coordinator.staged_inputs import Registered, holders_away, resolve
-from federation.coordinator.validation import TASK_OUTPUT
 from federation.coordinator.waits import (
-    WAIT_GAIN,
     Holding,
     Wait,
     Waiter,
@@ -88,53 +124,16 @@ from federation.metrics import (
     SCHEDULING_JOBS_READ,
     SCHEDULING_WALK_SECONDS,
 )
-from federation.placement.estimates import Estimates, estimate
+from federation.placement.estimates import estimate
 from federation.placement.framework import Code, Framework, Rejection
 from federation.placement.plugins.near_region import NearRegion, describe
-from federation.placement.request import Input, Request
+from federation.placement.request import Request
 from federation.placement.selectors import VERDICTS, selector_matches
 from federation.placement.snapshot import Snapshot
-from federation.resources import KINDS, add, owner_share_refusal
+from federation.resources import add, owner_share_refusal
 from federation.timeslice import SLICE_S, TimeSlice
 
 log = structlog.get_logger()
-
-NEGOTIATE = "Negotiate"
-QUOTA = "Quota"
-OWNER_SHARE = "OwnerShare"
-SPREAD = "Spread"
-GANG = "Gang"
-"""Stage of a gang part's verdict when another part of its gang has no site."""
-"""The stage of a verdict that holds a task back for its queue's quota, at every site."""
-PREEMPT = "Preempt"
-"""The stage of the verdict naming the tasks stopped to make room for a waiting one."""
-RECLAIMED = "a queue taking back the nominal quota it lent"
-"""Why a task on borrowed quota was stopped (naming no other job or queue)."""
-WAIT = "Wait"
-"""The stage of the verdict of a task that waits for a busy site (``waits``)."""
-RETRY = "Retry"
-"""The stage of what holds back a failed task waiting out its backoff (explain only)."""
-INPUTS = "Inputs"
-"""The stage of the verdict of a task whose inputs are held by a site not connected now."""
-WAIT_RECHECK_S = 30.0
-"""Longest a task waits for a busy site before its choice is weighed again; a task's end
-there wakes it sooner."""
-WAIT_SLACK_S = 5.0
-"""A task waits for a busy site at most this long past the start its first wait promised
-(or a quarter of that wait, if longer): what runs there may overrun its estimate for ever,
-and each recheck would promise "any moment now" again."""
-FRONT_OF_LINE = 64
-"""Waiting jobs whose retry timers a task's end clears (``capacity_freed``)."""
-QUEUE_GAUGES_EVERY_S = 5.0
-"""How often the scheduling loop refreshes the queues' gauges (listing queues does too)."""
-TIMER_PACE = 20
-"""After a cycle, a retry timer alone starts the next one no sooner than this many times the
-cycle's walk of the line later: a backlog whose timers come due one after another then costs
-a walk now and then (at most 1/21 of the loop), not one walk after another."""
-CHECKPOINT = "checkpoint:"
-"""Placement input naming the newest checkpoint of a task that restarts from it."""
-MAX_REMEMBERED_PLACEMENTS = 10_000
-"""Distinct requests whose placement on the current snapshot is kept for later cycles."""
 
 
 _OfferReply: TypeAlias = tuple[str, str, site_link_service_pb2.OfferAnswer | None]
@@ -161,37 +160,6 @@ class _Rest:
         self.until = min(self.until, not_before)
 
 
-@dataclass(frozen=True, slots=True)
-class SchedulerConfig:
-    offer_timeout_s: float = 5.0
-    """How long a site may take to answer an offer or a commit."""
-    reservation_lease_s: float = 10.0
-    """How long a site holds a reservation that no commit follows."""
-    max_offers_per_round: int = 5
-    """Sites tried, best first, before a task goes back to PENDING."""
-    offers_at_once: int = 3
-    """Sites offered a task at the same time once the best site has declined it; the best one
-    that accepts gets the commit (see ``offer_rounds``)."""
-    retry_interval_s: float = 5.0
-    """Longest wait before pending tasks are tried again without any change."""
-    unfit_retry_interval_s: float = 60.0
-    """The same for tasks every site refused for what room coming free cannot change
-    (``UNFIT``); each of their waits is cut by up to a fifth at random, to spread them."""
-    max_concurrent_negotiations: int = 2048
-    batch_window_s: float = 0.002
-    """Shortest time between two scheduling cycles (see ``Scheduler.run``)."""
-    preemption_min_run_s: float = 60.0
-    """A task runs at least this long before it may be preempted, so work does not thrash."""
-    reclaim_min_run_s: float = 120.0
-    """A task on borrowed quota runs at least this long before its lender takes it back."""
-    wait_gain: float = WAIT_GAIN
-    """A task waits for a busy site where it would finish by this share of its finish on the
-    best site free now (``waits``); 0: tasks never wait while some site can take them."""
-
-
-DEVICE_KINDS = frozenset(KINDS.values())
-
-
 @dataclass(slots=True)
 class _Cycle:
     """What one scheduling cycle builds as it goes."""
@@ -208,52 +176,6 @@ class _Cycle:
     devices_left: dict[str, dict[str, float]] | None = None
     """Per site, its free whole devices by kind less those this cycle's offers were sent for,
     gathered once a task that needs whole devices is offered (``_with_devices_left``)."""
-
-
-@dataclass(slots=True)
-class _Negotiation:
-    """One task on its way through the negotiation rounds of a batch."""
-
-    job_id: str
-    task: str
-    candidates: tuple[str, ...]
-    """Sites to try, best first."""
-    verdicts: list[jobs_pb2.SiteVerdict]
-    """Why sites did not take it: placement's, then each refusal."""
-    estimates: dict[str, jobs_pb2.Estimate]
-    """Placement's estimate per site; a site that accepts with its own run time replaces it
-    there (``committed``)."""
-    holds: dict[str, float] = field(default_factory=dict)
-    """What it counts against its queue while offers are out (``Admitted.holds``)."""
-    models: dict[str, list[str]] = field(default_factory=dict)
-    """Per site, the only device models its queues' quotas let it be given there."""
-    slower: set[str] = field(default_factory=set)
-    """Sites that accepted with a longer run time than placement estimated there."""
-    deferred: set[str] = field(default_factory=set)
-    """Slower sites let go once for untried sites estimated sooner (tried again last)."""
-    settled: bool = False
-    """Delegated, or moot (cancelled meanwhile): not to be put back to PENDING."""
-    epoch: int = 0
-    """The epoch of its latest round's offers."""
-    revision: int = 0
-    """The revision of the spec its offers carried (a service changed meanwhile is not
-    delegated with the spec it had before)."""
-    chosen: tuple[str, str] | None = None
-    """The site and reservation it is delegated to, once a round found one."""
-    over: bool = False
-    """Let go already (delegated before the rest of its batch ended): the batch must not
-    touch it again, since a later negotiation may hold the task by then."""
-    gang: list[_Negotiation] | None = None
-    """Its gang's negotiations, itself included, when it is a part of an all-or-nothing
-    gang (``federation.coordinator.gangs``): committed only with all of them."""
-    committing: bool = False
-    """Its gang is being committed (every part held a reservation)."""
-    chosen_at: float = 0.0
-    """When ``chosen`` was set (monotonic): how long a gang part's reservation is held."""
-    key: TaskKey = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.key = (self.job_id, self.task)
 
 
 class Scheduler:
@@ -451,7 +373,7 @@ class Scheduler:
         if self._full:
             return  # the next negotiation to end wakes the loop again
         cycle = _Cycle()
-        batch: list[_Negotiation] = []
+        batch: list[Negotiation] = []
         nowhere: list[tuple[str, str, list[jobs_pb2.SiteVerdict]]] = []
         pending: set[TaskKey] = set()
         rested: set[str] = set()  # jobs passed by, resting (``_awake``)
@@ -496,7 +418,7 @@ class Scheduler:
                         swept = False
                         break
                     outcome = self._consider(job, task.name, cycle)
-                    if isinstance(outcome, _Negotiation):
+                    if isinstance(outcome, Negotiation):
                         batch.append(outcome)
                         rest.awake = True
                         continue
@@ -543,7 +465,7 @@ class Scheduler:
 
     def _consider(
         self, job: jobs_pb2.Job, task: str, cycle: _Cycle
-    ) -> _Negotiation | list[jobs_pb2.SiteVerdict] | None:
+    ) -> Negotiation | list[jobs_pb2.SiteVerdict] | None:
         """One waiting task, through its queue's quota and placement: a negotiation to
         start, or the verdicts it waits with (backed off), or None (its dependencies have
         not succeeded, or placing it failed)."""
@@ -604,9 +526,9 @@ class Scheduler:
             kept, kept_for_owners = self._within_owner_shares(job, need, admitted.sites, cycle)
             kept, behind = self._stopped_for.held_back(key, kept)
             refused = [
-                *_verdicts(QUOTA, admitted.refused),
-                *_verdicts(OWNER_SHARE, kept_for_owners),
-                *_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
+                *stage_verdicts(QUOTA, admitted.refused),
+                *stage_verdicts(OWNER_SHARE, kept_for_owners),
+                *stage_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
             ]
             if not kept:
                 self._backoff(key)  # a task's end wakes it (``capacity_freed``)
@@ -622,7 +544,7 @@ class Scheduler:
             verdicts = (*verdicts, *refused)
             if spread.PART in task:
                 kept, apart = self._within_spread(job, task, feasible, ranked, cycle.snapshot)
-                verdicts = (*verdicts, *_verdicts(SPREAD, apart))
+                verdicts = (*verdicts, *stage_verdicts(SPREAD, apart))
                 if not kept:
                     self._backoff(key)  # a sibling's placement or end wakes it
                     return list(verdicts)
@@ -630,7 +552,7 @@ class Scheduler:
             wait = self._sooner_by_waiting(request, placement, ranked, cycle) if busy else None
             if wait is not None and self._within_promise(key, wait):
                 self._wait_for(key, wait)
-                return [_waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
+                return [waiting_verdict(wait, ranked[0], estimates[ranked[0]].total_s)]
             ranked = _with_devices_left(ranked, need, cycle)
             if not ranked:
                 # Earlier tasks in line were offered the devices free now: offered too, it
@@ -667,7 +589,7 @@ class Scheduler:
             )
         if spread.PART in task:
             self._offered_parts.setdefault(job.id, {})[task] = ranked[0]
-        return _Negotiation(
+        return Negotiation(
             job.id,
             task,
             ranked,
@@ -684,7 +606,7 @@ class Scheduler:
         cycle: _Cycle,
         held: set[TaskKey],
         rest: _Rest,
-    ) -> tuple[list[_Negotiation], list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]]:
+    ) -> tuple[list[Negotiation], list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]]:
         """An all-or-nothing gang's parts, together (``federation.coordinator.gangs``): a
         negotiation for each once every part is PENDING, none negotiating, and every one has
         sites; else none, and the verdicts they wait with."""
@@ -702,20 +624,20 @@ class Scheduler:
                 rest.add(key, not_before)
             return [], []
         found = [self._consider(job, task.name, cycle) for task in parts]
-        started = [n for n in found if isinstance(n, _Negotiation)]
+        started = [n for n in found if isinstance(n, Negotiation)]
         if len(started) == len(parts):
             for n in started:
                 n.gang = started
             rest.awake = True
             return started, []
         missing = next(
-            t.name for t, f in zip(parts, found, strict=True) if not isinstance(f, _Negotiation)
+            t.name for t, f in zip(parts, found, strict=True) if not isinstance(f, Negotiation)
         )
         why = f"waits for its gang: part {missing} has no site now (all or nothing)"
         waits = []
         for task, outcome, key in zip(parts, found, keys, strict=True):
             verdicts: list[jobs_pb2.SiteVerdict] | None
-            if not isinstance(outcome, _Negotiation):
+            if not isinstance(outcome, Negotiation):
                 verdicts = outcome
             else:
                 self._backoff(key)
@@ -1382,10 +1304,10 @@ class Scheduler:
         self._claims.pop(key, None)
         self._stop_waiting(key)
 
-    async def _negotiate(self, batch: list[_Negotiation], frees: int) -> None:
+    async def _negotiate(self, batch: list[Negotiation], frees: int) -> None:
         """Rounds of offers until every task is delegated or has run out of sites. ``frees``:
         ``_frees`` when the batch was formed."""
-        unsettled: list[_Negotiation] = []
+        unsettled: list[Negotiation] = []
         try:
             await self._rounds(batch)
             self._let_go_incomplete_gangs(batch)
@@ -1408,7 +1330,7 @@ class Scheduler:
             self._front_due = True
             self.wake()
 
-    def _let_go_incomplete_gangs(self, batch: list[_Negotiation]) -> None:
+    def _let_go_incomplete_gangs(self, batch: list[Negotiation]) -> None:
         """Gang parts that hold a reservation while a part of their gang found no site let
         it go: all or nothing."""
         for n in batch:
@@ -1420,10 +1342,10 @@ class Scheduler:
                 GANG_RESERVATIONS_LET_GO.inc(devices_of(find_spec(job, n.task)) * held_s)
             self._release(*n.chosen)
             why = f"accepted, but let go: part {missing} of its gang found no site"
-            n.verdicts.append(_refusal(n.chosen[0], why))
+            n.verdicts.append(refusal(n.chosen[0], why))
             n.chosen = None
 
-    def _let_go(self, negotiations: list[_Negotiation]) -> None:
+    def _let_go(self, negotiations: list[Negotiation]) -> None:
         """These negotiations are over: their room is free, and tasks left PENDING can be
         picked up again. Each is let go once: by then another may hold its task."""
         keys = [n.key for n in negotiations if not n.over]
@@ -1439,7 +1361,7 @@ class Scheduler:
         if self._full:
             self.wake()  # tasks wait for the room this leaves
 
-    async def _rounds(self, batch: list[_Negotiation]) -> None:
+    async def _rounds(self, batch: list[Negotiation]) -> None:
         """Every round the batch's tasks need; a failure ends them, leaving tasks unsettled."""
         try:
             # One round more than the sites ranked: a slower site let go is asked last.
@@ -1464,7 +1386,7 @@ class Scheduler:
         except Exception:
             log.exception("negotiation_crashed", tasks=len(batch))
 
-    async def _round(self, negotiations: list[_Negotiation], first: int, stop: int) -> None:
+    async def _round(self, negotiations: list[Negotiation], first: int, stop: int) -> None:
         """Offer each task to its sites ``first:stop`` at once, commit the best acceptance,
         release the others; tasks delegated (or moot) end ``settled``, others gain verdicts.
 
@@ -1476,12 +1398,12 @@ class Scheduler:
             live = []
             for site in n.candidates[first:stop]:
                 if self._sites.session(site) is None:
-                    n.verdicts.append(_refusal(site, "site disconnected before the offer"))
+                    n.verdicts.append(refusal(site, "site disconnected before the offer"))
                 else:
                     live.append(site)
             if live:
                 offered_to[n.key] = live
-        offers: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Offer]]] = {}
+        offers: dict[str, list[tuple[Negotiation, site_link_service_pb2.Offer]]] = {}
         active = []
         for n in negotiations:
             if n.key not in offered_to:
@@ -1519,7 +1441,7 @@ class Scheduler:
             offer.spec.speed.update(self._learner.overrides(spec.workload_class, spec.speed))
             for site in offered_to[n.key]:
                 cordoned = self._sites.get(site).record.cordoned_nodes
-                own = _for_site(offer, n.estimates.get(site), n.models.get(site), cordoned)
+                own = for_site(offer, n.estimates.get(site), n.models.get(site), cordoned)
                 offers.setdefault(site, []).append((n, own))
         # Sites answer in their own time: a task is decided once every site it was offered
         # to has answered, so a slow site holds up only the tasks offered to it.
@@ -1552,7 +1474,7 @@ class Scheduler:
                             accepted.setdefault(n.key, []).append((site, reservation))
                             self._commit_estimate(n, site, answer)
                         else:
-                            n.verdicts.append(_refusal(site, why))
+                            n.verdicts.append(refusal(site, why))
                         if tracing.on():
                             _trace_offer(n, site, asked_ns, answer, why)
                         unanswered[n.key] -= 1
@@ -1578,7 +1500,7 @@ class Scheduler:
 
     async def _decide(
         self,
-        negotiations: list[_Negotiation],
+        negotiations: list[Negotiation],
         offered_to: dict[TaskKey, list[str]],
         accepted: dict[TaskKey, list[tuple[str, str]]],
     ) -> None:
@@ -1587,7 +1509,7 @@ class Scheduler:
         for n in negotiations:
             if n.key not in accepted:
                 continue
-            best, *others = _by_promise(n, offered_to[n.key], accepted[n.key])
+            best, *others = by_promise(n, offered_to[n.key], accepted[n.key])
             if not others and (sooner := sooner_untried(n, best[0], offered_to[n.key])):
                 # Its own answer is slower than a site not asked yet was estimated: ask
                 # that one first, and this one again last.
@@ -1596,7 +1518,7 @@ class Scheduler:
                 n.deferred.add(best[0])
                 n.candidates = (*n.candidates, best[0])
                 n.verdicts.append(
-                    _refusal(
+                    refusal(
                         best[0],
                         f"accepted, but would finish in {n.estimates[best[0]].total_s:.0f} s, "
                         f"later than {sooner} was estimated to; asked last",
@@ -1607,13 +1529,13 @@ class Scheduler:
             for site, reservation in others:
                 self._release(site, reservation)
                 why = f"accepted, but {best[0]} finishes sooner or ranked higher"
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
         chosen = [n for n in negotiations if n.key in accepted]
         await self._delegate([n for n in chosen if n.gang is None] + _whole_gangs(chosen))
         # Delegated ones need no more of the batch, which may wait on slower sites.
         self._let_go([n for n in negotiations if n.settled])
 
-    async def _delegate(self, negotiations: list[_Negotiation]) -> None:
+    async def _delegate(self, negotiations: list[Negotiation]) -> None:
         """Write DELEGATED for each task's chosen site, then send the commits.
 
         Once its commit has left, a task goes back to PENDING only when its site refuses the
@@ -1633,9 +1555,9 @@ class Scheduler:
             mark = _mark_delegated(n.task, site, n.epoch, n.revision, reservation, estimated)
             marks.append((n.job_id, mark))
         written = await self._jobs.update_many(marks)
-        commits: dict[str, list[tuple[_Negotiation, site_link_service_pb2.Commit]]] = {}
+        commits: dict[str, list[tuple[Negotiation, site_link_service_pb2.Commit]]] = {}
         back: list[tuple[str, Mutation]] = []
-        ready: list[tuple[_Negotiation, site_link_service_pb2.Commit]] = []
+        ready: list[tuple[Negotiation, site_link_service_pb2.Commit]] = []
         staging: dict[int, Awaitable[list[site_link_service_pb2.StagedInput] | str]] = {}
         restoring: dict[int, Awaitable[site_link_service_pb2.StagedInput]] = {}
         for n in negotiations:
@@ -1652,7 +1574,7 @@ class Scheduler:
                 if tracing.on():
                     _trace_commit(n, site, started_ns, why)
                 back.append((n.job_id, _back_from_site(n.task, n.epoch, why)))
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
                 continue
             commit = site_link_service_pb2.Commit(
                 reservation_id=reservation, job_id=n.job_id, task=n.task, epoch=n.epoch
@@ -1684,7 +1606,7 @@ class Scheduler:
             if isinstance(inputs, str):  # a holder is away: wait, and be placed again
                 self._release(site, reservation)
                 back.append((n.job_id, _back_from_site(n.task, n.epoch, inputs)))
-                n.verdicts.append(_refusal(site, inputs))
+                n.verdicts.append(refusal(site, inputs))
                 continue
             commit.inputs.extend(inputs)
             if (restore := restores.get(i)) is not None:
@@ -1720,11 +1642,11 @@ class Scheduler:
                 log.warning("commit_failed", job=n.job_id, task=n.task, site=site, reason=why)
                 n.settled = False  # the site does not run it: later rounds may offer it on
                 back.append((n.job_id, _back_from_site(n.task, commit.epoch, why)))
-                n.verdicts.append(_refusal(site, why))
+                n.verdicts.append(refusal(site, why))
         if back:
             await self._jobs.update_many(back)
 
-    def _rendezvous(self, negotiations: list[_Negotiation]) -> dict[TaskKey, tuple[list[str], int]]:
+    def _rendezvous(self, negotiations: list[Negotiation]) -> dict[TaskKey, tuple[list[str], int]]:
         """Per gang part being committed: every replica's host:port of its gang, and its
         first rank (``federation.coordinator.gangs.rendezvous``)."""
         out: dict[TaskKey, tuple[list[str], int]] = {}
@@ -1744,14 +1666,14 @@ class Scheduler:
                 out[m.key] = (peers, first[m.task])
         return out
 
-    def _speaking_data(self, n: _Negotiation, sites: list[str]) -> list[str]:
+    def _speaking_data(self, n: Negotiation, sites: list[str]) -> list[str]:
         """The sites whose agents can store outputs and stage inputs; a verdict for others."""
         out = []
         for site in sites:
             session = self._sites.session(site)
             if session is not None and session.protocol < DATA_PROTOCOL:
                 why = f"its agent speaks site-link protocol {session.protocol}; outputs and "
-                n.verdicts.append(_refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
+                n.verdicts.append(refusal(site, why + f"staged inputs need {DATA_PROTOCOL}"))
             else:
                 out.append(site)
         return out
@@ -1783,10 +1705,10 @@ class Scheduler:
         return out
 
     def _commit_estimate(
-        self, n: _Negotiation, site: str, answer: site_link_service_pb2.OfferAnswer
+        self, n: Negotiation, site: str, answer: site_link_service_pb2.OfferAnswer
     ) -> None:
         """The site's answer into its estimate, with the error learned for that model."""
-        _commit_estimate(n, site, answer.run_s, answer.device_model)
+        commit_estimate(n, site, answer.run_s, answer.device_model)
         estimated = n.estimates.get(site)
         if estimated is not None and answer.device_model:
             job = self._jobs.cached(n.job_id)
@@ -1794,7 +1716,7 @@ class Scheduler:
             workload = spec.workload_class if spec is not None else ""
             error = self._learner.error(workload, answer.device_model, site=site)
             if error != estimated.run_error:
-                n.estimates[site] = _copy_estimate(estimated, run_error=error)
+                n.estimates[site] = copy_estimate(estimated, run_error=error)
 
     def _release(self, site: str, reservation_id: str) -> None:
         # Room another task of the negotiation may have been refused for: it goes to the
@@ -1861,7 +1783,7 @@ class Scheduler:
                     reason=every[0].reason,
                     code=every[0].code,
                     rejections=verdicts,
-                    estimate=_once_free(now, waits.get(site)),
+                    estimate=once_free(now, waits.get(site)),
                 )
             ranked_site = task.site or (decision.ranked[0] if decision.ranked else "")
             index = snapshot.site_index(ranked_site) if ranked_site else None
@@ -1936,8 +1858,8 @@ class Scheduler:
             session.end(UnavailableError(why))
         return answers
 
-    async def _back_to_pending(self, negotiations: list[_Negotiation]) -> None:
-        def mutation(n: _Negotiation) -> Mutation:
+    async def _back_to_pending(self, negotiations: list[Negotiation]) -> None:
+        def mutation(n: Negotiation) -> Mutation:
             task_name, verdicts = n.task, n.verdicts
 
             def mutate(job: jobs_pb2.Job) -> list[Change]:
@@ -1991,10 +1913,10 @@ def devices_of(spec: jobs_pb2.TaskSpec) -> float:
     return float(each) * max(1, spec.replicas)
 
 
-def _whole_gangs(chosen: list[_Negotiation]) -> list[_Negotiation]:
+def _whole_gangs(chosen: list[Negotiation]) -> list[Negotiation]:
     """The gangs whose last part ``chosen`` gave a site: every part of each, to commit
     together (each marked, so that no other decision commits it again)."""
-    out: list[_Negotiation] = []
+    out: list[Negotiation] = []
     for n in chosen:
         gang = n.gang
         if gang is None or n.committing:
@@ -2004,21 +1926,6 @@ def _whole_gangs(chosen: list[_Negotiation]) -> list[_Negotiation]:
                 m.committing = True
             out.extend(gang)
     return out
-
-
-def offer_rounds(candidates: int, offers_at_once: int) -> list[tuple[int, int]]:
-    """The ``[first, stop)`` slices of the ranked sites that each negotiation round offers to.
-
-    The first round offers the best site alone: it usually accepts, and an offer holds
-    capacity at a site until it is committed or released, so offering more sites at once would
-    reserve every job several times over and make the others decline their own offers. Once
-    the best site has declined, later rounds offer ``offers_at_once`` sites at a time, so a run
-    of declines costs few round trips.
-    """
-    rounds = [(0, min(1, candidates))] if candidates else []
-    step = max(1, offers_at_once)
-    rounds += [(first, min(first + step, candidates)) for first in range(1, candidates, step)]
-    return rounds
 
 
 _Placement = tuple[
@@ -2059,7 +1966,7 @@ def _to_pending(
 
 
 def _trace_offer(
-    n: _Negotiation,
+    n: Negotiation,
     site: str,
     asked_ns: int,
     answer: site_link_service_pb2.OfferAnswer | None,
@@ -2084,7 +1991,7 @@ def _trace_offer(
     )
 
 
-def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None:
+def _trace_commit(n: Negotiation, site: str, started_ns: int, why: str) -> None:
     """``task.commit``: from writing DELEGATED to the site's answer (``why``: not started)."""
     tracing.record(
         "task.commit",
@@ -2098,11 +2005,7 @@ def _trace_commit(n: _Negotiation, site: str, started_ns: int, why: str) -> None
     )
 
 
-def _refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:
-    return jobs_pb2.SiteVerdict(site=site, stage=NEGOTIATE, reason=reason)
-
-
-def _delegated_as(task: jobs_pb2.TaskStatus, n: _Negotiation) -> bool:
+def _delegated_as(task: jobs_pb2.TaskStatus, n: Negotiation) -> bool:
     """Whether ``task`` is DELEGATED as ``n`` wrote it: its epoch, site and reservation."""
     return (
         task.state == job_state.DELEGATED
@@ -2116,7 +2019,7 @@ def _specs(job: jobs_pb2.Job) -> dict[str, jobs_pb2.TaskSpec]:
 
 
 def _task_of(
-    written: dict[str, jobs_pb2.Job | FederationError], n: _Negotiation
+    written: dict[str, jobs_pb2.Job | FederationError], n: Negotiation
 ) -> jobs_pb2.TaskStatus | None:
     """The task as written, or None (logged) when its job could not be written."""
     job = written[n.job_id]
@@ -2124,105 +2027,6 @@ def _task_of(
         log.warning("negotiation_failed", job=n.job_id, task=n.task, error=str(job))
         return None
     return find_task(job, n.task)
-
-
-def _by_promise(
-    n: _Negotiation, rank: list[str], answers: list[tuple[str, str]]
-) -> list[tuple[str, str]]:
-    """A task's acceptances, the one to commit first: by placement's rank, except that a site
-    that can run the task only slower than placement estimated (``n.slower``) goes last unless
-    it still finishes soonest of all."""
-
-    def total(answer: tuple[str, str]) -> float:
-        estimated = n.estimates.get(answer[0])
-        return estimated.total_s if estimated is not None else math.inf
-
-    soonest = min(total(a) for a in answers)
-    return sorted(
-        answers,
-        key=lambda a: (a[0] in n.slower and total(a) > soonest, rank.index(a[0])),
-    )
-
-
-def sooner_untried(n: _Negotiation, site: str, offered: list[str]) -> str | None:
-    """An untried site estimated to finish sooner than ``site`` answered it would, when
-    ``site`` accepted only slower than placement estimated (and was not let go once already);
-    else None. Placement ranked ``site`` first for an estimate its answer broke."""
-    if site not in n.slower or site in n.deferred or not offered:
-        return None
-    answered = n.estimates[site].total_s
-    untried = n.candidates[n.candidates.index(offered[-1]) + 1 :]
-    sooner = [s for s in untried if s in n.estimates and n.estimates[s].total_s < answered]
-    return min(sooner, key=lambda s: n.estimates[s].total_s) if sooner else None
-
-
-def _for_site(
-    offer: site_link_service_pb2.Offer,
-    estimated: jobs_pb2.Estimate | None,
-    models: list[str] | None,
-    cordoned: Sequence[str] = (),
-) -> site_link_service_pb2.Offer:
-    """The offer for one site: with what placement estimated there, so the site packs onto
-    devices as fast as the estimate assumed (or answers its own run time); with only the
-    device ``models`` its queues' quotas leave the task there, if they rule some out; and
-    with the site's ``cordoned`` nodes, which no replica may take."""
-    if estimated is None and not models and not cordoned:
-        return offer
-    own = site_link_service_pb2.Offer()
-    own.CopyFrom(offer)
-    own.cordoned_nodes.extend(cordoned)
-    if estimated is not None:
-        own.estimate.CopyFrom(estimated)
-    if models:
-        own.spec.resources.accelerator.models[:] = models
-    return own
-
-
-def _commit_estimate(n: _Negotiation, site: str, run_s: float, model: str = "") -> None:
-    """Take a site's own run time into its estimate: what the task is ranked and shown by.
-
-    Cost and energy scale with the run time; a run time the site does not give (0) or that
-    is not a finite positive number leaves placement's estimate as it was. ``model`` is the
-    device model the site reserved.
-    """
-    placed = n.estimates.get(site)
-    if placed is not None and model and placed.device_model != model:
-        placed = n.estimates[site] = _copy_estimate(placed, device_model=model)
-    if placed is None or not (math.isfinite(run_s) and run_s > 0) or run_s == placed.run_s:
-        return
-    if run_s > placed.run_s * (1 + 1e-9):
-        n.slower.add(site)
-    committed = jobs_pb2.Estimate()
-    committed.CopyFrom(placed)
-    ratio = run_s / placed.run_s if placed.run_s > 0 else 1.0
-    committed.run_s = run_s
-    committed.total_s = placed.queue_s + placed.provision_s + placed.transfer_s + run_s
-    committed.cost_usd = placed.cost_usd * ratio
-    committed.energy_kwh = placed.energy_kwh * ratio
-    if placed.device_speed > 0:
-        committed.device_speed = placed.device_speed / ratio
-    n.estimates[site] = committed
-
-
-def _once_free(estimate: jobs_pb2.Estimate, wait: Wait | None) -> jobs_pb2.Estimate:
-    """A busy site's estimate once room frees there, the predicted wait as its queue time."""
-    if wait is None:
-        return estimate
-    return _copy_estimate(
-        estimate,
-        queue_s=wait.wait_s,
-        run_s=wait.waiter.run_s,
-        total_s=wait.finish_s,
-        device_speed=wait.waiter.speed,
-    )
-
-
-def _copy_estimate(estimate: jobs_pb2.Estimate, **changes: Any) -> jobs_pb2.Estimate:
-    copy = jobs_pb2.Estimate()
-    copy.CopyFrom(estimate)
-    for name, value in changes.items():
-        setattr(copy, name, value)
-    return copy
 
 
 def _mark_delegated(
@@ -2261,113 +2065,3 @@ def _back_from_site(task_name: str, epoch: int, reason: str) -> Mutation:
         return [transition(job, task_name, job_state.PENDING, reason)]
 
     return mutate
-
-
-def _verdicts(stage: str, refused: list[tuple[str, str]]) -> list[jobs_pb2.SiteVerdict]:
-    """Why ``stage`` keeps the task from each of these sites."""
-    return [jobs_pb2.SiteVerdict(site=site, stage=stage, reason=why) for site, why in refused]
-
-
-def summarize(verdicts: list[jobs_pb2.SiteVerdict]) -> str:
-    """One line for people: why no site took the task."""
-    if not verdicts:
-        return "no sites are connected"
-    if verdicts[0].stage == WAIT:
-        return verdicts[0].reason
-    if all(v.stage == QUOTA for v in verdicts):
-        return verdicts[0].reason  # its queue holds it back, whatever the sites have
-    parts = [f"{v.site}: {v.reason}" for v in verdicts[:3]]
-    more = f" (+{len(verdicts) - 3} more)" if len(verdicts) > 3 else ""
-    return "no site can take it now: " + "; ".join(parts) + more
-
-
-def _waiting_verdict(wait: Wait, now_site: str, now_s: float) -> jobs_pb2.SiteVerdict:
-    """Why the task waits although ``now_site`` could take it; figures are rounded so that
-    the record is written again only when they change notably."""
-    sooner = 5 * round(20 * (1 - wait.finish_s / now_s)) if now_s > 0 else 0
-    return jobs_pb2.SiteVerdict(
-        site=wait.site,
-        stage=WAIT,
-        reason=f"waits for room at {wait.site}, expected in {_about(wait.wait_s)}: it should"
-        f" finish there about {sooner} % sooner than at {now_site}, which could take it now",
-    )
-
-
-def _about(seconds: float) -> str:
-    """A duration to two figures, for people."""
-    if seconds < 90:
-        return f"{max(1, round(seconds))} s"
-    if seconds < 5400:
-        return f"{round(seconds / 60)} min"
-    return f"{seconds / 3600:.1f} h"
-
-
-def waiting_on(job: jobs_pb2.Job, task_name: str) -> list[str]:
-    """Dependencies of a task that have not succeeded yet."""
-    spec = find_spec(job, task_name)
-    states = {t.name: t.state for t in job.tasks}
-    return [d for d in spec.depends_on if states.get(d) != job_state.SUCCEEDED]
-
-
-def request_for(job: jobs_pb2.Job, task_name: str) -> Request | None:
-    """The placement request for a task, or None while it waits for its dependencies.
-
-    The outputs of the tasks it depends on become its inputs, located where those ran, and so
-    does the task's newest recorded checkpoint, which a restart reads.
-    """
-    specs = {t.name: t for t in job.spec.tasks}
-    spec = specs[task_name]
-    if spec.depends_on and waiting_on(job, task_name):
-        return None
-    status = {t.name: t for t in job.tasks}
-    inputs = [
-        Input(i.dataset, i.bytes, i.site)
-        for i in spec.inputs
-        if not i.dataset.startswith(TASK_OUTPUT)
-    ]
-    for dep in spec.depends_on:
-        size = specs[dep].output_bytes
-        for i in spec.inputs:  # an explicit "task:NAME[.OUTPUT]" input may give the size
-            if i.bytes and (found := source_of(i.dataset, specs)) is not None and found[0] == dep:
-                size = i.bytes
-        if stored := sum(a.bytes for a in status[dep].artifacts):
-            size = stored  # what its site reported storing
-        if size:
-            inputs.append(Input(TASK_OUTPUT + dep, size, status[dep].site))
-    checkpoint = status[task_name].checkpoint
-    if checkpoint.path and checkpoint.bytes:
-        # A restart reads its newest checkpoint from the site that holds it.
-        inputs.append(Input(CHECKPOINT + task_name, checkpoint.bytes, checkpoint.site))
-    return _request(
-        spec.SerializeToString(deterministic=True),
-        job.spec.constraints.SerializeToString(deterministic=True),
-        job.spec.objective.SerializeToString(deterministic=True),
-        tuple(inputs),
-    )
-
-
-@functools.lru_cache(maxsize=4096)
-def _request(
-    task: bytes, constraints: bytes, objective: bytes, inputs: tuple[Input, ...]
-) -> Request:
-    """``Request.from_spec`` by what it reads: the tasks of job arrays share one, and a key
-    costs a seventh of building a request."""
-    job = jobs_pb2.JobSpec(
-        constraints=jobs_pb2.Constraints.FromString(constraints),
-        objective=jobs_pb2.Objective.FromString(objective),
-    )
-    return Request.from_spec(job, jobs_pb2.TaskSpec.FromString(task), inputs)
-
-
-def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
-    return jobs_pb2.Estimate(
-        queue_s=float(estimates.queue_s[site]),
-        transfer_s=float(estimates.transfer_s[site]),
-        run_s=float(estimates.run_s[site]),
-        total_s=float(estimates.total_s[site]),
-        cost_usd=float(estimates.cost_usd[site]),
-        energy_kwh=float(estimates.energy_kwh[site]),
-        transfer_bytes=int(estimates.transfer_bytes[site]),
-        device_speed=float(estimates.device_speed[site]),
-        provision_s=float(estimates.provision_s[site]),
-    )

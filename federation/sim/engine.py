@@ -43,7 +43,8 @@ from federation.coordinator.policy.preemption import (
     ready_s,
 )
 from federation.coordinator.policy.resources import demand
-from federation.coordinator.scheduler import SchedulerConfig, offer_rounds
+from federation.coordinator.scheduling.config import SchedulerConfig
+from federation.coordinator.scheduling.rounds import offer_rounds
 from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework

@@ -9,7 +9,7 @@ import pytest
 
 from federation.agent.embedded_core import EmbeddedCore
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator.scheduler import estimate_proto
+from federation.coordinator.scheduling.task_requests import estimate_proto
 from federation.placement.devices import device_speeds
 from federation.placement.estimates import estimate
 from federation.placement.request import Request

@@ -17,7 +17,7 @@ import grpc
 import pytest
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
-from federation.coordinator.scheduler import FRONT_OF_LINE
+from federation.coordinator.scheduling.config import FRONT_OF_LINE
 from federation.local import LocalFederation
 
 from .conftest import gpu_site, jobs, python_task, running, spec, until

@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
-from federation.coordinator.scheduler import FRONT_OF_LINE
+from federation.coordinator.scheduling.config import FRONT_OF_LINE
 from federation.local import LocalFederation
 
 from .conftest import admin, channel_as, gpu_site, jobs, running, tenant_tls, until
