@@ -94,9 +94,7 @@ class Autoscaler:
         found = []
         for job in self._jobs.at_site():
             for spec in job.spec.tasks:
-                if spec.kind != jobs_pb2.TASK_KIND_SERVICE:
-                    continue
-                if not spec.service.HasField("autoscale"):
+                if not spec.service.HasField("autoscale"):  # services only (checked at submit)
                     continue
                 status = find_task(job, spec.name)
                 if status.state == job_state.RUNNING:

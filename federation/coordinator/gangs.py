@@ -126,8 +126,8 @@ class GangKeeper:
 
     def _to_stop(self) -> Iterator[tuple[str, str, jobs_pb2.TaskStatus, list[TaskAt]]]:
         for job in self._jobs.at_site():
-            if job.cancel_requested:
-                continue
+            if job.cancel_requested or not any(t.spread.all_or_nothing for t in job.spec.tasks):
+                continue  # most jobs hold no gang: looked at once a second, cheaply
             for gang, parts in gangs(job).items():
                 back, running = broken(parts)
                 if running:
