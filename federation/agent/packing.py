@@ -11,7 +11,6 @@ vendor, models, memory and the CEL selector, which sees the attributes the coord
 from __future__ import annotations
 
 import functools
-import importlib.util
 from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.devices import device_attributes, device_speeds
+from federation.programs import missing
 
 __all__ = [
     "Placed",
@@ -136,7 +136,7 @@ def selectors() -> ModuleType:
 def selectors_installed() -> bool:
     """Whether this host can evaluate selectors: an agent-only install has neither CEL nor
     numpy (the ``cel`` extra brings both)."""
-    return all(importlib.util.find_spec(name) is not None for name in ("cel", "numpy"))
+    return not missing(("cel", "numpy"))
 
 
 def fragmentation(free: int) -> int:

@@ -436,7 +436,7 @@ class Scheduler:
                         swept = False
                         break
                     pending.update((job.id, t.name) for t in parts if t.state == job_state.PENDING)
-                    started, waits = self._consider_gang(job, parts, cycle, held, rest)
+                    started, waits = self._consider_gang(job, parts, cycle, held, rest, now, wall)
                     batch.extend(started)
                     nowhere.extend(waits)
                 if not swept:
@@ -606,11 +606,13 @@ class Scheduler:
         cycle: _Cycle,
         held: set[TaskKey],
         rest: _Rest,
+        now: float,
+        wall: float,
     ) -> tuple[list[Negotiation], list[tuple[str, str, list[jobs_pb2.SiteVerdict]]]]:
         """An all-or-nothing gang's parts, together (``federation.coordinator.gangs``): a
         negotiation for each once every part is PENDING, none negotiating, and every one has
-        sites; else none, and the verdicts they wait with."""
-        now, wall = time.monotonic(), time.time()
+        sites; else none, and the verdicts they wait with. ``now`` and ``wall``: the
+        cycle's monotonic and wall clocks, as its other tasks are judged by."""
         keys = [(job.id, t.name) for t in parts]
         if any(t.state != job_state.PENDING for t in parts) or any(k in held for k in keys):
             rest.awake = True  # the keeper stops the parts at sites; their ends wake us
