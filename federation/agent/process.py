@@ -225,7 +225,9 @@ class ReplicaProcess:
 
     async def terminate(self, grace_s: float) -> bool:
         """Has the supervisor send SIGTERM to the process group, then SIGKILL if it outlives
-        ``grace_s``. Returns whether it had to: False when the replica had ended by itself."""
+        ``grace_s``. Returns whether it had to: False when the replica had ended by itself.
+        The supervisor also kills on its own after the ``grace_s`` it was started with, so the
+        shorter of the two applies."""
         if self._ended is None:
             self._signal(signal.SIGTERM)
             try:

@@ -38,12 +38,15 @@ async def gone(pid: int, timeout_s: float = 5.0) -> bool:
     return True
 
 
-async def start(code: str, tmp_path: Path, **env: str) -> ReplicaProcess:
+async def start(
+    code: str, tmp_path: Path, grace_s: float = 5.0, **env: str
+) -> ReplicaProcess:
     return await ReplicaProcess.start(
         [sys.executable, "-c", code],
         cwd=tmp_path,
         env={**os.environ, **env},
         run_dir=run_dir(tmp_path),
+        grace_s=grace_s,
     )
 
 
@@ -94,9 +97,11 @@ async def test_terminate_signals_the_whole_group(tmp_path: Path, beacon: Beacon)
         "send(f'ready {child.pid}')\n"
         "time.sleep(60)\n"
     )
-    proc = await start(code, tmp_path)
+    # A loaded machine may take seconds to run the handler: the supervisor's own grace (which
+    # caps terminate's) must not end it first.
+    proc = await start(code, tmp_path, grace_s=60)
     grandchild = int((await beacon.expect("ready")).split()[1])
-    await asyncio.wait_for(proc.terminate(grace_s=10), 20)
+    await asyncio.wait_for(proc.terminate(grace_s=60), 90)
     assert proc.returncode == 0
     assert "term" in beacon.lines
     assert await gone(grandchild)
