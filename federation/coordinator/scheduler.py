@@ -1335,15 +1335,18 @@ class Scheduler:
     def _let_go_incomplete_gangs(self, batch: list[Negotiation]) -> None:
         """Gang parts that hold a reservation while a part of their gang found no site let
         it go: all or nothing."""
-        for n in batch:
-            if n.gang is None or n.committing or n.chosen is None:
-                continue
-            missing = next((m.task for m in n.gang if m.chosen is None), "?")
+        letting_go = [n for n in batch if n.gang is not None and not n.committing and n.chosen]
+        # Named before any is let go: a part let go below is not the one that found no site.
+        missing = {
+            n.key: next((m.task for m in n.gang or () if m.chosen is None), "?") for n in letting_go
+        }
+        for n in letting_go:
+            assert n.chosen is not None
             if (job := self._jobs.cached(n.job_id)) is not None:
                 held_s = time.monotonic() - n.chosen_at
                 GANG_RESERVATIONS_LET_GO.inc(devices_of(find_spec(job, n.task)) * held_s)
             self._release(*n.chosen)
-            why = f"accepted, but let go: part {missing} of its gang found no site"
+            why = f"accepted, but let go: part {missing[n.key]} of its gang found no site"
             n.verdicts.append(refusal(n.chosen[0], why))
             n.chosen = None
 

@@ -161,17 +161,21 @@ class SiteLink:
             # The registry keeps its own copy of the view: holding any part of the first
             # stream message for the session's life would hold all of it, a second view.
             del envelope, hello, rest
+            silent_limit_s = self._missed_heartbeats * self._heartbeat_interval_s
             while True:
+                # Checked before every wait, not only when the outbox is idle: a hung agent
+                # that the coordinator keeps sending offers to must be dropped all the same.
+                silent_s = time.monotonic() - self._sites.get(caller.name).last_seen
+                if silent_s > silent_limit_s:
+                    # A peer gone without closing the connection; free the site's tasks
+                    # for fencing and its offers for other sites.
+                    failure.append(UnavailableError(f"no heartbeat for {silent_s:.1f}s"))
+                    break
                 try:
-                    async with asyncio.timeout(self._heartbeat_interval_s):
+                    wait_s = min(self._heartbeat_interval_s, silent_limit_s - silent_s + 0.01)
+                    async with asyncio.timeout(wait_s):
                         message = await session.outbox.get()
                 except TimeoutError:
-                    silent_s = time.monotonic() - self._sites.get(caller.name).last_seen
-                    if silent_s > self._missed_heartbeats * self._heartbeat_interval_s:
-                        # A peer gone without closing the connection; free the site's tasks
-                        # for fencing and its offers for other sites.
-                        failure.append(UnavailableError(f"no heartbeat for {silent_s:.1f}s"))
-                        break
                     continue
                 if message is None:
                     if session.ended_by is not None:

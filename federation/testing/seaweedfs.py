@@ -8,7 +8,6 @@ another's credentials. The ``weed`` program comes from the PyPI package ``seawee
 
 from __future__ import annotations
 
-import contextlib
 import json
 import shutil
 import subprocess

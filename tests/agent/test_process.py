@@ -38,9 +38,7 @@ async def gone(pid: int, timeout_s: float = 5.0) -> bool:
     return True
 
 
-async def start(
-    code: str, tmp_path: Path, grace_s: float = 5.0, **env: str
-) -> ReplicaProcess:
+async def start(code: str, tmp_path: Path, grace_s: float = 5.0, **env: str) -> ReplicaProcess:
     return await ReplicaProcess.start(
         [sys.executable, "-c", code],
         cwd=tmp_path,

@@ -7,16 +7,18 @@ other."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
 
-from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, running, until, wait_for_job
+from .conftest import admin, jobs, running, until, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-gangs")
 
@@ -41,10 +43,19 @@ def node(site: str, gpus: int = 2) -> dict[str, object]:
     }
 
 
+OFFER_TIMEOUT_S = 2.0
+"""Short, so a silent site's offer times out well before its missed heartbeats (3 of 3 s)
+mark it disconnected."""
+LEASE_S = 10.0
+
+
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    root = tmp_path_factory.mktemp("gangs")
+    config = root / "coordinator.toml"
+    config.write_text(f"offer_timeout_s = {OFFER_TIMEOUT_S}\nreservation_lease_s = {LEASE_S}\n")
     sites = [SiteSpec(name, "datacenter", nodes=[node(name)]) for name in SITES]
-    with running(tmp_path_factory.mktemp("gangs"), sites) as f:
+    with running(root, sites, ["--config", str(config)]) as f:
         yield f
 
 
@@ -142,6 +153,80 @@ async def test_with_one_site_full_no_part_runs_until_it_frees(fed: LocalFederati
         assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
         times = started(done)
         assert max(times) - min(times) < 1.0, times
+
+
+def agent_events(log: Path, job_id: str) -> list[dict[str, object]]:
+    """The agent's offer_accepted lines for ``job_id`` and every reservation_released or
+    reservation_lapsed line, in order."""
+    found = []
+    for line in log.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        record = json.loads(line)
+        event = record.get("event")
+        ours = event == "offer_accepted" and record.get("job_id") == job_id
+        if ours or event in ("reservation_released", "reservation_lapsed"):
+            found.append(record)
+    return found
+
+
+async def test_a_part_whose_site_does_not_answer_lets_the_others_go(
+    fed: LocalFederation,
+) -> None:
+    """gang-c's agent is frozen (SIGSTOP) while the coordinator still counts it: gang-a and
+    gang-b accept their parts and hold room, gang-c never answers. No part runs; every
+    reservation is let go (released by the coordinator, not left to lapse), and the parts say
+    which part of their gang found no site. The silent site is then dropped, though offers
+    kept going to it; once it answers again, all three start together."""
+    weights = dict.fromkeys(SITES, 1)
+
+    async def idle() -> bool:  # what earlier tests ran has left every site's view
+        listed = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
+        views = [s.view for s in listed.sites if s.name in SITES]
+        devices = [d for v in views for n in v.nodes for d in n.devices]
+        return len(views) == len(SITES) and not any(d.allocated for d in devices)
+
+    async with fed.operator().channel() as channel:
+        await until(idle, "every site's devices free")
+    frozen = fed.processes["gang-c"]
+    frozen.send_signal(signal.SIGSTOP)
+    try:
+        async with fed.operator().channel() as channel:
+            job_id = await submit(channel, gang("let-go", 1.0, site_weights=weights))
+
+            async def waits_for_c() -> bool:
+                job = await get(channel, job_id)
+                assert all(not t.HasField("started_at") for t in job.tasks), "a part ran"
+                verdicts = job.tasks[0].verdicts
+                return any("part train/2 has no site now" in v.reason for v in verdicts)
+
+            # gang-c is dropped after 3 missed heartbeats (9 s), offers to it timing out
+            # every 2 s meanwhile; train/2 then has no site at all.
+            await until(waits_for_c, "train/2 without a site once gang-c is dropped", 30)
+            request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+            reasons = [e.reason for e in (await jobs(channel).GetJob(request)).events]
+            for site in ("gang-a", "gang-b"):
+                let_go = f"{site}: accepted, but let go: part train/2 of its gang found no site"
+                assert any(let_go in r for r in reasons), (site, reasons)
+                events = agent_events(fed.log_path(site), job_id)
+                accepted = [e for e in events if e["event"] == "offer_accepted"]
+                assert accepted, site
+                for offer in accepted:
+                    ends = [
+                        e
+                        for e in events
+                        if e["event"] != "offer_accepted"
+                        and e["reservation_id"] == offer["reservation_id"]
+                    ]
+                    assert [e["event"] for e in ends] == ["reservation_released"], (site, offer)
+        frozen.send_signal(signal.SIGCONT)
+        async with fed.operator().channel() as channel:
+            done = await wait_for_job(channel, job_id, timeout_s=90)
+            assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+            times = started(done)
+            assert max(times) - min(times) < 1.0, times
+    finally:
+        frozen.send_signal(signal.SIGCONT)
 
 
 async def test_two_gangs_for_the_same_sites_both_finish(fed: LocalFederation) -> None:
