@@ -184,6 +184,9 @@ class Outcome:
     """Node-seconds powered: summed over nodes, the time each held some task."""
     sharing: Tally | None = None
     """With queues or priority classes: per tenant, shares over the contended time."""
+    straddles: dict[str, list[int]] = field(default_factory=dict)
+    """Per topology level the nodes declare (``rack``...): [gangs placed over several nodes
+    that all carry the level, of those the gangs whose nodes were in more than one value]."""
 
 
 class Simulation:
@@ -586,12 +589,25 @@ class Simulation:
         run.estimated_run_s = req.duration_s / believed
         watts = self.snap.device_power_watts[list(grant.devices)].sum()
         run.watts = float(watts) * grant.device_share
+        self._count_straddles(grant.nodes)
         for node in grant.nodes:
             if not self._node_tasks[node]:
                 self._powered_nodes += 1
                 self._powered_watts += float(self.node_watts[node])
             self._node_tasks[node] += 1
         run.event = self._push(self._now + run.transfer_s, START, i)
+
+    def _count_straddles(self, nodes: tuple[int, ...]) -> None:
+        """A gang over several nodes: whether it straddled each level its nodes carry."""
+        if len(set(nodes)) < 2:
+            return
+        for level in self.state.topology.levels:
+            values = {self.snap.node_labels[n].get(level) for n in nodes}
+            if None in values:
+                continue
+            counts = self.out.straddles.setdefault(level, [0, 0])
+            counts[0] += 1
+            counts[1] += len(values) > 1
 
     def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
         """Seconds, bytes over the WAN and egress cost to bring the inputs to ``site``."""

@@ -249,6 +249,16 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
         "offers": outcome.offers,
         "declines": outcome.declines,
         **({} if outcome.sharing is None else {"sharing": sharing_figures(outcome, jobs)}),
+        **(
+            {}
+            if not outcome.straddles
+            else {
+                "gangs_straddling": {
+                    level: {"gangs": n, "straddled": k, "share": k / n}
+                    for level, (n, k) in sorted(outcome.straddles.items())
+                }
+            }
+        ),
     }
 
 

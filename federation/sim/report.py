@@ -128,8 +128,28 @@ def print_tables(result: ReplayResult, console: Console) -> None:
     console.print(energy_table(summary))
     if any("sharing" in m for m in policies.values()):
         console.print(sharing_table(policies))
+    if any("gangs_straddling" in m for m in policies.values()):
+        console.print(straddle_table(policies))
     for line in warnings(result):
         console.print(line, style="bold yellow", markup=False, highlight=False)
+
+
+def straddle_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per policy and topology level: how many gangs over several nodes straddled it."""
+    table = Table(title="Gangs straddling a topology level", box=box.SIMPLE_HEAD)
+    for column in ("policy", "level", "gangs", "straddled", "share"):
+        table.add_column(column, justify="left" if column in ("policy", "level") else "right")
+    for name, m in policies.items():
+        levels = m.get("gangs_straddling", {})
+        for n, (level, counts) in enumerate(levels.items()):
+            table.add_row(
+                name if n == 0 else "",
+                level,
+                str(counts["gangs"]),
+                str(counts["straddled"]),
+                _share(counts["share"]),
+            )
+    return table
 
 
 def _signed_share(value: float | None) -> str:

@@ -77,6 +77,7 @@ def site_views(topology: Topology) -> list[SiteInput]:
                     memory_free_mib=node_spec.memory_mib,
                     schedulable=True,
                 )
+                node.labels.update(node_spec.labels or {})
                 number += 1
                 for device in node_spec.devices:
                     for _ in range(device.count):

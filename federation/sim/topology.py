@@ -90,6 +90,9 @@ class NodeSpec:
     memory_mib: int
     devices: tuple[DeviceSpec, ...]
     count: int = 1
+    labels: Mapping[str, str] | None = None
+    """Node labels, as a site's nodes carry them; those naming a topology level (``rack``,
+    ``block``) let the replay count the gangs that straddled a level."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +152,13 @@ class Topology:
     def n_devices(self) -> int:
         """Accelerators in the federation."""
         return sum(s.n_devices for s in self.sites)
+
+    @property
+    def levels(self) -> tuple[str, ...]:
+        """The label keys any node declares (topology levels such as ``rack``), sorted."""
+        return tuple(
+            sorted({k for s in self.sites for n in s.nodes for k in (n.labels or {})})
+        )
 
     def holders(self, dataset: str) -> list[str]:
         """Sites that hold ``dataset``."""
@@ -237,11 +247,18 @@ def _site(f: Fields) -> SiteSpec:
 
 
 def _node(f: Fields, site_power: float) -> NodeSpec:
+    labels: dict[str, str] = {}
+    declared = f.child("labels")
+    if declared is not None:
+        for key in declared.names():
+            labels[key] = declared.string(key)
+        declared.done()
     node = NodeSpec(
         cpu=f.number("cpu", minimum=0.0),
         memory_mib=f.integer("memory_mib", minimum=0),
         devices=tuple(_device(d, site_power) for d in f.items("devices")),
         count=f.integer("count", 1, minimum=1),
+        labels=labels,
     )
     f.done()
     return node
