@@ -156,9 +156,7 @@ class Topology:
     @property
     def levels(self) -> tuple[str, ...]:
         """The label keys any node declares (topology levels such as ``rack``), sorted."""
-        return tuple(
-            sorted({k for s in self.sites for n in s.nodes for k in (n.labels or {})})
-        )
+        return tuple(sorted({k for s in self.sites for n in s.nodes for k in (n.labels or {})}))
 
     def holders(self, dataset: str) -> list[str]:
         """Sites that hold ``dataset``."""
