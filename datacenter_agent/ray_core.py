@@ -31,7 +31,7 @@ import structlog
 
 from datacenter_agent.ray_view import bundle, ray_nodes
 from federation.agent.config import RaySettings
-from federation.agent.core import ChangeCallback, StatusCallback, task_report
+from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
 from federation.agent.packing import Usage, place
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -243,6 +243,8 @@ class RayCore:
             return f"invalid cpu request {spec.resources.cpu}"
         if acc.fraction or acc.partition:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
+        if spec.spread.all_or_nothing:
+            return gang_refusal("Ray")
         # Not yet on Ray: staging inputs, storing outputs, checkpoints, images. Declined,
         # rather than run without them.
         if offer.stages_inputs or spec.outputs or spec.HasField("checkpoint") or spec.image:

@@ -31,6 +31,7 @@ from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options,
 from datacenter_agent.slurm_view import GRES_KINDS
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.config import SlurmSettings
+from federation.agent.core import gang_refusal
 from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -70,6 +71,8 @@ def offer_problem(
             "services are not run under Slurm, which takes work that ends: this site keeps "
             "no replica running"
         )
+    if spec.spread.all_or_nothing:
+        return gang_refusal("Slurm")
     if spec.topology.required:
         return (
             f"replicas must share a {spec.topology.required}, and this site does not place by "

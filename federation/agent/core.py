@@ -19,6 +19,17 @@ ChangeCallback = Callable[[], None]
 """Called whenever allocations or the queue change, so the agent can publish a view delta."""
 
 
+def gang_refusal(scheduler: str) -> str:
+    """Why a core whose own scheduler picks the nodes declines a part of a gang across sites
+    (``Spread.all_or_nothing``): the coordinator hands every part its peers' addresses in the
+    commit, before the part starts, and such a site knows them only once it has started."""
+    return (
+        f"this {scheduler} site does not take parts of a gang across sites: their peers are "
+        f"given each replica's address before it starts, and {scheduler} chooses the nodes "
+        "only as the job starts"
+    )
+
+
 def task_report(
     key: tuple[str, str, int],
     state: int,

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from datacenter_agent.ray_core import RayCore
+from federation.agent.core import gang_refusal
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.testing.ray_head import LocalRayHead
 
@@ -151,6 +152,16 @@ async def test_uncommitted_offer_lapses_within_its_lease(make_core: MakeCore) ->
     again = await core.offer(offer("j-after", gang(["true"]), lease_s=5.0))
     assert again.accepted, again.reason
     await core.release(again.reservation_id)
+
+
+async def test_a_part_of_a_gang_across_sites_is_declined(make_core: MakeCore) -> None:
+    core, _ = await make_core()
+    part = gang(["true"], replicas=1)
+    part.spread.all_or_nothing = True
+    answer = await core.offer(offer("j-gang-part", part))
+    assert not answer.accepted
+    assert answer.reason == gang_refusal("Ray")
+    assert free_a100s(core) == 2
 
 
 async def test_more_than_the_cluster_has_is_declined_at_once(make_core: MakeCore) -> None:

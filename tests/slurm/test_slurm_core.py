@@ -9,6 +9,7 @@ import pytest
 
 from datacenter_agent.slurm_core import DEGRADED_NODE
 from federation.agent.config import SlurmSettings
+from federation.agent.core import gang_refusal
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.testing.slurm_cluster import LocalSlurmCluster, free_port
 
@@ -123,6 +124,21 @@ async def test_the_node_must_meet_what_the_task_requires(make_core: MakeCore) ->
     answer = await harness.offer("right-arch", right)
     assert answer.accepted, answer.reason
     await harness.core.release(answer.reservation_id)
+
+
+async def test_a_part_of_a_gang_across_sites_is_declined(make_core: MakeCore) -> None:
+    """The coordinator gives a gang's parts their peers' addresses before they start; Slurm
+    picks the nodes only then: the part is declined, saying so, and nothing is held."""
+    harness = await make_core()
+    part = gpu_task("pass", gpus=1)
+    part.spread.all_or_nothing = True
+    answer = await harness.offer("gang-part", part)
+    assert not answer.accepted
+    assert answer.reason == gang_refusal("Slurm")
+    assert "gang across sites" in answer.reason
+    alone = await harness.offer("alone", gpu_task("pass", gpus=1))
+    assert alone.accepted, alone.reason  # the decline held nothing
+    await harness.core.release(alone.reservation_id)
 
 
 @pytest.mark.parametrize("assumed", [1.0, 2.5], ids=["as-estimated", "faster-than-it-has"])
