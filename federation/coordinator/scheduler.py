@@ -176,6 +176,9 @@ class _Cycle:
     devices_left: dict[str, dict[str, float]] | None = None
     """Per site, its free whole devices by kind less those this cycle's offers were sent for,
     gathered once a task that needs whole devices is offered (``_with_devices_left``)."""
+    deferred: list[Callable[[], None]] | None = None
+    """While a gang's parts are considered: the preemptions they would start, started only
+    when every part has a site or room coming (``_consider_gang``: all or nothing)."""
 
 
 class Scheduler:
@@ -547,7 +550,8 @@ class Scheduler:
                 verdicts = (*verdicts, *stage_verdicts(SPREAD, apart))
                 if not kept:
                     self._backoff(key)  # a sibling's placement or end wakes it
-                    return list(verdicts)
+                    # Room elsewhere is not its room: it may preempt where it may go.
+                    return [*verdicts, *self._preempt_for(job, task, verdicts, cycle)]
                 ranked = tuple(kept)
             wait = self._sooner_by_waiting(request, placement, ranked, cycle) if busy else None
             if wait is not None and self._within_promise(key, wait):
@@ -625,22 +629,37 @@ class Scheduler:
             for key in keys:
                 rest.add(key, not_before)
             return [], []
-        found = [self._consider(job, task.name, cycle) for task in parts]
+        cycle.deferred = []
+        try:
+            found = [self._consider(job, task.name, cycle) for task in parts]
+        finally:
+            preemptions, cycle.deferred = cycle.deferred, None
         started = [n for n in found if isinstance(n, Negotiation)]
         if len(started) == len(parts):
             for n in started:
                 n.gang = started
             rest.awake = True
             return started, []
-        missing = next(
-            t.name for t, f in zip(parts, found, strict=True) if not isinstance(f, Negotiation)
-        )
-        why = f"waits for its gang: part {missing} has no site now (all or nothing)"
+        lacking = [
+            (t.name, f) for t, f in zip(parts, found, strict=True) if not isinstance(f, Negotiation)
+        ]
+        coming = [name for name, f in lacking if _room_coming(f, (job.id, name), self._preempting)]
+        if len(coming) == len(lacking):
+            # Every part has a site or room being made: the gang preempts as one, and waits.
+            for start in preemptions:
+                start()
+            why = "waits for its gang: room is being made for parts " + ", ".join(coming)
+        else:
+            missing = next(name for name, _ in lacking if name not in coming)
+            why = f"waits for its gang: part {missing} has no site now (all or nothing)"
         waits = []
         for task, outcome, key in zip(parts, found, keys, strict=True):
             verdicts: list[jobs_pb2.SiteVerdict] | None
             if not isinstance(outcome, Negotiation):
                 verdicts = outcome
+                if verdicts is not None and len(coming) < len(lacking):
+                    # The stopping it would have started was not: no verdict says it was.
+                    verdicts = [v for v in verdicts if not _room_coming([v], key, {})]
             else:
                 self._backoff(key)
                 if (offered := self._offered_parts.get(job.id)) is not None:
@@ -868,6 +887,10 @@ class Scheduler:
         snapshot = cycle.snapshot
         need = task_demand(job, task)
         short = {v.site for v in verdicts if v.code == Code.INSUFFICIENT_FREE_CAPACITY}
+        if spread.PART in task and short:
+            # A part stops tasks only where its spread lets it go (its site by weight, say).
+            ordered = sorted(short)
+            short = set(self._within_spread(job, task, ordered, ordered, snapshot)[0])
         lenders: dict[str, set[str]] = {}
         if not urgent:
             # What it would hold there, as the queues' site, domain and model quotas count it.
@@ -888,9 +911,14 @@ class Scheduler:
             if fits(need, room[site]):
                 # Tasks already being stopped make the room (stopped before this leader's
                 # term, say): they become its victims, and it stops no more while it waits.
-                self._preempting[key] = stopped
-                self._stopped_for.stopped(site, key, stopped)
-                self._claim(key, job, need, site)
+                def wait_for_them(
+                    site: str = site, stopped: list[tuple[str, str, int]] = stopped
+                ) -> None:
+                    self._preempting[key] = stopped
+                    self._stopped_for.stopped(site, key, stopped)
+                    self._claim(key, job, need, site)
+
+                _now_or_with_gang(cycle, wait_for_them)
                 reason = f"waits for {len(stopped)} task(s) being stopped to make room"
                 return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
         candidates = self._preemption_candidates(job, short, lenders)
@@ -898,13 +926,17 @@ class Scheduler:
         if choice is None:
             return ()
         site, victims = choice
-        self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
-        self._preempting[key] += stopping.get(site, [])  # theirs counts too: no other's
-        self._stopped_for.stopped(site, key, self._preempting[key])
         # Tenants see their own jobs only: the reason names no other job or queue.
         why = f"a job of priority {job.spec.priority}" if urgent else RECLAIMED
-        self._claim(key, job, need, site)
-        self._start_preempting(key, victims, why)
+
+        def stop_victims() -> None:
+            self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
+            self._preempting[key] += stopping.get(site, [])  # theirs counts too: no other's
+            self._stopped_for.stopped(site, key, self._preempting[key])
+            self._claim(key, job, need, site)
+            self._start_preempting(key, victims, why)
+
+        _now_or_with_gang(cycle, stop_victims)
         return (
             jobs_pb2.SiteVerdict(
                 site=site,
@@ -988,9 +1020,13 @@ class Scheduler:
         if best is None:
             return ()  # not (yet) taken back: its backoff tries again
         site, victims, counted = best
-        self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
-        self._claim(key, job, counted, site)
-        self._start_preempting(key, victims, RECLAIMED)
+
+        def stop_victims() -> None:
+            self._preempting[key] = [(v.job_id, v.task, v.epoch) for v in victims]
+            self._claim(key, job, counted, site)
+            self._start_preempting(key, victims, RECLAIMED)
+
+        _now_or_with_gang(cycle, stop_victims)
         reason = f"stopping {len(victims)} task(s) on borrowed quota to give back its quota"
         return (jobs_pb2.SiteVerdict(site=site, stage=PREEMPT, reason=reason),)
 
@@ -1891,6 +1927,15 @@ class Scheduler:
         await asyncio.gather(*self._tasks, return_exceptions=True)
 
 
+def _now_or_with_gang(cycle: _Cycle, start: Callable[[], None]) -> None:
+    """Start a preemption now, or, while a gang's parts are considered, once every part has
+    a site or room coming (``_Cycle.deferred``)."""
+    if cycle.deferred is None:
+        start()
+    else:
+        cycle.deferred.append(start)
+
+
 def _with_devices_left(ranked: tuple[str, ...], need: Demand, cycle: _Cycle) -> tuple[str, ...]:
     """The sites of ``ranked`` whose free whole devices, less those this cycle already offered,
     still hold ``need``'s; the first of them is counted as taking them (the site the task
@@ -1916,6 +1961,20 @@ def devices_of(spec: jobs_pb2.TaskSpec) -> float:
     acc = spec.resources.accelerator
     each = acc.count or acc.fraction or (1.0 if acc.partition else 0.0)
     return float(each) * max(1, spec.replicas)
+
+
+def _room_coming(
+    outcome: list[jobs_pb2.SiteVerdict] | None,
+    key: TaskKey,
+    preempting: Mapping[TaskKey, object],
+) -> bool:
+    """Whether a gang part with no site now has room coming: tasks are (or would be) stopped
+    for it."""
+    if key in preempting:
+        return True
+    return outcome is not None and any(
+        v.stage == PREEMPT and v.reason != HOLD_REASON for v in outcome
+    )
 
 
 def _whole_gangs(chosen: list[Negotiation]) -> list[Negotiation]:

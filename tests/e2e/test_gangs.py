@@ -78,7 +78,13 @@ LEASE_S = 10.0
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     root = tmp_path_factory.mktemp("gangs")
     config = root / "coordinator.toml"
-    config.write_text(f"offer_timeout_s = {OFFER_TIMEOUT_S}\nreservation_lease_s = {LEASE_S}\n")
+    config.write_text(
+        f"offer_timeout_s = {OFFER_TIMEOUT_S}\nreservation_lease_s = {LEASE_S}\n"
+        "preemption_min_run_s = 0.0\n"
+        "[priority_classes.urgent]\nvalue = 900\nmay_preempt = true\npreemptible = false\n"
+        "[priority_classes.batch]\nvalue = -100\n"
+        "[priority_classes.kept]\nvalue = -100\npreemptible = false\n"
+    )
     (root / "seaweed").mkdir()
     seaweed = LocalSeaweed.start(root / "seaweed", list(SITES))
     keys = root / "keys"
@@ -278,6 +284,67 @@ async def test_a_part_whose_site_does_not_answer_lets_the_others_go(
             assert max(times) - min(times) < 1.0, times
     finally:
         frozen.send_signal(signal.SIGCONT)
+
+
+def holder(name: str, site: str, priority_class: str) -> jobs_pb2.JobSpec:
+    """A job that holds both GPUs of ``site`` until cancelled."""
+    return jobs_pb2.JobSpec(
+        name=name,
+        priority_class=priority_class,
+        constraints=jobs_pb2.Constraints(sites=[site]),
+        tasks=[
+            jobs_pb2.TaskSpec(
+                name="hold",
+                command=[sys.executable, "-c", "import time; time.sleep(600)"],
+                resources=jobs_pb2.ResourceRequest(
+                    cpu=1, accelerator=jobs_pb2.AcceleratorRequest(kind=1, count=2)
+                ),
+            )
+        ],
+    )
+
+
+async def test_a_gang_preempts_as_one_or_not_at_all(fed: LocalFederation) -> None:
+    """Preemptible batch jobs fill gang-a and gang-b, a job that may not be preempted fills
+    gang-c. An urgent gang (it may preempt) has one part per site by weight: it stops nothing
+    while gang-c cannot be freed (nor does a part stop tasks at a site its weights do not
+    give it). Once gang-c's job ends, the gang stops the batch jobs at gang-a and gang-b and
+    its three parts start together."""
+    weights = dict.fromkeys(SITES, 1)
+    async with fed.operator().channel() as channel:
+        batch = [
+            await submit(channel, holder(f"batch-{site}", site, "batch"))
+            for site in ("gang-a", "gang-b")
+        ]
+        kept = await submit(channel, holder("kept-c", "gang-c", "kept"))
+        for job_id in [*batch, kept]:
+            await wait_for_job(channel, job_id, until=frozenset({RUNNING}))
+        spec = gang("urgent", 1.0, site_weights=weights)
+        spec.priority_class = "urgent"
+        job_id = await submit(channel, spec)
+
+        async def considered() -> bool:
+            job = await get(channel, job_id)
+            return all(t.verdicts for t in job.tasks)
+
+        await until(considered, "the urgent gang's parts considered")
+        await asyncio.sleep(2.0)  # cycles go by: still nothing may be stopped for a part
+        for batch_id in batch:
+            assert (await get(channel, batch_id)).state == RUNNING, "stopped for a gang part"
+        waiting = (await get(channel, job_id)).tasks
+        assert {t.state for t in waiting} == {PENDING}
+        reasons = [v.reason for t in waiting for v in t.verdicts]
+        assert not any("stopping" in r or "room is being made" in r for r in reasons), reasons
+        await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=kept))
+        done = await wait_for_job(channel, job_id, timeout_s=90)
+        assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.reason
+        times = started(done)
+        assert max(times) - min(times) < 1.0, times
+        for batch_id in batch:
+            job = await get(channel, batch_id)
+            assert job.tasks[0].preempted_by or job.state != RUNNING, job
+            await jobs(channel).CancelJob(job_service_pb2.CancelJobRequest(job_id=batch_id))
+            await wait_for_job(channel, batch_id)
 
 
 async def test_two_gangs_for_the_same_sites_both_finish(fed: LocalFederation) -> None:
