@@ -168,6 +168,10 @@ class AgentConfig:
     runs on this machine): published in their endpoints. Empty: the machine's name."""
     price_per_device_hour: float = field(default=0.0, metadata=at_least(0))
     labels: dict[str, str] = field(default_factory=dict)
+    topology_levels: list[str] = field(default_factory=list)
+    """Node labels that are the site's topology levels, from the widest down, e.g. ["block",
+    "rack"]: every placement fills the fullest block, then rack, that has room, so whole ones
+    stay free for tasks that require one (``topology.required``). Reported in the view."""
     server_name: str = ""
     """Name to verify in the coordinator's certificate when it differs from the address."""
     metrics_listen: str = field(default="", metadata=address(empty=True))

@@ -17,7 +17,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeAlias
@@ -288,9 +288,12 @@ class EmbeddedCore:
         data: TaskData | None = None,
         containers: ContainerSettings | None = None,
         elastic: Elastic | None = None,
+        topology_levels: Sequence[str] = (),
     ) -> None:
         """``elastic``: the nodes of the site's node types, launched when a task needs them
-        (``federation.agent.elastic``); they join ``nodes`` as launchable ones."""
+        (``federation.agent.elastic``); they join ``nodes`` as launchable ones.
+        ``topology_levels``: node labels that are the site's topology levels, widest first
+        (``federation.agent.packing.place``)."""
         self.data = data or TaskData(None, site)
         self._address = service_address or socket.getfqdn()
         self._containers = Containers(containers or ContainerSettings(), work_dir.absolute())
@@ -311,6 +314,7 @@ class EmbeddedCore:
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
         self._compat = compat or load_table_files()
         self._owner_share = owner_share or resources_pb2.OwnerShare()
+        self._levels = tuple(topology_levels)
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
         self._tasks: dict[RunKey, _Task] = {}
@@ -440,13 +444,13 @@ class EmbeddedCore:
     ) -> Placed | str:
         """Room for the offer: on running nodes where they have it, else (an elastic site)
         with nodes still to launch."""
-        usage, speed = self._usage(), offer.estimate.device_speed
+        usage, speed, levels = self._usage(), offer.estimate.device_speed, self._levels
         if self._elastic is None:
-            return place_as_estimated(nodes, offer.spec, usage, speed)
+            return place_as_estimated(nodes, offer.spec, usage, speed, levels)
         running = [node for node in nodes if self._elastic.ready(node.name)]
-        placed = place_as_estimated(running, offer.spec, usage, speed) if running else ""
+        placed = place_as_estimated(running, offer.spec, usage, speed, levels) if running else ""
         if isinstance(placed, str):
-            placed = place_as_estimated(nodes, offer.spec, usage, speed)
+            placed = place_as_estimated(nodes, offer.spec, usage, speed, levels)
         return placed
 
     async def commit(

@@ -113,6 +113,9 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
         raise ConfigError(f"{source}: coordinator: give at least one address") from None
     check_slurm(config.slurm, source=source)
     check_owner_share(config.owner_share, source=source)
+    levels = config.topology_levels
+    if any(not level for level in levels) or len(set(levels)) < len(levels):
+        raise ConfigError(f"{source}: topology_levels: give distinct, non-empty label names")
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
     if config.inventory:  # read now, before a join token is spent on a site that cannot start
         check_node_names(load_inventory(config.inventory), config.inventory)
@@ -183,6 +186,7 @@ async def embedded_core(
         service_address=config.service_address,
         containers=config.containers,
         elastic=elastic_nodes(config),
+        topology_levels=config.topology_levels,
     )
     await core.adopt()  # before the first hello, which reports the tasks adopted
     return core

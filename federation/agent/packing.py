@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from types import ModuleType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from federation.agent.discovery import device_kind_name
 from federation.agent.usage import Slot, Usage, shares_fit
@@ -205,17 +205,24 @@ class Placed:
 
 
 def place_as_estimated(
-    nodes: Iterable[resources_pb2.Node], spec: jobs_pb2.TaskSpec, usage: Usage, speed: float
+    nodes: Iterable[resources_pb2.Node],
+    spec: jobs_pb2.TaskSpec,
+    usage: Usage,
+    speed: float,
+    levels: Sequence[str] = (),
 ) -> Placed | str:
     """Places a task on devices at least ``speed`` fast, the speed the coordinator's estimate
     assumed, where it fits so; else on any matching devices, with the longer run time that
     gives (the coordinator compares it with other sites' answers). ``speed`` 0: no promise.
+    ``levels``: the site's topology levels (``place``).
     """
     nodes = list(nodes)
     fast = task_speed(spec)
-    placed = place(nodes, spec, usage, speed=fast, min_speed=speed) if speed > 0 else ""
+    placed = (
+        place(nodes, spec, usage, speed=fast, min_speed=speed, levels=levels) if speed > 0 else ""
+    )
     if isinstance(placed, str):
-        placed = place(nodes, spec, usage)
+        placed = place(nodes, spec, usage, levels=levels)
     if isinstance(placed, str):
         return placed
     by_name = {node.name: node for node in nodes}
@@ -235,6 +242,7 @@ def place(
     *,
     speed: Speed | None = None,
     min_speed: float = 0.0,
+    levels: Sequence[str] = (),
 ) -> tuple[Slot, ...] | str:
     """Places every replica of a gang at once, or says why it does not fit.
 
@@ -249,6 +257,10 @@ def place(
         usage: Capacity already held; not modified.
         speed: How fast each device runs the task, for ``min_speed``.
         min_speed: Only devices at least this fast.
+        levels: The site's topology levels, widest first (node labels: ``block``, ``rack``):
+            among nodes that rank alike on themselves, a replica goes to the one in the
+            value of each level with the fewest free whole devices (the fullest block, then
+            rack), so whole values stay free for tasks that require one.
 
     With ``spec.topology``, the replicas go to the nodes of one value of the required level
     (``_at_one``), and where they fit so to one value of the preferred level.
@@ -264,12 +276,12 @@ def place(
     matches = _Matcher(spec.resources.accelerator, speed, min_speed)
     required, preferred = spec.topology.required, spec.topology.preferred
     if required:
-        return _at_one(required, preferred, schedulable, spec, usage, matches)
+        return _at_one(required, preferred, schedulable, spec, usage, matches, levels)
     if preferred:
-        found = _at_one(preferred, "", schedulable, spec, usage, matches)
+        found = _at_one(preferred, "", schedulable, spec, usage, matches, levels)
         if not isinstance(found, str):
             return found
-    return _among(schedulable, spec, usage, matches)
+    return _among(schedulable, spec, usage, matches, levels)
 
 
 def _at_one(
@@ -279,6 +291,7 @@ def _at_one(
     spec: jobs_pb2.TaskSpec,
     usage: Usage,
     matches: _Matcher,
+    levels: Sequence[str],
 ) -> tuple[Slot, ...] | str:
     """Every replica on the nodes of one value of the node label ``level`` (one rack, say),
     and within it at one value of ``preferred`` where one has room. Of the values that fit,
@@ -296,10 +309,10 @@ def _at_one(
     for value, members in sorted(groups.items()):
         found: tuple[Slot, ...] | str = ""
         if preferred:
-            found = _at_one(preferred, "", members, spec, usage, matches)
+            found = _at_one(preferred, "", members, spec, usage, matches, levels)
         missed_preferred = isinstance(found, str)
         if isinstance(found, str):
-            found = _among(members, spec, usage, matches)
+            found = _among(members, spec, usage, matches, levels)
         if isinstance(found, str):
             example = example or f"{level} {value}: {found}"
             continue
@@ -307,6 +320,36 @@ def _at_one(
     if not fits:
         return f"no {level} has room for all {spec.replicas or 1} replicas ({example})"
     return min(fits, key=lambda fit: fit[0])[1]
+
+
+def _by_level(fit: _Fit, fullness: list[dict[str, int]]) -> tuple[Any, ...]:
+    """``fit``'s rank with, after tightness and fragmentation, the free devices of its node's
+    value of each level: the fullest block, then rack, first."""
+    free = [per_node[fit.slot.node] for per_node in fullness]
+    return (*fit.rank[:2], free, *fit.rank[2:])
+
+
+def _free_per_level(
+    nodes: list[resources_pb2.Node], usage: Usage, levels: Sequence[str]
+) -> list[dict[str, int]]:
+    """Per level, for each node: the free whole devices of the nodes in its value of the level
+    (a node without the label is alone in its value)."""
+    free = {
+        node.name: sum(
+            1
+            for pos, device in enumerate(node.devices)
+            if _usable(device) and usage.is_whole_free((node.name, pos))
+        )
+        for node in nodes
+    }
+    out = []
+    for level in levels:
+        value_of = {n.name: n.labels.get(level) or f"node:{n.name}" for n in nodes}
+        per_value: Counter[str] = Counter()
+        for name, value in value_of.items():
+            per_value[value] += free[name]
+        out.append({name: per_value[value] for name, value in value_of.items()})
+    return out
 
 
 def _left_after(
@@ -329,8 +372,11 @@ def _among(
     spec: jobs_pb2.TaskSpec,
     usage: Usage,
     matches: _Matcher,
+    levels: Sequence[str] = (),
 ) -> tuple[Slot, ...] | str:
-    """Every replica on ``schedulable``, each where it fits best by ``_fit``'s rank."""
+    """Every replica on ``schedulable``, each where it fits best by ``_fit``'s rank (with
+    ``levels``, the fullest value of each level first among nodes that rank alike on
+    tightness and fragmentation)."""
     replicas = spec.replicas or 1
     tentative = usage.copy()
     slots: list[Slot] = []
@@ -341,7 +387,11 @@ def _among(
         if not fits:
             reason = min(outcome for outcome in outcomes if isinstance(outcome, _Miss)).why
             return f"only {placed} of {replicas} replicas fit; {reason}" if placed else reason
-        slot = min(fits, key=lambda fit: fit.rank).slot
+        if levels:
+            fullness = _free_per_level(schedulable, tentative, levels)
+            slot = min(fits, key=lambda fit: _by_level(fit, fullness)).slot
+        else:
+            slot = min(fits, key=lambda fit: fit.rank).slot
         tentative.add(slot)
         slots.append(slot)
     return tuple(slots)

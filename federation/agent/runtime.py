@@ -198,6 +198,7 @@ class AgentRuntime:
             coordinator_link=self._coordinator_link(),
             owner_share=owner_share(c.owner_share) if c.owner_share.keep else None,
             object_store=self._data.store.where if self._data and self._data.store else "",
+            topology_levels=c.topology_levels,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:

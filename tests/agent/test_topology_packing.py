@@ -4,8 +4,14 @@ whole for a larger gang."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
+from federation.agent.main import load_config, parse_args
 from federation.agent.packing import Slot, Usage, place
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.config import ConfigError
 
 from .cores import node, offer
 
@@ -69,3 +75,55 @@ def test_required_block_preferred_rack_keeps_a_small_gang_in_one_rack() -> None:
     it goes there, though block b2 (r3 and r4) would be left fuller by it."""
     usage = Usage.of([Slot(f"{rack}n1", 1, 256, (0, 1)) for rack in ("r1", "r3", "r4")])
     assert racks_of(place(site(), task(3, required="block", preferred="rack"), usage)) == {"r2"}
+
+
+def test_the_sites_levels_keep_whole_blocks_and_racks_free() -> None:
+    """One GPU is taken in r3 (block b2). With the site's levels, single GPUs go to the fullest
+    block, then rack: they fill r3, then r4, and block b1 stays whole for a gang that requires
+    a block. Without them, they go by node order and break b1 up."""
+    taken = Slot("r3n1", 1, 256, (0,))
+
+    def fill(levels: tuple[str, ...]) -> tuple[list[str], Usage]:
+        usage = Usage.of([taken])
+        racks = []
+        for _ in range(7):
+            placed = place(site(), task(1), usage, levels=levels)
+            assert not isinstance(placed, str), placed
+            usage.add(placed[0])
+            racks.append(placed[0].node[:2])
+        return racks, usage
+
+    racks, usage = fill(("block", "rack"))
+    assert racks == ["r3"] * 3 + ["r4"] * 4
+    assert racks_of(place(site(), task(8, required="block"), usage)) == {"r1", "r2"}
+    unordered, usage = fill(())
+    assert set(unordered) & {"r1", "r2"}, unordered
+    assert isinstance(place(site(), task(8, required="block"), usage), str)
+
+
+@pytest.mark.parametrize(
+    ("levels", "words"),
+    [
+        ('["block", "block"]', "topology_levels: give distinct, non-empty label names"),
+        ('["rack", ""]', "topology_levels: give distinct, non-empty label names"),
+        ('"rack"', "topology_levels"),
+    ],
+)
+def test_bad_topology_levels_are_refused(tmp_path: Path, levels: str, words: str) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        'site = "s"\ncoordinator = "127.0.0.1:1"\nca = "ca.pem"\nstate_dir = "state"\n'
+        f"topology_levels = {levels}\n"
+    )
+    with pytest.raises(ConfigError, match=words):
+        load_config(parse_args(["--config", str(config)], "p", "datacenter"), "datacenter")
+
+
+def test_good_topology_levels_are_read_in_order(tmp_path: Path) -> None:
+    config = tmp_path / "agent.toml"
+    config.write_text(
+        'site = "s"\ncoordinator = "127.0.0.1:1"\nca = "ca.pem"\nstate_dir = "state"\n'
+        'topology_levels = ["block", "rack"]\n'
+    )
+    loaded = load_config(parse_args(["--config", str(config)], "p", "datacenter"), "datacenter")
+    assert loaded.topology_levels == ["block", "rack"]

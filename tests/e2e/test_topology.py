@@ -11,10 +11,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 
-from .conftest import jobs, running, until, wait_for_job
+from .conftest import admin, jobs, running, until, wait_for_job
 
 pytestmark = pytest.mark.xdist_group("e2e-topology")
 
@@ -46,7 +46,12 @@ FLAT = {
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
     sites = [
-        SiteSpec("racks", "datacenter", nodes=[rack_node(r, i) for r in RACKS for i in (1, 2)]),
+        SiteSpec(
+            "racks",
+            "datacenter",
+            nodes=[rack_node(r, i) for r in RACKS for i in (1, 2)],
+            settings={"topology_levels": ["block", "rack"]},
+        ),
         SiteSpec("flat", "datacenter", nodes=[FLAT]),
     ]
     with running(tmp_path_factory.mktemp("topology"), sites) as f:
@@ -142,3 +147,11 @@ async def test_a_preferred_block_is_filled_first(fed: LocalFederation) -> None:
         assert {RACKS[rack] for rack in racks_of(task)} in ({"b1"}, {"b2"})
         assert len(set(task.nodes)) == 4
         await cancel_all(channel, [job_id])
+
+
+async def test_the_site_reports_its_topology_levels(fed: LocalFederation) -> None:
+    """The racks site's view names its levels, widest first; the flat site names none."""
+    async with fed.operator().channel() as channel:
+        listed = await admin(channel).ListSites(admin_service_pb2.ListSitesRequest())
+    levels = {s.name: list(s.view.topology_levels) for s in listed.sites}
+    assert levels == {"racks": ["block", "rack"], "flat": []}

@@ -566,6 +566,7 @@ class SiteView(_message.Message):
     COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
     OWNER_SHARE_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_FIELD_NUMBER: _builtins.int
+    TOPOLOGY_LEVELS_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -605,6 +606,13 @@ class SiteView(_message.Message):
         that would eat into it); unset when it keeps none.
         """
 
+    @_builtins.property
+    def topology_levels(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Node labels that are the site's topology levels, from the widest down (["block",
+        "rack"]): with the nodes' labels, its topology tree. Its packer fills the fullest value of
+        each level first, so whole racks and blocks stay free for tasks that require one.
+        """
+
     def __init__(
         self,
         *,
@@ -624,10 +632,11 @@ class SiteView(_message.Message):
         coordinator_link: Global___Link | None = ...,
         owner_share: Global___OwnerShare | None = ...,
         object_store: _builtins.str = ...,
+        topology_levels: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site", "topology_levels", b"topology_levels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
