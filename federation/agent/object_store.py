@@ -21,6 +21,7 @@ import hashlib
 import http.client
 import os
 import re
+import shutil
 import stat
 import tarfile
 import tempfile
@@ -367,6 +368,11 @@ def download(
     all; a refusal (4xx: an expired or wrong signature) is not tried again.
     """
     dest.parent.mkdir(parents=True, exist_ok=True)
+    need = 2 * size if folder else size  # a folder's tar, then what it unpacks to
+    if (free := shutil.disk_usage(dest.parent).free) < need:
+        raise DataError(
+            f"not enough disk space at this site: it needs {need} bytes, {free} are free"
+        )
     handle, temporary = tempfile.mkstemp(dir=dest.parent, prefix=".staging-")
     began = time.monotonic()
     active, resumes = 0.0, 0
@@ -428,11 +434,23 @@ class _Partial:
 
     def add(self, block: bytes) -> None:
         self.digest.update(block)
-        self.out.write(block)
+        self.write(block)
         self.held += len(block)
         self.moved += len(block)
         if self.progress is not None:
             self.progress(self.held, time.monotonic() - self.began)
+
+
+    def write(self, block: bytes = b"") -> None:
+        """Writes ``block`` (nothing: flushes). A local failure (the disk filled) is no
+        cut connection: retrying cannot help, so it ends the download with its reason."""
+        try:
+            if block:
+                self.out.write(block)
+            else:
+                self.out.flush()
+        except OSError as err:
+            raise DataError(f"cannot write it at this site: {err.strerror or err}") from None
 
 
 def _fetch(url: str, part: _Partial, size: int, stall_s: float) -> None:
@@ -459,7 +477,7 @@ def _fetch(url: str, part: _Partial, size: int, stall_s: float) -> None:
         raise DataError(f"its site's store answered HTTP {err.code} {err.reason}") from None
     except (urllib.error.URLError, OSError, http.client.HTTPException) as err:
         raise _Cut(str(getattr(err, "reason", None) or err or type(err).__name__)) from None
-    part.out.flush()
+    part.write()
 
 
 def _secret(path: Path | None, variable: str, source: str, what: str) -> str:
