@@ -23,7 +23,7 @@ DIGEST = hashlib.sha256(BODY).hexdigest()
 
 
 class _Serve(http.server.BaseHTTPRequestHandler):
-    def do_GET(self) -> None:  # noqa: N802 (the standard library's name)
+    def do_GET(self) -> None:
         self.send_response(200)
         self.send_header("Content-Length", str(SIZE))
         self.end_headers()
