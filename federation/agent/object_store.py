@@ -440,7 +440,6 @@ class _Partial:
         if self.progress is not None:
             self.progress(self.held, time.monotonic() - self.began)
 
-
     def write(self, block: bytes = b"") -> None:
         """Writes ``block`` (nothing: flushes). A local failure (the disk filled) is no
         cut connection: retrying cannot help, so it ends the download with its reason."""

@@ -33,6 +33,12 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="its SHA-256; with it the site does not read the object (every staging checks it)",
     )
     register.add_argument("--tenant", default="", help="whose dataset (operators)")
+    register.add_argument(
+        "--copy",
+        action="store_true",
+        help="another copy of the existing dataset NAME, held at --site (same size and digest): "
+        "tasks stage it from the holder nearest them",
+    )
     register.set_defaults(func=cmd_register)
     for name, func, what in (
         ("show", cmd_show, "one dataset"),
@@ -55,12 +61,14 @@ async def cmd_register(args: argparse.Namespace, conn: Connection) -> int:
     )
     async with conn.channel() as channel:
         stub = data_service_pb2_grpc.DataServiceStub(channel)
-        reply = await stub.RegisterDataset(data_service_pb2.RegisterDatasetRequest(dataset=dataset))
+        request = data_service_pb2.RegisterDatasetRequest(dataset=dataset, copy=args.copy)
+        reply = await stub.RegisterDataset(request)
     out = output_of(args)
     if out.is_data:
         out.messages(reply.dataset)
     else:
-        show(datasets_table([reply.dataset], title="Dataset registered"))
+        title = "Copy registered" if args.copy else "Dataset registered"
+        show(datasets_table([reply.dataset], title=title))
     return 0
 
 
@@ -114,6 +122,8 @@ def datasets_table(
         table.add_column(column)
     for d in datasets:
         digest = d.sha256 if whole_digest else d.sha256[:16] + "…"
-        cells = (d.name, d.tenant, d.site, d.location, str(d.bytes), digest)
+        sites = "\n".join([d.site, *(f"{c.site} (copy)" for c in d.copies)])
+        locations = "\n".join([d.location, *(c.location for c in d.copies)])
+        cells = (d.name, d.tenant, sites, locations, str(d.bytes), digest)
         table.add_row(*map(text, cells))
     return table

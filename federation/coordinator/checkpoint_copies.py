@@ -19,12 +19,10 @@ keys and digests, never bytes nor credentials.
 from __future__ import annotations
 
 import asyncio
-import math
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.staged_inputs import URL_TTL_S
-from federation.placement.snapshot import Snapshot
+from federation.coordinator.staged_inputs import URL_TTL_S, nearest_first
 
 PROTOCOL = 5
 """The site-link protocol that carries uploaded checkpoints, PUT URLs and copies."""
@@ -53,30 +51,6 @@ def holders(record: jobs_pb2.CheckpointRecord) -> list[jobs_pb2.Artifact]:
     if not record.HasField("stored") or not record.stored.key:
         return []
     return [record.stored, *record.replicas]
-
-
-def nearest_first(
-    held: list[jobs_pb2.Artifact], size: int, to_site: str, snap: Snapshot
-) -> list[jobs_pb2.Artifact]:
-    """``held`` (copies of ``size`` bytes) in the order they would reach ``to_site`` soonest
-    over the links the placement reads (measured, learnt from earlier transfers, or
-    declared): the site itself first; a holder the snapshot does not know last; ties as
-    ``held`` had them."""
-    to = snap.site_index(to_site)
-    if to is None:
-        return held
-
-    def seconds(copy: jobs_pb2.Artifact) -> float:
-        if copy.site == to_site:
-            return 0.0
-        source = snap.site_index(copy.site)
-        if source is None:
-            return math.inf
-        bits = size * 8.0
-        link_s = bits / (float(snap.bandwidth_mbps[source, to]) * 1e6)
-        return link_s + float(snap.rtt_ms[source, to]) / 1000
-
-    return sorted(held, key=seconds)
 
 
 def _speaks(sites: SiteRegistry, site: str) -> bool:

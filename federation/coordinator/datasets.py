@@ -157,6 +157,52 @@ class DatasetBook:
         log.info("dataset_registered", tenant=tenant, dataset=dataset.name, site=dataset.site)
         return stored
 
+    async def add_copy(
+        self, caller: Identity, copy: data_service_pb2.Dataset
+    ) -> data_service_pb2.Dataset:
+        """Record ``copy.location`` at ``copy.site`` as another holder of the caller's dataset
+        ``copy.name``, once that site has read the object and found the dataset's size and
+        digest."""
+        if violations := dataset_violations(copy, "dataset"):
+            raise InvalidArgumentError(violations)
+        tenant = _tenant(caller, copy.tenant)
+        found = self._datasets.get((tenant, copy.name))
+        if found is None:
+            raise DatasetNotFoundError(copy.name)
+        held = {found.site, *(c.site for c in found.copies)}
+        if copy.site in held:
+            raise AlreadyExistsError(
+                f"dataset {copy.name!r} is already held at site {copy.site}",
+                dataset=copy.name,
+            )
+        self._sites.get(copy.site)  # SiteNotFoundError names it
+        bucket, key = split_location(copy.location) or ("", "")
+        given = data_service_pb2.Dataset(bytes=found.bytes, sha256=found.sha256)
+        await self._describe(copy.site, bucket, key, tenant, given)  # refuses another object
+        async with self._writing:
+            current = self._datasets.get((tenant, copy.name))
+            if current is None:
+                raise DatasetNotFoundError(copy.name)
+            stored = data_service_pb2.Dataset()
+            stored.CopyFrom(current)
+            stored.copies.add(site=copy.site, location=copy.location, added_at=now_timestamp())
+            put = Put(
+                dataset_key(tenant, copy.name),
+                stored.SerializeToString(),
+                expect_revision=self._revisions[tenant, copy.name],
+            )
+            entry = audit.entry(str(caller), "dataset.copy", f"{tenant}/{copy.name}@{copy.site}")
+            try:
+                revision = await self._store.commit([put, entry])
+            except CasConflictError:
+                raise FailedPreconditionError(
+                    f"dataset {copy.name!r} changed meanwhile; try again", dataset=copy.name
+                ) from None
+            self._datasets[tenant, copy.name] = stored
+            self._revisions[tenant, copy.name] = revision
+        log.info("dataset_copy_added", tenant=tenant, dataset=copy.name, site=copy.site)
+        return stored
+
     async def _describe(
         self,
         site: str,

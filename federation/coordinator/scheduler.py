@@ -105,7 +105,12 @@ from federation.coordinator.scheduling.verdicts import (
     waiting_verdict,
 )
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
-from federation.coordinator.staged_inputs import Registered, holders_away, resolve
+from federation.coordinator.staged_inputs import (
+    Registered,
+    holders_away,
+    resolve,
+    with_copies,
+)
 from federation.coordinator.waits import (
     Holding,
     Wait,
@@ -494,13 +499,15 @@ class Scheduler:
                 # flattening the federation into arrays is the expensive part of a cycle.
                 cycle.snapshot = self._sites.snapshot()
                 cycle.placements = self._placements_on(cycle.snapshot)
-            request = request_for(job, task)
+            request = with_copies(
+                request_for(job, task), job.spec.tenant, self._datasets, self._connected
+            )
             if request is None:
                 return None  # waits for its dependencies; a report of theirs wakes us
             reads_data = any(t.outputs for t in job.spec.tasks) or any(
                 i.dataset.startswith(DATASET) for i in find_spec(job, task).inputs
             )
-            if reads_data and (away := holders_away(job, task, self._sites)):
+            if reads_data and (away := holders_away(job, task, self._sites, self._datasets)):
                 self._backoff(key)  # no offer while no one can sign its inputs' URLs
                 why = f"waiting for site {', '.join(away)}, which holds its inputs, to connect"
                 return [jobs_pb2.SiteVerdict(stage=INPUTS, reason=why)]
@@ -1326,6 +1333,9 @@ class Scheduler:
             delay *= random.uniform(0.8, 1.0)
         self._not_before[key] = time.monotonic() + delay
 
+    def _connected(self, site: str) -> bool:
+        return self._sites.session(site) is not None
+
     def _status_of(self, key: TaskKey) -> jobs_pb2.TaskStatus | None:
         """The task's status now; None once its job is no longer cached (it ended)."""
         job = self._jobs.cached(key[0])
@@ -1627,7 +1637,9 @@ class Scheduler:
             assert isinstance(job, jobs_pb2.Job)  # _task_of found the task in it
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
                 timeout_s = self._config.offer_timeout_s
-                staging[len(ready)] = resolve(job, n.task, self._sites, timeout_s, self._datasets)
+                staging[len(ready)] = resolve(
+                    job, n.task, self._sites, timeout_s, self._datasets, to_site=site
+                )
             session = self._sites.session(site)
             if task.checkpoint.HasField("stored") and session and session.protocol >= CKPT_PROTOCOL:
                 timeout_s = self._config.offer_timeout_s
@@ -1779,7 +1791,9 @@ class Scheduler:
         out = []
         for task in job.tasks:
             explanation = jobs_pb2.TaskExplanation(task=task.name, state=task.state, site=task.site)
-            request = request_for(job, task.name)
+            request = with_copies(
+                request_for(job, task.name), job.spec.tenant, self._datasets, self._connected
+            )
             if request is None:
                 waiting = waiting_on(job, task.name)
                 explanation.note = f"waits for task(s) {', '.join(waiting)} to succeed"

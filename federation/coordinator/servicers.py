@@ -347,7 +347,11 @@ class DataServicer(data_grpc.DataServiceServicer):
     async def RegisterDataset(
         self, request: data_pb.RegisterDatasetRequest, context: Context
     ) -> data_pb.RegisterDatasetResponse:
-        dataset = await self._current().datasets.register(current_caller(), request.dataset)
+        registry = self._current().datasets
+        if request.copy:
+            dataset = await registry.add_copy(current_caller(), request.dataset)
+        else:
+            dataset = await registry.register(current_caller(), request.dataset)
         return data_pb.RegisterDatasetResponse(dataset=dataset)
 
     async def GetDataset(

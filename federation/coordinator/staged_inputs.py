@@ -20,11 +20,15 @@ checked by the downloading site.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
 
 from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.coordinator.outputs import DATASET, PROTOCOL, in_job_folder, source_of
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.placement.request import Request
+from federation.placement.snapshot import Snapshot
 
 Registered = Mapping[tuple[str, str], data_service_pb2.Dataset]
 """The registered datasets by (tenant, name)."""
@@ -33,15 +37,76 @@ URL_TTL_S = 900
 """How long a signed URL may be used: the download starts at once, so 15 minutes is ample."""
 
 
-def holders_away(job: jobs_pb2.Job, task_name: str, sites: SiteRegistry) -> list[str]:
+def nearest_first(
+    held: list[jobs_pb2.Artifact], size: int, to_site: str, snap: Snapshot
+) -> list[jobs_pb2.Artifact]:
+    """``held`` (copies of ``size`` bytes) in the order they would reach ``to_site`` soonest
+    over the links the placement reads (measured, learnt from earlier transfers, or
+    declared): the site itself first; a holder the snapshot does not know last; ties as
+    ``held`` had them."""
+    to = snap.site_index(to_site)
+    if to is None:
+        return held
+
+    def seconds(copy: jobs_pb2.Artifact) -> float:
+        if copy.site == to_site:
+            return 0.0
+        source = snap.site_index(copy.site)
+        if source is None:
+            return math.inf
+        bits = size * 8.0
+        link_s = bits / (float(snap.bandwidth_mbps[source, to]) * 1e6)
+        return link_s + float(snap.rtt_ms[source, to]) / 1000
+
+    return sorted(held, key=seconds)
+
+
+def dataset_holders(
+    tenant: str, item: jobs_pb2.DataInput, datasets: Registered
+) -> list[tuple[str, str]]:
+    """(site, location) of every holder of a ``dataset:NAME`` input: where it was
+    registered, then its copies; only the input's site when the dataset is not known."""
+    record = datasets.get((tenant, item.dataset.removeprefix(DATASET)))
+    if record is None:
+        return [(item.site, "")]
+    return [(record.site, record.location), *((c.site, c.location) for c in record.copies)]
+
+
+def with_copies(
+    request: Request | None,
+    tenant: str,
+    datasets: Registered | None,
+    connected: Callable[[str], bool],
+) -> Request | None:
+    """``request`` with each registered dataset it reads counted at every ``connected`` site
+    holding a copy (placement takes the one that reaches each site soonest; with none
+    connected, where it was registered)."""
+    if request is None or not datasets:
+        return request
+    inputs = []
+    for item in request.inputs:
+        record = datasets.get((tenant, item.dataset.removeprefix(DATASET)))
+        if item.dataset.startswith(DATASET) and record is not None and record.copies:
+            held = [record.site, *(c.site for c in record.copies)]
+            reachable = [site for site in held if connected(site)] or held[:1]
+            item = dataclasses.replace(item, site=reachable[0], also=tuple(reachable[1:]))
+        inputs.append(item)
+    return dataclasses.replace(request, inputs=tuple(inputs))
+
+
+def holders_away(
+    job: jobs_pb2.Job, task_name: str, sites: SiteRegistry, datasets: Registered | None = None
+) -> list[str]:
     """The sites holding the task's staged inputs that have no session now (most tasks have
-    no staged input: nothing is looked at)."""
+    no staged input: nothing is looked at). A dataset is away only when every holder is."""
     specs = {t.name: t for t in job.spec.tasks}
     status = {t.name: t for t in job.tasks}
     away = set()
     for item in specs[task_name].inputs:
-        if item.dataset.startswith(DATASET) and item.site and sites.session(item.site) is None:
-            away.add(item.site)
+        if item.dataset.startswith(DATASET) and item.site:
+            held = dataset_holders(job.spec.tenant, item, datasets or {})
+            if all(sites.session(site) is None for site, _ in held):
+                away.add(item.site)
             continue
         found = source_of(item.dataset, specs)
         if found is None or (output := found[1]) is None:
@@ -62,6 +127,7 @@ async def resolve(
     sites: SiteRegistry,
     timeout_s: float,
     datasets: Registered | None = None,
+    to_site: str = "",
 ) -> list[site_link_service_pb2.StagedInput] | str:
     """The staged inputs of a task about to be committed, each with a URL its holder signed
     (or, for one that cannot be had, the reason); a string instead while a holder is not
@@ -73,7 +139,9 @@ async def resolve(
     asks: dict[str, list[tuple[site_link_service_pb2.StagedInput, str]]] = {}
     for item in spec.inputs:
         if item.dataset.startswith(DATASET):
-            staged_input, key, holder = _dataset(job.spec.tenant, item, datasets or {})
+            staged_input, key, holder = _dataset(
+                job.spec.tenant, item, datasets or {}, sites, to_site
+            )
             out.append(staged_input)
             if not staged_input.error:
                 asks.setdefault(holder, []).append((staged_input, key))
@@ -131,10 +199,11 @@ async def resolve(
 
 
 def _dataset(
-    tenant: str, item: jobs_pb2.DataInput, datasets: Registered
+    tenant: str, item: jobs_pb2.DataInput, datasets: Registered, sites: SiteRegistry, to_site: str
 ) -> tuple[site_link_service_pb2.StagedInput, str, str]:
-    """A registered dataset to stage: the input, its key and the site holding it (the input's
-    error says why when it is no longer registered)."""
+    """A registered dataset to stage: the input, its key and the site to sign it, the
+    connected holder nearest ``to_site`` (the input's error says why when it is no longer
+    registered)."""
     name = item.dataset.removeprefix(DATASET)
     staged_input = site_link_service_pb2.StagedInput(dataset=item.dataset, path=item.path or name)
     record = datasets.get((tenant, name))
@@ -142,5 +211,13 @@ def _dataset(
         staged_input.error = f"dataset {name} is no longer registered"
         return staged_input, "", ""
     staged_input.bytes, staged_input.sha256 = record.bytes, record.sha256
-    _, _, key = record.location.removeprefix("s3://").partition("/")
-    return staged_input, key, record.site
+    held = [
+        jobs_pb2.Artifact(site=site, key=location)
+        for site, location in dataset_holders(tenant, item, datasets)
+    ]
+    if len(held) > 1:
+        connected = [a for a in held if sites.session(a.site) is not None] or held
+        held = nearest_first(connected, record.bytes, to_site, sites.snapshot())
+    _, _, key = held[0].key.removeprefix("s3://").partition("/")
+    staged_input.site = held[0].site  # the stage-in is measured on that link
+    return staged_input, key, held[0].site

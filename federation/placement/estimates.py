@@ -109,9 +109,9 @@ def _transfer(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bo
     unknown = np.zeros(snap.n_sites, dtype=bool)
     for item in req.inputs:
         if item.site:
-            source = snap.site_index(item.site)
-            holders = [] if source is None else [source]
-            sizes = [float(item.bytes)]
+            found = (snap.site_index(site) for site in (item.site, *item.also))
+            holders = [i for i in found if i is not None]
+            sizes = [float(item.bytes)] * len(holders)
         else:
             holders = snap.holders(item.dataset)
             sizes = [float(item.bytes or snap.datasets[i][item.dataset]) for i in holders]

@@ -10,11 +10,13 @@ from federation.api.v1 import jobs_pb2
 
 @dataclass(frozen=True, slots=True)
 class Input:
-    """Data a task reads: ``bytes`` of ``dataset``, at ``site`` or wherever it is held."""
+    """Data a task reads: ``bytes`` of ``dataset``, at ``site`` (and its copies at ``also``)
+    or wherever it is held."""
 
     dataset: str
     bytes: int
     site: str = ""
+    also: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

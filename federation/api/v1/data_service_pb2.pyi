@@ -33,6 +33,7 @@ class Dataset(_message.Message):
     SHA256_FIELD_NUMBER: _builtins.int
     REGISTERED_BY_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Lower-case letters, digits and '-'; unique within its tenant."""
     tenant: _builtins.str
@@ -51,6 +52,12 @@ class Dataset(_message.Message):
     def registered_at(self) -> _timestamp_pb2.Timestamp:
         """When it was registered."""
 
+    @_builtins.property
+    def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___DatasetCopy]:
+        """The same bytes held at other sites too (RegisterDatasetRequest.copy): a task stages the
+        dataset from whichever holder reaches its site soonest, and placement counts that one.
+        """
+
     def __init__(
         self,
         *,
@@ -62,20 +69,56 @@ class Dataset(_message.Message):
         sha256: _builtins.str = ...,
         registered_by: _builtins.str = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
+        copies: _abc.Iterable[Global___DatasetCopy] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "location", b"location", "name", b"name", "registered_at", b"registered_at", "registered_by", b"registered_by", "sha256", b"sha256", "site", b"site", "tenant", b"tenant"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "copies", b"copies", "location", b"location", "name", b"name", "registered_at", b"registered_at", "registered_by", b"registered_by", "sha256", b"sha256", "site", b"site", "tenant", b"tenant"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Dataset: _TypeAlias = Dataset  # noqa: Y015
 
 @_typing.final
+class DatasetCopy(_message.Message):
+    """Another site's copy of a dataset: the same size and digest, in that site's store."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SITE_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    ADDED_AT_FIELD_NUMBER: _builtins.int
+    site: _builtins.str
+    location: _builtins.str
+    """"s3://BUCKET/KEY" in the store of `site`."""
+    @_builtins.property
+    def added_at(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        site: _builtins.str = ...,
+        location: _builtins.str = ...,
+        added_at: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["added_at", b"added_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_at", b"added_at", "location", b"location", "site", b"site"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DatasetCopy: _TypeAlias = DatasetCopy  # noqa: Y015
+
+@_typing.final
 class RegisterDatasetRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     DATASET_FIELD_NUMBER: _builtins.int
+    COPY_FIELD_NUMBER: _builtins.int
+    copy: _builtins.bool
+    """Record `dataset.location` at `dataset.site` as another copy of the caller's existing
+    dataset `dataset.name`, rather than a new dataset: the site reads the object, and its size
+    and digest must be the dataset's.
+    """
     @_builtins.property
     def dataset(self) -> Global___Dataset:
         """The dataset to record: name, location and site are required; tenant only from operators
@@ -88,10 +131,11 @@ class RegisterDatasetRequest(_message.Message):
         self,
         *,
         dataset: Global___Dataset | None = ...,
+        copy: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["dataset", b"dataset"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["copy", b"copy", "dataset", b"dataset"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

