@@ -558,6 +558,7 @@ class EmbeddedCore:
                 [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
                 self._account(task),
                 task.key,
+                task.tenant,
             )
             if task.restore_input is not None:
                 await self._stage_restore(task, task.restore_input)

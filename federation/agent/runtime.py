@@ -125,6 +125,12 @@ class AgentRuntime:
         """The site-link protocol the coordinator speaks to this agent (its welcome says)."""
         if data is not None:
             data.on_progress = self.on_stage_progress
+            data.on_copy = self.on_dataset_copy
+        self._copies_unsent: list[pb.DatasetCopyReport] = (
+            data.replicas.reports() if data is not None and data.replicas is not None else []
+        )
+        """Dataset copies to tell the coordinator once in touch: every copy kept at start (a
+        coordinator may have missed some), then what changed while out of touch."""
         self._domain = parse_domain(config.domain)
         self._generation = 0
         self._sent_nodes: dict[str, bytes] = {}
@@ -164,6 +170,14 @@ class AgentRuntime:
         lost while offline is not sent again (the task's own report is what counts)."""
         if self._outbox is not None and self._protocol >= STAGE_PROGRESS_PROTOCOL:
             self._outbox.put_nowait(pb.AgentMessage(stage_progress=progress))
+
+    def on_dataset_copy(self, report: pb.DatasetCopyReport) -> None:
+        """Tell the coordinator of a dataset copy kept or evicted here; kept for the next
+        session while out of touch."""
+        if self._outbox is not None and self._protocol >= STAGE_PROGRESS_PROTOCOL:
+            self._outbox.put_nowait(pb.AgentMessage(dataset_copy=report))
+        else:
+            self._copies_unsent.append(report)
 
     def on_change(self) -> None:
         AGENT_TASKS_RUNNING.set(self.core.queue().running_tasks)
@@ -418,6 +432,10 @@ class AgentRuntime:
             if self._links is not None:
                 self._links.set_coordinator(message.welcome.probe_endpoint)
             self._keep_trust_bundle(message.welcome.trust_bundle_pem)
+            if self._protocol >= STAGE_PROGRESS_PROTOCOL:
+                unsent, self._copies_unsent = self._copies_unsent, []
+                for report in unsent:
+                    outbox.put_nowait(pb.AgentMessage(dataset_copy=report))
             self._welcomed.set()
             log.info(
                 "welcomed",

@@ -22,6 +22,7 @@ import structlog
 
 from federation.agent.accounts import Account
 from federation.agent.checkpoint_store import prune, replicate
+from federation.agent.dataset_replicas import DatasetReplicas
 from federation.agent.object_store import (
     DataError,
     ObjectStoreSettings,
@@ -30,7 +31,7 @@ from federation.agent.object_store import (
     download,
 )
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.common.keys import RunKey
+from federation.common.keys import DATASET, RunKey
 
 log = structlog.get_logger()
 
@@ -56,6 +57,15 @@ class TaskData:
         self.on_progress: Callable[[site_link_service_pb2.StageProgress], None] | None = None
         """Told each input's progress and, once in place, what it moved (the runtime sends
         it to the coordinator); None: nobody is told."""
+        self.replicas = (
+            DatasetReplicas(store, self._settings.replica_bytes, self._scratch / "replicas.json")
+            if store is not None and self._settings.replica_bytes > 0
+            else None
+        )
+        """The dataset copies this site keeps; None: it keeps none."""
+        self.on_copy: Callable[[site_link_service_pb2.DatasetCopyReport], None] | None = None
+        """Told each dataset copy kept or evicted (the runtime sends it to the coordinator)."""
+        self._keeping: set[asyncio.Task[None]] = set()
 
     async def stage(
         self,
@@ -63,8 +73,11 @@ class TaskData:
         folders: Sequence[Path],
         account: Account | None,
         key: RunKey = ("", "", 0),
+        tenant: str = "",
     ) -> None:
-        """Put every input in every folder. Raises DataError naming the input."""
+        """Put every input in every folder. Raises DataError naming the input. A registered
+        dataset staged from another site is then kept as a copy in the background, when the
+        site keeps copies (``replicas``)."""
         for item in inputs:
             if item.error:
                 raise DataError(f"input {item.dataset}: {item.error}")
@@ -92,6 +105,11 @@ class TaskData:
                 raise DataError(f"input {item.dataset}: {err}") from None
             except OSError as err:
                 raise DataError(f"input {item.dataset}: cannot write {item.path}: {err}") from None
+            if self.replicas is not None and item.dataset.startswith(DATASET):
+                if item.site != self._site:
+                    self._keep(tenant, item, first)
+                else:
+                    self.replicas.touch(self.replicas.key(tenant, item.dataset[len(DATASET) :]))
             log.info(
                 "input_staged",
                 dataset=item.dataset,
@@ -101,6 +119,29 @@ class TaskData:
                 seconds=round(moved.seconds, 3),
                 resumes=moved.resumes,
             )
+
+    def _keep(self, tenant: str, item: site_link_service_pb2.StagedInput, source: Path) -> None:
+        """Keep the dataset staged at ``source`` as a copy, in the background (the task starts
+        meanwhile), and tell ``on_copy`` what changed."""
+        replicas = self.replicas
+        assert replicas is not None
+        name = item.dataset[len(DATASET) :]
+
+        async def keep() -> None:
+            try:
+                reports = await asyncio.to_thread(
+                    replicas.keep, tenant, name, source, item.bytes, item.sha256, self._scratch
+                )
+            except Exception:
+                log.exception("replica_failed", dataset=name, tenant=tenant)
+                return
+            for report in reports:
+                if self.on_copy is not None:
+                    self.on_copy(report)
+
+        task = asyncio.create_task(keep())
+        self._keeping.add(task)
+        task.add_done_callback(self._keeping.discard)
 
     async def publish(
         self,
@@ -163,6 +204,8 @@ class TaskData:
                 url = await asyncio.to_thread(
                     self.store.sign_get, request.key, request.tenant, request.ttl_s
                 )
+                if self.replicas is not None:
+                    self.replicas.touch(key)  # a copy kept here is used
         except DataError as err:
             log.warning("presign_refused", key=request.key, tenant=request.tenant, error=str(err))
             return site_link_service_pb2.PresignAnswer(error=str(err))

@@ -17,9 +17,10 @@ from collections.abc import Iterable, Mapping
 import structlog
 
 from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
+from federation.common.keys import DATASET
 from federation.coordinator import audit
 from federation.coordinator.jobs import now_timestamp
-from federation.coordinator.outputs import DATASET, S3, names_dataset
+from federation.coordinator.outputs import S3, names_dataset
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.coordinator.validation import name_problem
 from federation.errors import (
@@ -202,6 +203,54 @@ class DatasetBook:
             self._revisions[tenant, copy.name] = revision
         log.info("dataset_copy_added", tenant=tenant, dataset=copy.name, site=copy.site)
         return stored
+
+    async def site_copy(self, site: str, report: site_link_service_pb2.DatasetCopyReport) -> None:
+        """A copy ``site`` kept of a dataset after staging it for a task, or evicted: record
+        it as a copy of the dataset, or drop it. A report that does not match the dataset (its
+        size or digest, a bucket that is not the site's) is logged and ignored: the site
+        checked the bytes against this digest when it kept them."""
+        key = (report.tenant, report.dataset)
+        async with self._writing:
+            current = self._datasets.get(key)
+            if current is None:
+                return  # removed meanwhile: nothing to record
+            stored = data_service_pb2.Dataset()
+            stored.CopyFrom(current)
+            kept = [c for c in stored.copies if c.site == site]
+            if report.removed:
+                if not kept or not kept[0].kept:
+                    return  # a copy an operator registered stays until removed with the dataset
+                stored.ClearField("copies")
+                stored.copies.extend(c for c in current.copies if c.site != site)
+                action = "dataset.copy_evicted"
+            else:
+                matches = (report.bytes, report.sha256) == (current.bytes, current.sha256)
+                bucket, object_key = split_location(report.location) or ("", "")
+                folder = f"{report.tenant}/replicas/"
+                if not matches or f"/{folder}" not in f"/{object_key}" or site == current.site:
+                    log.warning(
+                        "dataset_copy_refused", site=site, dataset=report.dataset, bucket=bucket
+                    )
+                    return
+                if kept:
+                    return  # held there already
+                stored.copies.add(
+                    site=site, location=report.location, added_at=now_timestamp(), kept=True
+                )
+                action = "dataset.copy_kept"
+            put = Put(
+                dataset_key(*key), stored.SerializeToString(), expect_revision=self._revisions[key]
+            )
+            try:
+                revision = await self._store.commit(
+                    [put, audit.entry(f"site:{site}", action, "/".join(key))]
+                )
+            except CasConflictError:
+                log.warning("dataset_copy_conflict", site=site, dataset=report.dataset)
+                return
+            self._datasets[key] = stored
+            self._revisions[key] = revision
+        log.info(action.replace(".", "_"), site=site, tenant=report.tenant, dataset=report.dataset)
 
     async def _describe(
         self,

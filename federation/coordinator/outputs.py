@@ -9,10 +9,9 @@ import re
 from collections.abc import Mapping
 
 from federation.api.v1 import jobs_pb2
+from federation.common.keys import DATASET
 
 TASK_OUTPUT = "task:"
-DATASET = "dataset:"
-"""An input naming a dataset the job's tenant registered (``federation.coordinator.datasets``)."""
 S3 = "s3://"
 """An input naming a registered dataset by its location; stored as ``dataset:NAME``."""
 OUTPUT_NAME_RE = re.compile(r"^[a-z0-9]([a-z0-9_-]{0,61}[a-z0-9])?$")

@@ -32,7 +32,7 @@ import structlog
 from federation import tracing
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.common.keys import TaskKey
+from federation.common.keys import DATASET, TaskKey
 from federation.coordinator import retries, spread
 from federation.coordinator.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
 from federation.coordinator.checkpoint_copies import restore_input
@@ -48,8 +48,8 @@ from federation.coordinator.jobs import (
     unplace,
 )
 from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.outputs import DATASET, staged
 from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
+from federation.coordinator.outputs import staged
 from federation.coordinator.policy.preemption import (
     Candidate,
     TaskAt,

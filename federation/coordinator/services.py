@@ -248,6 +248,7 @@ async def start_services(
             probe_endpoint=probe_endpoint,
             trust_bundle=lambda: authorities.bundle_pem,
             renewed_as=revocations.successor_fingerprint,
+            datasets=datasets,
         ),
         admin=Admin(sites, jobs, coordinators, lost_sites, sharing, scheduler.forecasts, expiries),
         serving=serving,

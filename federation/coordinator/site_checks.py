@@ -159,6 +159,14 @@ _STAGE = _Rules(
     free=(("bytes_done", "bytes_total"),),
     texts=(("dataset", MAX_ATTRIBUTE_CHARS), ("source_site", MAX_ATTRIBUTE_CHARS)),
 )
+_COPY = _Rules(
+    texts=(
+        ("tenant", MAX_ATTRIBUTE_CHARS),
+        ("dataset", MAX_ATTRIBUTE_CHARS),
+        ("location", 2 * MAX_ATTRIBUTE_CHARS),
+        ("sha256", 64),
+    ),
+)
 _ANSWER = _Rules(
     ranges=(
         ("expected_start_s", 0, MAX_FIGURE),
@@ -208,6 +216,8 @@ def check_envelope(
                 check.fields(message.offer_answer, _ANSWER, path)
             elif body == "stage_progress":
                 check.fields(message.stage_progress, _STAGE, path)
+            elif body == "dataset_copy":
+                check.fields(message.dataset_copy, _COPY, path)
     except _EnoughFound:
         pass
     if check.found:

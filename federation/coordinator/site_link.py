@@ -12,6 +12,7 @@ import structlog
 
 from federation import __version__
 from federation.api.v1 import site_link_service_pb2 as pb
+from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.job_manager import JobManager
 from federation.coordinator.live_view import PlannedDelta, plan_deltas
 from federation.coordinator.site_checks import check_envelope
@@ -63,6 +64,7 @@ class SiteLink:
         trust_bundle: The roots trusted now (told in the welcome, to catch up on a rollover).
         renewed_as: The fingerprint of the certificate a serial was renewed into, or "": a
             renewed certificate opens sessions while the interceptor still accepts it.
+        datasets: Records the dataset copies sites keep or evict (``dataset_copy``).
     """
 
     def __init__(
@@ -74,9 +76,11 @@ class SiteLink:
         probe_endpoint: str = "",
         trust_bundle: Callable[[], bytes] = bytes,
         renewed_as: Callable[[str], str] = lambda serial: "",
+        datasets: DatasetBook | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
+        self._datasets = datasets
         self._heartbeat_interval_s = heartbeat_interval_s
         self._missed_heartbeats = missed_heartbeats
         self._probe_endpoint = probe_endpoint
@@ -285,6 +289,10 @@ class SiteLink:
             return
         if body == "stage_progress":
             await self._jobs.note_staging(site, request.stage_progress)
+            return
+        if body == "dataset_copy":
+            if self._datasets is not None:
+                await self._datasets.site_copy(site, request.dataset_copy)
             return
         if body == "goodbye":
             log.info("site_said_goodbye", site=site, reason=request.goodbye.reason)

@@ -25,7 +25,8 @@ import math
 from collections.abc import Callable, Mapping
 
 from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator.outputs import DATASET, PROTOCOL, in_job_folder, source_of
+from federation.common.keys import DATASET
+from federation.coordinator.outputs import PROTOCOL, in_job_folder, source_of
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot

@@ -2,7 +2,8 @@
 registered at near-d, both real SeaweedFS buckets. The reader's site declares its links: far-d
 1 Mbit/s, near-d 1 Gbit/s. Placement counts the nearer copy, the task stages from near-d, and
 from far-d once near-d is gone. A copy must be the same bytes, and only the dataset's tenant
-may add one."""
+may add one. cache-d keeps what it stages as copies in its own store, within 3 MiB: the next
+task there stages from cache-d itself, and a second dataset evicts the first."""
 
 from __future__ import annotations
 
@@ -32,8 +33,12 @@ pytestmark = [
 
 HOLDERS = ("far-d", "near-d")
 READER = "reader-d"
+CACHE = "cache-d"
+CACHE_BYTES = 3 * 1024 * 1024
 DATA = os.urandom(2 * 1024 * 1024 + 5)
+MORE = os.urandom(2 * 1024 * 1024 + 9)
 KEY = "federation/tenant-a/frames.bin"
+MORE_KEY = "federation/tenant-a/more.bin"
 LINKS = {"far-d": 1, "near-d": 1000}
 """Mbit/s between each holder and the reader, declared at both ends."""
 READ = """
@@ -47,8 +52,10 @@ def site(name: str, store: dict[str, object] | None) -> SiteSpec:
     node = {"name": "n", "cpu_cores": 8, "memory_mib": 8192, "devices": [device]}
     if name == READER:
         links = [{"peer": p, "bandwidth_mbps": mbps, "rtt_ms": 1} for p, mbps in LINKS.items()]
-    else:
+    elif name in LINKS:
         links = [{"peer": READER, "bandwidth_mbps": LINKS[name], "rtt_ms": 1}]
+    else:
+        links = []
     settings: dict[str, object] = {"links": links}
     if store:
         settings["object_store"] = store
@@ -57,13 +64,16 @@ def site(name: str, store: dict[str, object] | None) -> SiteSpec:
 
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
-    seaweed = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), list(HOLDERS))
+    seaweed = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), [*HOLDERS, CACHE])
     for name in HOLDERS:
         obstore.put(bucket(seaweed, name), KEY, DATA)
     obstore.put(bucket(seaweed, "near-d"), "federation/tenant-a/other.bin", b"other bytes")
+    obstore.put(bucket(seaweed, "far-d"), MORE_KEY, MORE)
     keys = tmp_path_factory.mktemp("keys")
     sites = [site(name, seaweed.site_store(name, keys)) for name in HOLDERS]
     sites.append(site(READER, None))
+    cache = {**seaweed.site_store(CACHE, keys), "replica_bytes": CACHE_BYTES}
+    sites.append(site(CACHE, cache))
     try:
         with running(tmp_path_factory.mktemp("fed"), sites) as federation:
             yield federation
@@ -80,12 +90,11 @@ async def register(
         return (await data(channel).RegisterDataset(request)).dataset
 
 
-def reader(name: str) -> jobs_pb2.JobSpec:
+def reader(name: str, where: str = READER, dataset: str = "frames") -> jobs_pb2.JobSpec:
     command = [sys.executable, "-c", READ]
-    inputs = [{"dataset": "dataset:frames", "path": "in/frames.bin"}]
-    return spec(
-        name, [{"name": "t", "command": command, "resources": at(READER), "inputs": inputs}]
-    )
+    inputs = [{"dataset": f"dataset:{dataset}", "path": "in/frames.bin"}]
+    task = {"name": "t", "command": command, "resources": at(where), "inputs": inputs}
+    return spec(name, [task])
 
 
 async def estimated_transfer_s(fed: LocalFederation) -> float:
@@ -101,7 +110,13 @@ async def staged_from(fed: LocalFederation, job_id: str) -> list[str]:
     async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
         request = job_service_pb2.GetJobRequest(job_id=job_id, include_events=True)
         reply = await jobs(channel).GetJob(request)
-    return [e.reason for e in reply.events if e.reason.startswith("staged dataset:frames")]
+    return [e.reason for e in reply.events if e.reason.startswith("staged dataset:")]
+
+
+async def dataset(fed: LocalFederation, name: str) -> data_service_pb2.Dataset:
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        reply = await data(channel).GetDataset(data_service_pb2.GetDatasetRequest(name=name))
+    return reply.dataset
 
 
 async def test_a_copy_nearer_the_reader_is_counted_and_staged_from(fed: LocalFederation) -> None:
@@ -147,6 +162,46 @@ async def test_a_copy_must_hold_the_same_bytes_and_be_the_tenants_own(
         request = data_service_pb2.GetDatasetRequest(name="frames-b")
         reply = await data(channel).GetDataset(request)
     assert not reply.dataset.copies  # nothing half-written
+
+
+async def test_a_site_keeps_what_it_staged_and_evicts_the_least_recently_used(
+    fed: LocalFederation,
+) -> None:
+    """cache-d keeps "frames" after a task there staged it (reported to the coordinator as a
+    copy kept there); the next task there stages it from cache-d's own store. A second
+    dataset does not fit beside it in 3 MiB: "frames", used least recently, is evicted and
+    the coordinator drops that copy."""
+    digest = hashlib.sha256(DATA).hexdigest()
+    if not (await dataset(fed, "frames")).name:
+        await register(
+            fed, "tenant-a", False, name="frames", site="far-d", location=f"s3://far-d/{KEY}"
+        )
+    first = await finished(fed, await submit(fed, reader("cache-first", CACHE)))
+    assert first.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in first.tasks]
+
+    async def kept(name: str) -> bool:
+        return any(c.site == CACHE and c.kept for c in (await dataset(fed, name)).copies)
+
+    await until(lambda: kept("frames"), "cache-d's copy of frames recorded")
+    copy = next(c for c in (await dataset(fed, "frames")).copies if c.site == CACHE)
+    assert copy.location == f"s3://{CACHE}/federation/tenant-a/replicas/frames"
+    second = await finished(fed, await submit(fed, reader("cache-second", CACHE)))
+    assert second.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in second.tasks]
+    assert said(tasks(second)["t"], "read") == digest
+    staged = await staged_from(fed, second.id)
+    assert staged
+    assert all(f" from {CACHE} in " in r for r in staged), staged
+    await register(
+        fed, "tenant-a", False, name="more", site="far-d", location=f"s3://far-d/{MORE_KEY}"
+    )
+    third = await finished(fed, await submit(fed, reader("cache-more", CACHE, "more")))
+    assert third.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in third.tasks]
+    await until(lambda: kept("more"), "cache-d's copy of more recorded")
+
+    async def evicted() -> bool:
+        return not await kept("frames")
+
+    await until(evicted, "cache-d's copy of frames evicted")
 
 
 async def test_with_the_near_copy_gone_the_far_one_is_staged(fed: LocalFederation) -> None:

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$federation/api/v1/data_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe0\x01\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x15\n\rregistered_by\x18\x07 \x01(\t\x12\x31\n\rregistered_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x06\x63opies\x18\t \x03(\x0b\x32\x1e.federation.api.v1.DatasetCopy\"[\n\x0b\x44\x61tasetCopy\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12,\n\x08\x61\x64\x64\x65\x64_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"S\n\x16RegisterDatasetRequest\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\x12\x0c\n\x04\x63opy\x18\x02 \x01(\x08\"F\n\x17RegisterDatasetResponse\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\"1\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"A\n\x12GetDatasetResponse\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\"%\n\x13ListDatasetsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"D\n\x14ListDatasetsResponse\x12,\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.Dataset\"4\n\x14RemoveDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x17\n\x15RemoveDatasetResponse2\x97\x03\n\x0b\x44\x61taService\x12h\n\x0fRegisterDataset\x12).federation.api.v1.RegisterDatasetRequest\x1a*.federation.api.v1.RegisterDatasetResponse\x12Y\n\nGetDataset\x12$.federation.api.v1.GetDatasetRequest\x1a%.federation.api.v1.GetDatasetResponse\x12_\n\x0cListDatasets\x12&.federation.api.v1.ListDatasetsRequest\x1a\'.federation.api.v1.ListDatasetsResponse\x12\x62\n\rRemoveDataset\x12\'.federation.api.v1.RemoveDatasetRequest\x1a(.federation.api.v1.RemoveDatasetResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$federation/api/v1/data_service.proto\x12\x11\x66\x65\x64\x65ration.api.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\xe0\x01\n\x07\x44\x61taset\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x10\n\x08location\x18\x03 \x01(\t\x12\x0c\n\x04site\x18\x04 \x01(\t\x12\r\n\x05\x62ytes\x18\x05 \x01(\x04\x12\x0e\n\x06sha256\x18\x06 \x01(\t\x12\x15\n\rregistered_by\x18\x07 \x01(\t\x12\x31\n\rregistered_at\x18\x08 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\x06\x63opies\x18\t \x03(\x0b\x32\x1e.federation.api.v1.DatasetCopy\"i\n\x0b\x44\x61tasetCopy\x12\x0c\n\x04site\x18\x01 \x01(\t\x12\x10\n\x08location\x18\x02 \x01(\t\x12,\n\x08\x61\x64\x64\x65\x64_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0c\n\x04kept\x18\x04 \x01(\x08\"S\n\x16RegisterDatasetRequest\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\x12\x0c\n\x04\x63opy\x18\x02 \x01(\x08\"F\n\x17RegisterDatasetResponse\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\"1\n\x11GetDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"A\n\x12GetDatasetResponse\x12+\n\x07\x64\x61taset\x18\x01 \x01(\x0b\x32\x1a.federation.api.v1.Dataset\"%\n\x13ListDatasetsRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\"D\n\x14ListDatasetsResponse\x12,\n\x08\x64\x61tasets\x18\x01 \x03(\x0b\x32\x1a.federation.api.v1.Dataset\"4\n\x14RemoveDatasetRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0e\n\x06tenant\x18\x02 \x01(\t\"\x17\n\x15RemoveDatasetResponse2\x97\x03\n\x0b\x44\x61taService\x12h\n\x0fRegisterDataset\x12).federation.api.v1.RegisterDatasetRequest\x1a*.federation.api.v1.RegisterDatasetResponse\x12Y\n\nGetDataset\x12$.federation.api.v1.GetDatasetRequest\x1a%.federation.api.v1.GetDatasetResponse\x12_\n\x0cListDatasets\x12&.federation.api.v1.ListDatasetsRequest\x1a\'.federation.api.v1.ListDatasetsResponse\x12\x62\n\rRemoveDataset\x12\'.federation.api.v1.RemoveDatasetRequest\x1a(.federation.api.v1.RemoveDatasetResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DATASET']._serialized_start=93
   _globals['_DATASET']._serialized_end=317
   _globals['_DATASETCOPY']._serialized_start=319
-  _globals['_DATASETCOPY']._serialized_end=410
-  _globals['_REGISTERDATASETREQUEST']._serialized_start=412
-  _globals['_REGISTERDATASETREQUEST']._serialized_end=495
-  _globals['_REGISTERDATASETRESPONSE']._serialized_start=497
-  _globals['_REGISTERDATASETRESPONSE']._serialized_end=567
-  _globals['_GETDATASETREQUEST']._serialized_start=569
-  _globals['_GETDATASETREQUEST']._serialized_end=618
-  _globals['_GETDATASETRESPONSE']._serialized_start=620
-  _globals['_GETDATASETRESPONSE']._serialized_end=685
-  _globals['_LISTDATASETSREQUEST']._serialized_start=687
-  _globals['_LISTDATASETSREQUEST']._serialized_end=724
-  _globals['_LISTDATASETSRESPONSE']._serialized_start=726
-  _globals['_LISTDATASETSRESPONSE']._serialized_end=794
-  _globals['_REMOVEDATASETREQUEST']._serialized_start=796
-  _globals['_REMOVEDATASETREQUEST']._serialized_end=848
-  _globals['_REMOVEDATASETRESPONSE']._serialized_start=850
-  _globals['_REMOVEDATASETRESPONSE']._serialized_end=873
-  _globals['_DATASERVICE']._serialized_start=876
-  _globals['_DATASERVICE']._serialized_end=1283
+  _globals['_DATASETCOPY']._serialized_end=424
+  _globals['_REGISTERDATASETREQUEST']._serialized_start=426
+  _globals['_REGISTERDATASETREQUEST']._serialized_end=509
+  _globals['_REGISTERDATASETRESPONSE']._serialized_start=511
+  _globals['_REGISTERDATASETRESPONSE']._serialized_end=581
+  _globals['_GETDATASETREQUEST']._serialized_start=583
+  _globals['_GETDATASETREQUEST']._serialized_end=632
+  _globals['_GETDATASETRESPONSE']._serialized_start=634
+  _globals['_GETDATASETRESPONSE']._serialized_end=699
+  _globals['_LISTDATASETSREQUEST']._serialized_start=701
+  _globals['_LISTDATASETSREQUEST']._serialized_end=738
+  _globals['_LISTDATASETSRESPONSE']._serialized_start=740
+  _globals['_LISTDATASETSRESPONSE']._serialized_end=808
+  _globals['_REMOVEDATASETREQUEST']._serialized_start=810
+  _globals['_REMOVEDATASETREQUEST']._serialized_end=862
+  _globals['_REMOVEDATASETRESPONSE']._serialized_start=864
+  _globals['_REMOVEDATASETRESPONSE']._serialized_end=887
+  _globals['_DATASERVICE']._serialized_start=890
+  _globals['_DATASERVICE']._serialized_end=1297
 # @@protoc_insertion_point(module_scope)

@@ -88,9 +88,14 @@ class DatasetCopy(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     LOCATION_FIELD_NUMBER: _builtins.int
     ADDED_AT_FIELD_NUMBER: _builtins.int
+    KEPT_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     location: _builtins.str
     """"s3://BUCKET/KEY" in the store of `site`."""
+    kept: _builtins.bool
+    """Kept by the site after it staged the dataset for a task (its object_store.replica_bytes):
+    the site deletes it when room runs short, and says so.
+    """
     @_builtins.property
     def added_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
@@ -99,10 +104,11 @@ class DatasetCopy(_message.Message):
         site: _builtins.str = ...,
         location: _builtins.str = ...,
         added_at: _timestamp_pb2.Timestamp | None = ...,
+        kept: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["added_at", b"added_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_at", b"added_at", "location", b"location", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["added_at", b"added_at", "kept", b"kept", "location", b"location", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -335,6 +335,7 @@ class AgentMessage(_message.Message):
     DESCRIBE_ANSWER_FIELD_NUMBER: _builtins.int
     STAGE_PROGRESS_FIELD_NUMBER: _builtins.int
     LOGS_ANSWER_FIELD_NUMBER: _builtins.int
+    DATASET_COPY_FIELD_NUMBER: _builtins.int
     correlation_id: _builtins.str
     """Echoes the correlation id of the coordinator request being answered."""
     @_builtins.property
@@ -365,6 +366,8 @@ class AgentMessage(_message.Message):
     def stage_progress(self) -> Global___StageProgress: ...
     @_builtins.property
     def logs_answer(self) -> Global___LogsAnswer: ...
+    @_builtins.property
+    def dataset_copy(self) -> Global___DatasetCopyReport: ...
     def __init__(
         self,
         *,
@@ -382,16 +385,58 @@ class AgentMessage(_message.Message):
         describe_answer: Global___DescribeAnswer | None = ...,
         stage_progress: Global___StageProgress | None = ...,
         logs_answer: Global___LogsAnswer | None = ...,
+        dataset_copy: Global___DatasetCopyReport | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "dataset_copy", b"dataset_copy", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["body", b"body", "change_answer", b"change_answer", "commit_answer", b"commit_answer", "correlation_id", b"correlation_id", "dataset_copy", b"dataset_copy", "describe_answer", b"describe_answer", "goodbye", b"goodbye", "heartbeat", b"heartbeat", "hello", b"hello", "logs_answer", b"logs_answer", "offer_answer", b"offer_answer", "presign_answer", b"presign_answer", "replicate_answer", b"replicate_answer", "stage_progress", b"stage_progress", "task_status", b"task_status", "view", b"view"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "describe_answer", "stage_progress", "logs_answer"]  # noqa: Y015
+    _WhichOneofReturnType_body: _TypeAlias = _typing.Literal["hello", "view", "heartbeat", "offer_answer", "commit_answer", "task_status", "goodbye", "change_answer", "presign_answer", "replicate_answer", "describe_answer", "stage_progress", "logs_answer", "dataset_copy"]  # noqa: Y015
     _WhichOneofArgType_body: _TypeAlias = _typing.Literal["body", b"body"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_body) -> _WhichOneofReturnType_body | None: ...
 
 Global___AgentMessage: _TypeAlias = AgentMessage  # noqa: Y015
+
+@_typing.final
+class DatasetCopyReport(_message.Message):
+    """A copy of a registered dataset the site keeps in its store after staging it for a task
+    (object_store.replica_bytes), or one it evicted (removed): the coordinator records it as a
+    copy of the dataset, so tasks stage it from the nearest holder.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TENANT_FIELD_NUMBER: _builtins.int
+    DATASET_FIELD_NUMBER: _builtins.int
+    LOCATION_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    SHA256_FIELD_NUMBER: _builtins.int
+    REMOVED_FIELD_NUMBER: _builtins.int
+    tenant: _builtins.str
+    dataset: _builtins.str
+    """The dataset's name (without "dataset:")."""
+    location: _builtins.str
+    """"s3://BUCKET/KEY" in the site's store."""
+    bytes: _builtins.int
+    sha256: _builtins.str
+    removed: _builtins.bool
+    def __init__(
+        self,
+        *,
+        tenant: _builtins.str = ...,
+        dataset: _builtins.str = ...,
+        location: _builtins.str = ...,
+        bytes: _builtins.int = ...,
+        sha256: _builtins.str = ...,
+        removed: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "dataset", b"dataset", "location", b"location", "removed", b"removed", "sha256", b"sha256", "tenant", b"tenant"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___DatasetCopyReport: _TypeAlias = DatasetCopyReport  # noqa: Y015
 
 @_typing.final
 class StageProgress(_message.Message):
