@@ -2,8 +2,9 @@
 registered at near-d, both real SeaweedFS buckets. The reader's site declares its links: far-d
 1 Mbit/s, near-d 1 Gbit/s. Placement counts the nearer copy, the task stages from near-d, and
 from far-d once near-d is gone. A copy must be the same bytes, and only the dataset's tenant
-may add one. On SQLite and on etcd. cache-d keeps what it stages as copies in its own store, within 3 MiB: the next
-task there stages from cache-d itself, and a second dataset evicts the first."""
+may add one. cache-d keeps what it stages as copies in its own store, within 3 MiB: the next
+task there stages from cache-d itself, and a second dataset evicts the first. All of it on
+the embedded store and on etcd."""
 
 from __future__ import annotations
 
