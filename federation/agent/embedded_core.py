@@ -1209,6 +1209,14 @@ class EmbeddedCore:
                 job_id, name, _ = task.key
                 log.warning("outputs_not_stored", job_id=job_id, task=name, error=str(exc))
                 state, reason = jobs_pb2.JOB_STATE_FAILED, str(exc)
+        elif state != jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
+            task.artifacts = await self.data.keep_partial(
+                task.key,
+                task.tenant,
+                task.spec.outputs,
+                self._task_dir(task.key) / "0",
+                self._run_dir(task.key, 0).parent,
+            )
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
     async def _watch_service(self, task: _Task) -> None:

@@ -153,12 +153,51 @@ class TaskData:
     ) -> tuple[list[jobs_pb2.Artifact], str]:
         """Store each output; returns the artifacts and a note for the task's reason (empty
         when all went to the store). Raises DataError naming the output."""
+        return await self._publish(key, tenant, outputs, folder, scratch, partial=False)
+
+    async def keep_partial(
+        self,
+        key: RunKey,
+        tenant: str,
+        outputs: Sequence[jobs_pb2.Output],
+        folder: Path,
+        scratch: Path,
+    ) -> list[jobs_pb2.Artifact]:
+        """Store what a task that failed or was cancelled left of its ``keep_on_failure``
+        outputs, marked partial (for debugging); one it did not write, or one that cannot be
+        stored, is left out (logged): the task's end stays as it was."""
+        kept = []
+        for output in outputs:
+            if not output.keep_on_failure:
+                continue
+            try:
+                found, _ = await self._publish(key, tenant, [output], folder, scratch, partial=True)
+            except DataError as err:
+                log.info("partial_output_not_kept", job_id=key[0], task=key[1], error=str(err))
+                continue
+            kept.extend(found)
+        return kept
+
+    async def _publish(
+        self,
+        key: RunKey,
+        tenant: str,
+        outputs: Sequence[jobs_pb2.Output],
+        folder: Path,
+        scratch: Path,
+        *,
+        partial: bool,
+    ) -> tuple[list[jobs_pb2.Artifact], str]:
         job_id, task, epoch = key
         if self.store is None:
             artifacts = []
             for output in outputs:
                 size = await asyncio.to_thread(_local_size, folder / output.path, output.name)
-                artifacts.append(jobs_pb2.Artifact(name=output.name, bytes=size, site=self._site))
+                artifacts.append(
+                    jobs_pb2.Artifact(
+                        name=output.name, bytes=size, site=self._site, partial=partial
+                    )
+                )
             names = ", ".join(o.name for o in outputs)
             note = f"outputs {names} kept at site {self._site}: it has no object store"
             return artifacts, note
@@ -182,6 +221,7 @@ class TaskData:
                     site=self._site,
                     key=stored.key,
                     folder=stored.folder,
+                    partial=partial,
                 )
             )
         return artifacts, ""

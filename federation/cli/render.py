@@ -389,6 +389,14 @@ def checkpoint_line(checkpoint: jobs_pb2.CheckpointRecord) -> str:
     )
 
 
+def artifact_line(artifact: jobs_pb2.Artifact) -> str:
+    """One stored output: its name, size and where it is (a partial one says so)."""
+    where = f"{artifact.key} at {artifact.site}" if artifact.key else f"kept at {artifact.site}"
+    kind = " (folder)" if artifact.folder else ""
+    partial = ", partial: kept after the task did not succeed" if artifact.partial else ""
+    return f"{artifact.name}{kind}: {artifact.bytes} bytes, {where}{partial}"
+
+
 JOB_WIDE_COLUMNS = ("queue", "priority", "submitted by", "created (UTC)")
 """What ``-o wide`` adds to the jobs table."""
 
@@ -473,6 +481,8 @@ def job_details(
             yield text("  " + estimate_line(task))
         if task.checkpoint.path:
             yield text("  checkpoint: " + checkpoint_line(task.checkpoint))
+        for artifact in task.artifacts:
+            yield text("  output " + artifact_line(artifact))
         spec = next((t for t in job.spec.tasks if t.name == task.name), None)
         most = retries.max_attempts(spec) if spec is not None else 1
         if task.failed_attempts and most > 1:

@@ -589,7 +589,8 @@ class JobManager:
             if not final:
                 return []
             del current.endpoints[:]
-            if report.state == job_state.SUCCEEDED and report.artifacts:
+            succeeded = report.state == job_state.SUCCEEDED
+            if report.artifacts and (succeeded or all(a.partial for a in report.artifacts)):
                 del current.artifacts[:]
                 current.artifacts.extend(report.artifacts)
                 for artifact in current.artifacts:

@@ -155,7 +155,10 @@ async def resolve(
             dataset=item.dataset, path=item.path or output.name
         )
         out.append(staged_input)
-        artifact = next((a for a in status[producer].artifacts if a.name == output.name), None)
+        artifact = next(
+            (a for a in status[producer].artifacts if a.name == output.name and not a.partial),
+            None,
+        )
         if artifact is None:
             staged_input.error = f"task {producer} reported no output {output.name}"
             continue

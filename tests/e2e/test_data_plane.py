@@ -23,6 +23,7 @@ from federation.placement.snapshot import UNKNOWN_BANDWIDTH_MBPS
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
 from .conftest import admin, channel_as, jobs, running, spec, tenant_tls, until, wait_for_job
+from .test_cli import fedctl
 from .test_refusals import violations
 
 pytestmark = [
@@ -195,6 +196,51 @@ async def test_a_missing_output_fails_the_producer(fed: LocalFederation) -> None
     make = tasks(job)["make"]
     assert make.state == jobs_pb2.JOB_STATE_FAILED
     assert make.reason == "output data (out.bin): the task did not write it"
+
+
+FAIL_AFTER_LOG = """
+import pathlib, sys
+pathlib.Path("debug.txt").write_text("step 41 of 100: loss went NaN")
+sys.exit(3)
+"""
+
+
+async def test_a_failed_task_keeps_the_partial_outputs_it_was_asked_to(
+    fed: LocalFederation, seaweed: LocalSeaweed
+) -> None:
+    """Only the output marked keep_on_failure is stored after the task fails (one it did not
+    write is left out, and the task's reason stays its exit), marked partial; its bytes are
+    in the store, and fedctl says it is partial."""
+    outputs = [
+        {"name": "log", "path": "debug.txt", "keep_on_failure": True},
+        {"name": "model", "path": "model.bin"},
+        {"name": "trace", "path": "trace.bin", "keep_on_failure": True},
+    ]
+    job_id = await submit(
+        fed, spec("debug", [task("train", FAIL_AFTER_LOG, "edge-d", outputs=outputs)])
+    )
+    job = await finished(fed, job_id)
+    train = tasks(job)["train"]
+    assert train.state == jobs_pb2.JOB_STATE_FAILED
+    assert train.reason == "replica 0 exited with 3"
+    (log,) = train.artifacts
+    assert (log.name, log.partial, log.site) == ("log", True, "edge-d")
+    assert log.key == f"federation/tenant-a/{job_id}/train/{train.epoch}/log"
+    keys = seaweed.buckets["edge-d"]
+    store = S3Store(
+        "edge-d",
+        endpoint=seaweed.endpoint,
+        access_key_id=keys.access_key_id,
+        secret_access_key=keys.secret_access_key,
+        region="us-east-1",
+        client_options={"allow_http": True},
+        virtual_hosted_style_request=False,
+    )
+    stored = await asyncio.to_thread(lambda: bytes(obstore.get(store, log.key).bytes()))
+    assert stored == b"step 41 of 100: loss went NaN"
+    assert hashlib.sha256(stored).hexdigest() == log.sha256
+    shown = await asyncio.to_thread(fedctl, fed, "jobs", "get", job_id)
+    assert "partial: kept after the task did not succeed" in shown.stdout, shown.stdout
 
 
 async def test_an_output_kept_at_a_site_without_a_store_fails_its_dependant_clearly(

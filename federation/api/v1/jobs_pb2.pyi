@@ -234,19 +234,25 @@ class Output(_message.Message):
 
     NAME_FIELD_NUMBER: _builtins.int
     PATH_FIELD_NUMBER: _builtins.int
+    KEEP_ON_FAILURE_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Lower-case letters, digits, '_' and '-' (no '.': "task:NAME.OUTPUT" splits at the last)."""
     path: _builtins.str
     """Relative to replica 0's work folder."""
+    keep_on_failure: _builtins.bool
+    """Store what the task left there also when it fails or is cancelled (for debugging): such
+    an artifact is marked partial, and no dependant ever reads it.
+    """
     def __init__(
         self,
         *,
         name: _builtins.str = ...,
         path: _builtins.str = ...,
+        keep_on_failure: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["keep_on_failure", b"keep_on_failure", "name", b"name", "path", b"path"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -264,6 +270,7 @@ class Artifact(_message.Message):
     SITE_FIELD_NUMBER: _builtins.int
     KEY_FIELD_NUMBER: _builtins.int
     FOLDER_FIELD_NUMBER: _builtins.int
+    PARTIAL_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     bytes: _builtins.int
     sha256: _builtins.str
@@ -274,6 +281,10 @@ class Artifact(_message.Message):
     """Its key in that store; empty when the site has no store (the output stayed at the site)."""
     folder: _builtins.bool
     """True when the output is a folder, stored as a tar file."""
+    partial: _builtins.bool
+    """Stored after the task failed or was cancelled (Output.keep_on_failure): what it left,
+    for a person to look at; never staged into a dependant.
+    """
     def __init__(
         self,
         *,
@@ -283,10 +294,11 @@ class Artifact(_message.Message):
         site: _builtins.str = ...,
         key: _builtins.str = ...,
         folder: _builtins.bool = ...,
+        partial: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "folder", b"folder", "key", b"key", "name", b"name", "sha256", b"sha256", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "folder", b"folder", "key", b"key", "name", b"name", "partial", b"partial", "sha256", b"sha256", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
