@@ -101,6 +101,10 @@ class ObjectStoreSettings:
     written (an HTTP Range), after a backoff doubling from 1 s."""
     download_stall_s: float = field(default=DOWNLOAD_STALL_S, metadata=within(1, 600))
     """Seconds without a byte before a download's connection is given up and opened again."""
+    reachable: bool = True
+    """Whether other sites can reach this store. False (a store behind NAT that this site
+    reaches and others do not): the outputs others need are pushed from it to a reachable
+    site's store, through a URL that site signs, and staged from there."""
     replica_bytes: int = field(default=0, metadata=within(0, 2**62))
     """Bytes of registered datasets this site keeps in its store as copies after staging them
     for a task (``federation.agent.dataset_replicas``), the least recently used deleted first

@@ -213,6 +213,8 @@ class AgentRuntime:
             owner_share=owner_share(c.owner_share) if c.owner_share.keep else None,
             object_store=self._data.store.where if self._data and self._data.store else "",
             topology_levels=c.topology_levels,
+            store_unreachable=bool(self._data and self._data.store)
+            and not c.object_store.reachable,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:

@@ -22,7 +22,7 @@ import asyncio
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.staged_inputs import URL_TTL_S, nearest_first
+from federation.coordinator.staged_inputs import URL_TTL_S, nearest_first, reached
 
 PROTOCOL = 5
 """The site-link protocol that carries uploaded checkpoints, PUT URLs and copies."""
@@ -58,15 +58,15 @@ def _speaks(sites: SiteRegistry, site: str) -> bool:
     return session is not None and session.protocol >= PROTOCOL
 
 
-def copy_site(sites: SiteRegistry, record: jobs_pb2.CheckpointRecord) -> str | None:
-    """A connected site with a store, other than those holding the checkpoint, to keep a copy
-    (the first by name: the same one each time, so copies do not spread); None if none."""
-    held = {a.site for a in holders(record)}
+def copy_site(sites: SiteRegistry, held: set[str]) -> str | None:
+    """A connected site with a store that other sites reach, other than the ``held`` ones, to
+    keep a copy (the first by name: the same one each time, so copies do not spread); None if
+    none."""
     for name in sorted(sites.names()):
         if name in held or not _speaks(sites, name):
             continue
         view = sites.get(name).view
-        if view is not None and view.header.object_store:
+        if view is not None and view.header.object_store and not view.header.store_unreachable:
             return name
     return None
 
@@ -84,14 +84,30 @@ async def copy_checkpoint(
     tenant = job.spec.tenant or "_"
     if not in_checkpoint_folder(stored.key, job.spec.tenant, job.id, task_name):
         return f"site {stored.site} stored it outside this task's folder"
-    target = copy_site(sites, record)
-    holder = sites.session(stored.site)
-    if target is None or (session := sites.session(target)) is None:
-        return "no other connected site has an object store"
-    if holder is None or holder.protocol < PROTOCOL:
-        return f"site {stored.site}, which holds it, cannot copy it now"
     below = "/".join((tenant, job.id, task_name, FOLDER, stored.key.rsplit("/", 1)[-1]))
     keep = find_spec_checkpoint(job, task_name).keep or 2
+    held = {a.site for a in holders(record)}
+    return await copy_object(stored, tenant, below, keep, held, sites, timeout_s)
+
+
+async def copy_object(
+    stored: jobs_pb2.Artifact,
+    tenant: str,
+    below: str,
+    keep: int,
+    held: set[str],
+    sites: SiteRegistry,
+    timeout_s: float,
+) -> jobs_pb2.Artifact | str:
+    """Have a site not in ``held`` keep a copy of ``stored`` (an object of its site's store)
+    at ``below`` in the tenant's folder of its own store: that site signs a PUT URL, and the
+    holder writes the copy through it. Returns the copy, or why none was made."""
+    target = copy_site(sites, held)
+    holder = sites.session(stored.site)
+    if target is None or (session := sites.session(target)) is None:
+        return "no other connected site has an object store other sites reach"
+    if holder is None or holder.protocol < PROTOCOL:
+        return f"site {stored.site}, which holds it, cannot copy it now"
     signing = site_link_service_pb2.PresignRequest(
         key=below, method="PUT", ttl_s=URL_TTL_S, tenant=tenant, keep=keep
     )
@@ -123,6 +139,7 @@ async def copy_checkpoint(
         return f"site {stored.site} could not copy it: {done.replicate_answer.error}"
     replica = jobs_pb2.Artifact()
     replica.CopyFrom(stored)
+    del replica.copies[:]
     replica.site, replica.key = target, signed.presign_answer.key
     return replica
 
@@ -153,6 +170,9 @@ async def restore_input(
     for held in copies:
         if not in_checkpoint_folder(held.key, job.spec.tenant, job.id, task_name):
             tried.append(f"site {held.site} holds it outside this task's folder")
+            continue
+        if held.site != to_site and not reached(sites, held.site):
+            tried.append(f"site {held.site}'s store cannot be reached from other sites")
             continue
         session = sites.session(held.site)
         if session is None or session.protocol < PROTOCOL:

@@ -16,7 +16,7 @@ from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.coordinator import audit, retries, spread, transfers
-from federation.coordinator.checkpoint_copies import copy_checkpoint, replicates
+from federation.coordinator.checkpoint_copies import copy_checkpoint, copy_object, replicates
 from federation.coordinator.datasets import DatasetBook
 from federation.coordinator.events import WATCH_BATCH, EventHub
 from federation.coordinator.jobs import (
@@ -40,6 +40,7 @@ from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.reconcile import Reconciler, record_checkpoint
 from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
+from federation.coordinator.staged_inputs import reached
 from federation.coordinator.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
 from federation.errors import (
     FederationError,
@@ -657,6 +658,49 @@ class JobManager:
             copying = asyncio.create_task(self._copy(updated, report.task, effects.uploaded))
             self._copies.add(copying)
             copying.add_done_callback(self._copies.discard)
+        if (
+            report.state == job_state.SUCCEEDED
+            and report.artifacts
+            and not reached(self._sites, site)
+        ):
+            pushing = asyncio.create_task(self._push_outputs(updated, report.task))
+            self._copies.add(pushing)
+            pushing.add_done_callback(self._copies.discard)
+
+    async def _push_outputs(self, job: jobs_pb2.Job, task_name: str) -> None:
+        """The outputs of a task whose site's store other sites cannot reach are pushed to
+        a reachable site's store, and the copies recorded: dependants elsewhere stage them
+        from there."""
+        task = find_task(job, task_name)
+        tenant = job.spec.tenant or "_"
+        for artifact in task.artifacts:
+            if not artifact.key or artifact.partial:
+                continue
+            below = "/".join((tenant, job.id, task_name, str(task.epoch), artifact.name))
+            try:
+                copy = await copy_object(
+                    artifact, tenant, below, 0, {artifact.site}, self._sites, COPY_ASK_TIMEOUT_S
+                )
+            except Exception:  # a bug must not go unseen in a task nobody awaits
+                log.exception("output_push_failed", job=job.id, task=task_name)
+                return
+            if isinstance(copy, str):
+                log.warning("output_not_pushed", job=job.id, task=task_name, reason=copy)
+                continue
+
+            def mutate(
+                job: jobs_pb2.Job,
+                name: str = artifact.name,
+                key: str = artifact.key,
+                copy: jobs_pb2.Artifact = copy,
+            ) -> list[Change]:
+                for current in find_task(job, task_name).artifacts:
+                    if (current.name, current.key) == (name, key):
+                        current.copies.append(copy)
+                return []
+
+            await self._jobs.update(job.id, mutate)
+            log.info("output_pushed", job=job.id, task=task_name, site=copy.site, key=copy.key)
 
     async def _copy(
         self, job: jobs_pb2.Job, task_name: str, record: jobs_pb2.CheckpointRecord

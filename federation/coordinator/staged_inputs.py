@@ -174,7 +174,14 @@ async def resolve(
                 f"site {artifact.site} stored output {output.name} outside this job's folder"
             )
         else:
-            asks.setdefault(artifact.site, []).append((staged_input, artifact.key))
+            source = _reachable_copy(artifact, sites, to_site)
+            if source is None:
+                return (
+                    f"waiting for output {output.name} of task {producer} to be pushed out "
+                    f"of site {artifact.site}, whose store other sites cannot reach"
+                )
+            staged_input.site = source.site
+            asks.setdefault(source.site, []).append((staged_input, source.key))
     for site, wanted in asks.items():
         session = sites.session(site)
         if session is None:
@@ -200,6 +207,24 @@ async def resolve(
             else:
                 staged_input.url = answer.presign_answer.url
     return out
+
+
+def _reachable_copy(
+    artifact: jobs_pb2.Artifact, sites: SiteRegistry, to_site: str
+) -> jobs_pb2.Artifact | None:
+    """Where ``to_site`` stages a task's output from: the holder whose store it can reach
+    nearest it (copies pushed out of a store other sites cannot reach count, its copies
+    being in the job's folder too); None while there is none yet."""
+    held = [a for a in [artifact, *artifact.copies] if a.site == to_site or reached(sites, a.site)]
+    if not held:
+        return None
+    return nearest_first(held, artifact.bytes, to_site, sites.snapshot())[0]
+
+
+def reached(sites: SiteRegistry, site: str) -> bool:
+    """Whether other sites reach ``site``'s store, as its view says (an unknown site: yes)."""
+    view = sites.get(site).view if site in sites.names() else None
+    return view is None or not view.header.store_unreachable
 
 
 def _dataset(

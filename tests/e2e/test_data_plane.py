@@ -32,8 +32,9 @@ pytestmark = [
     pytest.mark.timeout(300),
 ]
 
-STORED = ("edge-d", "cloud-d", "wrong-d")
-"""Sites with a bucket of their own; wrong-d's config holds a wrong secret."""
+STORED = ("edge-d", "cloud-d", "wrong-d", "nat-d")
+"""Sites with a bucket of their own; wrong-d's config holds a wrong secret; nat-d's store is
+declared unreachable from other sites (behind NAT)."""
 WRONG_SECRET = "this-is-not-the-secret-of-wrong-d"
 GPU = 1
 
@@ -73,6 +74,7 @@ def fed(
         site("cloud-d", "cloud", stores["cloud-d"]),
         site("wrong-d", "datacenter", stores["wrong-d"]),
         site("bare-d", "datacenter", None),
+        site("nat-d", "edge", {**stores["nat-d"], "reachable": False}),
     ]
     with running(
         tmp_path_factory.mktemp("fed"), sites, ["--metrics-listen", "127.0.0.1:0"]
@@ -168,7 +170,10 @@ async def test_each_site_names_its_store_in_its_view_without_its_keys(
         "cloud-d": f"bucket cloud-d at {seaweed.endpoint}",
         "wrong-d": f"bucket wrong-d at {seaweed.endpoint}",
         "bare-d": "",
+        "nat-d": f"bucket nat-d at {seaweed.endpoint}",
     }
+    unreachable = {s.name for s in reply.sites if s.view.store_unreachable}
+    assert unreachable == {"nat-d"}
     shown = str(reply)
     assert not [b for b in seaweed.buckets.values() if b.access_key_id in shown]
     assert not [b for b in seaweed.buckets.values() if b.secret_access_key in shown]
@@ -196,6 +201,32 @@ async def test_a_missing_output_fails_the_producer(fed: LocalFederation) -> None
     make = tasks(job)["make"]
     assert make.state == jobs_pb2.JOB_STATE_FAILED
     assert make.reason == "output data (out.bin): the task did not write it"
+
+
+async def test_an_output_behind_nat_is_pushed_to_a_reachable_store_and_staged_from_there(
+    fed: LocalFederation,
+) -> None:
+    """nat-d's store is out of other sites' reach: once make succeeds there, nat-d pushes its
+    outputs to cloud-d's store through URLs cloud-d signs, the copies are recorded, and use,
+    at cloud-d, stages them from cloud-d's copy, never from nat-d."""
+    job = await finished(fed, await submit(fed, pipeline("behind-nat", "nat-d")))
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    make, use = tasks(job)["make"], tasks(job)["use"]
+    assert (make.site, use.site) == ("nat-d", "cloud-d")
+    assert said(make, "made") == said(use, "read")
+    assert said(use, "res") == "alpha beta"
+    for artifact in make.artifacts:
+        assert artifact.site == "nat-d"
+        (copy,) = artifact.copies
+        assert copy.site == "cloud-d"
+        assert copy.key == f"federation/tenant-a/{job.id}/make/{make.epoch}/{artifact.name}"
+        assert (copy.bytes, copy.sha256) == (artifact.bytes, artifact.sha256)
+    async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+        request = job_service_pb2.GetJobRequest(job_id=job.id, include_events=True)
+        reply = await jobs(channel).GetJob(request)
+    staged = [e.reason for e in reply.events if e.task == "use" and "staged" in e.reason]
+    assert len(staged) == 2, staged
+    assert all(" from cloud-d in " in r for r in staged), staged
 
 
 FAIL_AFTER_LOG = """

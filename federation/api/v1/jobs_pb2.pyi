@@ -271,6 +271,7 @@ class Artifact(_message.Message):
     KEY_FIELD_NUMBER: _builtins.int
     FOLDER_FIELD_NUMBER: _builtins.int
     PARTIAL_FIELD_NUMBER: _builtins.int
+    COPIES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     bytes: _builtins.int
     sha256: _builtins.str
@@ -285,6 +286,12 @@ class Artifact(_message.Message):
     """Stored after the task failed or was cancelled (Output.keep_on_failure): what it left,
     for a person to look at; never staged into a dependant.
     """
+    @_builtins.property
+    def copies(self) -> _containers.RepeatedCompositeFieldContainer[Global___Artifact]:
+        """Copies pushed to other sites' stores because this site's store cannot be reached from
+        other sites (SiteView.store_unreachable): dependants elsewhere stage from a copy.
+        """
+
     def __init__(
         self,
         *,
@@ -295,10 +302,11 @@ class Artifact(_message.Message):
         key: _builtins.str = ...,
         folder: _builtins.bool = ...,
         partial: _builtins.bool = ...,
+        copies: _abc.Iterable[Global___Artifact] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "folder", b"folder", "key", b"key", "name", b"name", "partial", b"partial", "sha256", b"sha256", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bytes", b"bytes", "copies", b"copies", "folder", b"folder", "key", b"key", "name", b"name", "partial", b"partial", "sha256", b"sha256", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

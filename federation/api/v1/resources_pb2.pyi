@@ -567,6 +567,7 @@ class SiteView(_message.Message):
     OWNER_SHARE_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_FIELD_NUMBER: _builtins.int
     TOPOLOGY_LEVELS_FIELD_NUMBER: _builtins.int
+    STORE_UNREACHABLE_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -581,6 +582,10 @@ class SiteView(_message.Message):
     object_store: _builtins.str
     """The site's object store, where its tasks' outputs go, as people name it ("bucket b at
     http://host:8333"); empty when it has none. Never its credentials.
+    """
+    store_unreachable: _builtins.bool
+    """Other sites cannot reach its object store (behind NAT, say), though it reaches theirs:
+    what they need from it is pushed to a reachable site's store (object_store.reachable).
     """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]: ...
@@ -633,10 +638,11 @@ class SiteView(_message.Message):
         owner_share: Global___OwnerShare | None = ...,
         object_store: _builtins.str = ...,
         topology_levels: _abc.Iterable[_builtins.str] | None = ...,
+        store_unreachable: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site", "topology_levels", b"topology_levels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site", "store_unreachable", b"store_unreachable", "topology_levels", b"topology_levels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
