@@ -15,6 +15,7 @@ import structlog
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common import job_state
+from federation.common.keys import TaskKey
 from federation.coordinator import audit, retries, spread, transfers
 from federation.coordinator.checkpoint_copies import copy_checkpoint, copy_object, replicates
 from federation.coordinator.datasets import DatasetBook
@@ -132,7 +133,9 @@ class JobManager:
         self._wake = wake
         self._reconciler = Reconciler(jobs, self.tell_site)
         self._copies: set[asyncio.Task[None]] = set()
-        """Checkpoint copies under way (held so they are not garbage-collected)."""
+        """Checkpoint copies and pushes under way (held so they are not garbage-collected)."""
+        self._pushing: set[TaskKey] = set()
+        """Tasks whose outputs are being pushed out of a store other sites cannot reach."""
 
     # Clients -----------------------------------------------------------------------------
 
@@ -658,14 +661,26 @@ class JobManager:
             copying = asyncio.create_task(self._copy(updated, report.task, effects.uploaded))
             self._copies.add(copying)
             copying.add_done_callback(self._copies.discard)
-        if (
-            report.state == job_state.SUCCEEDED
-            and report.artifacts
-            and not reached(self._sites, site)
-        ):
-            pushing = asyncio.create_task(self._push_outputs(updated, report.task))
-            self._copies.add(pushing)
-            pushing.add_done_callback(self._copies.discard)
+        pushed = report.state == job_state.SUCCEEDED and report.artifacts
+        if pushed and not reached(self._sites, site):
+            self.push_outputs(updated.id, report.task)
+
+    def push_outputs(self, job_id: str, task_name: str) -> None:
+        """Push the outputs of a task that succeeded at a site whose store other sites cannot
+        reach to a reachable store, unless that is under way. Asked when it succeeds, and by
+        the scheduler when a dependant finds no reachable copy (a new leader, say)."""
+        key = (job_id, task_name)
+        if key in self._pushing or (job := self._jobs.cached(job_id)) is None:
+            return
+        self._pushing.add(key)
+        pushing = asyncio.create_task(self._push_outputs(job, task_name))
+        self._copies.add(pushing)
+
+        def done(task: asyncio.Task[None]) -> None:
+            self._copies.discard(task)
+            self._pushing.discard(key)
+
+        pushing.add_done_callback(done)
 
     async def _push_outputs(self, job: jobs_pb2.Job, task_name: str) -> None:
         """The outputs of a task whose site's store other sites cannot reach are pushed to
@@ -674,7 +689,7 @@ class JobManager:
         task = find_task(job, task_name)
         tenant = job.spec.tenant or "_"
         for artifact in task.artifacts:
-            if not artifact.key or artifact.partial:
+            if not artifact.key or artifact.partial or artifact.copies:
                 continue
             below = "/".join((tenant, job.id, task_name, str(task.epoch), artifact.name))
             try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import random
@@ -208,6 +209,9 @@ class Scheduler:
     ) -> None:
         self._jobs = jobs
         self._datasets = datasets
+        self.push_outputs: Callable[[str, str], None] = lambda job_id, task: None
+        """Pushes a task's outputs out of a store other sites cannot reach (the job
+        manager's, set once it exists)."""
         """The registered datasets, whose holders sign URLs for tasks reading them."""
         self._learner = learner or SpeedLearner()
         """Speeds learned from finished tasks: estimates and offers use them."""
@@ -1638,7 +1642,13 @@ class Scheduler:
             if (spec := find_spec(job, n.task)).inputs and staged(spec, _specs(job)):
                 timeout_s = self._config.offer_timeout_s
                 staging[len(ready)] = resolve(
-                    job, n.task, self._sites, timeout_s, self._datasets, to_site=site
+                    job,
+                    n.task,
+                    self._sites,
+                    timeout_s,
+                    self._datasets,
+                    to_site=site,
+                    push=functools.partial(self.push_outputs, job.id),
                 )
             session = self._sites.session(site)
             if task.checkpoint.HasField("stored") and session and session.protocol >= CKPT_PROTOCOL:

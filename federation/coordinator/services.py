@@ -202,6 +202,7 @@ async def start_services(
         freed=scheduler.capacity_freed,
         datasets=datasets,
     )
+    scheduler.push_outputs = manager.push_outputs
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
     # partition rule) count from now.

@@ -129,6 +129,7 @@ async def resolve(
     timeout_s: float,
     datasets: Registered | None = None,
     to_site: str = "",
+    push: Callable[[str], None] | None = None,
 ) -> list[site_link_service_pb2.StagedInput] | str:
     """The staged inputs of a task about to be committed, each with a URL its holder signed
     (or, for one that cannot be had, the reason); a string instead while a holder is not
@@ -176,6 +177,8 @@ async def resolve(
         else:
             source = _reachable_copy(artifact, sites, to_site)
             if source is None:
+                if push is not None:
+                    push(producer)  # a push lost with a leader is asked for again
                 return (
                     f"waiting for output {output.name} of task {producer} to be pushed out "
                     f"of site {artifact.site}, whose store other sites cannot reach"
