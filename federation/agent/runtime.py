@@ -182,6 +182,7 @@ class AgentRuntime:
 
     def full_view(self) -> resources_pb2.SiteView:
         c = self._config
+        image_refusal, image_registries = self.core.image_policy()
         return resources_pb2.SiteView(
             site=c.site,
             domain=self._domain,
@@ -198,6 +199,8 @@ class AgentRuntime:
             coordinator_link=self._coordinator_link(),
             owner_share=owner_share(c.owner_share) if c.owner_share.keep else None,
             object_store=self._data.store.where if self._data and self._data.store else "",
+            image_refusal=image_refusal,
+            image_registries=image_registries,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:

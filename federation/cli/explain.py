@@ -36,19 +36,34 @@ def _seconds(value: float) -> str:
     return f"{value:,.1f}s" if value < 3600 else f"{value / 3600:,.2f}h"
 
 
+def image_pull(e: jobs_pb2.Estimate) -> str:
+    """``held`` where a node of the site holds the task's image, ``12.5 MiB in 1.3s`` where it
+    would be pulled; "" where nothing is known of an image (none, or no site holds it yet)."""
+    if e.image_held:
+        return "held"
+    if e.pull_bytes:
+        return f"{e.pull_bytes / 2**20:,.1f} MiB in {_seconds(e.pull_s)}"
+    return ""
+
+
 def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
-    """The feasible sites best first, with their scores by term and estimates; None if none."""
+    """The feasible sites best first, with their scores by term and estimates; None if none.
+    A task whose image some site holds gets an ``image`` column: the pull in its transfer."""
     feasible = sorted((s for s in task.sites if s.feasible), key=lambda s: (s.rank, s.site))
     if not feasible:
         return None
     where = f" at {task.site}" if task.site else ""
     table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}: feasible sites"))
-    for column in ("rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"):
+    pulls = any(image_pull(s.estimate) for s in feasible)
+    columns = ["rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"]
+    if pulls:
+        columns.insert(5, "image")
+    for column in columns:
         table.add_column(column, overflow="fold")
     for site in feasible:
         est = site.estimate
         terms = ", ".join(f"{k} {v:.0f}" for k, v in sorted(site.scores.items()))
-        cells = (
+        cells = [
             str(site.rank),
             site.site,
             f"{site.score:.1f}",
@@ -58,7 +73,9 @@ def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
             _seconds(est.total_s),
             f"${est.cost_usd:.2f}",
             terms,
-        )
+        ]
+        if pulls:
+            cells.insert(5, image_pull(est) or "-")
         table.add_row(*map(text, cells))
     return table
 
@@ -98,6 +115,8 @@ def estimate_terms(e: jobs_pb2.Estimate) -> str:
         line += f" on {e.device_model}"
     if e.run_error:
         line += f" (±{e.run_error:.0%})"
+    if pull := image_pull(e):
+        line += "; image held there" if e.image_held else f"; image pull {pull} of the transfer"
     return line
 
 

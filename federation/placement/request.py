@@ -48,6 +48,9 @@ class Request:
     deadline_s: float = 0.0
     near_region: str = ""
     """A service's ``near_region``: sites are ranked by their RTT to it first (``NearRegion``)."""
+    image: str = ""
+    """The OCI image the task runs in ("": none): sites that refuse images are filtered out
+    (``ImagePolicy``), and pulling it counts in the transfer time (``estimates``)."""
     sequence: int = 0
     """Arrival order of the task, for policies that take turns (the simulator sets it)."""
 
@@ -104,4 +107,5 @@ class Request:
             max_cost_usd=job.objective.max_cost_usd,
             deadline_s=job.objective.deadline_s,
             near_region=task.service.near_region,  # submit allows a service policy on services only
+            image=task.image,
         )

@@ -297,6 +297,44 @@ class PartitionProfile(_message.Message):
 Global___PartitionProfile: _TypeAlias = PartitionProfile  # noqa: Y015
 
 @_typing.final
+class CachedImage(_message.Message):
+    """An OCI image in a node's store: a task naming it starts there without a pull."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFERENCES_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PULL_BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Its id in the node's store (the digest of its config)."""
+    size_bytes: _builtins.int
+    """Bytes it takes in the node's store, unpacked."""
+    pull_bytes: _builtins.int
+    """Bytes a pull of it moves: the config and the (compressed) layers its manifest lists, as
+    the node pulled it; 0: unknown (an image loaded, not pulled).
+    """
+    @_builtins.property
+    def references(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names it is known by: "registry/name:tag" and "registry/name@sha256:<digest>"."""
+
+    def __init__(
+        self,
+        *,
+        references: _abc.Iterable[_builtins.str] | None = ...,
+        id: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        pull_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "pull_bytes", b"pull_bytes", "references", b"references", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedImage: _TypeAlias = CachedImage  # noqa: Y015
+
+@_typing.final
 class Node(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -331,6 +369,7 @@ class Node(_message.Message):
     SCHEDULABLE_FIELD_NUMBER: _builtins.int
     PROVENANCE_FIELD_NUMBER: _builtins.int
     MEASURED_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     arch: _builtins.str
     cpu_cores: _builtins.float
@@ -349,6 +388,10 @@ class Node(_message.Message):
     def measured(self) -> Global___MeasuredUse:
         """What the node is using now, as measured; cpu_free and memory_free_mib say what is booked."""
 
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedImage]:
+        """Images in the node's store (at most 256, most recent first)."""
+
     def __init__(
         self,
         *,
@@ -363,10 +406,11 @@ class Node(_message.Message):
         schedulable: _builtins.bool = ...,
         provenance: Global___Provenance.ValueType = ...,
         measured: Global___MeasuredUse | None = ...,
+        images: _abc.Iterable[Global___CachedImage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["measured", b"measured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "images", b"images", "labels", b"labels", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -495,6 +539,8 @@ class SiteView(_message.Message):
     COORDINATOR_LINK_FIELD_NUMBER: _builtins.int
     OWNER_SHARE_FIELD_NUMBER: _builtins.int
     OBJECT_STORE_FIELD_NUMBER: _builtins.int
+    IMAGE_REFUSAL_FIELD_NUMBER: _builtins.int
+    IMAGE_REGISTRIES_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -509,6 +555,10 @@ class SiteView(_message.Message):
     object_store: _builtins.str
     """The site's object store, where its tasks' outputs go, as people name it ("bucket b at
     http://host:8333"); empty when it has none. Never its credentials.
+    """
+    image_refusal: _builtins.str
+    """Why the site runs no task that names an image ("[containers] enabled = false", no
+    Podman...); empty: it runs them (or its agent predates this field).
     """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]: ...
@@ -534,6 +584,10 @@ class SiteView(_message.Message):
         that would eat into it); unset when it keeps none.
         """
 
+    @_builtins.property
+    def image_registries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The registries (host[:port]) the site pulls images from; empty: any."""
+
     def __init__(
         self,
         *,
@@ -553,10 +607,12 @@ class SiteView(_message.Message):
         coordinator_link: Global___Link | None = ...,
         owner_share: Global___OwnerShare | None = ...,
         object_store: _builtins.str = ...,
+        image_refusal: _builtins.str = ...,
+        image_registries: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "image_refusal", b"image_refusal", "image_registries", b"image_registries", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
