@@ -11,10 +11,9 @@ import json
 import os
 import shutil
 import subprocess
-import tarfile
 import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from federation.agent.containers import store_flags
 from federation.agent.service import free_port
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.registry import LocalRegistry, busybox_rootfs, import_image, podman
 
 from .conftest import channel_as, jobs, spec, tenant_tls, until, wait_for_job
 
@@ -35,76 +35,37 @@ pytestmark = [
 
 UIDS = (210_000, 210_099)
 SITE = "boxes"
-TOOLS = ("sh", "id", "echo", "sleep", "cat", "pwd", "ls", "test", "[")
 
 
 @dataclass
 class Registry:
     address: str
-    log: Path
     image: str
     """The test image, pushed, and not in the node's store when the module starts."""
+    server: LocalRegistry
 
     def manifest_gets(self, repository: str) -> int:
         """How often the registry was asked for a manifest of ``repository`` (pulls)."""
-        text = self.log.read_text(errors="replace")
-        return text.count(f"GET /v2/{repository}/manifests/")
-
-
-def _podman(*args: str) -> str:
-    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"podman {' '.join(args)}: {done.stderr}"
-    return done.stdout
+        return self.server.manifest_gets(repository)
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     need_tool("podman", "apt-get install podman runc catatonit")
-    server = need_tool("docker-registry", "apt-get install docker-registry")
-    busybox = need_tool("busybox", "apt-get install busybox-static")
+    need_tool("docker-registry", "apt-get install docker-registry")
+    need_tool("busybox", "apt-get install busybox-static")
     root = tmp_path_factory.mktemp("registry")
     address = f"127.0.0.1:{free_port()}"
-    (root / "config.yml").write_text(
-        "version: 0.1\nlog: {level: info, accesslog: {disabled: false}}\n"
-        f"storage: {{filesystem: {{rootdirectory: {root / 'data'}}}}}\n"
-        f"http: {{addr: {address}}}\n"
-    )
-    log = root / "registry.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [server, "serve", str(root / "config.yml")], stdout=out, stderr=out
-        )
+    server = LocalRegistry.start(root, address)
     image = f"{address}/fedtest-{uuid.uuid4().hex[:8]}/busybox:1"
     try:
-        tree = root / "rootfs"
-        (tree / "bin").mkdir(parents=True)
-        (tree / "tmp").mkdir(mode=0o1777)
-        shutil.copy(busybox, tree / "bin" / "busybox")
-        for tool in TOOLS:
-            (tree / "bin" / tool).symlink_to("busybox")
-        with tarfile.open(root / "rootfs.tar", "w") as tar:
-            tar.add(tree, arcname=".")
-        _podman("import", "--change", "ENV=PATH=/bin", str(root / "rootfs.tar"), image)
-        asyncio.run(until(_answers(address), "the registry to answer", timeout_s=30))
-        _podman("push", "--tls-verify=false", image)
-        _podman("rmi", image)  # the agent pulls it
-        yield Registry(address, log, image)
+        import_image(busybox_rootfs(root), image)
+        server.push(image)
+        podman("rmi", image)  # the agent pulls it
+        yield Registry(address, image, server)
     finally:
         subprocess.run(["podman", "rmi", "--ignore", image], capture_output=True, check=False)
-        process.terminate()
-        process.wait(timeout=10)
-
-
-def _answers(address: str) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        try:
-            _, writer = await asyncio.open_connection(*address.split(":"))
-        except OSError:
-            return False
-        writer.close()
-        return True
-
-    return check
+        server.stop()
 
 
 def _site(work: Path, registry: Registry, name: str = SITE, **settings: object) -> SiteSpec:
@@ -143,7 +104,7 @@ def _work(fed: LocalFederation) -> Path:
 
 def _containers_left(fed: LocalFederation) -> list[str]:
     label = f"label=federation.work_dir={_work(fed)}"
-    return _podman("ps", "--all", "--filter", label, "--format", "{{.Names}}").split()
+    return podman("ps", "--all", "--filter", label, "--format", "{{.Names}}").split()
 
 
 async def _submit(fed: LocalFederation, tenant: str, task: dict[str, object], **job: object) -> str:
@@ -348,7 +309,7 @@ async def test_a_second_job_with_the_image_goes_to_the_site_that_holds_it(
         fed.stop()
         for name in ("a-far", "b-holder"):
             flags = store_flags(root / f"store-{name}")
-            await asyncio.to_thread(_podman, *flags, "rmi", "--all")
+            await asyncio.to_thread(podman, *flags, "rmi", "--all")
             shutil.rmtree(flags[1].removeprefix("--runroot="), ignore_errors=True)
     assert ran.state == jobs_pb2.JOB_STATE_SUCCEEDED, ran.tasks[0].reason
     assert ran.tasks[0].site == "b-holder"
