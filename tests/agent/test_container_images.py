@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
+from federation.agent.accounts import task_accounts
 from federation.agent.containers import Containers, ContainerSettings, pull_bytes, store_flags
+from federation.agent.embedded_core import EmbeddedCore
+from federation.api.v1 import resources_pb2
 
 
 def test_pull_bytes_are_the_manifest_its_config_and_its_layers(tmp_path: Path) -> None:
@@ -48,3 +54,28 @@ def test_an_own_store_keeps_its_run_state_under_fifty_characters(tmp_path: Path)
     assert run.startswith("--runroot=/run/fedpod-")
     assert len(run.removeprefix("--runroot=")) <= 50
     assert store_flags(tmp_path / "x") != store_flags(tmp_path / "y")
+
+
+def test_a_core_whose_tasks_run_as_the_agent_runs_no_image(
+    tmp_path: Path, make_core: Callable[..., EmbeddedCore]
+) -> None:
+    """Containers take the tenant's account: a site without tenant accounts says so, and a
+    site that has them runs images from the registries its settings name."""
+    bare = make_core([resources_pb2.Node(name="n")])
+    refusal, _ = bare.image_policy()
+    can_run = os.geteuid() == 0 and shutil.which("podman") is not None
+    if can_run:  # else the site says first that it lacks Podman or root
+        assert refusal.startswith("this site cannot run containers: its tasks run as the agent's")
+    assert refusal.startswith("this site cannot run containers: ")
+    accounts = task_accounts(
+        accounts={},
+        uid_range="212000-212009",
+        shared_user="",
+        as_agent=False,
+        state_dir=tmp_path / "state",
+        work_dir=tmp_path / "work",
+    )
+    settings = ContainerSettings(registries=["r.example.org"])
+    ready = make_core([resources_pb2.Node(name="n")], accounts=accounts, containers=settings)
+    expected = "" if can_run else ready.image_policy()[0]
+    assert ready.image_policy() == (expected, ["r.example.org"])

@@ -23,6 +23,7 @@ from deploy_tools import need_tool
 from federation.agent.containers import store_flags
 from federation.agent.service import free_port
 from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.jobspec import load_job_specs
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.registry import LocalRegistry, busybox_rootfs, import_image, podman
 
@@ -35,6 +36,7 @@ pytestmark = [
 
 UIDS = (210_000, 210_099)
 SITE = "boxes"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "container.yaml"
 
 
 @dataclass
@@ -341,3 +343,19 @@ def _served_bytes(registry: Registry) -> int:
         body = answer.read()
     manifest = json.loads(body)
     return len(body) + sum(b["size"] for b in [manifest["config"], *manifest["layers"]])
+
+
+async def test_the_container_example_runs_from_this_registry(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    """examples/jobs/container.yaml's task, its image the same busybox from this registry."""
+    (example,) = load_job_specs(EXAMPLE)
+    example.tasks[0].image = registry.image
+    async with channel_as(federation, tenant_tls(federation, "tenant-a")) as channel:
+        reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=example))
+        job = await wait_for_job(channel, reply.job.id, timeout_s=120)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.tasks[0].reason
+    said = job.tasks[0].output_tail.strip()
+    assert said.startswith(f"hello from a container: uid {UIDS[0]}")
+    folder = Path(said.rpartition("working in ")[2])  # the replica's: <job>/hello/<epoch>/0
+    assert folder.is_relative_to(_work(federation) / job.id / "hello")
