@@ -177,6 +177,10 @@ class RayCore:
 
     # The view ------------------------------------------------------------------------------
 
+    def image_policy(self) -> tuple[str, list[str]]:
+        """Ray sites run no images yet: placement sends tasks that name one elsewhere."""
+        return "this site does not run containers: its scheduler is Ray", []
+
     def nodes(self) -> list[resources_pb2.Node]:
         """Ray's nodes less what this core's groups hold."""
         usage = self._usage()

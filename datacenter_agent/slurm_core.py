@@ -128,6 +128,10 @@ class SlurmCore:
         """Why the site is degraded, or "" when Slurm answers."""
         return self._health
 
+    def image_policy(self) -> tuple[str, list[str]]:
+        """Slurm sites run no images yet: placement sends tasks that name one elsewhere."""
+        return "this site does not run containers: its scheduler is Slurm", []
+
     def nodes(self) -> list[resources_pb2.Node]:
         """Usable nodes less Slurm's allocations and this core's held jobs; or the degraded node."""
         if self._health:

@@ -11,13 +11,17 @@ its replica has ended however it ended (``remove``): a SIGKILL reaches ``podman 
 the container, which ``podman rm --force`` then kills.
 
 Images are pulled once per node: a replica whose image is in the node's store starts from it
-(``--pull=never``), and a pull that fails fails the task with the registry's answer.
+(``--pull=never``), and a pull that fails fails the task with the registry's answer. The images
+in the store are published with the node (``images``), each with the bytes a pull of it moves
+(its manifest's config and layers, as the store keeps the manifest it pulled), so placement
+charges a pull only where no node holds the image.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -31,6 +35,7 @@ import structlog
 from federation.agent.process import ReplicaStartError
 from federation.agent.usage import Slot
 from federation.api.v1 import resources_pb2
+from federation.common.view_limits import MAX_IMAGE_REFERENCES, MAX_NODE_IMAGES
 from federation.config import positive
 from federation.images import ImageReferenceError, parse_image
 
@@ -44,6 +49,8 @@ CDI_DIRS = (Path("/etc/cdi"), Path("/var/run/cdi"))
 _PODMAN_ENV = ("HOME", "CONTAINERS_CONF", "CONTAINERS_REGISTRIES_CONF", "REGISTRY_AUTH_FILE")
 """The agent's own variables podman runs with (operators set these); no task's."""
 _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+IMAGE_REFRESH_S = 300.0
+"""How often the agent reads its store's images again, beside after each pull."""
 _NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
 
 
@@ -63,6 +70,17 @@ class ContainerSettings:
     """The podman program, by name on the agent's PATH or by path."""
     pull_timeout_s: float = field(default=900.0, metadata=positive())
     """A pull that takes longer fails the task."""
+    storage: str = ""
+    """A Podman store of this agent's own, in this folder (``store_flags``); empty: the
+    host's. For agents that share a host but should each hold their own images."""
+
+
+def store_flags(folder: Path) -> list[str]:
+    """Podman's options for the store in ``folder``: its images and containers there, its run
+    state in /run/fedpod-<hash of the folder> (podman takes no run folder over 50 characters)."""
+    root = folder.absolute()
+    digest = hashlib.sha256(str(root).encode()).hexdigest()[:12]
+    return [f"--root={root}", f"--runroot=/run/fedpod-{digest}"]
 
 
 def container_name(work_dir: Path, key: tuple[str, str, int], replica: int) -> str:
@@ -85,20 +103,31 @@ class Containers:
         self._work_dir = work_dir
         self._podman = shutil.which(settings.podman)
         self._pulls: dict[str, asyncio.Lock] = {}
+        self._store: Path | None = None
+        """Where the store keeps its images' files (``podman info``), once asked."""
+        self._store_flags: list[str] = []
+        if settings.storage:
+            self._store_flags = store_flags(Path(settings.storage))
+
+    @property
+    def registries(self) -> list[str]:
+        """The registries images may come from; empty: any."""
+        return list(self._settings.registries)
+
+    def site_refusal(self) -> str:
+        """Why this site runs no image at all, or "" (then ``refusal`` checks each image)."""
+        if not self._settings.enabled:
+            return "this site does not run containers: [containers] enabled = false"
+        if self._podman is None:
+            return f"this site cannot run containers: {self._settings.podman} is not installed"
+        if os.geteuid() != 0:
+            return "this site cannot run containers: its agent does not run as root"
+        return ""
 
     def refusal(self, image: str) -> str:
         """Why this site does not run ``image``, or ""."""
-        if not self._settings.enabled:
-            return (
-                f"this site does not run containers (image {image}): [containers] enabled = false"
-            )
-        if self._podman is None:
-            podman = self._settings.podman
-            return f"this site cannot run containers (image {image}): {podman} is not installed"
-        if os.geteuid() != 0:
-            return (
-                f"this site cannot run containers (image {image}): its agent does not run as root"
-            )
+        if problem := self.site_refusal():
+            return f"{problem} (image {image})"
         try:
             registry = parse_image(image).registry
         except ImageReferenceError as err:
@@ -111,8 +140,9 @@ class Containers:
             )
         return ""
 
-    async def pull(self, image: str) -> None:
-        """Makes sure ``image`` is in the node's store: pulled once, then found there.
+    async def pull(self, image: str) -> bool:
+        """Makes sure ``image`` is in the node's store: pulled once, then found there. True
+        if it was pulled now.
 
         Raises:
             ReplicaStartError: The pull failed; the message names the image and has the
@@ -122,7 +152,7 @@ class Containers:
             code, _ = await self._podman_run("image", "exists", image)
             if code == 0:
                 log.info("image_cached", image=image)
-                return
+                return False
             registry = parse_image(image).registry
             tls = ["--tls-verify=false"] if registry in self._settings.insecure_registries else []
             started = time.monotonic()
@@ -140,6 +170,45 @@ class Containers:
                 log.warning("image_pull_failed", image=image, answer=answer)
                 raise ReplicaStartError(f"cannot pull image {image}: {answer}", 0)
             log.info("image_pulled", image=image, seconds=round(time.monotonic() - started, 3))
+            return True
+
+    async def images(self) -> list[resources_pb2.CachedImage]:
+        """The images in the node's store, newest first (at most ``MAX_NODE_IMAGES``), each
+        with its names and digests, its size and the bytes a pull of it moves; [] where this
+        site runs no containers or podman cannot list them."""
+        if self.site_refusal():
+            return []
+        code, listed = await self._podman_out("images", "--format=json")
+        if code != 0:
+            log.warning("images_not_listed", answer=listed)
+            return []
+        store = await self._image_store()
+        seen: dict[str, resources_pb2.CachedImage] = {}
+        entries = json.loads(listed or "[]")
+        for entry in sorted(entries, key=lambda e: -int(e.get("Created") or 0)):
+            image_id = str(entry.get("Id", ""))
+            if not image_id or image_id in seen or len(seen) >= MAX_NODE_IMAGES:
+                continue
+            names = [*(entry.get("Names") or []), *(entry.get("RepoDigests") or [])]
+            seen[image_id] = resources_pb2.CachedImage(
+                references=list(dict.fromkeys(names))[:MAX_IMAGE_REFERENCES],
+                id=image_id,
+                size_bytes=max(0, int(entry.get("Size") or 0)),
+                pull_bytes=pull_bytes(store / image_id / "manifest") if store else 0,
+            )
+        return list(seen.values())
+
+    async def _image_store(self) -> Path | None:
+        """The folder the store keeps each image's files in (its manifest among them)."""
+        if self._store is None:
+            code, out = await self._podman_out(
+                "info", "--format={{.Store.GraphRoot}} {{.Store.GraphDriverName}}"
+            )
+            root, _, driver = out.strip().rpartition(" ")
+            if code != 0 or not root:
+                return None
+            self._store = Path(root) / f"{driver}-images"
+        return self._store
 
     def command(
         self,
@@ -178,6 +247,7 @@ class Containers:
         limits += [f"--memory={memory_mib}m"] if memory_mib > 0 else []
         argv = [
             self._podman,
+            *self._store_flags,
             "run",
             "--rm",
             "--replace",  # a service replica restarted at once reuses its name
@@ -211,24 +281,49 @@ class Containers:
 
     async def _podman_run(self, *args: str) -> tuple[int, str]:
         """Runs podman; its exit code and the last line it wrote to stderr (its error)."""
+        code, _, answer = await self._podman_call(args, keep_output=False)
+        return code, answer
+
+    async def _podman_out(self, *args: str) -> tuple[int, str]:
+        """Runs podman; its exit code and what it wrote to stdout, or its error."""
+        code, out, answer = await self._podman_call(args, keep_output=True)
+        return code, out if code == 0 else answer
+
+    async def _podman_call(
+        self, args: tuple[str, ...], *, keep_output: bool
+    ) -> tuple[int, str, str]:
         assert self._podman is not None
         process = await asyncio.create_subprocess_exec(
             self._podman,
+            *self._store_flags,
             *args,
             stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE if keep_output else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
             env={"PATH": _PATH, **{k: v for k, v in os.environ.items() if k in _PODMAN_ENV}},
         )
         try:
-            _, err = await process.communicate()
+            out, err = await process.communicate()
         except asyncio.CancelledError:
             process.kill()
             await process.wait()
             raise
         lines = err.decode(errors="replace").strip().splitlines()
         answer = lines[-1].removeprefix("Error: ") if lines else ""
-        return process.returncode or 0, answer
+        return process.returncode or 0, (out or b"").decode(errors="replace"), answer
+
+
+def pull_bytes(manifest: Path) -> int:
+    """The bytes a pull of an image moves: the config and layers its manifest lists (layers as
+    the registry sends them, compressed); 0 if the manifest cannot be read (an image loaded
+    from an archive has none, a list of manifests names no layers)."""
+    try:
+        text = manifest.read_text()
+        parsed = json.loads(text)
+        blobs = [parsed["config"], *parsed["layers"]]
+        return len(text.encode()) + sum(int(blob["size"]) for blob in blobs)
+    except (OSError, ValueError, KeyError, TypeError):
+        return 0
 
 
 def device_args(node: resources_pb2.Node, slot: Slot) -> list[str]:

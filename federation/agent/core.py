@@ -83,6 +83,11 @@ class LocalCore(Protocol):
         """Pending (reserved, uncommitted) and running work."""
         ...
 
+    def image_policy(self) -> tuple[str, list[str]]:
+        """Why the site runs no task that names an image ("": it runs them), and the
+        registries it pulls from (empty: any); published in the view for placement."""
+        ...
+
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         """Reserves capacity for every replica of a task, or declines with a reason."""
         ...

@@ -35,6 +35,7 @@ from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.containers import (
     ENV_FILE,
+    IMAGE_REFRESH_S,
     Containers,
     ContainerSettings,
     container_name,
@@ -321,6 +322,9 @@ class EmbeddedCore:
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
         self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
+        self._images: list[resources_pb2.CachedImage] = []
+        """The images in the host's Podman store, which every node here starts from."""
+        self._image_watch: asyncio.Task[None] | None = None
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Nodes with free cpu/memory and devices reflecting all held capacity.
@@ -336,8 +340,44 @@ class EmbeddedCore:
             apply_usage(node, usage)
             if self._elastic is not None:
                 self._elastic.decorate(node)
+            node.images.extend(self._images)
             views.append(node)
         return views
+
+    def image_policy(self) -> tuple[str, list[str]]:
+        """Why this site runs no image ("": it runs them), and the registries it pulls from."""
+        refusal = self._containers.site_refusal()
+        if not refusal and not (self._accounts is not None and self._accounts.switches):
+            refusal = (
+                "this site cannot run containers: its tasks run as the agent's own account "
+                "(containers take the tenant's: set task_uid_range, task_accounts or task_user)"
+            )
+        return refusal, self._containers.registries
+
+    async def refresh_images(self) -> None:
+        """Reads the images in the Podman store again; a change is published with the nodes."""
+        images = await self._containers.images()
+        if [i.SerializeToString(deterministic=True) for i in images] != [
+            i.SerializeToString(deterministic=True) for i in self._images
+        ]:
+            self._images = images
+            log.info("images_held", images=len(images))
+            self._changed()
+
+    def watch_images(self, interval_s: float = IMAGE_REFRESH_S) -> None:
+        """Reads the images again every ``interval_s`` (an operator may prune or load some),
+        beside each pull, until ``close``."""
+
+        async def watch() -> None:
+            while True:
+                await asyncio.sleep(interval_s)
+                try:
+                    await self.refresh_images()
+                except (OSError, ValueError) as err:
+                    log.warning("images_not_listed", error=str(err))
+
+        if self._image_watch is None and not self._containers.site_refusal():
+            self._image_watch = asyncio.create_task(watch())
 
     def refresh(self, found: resources_pb2.Node, pace: Pace = FAST) -> None:
         """Takes a fresh discovery of one of its nodes: devices gone, new or of another health,
@@ -708,6 +748,9 @@ class EmbeddedCore:
         and are left to the next agent on this state_dir when this one exits."""
         for reservation_id in list(self._reservations):
             self._drop_reservation(reservation_id)
+        if self._image_watch is not None:
+            self._image_watch.cancel()
+            self._image_watch = None
         if self._records is not None:
             self._records.leave()
         if self._idle_releases is not None:
@@ -1050,7 +1093,8 @@ class EmbeddedCore:
         pulls the image first if the node does not have it."""
         if account is None:
             raise ReplicaStartError("containers run as the tenant's account: this site has none", 0)
-        await self._containers.pull(task.spec.image)
+        if await self._containers.pull(task.spec.image):
+            await self.refresh_images()
         slot = task.slots[replica]
         devices = device_args(self._nodes[slot.node], slot)
         # The image's own PATH and libraries, not the host's; what the task set stays.

@@ -189,6 +189,8 @@ async def embedded_core(
         topology_levels=config.topology_levels,
     )
     await core.adopt()  # before the first hello, which reports the tasks adopted
+    await core.refresh_images()  # the first hello says which images the nodes hold
+    core.watch_images()
     return core
 
 

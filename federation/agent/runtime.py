@@ -196,6 +196,7 @@ class AgentRuntime:
 
     def full_view(self) -> resources_pb2.SiteView:
         c = self._config
+        image_refusal, image_registries = self.core.image_policy()
         return resources_pb2.SiteView(
             site=c.site,
             domain=self._domain,
@@ -215,6 +216,8 @@ class AgentRuntime:
             topology_levels=c.topology_levels,
             store_unreachable=bool(self._data and self._data.store)
             and not c.object_store.reachable,
+            image_refusal=image_refusal,
+            image_registries=image_registries,
         )
 
     def _current_links(self) -> list[resources_pb2.Link]:

@@ -36,15 +36,29 @@ def _seconds(value: float) -> str:
     return f"{value:,.1f}s" if value < 3600 else f"{value / 3600:,.2f}h"
 
 
+def image_pull(e: jobs_pb2.Estimate) -> str:
+    """``held`` where a node of the site holds the task's image, ``12.5 MiB in 1.3s`` where it
+    would be pulled; "" where nothing is known of an image (none, or no site holds it yet)."""
+    if e.image_held:
+        return "held"
+    if e.pull_bytes:
+        return f"{e.pull_bytes / 2**20:,.1f} MiB in {_seconds(e.pull_s)}"
+    return ""
+
+
 def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
-    """The feasible sites best first, with their scores by term and estimates; None if none."""
+    """The feasible sites best first, with their scores by term and estimates; None if none.
+    A task whose image some site holds gets an ``image`` column: the pull in its transfer."""
     feasible = sorted((s for s in task.sites if s.feasible), key=lambda s: (s.rank, s.site))
     if not feasible:
         return None
     where = f" at {task.site}" if task.site else ""
     table = Table(title=text(f"task {task.task}: {state_name(task.state)}{where}: feasible sites"))
     launches = any(s.estimate.provision_s > 0 for s in feasible)  # an elastic site's option
+    pulls = any(image_pull(s.estimate) for s in feasible)
     columns = ["rank", "site", "score", "queue", "transfer", "run", "total", "cost", "terms"]
+    if pulls:
+        columns.insert(5, "image")
     if launches:
         columns.insert(4, "launch")
     for column in columns:
@@ -63,6 +77,8 @@ def ranking_table(task: jobs_pb2.TaskExplanation) -> Table | None:
             f"${est.cost_usd:.2f}",
             terms,
         ]
+        if pulls:
+            cells.insert(5, image_pull(est) or "-")
         if launches:
             cells.insert(4, _seconds(est.provision_s))
         table.add_row(*map(text, cells))
@@ -106,6 +122,8 @@ def estimate_terms(e: jobs_pb2.Estimate) -> str:
         line += f" on {e.device_model}"
     if e.run_error:
         line += f" (±{e.run_error:.0%})"
+    if pull := image_pull(e):
+        line += "; image held there" if e.image_held else f"; image pull {pull} of the transfer"
     return line
 
 

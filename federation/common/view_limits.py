@@ -25,3 +25,8 @@ MAX_DEVICE_PARTITIONS = 64
 MAX_VIEW_LINKS = 10_000
 """Links per view: one per peer site."""
 MAX_VIEW_DATASETS = 10_000
+MAX_NODE_IMAGES = 256
+"""Images a node reports: its most recent, enough for placement to see what it holds."""
+MAX_IMAGE_REFERENCES = 16
+"""Names (tags and digests) reported per image."""
+MAX_IMAGE_REGISTRIES = 64

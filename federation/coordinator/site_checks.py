@@ -29,7 +29,10 @@ from federation.common.view_limits import (
     MAX_DEVICE_MEMORY_MIB,
     MAX_DEVICE_PARTITIONS,
     MAX_FIGURE,
+    MAX_IMAGE_REFERENCES,
+    MAX_IMAGE_REGISTRIES,
     MAX_NODE_DEVICES,
+    MAX_NODE_IMAGES,
     MAX_NODE_MEMORY_MIB,
     MAX_STORED_BYTES,
     MAX_TIMESTAMP_S,
@@ -85,7 +88,12 @@ _SITE = _Rules(
         ("region", MAX_ATTRIBUTE_CHARS),
         ("scheduler", MAX_TEXT_CHARS),
         ("agent_version", MAX_TEXT_CHARS),
+        ("image_refusal", MAX_TEXT_CHARS),
     ),
+)
+_IMAGE = _Rules(
+    ranges=(("size_bytes", 0, MAX_STORED_BYTES), ("pull_bytes", 0, MAX_STORED_BYTES)),
+    texts=(("id", MAX_ATTRIBUTE_CHARS),),
 )
 _QUEUE = _Rules(ranges=(("estimated_wait_s", 0, MAX_FIGURE),))
 _NODE = _Rules(
@@ -372,6 +380,8 @@ def _view(check: _Check, view: resources_pb2.SiteView, path: str, peer: str) -> 
     if view.probe_endpoint and (problem := probe_endpoint_problem(view.probe_endpoint, peer)):
         check.add(f"{path}.probe_endpoint", problem)
     _owner_share(check, view.owner_share, f"{path}.owner_share")
+    if check.count(view.image_registries, path, "image_registries", MAX_IMAGE_REGISTRIES):
+        check.texts(view.image_registries, path, "image_registries", MAX_ATTRIBUTE_CHARS)
 
 
 def _owner_share(check: _Check, share: resources_pb2.OwnerShare, path: str) -> None:
@@ -400,6 +410,7 @@ def _nodes(
         check.fields(node, _NODE, where)
         _measured(check, node.measured, node.memory_mib, f"{where}.measured")
         check.mapping(node.labels, where, "labels", MAX_LABELS, MAX_TEXT_CHARS)
+        _images(check, node.images, where)
         devices = node.devices
         if not check.count(devices, where, "devices", MAX_NODE_DEVICES):
             continue
@@ -409,6 +420,16 @@ def _nodes(
             places = change.came_at
         for j in places:
             _device(check, devices[j], f"{where}.devices[{j}]")
+
+
+def _images(check: _Check, images: Sequence[resources_pb2.CachedImage], path: str) -> None:
+    if not check.count(images, path, "images", MAX_NODE_IMAGES):
+        return
+    for i, image in enumerate(images):
+        where = f"{path}.images[{i}]"
+        check.fields(image, _IMAGE, where)
+        if check.count(image.references, where, "references", MAX_IMAGE_REFERENCES):
+            check.texts(image.references, where, "references", MAX_ATTRIBUTE_CHARS)
 
 
 def _measured(check: _Check, use: resources_pb2.MeasuredUse, total_mib: int, path: str) -> None:

@@ -1,4 +1,10 @@
-"""Estimated completion time at every site: queue wait + input transfer + run time.
+"""Estimated completion time at every site: queue wait + transfer (inputs and image) + run time.
+
+A task's image counts like an input: nothing where a node of the site holds it, else the bytes
+a pull moves (as a node that holds it reports them) over the site's measured link to the
+coordinator, the best figure the federation has for the way out to a registry (Kubernetes'
+ImageLocality, in time rather than a score). Until some node holds the image its size is
+unknown and no site is charged for it.
 
 Also the cost (cloud price x devices x run time) and energy (device power x run time) of one
 run. Computed once per (request, snapshot) and shared by every plugin that needs it.
@@ -6,7 +12,7 @@ run. Computed once per (request, snapshot) and shared by every plugin that needs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
@@ -39,6 +45,11 @@ class Estimates:
     unknown_links: npt.NDArray[np.bool_]
     provision_s: F64
     """Launch delay of the nodes an elastic site would start for the task; 0 elsewhere."""
+    pull_s: F64 = field(default_factory=lambda: np.zeros(0))
+    """Of ``transfer_s``: pulling the task's image."""
+    pull_bytes: F64 = field(default_factory=lambda: np.zeros(0))
+    image_held: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros(0, bool))
+    """A node of the site holds the task's image."""
 
     @property
     def total_s(self) -> F64:
@@ -151,6 +162,28 @@ def _provisioning(req: Request, snap: Snapshot, run_s: F64) -> tuple[F64, F64]:
     return delay, launched * price * (delay + run_s) / 3600.0
 
 
+def pull_seconds(pull_bytes: float, mbps: F64, rtt_ms: F64) -> F64:
+    """Seconds to pull ``pull_bytes`` over links of ``mbps`` and ``rtt_ms``: what ``estimate``
+    charges a site without the image (``bench/containers.py`` checks it against real pulls)."""
+    return np.asarray(pull_bytes * 8.0 / (mbps * 1e6) + rtt_ms / 1000.0, dtype=np.float64)
+
+
+def _pull(req: Request, snap: Snapshot) -> tuple[F64, F64, npt.NDArray[np.bool_]]:
+    """Seconds and bytes to pull the task's image to each site, and where it is held."""
+    held = np.zeros(snap.n_sites, dtype=bool)
+    seconds, moved = np.zeros(snap.n_sites), np.zeros(snap.n_sites)
+    if not req.image or not snap.images:
+        return seconds, moved, held
+    holders = snap.image_holders(req.image)
+    held[holders] = True
+    size = float(max((snap.images[i][req.image] for i in holders), default=0))
+    if size > 0:
+        away = ~held
+        moved[away] = size
+        seconds[away] = pull_seconds(size, snap.uplink_mbps[away], snap.uplink_rtt_ms[away])
+    return seconds, moved, held
+
+
 def once_free(req: Request, snap: Snapshot) -> tuple[F64, F64]:
     """Run time at each site on its fastest matching devices whether free or not, and their
     speed: the run a task would get at a busy site once room frees there (memoised)."""
@@ -169,13 +202,16 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
     if cached is None:
         run_s, speed, power = _run_s(req, snap)
         transfer_s, moved, unknown = _transfer(req, snap)
+        pull_s, pull_bytes, held = _pull(req, snap)
+        if req.image and len(snap.uplink_known):
+            unknown |= (pull_s > 0) & ~snap.uplink_known
         devices = req.devices_per_replica * req.replicas
         provision_s, launch_cost = _provisioning(req, snap, run_s)
         cost = snap.price_per_device_hour * devices * run_s / 3600.0 + launch_cost
         energy = power * devices * run_s / 3.6e6
         cached = Estimates(
             queue_s=snap.queue_wait_s.copy(),
-            transfer_s=transfer_s,
+            transfer_s=transfer_s + pull_s,
             run_s=run_s,
             device_speed=speed,
             cost_usd=cost,
@@ -183,6 +219,9 @@ def estimate(req: Request, snap: Snapshot) -> Estimates:
             transfer_bytes=moved,
             unknown_links=unknown,
             provision_s=provision_s,
+            pull_s=pull_s,
+            pull_bytes=pull_bytes,
+            image_held=held,
         )
         snap.memo[key] = cached
     result: Estimates = cached  # type: ignore[assignment]

@@ -41,6 +41,7 @@ class Code(StrEnum):
     INSUFFICIENT_FREE_CAPACITY = "INSUFFICIENT_FREE_CAPACITY"
     OVER_BUDGET = "OVER_BUDGET"
     DATA_NOT_LOCAL = "DATA_NOT_LOCAL"
+    IMAGE_REFUSED = "IMAGE_REFUSED"
     FILTER_REJECTED = "FILTER_REJECTED"
 
 
@@ -81,6 +82,11 @@ REASON_CODES: Mapping[Code, tuple[str, str]] = {
     ),
     Code.OVER_BUDGET: ("CostCap", "the estimated cost of one run exceeds the job's max_cost_usd"),
     Code.DATA_NOT_LOCAL: ("DataLocal", "the site does not hold every input of the task"),
+    Code.IMAGE_REFUSED: (
+        "ImagePolicy",
+        "the site runs no task that names an image (its config, or no Podman), or not from"
+        " the image's registry",
+    ),
     Code.FILTER_REJECTED: ("any", "a filter that gives no code of its own rejected the site"),
 }
 """Every reason code: the filters that give it, and what it means."""

@@ -32,11 +32,13 @@ from federation.placement.plugins.constraints import Constraints
 from federation.placement.plugins.cost import Cost, CostCap, Energy
 from federation.placement.plugins.energy import Consolidation
 from federation.placement.plugins.free_capacity import FreeCapacity
+from federation.placement.plugins.image_policy import ImagePolicy
 from federation.placement.plugins.near_region import NearRegion
 from federation.placement.plugins.site_state import SiteState
 
 FILTERS: Mapping[str, type[FilterPlugin]] = {
-    p.name: p for p in (SiteState, Constraints, Compatibility, CapacityFit, CostCap, DataLocal)
+    p.name: p
+    for p in (SiteState, Constraints, ImagePolicy, Compatibility, CapacityFit, CostCap, DataLocal)
 }
 SCORERS: Mapping[str, type[ScorePlugin]] = {
     p.name: p
@@ -57,6 +59,7 @@ SCORERS: Mapping[str, type[ScorePlugin]] = {
 DEFAULT_FILTERS: tuple[str, ...] = (
     "SiteState",
     "Constraints",
+    "ImagePolicy",
     "Compatibility",
     "CapacityFit",
     "CostCap",

@@ -52,6 +52,9 @@ class Request:
     """A service's ``near_region``: sites are ranked by their RTT to it first (``NearRegion``)."""
     topology_required: str = ""
     """Every replica at one value of this node label (``TopologyRequest.required``)."""
+    image: str = ""
+    """The OCI image the task runs in ("": none): sites that refuse images are filtered out
+    (``ImagePolicy``), and pulling it counts in the transfer time (``estimates``)."""
     sequence: int = 0
     """Arrival order of the task, for policies that take turns (the simulator sets it)."""
 
@@ -109,4 +112,5 @@ class Request:
             deadline_s=job.objective.deadline_s,
             near_region=task.service.near_region,  # submit allows a service policy on services only
             topology_required=task.topology.required,
+            image=task.image,
         )

@@ -136,6 +136,18 @@ class Snapshot:
     """(from, to) matrix; pairs with no link hold UNKNOWN_BANDWIDTH_MBPS."""
     rtt_ms: F64 = field(default_factory=lambda: np.zeros((0, 0)))
     link_known: Bool = field(default_factory=lambda: np.zeros((0, 0), bool))
+    uplink_mbps: F64 = field(default_factory=lambda: np.zeros(0))
+    """Per site, its measured link to the coordinator (``SiteView.coordinator_link``): what
+    an image pull from outside is assumed to get; UNKNOWN_BANDWIDTH_MBPS where unmeasured."""
+    uplink_rtt_ms: F64 = field(default_factory=lambda: np.zeros(0))
+    uplink_known: Bool = field(default_factory=lambda: np.zeros(0, bool))
+    images: tuple[dict[str, int], ...] = ()
+    """Per site, image reference -> bytes a pull of it moves, for the images its schedulable
+    nodes hold (``site_images``)."""
+    image_refusal: tuple[str, ...] = ()
+    """Per site, why it runs no image ("": it runs them)."""
+    image_registries: tuple[tuple[str, ...], ...] = ()
+    """Per site, the registries it pulls from (empty: any)."""
     memo: Memo = field(default_factory=Memo, compare=False, repr=False)
     """Per-snapshot cache for plugins (estimates, selector masks): dies with the snapshot."""
 
@@ -168,6 +180,19 @@ class Snapshot:
                     built.setdefault(name, []).append(i)
             self.memo["dataset_holders"] = index = built
         found: list[int] = index.get(dataset, [])
+        return found
+
+    def image_holders(self, image: str) -> list[int]:
+        """Indices of the sites where a schedulable node holds ``image`` (by any of its
+        references)."""
+        index = self.memo.get("image_holders")
+        if not isinstance(index, dict):
+            built: dict[str, list[int]] = {}
+            for i, held in enumerate(self.images):
+                for reference in held:
+                    built.setdefault(reference, []).append(i)
+            self.memo["image_holders"] = index = built
+        found: list[int] = index.get(image, [])
         return found
 
     def device_models(self, kind: int, site: str) -> set[str]:
@@ -266,6 +291,23 @@ class SitePart:
     partition_device: I64
     partition_profile: Obj
     partition_free: F64
+    images: dict[str, int] = field(default_factory=dict)
+    """The images the schedulable nodes hold (``site_images``)."""
+
+
+def site_images(nodes: Iterable[resources_pb2.Node]) -> dict[str, int]:
+    """Image reference -> bytes a pull of it moves, for the images schedulable ``nodes``
+    hold: its manifest's (``pull_bytes``), else its unpacked size, which is more (a node that
+    loaded it, not pulled it, knows no manifest); the largest where nodes differ."""
+    held: dict[str, int] = {}
+    for node in nodes:
+        if not node.schedulable:
+            continue
+        for image in node.images:
+            size = image.pull_bytes or image.size_bytes
+            for reference in image.references:
+                held[reference] = max(held.get(reference, 0), size)
+    return held
 
 
 def launch_delay_s(node: resources_pb2.Node) -> float:
@@ -313,6 +355,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
     pair_node: list[int] = []
     pair_class: list[int] = []
     pair_free: list[float] = []
+    nodes = list(nodes)
     for node in nodes:
         node_index = len(cpu_free)
         free_by_class: dict[int, int] = {}
@@ -385,6 +428,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         partition_device=np.array(part_device, dtype=np.int64),
         partition_profile=np.array(part_profile, dtype=object),
         partition_free=np.array(part_free, dtype=np.float64),
+        images=site_images(nodes),
     )
 
 
@@ -453,6 +497,9 @@ def build_snapshot(
     bandwidth[fill] = bandwidth.T[fill]
     rtt[fill] = rtt.T[fill]
     known |= fill
+    uplinks = [s.view.coordinator_link for s in ordered]
+    uplink_bw = np.array([_capacity(link.bandwidth_mbps) for link in uplinks])
+    uplink_known = uplink_bw > 0
     np.fill_diagonal(bandwidth, np.inf)
     np.fill_diagonal(rtt, 0.0)
     np.fill_diagonal(known, True)
@@ -496,4 +543,12 @@ def build_snapshot(
         bandwidth_mbps=bandwidth,
         rtt_ms=rtt,
         link_known=known,
+        uplink_mbps=np.where(uplink_known, uplink_bw, UNKNOWN_BANDWIDTH_MBPS),
+        uplink_rtt_ms=np.where(
+            uplink_known, [_capacity(u.rtt_ms) for u in uplinks], UNKNOWN_RTT_MS
+        ).astype(np.float64),
+        uplink_known=uplink_known,
+        images=tuple(p.images for p in parts),
+        image_refusal=tuple(s.view.image_refusal for s in ordered),
+        image_registries=tuple(tuple(s.view.image_registries) for s in ordered),
     )

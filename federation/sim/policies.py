@@ -154,6 +154,7 @@ _CAPACITY_FIELDS = (
 FILTER_FIELDS: Mapping[str, tuple[str, ...]] = {
     "SiteState": (),
     "Constraints": ("domains", "regions", "sites"),
+    "ImagePolicy": ("image",),
     "Compatibility": ("requires",),
     "CapacityFit": _CAPACITY_FIELDS,
     # A budget depends on the estimated run (duration, speed) of the whole gang.

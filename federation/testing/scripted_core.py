@@ -56,6 +56,10 @@ class ScriptedCore:
         self.releases: list[str] = []
         self._seq = 0
 
+    def image_policy(self) -> tuple[str, list[str]]:
+        """Any image: the script decides how each task ends, nothing is pulled."""
+        return "", []
+
     def nodes(self) -> list[resources_pb2.Node]:
         return [
             resources_pb2.Node(

@@ -69,3 +69,37 @@ def test_ranked_estimate_stands_beside_the_committed_one() -> None:
     assert "2m 05s run" in committed
     assert "on H100-80GB" in committed
     assert committed.endswith("run 1.25x ranked")
+
+
+def test_the_image_pull_shows_beside_the_transfer_where_some_site_holds_the_image() -> None:
+    held = jobs_pb2.SiteExplanation(
+        site="holder",
+        feasible=True,
+        rank=1,
+        estimate=jobs_pb2.Estimate(image_held=True),
+    )
+    far = jobs_pb2.SiteExplanation(
+        site="far",
+        feasible=True,
+        rank=2,
+        estimate=jobs_pb2.Estimate(transfer_s=4.2, pull_s=4.2, pull_bytes=50 * 2**20),
+    )
+    explained = jobs_pb2.TaskExplanation(
+        task="t",
+        state=jobs_pb2.JOB_STATE_RUNNING,
+        site="holder",
+        sites=[held, far],
+        ranked_site="far",
+        ranked_estimate=far.estimate,
+    )
+    out = io.StringIO()
+    print_whole(Console(file=out, width=200), explain_task(explained))
+    lines = out.getvalue().splitlines()
+    rows = {
+        cells[1]: cells
+        for line in lines
+        if (cells := [c.strip() for c in line.split("│")[1:-1]]) and cells[1] in ("holder", "far")
+    }
+    assert rows["holder"][5] == "held"
+    assert rows["far"][5] == "50.0 MiB in 4.2s"
+    assert any("image pull 50.0 MiB in 4.2s of the transfer" in line for line in lines)

@@ -238,6 +238,29 @@ BAD_VIEWS: list[tuple[str, Spoil, str]] = [
     ),
     ("huge dataset", lambda v: v.datasets.update({"d": 2**64 - 1}), "datasets['d']"),
     ("probe elsewhere", lambda v: setattr(v, "probe_endpoint", "10.9.9.9:7400"), "probe_endpoint"),
+    (
+        "huge image",
+        lambda v: v.nodes[0].images.add(references=["r.io/a:1"], size_bytes=2**64 - 1),
+        "nodes[0].images[0].size_bytes",
+    ),
+    (
+        "long image reference",
+        lambda v: v.nodes[0].images.add(references=["r.io/" + "a" * MAX_ATTRIBUTE_CHARS]),
+        "nodes[0].images[0].references[0]",
+    ),
+    (
+        "too many images",
+        lambda v: v.nodes[0].images.extend(
+            resources_pb2.CachedImage(references=[f"r.io/a:{i}"]) for i in range(257)
+        ),
+        "nodes[0].images",
+    ),
+    ("long image refusal", lambda v: setattr(v, "image_refusal", "x" * 4097), "image_refusal"),
+    (
+        "long registry",
+        lambda v: v.image_registries.append("r" * (MAX_ATTRIBUTE_CHARS + 1)),
+        "image_registries[0]",
+    ),
 ]
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import subprocess
 import sys
 import time
 import uuid
@@ -263,3 +265,26 @@ async def until_past(unix_s: float, what: str) -> None:
         return time.time() > unix_s
 
     await until(past, what, timeout_s=max(0.0, unix_s - time.time()) + 10)
+
+
+def fedctl_env(fed: LocalFederation) -> dict[str, str]:
+    """fedctl's environment for ``fed``: its operator's certificate, a wide table."""
+    return {
+        **os.environ,
+        "FEDCTL_PKI_DIR": str(fed.pki.dir),
+        "FEDCTL_COORDINATOR": fed.address,
+        "COLUMNS": "200",
+    }
+
+
+def fedctl(
+    fed: LocalFederation, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``fedctl ARGS`` as a process of its own against ``fed``, as its operator."""
+    return subprocess.run(
+        [sys.executable, "-m", "federation.cli", *args],
+        env={**fedctl_env(fed), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

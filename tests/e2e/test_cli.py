@@ -15,26 +15,9 @@ import pytest
 
 from federation.local import LocalFederation
 
+from .conftest import fedctl
+
 pytestmark = pytest.mark.xdist_group("e2e-cli")
-
-
-def fedctl(
-    fed: LocalFederation, *args: str, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
-    env = {
-        **os.environ,
-        "FEDCTL_PKI_DIR": str(fed.pki.dir),
-        "FEDCTL_COORDINATOR": fed.address,
-        "COLUMNS": "200",
-        **(env or {}),
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "federation.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 def test_status_json_lists_sites(federation: LocalFederation) -> None:

@@ -7,21 +7,25 @@ module starts; its access log shows every pull.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import shutil
 import subprocess
-import tarfile
+import urllib.request
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from deploy_tools import need_tool
 
+from federation.agent.containers import store_flags
 from federation.agent.service import free_port
 from federation.api.v1 import job_service_pb2, jobs_pb2
+from federation.jobspec import load_job_specs
 from federation.local import LocalFederation, SiteSpec
+from federation.testing.registry import LocalRegistry, busybox_rootfs, import_image, podman
 
 from .conftest import channel_as, jobs, spec, tenant_tls, until, wait_for_job
 
@@ -32,81 +36,43 @@ pytestmark = [
 
 UIDS = (210_000, 210_099)
 SITE = "boxes"
-TOOLS = ("sh", "id", "echo", "sleep", "cat", "pwd", "ls", "test", "[")
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "jobs" / "container.yaml"
 
 
 @dataclass
 class Registry:
     address: str
-    log: Path
     image: str
     """The test image, pushed, and not in the node's store when the module starts."""
+    server: LocalRegistry
 
     def manifest_gets(self, repository: str) -> int:
         """How often the registry was asked for a manifest of ``repository`` (pulls)."""
-        text = self.log.read_text(errors="replace")
-        return text.count(f"GET /v2/{repository}/manifests/")
-
-
-def _podman(*args: str) -> str:
-    done = subprocess.run(["podman", *args], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, f"podman {' '.join(args)}: {done.stderr}"
-    return done.stdout
+        return self.server.manifest_gets(repository)
 
 
 @pytest.fixture(scope="module")
 def registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Registry]:
     need_tool("podman", "apt-get install podman runc catatonit")
-    server = need_tool("docker-registry", "apt-get install docker-registry")
-    busybox = need_tool("busybox", "apt-get install busybox-static")
+    need_tool("docker-registry", "apt-get install docker-registry")
+    need_tool("busybox", "apt-get install busybox-static")
     root = tmp_path_factory.mktemp("registry")
     address = f"127.0.0.1:{free_port()}"
-    (root / "config.yml").write_text(
-        "version: 0.1\nlog: {level: info, accesslog: {disabled: false}}\n"
-        f"storage: {{filesystem: {{rootdirectory: {root / 'data'}}}}}\n"
-        f"http: {{addr: {address}}}\n"
-    )
-    log = root / "registry.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen(
-            [server, "serve", str(root / "config.yml")], stdout=out, stderr=out
-        )
+    server = LocalRegistry.start(root, address)
     image = f"{address}/fedtest-{uuid.uuid4().hex[:8]}/busybox:1"
     try:
-        tree = root / "rootfs"
-        (tree / "bin").mkdir(parents=True)
-        (tree / "tmp").mkdir(mode=0o1777)
-        shutil.copy(busybox, tree / "bin" / "busybox")
-        for tool in TOOLS:
-            (tree / "bin" / tool).symlink_to("busybox")
-        with tarfile.open(root / "rootfs.tar", "w") as tar:
-            tar.add(tree, arcname=".")
-        _podman("import", "--change", "ENV=PATH=/bin", str(root / "rootfs.tar"), image)
-        asyncio.run(until(_answers(address), "the registry to answer", timeout_s=30))
-        _podman("push", "--tls-verify=false", image)
-        _podman("rmi", image)  # the agent pulls it
-        yield Registry(address, log, image)
+        import_image(busybox_rootfs(root), image)
+        server.push(image)
+        podman("rmi", image)  # the agent pulls it
+        yield Registry(address, image, server)
     finally:
         subprocess.run(["podman", "rmi", "--ignore", image], capture_output=True, check=False)
-        process.terminate()
-        process.wait(timeout=10)
+        server.stop()
 
 
-def _answers(address: str) -> Callable[[], Awaitable[bool]]:
-    async def check() -> bool:
-        try:
-            _, writer = await asyncio.open_connection(*address.split(":"))
-        except OSError:
-            return False
-        writer.close()
-        return True
-
-    return check
-
-
-def _site(work: Path, registry: Registry, **settings: object) -> SiteSpec:
+def _site(work: Path, registry: Registry, name: str = SITE, **settings: object) -> SiteSpec:
     return SiteSpec(
-        SITE,
+        name,
         "datacenter",
         nodes=[{"name": "n", "cpu_cores": 4, "memory_mib": 8192}],
         settings={
@@ -140,13 +106,13 @@ def _work(fed: LocalFederation) -> Path:
 
 def _containers_left(fed: LocalFederation) -> list[str]:
     label = f"label=federation.work_dir={_work(fed)}"
-    return _podman("ps", "--all", "--filter", label, "--format", "{{.Names}}").split()
+    return podman("ps", "--all", "--filter", label, "--format", "{{.Names}}").split()
 
 
-async def _submit(fed: LocalFederation, tenant: str, task: dict[str, object]) -> str:
+async def _submit(fed: LocalFederation, tenant: str, task: dict[str, object], **job: object) -> str:
     async with channel_as(fed, tenant_tls(fed, tenant)) as channel:
         reply = await jobs(channel).SubmitJob(
-            job_service_pb2.SubmitJobRequest(spec=spec("c", [{"name": "t", **task}]))
+            job_service_pb2.SubmitJobRequest(spec=spec("c", [{"name": "t", **task}], **job))
         )
         return reply.job.id
 
@@ -202,28 +168,36 @@ async def test_an_image_the_registry_does_not_have_fails_with_its_answer(
     assert "manifest unknown" in reason  # the registry's own words
 
 
-async def test_a_site_that_refuses_containers_declines_them_saying_so(
+async def test_a_site_that_refuses_containers_is_passed_over_saying_so(
     tmp_path: Path, registry: Registry
 ) -> None:
+    """The site says in its view that it runs no images: placement rejects it for such a task
+    with the site's own reason, and no offer reaches it."""
     root = tmp_path / "fed"
     root.mkdir(mode=0o755)
     site = _site(root / "tasks", registry, containers={"enabled": False})
     fed = LocalFederation(root, [site])
-    reason = "this site does not run containers (image " + registry.image + ")"
-
-    async def declined() -> bool:
-        return reason in fed.log_path(SITE).read_text(errors="replace")
-
+    reason = "this site does not run containers: [containers] enabled = false"
+    explained: list[jobs_pb2.SiteExplanation] = []
     try:
         await fed.start()
         job_id = await _submit(fed, "tenant-a", _script(registry, "id -u"))
-        await until(declined, "the offer to be declined")
         async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+
+            async def rejected() -> bool:
+                request = job_service_pb2.ExplainJobRequest(job_id=job_id)
+                reply = await jobs(channel).ExplainJob(request)
+                explained[:] = [s for t in reply.tasks for s in t.sites if s.site == SITE]
+                return bool(explained) and not explained[0].feasible
+
+            await until(rejected, "the site to be rejected for the image")
             reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
     finally:
         fed.stop()
     assert reply.job.state == jobs_pb2.JOB_STATE_PENDING  # no site took it
-    assert "[containers] enabled = false" in fed.log_path(SITE).read_text(errors="replace")
+    verdicts = [(v.stage, v.code, v.reason) for v in explained[0].rejections]
+    assert verdicts == [("ImagePolicy", "IMAGE_REFUSED", f"{reason} (image {registry.image})")]
+    assert "offer_declined" not in fed.log_path(SITE).read_text(errors="replace")
     assert list((root / "tasks").glob(f"{job_id}/*")) == []
 
 
@@ -289,3 +263,99 @@ async def test_a_restarted_agent_adopts_a_running_container(
     assert job.tasks[0].output_tail.strip() == "adopted-ok"
     assert "task_adopted" in federation.log_path(SITE).read_text(errors="replace")
     assert _containers_left(federation) == []
+
+
+async def test_a_second_job_with_the_image_goes_to_the_site_that_holds_it(
+    tmp_path: Path, registry: Registry
+) -> None:
+    """Two sites alike but for their Podman stores. The first job, pinned to "b-holder",
+    pulls the image there; its agent then publishes the image with the bytes a pull moves.
+    The second job, free to go anywhere, is charged that pull at "a-far" only, and so goes to
+    "b-holder", though "a-far" comes first by name and would win a tie."""
+    root = tmp_path / "fed"
+    root.mkdir(mode=0o755)
+    insecure = [registry.address]
+    sites = [
+        _site(
+            root / f"tasks-{name}",
+            registry,
+            name=name,
+            containers={"insecure_registries": insecure, "storage": str(root / f"store-{name}")},
+        )
+        for name in ("a-far", "b-holder")
+    ]
+    fed = LocalFederation(root, sites)
+    task = _script(registry, "echo ran")
+    try:
+        await fed.start()
+        async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+            first = await _submit(fed, "tenant-a", task, constraints={"sites": ["b-holder"]})
+            done = await wait_for_job(channel, first, timeout_s=120)
+            assert done.state == jobs_pb2.JOB_STATE_SUCCEEDED, done.tasks[0].reason
+            estimates: dict[str, jobs_pb2.Estimate] = {}
+
+            async def held() -> bool:
+                request = job_service_pb2.SubmitJobRequest(
+                    spec=spec("c", [{"name": "t", **task}]), validate_only=True
+                )
+                reply = await jobs(channel).SubmitJob(request)
+                sites = [s for t in reply.placement for s in t.sites]
+                estimates.update({s.site: s.estimate for s in sites})
+                return "b-holder" in estimates and estimates["b-holder"].image_held
+
+            await until(held, "b-holder to publish the image it pulled")
+            second = await _submit(fed, "tenant-a", task)
+            ran = await wait_for_job(channel, second, timeout_s=120)
+            reply = await jobs(channel).ExplainJob(job_service_pb2.ExplainJobRequest(job_id=second))
+    finally:
+        fed.stop()
+        for name in ("a-far", "b-holder"):
+            flags = store_flags(root / f"store-{name}")
+            await asyncio.to_thread(podman, *flags, "rmi", "--all")
+            shutil.rmtree(flags[1].removeprefix("--runroot="), ignore_errors=True)
+    assert ran.state == jobs_pb2.JOB_STATE_SUCCEEDED, ran.tasks[0].reason
+    assert ran.tasks[0].site == "b-holder"
+    by_site = {s.site: s.estimate for t in reply.tasks for s in t.sites}
+    holder, far = by_site["b-holder"], by_site["a-far"]
+    assert (holder.image_held, holder.pull_s, holder.pull_bytes) == (True, 0.0, 0)
+    assert not far.image_held
+    # What a pull moves: the manifest, the config and the compressed layer, as served.
+    assert far.pull_bytes == await asyncio.to_thread(_served_bytes, registry)
+    assert far.pull_s > 0
+    assert far.transfer_s >= far.pull_s
+    assert far.total_s > holder.total_s
+
+
+def _served_bytes(registry: Registry) -> int:
+    """What the registry serves for a pull of the test image: its manifest, the config and
+    the layers that manifest names."""
+    name, _, tag = registry.image.split("/", 1)[1].rpartition(":")
+    accept = ", ".join(
+        (
+            "application/vnd.oci.image.manifest.v1+json",
+            "application/vnd.docker.distribution.manifest.v2+json",
+        )
+    )
+    request = urllib.request.Request(
+        f"http://{registry.address}/v2/{name}/manifests/{tag}", headers={"Accept": accept}
+    )
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        body = answer.read()
+    manifest = json.loads(body)
+    return len(body) + sum(b["size"] for b in [manifest["config"], *manifest["layers"]])
+
+
+async def test_the_container_example_runs_from_this_registry(
+    federation: LocalFederation, registry: Registry
+) -> None:
+    """examples/jobs/container.yaml's task, its image the same busybox from this registry."""
+    (example,) = load_job_specs(EXAMPLE)
+    example.tasks[0].image = registry.image
+    async with channel_as(federation, tenant_tls(federation, "tenant-a")) as channel:
+        reply = await jobs(channel).SubmitJob(job_service_pb2.SubmitJobRequest(spec=example))
+        job = await wait_for_job(channel, reply.job.id, timeout_s=120)
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, job.tasks[0].reason
+    said = job.tasks[0].output_tail.strip()
+    assert said.startswith(f"hello from a container: uid {UIDS[0]}")
+    folder = Path(said.rpartition("working in ")[2])  # the replica's: <job>/hello/<epoch>/0
+    assert folder.is_relative_to(_work(federation) / job.id / "hello")

@@ -1,5 +1,7 @@
-"""Every job file in examples/jobs/ runs as it is on the demo's federation (the sites of
-``fedctl demo``): batch jobs succeed, the service's replicas come up ready."""
+"""Every job file in examples/jobs/ parses and passes the coordinator's checks, and runs as it
+is on the demo's federation (the sites of ``fedctl demo``): batch jobs succeed, the service's
+replicas come up ready. The container example needs sites that run images and reach its
+registry: here every demo site says why it does not (``test_containers.py`` runs its task)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from .conftest import jobs, running, until, wait_for_job
 pytestmark = pytest.mark.xdist_group("e2e-examples")
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "jobs"
-BATCH = sorted(p.name for p in EXAMPLES.glob("*.yaml") if p.name != "service.yaml")
+ALL = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+CONTAINER = "container.yaml"
+BATCH = [name for name in ALL if name not in ("service.yaml", CONTAINER)]
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +44,39 @@ async def submit(channel: grpc.aio.Channel, name: str) -> jobs_pb2.Job:
 
 def test_every_example_is_run_here() -> None:
     assert {"cpu-job.yaml", "gpu-gang.yaml", "pipeline.yaml", "checkpointed.yaml"} <= set(BATCH)
+    assert {*BATCH, "service.yaml", CONTAINER} == set(ALL)
+
+
+@pytest.mark.parametrize("name", ALL)
+async def test_every_example_parses_and_passes_the_checks(
+    federation: LocalFederation, name: str
+) -> None:
+    """Each file is one job the coordinator accepts as it is (a dry run: nothing stored), and
+    some site could take each of its tasks, or says why not."""
+    (spec,) = load_job_specs(EXAMPLES / name)
+    async with federation.operator().channel() as channel:
+        request = job_service_pb2.SubmitJobRequest(spec=spec, validate_only=True)
+        reply = await jobs(channel).SubmitJob(request)
+    assert [t.name for t in reply.job.spec.tasks] == [t.name for t in spec.tasks]
+    assert {t.task for t in reply.placement} == {t.name for t in spec.tasks}
+
+
+async def test_the_container_example_is_refused_by_each_demo_site_saying_why(
+    federation: LocalFederation,
+) -> None:
+    """The demo's sites run tasks as the agent, and containers take the tenant's account: the
+    explanation says so at each site."""
+    (spec,) = load_job_specs(EXAMPLES / CONTAINER)
+    async with federation.operator().channel() as channel:
+        request = job_service_pb2.SubmitJobRequest(spec=spec, validate_only=True)
+        (task,) = (await jobs(channel).SubmitJob(request)).placement
+    assert {s.site for s in task.sites} == {site.name for site in DEMO_SITES}
+    for site in task.sites:
+        assert not site.feasible
+        assert [(r.stage, r.code) for r in site.rejections][:1] == [
+            ("ImagePolicy", "IMAGE_REFUSED")
+        ]
+        assert "its tasks run as the agent's own account" in site.rejections[0].reason
 
 
 @pytest.mark.parametrize("name", BATCH)

@@ -1480,8 +1480,12 @@ class Estimate(_message.Message):
     DEVICE_MODEL_FIELD_NUMBER: _builtins.int
     RUN_ERROR_FIELD_NUMBER: _builtins.int
     PROVISION_S_FIELD_NUMBER: _builtins.int
+    PULL_S_FIELD_NUMBER: _builtins.int
+    PULL_BYTES_FIELD_NUMBER: _builtins.int
+    IMAGE_HELD_FIELD_NUMBER: _builtins.int
     queue_s: _builtins.float
     transfer_s: _builtins.float
+    """Moving the task's inputs here and pulling its image (pull_s)."""
     run_s: _builtins.float
     total_s: _builtins.float
     cost_usd: _builtins.float
@@ -1499,6 +1503,13 @@ class Estimate(_message.Message):
     """Time to launch the nodes the task needs at an elastic site (their p50 delay); 0 where
     running nodes have room. Part of total_s; cost_usd counts their price from the launch.
     """
+    pull_s: _builtins.float
+    """Of transfer_s: pulling the task's image to the site (its pull_bytes over the site's
+    measured link to the coordinator); 0 where a node there holds it, or its size is unknown.
+    """
+    pull_bytes: _builtins.int
+    image_held: _builtins.bool
+    """A node of the site holds the task's image: no pull."""
     def __init__(
         self,
         *,
@@ -1513,10 +1524,13 @@ class Estimate(_message.Message):
         device_model: _builtins.str = ...,
         run_error: _builtins.float = ...,
         provision_s: _builtins.float = ...,
+        pull_s: _builtins.float = ...,
+        pull_bytes: _builtins.int = ...,
+        image_held: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_model", b"device_model", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "provision_s", b"provision_s", "queue_s", b"queue_s", "run_error", b"run_error", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cost_usd", b"cost_usd", "device_model", b"device_model", "device_speed", b"device_speed", "energy_kwh", b"energy_kwh", "image_held", b"image_held", "provision_s", b"provision_s", "pull_bytes", b"pull_bytes", "pull_s", b"pull_s", "queue_s", b"queue_s", "run_error", b"run_error", "run_s", b"run_s", "total_s", b"total_s", "transfer_bytes", b"transfer_bytes", "transfer_s", b"transfer_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

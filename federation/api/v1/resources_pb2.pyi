@@ -297,6 +297,44 @@ class PartitionProfile(_message.Message):
 Global___PartitionProfile: _TypeAlias = PartitionProfile  # noqa: Y015
 
 @_typing.final
+class CachedImage(_message.Message):
+    """An OCI image in a node's store: a task naming it starts there without a pull."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REFERENCES_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    SIZE_BYTES_FIELD_NUMBER: _builtins.int
+    PULL_BYTES_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """Its id in the node's store (the digest of its config)."""
+    size_bytes: _builtins.int
+    """Bytes it takes in the node's store, unpacked."""
+    pull_bytes: _builtins.int
+    """Bytes a pull of it moves: the config and the (compressed) layers its manifest lists, as
+    the node pulled it; 0: unknown (an image loaded, not pulled).
+    """
+    @_builtins.property
+    def references(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Names it is known by: "registry/name:tag" and "registry/name@sha256:<digest>"."""
+
+    def __init__(
+        self,
+        *,
+        references: _abc.Iterable[_builtins.str] | None = ...,
+        id: _builtins.str = ...,
+        size_bytes: _builtins.int = ...,
+        pull_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["id", b"id", "pull_bytes", b"pull_bytes", "references", b"references", "size_bytes", b"size_bytes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CachedImage: _TypeAlias = CachedImage  # noqa: Y015
+
+@_typing.final
 class Node(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -332,6 +370,7 @@ class Node(_message.Message):
     PROVENANCE_FIELD_NUMBER: _builtins.int
     MEASURED_FIELD_NUMBER: _builtins.int
     LAUNCH_FIELD_NUMBER: _builtins.int
+    IMAGES_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     arch: _builtins.str
     cpu_cores: _builtins.float
@@ -357,6 +396,10 @@ class Node(_message.Message):
         or one running. Unset: a node that is simply there.
         """
 
+    @_builtins.property
+    def images(self) -> _containers.RepeatedCompositeFieldContainer[Global___CachedImage]:
+        """Images in the node's store (at most 256, most recent first)."""
+
     def __init__(
         self,
         *,
@@ -372,10 +415,11 @@ class Node(_message.Message):
         provenance: Global___Provenance.ValueType = ...,
         measured: Global___MeasuredUse | None = ...,
         launch: Global___NodeLaunch | None = ...,
+        images: _abc.Iterable[Global___CachedImage] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["launch", b"launch", "measured", b"measured"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "labels", b"labels", "launch", b"launch", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arch", b"arch", "cpu_cores", b"cpu_cores", "cpu_free", b"cpu_free", "devices", b"devices", "images", b"images", "labels", b"labels", "launch", b"launch", "measured", b"measured", "memory_free_mib", b"memory_free_mib", "memory_mib", b"memory_mib", "name", b"name", "provenance", b"provenance", "schedulable", b"schedulable"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -568,6 +612,8 @@ class SiteView(_message.Message):
     OBJECT_STORE_FIELD_NUMBER: _builtins.int
     TOPOLOGY_LEVELS_FIELD_NUMBER: _builtins.int
     STORE_UNREACHABLE_FIELD_NUMBER: _builtins.int
+    IMAGE_REFUSAL_FIELD_NUMBER: _builtins.int
+    IMAGE_REGISTRIES_FIELD_NUMBER: _builtins.int
     site: _builtins.str
     domain: Global___Domain.ValueType
     region: _builtins.str
@@ -586,6 +632,10 @@ class SiteView(_message.Message):
     store_unreachable: _builtins.bool
     """Other sites cannot reach its object store (behind NAT, say), though it reaches theirs:
     what they need from it is pushed to a reachable site's store (object_store.reachable).
+    """
+    image_refusal: _builtins.str
+    """Why the site runs no task that names an image ("[containers] enabled = false", no
+    Podman...); empty: it runs them (or its agent predates this field).
     """
     @_builtins.property
     def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___Node]: ...
@@ -618,6 +668,10 @@ class SiteView(_message.Message):
         each level first, so whole racks and blocks stay free for tasks that require one.
         """
 
+    @_builtins.property
+    def image_registries(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The registries (host[:port]) the site pulls images from; empty: any."""
+
     def __init__(
         self,
         *,
@@ -639,10 +693,12 @@ class SiteView(_message.Message):
         object_store: _builtins.str = ...,
         topology_levels: _abc.Iterable[_builtins.str] | None = ...,
         store_unreachable: _builtins.bool = ...,
+        image_refusal: _builtins.str = ...,
+        image_registries: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["coordinator_link", b"coordinator_link", "owner_share", b"owner_share", "queue", b"queue"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site", "store_unreachable", b"store_unreachable", "topology_levels", b"topology_levels"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "coordinator_link", b"coordinator_link", "datasets", b"datasets", "domain", b"domain", "image_refusal", b"image_refusal", "image_registries", b"image_registries", "labels", b"labels", "links", b"links", "nodes", b"nodes", "object_store", b"object_store", "owner_share", b"owner_share", "power_watts", b"power_watts", "price_per_device_hour", b"price_per_device_hour", "probe_endpoint", b"probe_endpoint", "queue", b"queue", "region", b"region", "scheduler", b"scheduler", "site", b"site", "store_unreachable", b"store_unreachable", "topology_levels", b"topology_levels"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

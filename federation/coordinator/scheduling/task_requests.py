@@ -106,4 +106,7 @@ def estimate_proto(estimates: Estimates, site: int) -> jobs_pb2.Estimate:
         transfer_bytes=int(estimates.transfer_bytes[site]),
         device_speed=float(estimates.device_speed[site]),
         provision_s=float(estimates.provision_s[site]),
+        pull_s=float(estimates.pull_s[site]),
+        pull_bytes=int(estimates.pull_bytes[site]),
+        image_held=bool(estimates.image_held[site]),
     )
