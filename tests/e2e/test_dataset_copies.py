@@ -3,8 +3,8 @@ registered at near-d, both real SeaweedFS buckets. The reader's site declares it
 1 Mbit/s, near-d 1 Gbit/s. Placement counts the nearer copy, the task stages from near-d, and
 from far-d once near-d is gone. A copy must be the same bytes, and only the dataset's tenant
 may add one. cache-d keeps what it stages as copies in its own store, within 3 MiB: the next
-task there stages from cache-d itself, and a second dataset evicts the first. All of it on
-the embedded store and on etcd."""
+task there stages from cache-d itself, and a second dataset evicts the first. The tests run in
+file order, on one federation (the embedded store here, etcd in ``test_dataset_copies_etcd``)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,9 @@ import pytest
 
 from federation.api.v1 import data_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
-from federation.testing.cluster import etcd_coordinator_args
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
-from .conftest import channel_as, etcd_prefix, jobs, running, spec, tenant_tls, until
+from .conftest import channel_as, jobs, running, spec, tenant_tls, until
 from .test_data_plane import at, finished, said, submit, tasks
 from .test_datasets import bucket, data
 from .test_refusals import violations
@@ -64,11 +63,10 @@ def site(name: str, store: dict[str, object] | None) -> SiteSpec:
     return SiteSpec(name, "datacenter", nodes=[node], settings=settings)
 
 
-@pytest.fixture(scope="module", params=["sqlite", "etcd"])
-def fed(
-    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+def federation_on(
+    tmp_path_factory: pytest.TempPathFactory, coordinator_args: list[str]
 ) -> Iterator[LocalFederation]:
-    """The federation on the embedded store, then on the run's shared etcd."""
+    """The sites above and their SeaweedFS, the coordinator run with ``coordinator_args``."""
     seaweed = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), [*HOLDERS, CACHE])
     for name in HOLDERS:
         obstore.put(bucket(seaweed, name), KEY, DATA)
@@ -79,15 +77,17 @@ def fed(
     sites.append(site(READER, None))
     cache = {**seaweed.site_store(CACHE, keys), "replica_bytes": CACHE_BYTES}
     sites.append(site(CACHE, cache))
-    args: list[str] = []
-    if request.param == "etcd":
-        etcd = request.getfixturevalue("shared_etcd")
-        args = etcd_coordinator_args(etcd.endpoint, etcd_prefix(), 5.0)
     try:
-        with running(tmp_path_factory.mktemp("fed"), sites, args) as federation:
+        with running(tmp_path_factory.mktemp("fed"), sites, coordinator_args) as federation:
             yield federation
     finally:
         seaweed.stop()
+
+
+@pytest.fixture(scope="module")
+def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
+    """On the embedded store (``test_dataset_copies_etcd`` runs the same tests on etcd)."""
+    yield from federation_on(tmp_path_factory, [])
 
 
 async def register(

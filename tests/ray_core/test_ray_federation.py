@@ -1,4 +1,5 @@
-"""End to end: a coordinator and a Ray site agent as processes, a gang run by a real Ray head."""
+"""End to end: a coordinator, a Ray site agent and an embedded site's agent as processes; gangs
+run by a real Ray head, and a pipeline across both sites."""
 
 from __future__ import annotations
 
@@ -27,17 +28,28 @@ from federation.watch import events_of
 pytestmark = [pytest.mark.xdist_group("ray"), pytest.mark.timeout(240)]
 
 SITE = "dc-ray"
+EMBEDDED = "dc-fpga"
+"""An embedded site with one declared FPGA and no GPU: a task that asks for an FPGA runs there."""
 WAIT_S = 60.0
 KILL_GRACE_S = 2.0
 """What LocalFederation gives its agents."""
 TERMINAL = (jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED)
 
 
+FPGA_NODE = {
+    "name": "fpga-box",
+    "cpu_cores": 4,
+    "memory_mib": 8192,
+    "devices": [{"kind": "FPGA", "vendor": "xilinx", "model": "U250", "count": 1}],
+}
+
+
 @pytest.fixture(scope="module")
 def federation(
     ray_head: LocalRayHead, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[LocalFederation]:
-    """A coordinator and one site whose core is the Ray head (declared A100s)."""
+    """A coordinator, a site whose core is the Ray head (declared A100s), and an embedded site
+    with one FPGA."""
     ray = {
         "address": ray_head.address,
         "dashboard": ray_head.dashboard,
@@ -47,7 +59,10 @@ def federation(
     }
     fed = LocalFederation(
         tmp_path_factory.mktemp("fed"),
-        [SiteSpec(SITE, "datacenter", settings={"scheduler": "ray", "ray": ray})],
+        [
+            SiteSpec(SITE, "datacenter", settings={"scheduler": "ray", "ray": ray}),
+            SiteSpec(EMBEDDED, "datacenter", nodes=[FPGA_NODE]),
+        ],
     )
     try:
         asyncio.run(fed.start())
@@ -105,6 +120,41 @@ async def test_gang_of_two_a100_replicas_runs_on_ray(operator: grpc.aio.Channel)
     assert sorted(d.rsplit(":", 1)[1] for d in done.devices) == ["GPU_A100-0", "GPU_A100-1"]
     assert "[replica 0] replica 0" in done.output_tail
     assert "[replica 1] replica 1" in done.output_tail
+
+
+async def test_a_pipeline_runs_across_an_embedded_site_and_the_ray_site(
+    operator: grpc.aio.Channel,
+) -> None:
+    """prep needs an FPGA (the embedded site), train an A100 (Ray's) once prep succeeded:
+    each runs at its site, train only after prep ended."""
+    py = sys.executable
+    tasks = [
+        {
+            "name": "prep",
+            "command": [py, "-c", "print('prepared')"],
+            "resources": {"cpu": 0.5, "accelerator": {"kind": "FPGA", "count": 1}},
+        },
+        {
+            "name": "train",
+            "command": [py, "-c", "print('trained')"],
+            "depends_on": ["prep"],
+            "resources": {
+                "cpu": 0.5,
+                "accelerator": {"kind": "GPU", "count": 1, "models": ["A100-80GB"]},
+            },
+        },
+    ]
+    spec = job_spec_from_dict({"name": "across", "tasks": tasks})
+    stub = job_service_pb2_grpc.JobServiceStub(operator)
+    job_id = (await stub.SubmitJob(job_service_pb2.SubmitJobRequest(spec=spec))).job.id
+    job = await until_state(stub, job_id, TERMINAL)
+    done = {t.name: t for t in job.tasks}
+    assert job.state == jobs_pb2.JOB_STATE_SUCCEEDED, [t.reason for t in job.tasks]
+    assert (done["prep"].site, done["train"].site) == (EMBEDDED, SITE)
+    assert "prepared" in done["prep"].output_tail
+    assert "trained" in done["train"].output_tail
+    prep_end = done["prep"].finished_at.ToNanoseconds()
+    assert done["train"].started_at.ToNanoseconds() >= prep_end
 
 
 def one_a100_task(code: str) -> jobs_pb2.JobSpec:
