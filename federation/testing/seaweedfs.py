@@ -18,6 +18,7 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from federation.testing.etcd import free_ports
 
@@ -176,6 +177,22 @@ class LocalSeaweed:
                 return
             time.sleep(POLL_S)
         raise RuntimeError(f"weed not ready after {START_TIMEOUT_S} s:\n{self._tail()}")
+
+    def client(self, name: str) -> Any:
+        """An S3 client of bucket ``name`` with its own keys (an ``obstore`` ``S3Store``), for
+        a test to put or read objects as the site's store would."""
+        from obstore.store import S3Store
+
+        keys = self.buckets[name]
+        return S3Store(
+            name,
+            endpoint=self.endpoint,
+            access_key_id=keys.access_key_id,
+            secret_access_key=keys.secret_access_key,
+            region="us-east-1",
+            client_options={"allow_http": True},
+            virtual_hosted_style_request=False,
+        )
 
     def stop(self) -> None:
         """Kill weed if it runs. Its data are a test's, thrown away after: its graceful stop

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import obstore
 import pytest
-from obstore.store import S3Store
 
 from federation.agent.object_store import ObjectStoreSettings, SiteStore
 from federation.agent.task_data import TaskData
@@ -288,14 +287,7 @@ async def test_a_lost_sites_task_resumes_from_the_copy_in_another_store(
     (gates / "c").touch()
     await until(lambda: _state_is(client, blocker, jobs_pb2.JOB_STATE_SUCCEEDED), "ck-c free")
     fed.kill("ck-a")
-    bucket = seaweed.buckets["ck-a"]
-    gone = S3Store(
-        "ck-a",
-        endpoint=seaweed.endpoint,
-        access_key_id=bucket.access_key_id,
-        secret_access_key=bucket.secret_access_key,
-        client_options={"allow_http": True},
-    )
+    gone = seaweed.client("ck-a")
     keys = [m["path"] for batch in obstore.list(gone) for m in batch]
     obstore.delete(gone, keys)
     shutil.rmtree(work_of(fed, "ck-a", job_id))

@@ -14,7 +14,6 @@ from pathlib import Path
 import grpc
 import obstore
 import pytest
-from obstore.store import S3Store
 from prometheus_client.parser import text_string_to_metric_families
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
@@ -257,16 +256,7 @@ async def test_a_failed_task_keeps_the_partial_outputs_it_was_asked_to(
     (log,) = train.artifacts
     assert (log.name, log.partial, log.site) == ("log", True, "edge-d")
     assert log.key == f"federation/tenant-a/{job_id}/train/{train.epoch}/log"
-    keys = seaweed.buckets["edge-d"]
-    store = S3Store(
-        "edge-d",
-        endpoint=seaweed.endpoint,
-        access_key_id=keys.access_key_id,
-        secret_access_key=keys.secret_access_key,
-        region="us-east-1",
-        client_options={"allow_http": True},
-        virtual_hosted_style_request=False,
-    )
+    store = seaweed.client("edge-d")
     stored = await asyncio.to_thread(lambda: bytes(obstore.get(store, log.key).bytes()))
     assert stored == b"step 41 of 100: loss went NaN"
     assert hashlib.sha256(stored).hexdigest() == log.sha256
@@ -313,16 +303,7 @@ async def test_an_input_whose_digest_does_not_match_fails_before_the_task_runs(
         await until(made, "make to succeed")
         reply = await jobs(channel).GetJob(job_service_pb2.GetJobRequest(job_id=job_id))
     artifact = next(a for a in tasks(reply.job)["make"].artifacts if a.name == "data")
-    keys = seaweed.buckets["edge-d"]
-    store = S3Store(
-        "edge-d",
-        endpoint=seaweed.endpoint,
-        access_key_id=keys.access_key_id,
-        secret_access_key=keys.secret_access_key,
-        region="us-east-1",
-        client_options={"allow_http": True},
-        virtual_hosted_style_request=False,
-    )
+    store = seaweed.client("edge-d")
     forged = bytes(artifact.bytes)  # as long as the original, other bytes
     await asyncio.to_thread(obstore.put, store, artifact.key, forged)
     gate.touch()

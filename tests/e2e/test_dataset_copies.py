@@ -23,7 +23,7 @@ from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
 from .conftest import channel_as, jobs, running, spec, tenant_tls, until
 from .test_data_plane import at, finished, said, submit, tasks
-from .test_datasets import bucket, data
+from .test_datasets import data
 from .test_refusals import violations
 
 pytestmark = [
@@ -69,9 +69,9 @@ def federation_on(
     """The sites above and their SeaweedFS, the coordinator run with ``coordinator_args``."""
     seaweed = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), [*HOLDERS, CACHE])
     for name in HOLDERS:
-        obstore.put(bucket(seaweed, name), KEY, DATA)
-    obstore.put(bucket(seaweed, "near-d"), "federation/tenant-a/other.bin", b"other bytes")
-    obstore.put(bucket(seaweed, "far-d"), MORE_KEY, MORE)
+        obstore.put(seaweed.client(name), KEY, DATA)
+    obstore.put(seaweed.client("near-d"), "federation/tenant-a/other.bin", b"other bytes")
+    obstore.put(seaweed.client("far-d"), MORE_KEY, MORE)
     keys = tmp_path_factory.mktemp("keys")
     sites = [site(name, seaweed.site_store(name, keys)) for name in HOLDERS]
     sites.append(site(READER, None))

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 import grpc
 import obstore
 import pytest
-from obstore.store import S3Store
 
 from federation.api.v1 import data_service_pb2, data_service_pb2_grpc, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation
@@ -42,24 +41,11 @@ print("read", hashlib.sha256(pathlib.Path("in/frames.bin").read_bytes()).hexdige
 """
 
 
-def bucket(seaweed: LocalSeaweed, name: str) -> S3Store:
-    keys = seaweed.buckets[name]
-    return S3Store(
-        name,
-        endpoint=seaweed.endpoint,
-        access_key_id=keys.access_key_id,
-        secret_access_key=keys.secret_access_key,
-        region="us-east-1",
-        client_options={"allow_http": True},
-        virtual_hosted_style_request=False,
-    )
-
-
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
     server = LocalSeaweed.start(tmp_path_factory.mktemp("seaweed"), list(STORED))
-    obstore.put(bucket(server, "edge-s"), KEY, DATA)
-    obstore.put(bucket(server, "edge-s"), "federation/tenant-b/mine.bin", b"tenant b's own")
+    obstore.put(server.client("edge-s"), KEY, DATA)
+    obstore.put(server.client("edge-s"), "federation/tenant-b/mine.bin", b"tenant b's own")
     yield server
     server.stop()
 
@@ -262,7 +248,7 @@ async def test_a_removed_dataset_is_refused_at_submission(
         assert "spec.tasks[0].inputs[0].dataset" in violations(caught.value)
     # The object itself stays in its store.
     kept = await asyncio.to_thread(
-        lambda: bytes(obstore.get(bucket(seaweed, "edge-s"), KEY).bytes())
+        lambda: bytes(obstore.get(seaweed.client("edge-s"), KEY).bytes())
     )
     assert kept == DATA
 
