@@ -5,6 +5,7 @@ site's folders gone; and no tenant can have another's checkpoint signed."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import shutil
 import sys
@@ -92,6 +93,14 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
 def fed(
     tmp_path_factory: pytest.TempPathFactory, seaweed: LocalSeaweed
 ) -> Iterator[LocalFederation]:
+    """On the embedded store (``test_checkpoint_transfer_etcd`` runs the same tests on etcd)."""
+    yield from federation_on(tmp_path_factory, seaweed, [])
+
+
+def federation_on(
+    tmp_path_factory: pytest.TempPathFactory, seaweed: LocalSeaweed, coordinator_args: list[str]
+) -> Iterator[LocalFederation]:
+    """The sites above, the coordinator run with ``coordinator_args`` and priority classes."""
     keys = tmp_path_factory.mktemp("keys")
     sites = []
     for name in SITES:
@@ -105,7 +114,8 @@ def fed(
         'tenants = ["tenant-a"]\n'
         "[priority_classes.batch]\nvalue = -100\n"
     )
-    with running(root / "fed", sites, ["--config", str(config)]) as federation:
+    args = ["--config", str(config), *coordinator_args]
+    with running(root / "fed", sites, args) as federation:
         yield federation
 
 
@@ -282,7 +292,16 @@ async def test_a_lost_sites_task_resumes_from_the_copy_in_another_store(
 
     await until(copied, "a checkpoint of ck-a to be copied to ck-b")
     (markers / "pause").touch()  # no newer checkpoint: the copied one stays the newest
-    await until(copied, "the newest checkpoint to be copied")
+    # The task looks for the pause every 0.3 s: one more checkpoint may be finished meanwhile.
+    await asyncio.sleep(1.0)
+    last = max(int(p.name.split("-")[1]) for p in markers.glob("saved-*"))
+
+    async def newest_copied() -> bool:
+        task = await client.task(job_id)
+        newest = task.checkpoint.stored.name == f"step-{last:04d}"
+        return newest and any(r.site == "ck-b" for r in task.checkpoint.replicas)
+
+    await until(newest_copied, "the newest checkpoint to be copied")
     recorded = (await client.task(job_id)).checkpoint
     (gates / "c").touch()
     await until(lambda: _state_is(client, blocker, jobs_pb2.JOB_STATE_SUCCEEDED), "ck-c free")

@@ -64,6 +64,14 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalSeaweed]:
 def fed(
     tmp_path_factory: pytest.TempPathFactory, seaweed: LocalSeaweed
 ) -> Iterator[LocalFederation]:
+    """On the embedded store (``test_data_plane_etcd`` runs the same tests on etcd)."""
+    yield from federation_on(tmp_path_factory, seaweed, [])
+
+
+def federation_on(
+    tmp_path_factory: pytest.TempPathFactory, seaweed: LocalSeaweed, coordinator_args: list[str]
+) -> Iterator[LocalFederation]:
+    """The sites above, the coordinator run with ``coordinator_args`` (and metrics)."""
     keys = tmp_path_factory.mktemp("keys")
     stores: dict[str, dict[str, object]] = {}
     for name in STORED:
@@ -75,9 +83,8 @@ def fed(
         site("bare-d", "datacenter", None),
         site("nat-d", "edge", {**stores["nat-d"], "reachable": False}),
     ]
-    with running(
-        tmp_path_factory.mktemp("fed"), sites, ["--metrics-listen", "127.0.0.1:0"]
-    ) as federation:
+    args = ["--metrics-listen", "127.0.0.1:0", *coordinator_args]
+    with running(tmp_path_factory.mktemp("fed"), sites, args) as federation:
         yield federation
 
 
