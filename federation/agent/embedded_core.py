@@ -206,6 +206,12 @@ class _Task:
         ]
 
 
+def _ended_by_themselves(replicas: Sequence[ReplicaProcess]) -> bool:
+    """Whether every replica has ended, none stopped nor killed for a reason of its
+    supervisor's own (so its end is the task's own)."""
+    return all(p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas)
+
+
 def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
     if is_service(spec) and spec.service.port and spec.replicas > 1:
         return (
@@ -800,9 +806,7 @@ class EmbeddedCore:
                 if replica.exited and record.spec.image:
                     # Ended meanwhile: its supervisor may have had to leave the container.
                     await self._containers.remove(container_name(self._work_dir, record.key, i))
-            ended_alone = all(
-                p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas
-            )
+            ended_alone = _ended_by_themselves(replicas)
             died = any(p.ended and p.ended.why == "agent_died" for p in replicas)
             # A task whose every replica had ended by itself is reported as it ended, crash or
             # not: its end was only not reported yet, and placed again it would run twice.
@@ -810,6 +814,11 @@ class EmbeddedCore:
                 for replica in replicas:
                     replica.kill()
                 await asyncio.gather(*(replica.wait() for replica in replicas))
+                if _ended_by_themselves(replicas):
+                    # Each ended by itself while being stopped (its supervisor says it was not
+                    # stopped): the work is done, and placed again it would run twice.
+                    self._adopt_running(record, replicas)
+                    continue
                 self._records.drop(record.reservation_id)
                 job_id, name, epoch = record.key
                 log.warning("task_not_adopted", job_id=job_id, task=name, epoch=epoch)
