@@ -66,7 +66,7 @@ def copy_site(sites: SiteRegistry, held: set[str]) -> str | None:
         if name in held or not _speaks(sites, name):
             continue
         view = sites.get(name).view
-        if view is not None and view.header.object_store and not view.header.store_unreachable:
+        if view is not None and view.header.object_store and reached(sites, name):
             return name
     return None
 

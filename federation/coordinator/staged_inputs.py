@@ -28,7 +28,8 @@ from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common.keys import DATASET
 from federation.coordinator.outputs import PROTOCOL, in_job_folder, source_of
 from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.placement.request import Request
+from federation.errors import SiteNotFoundError
+from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot
 
 Registered = Mapping[tuple[str, str], data_service_pb2.Dataset]
@@ -63,10 +64,11 @@ def nearest_first(
 
 
 def dataset_holders(
-    tenant: str, item: jobs_pb2.DataInput, datasets: Registered
+    tenant: str, item: jobs_pb2.DataInput | Input, datasets: Registered
 ) -> list[tuple[str, str]]:
-    """(site, location) of every holder of a ``dataset:NAME`` input: where it was
-    registered, then its copies; only the input's site when the dataset is not known."""
+    """(site, location) of every holder of a ``dataset:NAME`` input (as a spec or placement
+    names it): where it was registered, then its copies; only the input's site when the
+    dataset is not known."""
     record = datasets.get((tenant, item.dataset.removeprefix(DATASET)))
     if record is None:
         return [(item.site, "")]
@@ -86,9 +88,8 @@ def with_copies(
         return request
     inputs = []
     for item in request.inputs:
-        record = datasets.get((tenant, item.dataset.removeprefix(DATASET)))
-        if item.dataset.startswith(DATASET) and record is not None and record.copies:
-            held = [record.site, *(c.site for c in record.copies)]
+        held = [site for site, _ in dataset_holders(tenant, item, datasets)]
+        if item.dataset.startswith(DATASET) and len(held) > 1:
             reachable = [site for site in held if connected(site)] or held[:1]
             item = dataclasses.replace(item, site=reachable[0], also=tuple(reachable[1:]))
         inputs.append(item)
@@ -226,7 +227,10 @@ def _reachable_copy(
 
 def reached(sites: SiteRegistry, site: str) -> bool:
     """Whether other sites reach ``site``'s store, as its view says (an unknown site: yes)."""
-    view = sites.get(site).view if site in sites.names() else None
+    try:
+        view = sites.get(site).view
+    except SiteNotFoundError:
+        return True
     return view is None or not view.header.store_unreachable
 
 
