@@ -38,7 +38,8 @@ CKPT_BYTES = 2 * 1024 * 1024 + 11
 
 # Saves a folder checkpoint per step (random bytes and the step) and records each one's digest
 # in the markers folder; on SIGTERM saves one more, then quits. A restored copy records the
-# digest of what it restored from. It pauses while markers/pause exists; stops at markers/go.
+# digest of what it restored from. It pauses while markers/pause exists (saying so in
+# markers/paused); stops at markers/go.
 TASK = """
 import hashlib, os, signal, sys, time
 markers, size = sys.argv[1], int(sys.argv[2])
@@ -69,6 +70,8 @@ open(os.path.join(markers, "started-" + epoch), "w").write(os.environ["FEDERATIO
 while not os.path.exists(os.path.join(markers, "go")):
     if not os.path.exists(os.path.join(markers, "pause")):
         save()
+    else:
+        open(os.path.join(markers, "paused"), "w").close()
     time.sleep(0.3)
 """
 WAIT = "import os, sys, time\nwhile not os.path.exists(sys.argv[1]): time.sleep(0.05)"
@@ -293,7 +296,12 @@ async def test_a_lost_sites_task_resumes_from_the_copy_in_another_store(
     await until(copied, "a checkpoint of ck-a to be copied to ck-b")
     (markers / "pause").touch()  # no newer checkpoint: the copied one stays the newest
     # The task looks for the pause every 0.3 s: one more checkpoint may be finished meanwhile.
-    await asyncio.sleep(1.0)
+    paused = markers / "paused"
+
+    async def has_paused() -> bool:
+        return await asyncio.to_thread(paused.exists)
+
+    await until(has_paused, "the task to pause")
     last = max(int(p.name.split("-")[1]) for p in markers.glob("saved-*"))
 
     async def newest_copied() -> bool:
