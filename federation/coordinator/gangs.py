@@ -7,8 +7,9 @@ part that has a site holds a reservation there (the sites' offers and leases); o
 every part holds one are all committed at once; a part that no site took by the end of its
 rounds lets every reservation of the gang go, and the gang waits. Two gangs that want the
 same sites do not deadlock: the scheduling cycle walks the line in order and counts the
-devices it has offered (``_with_devices_left``), so the later gang finds no room while the
-earlier one holds it, and whatever a gang holds is let go when its rounds end.
+devices it has offered (``scheduling.admission.with_devices_left``), so the later gang finds
+no room while the earlier one holds it, and whatever a gang holds is let go when its rounds
+end.
 
 Running: ``GangKeeper`` looks each second for a gang with a part back in PENDING (lost with
 its site, preempted, its commit refused, or failed with a retry left) while others are still

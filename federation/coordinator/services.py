@@ -34,8 +34,8 @@ from federation.coordinator.policy.priority import parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.retention import Retention
-from federation.coordinator.scheduler import Scheduler
 from federation.coordinator.scheduling.config import SchedulerConfig
+from federation.coordinator.scheduling.cycle import Scheduler
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.security.certificates import Certificates
 from federation.coordinator.security.expiry import Expiries

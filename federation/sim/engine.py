@@ -37,13 +37,13 @@ from federation.common import job_state
 from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.policy.preemption import (
     Candidate,
-    choose_victims,
     free_room,
     may_stop,
     ready_s,
 )
 from federation.coordinator.policy.resources import demand
 from federation.coordinator.scheduling.config import SchedulerConfig
+from federation.coordinator.scheduling.preemption import plan_preemption
 from federation.coordinator.scheduling.rounds import offer_rounds
 from federation.coordinator.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
@@ -694,7 +694,7 @@ class Simulation:
     def _cycle(self, _: int) -> None:
         """Waiting tasks in the coordinator's line (``Sharing.order``), each through its
         queues' quotas, then placement, then preemption when it fits nowhere for want of room
-        (as ``Scheduler._consider``). Only tasks that arrived or came due are tried unless room
+        (as ``Considering.task``). Only tasks that arrived or came due are tried unless room
         or quota freed: for the others nothing changed since the last cycle."""
         assert self.shares is not None
         shares = self.shares
@@ -721,10 +721,11 @@ class Simulation:
 
     def _preempt_for(self, i: int) -> bool:
         """Stop tasks to make room for waiting task ``i`` at a site only short of room, as
-        ``Scheduler._preempt_for``: when it may preempt (tasks of lower priority), or when its
+        ``Preemption.preempt_for``: when it may preempt (tasks of lower priority), or when its
         queue is owed its nominal quota (tasks of the queues that borrow it,
-        ``Sharing.lenders``); victims by ``choose_victims``. Once while it waits (room is
-        summed per site, not fitted per node). True when it stopped some."""
+        ``Sharing.lenders``); victims by ``plan_preemption``, the coordinator's own. Once
+        while it waits (room is summed per site, not fitted per node). True when it stopped
+        some."""
         assert self.shares is not None
         shares = self.shares
         urgent = shares.may_preempt(i)
@@ -737,8 +738,8 @@ class Simulation:
         need, room = shares.demand(i), free_room(self.snap, short)
 
         def choose(found: list[Candidate]) -> list[Candidate] | None:
-            choice = choose_victims(need, room, found)
-            return choice[1] if choice is not None else None
+            plan = plan_preemption(need, room, lambda: found)
+            return plan.victims if plan is not None else None
 
         return self._stop_for(i, sorted(short), lenders, choose)
 
@@ -750,7 +751,7 @@ class Simulation:
 
     def _reclaim_for(self, i: int) -> bool:
         """Stop tasks of the queues that borrow what waiting task ``i``'s queue is owed within
-        its nominal quota, as ``Scheduler._reclaim_for``: victims by ``choose_victims`` with
+        its nominal quota, as ``Preemption.reclaim_for``: victims by ``plan_preemption`` with
         the queues' debts, so that it fits at a site and the debts are paid; once while it
         waits. True when it stopped some."""
         assert self.shares is not None
@@ -765,8 +766,8 @@ class Simulation:
         need, room = shares.demand(i), free_room(self.snap, short | ranked)
 
         def choose(found: list[Candidate]) -> list[Candidate] | None:
-            choice = choose_victims(need, room, found, debts)
-            return choice[1] if choice is not None else None
+            plan = plan_preemption(need, room, lambda: found, debts=debts)
+            return plan.victims if plan is not None else None
 
         return self._stop_for(i, self.snap.site_ids, lenders, choose)
 
@@ -806,7 +807,7 @@ class Simulation:
         """Task ``j`` as a victim for waiting task ``i``, and from when: if it is of a
         preemptible class, and of a queue in ``lenders`` (from when it has run
         ``reclaim_min_run_s``) or else of lower priority (``preemption_min_run_s``), as
-        ``Scheduler._preemption_candidates``."""
+        ``Preemption._candidates``."""
         assert self.shares is not None
         shares = self.shares
         run = self.runs[j]

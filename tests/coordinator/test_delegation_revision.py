@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.scheduler import _mark_delegated
+from federation.coordinator.scheduling.delegation import mark_delegated
 
 
 def pending_job(revision: int) -> jobs_pb2.Job:
@@ -17,12 +17,12 @@ def pending_job(revision: int) -> jobs_pb2.Job:
 
 def test_an_offer_of_an_older_revision_is_not_delegated() -> None:
     job = pending_job(revision=1)
-    assert _mark_delegated("web", "edge-a", 1, 0, "r-1", None)(job) == []
+    assert mark_delegated("web", "edge-a", 1, 0, "r-1", None)(job) == []
     assert (job.tasks[0].state, job.tasks[0].site) == (job_state.PENDING, "")
 
 
 def test_an_offer_of_the_current_revision_is_delegated() -> None:
     job = pending_job(revision=1)
-    [change] = _mark_delegated("web", "edge-a", 1, 1, "r-1", None)(job)
+    [change] = mark_delegated("web", "edge-a", 1, 1, "r-1", None)(job)
     assert change.state == job_state.DELEGATED
     assert (job.tasks[0].site, job.tasks[0].reservation_id) == ("edge-a", "r-1")

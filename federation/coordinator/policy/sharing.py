@@ -127,7 +127,7 @@ class Sharing:
         """When the job's queue (and every queue above it) is within its nominal quota of all
         it needs, the queues beside them that borrow some of those resources, with the queues
         under those: their tasks may be stopped to give the room back. Empty otherwise.
-        ``claimed``: what queues hold beyond their placed tasks (``Scheduler._claimed``)."""
+        ``claimed``: what queues hold beyond their placed tasks (``Preemption.with_claims``)."""
         held = functools.partial(self.held, tentative=claimed)
         if not within_nominal(job.spec.queue, need, self.book.queues, held):
             return set()  # it would borrow itself: nothing to reclaim

@@ -135,3 +135,26 @@ def commit_estimate(n: Negotiation, site: str, run_s: float, model: str = "") ->
     if placed.device_speed > 0:
         committed.device_speed = placed.device_speed / ratio
     n.estimates[site] = committed
+
+
+def whole_gangs(chosen: list[Negotiation]) -> list[Negotiation]:
+    """The gangs whose last part ``chosen`` gave a site: every part of each, to commit
+    together (each marked, so that no other decision commits it again)."""
+    out: list[Negotiation] = []
+    for n in chosen:
+        gang = n.gang
+        if gang is None or n.committing:
+            continue
+        if all(m.chosen is not None and not m.settled and not m.over for m in gang):
+            for m in gang:
+                m.committing = True
+            out.extend(gang)
+    return out
+
+
+def devices_of(spec: jobs_pb2.TaskSpec) -> float:
+    """Device-equivalents a task holds: per replica its whole devices, its share of one, or
+    one partition slot."""
+    acc = spec.resources.accelerator
+    each = acc.count or acc.fraction or (1.0 if acc.partition else 0.0)
+    return float(each) * max(1, spec.replicas)
