@@ -118,7 +118,15 @@ async def measure(replicas: int) -> dict[str, float | None]:
         bare = bare_rss_mib()
         site = cpu_site("bench-agent", stop_tasks_on_exit=True)
         fed = LocalFederation(Path(root) / "fed", [site], agent_python=str(python))
-        await fed.start()
+        # The agent runs as `python -m edge_agent` in this process's folder, which goes first
+        # on its sys.path: started from the source tree it would run the tree's modules, not
+        # the installed wheel's.
+        here = os.getcwd()
+        os.chdir(root)
+        try:
+            await fed.start()
+        finally:
+            os.chdir(here)
         try:
             agent = fed.processes["bench-agent"].pid
             await asyncio.sleep(2)  # a few heartbeats: the agent settles after its hello
