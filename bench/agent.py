@@ -7,7 +7,8 @@ the source tree. Baselines in the same run: a bare ``python -I -c pass`` (start-
 of the interpreter alone) and the empty environment. A real coordinator (from this
 environment) and one agent (from the agent-only one) run on loopback; the agent is measured
 once connected and idle, then while it runs N replicas that sleep (their supervisors' memory,
-apart from the replicas' own).
+apart from the replicas' own: resident, and private, which leaves out the pages every
+supervisor shares with the agent and the others).
 
     python bench/agent.py [--replicas 4] [--json]
 """
@@ -82,13 +83,30 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
+def private_mib(pid: int) -> float:
+    """What ``pid`` alone holds (its private pages, USS): the memory it frees by exiting.
+    Pages it shares with the agent and the other supervisors (the interpreter's library,
+    libc) count once for them all, not once per replica as in its resident set."""
+    private = 0
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith(("Private_Clean:", "Private_Dirty:")):
+            private += int(line.split()[1])
+    return private / 1024
+
+
+def children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
 def supervisors(agent_pid: int) -> list[int]:
-    """The agent's replica supervisors: its children running supervisor.py."""
+    """The agent's replica supervisors that have started their replica: its children
+    running supervisor.py, each with a child of its own (one still importing, or not yet
+    watching its replica, would be measured short)."""
     out = []
-    for child in Path(f"/proc/{agent_pid}/task/{agent_pid}/children").read_text().split():
+    for child in children(agent_pid):
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"supervisor.py" in cmdline:
-            out.append(int(child))
+        if b"supervisor.py" in cmdline and children(child):
+            out.append(child)
     return out
 
 
@@ -100,7 +118,15 @@ async def measure(replicas: int) -> dict[str, float | None]:
         bare = bare_rss_mib()
         site = cpu_site("bench-agent", stop_tasks_on_exit=True)
         fed = LocalFederation(Path(root) / "fed", [site], agent_python=str(python))
-        await fed.start()
+        # The agent runs as `python -m edge_agent` in this process's folder, which goes first
+        # on its sys.path: started from the source tree it would run the tree's modules, not
+        # the installed wheel's.
+        here = os.getcwd()
+        os.chdir(root)
+        try:
+            await fed.start()
+        finally:
+            os.chdir(here)
         try:
             agent = fed.processes["bench-agent"].pid
             await asyncio.sleep(2)  # a few heartbeats: the agent settles after its hello
@@ -119,7 +145,10 @@ async def measure(replicas: int) -> dict[str, float | None]:
                     await asyncio.sleep(0.1)
                 else:
                     raise RuntimeError("the replicas did not start")
-                per_replica = statistics.median(rss_mib(pid) for pid in supervisors(agent))
+                await asyncio.sleep(1)  # each supervisor in its loop, the replica's output read
+                watching = supervisors(agent)
+                per_replica = statistics.median(rss_mib(pid) for pid in watching)
+                per_replica_private = statistics.median(private_mib(pid) for pid in watching)
                 await client.cancel(job.id)
         finally:
             fed.stop()
@@ -129,6 +158,7 @@ async def measure(replicas: int) -> dict[str, float | None]:
         "idle_rss_mib": idle,
         "bare_python_rss_mib": bare,
         "per_replica_rss_mib": per_replica,
+        "per_replica_private_mib": per_replica_private,
         "install_mb": installed,
         "empty_venv_mb": empty,
     }
@@ -151,6 +181,7 @@ def main() -> None:
         f"{result['bare_python_rss_mib']:>12.1f}"
     )
     print(f"{'per replica RSS MiB':<22} {result['per_replica_rss_mib']:>9.1f} {'':>12}")
+    print(f"{'per replica own MiB':<22} {result['per_replica_private_mib']:>9.1f} {'':>12}")
     installed, empty = result["install_mb"], result["empty_venv_mb"]
     shown = f"{installed:>9.1f}" if installed is not None else f"{'n/a':>9}"
     print(f"{'install MB':<22} {shown} {empty or 0:>12.1f}  (beside: an empty venv)")

@@ -32,7 +32,10 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # typing is a module the supervisor, one per replica, does without at run time
+    from typing import Any
 
 TAIL_BYTES = 4096
 LOG_LINE_BYTES = 16 * 1024

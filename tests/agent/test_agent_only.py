@@ -1,15 +1,17 @@
 """The agent runs on the base install alone: it imports nothing of the coordinator extra
-(numpy, CEL, aetcd, rich, gRPC health and reflection), and without CEL it declines a task
-with a device selector, saying what to install."""
+(numpy, CEL, aetcd, rich, gRPC health and reflection) nor what only a feature it is not
+configured for needs, a replica's supervisor imports next to nothing, and without CEL the
+agent declines a task with a device selector, saying what to install."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from federation.agent import packing
+from federation.agent import packing, supervisor
 from federation.api.v1 import jobs_pb2
 from federation.programs import COORDINATOR_EXTRA
 
@@ -32,6 +34,62 @@ def test_the_agent_imports_nothing_of_the_coordinator_extra() -> None:
     done = subprocess.run([sys.executable, "-c", BLOCKED], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "imported"
+
+
+LOADED = """
+import sys
+import edge_agent.__main__, datacenter_agent.__main__
+import federation.agent.main, federation.agent.embedded_core
+print("\\n".join(sorted(sys.modules)))
+"""
+
+NOT_ON_THE_AGENTS_PATH = (
+    "numpy",
+    "cel",
+    "aetcd",
+    "pynvml",  # with the first NVIDIA scan, on a host whose driver library loads
+    "obstore",  # with a site's object store
+    "opentelemetry",  # with otlp_endpoint
+    "federation.coordinator",
+    "federation.store",
+    "federation.sim",
+    "federation.cli",
+)
+PLACEMENT_THE_AGENT_READS = {
+    "federation.placement",
+    "federation.placement.compat",
+    "federation.placement.devices",
+    "federation.placement.selector_cost",
+}
+
+
+def test_the_agent_loads_nothing_it_does_not_run() -> None:
+    """Imported here, where the coordinator extra is installed, the agents' modules load
+    neither it (numpy, CEL) nor what only a configured feature needs (NVML's bindings, the S3
+    client, tracing), nor a module of the coordinator, nor placement beyond the packers'."""
+    done = subprocess.run([sys.executable, "-c", LOADED], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = done.stdout.split()
+    assert "federation.agent.main" in loaded
+    assert [
+        m for m in loaded if any(m == p or m.startswith(p + ".") for p in NOT_ON_THE_AGENTS_PATH)
+    ] == []
+    placement = {m for m in loaded if m.startswith("federation.placement")}
+    assert placement <= PLACEMENT_THE_AGENT_READS
+
+
+def test_a_replicas_supervisor_imports_little() -> None:
+    """The supervisor, one per replica, runs as ``python -I -S``: the standard library alone,
+    and not even typing (its memory is paid once per replica)."""
+    code = (
+        f"import sys; sys.path.insert(0, {str(Path(supervisor.__file__).parent)!r}); "
+        "import supervisor; print('\\n'.join(sorted(sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    loaded = done.stdout.split()
+    assert "supervisor" in loaded
+    assert [m for m in loaded if m.split(".")[0] in {"typing", "federation", "asyncio"}] == []
 
 
 def test_without_cel_a_selector_is_declined_naming_the_extra(

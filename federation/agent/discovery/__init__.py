@@ -8,9 +8,10 @@ simulated on a laptop. Both yield plain ``Node`` protos.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from federation.agent.discovery.host import device_kind_name, discover_host_node
 from federation.agent.discovery.models import canonical_model
-from federation.agent.discovery.nvidia import discover_nvidia_gpus
 from federation.agent.inventory import (
     KIND_NAMES,
     VENDORS,
@@ -18,6 +19,9 @@ from federation.agent.inventory import (
     check_node_names,
     load_inventory,
 )
+
+if TYPE_CHECKING:
+    from federation.agent.discovery.nvidia import discover_nvidia_gpus
 
 __all__ = [
     "KIND_NAMES",
@@ -30,3 +34,12 @@ __all__ = [
     "discover_nvidia_gpus",
     "load_inventory",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # NVML's bindings load with the first NVIDIA scan, not with the agent.
+    if name == "discover_nvidia_gpus":
+        from federation.agent.discovery.nvidia import discover_nvidia_gpus
+
+        return discover_nvidia_gpus
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,7 @@ GPUs from NVML and every other vendor's accelerators from its command line tool.
 
 from __future__ import annotations
 
+import ctypes
 import platform
 import socket
 import time
@@ -11,8 +12,7 @@ from collections.abc import Mapping
 import psutil
 import structlog
 
-from federation.agent.discovery.nvidia import scan_nvidia_gpus
-from federation.agent.discovery.plugin import DEFAULT_TIMEOUT_S
+from federation.agent.discovery.plugin import DEFAULT_TIMEOUT_S, Scan
 from federation.agent.discovery.vendors import scan_vendors
 from federation.api.v1 import resources_pb2
 
@@ -76,7 +76,7 @@ def discover_host_node(
         provenance=resources_pb2.PROVENANCE_DISCOVERED,
     )
     node.measured.CopyFrom(measure_host())
-    nvidia = scan_nvidia_gpus(model_names)
+    nvidia = _scan_nvidia(model_names)
     others = scan_vendors(model_names, tool_timeout_s)
     node.devices.extend(nvidia.devices)
     node.devices.extend(others.devices)
@@ -90,3 +90,20 @@ def discover_host_node(
         node.labels["health_reason"] = "; ".join(problems)[:_MAX_REASON_CHARS]
         log.warning("host_discovery_degraded", problems=problems)
     return node
+
+
+NVML_LIBRARY = "libnvidia-ml.so.1"
+"""NVIDIA's driver library, what NVML's bindings load first."""
+
+
+def _scan_nvidia(model_names: Mapping[str, str] | None) -> Scan:
+    """NVML's scan where NVIDIA's driver library loads. Where it does not there is no NVIDIA
+    GPU to find (NVML itself would say so: library not found), and its bindings (pynvml,
+    2 to 3 MiB of ctypes declarations) are not loaded into the agent for nothing."""
+    try:
+        ctypes.CDLL(NVML_LIBRARY)
+    except OSError:
+        return Scan()
+    from federation.agent.discovery.nvidia import scan_nvidia_gpus
+
+    return scan_nvidia_gpus(model_names)
