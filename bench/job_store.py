@@ -34,9 +34,9 @@ from typing import Any
 
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.common import job_state
-from federation.coordinator import job_index
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import (
+from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.repository import (
     JOBS,
     JobRepository,
     ListFilter,

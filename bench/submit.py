@@ -47,8 +47,8 @@ from federation.api.v1 import (
     resources_pb2,
 )
 from federation.common import job_state
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import Change, JobRepository, new_job_id, transition
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.repository import Change, JobRepository, new_job_id, transition
 from federation.local import LocalFederation
 from federation.logging import configure_logging
 from federation.store import SqliteStore

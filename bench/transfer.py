@@ -41,7 +41,7 @@ import structlog
 from federation.agent.object_store import ObjectStoreSettings, SiteStore, Transfer, download
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.common.job_state import is_terminal
-from federation.coordinator.transfers import TransferLinks
+from federation.coordinator.data.transfers import TransferLinks
 from federation.jobspec import job_spec_from_dict
 from federation.local import LocalFederation, SiteSpec
 from federation.placement.snapshot import UNKNOWN_BANDWIDTH_MBPS

@@ -28,7 +28,7 @@ import grpc
 from federation.agent.config import AgentConfig
 from federation.agent.enroll import ensure_enrolled
 from federation.api.v1 import resources_pb2, site_link_service_pb2, site_link_service_pb2_grpc
-from federation.coordinator.live_view import LiveView
+from federation.coordinator.sites.live_view import LiveView
 from federation.envelopes import envelopes
 from federation.local import LocalFederation
 from federation.placement.snapshot import SiteInput, build_snapshot

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.waits import MAX_AHEAD, Holding, Waiter, sooner_by_waiting
+from federation.coordinator.scheduling.waits import MAX_AHEAD, Holding, Waiter, sooner_by_waiting
 from federation.placement.estimates import estimate
 from federation.placement.registry import build_framework
 from federation.placement.request import Request

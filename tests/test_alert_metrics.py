@@ -10,7 +10,7 @@ from grpc_health.v1.health import aio as health_aio
 from prometheus_client import REGISTRY
 
 from federation.api.v1 import queues_pb2
-from federation.coordinator.leadership import Leadership
+from federation.coordinator.ha.leadership import Leadership
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import QueueUsage

@@ -19,7 +19,7 @@ from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
 from federation.cli.connection import Connection
 from federation.cli.output import output_of, show
 from federation.cli.render import division_line, format_duration, text
-from federation.coordinator import spread
+from federation.coordinator.jobs import spread
 from federation.jobspec import state_name
 
 

@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2, resources_pb2
-from federation.coordinator import retries, spread
+from federation.coordinator.jobs import retries, spread
 from federation.jobspec import domain_name, kind_name, state_name
 
 

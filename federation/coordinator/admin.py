@@ -12,13 +12,13 @@ from google.protobuf import text_format
 from federation import __version__
 from federation.api.v1 import admin_service_pb2, queues_pb2
 from federation.coordinator import audit
-from federation.coordinator.drains import with_progress
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.lost_sites import LostSites
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.security.expiry import Expiries
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.sites.drains import with_progress
+from federation.coordinator.sites.lost import LostSites
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.security.identity import NAME_PATTERN, Identity, Role
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from federation.config import ConfigError, address, at_least, one_of, positive, url, within
 from federation.coordinator.policy.priority import parse_priority_classes
-from federation.coordinator.waits import WAIT_GAIN
+from federation.coordinator.scheduling.waits import WAIT_GAIN
 from federation.placement.registry import DEFAULT_FILTERS, DEFAULT_SCORERS
 from federation.store.etcd import DEFAULT_PREFIX
 

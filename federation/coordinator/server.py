@@ -40,10 +40,10 @@ from federation.api.v1 import (
 )
 from federation.common.probe import ProbeServer
 from federation.coordinator.config import STORE_FILE, CoordinatorConfig
-from federation.coordinator.fencing import FencedStore
+from federation.coordinator.ha.fencing import FencedStore
+from federation.coordinator.ha.leader import CoordinatorInfo, LeaderElection
+from federation.coordinator.ha.leadership import Leadership
 from federation.coordinator.layout import check_layout
-from federation.coordinator.leader import CoordinatorInfo, LeaderElection
-from federation.coordinator.leadership import Leadership
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.servicers import (
     CONNECT_METHOD,

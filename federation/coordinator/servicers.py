@@ -56,12 +56,12 @@ from federation.api.v1 import (
     store_service_pb2_grpc as store_grpc,
 )
 from federation.coordinator import audit
-from federation.coordinator.backup import backup_chunks
-from federation.coordinator.capacity import capacity_rows
-from federation.coordinator.redaction import for_reader, redact_for_reader
+from federation.coordinator.ha.backup import backup_chunks
+from federation.coordinator.jobs.redaction import for_reader, redact_for_reader
+from federation.coordinator.jobs.serving import Serving
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.services import Services
-from federation.coordinator.serving import Serving
+from federation.coordinator.sites.capacity import capacity_rows
 from federation.security.identity import Role
 from federation.security.interceptors import current_caller
 from federation.security.pki import fingerprint

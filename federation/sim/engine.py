@@ -34,7 +34,6 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.common import job_state
-from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.policy.preemption import (
     Candidate,
     free_room,
@@ -43,9 +42,10 @@ from federation.coordinator.policy.preemption import (
 )
 from federation.coordinator.policy.resources import demand
 from federation.coordinator.scheduling.config import SchedulerConfig
+from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.preemption import plan_preemption
 from federation.coordinator.scheduling.rounds import offer_rounds
-from federation.coordinator.waits import OVERRUN_LEFT
+from federation.coordinator.scheduling.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework
 from federation.placement.request import Request

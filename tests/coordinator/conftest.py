@@ -9,8 +9,8 @@ import pytest
 import pytest_asyncio
 from store.etcd_server import LocalEtcd, etcd_binary
 
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import JobRepository
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.repository import JobRepository
 from federation.store import SqliteStore
 
 

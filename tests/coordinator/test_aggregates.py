@@ -10,7 +10,7 @@ from prometheus_client import REGISTRY
 
 from federation.api.v1 import admin_service_pb2, resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.errors import FailedPreconditionError
 from federation.metrics import AGGREGATES
 from federation.store import SqliteStore

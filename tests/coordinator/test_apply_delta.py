@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from federation.api.v1 import resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.live_view import COMPACT_SHARE, LiveView, hardware_came, plan_deltas
+from federation.coordinator.sites.live_view import (
+    COMPACT_SHARE,
+    LiveView,
+    hardware_came,
+    plan_deltas,
+)
 
 GPU = resources_pb2.DEVICE_KIND_GPU
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.autoscaler import wanted_replicas
+from federation.coordinator.jobs.autoscaler import wanted_replicas
 
 SCALE = jobs_pb2.Autoscale(min_replicas=1, max_replicas=5, target_load=2.0, load_path="/load")
 

@@ -12,7 +12,7 @@ from store.etcd_server import LocalEtcd
 
 from federation.api.v1 import audit_service_pb2
 from federation.coordinator import audit
-from federation.coordinator.backup import CHUNK_BYTES, backup_chunks
+from federation.coordinator.ha.backup import CHUNK_BYTES, backup_chunks
 from federation.errors import FailedPreconditionError
 from federation.store import Put, SqliteStore
 from federation.store.backup_file import inspect

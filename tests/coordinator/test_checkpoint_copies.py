@@ -4,7 +4,7 @@ to its new site soonest over the links placement reads."""
 from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.staged_inputs import nearest_first
+from federation.coordinator.data.staged_inputs import nearest_first
 from federation.placement.snapshot import SiteInput, build_snapshot
 
 GIB = 1 << 30

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
+from federation.coordinator.jobs.validation import spec_violations
 from federation.coordinator.scheduling.config import CHECKPOINT
 from federation.coordinator.scheduling.task_requests import request_for
-from federation.coordinator.validation import spec_violations
 from federation.jobspec import JobSpecFileError, job_spec_from_dict
 from federation.placement.request import Input
 

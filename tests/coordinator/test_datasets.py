@@ -4,9 +4,9 @@ gets its holder and size, and placement weighs moving those bytes over the measu
 from __future__ import annotations
 
 from federation.api.v1 import data_service_pb2, jobs_pb2, resources_pb2
-from federation.coordinator.datasets import DatasetBook, dataset_key
+from federation.coordinator.data.datasets import DatasetBook, dataset_key
 from federation.coordinator.scheduling.task_requests import request_for
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.placement.registry import build_framework
 from federation.placement.snapshot import SiteInput, build_snapshot
 from federation.store import Put, SqliteStore

@@ -7,7 +7,7 @@ from google.protobuf import timestamp_pb2
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.disconnect import (
+from federation.coordinator.sites.disconnect import (
     BEST,
     KEEP_ORIGINAL,
     KEEP_REPLACEMENT,

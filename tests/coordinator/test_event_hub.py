@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.events import EventHub, WatchOverflowError
+from federation.coordinator.jobs.events import EventHub, WatchOverflowError
 from federation.errors import UnavailableError
 
 

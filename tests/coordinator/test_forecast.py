@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from federation.coordinator.forecast import ARRIVALS_TAU_S, SiteHistory
-from federation.coordinator.waits import Holding
+from federation.coordinator.scheduling.forecast import ARRIVALS_TAU_S, SiteHistory
+from federation.coordinator.scheduling.waits import Holding
 
 NOW = 1_000_000.0
 

@@ -4,7 +4,7 @@ base) and when a gang must be stopped to start again together."""
 from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.gangs import broken, host_of, rendezvous
+from federation.coordinator.jobs.gangs import broken, host_of, rendezvous
 
 RUNNING, PENDING = jobs_pb2.JOB_STATE_RUNNING, jobs_pb2.JOB_STATE_PENDING
 

@@ -10,9 +10,9 @@ import pytest
 from federation.api.v1 import job_service_pb2, jobs_pb2, records_pb2
 from federation.common import job_state
 from federation.common.job_state import IllegalTransitionError
-from federation.coordinator import jobs
-from federation.coordinator.events import EventHub, Subscription
-from federation.coordinator.jobs import (
+from federation.coordinator.jobs import repository as jobs
+from federation.coordinator.jobs.events import EventHub, Subscription
+from federation.coordinator.jobs.repository import (
     Change,
     JobRepository,
     Mutation,

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.validation import spec_violations
+from federation.coordinator.jobs.validation import spec_violations
 from federation.jobspec import (
     JobSpecFileError,
     domain_name,

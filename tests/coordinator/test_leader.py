@@ -14,8 +14,8 @@ import pytest
 import pytest_asyncio
 from store.etcd_server import LocalEtcd
 
-from federation.coordinator.fencing import FencedStore
-from federation.coordinator.leader import LEADER_KEY, CoordinatorInfo, LeaderElection
+from federation.coordinator.ha.fencing import FencedStore
+from federation.coordinator.ha.leader import LEADER_KEY, CoordinatorInfo, LeaderElection
 from federation.errors import NotLeaderError
 from federation.store import Put, SqliteStore, Store
 from federation.store.etcd import EtcdStore

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from federation.coordinator.learning import MIN_TASKS, SpeedLearner
+from federation.coordinator.scheduling.learning import MIN_TASKS, SpeedLearner
 
 
 def test_the_table_stands_until_a_few_tasks_agree() -> None:

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 
-from federation.coordinator.fencing import FencedStore
-from federation.coordinator.leader import LEADER_KEY
-from federation.coordinator.learning import (
+from federation.coordinator.ha.fencing import FencedStore
+from federation.coordinator.ha.leader import LEADER_KEY
+from federation.coordinator.scheduling.learning import (
     MAX_PUTS_PER_COMMIT,
     MIN_TASKS,
     PREFIX,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.outputs import in_job_folder, source_of
-from federation.coordinator.validation import spec_violations
+from federation.coordinator.data.outputs import in_job_folder, source_of
+from federation.coordinator.jobs.validation import spec_violations
 
 
 def pipeline(**use: object) -> jobs_pb2.JobSpec:

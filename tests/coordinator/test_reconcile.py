@@ -12,11 +12,17 @@ from structlog.testing import capture_logs
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.events import EventHub
-from federation.coordinator.job_manager import MAX_OUTPUT_TAIL, MAX_REPORT_REASON, JobManager
-from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task, transition
-from federation.coordinator.lost_sites import Move, move_off
-from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.manager import MAX_OUTPUT_TAIL, MAX_REPORT_REASON, JobManager
+from federation.coordinator.jobs.repository import (
+    Change,
+    JobRepository,
+    Mutation,
+    find_task,
+    transition,
+)
+from federation.coordinator.sites.lost import Move, move_off
+from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.store import SqliteStore
 
 RUN, OK, CAN = job_state.RUNNING, job_state.SUCCEEDED, job_state.CANCELLED

@@ -13,11 +13,12 @@ from pathlib import Path
 from coordinator.test_job_repository import move, new_job
 from federation.api.v1 import audit_service_pb2, job_service_pb2, jobs_pb2
 from federation.common import job_state
-from federation.coordinator import audit, job_index
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import JOBS, JobRepository, ListFilter, read_record
-from federation.coordinator.redaction import REDACTED
-from federation.coordinator.retention import Retention, archive_path, read_archive
+from federation.coordinator import audit
+from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.redaction import REDACTED
+from federation.coordinator.jobs.repository import JOBS, JobRepository, ListFilter, read_record
+from federation.coordinator.jobs.retention import Retention, archive_path, read_archive
 from federation.errors import JobNotFoundError
 from federation.store import SqliteStore, Store
 

@@ -9,8 +9,8 @@ import pytest
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator import retries
-from federation.coordinator.jobs import Change, find_task
+from federation.coordinator.jobs import retries
+from federation.coordinator.jobs.repository import Change, find_task
 
 from .test_reconcile import CAN, Federation, _run_at, bodies, fed, report
 

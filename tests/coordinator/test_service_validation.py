@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.validation import spec_violations
+from federation.coordinator.jobs.validation import spec_violations
 
 Mutation = Callable[[jobs_pb2.TaskSpec], object]
 

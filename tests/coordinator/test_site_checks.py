@@ -17,8 +17,7 @@ from federation.agent.links import declared_links
 from federation.agent.runtime import AgentRuntime
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.live_view import LiveView, plan_deltas
-from federation.coordinator.site_checks import (
+from federation.coordinator.sites.checks import (
     MAX_ENVELOPE_MESSAGES,
     MAX_HELLO_TASKS,
     MAX_VIEW_NODES,
@@ -26,7 +25,8 @@ from federation.coordinator.site_checks import (
     peer_address,
     probe_endpoint_problem,
 )
-from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.coordinator.sites.live_view import LiveView, plan_deltas
+from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.errors import InvalidArgumentError
 from federation.placement.selector_cost import MAX_ATTRIBUTE_CHARS, MAX_DEVICE_ATTRIBUTES
 from federation.security.interceptors import MAX_VIOLATIONS

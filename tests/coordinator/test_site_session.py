@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.sites import SessionClosedError, SiteSession
+from federation.coordinator.sites.registry import SessionClosedError, SiteSession
 
 Reply = pb.AgentMessage | SessionClosedError | TimeoutError
 

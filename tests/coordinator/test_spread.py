@@ -6,7 +6,7 @@ import pytest
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.spread import (
+from federation.coordinator.jobs.spread import (
     divide,
     division,
     part_number,
@@ -15,7 +15,7 @@ from federation.coordinator.spread import (
     static_division,
     within_skew,
 )
-from federation.coordinator.validation import spec_violations
+from federation.coordinator.jobs.validation import spec_violations
 from federation.jobspec import job_spec_from_dict
 
 

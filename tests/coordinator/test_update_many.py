@@ -6,8 +6,8 @@ from collections import Counter
 
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.common import job_state
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import (
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.repository import (
     JOBS,
     MAX_OPS_PER_COMMIT,
     Change,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.validation import (
+from federation.coordinator.jobs.validation import (
     MAX_CHECKED_TASK_BYTES,
     _valid_task,
     spec_violations,

@@ -19,7 +19,7 @@ import pytest
 from federation.agent.object_store import ObjectStoreSettings, SiteStore
 from federation.agent.task_data import TaskData
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
-from federation.coordinator.checkpoint_copies import in_checkpoint_folder
+from federation.coordinator.data.checkpoint_copies import in_checkpoint_folder
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 

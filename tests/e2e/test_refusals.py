@@ -25,7 +25,7 @@ from federation.api.v1 import (
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
-from federation.coordinator.redaction import REDACTED
+from federation.coordinator.jobs.redaction import REDACTED
 from federation.local import LocalFederation
 from federation.security.identity import Identity, Role
 from federation.security.pki import init_pki, issue_client_files, make_csr

@@ -13,7 +13,7 @@ import pytest
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2
 from federation.api.v1 import site_link_service_pb2 as pb
 from federation.api.v1 import site_link_service_pb2_grpc as link_grpc
-from federation.coordinator.site_checks import MAX_HELLO_TASKS
+from federation.coordinator.sites.checks import MAX_HELLO_TASKS
 from federation.local import LocalFederation
 from federation.security.tls import TlsFiles
 

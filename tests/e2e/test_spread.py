@@ -14,7 +14,7 @@ import pytest
 from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.cli.explain import division as explain_division
 from federation.cli.render import division_line
-from federation.coordinator import spread
+from federation.coordinator.jobs import spread
 from federation.local import LocalFederation
 
 from .conftest import gpu_site, jobs, python_task, running, spec, wait_for_job

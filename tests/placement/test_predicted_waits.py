@@ -8,7 +8,7 @@ import dataclasses
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.waits import (
+from federation.coordinator.scheduling.waits import (
     MAX_AHEAD,
     Holding,
     Waiter,

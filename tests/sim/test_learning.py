@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from federation.coordinator.learning import MIN_TASKS
+from federation.coordinator.scheduling.learning import MIN_TASKS
 from federation.sim.engine import SimConfig
 from federation.sim.fields import InputFileError
 from federation.sim.replay import replay

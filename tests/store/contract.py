@@ -18,10 +18,10 @@ from federation.api.v1 import (
     records_pb2,
 )
 from federation.common import job_state
-from federation.coordinator import audit, job_index
-from federation.coordinator.enrollment import CERTIFICATES
-from federation.coordinator.events import EventHub
-from federation.coordinator.jobs import (
+from federation.coordinator import audit
+from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.repository import (
     JOBS,
     Change,
     JobRepository,
@@ -29,9 +29,10 @@ from federation.coordinator.jobs import (
     read_record,
     transition,
 )
-from federation.coordinator.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
 from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.scheduling.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
 from federation.coordinator.security.certificates import Certificates
+from federation.coordinator.sites.enrollment import CERTIFICATES
 from federation.security.pki import CertificateAuthority
 from federation.security.revocation import RevocationBook, supersession_key
 from federation.store import (

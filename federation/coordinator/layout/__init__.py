@@ -12,7 +12,7 @@ History of the layout:
 
 1. Each job alone under ``/jobs/ID``; each of its events under ``/events/ID/SEQUENCE``.
 2. One ``JobRecord`` per job under ``/jobs/ID``: the job and its newest events.
-3. As 2, with each job's index entries under ``/index/`` (``federation.coordinator.job_index``).
+3. As 2, with each job's index entries under ``/index/`` (``federation.coordinator.jobs.index``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from federation.coordinator.jobs import JOBS, OLD_EVENTS
+from federation.coordinator.jobs.repository import JOBS, OLD_EVENTS
 from federation.store import Delete, Put, Store, StoreError
 
 log = structlog.get_logger()

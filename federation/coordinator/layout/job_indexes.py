@@ -1,4 +1,4 @@
-"""Layout 2 to 3: every stored job gets its index entries (``federation.coordinator.job_index``).
+"""Layout 2 to 3: every stored job gets its index entries (``federation.coordinator.jobs.index``).
 
 Jobs are read in key order, a bounded batch per commit with the last job id as the progress
 mark; a rerun writes again what an interrupted one wrote (empty values, the same keys).
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import structlog
 
-from federation.coordinator import job_index
-from federation.coordinator.jobs import JOBS, read_record
+from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs.repository import JOBS, read_record
 from federation.coordinator.layout import MAX_OPS, Progress
 from federation.store import Op, Store
 

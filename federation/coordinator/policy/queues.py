@@ -9,8 +9,8 @@ from collections.abc import Collection, Mapping, Sequence
 import structlog
 
 from federation.api.v1 import queues_pb2, resources_pb2
+from federation.coordinator.jobs.validation import name_problem
 from federation.coordinator.policy.resources import quota_key, quota_label
-from federation.coordinator.validation import name_problem
 from federation.errors import (
     AlreadyExistsError,
     FailedPreconditionError,

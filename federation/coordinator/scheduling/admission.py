@@ -8,14 +8,14 @@ from collections.abc import Mapping, Sequence
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common import job_state
-from federation.coordinator import spread
-from federation.coordinator.jobs import JobRepository, find_spec
+from federation.coordinator.jobs import spread
+from federation.coordinator.jobs.repository import JobRepository, find_spec
 from federation.coordinator.policy.preemption import free_room
 from federation.coordinator.policy.resources import Demand, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative
 from federation.coordinator.scheduling.config import DEVICE_KINDS
 from federation.coordinator.scheduling.cycle_state import Cycle
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.jobspec import domain_name
 from federation.placement.snapshot import Snapshot
 from federation.resources import add, owner_share_refusal

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from federation.coordinator.waits import WAIT_GAIN
+from federation.coordinator.scheduling.waits import WAIT_GAIN
 from federation.resources import KINDS
 
 NEGOTIATE = "Negotiate"

@@ -13,8 +13,9 @@ from federation import tracing
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.common.keys import DATASET, TaskKey
-from federation.coordinator import retries, spread
-from federation.coordinator.jobs import find_spec
+from federation.coordinator.data.staged_inputs import Registered, holders_away, with_copies
+from federation.coordinator.jobs import retries, spread
+from federation.coordinator.jobs.repository import find_spec
 from federation.coordinator.policy.resources import at
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.stopped_for import HOLD_REASON
@@ -35,8 +36,7 @@ from federation.coordinator.scheduling.preemption import Preemption, room_coming
 from federation.coordinator.scheduling.task_requests import request_for
 from federation.coordinator.scheduling.verdicts import stage_verdicts, waiting_verdict
 from federation.coordinator.scheduling.waiting import Waiting
-from federation.coordinator.sites import SiteRegistry
-from federation.coordinator.staged_inputs import Registered, holders_away, with_copies
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.placement.framework import Code
 from federation.placement.request import Request
 
@@ -294,7 +294,7 @@ class Considering:
         now: float,
         wall: float,
     ) -> tuple[list[Negotiation], Waits]:
-        """An all-or-nothing gang's parts, together (``federation.coordinator.gangs``): a
+        """An all-or-nothing gang's parts, together (``federation.coordinator.jobs.gangs``): a
         negotiation for each once every part is PENDING, none negotiating, and every one has
         sites; else none, and the verdicts they wait with. ``held``: the tasks under
         negotiation; ``now`` and ``wall``: the cycle's monotonic and wall clocks, as its

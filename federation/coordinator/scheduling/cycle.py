@@ -15,11 +15,10 @@ import structlog
 from federation.api.v1 import admin_service_pb2, jobs_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator import retries
-from federation.coordinator.forecast import SiteHistory
-from federation.coordinator.gangs import gangs
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.learning import SpeedLearner
+from federation.coordinator.data.staged_inputs import Registered
+from federation.coordinator.jobs import retries
+from federation.coordinator.jobs.gangs import gangs
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.preemption import TaskAt
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
@@ -31,14 +30,15 @@ from federation.coordinator.scheduling.consider import Considering, Waits
 from federation.coordinator.scheduling.cycle_state import Cycle
 from federation.coordinator.scheduling.delegation import stay_pending
 from federation.coordinator.scheduling.explain import Explainer
+from federation.coordinator.scheduling.forecast import SiteHistory
+from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.line import Line, Rest
 from federation.coordinator.scheduling.negotiation import Negotiator
 from federation.coordinator.scheduling.offers import Negotiation
 from federation.coordinator.scheduling.placing import Placing
 from federation.coordinator.scheduling.preemption import Preemption
 from federation.coordinator.scheduling.waiting import Waiting
-from federation.coordinator.sites import SiteRegistry
-from federation.coordinator.staged_inputs import Registered
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.errors import FederationError
 from federation.metrics import SCHEDULING_JOBS_READ, SCHEDULING_WALK_SECONDS
 from federation.placement.framework import Framework

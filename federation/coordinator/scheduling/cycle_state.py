@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator.policy.sharing import Tentative
-from federation.coordinator.waits import Holding
+from federation.coordinator.scheduling.waits import Holding
 from federation.placement.framework import Code
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot

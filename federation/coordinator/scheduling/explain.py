@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator import retries
+from federation.coordinator.data.staged_inputs import Registered, with_copies
+from federation.coordinator.jobs import retries
 from federation.coordinator.policy.sharing import Sharing, task_demand
 from federation.coordinator.scheduling.config import (
     INPUTS,
@@ -27,9 +28,8 @@ from federation.coordinator.scheduling.task_requests import (
     request_for,
     waiting_on,
 )
-from federation.coordinator.sites import SiteRegistry
-from federation.coordinator.staged_inputs import Registered, with_copies
-from federation.coordinator.waits import Wait
+from federation.coordinator.scheduling.waits import Wait
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.placement.estimates import estimate
 from federation.placement.framework import Rejection
 from federation.placement.plugins.near_region import NearRegion, describe

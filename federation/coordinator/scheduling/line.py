@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator import retries
-from federation.coordinator.jobs import JobRepository
+from federation.coordinator.jobs import retries
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
 from federation.coordinator.scheduling.config import (
     FRONT_OF_LINE,
@@ -23,7 +23,7 @@ from federation.coordinator.scheduling.config import (
     TIMER_PACE,
     SchedulerConfig,
 )
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.sites.registry import SiteRegistry
 
 
 @dataclass(slots=True)

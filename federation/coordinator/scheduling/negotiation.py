@@ -30,13 +30,13 @@ from federation import tracing
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
-from federation.coordinator.checkpoint_copies import restore_input
-from federation.coordinator.gangs import host_of, rendezvous
-from federation.coordinator.jobs import JobRepository, Mutation, find_spec, find_task
-from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.outputs import PROTOCOL as DATA_PROTOCOL
-from federation.coordinator.outputs import staged
+from federation.coordinator.data.checkpoint_copies import PROTOCOL as CKPT_PROTOCOL
+from federation.coordinator.data.checkpoint_copies import restore_input
+from federation.coordinator.data.outputs import PROTOCOL as DATA_PROTOCOL
+from federation.coordinator.data.outputs import staged
+from federation.coordinator.data.staged_inputs import Registered, resolve
+from federation.coordinator.jobs.gangs import host_of, rendezvous
+from federation.coordinator.jobs.repository import JobRepository, Mutation, find_spec, find_task
 from federation.coordinator.scheduling import site_calls
 from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.delegation import (
@@ -48,6 +48,7 @@ from federation.coordinator.scheduling.delegation import (
     trace_commit,
     trace_offer,
 )
+from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.offers import (
     Negotiation,
     by_promise,
@@ -61,8 +62,7 @@ from federation.coordinator.scheduling.rounds import offer_rounds
 from federation.coordinator.scheduling.site_calls import OfferReply
 from federation.coordinator.scheduling.task_requests import copy_estimate
 from federation.coordinator.scheduling.verdicts import refusal
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.staged_inputs import Registered, resolve
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import FederationError
 from federation.metrics import GANG_RESERVATIONS_LET_GO, OFFERS
 
@@ -516,7 +516,7 @@ class Negotiator:
 
     def _rendezvous(self, negotiations: list[Negotiation]) -> dict[TaskKey, tuple[list[str], int]]:
         """Per gang part being committed: every replica's host:port of its gang, and its
-        first rank (``federation.coordinator.gangs.rendezvous``)."""
+        first rank (``federation.coordinator.jobs.gangs.rendezvous``)."""
         out: dict[TaskKey, tuple[list[str], int]] = {}
         for n in negotiations:
             if n.gang is None or n.key in out or (job := self._jobs.cached(n.job_id)) is None:

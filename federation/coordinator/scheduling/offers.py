@@ -48,7 +48,7 @@ class Negotiation:
     touch it again, since a later negotiation may hold the task by then."""
     gang: list[Negotiation] | None = None
     """Its gang's negotiations, itself included, when it is a part of an all-or-nothing
-    gang (``federation.coordinator.gangs``): committed only with all of them."""
+    gang (``federation.coordinator.jobs.gangs``): committed only with all of them."""
     committing: bool = False
     """Its gang is being committed (every part held a reservation)."""
     chosen_at: float = 0.0

@@ -11,11 +11,11 @@ from typing import Any
 import structlog
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.learning import SpeedLearner
 from federation.coordinator.scheduling.config import MAX_REMEMBERED_PLACEMENTS
 from federation.coordinator.scheduling.cycle_state import UNFIT, Placement
+from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.task_requests import estimate_proto
-from federation.coordinator.waits import predictable
+from federation.coordinator.scheduling.waits import predictable
 from federation.placement.estimates import estimate
 from federation.placement.framework import Framework
 from federation.placement.request import Request

@@ -16,8 +16,8 @@ import structlog
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator import spread
-from federation.coordinator.jobs import Change, JobRepository, Mutation, find_task
+from federation.coordinator.jobs import spread
+from federation.coordinator.jobs.repository import Change, JobRepository, Mutation, find_task
 from federation.coordinator.policy.preemption import (
     Candidate,
     TaskAt,
@@ -35,7 +35,7 @@ from federation.coordinator.policy.usage import placed
 from federation.coordinator.scheduling.admission import Admission
 from federation.coordinator.scheduling.config import PREEMPT, RECLAIMED, SchedulerConfig
 from federation.coordinator.scheduling.cycle_state import Cycle
-from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry, cancel_request
 from federation.errors import FederationError
 from federation.metrics import PREEMPTIONS
 from federation.placement.framework import Code

@@ -8,7 +8,7 @@ from typing import TypeAlias
 import structlog
 
 from federation.api.v1 import site_link_service_pb2
-from federation.coordinator.sites import SessionClosedError, SiteSession
+from federation.coordinator.sites.registry import SessionClosedError, SiteSession
 from federation.errors import UnavailableError
 
 log = structlog.get_logger()

@@ -8,11 +8,11 @@ from typing import Any
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs import find_spec
-from federation.coordinator.outputs import source_of
+from federation.coordinator.data.outputs import source_of
+from federation.coordinator.jobs.repository import find_spec
+from federation.coordinator.jobs.validation import TASK_OUTPUT
 from federation.coordinator.scheduling.config import CHECKPOINT
-from federation.coordinator.validation import TASK_OUTPUT
-from federation.coordinator.waits import Wait
+from federation.coordinator.scheduling.waits import Wait
 from federation.placement.estimates import Estimates
 from federation.placement.request import Input, Request
 

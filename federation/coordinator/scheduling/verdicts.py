@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator.scheduling.config import NEGOTIATE, QUOTA, WAIT
-from federation.coordinator.waits import Wait
+from federation.coordinator.scheduling.waits import Wait
 
 
 def refusal(site: str, reason: str) -> jobs_pb2.SiteVerdict:

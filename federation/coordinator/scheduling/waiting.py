@@ -1,5 +1,5 @@
 """Waiting for a busy site: which tasks chose to, what each was promised, and the forecasts
-of when room frees at each site (``federation.coordinator.waits`` does the arithmetic)."""
+of when room frees at each site (``scheduling.waits`` does the arithmetic)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Iterable, Sequence
 
 from federation.api.v1 import admin_service_pb2
 from federation.common.keys import TaskKey
-from federation.coordinator.forecast import SiteHistory
-from federation.coordinator.jobs import JobRepository
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.scheduling.config import WAIT_RECHECK_S, WAIT_SLACK_S
 from federation.coordinator.scheduling.cycle_state import Cycle, Placement
-from federation.coordinator.waits import (
+from federation.coordinator.scheduling.forecast import SiteHistory
+from federation.coordinator.scheduling.waits import (
     Wait,
     Waiter,
     holdings,

@@ -14,7 +14,7 @@ from cryptography import x509
 from google.protobuf import timestamp_pb2
 
 from federation.api.v1 import records_pb2
-from federation.coordinator.enrollment import CERTIFICATES
+from federation.coordinator.sites.enrollment import CERTIFICATES
 from federation.metrics import CERTIFICATE_EXPIRY
 from federation.store import Store
 

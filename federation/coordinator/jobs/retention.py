@@ -27,8 +27,8 @@ from google.protobuf import json_format
 
 from federation.api.v1 import records_pb2
 from federation.coordinator import audit
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.redaction import has_env, redact_env
+from federation.coordinator.jobs.redaction import has_env, redact_env
+from federation.coordinator.jobs.repository import JobRepository
 from federation.durable import sync_dir
 from federation.errors import FederationError
 from federation.store import Store, StoreError

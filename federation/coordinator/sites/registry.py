@@ -15,9 +15,9 @@ import numpy as np
 import structlog
 
 from federation.api.v1 import admin_service_pb2, resources_pb2, site_link_service_pb2
-from federation.coordinator.aggregates import FederationAggregates
-from federation.coordinator.live_view import LiveView, PlannedDelta, hardware_came
-from federation.coordinator.transfers import TransferLinks
+from federation.coordinator.data.transfers import TransferLinks
+from federation.coordinator.sites.aggregates import FederationAggregates
+from federation.coordinator.sites.live_view import LiveView, PlannedDelta, hardware_came
 from federation.errors import (
     FailedPreconditionError,
     FieldViolation,

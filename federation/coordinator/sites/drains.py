@@ -18,9 +18,9 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs import JobRepository
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.preemption import TaskAt
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.sites.registry import SiteRegistry
 
 log = structlog.get_logger()
 

@@ -27,8 +27,8 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.common import job_state
-from federation.coordinator import job_index
-from federation.coordinator.events import EventHub
+from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs.events import EventHub
 from federation.coordinator.policy.resources import Demand
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import (

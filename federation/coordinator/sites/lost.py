@@ -21,8 +21,7 @@ import structlog
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.disconnect import is_due, is_partitioned, policy_of
-from federation.coordinator.jobs import (
+from federation.coordinator.jobs.repository import (
     Change,
     JobRepository,
     Mutation,
@@ -32,7 +31,8 @@ from federation.coordinator.jobs import (
     transition,
     unplace,
 )
-from federation.coordinator.sites import OfflineSite, SiteRegistry
+from federation.coordinator.sites.disconnect import is_due, is_partitioned, policy_of
+from federation.coordinator.sites.registry import OfflineSite, SiteRegistry
 from federation.errors import FederationError
 from federation.metrics import RESCHEDULING_PAUSED, TASKS_MOVED
 

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.validation import TASK_OUTPUT, part_count
+from federation.coordinator.jobs.validation import TASK_OUTPUT, part_count
 
 PART = "/"
 """Between a divided task's name and its part's number; task names may not hold it."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from federation.api.v1 import admin_service_pb2
-from federation.coordinator.waits import Holding
+from federation.coordinator.scheduling.waits import Holding
 
 ARRIVALS_TAU_S = 3600.0
 """Arrivals older than this count 1/e as much: the rate follows the last hours."""

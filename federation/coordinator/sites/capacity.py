@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, resources_pb2
 from federation.common import job_state
-from federation.coordinator.job_manager import visible_to
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.sites import SiteRegistry
+from federation.coordinator.jobs.manager import visible_to
+from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.sites.registry import SiteRegistry
 from federation.jobspec import domain_name, kind_name
 from federation.resources import booked_share
 from federation.security.identity import Identity

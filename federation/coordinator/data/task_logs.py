@@ -13,9 +13,9 @@ from collections.abc import AsyncIterator
 
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.job_manager import JobManager
-from federation.coordinator.jobs import JobRepository
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.jobs.manager import JobManager
+from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import (
     FailedPreconditionError,
     FieldViolation,

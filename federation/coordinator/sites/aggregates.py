@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client import Metric
 
 from federation.api.v1 import resources_pb2
-from federation.coordinator.live_view import NodeChange
+from federation.coordinator.sites.live_view import NodeChange
 from federation.jobspec import short_name
 from federation.metrics import (
     AGGREGATE_FAMILIES,

@@ -21,8 +21,8 @@ from __future__ import annotations
 import asyncio
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.staged_inputs import URL_TTL_S, nearest_first, reached
+from federation.coordinator.data.staged_inputs import URL_TTL_S, nearest_first, reached
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 
 PROTOCOL = 5
 """The site-link protocol that carries uploaded checkpoints, PUT URLs and copies."""

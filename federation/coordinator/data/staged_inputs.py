@@ -12,7 +12,7 @@ A key must lie in the job's own folder (``.../TENANT/JOB/TASK/EPOCH/OUTPUT``) be
 asked for, so a job names only objects of its own tenant; the holding site checks the tenant's
 folder again before it signs.
 
-A registered dataset (``dataset:NAME``, ``federation.coordinator.datasets``) is staged the same
+A registered dataset (``dataset:NAME``, ``federation.coordinator.data.datasets``) is staged the same
 way: its holder signs a URL for its key, and the size and digest recorded at registration are
 checked by the downloading site.
 """
@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 
 from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common.keys import DATASET
-from federation.coordinator.outputs import PROTOCOL, in_job_folder, source_of
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
+from federation.coordinator.data.outputs import PROTOCOL, in_job_folder, source_of
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import SiteNotFoundError
 from federation.placement.request import Input, Request
 from federation.placement.snapshot import Snapshot

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from federation.coordinator.leader import LEADER_KEY, CoordinatorInfo
+from federation.coordinator.ha.leader import LEADER_KEY, CoordinatorInfo
 from federation.errors import NotLeaderError
 from federation.store import CasConflictError, Check, KeyValue, Op, Store, WatchEvent
 

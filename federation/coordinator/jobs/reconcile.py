@@ -15,13 +15,7 @@ import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.disconnect import (
-    is_displaced_original,
-    is_newer_checkpoint,
-    original_wins,
-    policy_of,
-)
-from federation.coordinator.jobs import (
+from federation.coordinator.jobs.repository import (
     Change,
     JobRepository,
     Mutation,
@@ -29,7 +23,13 @@ from federation.coordinator.jobs import (
     forget_devices,
     transition,
 )
-from federation.coordinator.sites import cancel_request
+from federation.coordinator.sites.disconnect import (
+    is_displaced_original,
+    is_newer_checkpoint,
+    original_wins,
+    policy_of,
+)
+from federation.coordinator.sites.registry import cancel_request
 
 log = structlog.get_logger()
 

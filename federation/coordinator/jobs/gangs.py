@@ -31,9 +31,9 @@ import structlog
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs import JobRepository
+from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.jobs.spread import part_number, part_of
 from federation.coordinator.policy.preemption import TaskAt
-from federation.coordinator.spread import part_number, part_of
 
 log = structlog.get_logger()
 

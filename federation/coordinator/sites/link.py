@@ -12,11 +12,11 @@ import structlog
 
 from federation import __version__
 from federation.api.v1 import site_link_service_pb2 as pb
-from federation.coordinator.datasets import DatasetBook
-from federation.coordinator.job_manager import JobManager
-from federation.coordinator.live_view import PlannedDelta, plan_deltas
-from federation.coordinator.site_checks import check_envelope
-from federation.coordinator.sites import SiteRegistry, SiteSession
+from federation.coordinator.data.datasets import DatasetBook
+from federation.coordinator.jobs.manager import JobManager
+from federation.coordinator.sites.checks import check_envelope
+from federation.coordinator.sites.live_view import PlannedDelta, plan_deltas
+from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.envelopes import take_queued
 from federation.errors import (
     DeadlineExceededError,

@@ -16,14 +16,14 @@ import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.events import EventHub
-from federation.coordinator.job_manager import JobManager
-from federation.coordinator.jobs import Change, JobRepository, find_spec, find_task
+from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.manager import JobManager
+from federation.coordinator.jobs.repository import Change, JobRepository, find_spec, find_task
+from federation.coordinator.jobs.validation import MAX_REPLICAS, task_violations
 from federation.coordinator.policy.resources import at, demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import placed
-from federation.coordinator.sites import SessionClosedError, SiteRegistry
-from federation.coordinator.validation import MAX_REPLICAS, task_violations
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import (
     ConflictError,
     DeadlineExceededError,
@@ -138,7 +138,7 @@ class Serving:
         return await self._change(caller, job.id, new, what)
 
     async def autoscale(self, job_id: str, task: str, replicas: int, what: str) -> jobs_pb2.Job:
-        """The coordinator's own scale of a service task (``federation.coordinator.autoscaler``),
+        """The coordinator's own scale of a service task (``jobs.autoscaler``),
         with ``what`` as the job's event."""
         job = await self._jobs.get(job_id)
         new = jobs_pb2.TaskSpec()

@@ -16,11 +16,16 @@ from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
-from federation.coordinator import audit, retries, spread, transfers
-from federation.coordinator.checkpoint_copies import copy_checkpoint, copy_object, replicates
-from federation.coordinator.datasets import DatasetBook
-from federation.coordinator.events import WATCH_BATCH, EventHub
-from federation.coordinator.jobs import (
+from federation.coordinator import audit
+from federation.coordinator.data import transfers
+from federation.coordinator.data.checkpoint_copies import copy_checkpoint, copy_object, replicates
+from federation.coordinator.data.datasets import DatasetBook
+from federation.coordinator.data.outputs import names_dataset
+from federation.coordinator.data.staged_inputs import reached
+from federation.coordinator.jobs import retries, spread
+from federation.coordinator.jobs.events import WATCH_BATCH, EventHub
+from federation.coordinator.jobs.reconcile import Reconciler, record_checkpoint
+from federation.coordinator.jobs.repository import (
     MADE_ID,
     MAX_REPLY_BYTES,
     Change,
@@ -35,14 +40,11 @@ from federation.coordinator.jobs import (
     transition,
     unplace,
 )
-from federation.coordinator.learning import SpeedLearner
-from federation.coordinator.outputs import names_dataset
+from federation.coordinator.jobs.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
-from federation.coordinator.reconcile import Reconciler, record_checkpoint
-from federation.coordinator.sites import SessionClosedError, SiteRegistry, cancel_request
-from federation.coordinator.staged_inputs import reached
-from federation.coordinator.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
+from federation.coordinator.scheduling.learning import SpeedLearner
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry, cancel_request
 from federation.errors import (
     FederationError,
     FieldViolation,

@@ -1,6 +1,6 @@
 """Declared outputs and the inputs that read them (``task:NAME.OUTPUT``): names only, no I/O.
 
-See ``federation.coordinator.staged_inputs`` for how they travel between sites.
+See ``federation.coordinator.data.staged_inputs`` for how they travel between sites.
 """
 
 from __future__ import annotations

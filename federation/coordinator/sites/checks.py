@@ -40,8 +40,8 @@ from federation.common.view_limits import (
     MAX_VIEW_LINKS,
     MAX_VIEW_NODES,
 )
-from federation.coordinator.live_view import PlannedDelta
-from federation.coordinator.validation import MAX_DEVICES_PER_REPLICA, MAX_REPLICAS
+from federation.coordinator.jobs.validation import MAX_DEVICES_PER_REPLICA, MAX_REPLICAS
+from federation.coordinator.sites.live_view import PlannedDelta
 from federation.envelopes import MAX_MESSAGES
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.placement.selector_cost import MAX_ATTRIBUTE_CHARS, MAX_DEVICE_ATTRIBUTES

@@ -15,8 +15,8 @@ import structlog
 from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 
-from federation.coordinator.fencing import FencedStore, not_leader
-from federation.coordinator.leader import CoordinatorInfo
+from federation.coordinator.ha.fencing import FencedStore, not_leader
+from federation.coordinator.ha.leader import CoordinatorInfo
 from federation.coordinator.services import Services
 from federation.metrics import COORDINATOR_LEADER
 

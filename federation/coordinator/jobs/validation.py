@@ -9,9 +9,9 @@ from collections.abc import Collection, Iterator, Mapping
 
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common.view_limits import MAX_FIGURE
-from federation.coordinator.disconnect import DEFAULT_LOST_AFTER_S
-from federation.coordinator.outputs import OUTPUT_NAME_RE, names_dataset, source_of
-from federation.coordinator.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
+from federation.coordinator.data.outputs import OUTPUT_NAME_RE, names_dataset, source_of
+from federation.coordinator.data.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
+from federation.coordinator.sites.disconnect import DEFAULT_LOST_AFTER_S
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.images import ImageReferenceError, parse_image
 from federation.placement.compat import validate_requires

@@ -25,7 +25,7 @@ import structlog
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs import Change, JobRepository, find_task
+from federation.coordinator.jobs.repository import Change, JobRepository, find_task
 from federation.errors import FederationError
 
 log = structlog.get_logger()

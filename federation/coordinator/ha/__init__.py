@@ -1,0 +1,1 @@
+"""Several coordinators: leader election, terms, fencing and backups."""
