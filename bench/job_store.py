@@ -36,15 +36,15 @@ from federation.api.v1 import job_service_pb2, jobs_pb2
 from federation.common import job_state
 from federation.coordinator.jobs import index as job_index
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import (
+from federation.coordinator.jobs.listing import ListFilter
+from federation.coordinator.jobs.records import (
     JOBS,
-    JobRepository,
-    ListFilter,
     encoded_events,
     job_key,
     read_record,
     record_value,
 )
+from federation.coordinator.jobs.repository import JobRepository
 from federation.store import Op, Put, SqliteStore, Store
 
 TENANTS = [f"t{i}" for i in range(1, 10)]

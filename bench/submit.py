@@ -48,7 +48,8 @@ from federation.api.v1 import (
 )
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import Change, JobRepository, new_job_id, transition
+from federation.coordinator.jobs.records import Change, new_job_id, transition
+from federation.coordinator.jobs.repository import JobRepository
 from federation.local import LocalFederation
 from federation.logging import configure_logging
 from federation.store import SqliteStore

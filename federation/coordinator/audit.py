@@ -11,7 +11,7 @@ import secrets
 import time
 
 from federation.api.v1 import audit_service_pb2
-from federation.coordinator.jobs.repository import now_timestamp
+from federation.coordinator.jobs.records import now_timestamp
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.store import Delete, Put, Store
 

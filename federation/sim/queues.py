@@ -22,7 +22,7 @@ import numpy.typing as npt
 from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
 from federation.common import job_state
 from federation.config import ConfigError
-from federation.coordinator.jobs.repository import LineKey, line_order
+from federation.coordinator.jobs.records import LineKey, line_order
 from federation.coordinator.policy.fair_share import dominant_share
 from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
 from federation.coordinator.policy.queues import QueueBook, queue_violations

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 import pytest
 
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import MAX_OPS_PER_COMMIT, JobRepository, job_key
+from federation.coordinator.jobs.records import job_key
+from federation.coordinator.jobs.repository import MAX_OPS_PER_COMMIT, JobRepository
 from federation.errors import InvalidArgumentError
 from federation.store import Op, SqliteStore, StoreError
 

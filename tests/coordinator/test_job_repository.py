@@ -10,16 +10,10 @@ import pytest
 from federation.api.v1 import job_service_pb2, jobs_pb2, records_pb2
 from federation.common import job_state
 from federation.common.job_state import IllegalTransitionError
-from federation.coordinator.jobs import repository as jobs
+from federation.coordinator.jobs import records, repository
 from federation.coordinator.jobs.events import EventHub, Subscription
-from federation.coordinator.jobs.repository import (
-    Change,
-    JobRepository,
-    Mutation,
-    job_key,
-    read_record,
-    transition,
-)
+from federation.coordinator.jobs.records import Change, Mutation, job_key, read_record, transition
+from federation.coordinator.jobs.repository import JobRepository
 from federation.errors import InvalidArgumentError, JobNotFoundError
 from federation.store import Put, SqliteStore, StoreError
 
@@ -157,7 +151,7 @@ async def test_record_keeps_the_newest_events(
 ) -> None:
     """A job that moves more often than a record keeps events keeps the newest, in order, and
     a repository that reads the record afresh goes on from them."""
-    monkeypatch.setattr(jobs, "MAX_EVENTS_KEPT", 3)
+    monkeypatch.setattr(records, "MAX_EVENTS_KEPT", 3)
     repo = JobRepository(store, hub)
     await repo.create([new_job("j")])
     for i in range(3):
@@ -440,8 +434,8 @@ def test_a_page_takes_the_job_from_its_record_undecoded() -> None:
     job = new_job("j" * 300)  # a job over 127 bytes: a length of more than one byte
     events = [jobs_pb2.JobEvent(job_id=job.id, sequence=n) for n in range(1, 50)]
     record = records_pb2.JobRecord(job=job, events=events).SerializeToString()
-    assert jobs._job_bytes(record) == job.SerializeToString()
-    assert jobs._job_bytes(records_pb2.JobRecord(events=events).SerializeToString()) == b""
+    assert records.job_bytes(record) == job.SerializeToString()
+    assert records.job_bytes(records_pb2.JobRecord(events=events).SerializeToString()) == b""
 
 
 async def test_a_job_just_finished_is_read_without_the_store(
@@ -451,7 +445,7 @@ async def test_a_job_just_finished_is_read_without_the_store(
     memory, as written; an older one comes from the store."""
     await repo.create([new_job("done"), new_job("old")])
     await repo.update("old", move(("main", DEL, "d"), ("main", RUN, "r"), ("main", OK, "ok")))
-    monkeypatch.setattr(jobs, "FINISHED_KEPT", 1)
+    monkeypatch.setattr(repository, "FINISHED_KEPT", 1)
     await repo.update("done", move(("main", DEL, "d"), ("main", RUN, "r"), ("main", OK, "ok")))
 
     async def no_reads(key: str) -> None:

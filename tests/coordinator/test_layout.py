@@ -14,7 +14,8 @@ from store.etcd_server import LocalEtcd, etcd_binary
 from federation.api.v1 import jobs_pb2
 from federation.coordinator import layout
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import OLD_EVENTS, JobRepository, job_key
+from federation.coordinator.jobs.records import OLD_EVENTS, job_key
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.layout import (
     CURRENT,
     LAYOUT_KEY,

@@ -13,13 +13,8 @@ from structlog.testing import capture_logs
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import (
-    Change,
-    JobRepository,
-    Mutation,
-    find_task,
-    transition,
-)
+from federation.coordinator.jobs.records import Change, Mutation, find_task, transition
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.sites.lost import LostSites
 from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.errors import ConflictError

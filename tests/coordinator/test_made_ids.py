@@ -7,7 +7,7 @@ import secrets
 
 import pytest
 
-from federation.coordinator.jobs import repository as jobs
+from federation.coordinator.jobs import records as jobs
 
 
 def test_a_repeated_random_part_is_drawn_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,14 +13,10 @@ from structlog.testing import capture_logs
 from federation.api.v1 import admin_service_pb2, jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.manager import MAX_OUTPUT_TAIL, MAX_REPORT_REASON, JobManager
-from federation.coordinator.jobs.repository import (
-    Change,
-    JobRepository,
-    Mutation,
-    find_task,
-    transition,
-)
+from federation.coordinator.jobs.manager import JobManager
+from federation.coordinator.jobs.records import Change, Mutation, find_task, transition
+from federation.coordinator.jobs.reports import MAX_OUTPUT_TAIL, MAX_REPORT_REASON
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.sites.lost import Move, move_off
 from federation.coordinator.sites.registry import SiteRegistry, SiteSession
 from federation.store import SqliteStore

@@ -16,8 +16,10 @@ from federation.common import job_state
 from federation.coordinator import audit
 from federation.coordinator.jobs import index as job_index
 from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.listing import ListFilter
+from federation.coordinator.jobs.records import JOBS, read_record
 from federation.coordinator.jobs.redaction import REDACTED
-from federation.coordinator.jobs.repository import JOBS, JobRepository, ListFilter, read_record
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.jobs.retention import Retention, archive_path, read_archive
 from federation.errors import JobNotFoundError
 from federation.store import SqliteStore, Store

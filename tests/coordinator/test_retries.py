@@ -10,7 +10,7 @@ import pytest
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.coordinator.jobs import retries
-from federation.coordinator.jobs.repository import Change, find_task
+from federation.coordinator.jobs.records import Change, find_task
 
 from .test_reconcile import CAN, Federation, _run_at, bodies, fed, report
 

@@ -7,15 +7,8 @@ from collections import Counter
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import (
-    JOBS,
-    MAX_OPS_PER_COMMIT,
-    Change,
-    JobRepository,
-    job_key,
-    read_record,
-    transition,
-)
+from federation.coordinator.jobs.records import JOBS, Change, job_key, read_record, transition
+from federation.coordinator.jobs.repository import MAX_OPS_PER_COMMIT, JobRepository
 from federation.errors import JobNotFoundError, UnavailableError
 from federation.store import Put, SqliteStore, StoreError
 

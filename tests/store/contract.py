@@ -21,14 +21,9 @@ from federation.common import job_state
 from federation.coordinator import audit
 from federation.coordinator.jobs import index as job_index
 from federation.coordinator.jobs.events import EventHub
-from federation.coordinator.jobs.repository import (
-    JOBS,
-    Change,
-    JobRepository,
-    ListFilter,
-    read_record,
-    transition,
-)
+from federation.coordinator.jobs.listing import ListFilter
+from federation.coordinator.jobs.records import JOBS, Change, read_record, transition
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.scheduling.learning import MAX_PUTS_PER_COMMIT, MIN_TASKS, SpeedLearner
 from federation.coordinator.security.certificates import Certificates

@@ -20,7 +20,7 @@ from federation.api.v1 import data_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common.keys import DATASET
 from federation.coordinator import audit
 from federation.coordinator.data.outputs import S3, names_dataset
-from federation.coordinator.jobs.repository import now_timestamp
+from federation.coordinator.jobs.records import now_timestamp
 from federation.coordinator.jobs.validation import name_problem
 from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import (

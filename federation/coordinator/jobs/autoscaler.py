@@ -25,7 +25,8 @@ import structlog
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs.repository import Change, JobRepository, find_task
+from federation.coordinator.jobs.records import Change, find_task
+from federation.coordinator.jobs.repository import JobRepository
 from federation.errors import FederationError
 
 log = structlog.get_logger()

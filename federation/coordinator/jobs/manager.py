@@ -2,44 +2,54 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass, field
 
 import structlog
 
 from federation import tracing
 from federation.api.v1 import job_service_pb2, jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.common.keys import TaskKey
 from federation.coordinator import audit
 from federation.coordinator.data import transfers
-from federation.coordinator.data.checkpoint_copies import copy_checkpoint, copy_object, replicates
+from federation.coordinator.data.checkpoint_copies import replicates
+from federation.coordinator.data.copies import Copies
 from federation.coordinator.data.datasets import DatasetBook
 from federation.coordinator.data.outputs import names_dataset
 from federation.coordinator.data.staged_inputs import reached
-from federation.coordinator.jobs import retries, spread
+from federation.coordinator.jobs import spread
 from federation.coordinator.jobs.events import WATCH_BATCH, EventHub
+from federation.coordinator.jobs.listing import MAX_REPLY_BYTES, ListFilter
 from federation.coordinator.jobs.reconcile import Reconciler, record_checkpoint
-from federation.coordinator.jobs.repository import (
+from federation.coordinator.jobs.records import (
     MADE_ID,
-    MAX_REPLY_BYTES,
     Change,
-    JobRepository,
-    ListFilter,
     Mutation,
     find_spec,
     find_task,
-    forget_devices,
     new_job_id,
     now_timestamp,
     transition,
     unplace,
 )
+from federation.coordinator.jobs.reports import (
+    MAX_OUTPUT_TAIL,
+    MAX_REPORT_REASON,
+    ReportEffects,
+    ack,
+    back_from_preemption,
+    crash_loop_changes,
+    default_reason,
+    failed_attempt,
+    placed_again,
+    ran_s,
+    reports_on,
+    stages_on,
+    waiting_again,
+)
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.jobs.validation import MAX_SPEC_BYTES, TASK_OUTPUT, spec_violations
 from federation.coordinator.policy.queues import QueueBook
 from federation.coordinator.policy.sharing import Sharing
@@ -56,21 +66,15 @@ from federation.errors import (
 from federation.metrics import JOBS_SUBMITTED
 from federation.placement.selectors import try_selectors
 from federation.security.identity import Identity, Role
-from federation.service_policy import RestartPolicy
 from federation.store import CommitTooLargeError
 from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
 
-COPY_ASK_TIMEOUT_S = 10.0
 """How long a site may take to sign the URL for a checkpoint's copy."""
 
 DEFAULT_TENANT = "default"
 MAX_BATCH = 10_000
-MAX_REPORT_REASON = 1024
-MAX_OUTPUT_TAIL = 4096
-"""What a site's report may put in a job (characters; the rest is cut): each transition rewrites
-the job's record with its kept events, and etcd refuses a value over 1.5 MiB."""
 MAX_PAGE = 1000
 
 
@@ -134,10 +138,7 @@ class JobManager:
         self._hub = hub
         self._wake = wake
         self._reconciler = Reconciler(jobs, self.tell_site)
-        self._copies: set[asyncio.Task[None]] = set()
-        """Checkpoint copies and pushes under way (held so they are not garbage-collected)."""
-        self._pushing: set[TaskKey] = set()
-        """Tasks whose outputs are being pushed out of a store other sites cannot reach."""
+        self._copies = Copies(jobs, sites)
 
     # Clients -----------------------------------------------------------------------------
 
@@ -458,7 +459,7 @@ class JobManager:
                 raise InvalidArgumentError(
                     [FieldViolation(f"task_status[{i}]", "job_id and task are required")]
                 )
-        current: list[tuple[site_link_service_pb2.TaskReport, _Effects]] = []
+        current: list[tuple[site_link_service_pb2.TaskReport, ReportEffects]] = []
         others: list[site_link_service_pb2.TaskReport] = []
         others_jobs: set[str] = set()
         for report in reports:
@@ -466,7 +467,7 @@ class JobManager:
                 others.append(report)
                 others_jobs.add(report.job_id)
             else:
-                current.append((report, _Effects()))
+                current.append((report, ReportEffects()))
         if current:
             written = await self._jobs.update_many(
                 [(r.job_id, self._report_mutation(site, r, effects)) for r, effects in current]
@@ -487,7 +488,7 @@ class JobManager:
         if job is None:
             return False
         task = next((t for t in job.tasks if t.name == report.task), None)
-        return task is not None and _reports_on(task, site, report)
+        return task is not None and reports_on(task, site, report)
 
     async def note_staging(self, site: str, progress: site_link_service_pb2.StageProgress) -> None:
         """A stage-in's progress from ``site``: an event on the task, and, once the input is in
@@ -497,7 +498,7 @@ class JobManager:
         if job is None:
             return
         task = next((t for t in job.tasks if t.name == progress.task), None)
-        if task is None or not _stages_on(task, site, progress.epoch):
+        if task is None or not stages_on(task, site, progress.epoch):
             return
         if progress.done:
             transfers.count(progress, site, job.spec.tenant)
@@ -508,7 +509,7 @@ class JobManager:
 
         def mutate(job: jobs_pb2.Job) -> list[Change]:
             task = find_task(job, progress.task)
-            if not _stages_on(task, site, progress.epoch):
+            if not stages_on(task, site, progress.epoch):
                 return []
             return [Change(task.name, task.state, reason, site)]
 
@@ -523,7 +524,7 @@ class JobManager:
             task = find_task(job, report.task)
         except JobNotFoundError:
             job, task = None, None
-        if task is None or not _reports_on(task, site, report):
+        if task is None or not reports_on(task, site, report):
             if (
                 task is not None
                 and job is not None
@@ -533,14 +534,14 @@ class JobManager:
                 return
             self._fence(site, report, job_state.is_terminal(report.state))
             return
-        effects = _Effects()
+        effects = ReportEffects()
         updated = await self._jobs.update(
             report.job_id, self._report_mutation(site, report, effects)
         )
         self._after_report(site, report, updated, effects)
 
     def _report_mutation(
-        self, site: str, report: site_link_service_pb2.TaskReport, effects: _Effects
+        self, site: str, report: site_link_service_pb2.TaskReport, effects: ReportEffects
     ) -> Mutation:
         final = job_state.is_terminal(report.state)
 
@@ -607,7 +608,7 @@ class JobManager:
                 if report.state != job_state.SUCCEEDED and not job.cancel_requested:
                     return [back_from_preemption(job, current)]
                 current.preempted_by = ""  # it ended by itself first
-            reason = (report.reason or _default_reason(report))[:MAX_REPORT_REASON]
+            reason = (report.reason or default_reason(report))[:MAX_REPORT_REASON]
             interrupted = report.interrupted and report.state != job_state.SUCCEEDED
             if interrupted and not job.cancel_requested:
                 return [placed_again(job, current, f"stopped by {site}: {reason}")]
@@ -626,15 +627,15 @@ class JobManager:
         assert self._learner is not None
         task = find_task(job, task_name)
         spec = find_spec(job, task_name)
-        ran_s = _ran_s(task)
-        if not task.estimate.device_model or math.isnan(ran_s):
+        run_s = ran_s(task)
+        if not task.estimate.device_model or math.isnan(run_s):
             return
         self._learner.observe(
             spec.workload_class,
             task.estimate.device_model,
             spec.estimated_duration_s,
             task.estimate.run_s,
-            ran_s,
+            run_s,
             site=task.site,
         )
 
@@ -643,7 +644,7 @@ class JobManager:
         site: str,
         report: site_link_service_pb2.TaskReport,
         updated: jobs_pb2.Job,
-        effects: _Effects,
+        effects: ReportEffects,
     ) -> None:
         """Tell the sites what a written report implies: ack, cancels, and wake the scheduler."""
         final = job_state.is_terminal(report.state)
@@ -651,96 +652,24 @@ class JobManager:
             self._fence(site, report, final)
             return
         if final:
-            self.tell_site(site, _ack(report))
+            self.tell_site(site, ack(report))
         if report.state == job_state.SUCCEEDED and self._learner is not None:
             self._learn(updated, report.task)
         if updated.cancel_requested and report.state == job_state.RUNNING:
             self._send_cancels(report.job_id, [(site, report.task, report.epoch)], "cancelled")
         self._send_cancels(report.job_id, effects.siblings, f"task {report.task} failed")
         if final:
-            self._freed(site, _ran_s(find_task(updated, report.task)))
+            self._freed(site, ran_s(find_task(updated, report.task)))
         if effects.uploaded is not None:
-            copying = asyncio.create_task(self._copy(updated, report.task, effects.uploaded))
-            self._copies.add(copying)
-            copying.add_done_callback(self._copies.discard)
+            self._copies.copy_checkpoint(updated, report.task, effects.uploaded)
         pushed = report.state == job_state.SUCCEEDED and report.artifacts
         if pushed and not reached(self._sites, site):
             self.push_outputs(updated.id, report.task)
 
     def push_outputs(self, job_id: str, task_name: str) -> None:
         """Push the outputs of a task that succeeded at a site whose store other sites cannot
-        reach to a reachable store, unless that is under way. Asked when it succeeds, and by
-        the scheduler when a dependant finds no reachable copy (a new leader, say)."""
-        key = (job_id, task_name)
-        if key in self._pushing or (job := self._jobs.cached(job_id)) is None:
-            return
-        self._pushing.add(key)
-        pushing = asyncio.create_task(self._push_outputs(job, task_name))
-        self._copies.add(pushing)
-
-        def done(task: asyncio.Task[None]) -> None:
-            self._copies.discard(task)
-            self._pushing.discard(key)
-
-        pushing.add_done_callback(done)
-
-    async def _push_outputs(self, job: jobs_pb2.Job, task_name: str) -> None:
-        """The outputs of a task whose site's store other sites cannot reach are pushed to
-        a reachable site's store, and the copies recorded: dependants elsewhere stage them
-        from there."""
-        task = find_task(job, task_name)
-        tenant = job.spec.tenant or "_"
-        for artifact in task.artifacts:
-            if not artifact.key or artifact.partial or artifact.copies:
-                continue
-            below = "/".join((tenant, job.id, task_name, str(task.epoch), artifact.name))
-            try:
-                copy = await copy_object(
-                    artifact, tenant, below, 0, {artifact.site}, self._sites, COPY_ASK_TIMEOUT_S
-                )
-            except Exception:  # a bug must not go unseen in a task nobody awaits
-                log.exception("output_push_failed", job=job.id, task=task_name)
-                return
-            if isinstance(copy, str):
-                log.warning("output_not_pushed", job=job.id, task=task_name, reason=copy)
-                continue
-
-            def mutate(
-                job: jobs_pb2.Job,
-                name: str = artifact.name,
-                key: str = artifact.key,
-                copy: jobs_pb2.Artifact = copy,
-            ) -> list[Change]:
-                for current in find_task(job, task_name).artifacts:
-                    if (current.name, current.key) == (name, key):
-                        current.copies.append(copy)
-                return []
-
-            await self._jobs.update(job.id, mutate)
-            log.info("output_pushed", job=job.id, task=task_name, site=copy.site, key=copy.key)
-
-    async def _copy(
-        self, job: jobs_pb2.Job, task_name: str, record: jobs_pb2.CheckpointRecord
-    ) -> None:
-        """Has another site keep a copy of an uploaded checkpoint, and records it while it is
-        still the task's newest."""
-        try:
-            copy = await copy_checkpoint(job, task_name, record, self._sites, COPY_ASK_TIMEOUT_S)
-        except Exception:  # a bug must not go unseen in a task nobody awaits
-            log.exception("checkpoint_copy_failed", job=job.id, task=task_name)
-            return
-        if isinstance(copy, str):
-            log.warning("checkpoint_not_copied", job=job.id, task=task_name, reason=copy)
-            return
-
-        def mutate(job: jobs_pb2.Job) -> list[Change]:
-            current = find_task(job, task_name).checkpoint
-            if (current.stored.site, current.stored.key) == (record.stored.site, record.stored.key):
-                current.replicas.append(copy)
-            return []
-
-        await self._jobs.update(job.id, mutate)
-        log.info("checkpoint_copied", job=job.id, task=task_name, site=copy.site, key=copy.key)
+        reach to a reachable store (``Copies.push_outputs``)."""
+        self._copies.push_outputs(job_id, task_name)
 
     def _fence(self, site: str, report: site_link_service_pb2.TaskReport, final: bool) -> None:
         """A report for a delegation that is no longer current: stop it, never accept it."""
@@ -752,7 +681,7 @@ class JobManager:
             epoch=report.epoch,
         )
         if final:
-            self.tell_site(site, _ack(report))
+            self.tell_site(site, ack(report))
         else:
             self.tell_site(
                 site,
@@ -821,120 +750,6 @@ class JobManager:
         await self._jobs.update(job_id, mutate)
 
 
-def _reports_on(
-    task: jobs_pb2.TaskStatus, site: str, report: site_link_service_pb2.TaskReport
-) -> bool:
-    """Whether ``report`` from ``site`` is about the delegation ``task`` holds now."""
-    return task.site == site and task.epoch == report.epoch and task.state in job_state.AT_SITE
-
-
-def _stages_on(task: jobs_pb2.TaskStatus, site: str, epoch: int) -> bool:
-    """Whether ``task`` is delegated to ``site`` in ``epoch`` and not started yet: when its
-    inputs are staged in."""
-    return task.site == site and task.epoch == epoch and task.state == job_state.DELEGATED
-
-
-@dataclass(slots=True)
-class _Effects:
-    """What applying one report implies beyond the write (set by its mutation)."""
-
-    superseded: bool = False
-    """The task moved on since the report was checked: fence the report off."""
-    siblings: list[tuple[str, str, int]] = field(default_factory=list)
-    """(site, task, epoch) of sibling tasks to cancel because this one failed."""
-    uploaded: jobs_pb2.CheckpointRecord | None = None
-    """A checkpoint recorded as uploaded, for another site to keep a copy of."""
-
-
-def crash_loop_changes(
-    job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, endpoints: Sequence[jobs_pb2.Endpoint]
-) -> list[Change]:
-    """An event (the task still RUNNING) and a log line for each replica of a service that
-    starts or stops crash-looping in ``endpoints`` against the task's endpoints so far."""
-    before = {e.replica: e.crash_looping for e in task.endpoints}
-    changes = []
-    for endpoint in endpoints:
-        if endpoint.crash_looping == before.get(endpoint.replica, False):
-            continue
-        log.warning(
-            "replica_crash_loop" if endpoint.crash_looping else "replica_crash_loop_over",
-            job=job.id,
-            task=task.name,
-            replica=endpoint.replica,
-            restarts=endpoint.restarts,
-        )
-        if endpoint.crash_looping:
-            # The agent's rule, with the defaults the API names filled in.
-            policy = RestartPolicy.of(find_spec(job, task.name).service)
-            reason = (
-                f"replica {endpoint.replica} is crash-looping: {policy.crash_loop_after} "
-                f"restarts in a row after runs shorter than {policy.min_run_s:g}s; "
-                f"restarted every {policy.max_backoff_s:g}s"
-            )
-        else:
-            reason = f"replica {endpoint.replica} is no longer crash-looping"
-        changes.append(Change(task.name, task.state, reason, task.site))
-    return changes
-
-
-def back_from_preemption(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus) -> Change:
-    """A preempted task has stopped: back to PENDING, to restart from its newest checkpoint
-    (``request_for`` reads it) wherever it is placed next."""
-    by = task.preempted_by
-    task.preempted_by = ""
-    task.preemptions += 1
-    unplace(task)
-    forget_devices(task)
-    restart = (
-        f"restarts from checkpoint {task.checkpoint.path}"
-        if task.checkpoint.path
-        else "restarts from the start (no checkpoint)"
-    )
-    return transition(job, task.name, job_state.PENDING, f"preempted by {by}; {restart}")
-
-
-def waiting_again(
-    job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, site: str, why: str
-) -> list[Change]:
-    """A running task its site put back in its own queue (Slurm requeued it): DELEGATED, with
-    no devices and no start until the site reports it running again."""
-    if task.state != job_state.RUNNING:
-        return []
-    forget_devices(task)
-    del task.endpoints[:]
-    task.ClearField("started_at")
-    reason = f"waiting again at {site}: {why or 'back in its queue'}"[:MAX_REPORT_REASON]
-    return [transition(job, task.name, job_state.DELEGATED, reason)]
-
-
-def placed_again(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Change:
-    """A copy its site stopped for a reason of its own: back to PENDING, no attempt used."""
-    unplace(task)
-    forget_devices(task)
-    restart = f"from checkpoint {task.checkpoint.path}" if task.checkpoint.path else "anew"
-    return transition(job, task.name, job_state.PENDING, f"{why}; placing it again {restart}")
-
-
-def failed_attempt(job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, why: str) -> Change:
-    """A failed run: counted, and back to PENDING after its backoff while the task has
-    attempts left; FAILED once it has none."""
-    spec = find_spec(job, task.name)
-    task.failed_attempts += 1
-    most = retries.max_attempts(spec)
-    if most == 1:
-        return transition(job, task.name, job_state.FAILED, why)
-    if task.failed_attempts >= most:
-        reason = f"attempt {task.failed_attempts} of {most} failed ({why}); none left"
-        return transition(job, task.name, job_state.FAILED, reason)
-    delay_s = retries.backoff_s(spec, task.failed_attempts)
-    task.retry_at.FromNanoseconds(time.time_ns() + int(delay_s * 1e9))
-    task.ClearField("started_at")  # the next attempt's run time is its own (speed learning)
-    unplace(task)
-    forget_devices(task)
-    reason = f"attempt {task.failed_attempts} of {most} failed ({why}); next in {delay_s:g}s"
-    return transition(job, task.name, job_state.PENDING, reason)
-
-
 def _trace_submitted(jobs: list[jobs_pb2.Job], started_ns: int) -> None:
     """Each job's ``job.submit``, the root of its trace: from the call to the commit."""
     ended_ns = tracing.now_ns()
@@ -949,22 +764,6 @@ def _trace_submitted(jobs: list[jobs_pb2.Job], started_ns: int) -> None:
         tracing.record(tracing.ROOT, job.id, started_ns, ended_ns, attributes=attributes)
 
 
-def _ack(report: site_link_service_pb2.TaskReport) -> site_link_service_pb2.CoordinatorMessage:
-    return site_link_service_pb2.CoordinatorMessage(
-        ack=site_link_service_pb2.TaskStatusAck(
-            job_id=report.job_id, task=report.task, epoch=report.epoch
-        )
-    )
-
-
-def _default_reason(report: site_link_service_pb2.TaskReport) -> str:
-    if report.state == job_state.SUCCEEDED:
-        return "exited 0"
-    if report.state == job_state.FAILED:
-        return f"exited with {report.exit_code}"
-    return "cancelled"
-
-
 def current_event(job: jobs_pb2.Job) -> jobs_pb2.JobEvent:
     """A synthetic event carrying a job's present state (sequence 0)."""
     return jobs_pb2.JobEvent(
@@ -975,10 +774,3 @@ def current_event(job: jobs_pb2.Job) -> jobs_pb2.JobEvent:
         reason=job.reason,
         job_state=job.state,
     )
-
-
-def _ran_s(task: jobs_pb2.TaskStatus) -> float:
-    """How long a task that ended ran, NaN if it never started."""
-    if not (task.HasField("started_at") and task.HasField("finished_at")):
-        return math.nan
-    return (task.finished_at.ToNanoseconds() - task.started_at.ToNanoseconds()) / 1e9

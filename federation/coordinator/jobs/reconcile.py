@@ -15,14 +15,14 @@ import structlog
 
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.jobs.repository import (
+from federation.coordinator.jobs.records import (
     Change,
-    JobRepository,
     Mutation,
     find_task,
     forget_devices,
     transition,
 )
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.sites.disconnect import (
     is_displaced_original,
     is_newer_checkpoint,

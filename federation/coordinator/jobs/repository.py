@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import secrets
-import threading
-import time
-from collections import ChainMap, Counter, OrderedDict, deque
+from collections import ChainMap, Counter, OrderedDict
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -22,13 +19,35 @@ from dataclasses import dataclass
 from typing import TypeAlias
 
 import structlog
-from google.protobuf import timestamp_pb2
 from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 
 from federation.api.v1 import jobs_pb2, records_pb2
 from federation.common import job_state
 from federation.coordinator.jobs import index as job_index
+from federation.coordinator.jobs import records
 from federation.coordinator.jobs.events import EventHub
+from federation.coordinator.jobs.listing import (
+    MAX_REPLY_BYTES,
+    MAX_SCANNED,
+    SCAN_BATCH,
+    ListFilter,
+    Page,
+)
+from federation.coordinator.jobs.records import (
+    JOBS,
+    OLD_EVENTS,
+    Change,
+    LineKey,
+    Mutation,
+    encoded_events,
+    job_bytes,
+    job_key,
+    line_order,
+    new_event,
+    now_timestamp,
+    read_record,
+    record_value,
+)
 from federation.coordinator.policy.resources import Demand
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import (
@@ -44,175 +63,6 @@ from federation.store import CasConflictError, Delete, Op, Put, Store, StoreErro
 from federation.timeslice import TimeSlice
 
 log = structlog.get_logger()
-
-JOBS = "/jobs/"
-MAX_REPLY_BYTES = 3 << 20
-"""Most a page of jobs may take: gRPC clients refuse a reply over 4 MiB by default."""
-MAX_SCANNED = 10_000
-"""Most stored jobs one ListJobs call reads, matching or not."""
-SCAN_BATCH = 100
-"""Jobs read from the store at a time."""
-OLD_EVENTS = "/events/"
-"""Where key layout 1 stored each event, beside a job stored alone: every job it created has
-its first event there. Layout 2 stores one ``JobRecord`` per job; a leading coordinator
-migrates a store of layout 1 before it loads jobs (``federation.coordinator.layout``)."""
-MAX_EVENTS_KEPT = 1000
-"""Events a job record keeps, the newest: a job that moves for ever (a site that keeps losing
-it) must not grow a value that every transition rewrites. Sequence numbers show the gap."""
-
-
-def job_key(job_id: str) -> str:
-    return f"{JOBS}{job_id}"
-
-
-def read_record(value: bytes) -> records_pb2.JobRecord:
-    """A stored job record (see ``JobRecord``)."""
-    return records_pb2.JobRecord.FromString(value)
-
-
-def _field(number: int, payload: bytes) -> bytes:
-    """``payload`` as a length-delimited field ``number`` of a message, in the wire format."""
-    size = len(payload)
-    head = bytearray([number << 3 | 2])
-    while size > 0x7F:
-        head.append(size & 0x7F | 0x80)
-        size >>= 7
-    head.append(size)
-    return bytes(head) + payload
-
-
-def encoded_events(events: Iterable[jobs_pb2.JobEvent]) -> list[bytes]:
-    """Each event as a ``JobRecord.events`` entry, ready to append to a record."""
-    return [_field(2, event.SerializeToString()) for event in events]
-
-
-def _job_bytes(record: bytes) -> bytes:
-    """The encoded job of a stored record, its events left undecoded: ``record_value`` writes
-    the job as the record's first field."""
-    if record[:1] == b"\x0a":  # field 1, length-delimited
-        size = shift = 0
-        at = 1
-        while at < len(record):
-            byte = record[at]
-            at += 1
-            size |= (byte & 0x7F) << shift
-            if not byte & 0x80:
-                if at + size <= len(record):
-                    return record[at : at + size]
-                break
-            shift += 7
-    return read_record(record).job.SerializeToString()
-
-
-def record_value(job: jobs_pb2.Job, events: list[bytes]) -> bytes:
-    """A serialized ``JobRecord`` of ``job`` and its already encoded events."""
-    return b"".join((_field(1, job.SerializeToString()), *events))
-
-
-def now_timestamp() -> timestamp_pb2.Timestamp:
-    ts = timestamp_pb2.Timestamp()
-    ts.FromNanoseconds(time.time_ns())  # GetCurrentTime goes through datetime: slower
-    return ts
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """A task's transition, before it gets a sequence number."""
-
-    task: str
-    state: jobs_pb2.JobState.ValueType
-    reason: str
-    site: str = ""
-    moved_from: str = ""
-    """Set when the change moves the task away from this site."""
-
-
-def find_task(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskStatus:
-    for task in job.tasks:
-        if task.name == name:
-            return task
-    raise JobNotFoundError(f"{job.id}/{name}")
-
-
-def find_spec(job: jobs_pb2.Job, name: str) -> jobs_pb2.TaskSpec:
-    """The spec of task ``name`` of ``job``."""
-    for spec in job.spec.tasks:
-        if spec.name == name:
-            return spec
-    raise JobNotFoundError(f"{job.id}/{name}")
-
-
-def transition(
-    job: jobs_pb2.Job,
-    task_name: str,
-    state: jobs_pb2.JobState.ValueType,
-    reason: str,
-    *,
-    taking_back: bool = False,
-) -> Change:
-    """Move one task of ``job`` (in place) to ``state``; returns the change to record.
-
-    ``taking_back`` allows the transitions of taking back a kept original copy.
-    """
-    task = find_task(job, task_name)
-    job_state.check_transition(task.state, state, taking_back=taking_back)
-    task.state = state
-    task.reason = reason
-    if state == job_state.RUNNING and not task.HasField("started_at"):
-        task.started_at.CopyFrom(now_timestamp())
-    if job_state.is_terminal(state):
-        task.finished_at.CopyFrom(now_timestamp())
-    return Change(task_name, state, reason, task.site)
-
-
-def next_epoch(task: jobs_pb2.TaskStatus) -> None:
-    """Give the task a new fencing token; one is never reused, even if it was given up."""
-    task.issued_epoch = max(task.epoch, task.issued_epoch) + 1
-    task.epoch = task.issued_epoch
-
-
-def unplace(task: jobs_pb2.TaskStatus) -> None:
-    """Forget the site and reservation a task had (it is about to be placed again)."""
-    task.site = ""
-    task.reservation_id = ""
-    del task.endpoints[:]
-
-
-def forget_devices(task: jobs_pb2.TaskStatus) -> None:
-    """Forget the nodes and devices a site gave the task (it is to run elsewhere, or anew)."""
-    del task.devices[:]
-    del task.nodes[:]
-    del task.models[:]
-
-
-Mutation = Callable[[jobs_pb2.Job], list[Change]]
-
-
-@dataclass(slots=True)
-class _Page:
-    """A ``ListJobs`` reply being filled: jobs are decoded straight into its repeated field."""
-
-    into: RepeatedCompositeFieldContainer[jobs_pb2.Job]
-    accepts: Callable[[jobs_pb2.Job], bool]
-    page_size: int
-    max_bytes: int
-    size: int = 0
-    taken: int = 0
-
-    def offer(self, encoded: bytes) -> str | None:
-        """Add the job if it is accepted; when the page is full, leave it out and return the
-        next page's token (the id of the last job in)."""
-        job = self.into.add()
-        job.ParseFromString(encoded)
-        if not self.accepts(job):
-            del self.into[-1]
-            return None
-        self.size += len(encoded) + 8  # its size plus a few bytes of framing in the reply
-        if self.taken == self.page_size or (self.taken and self.size > self.max_bytes):
-            del self.into[-1]
-            return self.into[-1].id
-        self.taken += 1
-        return None
 
 
 class JobRepository:
@@ -453,7 +303,7 @@ class JobRepository:
         so has a next token though it may hold no jobs; otherwise the next token is set only
         when another matching job exists.
         """
-        reply = _Page(into, accepts, page_size, max_bytes)
+        reply = Page(into, accepts, page_size, max_bytes)
         if where is not None and where.sets:
             return await self._list_indexed(where, reply, page_token, max_scanned)
         scanned = 0
@@ -463,7 +313,7 @@ class JobRepository:
             page = await self._store.range(JOBS, start_after=start, limit=SCAN_BATCH)
             for kv in page:
                 await timeslice.share()
-                if (full := reply.offer(_job_bytes(kv.value))) is not None:
+                if (full := reply.offer(job_bytes(kv.value))) is not None:
                     return full
                 scanned += 1
                 if scanned >= max_scanned:
@@ -473,7 +323,7 @@ class JobRepository:
             start = page[-1].key
 
     async def _list_indexed(
-        self, where: ListFilter, reply: _Page, page_token: str, max_scanned: int
+        self, where: ListFilter, reply: Page, page_token: str, max_scanned: int
     ) -> str:
         """``list_page`` over the jobs in every set of ``where``, leapfrogging their indexes."""
         found = job_index.Filter(self._store, where.sets, SCAN_BATCH)
@@ -486,7 +336,7 @@ class JobRepository:
                 return ""
             after = job_id
             kv = await self._store.get(job_key(job_id))
-            if kv is not None and (full := reply.offer(_job_bytes(kv.value))) is not None:
+            if kv is not None and (full := reply.offer(job_bytes(kv.value))) is not None:
                 return full
             if found.read >= max_scanned:
                 return job_id
@@ -687,11 +537,11 @@ class JobRepository:
             states[change.task] = change.state
             job.last_event_sequence += 1
             state_after = job_state.job_state(states.values())
-            events.append(_event(job, job.last_event_sequence, change, state_after, now))
+            events.append(new_event(job, job.last_event_sequence, change, state_after, now))
         if events:
             job.reason = events[-1].reason
         job.updated_at.CopyFrom(now)
-        encoded = [*encoded, *encoded_events(events)][-MAX_EVENTS_KEPT:]
+        encoded = [*encoded, *encoded_events(events)][-records.MAX_EVENTS_KEPT :]
         put = Put(job_key(job.id), record_value(job, encoded), expect_revision=revision)
         new_keys = job_index.keys(job)
         index_ops = job_index.changes(index_keys, new_keys)
@@ -813,36 +663,6 @@ MAX_BYTES_PER_COMMIT = 1 << 20
 """etcd refuses a request over --max-request-bytes (1.5 MiB by default)."""
 
 
-@dataclass(frozen=True, slots=True)
-class ListFilter:
-    """What a listing is narrowed to: the jobs in every one of ``sets``, each set the union
-    of some index prefixes (``job_index.prefix``); no sets: every job."""
-
-    sets: tuple[tuple[str, ...], ...] = ()
-
-    @classmethod
-    def of(
-        cls,
-        states: Collection[jobs_pb2.JobState.ValueType] = (),
-        tenant: str = "",
-        site: str = "",
-        queue: str = "",
-    ) -> ListFilter:
-        """Jobs in one of ``states`` (none: any) and of the tenant, site and queue given."""
-        sets = []
-        if states:
-            names = sorted(jobs_pb2.JobState.Name(s) for s in set(states))
-            sets.append(tuple(job_index.prefix(job_index.STATE, name) for name in names))
-        for kind, value in (
-            (job_index.TENANT, tenant),
-            (job_index.SITE, site),
-            (job_index.QUEUE, queue),
-        ):
-            if value:
-                sets.append((job_index.prefix(kind, value),))
-        return cls(tuple(sets))
-
-
 _Cached: TypeAlias = tuple[jobs_pb2.Job, int, list[bytes], frozenset[str]]
 """An unfinished job as written, its store revision, its events as encoded for a record, and
 its index entries (``job_index.keys``): what the next write of it compares with."""
@@ -875,7 +695,7 @@ _Joining: TypeAlias = tuple[_Staged, "asyncio.Future[None]"]
 
 def _new_stage(job: jobs_pb2.Job) -> _Staged:
     """A new job ready to write, with its first event (it must not exist yet)."""
-    events = [_event(job, 1, Change("", job_state.PENDING, "submitted"))]
+    events = [new_event(job, 1, Change("", job_state.PENDING, "submitted"))]
     job.last_event_sequence = 1
     encoded = encoded_events(events)
     put = Put(job_key(job.id), record_value(job, encoded), expect_revision=0)
@@ -956,66 +776,5 @@ def _copy(job: jobs_pb2.Job) -> jobs_pb2.Job:
     return out
 
 
-def _event(
-    job: jobs_pb2.Job,
-    sequence: int,
-    change: Change,
-    state_after: jobs_pb2.JobState.ValueType | None = None,
-    time: timestamp_pb2.Timestamp | None = None,
-) -> jobs_pb2.JobEvent:
-    return jobs_pb2.JobEvent(
-        job_id=job.id,
-        sequence=sequence,
-        time=time if time is not None else now_timestamp(),
-        state=change.state,
-        task=change.task,
-        site=change.site,
-        reason=change.reason,
-        job_state=job.state if state_after is None else state_after,
-        moved_from=change.moved_from,
-    )
-
-
-LineKey = tuple[int, int, str]
-
-
-def line_order(job: jobs_pb2.Job) -> LineKey:
-    """Where a waiting job stands in line: higher priority first, then the earlier submitted,
-    then by id. Never by retry timers: a job that waited longer is not overtaken by one that
-    happened to be looked at when capacity freed."""
-    return (-job.spec.priority, job.created_at.ToNanoseconds(), job.id)
-
-
 FINISHED_KEPT = 1024
 """How many of the jobs that finished last are kept in memory, for GetJob."""
-MADE_ID = "j-"
-"""How the ids the coordinator makes begin; no one may choose such an id."""
-
-
-_ID_SUFFIXES: deque[str] = deque()
-"""Random parts of made ids not used yet (``new_job_id``)."""
-_ID_LOCK = threading.Lock()
-_ID_MILLISECOND = [0]
-_ID_TAKEN: set[str] = set()
-"""The random parts used in ``_ID_MILLISECOND``: 24 random bits alone collide within a batch
-of a few thousand jobs made in one millisecond (a birthday bound of about 3% at 1,000)."""
-
-
-def new_job_id() -> str:
-    """Time-ordered, so listing by key lists jobs in submission order. The random part is 3
-    bytes from the system's CSPRNG, drawn for a thousand ids at a time (a system call per id
-    was a sixth of a submission's CPU), and never repeated within one millisecond."""
-    with _ID_LOCK:
-        millisecond = int(time.time() * 1000)
-        if millisecond != _ID_MILLISECOND[0]:
-            _ID_MILLISECOND[0] = millisecond
-            _ID_TAKEN.clear()
-        while True:
-            if not _ID_SUFFIXES:
-                block = secrets.token_bytes(3 * 1024).hex()
-                _ID_SUFFIXES.extend(block[at : at + 6] for at in range(0, len(block), 6))
-            suffix = _ID_SUFFIXES.popleft()
-            if suffix not in _ID_TAKEN:
-                break
-        _ID_TAKEN.add(suffix)
-    return f"{MADE_ID}{millisecond:011x}-{suffix}"

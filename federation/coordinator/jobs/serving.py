@@ -18,7 +18,8 @@ from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
 from federation.coordinator.jobs.manager import JobManager
-from federation.coordinator.jobs.repository import Change, JobRepository, find_spec, find_task
+from federation.coordinator.jobs.records import Change, find_spec, find_task
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.jobs.validation import MAX_REPLICAS, task_violations
 from federation.coordinator.policy.resources import at, demand
 from federation.coordinator.policy.sharing import Sharing

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from federation.coordinator.jobs.repository import JOBS, OLD_EVENTS
+from federation.coordinator.jobs.records import JOBS, OLD_EVENTS
 from federation.store import Delete, Put, Store, StoreError
 
 log = structlog.get_logger()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import structlog
 
 from federation.api.v1 import jobs_pb2
-from federation.coordinator.jobs.repository import (
+from federation.coordinator.jobs.records import (
     JOBS,
     MAX_EVENTS_KEPT,
     OLD_EVENTS,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import structlog
 
 from federation.coordinator.jobs import index as job_index
-from federation.coordinator.jobs.repository import JOBS, read_record
+from federation.coordinator.jobs.records import JOBS, read_record
 from federation.coordinator.layout import MAX_OPS, Progress
 from federation.store import Op, Store
 

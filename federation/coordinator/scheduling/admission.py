@@ -9,7 +9,8 @@ from collections.abc import Mapping, Sequence
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common import job_state
 from federation.coordinator.jobs import spread
-from federation.coordinator.jobs.repository import JobRepository, find_spec
+from federation.coordinator.jobs.records import find_spec
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.preemption import free_room
 from federation.coordinator.policy.resources import Demand, demand, kind_of
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative

@@ -15,7 +15,7 @@ from federation.common import job_state
 from federation.common.keys import DATASET, TaskKey
 from federation.coordinator.data.staged_inputs import Registered, holders_away, with_copies
 from federation.coordinator.jobs import retries, spread
-from federation.coordinator.jobs.repository import find_spec
+from federation.coordinator.jobs.records import find_spec
 from federation.coordinator.policy.resources import at
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
 from federation.coordinator.policy.stopped_for import HOLD_REASON

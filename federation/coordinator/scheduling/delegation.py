@@ -8,7 +8,7 @@ import structlog
 from federation import tracing
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
-from federation.coordinator.jobs.repository import Change, Mutation, find_task, transition, unplace
+from federation.coordinator.jobs.records import Change, Mutation, find_task, transition, unplace
 from federation.coordinator.scheduling.offers import Negotiation
 from federation.coordinator.scheduling.verdicts import summarize
 from federation.errors import FederationError

@@ -36,7 +36,8 @@ from federation.coordinator.data.outputs import PROTOCOL as DATA_PROTOCOL
 from federation.coordinator.data.outputs import staged
 from federation.coordinator.data.staged_inputs import Registered, resolve
 from federation.coordinator.jobs.gangs import host_of, rendezvous
-from federation.coordinator.jobs.repository import JobRepository, Mutation, find_spec, find_task
+from federation.coordinator.jobs.records import Mutation, find_spec, find_task
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.scheduling import site_calls
 from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.delegation import (

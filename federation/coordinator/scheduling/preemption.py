@@ -17,7 +17,8 @@ from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.common.keys import TaskKey
 from federation.coordinator.jobs import spread
-from federation.coordinator.jobs.repository import Change, JobRepository, Mutation, find_task
+from federation.coordinator.jobs.records import Change, Mutation, find_task
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.policy.preemption import (
     Candidate,
     TaskAt,

@@ -9,7 +9,7 @@ from typing import Any
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.coordinator.data.outputs import source_of
-from federation.coordinator.jobs.repository import find_spec
+from federation.coordinator.jobs.records import find_spec
 from federation.coordinator.jobs.validation import TASK_OUTPUT
 from federation.coordinator.scheduling.config import CHECKPOINT
 from federation.coordinator.scheduling.waits import Wait

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from federation.api.v1 import certificate_service_pb2 as pb
 from federation.api.v1 import records_pb2
 from federation.coordinator import audit
-from federation.coordinator.jobs.repository import now_timestamp
+from federation.coordinator.jobs.records import now_timestamp
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites.enrollment import CERTIFICATES
 from federation.errors import (

@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 
 from federation.api.v1 import admin_service_pb2, certificate_service_pb2, records_pb2
 from federation.coordinator import audit
-from federation.coordinator.jobs.repository import now_timestamp
+from federation.coordinator.jobs.records import now_timestamp
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites.enrollment import CERTIFICATES, csr_key
 from federation.coordinator.sites.registry import SiteRegistry

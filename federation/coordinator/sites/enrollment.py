@@ -16,7 +16,7 @@ import structlog
 
 from federation.api.v1 import admin_service_pb2, records_pb2, resources_pb2, site_link_service_pb2
 from federation.coordinator import audit
-from federation.coordinator.jobs.repository import now_timestamp
+from federation.coordinator.jobs.records import now_timestamp
 from federation.coordinator.security.authorities import Authorities
 from federation.coordinator.sites.registry import SiteRegistry
 from federation.errors import (

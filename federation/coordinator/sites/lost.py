@@ -21,9 +21,8 @@ import structlog
 
 from federation.api.v1 import jobs_pb2
 from federation.common import job_state
-from federation.coordinator.jobs.repository import (
+from federation.coordinator.jobs.records import (
     Change,
-    JobRepository,
     Mutation,
     find_task,
     forget_devices,
@@ -31,6 +30,7 @@ from federation.coordinator.jobs.repository import (
     transition,
     unplace,
 )
+from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.sites.disconnect import is_due, is_partitioned, policy_of
 from federation.coordinator.sites.registry import OfflineSite, SiteRegistry
 from federation.errors import FederationError
