@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
@@ -15,6 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 import pytest_asyncio
+from prometheus_client.parser import text_string_to_metric_families
 
 from federation.api.v1 import (
     admin_service_pb2_grpc,
@@ -120,6 +122,18 @@ def running(
         yield fed
     finally:
         fed.stop()
+
+
+def scheduling_cycles(fed: LocalFederation) -> float:
+    """How many scheduling cycles the leader has run (its federation must listen for metrics,
+    ``--metrics-listen``): a test that must see nothing happen waits for cycles, not time."""
+    url = f"http://127.0.0.1:{fed.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "federation_scheduling_walk_seconds_count":
+                return sample.value
+    raise AssertionError("the leader exports no federation_scheduling_walk_seconds")
 
 
 async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 45) -> None:

