@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from federation.api.v1 import jobs_pb2, resources_pb2
-from federation.coordinator.scheduling.waits import MAX_AHEAD, Holding, Waiter, sooner_by_waiting
+from federation.coordinator.scheduling.waits import MAX_AHEAD, Occupant, Waiter, sooner_by_waiting
 from federation.placement.estimates import estimate
 from federation.placement.registry import build_framework
 from federation.placement.request import Request
@@ -97,7 +97,7 @@ def measure(size: int, repeat: int) -> dict[str, float]:
     req = long_task()
     snap = fleet(size)
     holding = {
-        name: [Holding(NOW + 60 + k, (f"n{k % 4}",), 0.0, 0.0, 1, "H100-80GB") for k in range(32)]
+        name: [Occupant(NOW + 60 + k, (f"n{k % 4}",), 0.0, 0.0, 1, "H100-80GB") for k in range(32)]
         for name in snap.site_ids
         if name != "slow"
     }

@@ -206,7 +206,7 @@ async def start_services(
     await manager.recover()
     # Sites holding tasks are unknown until they say hello to this term: their grace (and the
     # partition rule) count from now.
-    sites.presume_unreachable({job_site for job_site, *_ in _held(jobs)})
+    sites.presume_unreachable({job_site for job_site, *_ in _delegated(jobs)})
     lost_sites = LostSites(
         jobs,
         sites,
@@ -279,7 +279,7 @@ async def start_services(
     )
 
 
-def _held(jobs: JobRepository) -> list[tuple[str, str, str]]:
+def _delegated(jobs: JobRepository) -> list[tuple[str, str, str]]:
     """(site, job, task) of every task delegated to or running at a site."""
     return [
         (task.site, job.id, task.name)

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from federation.coordinator.scheduling.forecast import ARRIVALS_TAU_S, SiteHistory
-from federation.coordinator.scheduling.waits import Holding
+from federation.coordinator.scheduling.waits import Occupant
 
 NOW = 1_000_000.0
 
@@ -36,9 +36,9 @@ def test_mean_run_time_is_plain_until_ten_tasks_then_favours_the_recent() -> Non
 
 def test_room_frees_with_the_first_task_due_to_end() -> None:
     held = [
-        Holding(NOW + 30, ("n0",), 1.0, 0.0, 0, ""),
-        Holding(NOW + 5, ("n0",), 1.0, 0.0, 0, ""),
-        Holding(math.inf, ("n0",), 1.0, 0.0, 0, ""),  # no estimate
+        Occupant(NOW + 30, ("n0",), 1.0, 0.0, 0, ""),
+        Occupant(NOW + 5, ("n0",), 1.0, 0.0, 0, ""),
+        Occupant(math.inf, ("n0",), 1.0, 0.0, 0, ""),  # no estimate
     ]
     forecasts = SiteHistory().forecasts(["a", "b"], {"a": held}, {"a": 2}, NOW)
     assert (forecasts["a"].tasks, forecasts["a"].waiting) == (3, 2)

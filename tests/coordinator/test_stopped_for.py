@@ -36,18 +36,18 @@ def test_held_back_from_the_site_until_the_urgent_task_starts(
     for waits for that site's room or is delegated there and not started; then anywhere."""
     status = jobs_pb2.TaskStatus(name="main", state=state, site=site)  # type: ignore[arg-type]
     stopped = gate(status, waiting)
-    allowed, behind = stopped.held_back(VICTIM, ["dc", "edge"])
+    allowed, behind = stopped.room_kept(VICTIM, ["dc", "edge"])
     assert allowed == kept
     assert behind == [s for s in ["dc", "edge"] if s not in kept]
 
 
 def test_an_ended_urgent_job_or_a_forgotten_victim_holds_nothing_back() -> None:
     """Once the urgent job is gone, or the victim is forgotten, every site is open to it."""
-    assert gate(None, True).held_back(VICTIM, ["dc"]) == (["dc"], [])
+    assert gate(None, True).room_kept(VICTIM, ["dc"]) == (["dc"], [])
     status = jobs_pb2.TaskStatus(name="main", state=P)
     stopped = gate(status, True)
     stopped.forget(VICTIM)
-    assert stopped.held_back(VICTIM, ["dc"]) == (["dc"], [])
+    assert stopped.room_kept(VICTIM, ["dc"]) == (["dc"], [])
     assert gate(status, True).held_back(("other", "main"), ["dc"]) == (["dc"], [])
 
 

@@ -10,9 +10,9 @@ from federation.api.v1 import jobs_pb2
 from federation.common import job_state
 from federation.coordinator.scheduling.waits import (
     MAX_AHEAD,
-    Holding,
+    Occupant,
     Waiter,
-    holdings,
+    occupants,
     sooner_by_waiting,
 )
 from federation.placement.estimates import estimate
@@ -38,11 +38,11 @@ def _gpu_task(duration_s: float) -> Request:
     return dataclasses.replace(request(kind=GPU, count=1), duration_s=duration_s)
 
 
-def _held_until(end: float) -> Holding:
-    return Holding(end, ("n0",), 0.0, 0.0, 1, "H100-80GB")
+def _held_until(end: float) -> Occupant:
+    return Occupant(end, ("n0",), 0.0, 0.0, 1, "H100-80GB")
 
 
-def _wait(req: Request, snap: Snapshot, held: list[Holding], ahead: list[Waiter] = []):  # noqa: B006
+def _wait(req: Request, snap: Snapshot, held: list[Occupant], ahead: list[Waiter] = []):  # noqa: B006
     decision = build_framework().place(req, snap)
     assert decision.ranked == ("slow",)
     busy = decision.short_of_room().tolist()
@@ -105,7 +105,7 @@ def test_an_overrunning_task_is_expected_to_need_a_tenth_of_its_estimate_more() 
     task = job.tasks.add(name="t", state=job_state.RUNNING, site="fast", nodes=["n0"])
     task.estimate.run_s = 100.0
     task.started_at.FromSeconds(int(NOW - 500))  # due 400 s ago
-    (held,) = holdings([job], NOW)["fast"]
+    (held,) = occupants([job], NOW)["fast"]
     assert held.end == NOW + 10.0
     assert held.cpu == 2.0
     assert held.nodes == ("n0",)

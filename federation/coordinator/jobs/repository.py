@@ -83,7 +83,7 @@ class JobRepository:
         # priority arrive in order, and only one that goes ahead marks the line unsorted.
         self._pending: dict[str, LineKey] = {}
         self._pending_in_order = True
-        self._held: dict[tuple[str, str], Demand] = {}
+        self._negotiating: dict[tuple[str, str], Demand] = {}
         """(job id, task) of PENDING tasks whose offers are out, with what each was admitted
         with (counted against its queue meanwhile): ``pending`` leaves them out."""
         self._reserved: dict[tuple[str, str], Demand] = {}
@@ -133,11 +133,14 @@ class JobRepository:
         return self._unfinished[tenant]
 
     def _index(self, job: jobs_pb2.Job) -> None:
-        """Keep ``job`` in the pending index exactly while it has a PENDING task not held,
-        and what it holds counted against its queue."""
-        held = self._held
-        self.usage.update(job, ChainMap(self._reserved, held) if self._reserved else held)
-        if any(t.state == job_state.PENDING and (job.id, t.name) not in held for t in job.tasks):
+        """Keep ``job`` in the pending index exactly while it has a PENDING task not under
+        negotiation, and what it holds counted against its queue."""
+        negotiating = self._negotiating
+        counted = ChainMap(self._reserved, negotiating) if self._reserved else negotiating
+        self.usage.update(job, counted)
+        if any(
+            t.state == job_state.PENDING and (job.id, t.name) not in negotiating for t in job.tasks
+        ):
             if job.id not in self._pending:
                 key = line_order(job)
                 if self._pending and key < self._pending[next(reversed(self._pending))]:
@@ -146,7 +149,7 @@ class JobRepository:
         else:
             self._pending.pop(job.id, None)
 
-    def hold(self, negotiations: Iterable[tuple[tuple[str, str], Demand]]) -> None:
+    def start_negotiating(self, negotiations: Iterable[tuple[tuple[str, str], Demand]]) -> None:
         """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them,
         counting what each was admitted with against its queue: they stay PENDING in the
         store, since offers need no write. One every site declined counts until its
@@ -154,19 +157,20 @@ class JobRepository:
         reclaim followed once it was let go (``bench/fairness.py``, no minimum run: 8-9
         reclaims a run, against none)."""
         for key, admitted in negotiations:
-            self._held[key] = admitted
+            self._negotiating[key] = admitted
             self._reindex(key[0])
 
-    def release(self, keys: Iterable[tuple[str, str]]) -> None:
-        """Undo ``hold``: the tasks are the scheduler's to pick up again if still PENDING."""
+    def stop_negotiating(self, keys: Iterable[tuple[str, str]]) -> None:
+        """Undo ``start_negotiating``: the tasks are the scheduler's to pick up again if
+        still PENDING."""
         for key in keys:
-            self._held.pop(key, None)
+            self._negotiating.pop(key, None)
             self._reindex(key[0])
 
     def reserve(self, key: tuple[str, str], holds: Demand) -> None:
         """Count the running task ``key`` (job id, task) as holding ``holds`` against its
         queue, until ``unreserve``: a change that adds replicas, while it is made. Apart from
-        ``hold``, which is the scheduler's: neither lets go of the other's."""
+        ``start_negotiating``, which is the scheduler's: neither lets go of the other's."""
         self._reserved[key] = holds
         self._reindex(key[0])
 
@@ -176,9 +180,9 @@ class JobRepository:
         self._reindex(key[0])
 
     @property
-    def held(self) -> AbstractSet[tuple[str, str]]:
-        """The (job id, task) held now (see ``hold``)."""
-        return self._held.keys()
+    def in_negotiation(self) -> AbstractSet[tuple[str, str]]:
+        """The (job id, task) under negotiation now (see ``start_negotiating``)."""
+        return self._negotiating.keys()
 
     def _reindex(self, job_id: str) -> None:
         if cached := self._active.get(job_id):

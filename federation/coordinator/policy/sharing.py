@@ -128,7 +128,7 @@ class Sharing:
         it needs, the queues beside them that borrow some of those resources, with the queues
         under those: their tasks may be stopped to give the room back. Empty otherwise.
         ``claimed``: what queues hold beyond their placed tasks (``Preemption.with_claims``)."""
-        held = functools.partial(self.held, tentative=claimed)
+        held = functools.partial(self.used, tentative=claimed)
         if not within_nominal(job.spec.queue, need, self.book.queues, held):
             return set()  # it would borrow itself: nothing to reclaim
         borrowing: set[str] = set()
@@ -153,7 +153,7 @@ class Sharing:
         queue = job.spec.queue
         if not queue or queue not in self.book.queues:
             return []
-        held = functools.partial(self.held, tentative=claimed)
+        held = functools.partial(self.used, tentative=claimed)
         return owed(queue, need, self.book.queues, held) or []
 
     def subtree(self, queue: str) -> list[str]:
@@ -184,15 +184,15 @@ class Sharing:
             self._as_of = self._cycle_admitted = None
             self._borrowing = None
 
-    def held(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
+    def used(self, queue: str, tentative: Tentative | None = None) -> dict[str, float]:
         """What ``queue`` and every queue under it hold, with what this cycle admitted (as
         the cycle began, within ``as_of_now``)."""
         as_of = self._as_of
         if as_of is None:
-            return self._held(queue, self._usage.of, tentative)
-        return self._held(queue, lambda name: as_of.get(name, {}), tentative)
+            return self._used(queue, self._usage.of, tentative)
+        return self._used(queue, lambda name: as_of.get(name, {}), tentative)
 
-    def _held(
+    def _used(
         self,
         queue: str,
         own: Callable[[str], Mapping[str, float]],
@@ -218,7 +218,7 @@ class Sharing:
         queue = job.spec.queue
         if not queue or queue not in self.book.queues:
             return None
-        held = functools.partial(self.held, tentative=tentative)
+        held = functools.partial(self.used, tentative=tentative)
         return admission(queue, need, self.book.queues, held, self._borrowed(tentative))
 
     def _borrowed(
@@ -279,7 +279,7 @@ class Sharing:
             queue,
             need,
             self.book.queues,
-            lambda q: self._held(q, self._usage.of, admitted),
+            lambda q: self._used(q, self._usage.of, admitted),
             self._borrowed(admitted, now=True),
         )
         if why is None and self._as_of is not None:
@@ -351,7 +351,7 @@ class Sharing:
         """When the job's queue's turn comes (``fair_order``): whether its next task would
         borrow, then the queue's weighted dominant share."""
         queue = job.spec.queue
-        held = functools.partial(self.held, tentative=tentative)
+        held = functools.partial(self.used, tentative=tentative)
         borrows = not within_nominal(queue, next_need(job), self.book.queues, held)
         weight = self.book.queues[queue].weight if queue in self.book.queues else 1.0
         return borrows, dominant_share(held(queue), capacity, weight)[0]
@@ -386,7 +386,7 @@ class Sharing:
         out = []
         for name in sorted(self.book.queues):
             queue = self.book.queues[name]
-            held = self._held(name, self._usage.of)  # now, even while a cycle rests
+            held = self._used(name, self._usage.of)  # now, even while a cycle rests
             share, resource = dominant_share(held, capacity, queue.weight)
             borrowed = {
                 quota_key(q): held.get(quota_key(q), 0.0) - q.nominal
@@ -414,7 +414,7 @@ class Sharing:
         QUEUE_WAITING_JOBS.clear()
         for name, queue in self.book.queues.items():
             QUEUE_WAITING_JOBS.labels(name).set(waiting.get(name, 0))
-            held = self._held(name, self._usage.of)  # now, even while a cycle rests
+            held = self._used(name, self._usage.of)  # now, even while a cycle rests
             QUEUE_DOMINANT_SHARE.labels(name).set(dominant_share(held, capacity, queue.weight)[0])
             for resource, amount in _shown(queue, held).items():
                 QUEUE_USAGE.labels(name, resource).set(amount)

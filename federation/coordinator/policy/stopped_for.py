@@ -20,7 +20,7 @@ from federation.common.keys import TaskKey
 
 StatusOf = Callable[[TaskKey], jobs_pb2.TaskStatus | None]
 """The task's status now; None once its job is no longer cached (it ended)."""
-HOLD_REASON = "waits until the work it was stopped for starts here"
+KEPT_REASON = "waits until the work it was stopped for starts here"
 
 
 class StoppedFor:
@@ -45,7 +45,7 @@ class StoppedFor:
         for job_id, task, _ in victims:
             self._for[(job_id, task)] = (site, waiting)
 
-    def held_back(self, key: TaskKey, sites: Sequence[str]) -> tuple[list[str], list[str]]:
+    def room_kept(self, key: TaskKey, sites: Sequence[str]) -> tuple[list[str], list[str]]:
         """Of ``sites``, those ``key`` may be offered to now, and those it may not (yet)."""
         entry = self._for.get(key)
         if entry is None:

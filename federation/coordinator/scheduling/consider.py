@@ -18,7 +18,7 @@ from federation.coordinator.jobs import retries, spread
 from federation.coordinator.jobs.records import find_spec
 from federation.coordinator.policy.resources import at
 from federation.coordinator.policy.sharing import Admitted, Sharing, Tentative, task_demand
-from federation.coordinator.policy.stopped_for import HOLD_REASON
+from federation.coordinator.policy.stopped_for import KEPT_REASON
 from federation.coordinator.scheduling.admission import Admission, with_devices_left
 from federation.coordinator.scheduling.config import (
     GANG,
@@ -203,7 +203,7 @@ class Considering:
         refused = [
             *stage_verdicts(QUOTA, admitted.refused),
             *stage_verdicts(OWNER_SHARE, for_owners),
-            *stage_verdicts(PREEMPT, [(site, HOLD_REASON) for site in behind]),
+            *stage_verdicts(PREEMPT, [(site, KEPT_REASON) for site in behind]),
         ]
         if not kept:
             self._line.backoff(key)  # a task's end wakes it (``capacity_freed``)
@@ -289,18 +289,18 @@ class Considering:
         job: jobs_pb2.Job,
         parts: list[jobs_pb2.TaskStatus],
         cycle: Cycle,
-        held: set[TaskKey],
+        negotiating: set[TaskKey],
         rest: Rest,
         now: float,
         wall: float,
     ) -> tuple[list[Negotiation], Waits]:
         """An all-or-nothing gang's parts, together (``federation.coordinator.jobs.gangs``): a
         negotiation for each once every part is PENDING, none negotiating, and every one has
-        sites; else none, and the verdicts they wait with. ``held``: the tasks under
+        sites; else none, and the verdicts they wait with. ``negotiating``: the tasks under
         negotiation; ``now`` and ``wall``: the cycle's monotonic and wall clocks, as its
         other tasks are judged by."""
         keys = [(job.id, t.name) for t in parts]
-        if any(t.state != job_state.PENDING for t in parts) or any(k in held for k in keys):
+        if any(t.state != job_state.PENDING for t in parts) or any(k in negotiating for k in keys):
             rest.awake = True  # the keeper stops the parts at sites; their ends wake us
             return [], []
         for task, key in zip(parts, keys, strict=True):

@@ -71,7 +71,7 @@ class _Walk:
 
     room: int
     """Negotiations it may start."""
-    held: set[TaskKey]
+    negotiating: set[TaskKey]
     """Tasks under negotiation as it started."""
     now: float
     wall: float
@@ -301,12 +301,12 @@ class Scheduler:
         # Tasks under negotiation are the ones the repository holds out of pending(); as the
         # cycle starts: one let go while it rests is neither tried now nor taken for gone
         # (forgetting it would forget the tasks being stopped for it, and stop more).
-        held = set(self._jobs.held)
-        room = self._config.max_concurrent_negotiations - len(held)
+        negotiating = set(self._jobs.in_negotiation)
+        room = self._config.max_concurrent_negotiations - len(negotiating)
         self._loop.full = room <= 0
         if self._loop.full:
             return  # the next negotiation to end wakes the loop again
-        walk = _Walk(room, held, time.monotonic(), time.time())
+        walk = _Walk(room, negotiating, time.monotonic(), time.time())
         # What the queues hold as the cycle starts, all through it: negotiations and tasks
         # that end while it rests would let a task later in line take room or quota that one
         # it already refused (on what was held then) should have had. Next cycle, theirs.
@@ -327,7 +327,7 @@ class Scheduler:
         SCHEDULING_JOBS_READ.inc(walk.read)
         if walk.swept:
             # Forget the backoff of tasks no longer waiting (placed, cancelled, failed).
-            for key in self._line.swept(walk.rested, walk.pending) - held:
+            for key in self._line.swept(walk.rested, walk.pending) - negotiating:
                 self._forget(key)
         if walk.batch:
             self._negotiator.start(walk.batch)
@@ -354,7 +354,7 @@ class Scheduler:
                 return False
             walk.pending.update((job.id, t.name) for t in parts if t.state == job_state.PENDING)
             started, waits = self._considering.gang(
-                job, parts, walk.cycle, walk.held, rest, walk.now, walk.wall
+                job, parts, walk.cycle, walk.negotiating, rest, walk.now, walk.wall
             )
             walk.batch.extend(started)
             walk.nowhere.extend(waits)
@@ -368,8 +368,8 @@ class Scheduler:
         """Consider one task of ``job`` if it waits and its timers let it; False when no more
         negotiations may start this cycle."""
         key = (job.id, task.name)
-        if task.state != job_state.PENDING or key in walk.held:
-            rest.awake |= key in walk.held  # its negotiation may end with no write
+        if task.state != job_state.PENDING or key in walk.negotiating:
+            rest.awake |= key in walk.negotiating  # its negotiation may end with no write
             return True
         walk.pending.add(key)
         if (retry_in_s := retries.due_in_s(task, walk.wall)) > 0:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from federation.api.v1 import jobs_pb2
 from federation.coordinator.policy.sharing import Tentative
-from federation.coordinator.scheduling.waits import Holding
+from federation.coordinator.scheduling.waits import Occupant
 from federation.placement.framework import Code
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
@@ -49,7 +49,7 @@ class Cycle:
     """What it admitted against queues' quotas, not yet held by a negotiation."""
     snapshot: Snapshot | None = None
     placements: dict[Request, Placement] = field(default_factory=dict)
-    holding: dict[str, list[Holding]] | None = None
+    occupants: dict[str, list[Occupant]] | None = None
     """What the tasks at each site hold and until when, gathered once a wait is weighed."""
     guests: dict[str, dict[str, float]] | None = None
     """Per site that keeps an owner share, what other tenants' tasks hold there (with what

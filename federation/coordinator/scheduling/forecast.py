@@ -2,7 +2,7 @@
 
 Kept by the leader in memory (a new leader starts learning again): exponentially decayed
 counts of delegations and an exponentially weighted mean of measured run times, per site.
-Together with what the coordinator predicts of the tasks there now (``waits.holdings``),
+Together with what the coordinator predicts of the tasks there now (``waits.occupants``),
 ``fedctl sites`` shows when room should next free at each site and how loaded it has been.
 """
 
@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from federation.api.v1 import admin_service_pb2
-from federation.coordinator.scheduling.waits import Holding
+from federation.coordinator.scheduling.waits import Occupant
 
 ARRIVALS_TAU_S = 3600.0
 """Arrivals older than this count 1/e as much: the rate follows the last hours."""
@@ -55,7 +55,7 @@ class SiteHistory:
     def forecasts(
         self,
         sites: Iterable[str],
-        holding: Mapping[str, Iterable[Holding]],
+        holding: Mapping[str, Iterable[Occupant]],
         waiting: Mapping[str, int],
         now: float | None = None,
     ) -> dict[str, admin_service_pb2.SiteForecast]:

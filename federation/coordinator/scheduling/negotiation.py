@@ -124,7 +124,7 @@ class Negotiator:
 
     def start(self, batch: list[Negotiation]) -> None:
         """Negotiate ``batch`` in the background; its tasks are held out of the line."""
-        self._jobs.hold((n.key, n.holds) for n in batch)
+        self._jobs.start_negotiating((n.key, n.holds) for n in batch)
         runner = asyncio.create_task(self._negotiate(batch, self._outcomes.frees()))
         self._tasks.add(runner)
         runner.add_done_callback(self._tasks.discard)
@@ -173,7 +173,7 @@ class Negotiator:
         ending = [n for n in negotiations if not n.over]
         for n in ending:
             n.over = True
-        self._jobs.release(n.key for n in ending)
+        self._jobs.stop_negotiating(n.key for n in ending)
         self._outcomes.over(ending)
 
     async def _rounds(self, batch: list[Negotiation]) -> None:

@@ -31,7 +31,7 @@ from federation.coordinator.policy.preemption import (
 from federation.coordinator.policy.quota import Debt
 from federation.coordinator.policy.resources import Demand, at
 from federation.coordinator.policy.sharing import Sharing, Tentative, task_demand
-from federation.coordinator.policy.stopped_for import HOLD_REASON, StoppedFor
+from federation.coordinator.policy.stopped_for import KEPT_REASON, StoppedFor
 from federation.coordinator.policy.usage import placed
 from federation.coordinator.scheduling.admission import Admission
 from federation.coordinator.scheduling.config import PREEMPT, RECLAIMED, SchedulerConfig
@@ -112,8 +112,8 @@ class Preemption:
 
     def kept_for(self, key: TaskKey, sites: Sequence[str]) -> tuple[list[str], list[str]]:
         """Of ``sites``, those the room freed for other waiting tasks leaves ``key``, and the
-        others (``StoppedFor.held_back``)."""
-        return self._stopped_for.held_back(key, sites)
+        others (``StoppedFor.room_kept``)."""
+        return self._stopped_for.room_kept(key, sites)
 
     def admitted(self, key: TaskKey) -> None:
         """The task was admitted: what it holds is counted now by what it was admitted with."""
@@ -465,5 +465,5 @@ class Preemption:
 def room_coming_by_verdict(outcome: list[jobs_pb2.SiteVerdict] | None) -> bool:
     """Whether ``outcome`` says tasks are (or would be) stopped to make room."""
     return outcome is not None and any(
-        v.stage == PREEMPT and v.reason != HOLD_REASON for v in outcome
+        v.stage == PREEMPT and v.reason != KEPT_REASON for v in outcome
     )

@@ -15,7 +15,7 @@ from federation.coordinator.scheduling.forecast import SiteHistory
 from federation.coordinator.scheduling.waits import (
     Wait,
     Waiter,
-    holdings,
+    occupants,
     predictable,
     sooner_by_waiting,
     wait_at,
@@ -57,14 +57,14 @@ class Waiting:
         if cycle.snapshot is None:
             return None
         now = time.time()
-        if cycle.holding is None:
-            cycle.holding = holdings(self._jobs.at_site(), now)
+        if cycle.occupants is None:
+            cycle.occupants = occupants(self._jobs.at_site(), now)
         return sooner_by_waiting(
             request,
             cycle.snapshot,
             busy,
             estimates[ranked[0]].total_s,
-            cycle.holding,
+            cycle.occupants,
             self._waiters(),
             now,
             self._wait_gain,
@@ -90,7 +90,7 @@ class Waiting:
         """Per site: when room should next free there, what waits for it, and its history."""
         now = time.time()
         waiting = {site: len(line) for site, line in self._waiting.items()}
-        return self.history.forecasts(sites, holdings(self._jobs.at_site(), now), waiting, now)
+        return self.history.forecasts(sites, occupants(self._jobs.at_site(), now), waiting, now)
 
     def predicted(
         self, key: TaskKey, request: Request, snapshot: Snapshot, busy: list[int]
@@ -99,7 +99,7 @@ class Waiting:
         if not busy or not predictable(request):
             return {}
         now = time.time()
-        holding = holdings(self._jobs.at_site(), now)
+        holding = occupants(self._jobs.at_site(), now)
         waiting = self._waiters(but=key)
         found = (wait_at(request, snapshot, i, holding, waiting, now) for i in busy)
         return {wait.site: wait for wait in found if wait is not None}

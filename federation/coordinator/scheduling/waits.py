@@ -52,7 +52,7 @@ first end there, then its run), as playing one out costs about a millisecond."""
 
 
 @dataclass(frozen=True, slots=True)
-class Holding:
+class Occupant:
     """What one task at a site holds (per replica, on ``nodes``) and when it should end."""
 
     end: float
@@ -86,10 +86,10 @@ class Wait:
     waiter: Waiter
 
 
-def holdings(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Holding]]:
+def occupants(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Occupant]]:
     """Per site, what its delegated and running tasks hold and when they should end, the
     soonest first."""
-    out: dict[str, list[Holding]] = {}
+    out: dict[str, list[Occupant]] = {}
     for job in jobs:
         specs: dict[str, jobs_pb2.TaskSpec] | None = None
         for task in job.tasks:
@@ -103,7 +103,7 @@ def holdings(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Holding
     return out
 
 
-def _holding(task: jobs_pb2.TaskStatus, spec: jobs_pb2.TaskSpec, now: float) -> Holding:
+def _holding(task: jobs_pb2.TaskStatus, spec: jobs_pb2.TaskSpec, now: float) -> Occupant:
     run_s = task.estimate.run_s
     if run_s <= 0:
         end = math.inf
@@ -112,7 +112,7 @@ def _holding(task: jobs_pb2.TaskStatus, spec: jobs_pb2.TaskSpec, now: float) -> 
     else:
         end = now + task.estimate.transfer_s + run_s
     acc = spec.resources.accelerator
-    return Holding(
+    return Occupant(
         end=max(end, now + OVERRUN_LEFT * run_s),
         nodes=tuple(task.nodes),
         cpu=spec.resources.cpu,
@@ -141,14 +141,14 @@ def sooner_by_waiting(
     snap: Snapshot,
     busy: Sequence[int],
     now_s: float,
-    holding: Mapping[str, Sequence[Holding]],
+    holding: Mapping[str, Sequence[Occupant]],
     waiting: Mapping[str, Sequence[Waiter]],
     now: float,
     gain: float = WAIT_GAIN,
 ) -> Wait | None:
     """The busy site where ``req`` would finish soonest once room frees there, if by ``gain``
     of ``now_s`` (when it would finish on the best site that can take it now); else None.
-    ``holding`` lists each site's tasks soonest end first (``holdings``).
+    ``holding`` lists each site's tasks soonest end first (``occupants``).
 
     Each site's wait is played out only as far as a wait could still win."""
     within_s = gain * now_s
@@ -180,7 +180,7 @@ def wait_at(
     req: Request,
     snap: Snapshot,
     site: int,
-    holding: Mapping[str, Sequence[Holding]],
+    holding: Mapping[str, Sequence[Occupant]],
     waiting: Mapping[str, Sequence[Waiter]],
     now: float,
     within_s: float = math.inf,
@@ -210,7 +210,7 @@ def wait_at(
 def frees_in(
     waiter: Waiter,
     trial: _Trial,
-    holding: Iterable[Holding],
+    holding: Iterable[Occupant],
     ahead: Sequence[Waiter],
     now: float,
     within_s: float,
@@ -259,7 +259,7 @@ class _Trial:
             tuple[Request, float], tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]
         ] = {}
 
-    def release(self, held: Holding) -> None:
+    def release(self, held: Occupant) -> None:
         for name in held.nodes:
             node = self._nodes.get(name)
             if node is None:
@@ -300,7 +300,7 @@ class _Trial:
     def fits(self, waiter: Waiter) -> bool:
         return bool(self._room(waiter).sum() >= waiter.request.replicas)
 
-    def take(self, waiter: Waiter, end: float) -> Holding:
+    def take(self, waiter: Waiter, end: float) -> Occupant:
         """Place ``waiter``'s replicas, fullest-fitting nodes first, and hold them until
         ``end``."""
         req = waiter.request
@@ -322,4 +322,4 @@ class _Trial:
                     need -= got
                     if got:
                         model = self._snap.classes[self._pair_class[pair]].model
-        return Holding(end, tuple(nodes), req.cpu, req.memory_mib, req.accelerator_count, model)
+        return Occupant(end, tuple(nodes), req.cpu, req.memory_mib, req.accelerator_count, model)
