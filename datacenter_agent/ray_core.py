@@ -30,6 +30,7 @@ from typing import Any
 import structlog
 
 from datacenter_agent.ray_view import bundle, ray_nodes
+from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
 from federation.agent.packing import Usage, place
@@ -256,15 +257,7 @@ class RayCore:
                 "this Ray site does not stage inputs, store outputs, keep checkpoints or run "
                 "images yet"
             )
-        key = (offer.job_id, offer.task)
-        epochs = [
-            k[2] for k in [*self._tasks, *(h.key for h in self._held.values())] if k[:2] == key
-        ]
-        if epochs and max(epochs) > offer.epoch:
-            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
-        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
-            return f"epoch {offer.epoch} of the task was already committed here"
-        return ""
+        return epoch_problem(offer, (h.key for h in self._held.values()), self._tasks)
 
     async def _reserve(
         self, offer: site_link_service_pb2.Offer, key: RunKey, name: str, lease_s: float
@@ -335,16 +328,10 @@ class RayCore:
         self, commit: site_link_service_pb2.Commit
     ) -> site_link_service_pb2.CommitAnswer:
         """Submits the task's Ray job into its group."""
-        key: RunKey = (commit.job_id, commit.task, commit.epoch)
-        known = self._tasks.get(key)
-        if known is not None and known.reservation_id == commit.reservation_id:
-            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
-        held = self._held.get(commit.reservation_id)
-        if held is None or held.key != key:
-            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
-            if held is not None:
-                reason = f"reservation {commit.reservation_id!r} is for another task or epoch"
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        key = commit_key(commit)
+        held = settled(commit, self._tasks.get(key), self._held.get(commit.reservation_id))
+        if isinstance(held, site_link_service_pb2.CommitAnswer):
+            return held
         del self._held[held.name]
         sid = submission_id(self._site, key)
         task = RayTask(
@@ -357,14 +344,12 @@ class RayCore:
         except Exception as err:
             del self._tasks[key]
             await asyncio.to_thread(_remove_group, held.group)
-            reason = f"Ray would not take job {sid}: {err}"
-            log.warning("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
             self._changed()
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+            return refused(key, f"Ray would not take job {sid}: {err}", warning=True)
         log.info("task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=sid)
         self._changed()
         self._wake.set()
-        return site_link_service_pb2.CommitAnswer(started=True)
+        return started()
 
     def _submit(self, held: Held, sid: str) -> None:
         key, spec = held.key, held.spec

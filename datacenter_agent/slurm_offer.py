@@ -30,6 +30,7 @@ from datacenter_agent.slurm_job import (
 from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
 from datacenter_agent.slurm_view import GRES_KINDS
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.commits import epoch_problem
 from federation.agent.config import SlurmSettings
 from federation.agent.core import gang_refusal
 from federation.agent.packing import task_speed
@@ -90,12 +91,7 @@ def offer_problem(
         return "Slurm has no generic resource for this device kind"
     if acc.count and (spec.replicas or 1) > 1 and acc.kind != resources_pb2.DEVICE_KIND_GPU:
         return "Slurm gives each of several replicas their own devices for GPUs only"
-    same_task = [k[2] for k in [*committed, *held] if k[:2] == (offer.job_id, offer.task)]
-    if same_task and max(same_task) > offer.epoch:
-        return f"stale epoch {offer.epoch}: this site holds epoch {max(same_task)} of the task"
-    if (offer.job_id, offer.task, offer.epoch) in committed:
-        return f"epoch {offer.epoch} of the task was already committed here"
-    return ""
+    return epoch_problem(offer, held, committed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from federation.agent.accounts import (
 )
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.commits import commit_key, epoch_problem, settled, started
 from federation.agent.containers import (
     ENV_FILE,
     IMAGE_REFRESH_S,
@@ -507,21 +508,11 @@ class EmbeddedCore:
         A replica that cannot be started (a missing program, say) does not refuse the commit:
         the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
         """
-        key: RunKey = (commit.job_id, commit.task, commit.epoch)
-        known = self._tasks.get(key)
-        if known is not None and known.reservation_id == commit.reservation_id:
-            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
-        reservation = self._reservations.get(commit.reservation_id)
-        if reservation is None or reservation.key != key:
-            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
-            if reservation is not None:
-                job_id, name, epoch = reservation.key
-                reason = (
-                    f"reservation {commit.reservation_id!r} is for {job_id}/{name} epoch {epoch}, "
-                    f"not {key[0]}/{key[1]} epoch {key[2]}"
-                )
-            log.info("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        key = commit_key(commit)
+        held = self._reservations.get(commit.reservation_id)
+        reservation = settled(commit, self._tasks.get(key), held)
+        if isinstance(reservation, site_link_service_pb2.CommitAnswer):
+            return reservation
         self._drop_reservation(reservation.id)
         devices = self._device_labels(reservation.slots)
         task = _Task(
@@ -557,7 +548,7 @@ class EmbeddedCore:
             task.supervisor = asyncio.create_task(self._stage_then_launch(task))
         else:
             await self._launch(task)
-        return site_link_service_pb2.CommitAnswer(started=True)
+        return started()
 
     def _to_launch(self, task: _Task) -> set[str]:
         """The nodes of the task that an elastic site has yet to launch."""
@@ -964,13 +955,7 @@ class EmbeddedCore:
         cpu = offer.spec.resources.cpu
         if not math.isfinite(cpu) or cpu < 0:
             return f"invalid cpu request {cpu}"
-        keys = [*self._tasks, *(r.key for r in self._reservations.values())]
-        epochs = [k[2] for k in keys if k[:2] == (offer.job_id, offer.task)]
-        if epochs and max(epochs) > offer.epoch:
-            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
-        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
-            return f"epoch {offer.epoch} of the task was already committed here"
-        return ""
+        return epoch_problem(offer, (r.key for r in self._reservations.values()), self._tasks)
 
     def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
         """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
