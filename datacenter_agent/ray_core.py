@@ -33,6 +33,7 @@ from datacenter_agent.ray_view import bundle, ray_nodes
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
+from federation.agent.node_fit import task_problem
 from federation.agent.packing import Usage, place
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
@@ -238,14 +239,12 @@ class RayCore:
         return _accepted(name, lease_s)
 
     def _problem(self, offer: site_link_service_pb2.Offer) -> str:
+        if problem := task_problem(offer):
+            return problem
         spec = offer.spec
         acc = spec.resources.accelerator
-        if not spec.command:
-            return "task has no command"
         if spec.kind == jobs_pb2.TASK_KIND_SERVICE:
             return "services are not run on this Ray site, which takes work that ends"
-        if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
-            return f"invalid cpu request {spec.resources.cpu}"
         if acc.fraction or acc.partition:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
         if spec.spread.all_or_nothing:

@@ -46,7 +46,7 @@ from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.node_fit import qualifying_nodes
+from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
 from federation.agent.packing import Placed, place_as_estimated
@@ -220,18 +220,6 @@ def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
             "one machine: only one could listen on it (give port 0 for a port per replica)"
         )
     return ""
-
-
-def _bad_path_component(value: str) -> bool:
-    return not value or "/" in value or "\0" in value or value in (".", "..")
-
-
-def _bad_task_name(value: str) -> bool:
-    """A task's name is one folder, or two for a part of a divided task ("train/1")."""
-    head, part, number = value.rpartition("/")
-    if part:
-        return _bad_path_component(head) or not (number.isascii() and number.isdigit())
-    return _bad_path_component(value)
 
 
 INHERITED_ENV = frozenset(
@@ -944,17 +932,12 @@ class EmbeddedCore:
 
     def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
         """Why an offer is declined before placement is even tried, or ""."""
-        if _bad_path_component(offer.job_id) or _bad_task_name(offer.task):
-            return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
-        if not offer.spec.command:
-            return "task has no command"
+        if problem := task_problem(offer):
+            return problem
         if offer.spec.image and (problem := self._containers.refusal(offer.spec.image)):
             return problem
         if problem := _fixed_port_problem(offer.spec):
             return problem
-        cpu = offer.spec.resources.cpu
-        if not math.isfinite(cpu) or cpu < 0:
-            return f"invalid cpu request {cpu}"
         return epoch_problem(offer, (r.key for r in self._reservations.values()), self._tasks)
 
     def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
