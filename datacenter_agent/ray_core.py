@@ -35,6 +35,7 @@ from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
 from federation.agent.node_fit import task_problem
 from federation.agent.packing import Usage, place
+from federation.agent.reports import Reports
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -145,7 +146,7 @@ class RayCore:
     ) -> None:
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()
-        self._on_status, self._on_change = on_status, on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._nodes: list[resources_pb2.Node] = []
         self._held: dict[str, Held] = {}
@@ -154,7 +155,6 @@ class RayCore:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._jobs: Any = None
-        self._published = b""
 
     async def start(self) -> None:
         """Connects to the head, adopts this site's jobs, then follows Ray in the background."""
@@ -551,21 +551,10 @@ class RayCore:
     # Plumbing ------------------------------------------------------------------------------
 
     def _report(self, task: RayTask) -> None:
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        encoded = b"".join(n.SerializeToString(deterministic=True) for n in self.nodes())
-        encoded += self.queue().SerializeToString(deterministic=True)
-        if encoded == self._published:
-            return
-        self._published = encoded
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.view(self.nodes(), self.queue())
 
     async def close(self) -> None:
         """Stops following Ray and removes uncommitted groups; jobs stay with Ray."""

@@ -55,6 +55,7 @@ from federation.agent.config import SlurmSettings
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
+from federation.agent.reports import Reports
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
@@ -100,7 +101,7 @@ class SlurmCore:
         self._cli = SlurmCli(env, settings.command_timeout_s)
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()  # batch scripts run elsewhere
-        self._on_status, self._on_change = on_status, on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._compat = compat or load_table_files()
         self._partition = Partition(settings.partition, "UNKNOWN", None)
@@ -115,7 +116,6 @@ class SlurmCore:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        self._published = b""
 
     async def start(self) -> None:
         """Reads Slurm once (adopting this site's jobs), then keeps reading it in the background."""
@@ -503,21 +503,10 @@ class SlurmCore:
             self._report(task)
 
     def _report(self, task: SlurmTask) -> None:
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        encoded = b"".join(n.SerializeToString(deterministic=True) for n in self.nodes())
-        encoded += self._queue.SerializeToString(deterministic=True)
-        if encoded == self._published:
-            return
-        self._published = encoded
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.view(self.nodes(), self._queue)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

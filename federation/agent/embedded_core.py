@@ -51,6 +51,7 @@ from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
 from federation.agent.packing import Placed, place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.reports import Reports
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
@@ -303,8 +304,7 @@ class EmbeddedCore:
             self._nodes[node.name].CopyFrom(node)
         self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
-        self._on_status = on_status
-        self._on_change = on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
@@ -1652,17 +1652,10 @@ class EmbeddedCore:
 
     def _report(self, task: _Task) -> None:
         task.moved.set()
-        # A failing callback must not stop the core from tracking its tasks.
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.changed()
 
 
 def _safe_part(name: str) -> bool:
