@@ -4,9 +4,10 @@
   what this core's placement groups hold, read every ``poll_interval_s``.
 * **Offers.** The reservation is a detached placement group named after the site and task,
   one bundle per replica pinned to the node the view placed it on (``PACK``, or
-  ``STRICT_PACK`` when every replica is on one node). Ray has no lease: the core removes the
-  group when the offer's lease lapses. A group Ray cannot place at once is removed and the
-  offer declined with Ray's scheduling state.
+  ``STRICT_PACK`` when every replica is on one node), among the nodes that qualify
+  (``node_fit``: the job's node labels, requirements and cordons). Ray has no lease: the core
+  removes the group when the offer's lease lapses. A group Ray cannot place at once is
+  removed and the offer declined with Ray's scheduling state.
 * **Runs.** Commit submits a Ray job (submission id: site, job, task and epoch, so a retried
   commit finds the job it submitted) whose 0-CPU launcher starts one actor per bundle
   (``ray_launcher``). Cancel stops the job: Ray sends the launcher SIGTERM, which passes it to
@@ -33,12 +34,13 @@ from datacenter_agent.ray_view import bundle, ray_nodes
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
-from federation.agent.node_fit import task_problem
+from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
 from federation.agent.reports import Reports
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
+from federation.placement.compat import CompatTable, load_table_files
 from federation.stop_after import announce_stop
 
 log = structlog.get_logger()
@@ -130,6 +132,7 @@ class RayCore:
         on_status: Called with a task's report when it starts running and when it ends.
         on_change: Called whenever the view or the queue changes.
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
+        compat: The software compatibility table requirements are read through.
     """
 
     name = "ray"
@@ -143,11 +146,13 @@ class RayCore:
         on_status: StatusCallback,
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
+        compat: CompatTable | None = None,
     ) -> None:
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()
         self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
+        self._compat = compat or load_table_files()
         self._nodes: list[resources_pb2.Node] = []
         self._held: dict[str, Held] = {}
         self._tasks: dict[RunKey, RayTask] = {}
@@ -263,7 +268,10 @@ class RayCore:
     ) -> Held | str:
         spec = offer.spec
         replicas = spec.replicas or 1
-        placed = place(self.nodes(), spec, self._usage())
+        nodes = qualifying_nodes(self.nodes(), offer, self._compat)
+        if isinstance(nodes, str):
+            return nodes
+        placed = place(nodes, spec, self._usage())
         if isinstance(placed, str):
             # Ask Ray all the same, so the decline carries Ray's own word on the request.
             bundles = [self._requested_bundle(spec)] * replicas
