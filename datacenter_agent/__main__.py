@@ -71,6 +71,7 @@ async def start_ray_core(
         on_status=on_status,
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
+        compat=compat_table(config),
     )
     await core.start()
     return core

@@ -4,9 +4,10 @@
   what this core's placement groups hold, read every ``poll_interval_s``.
 * **Offers.** The reservation is a detached placement group named after the site and task,
   one bundle per replica pinned to the node the view placed it on (``PACK``, or
-  ``STRICT_PACK`` when every replica is on one node). Ray has no lease: the core removes the
-  group when the offer's lease lapses. A group Ray cannot place at once is removed and the
-  offer declined with Ray's scheduling state.
+  ``STRICT_PACK`` when every replica is on one node), among the nodes that qualify
+  (``node_fit``: the job's node labels, requirements and cordons). Ray has no lease: the core
+  removes the group when the offer's lease lapses. A group Ray cannot place at once is
+  removed and the offer declined with Ray's scheduling state.
 * **Runs.** Commit submits a Ray job (submission id: site, job, task and epoch, so a retried
   commit finds the job it submitted) whose 0-CPU launcher starts one actor per bundle
   (``ray_launcher``). Cancel stops the job: Ray sends the launcher SIGTERM, which passes it to
@@ -30,12 +31,16 @@ from typing import Any
 import structlog
 
 from datacenter_agent.ray_view import bundle, ray_nodes
+from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
+from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
+from federation.agent.reports import Reports
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
+from federation.placement.compat import CompatTable, load_table_files
 from federation.stop_after import announce_stop
 
 log = structlog.get_logger()
@@ -127,6 +132,7 @@ class RayCore:
         on_status: Called with a task's report when it starts running and when it ends.
         on_change: Called whenever the view or the queue changes.
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
+        compat: The software compatibility table requirements are read through.
     """
 
     name = "ray"
@@ -140,11 +146,13 @@ class RayCore:
         on_status: StatusCallback,
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
+        compat: CompatTable | None = None,
     ) -> None:
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()
-        self._on_status, self._on_change = on_status, on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
+        self._compat = compat or load_table_files()
         self._nodes: list[resources_pb2.Node] = []
         self._held: dict[str, Held] = {}
         self._tasks: dict[RunKey, RayTask] = {}
@@ -152,7 +160,6 @@ class RayCore:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._jobs: Any = None
-        self._published = b""
 
     async def start(self) -> None:
         """Connects to the head, adopts this site's jobs, then follows Ray in the background."""
@@ -237,14 +244,12 @@ class RayCore:
         return _accepted(name, lease_s)
 
     def _problem(self, offer: site_link_service_pb2.Offer) -> str:
+        if problem := task_problem(offer):
+            return problem
         spec = offer.spec
         acc = spec.resources.accelerator
-        if not spec.command:
-            return "task has no command"
         if spec.kind == jobs_pb2.TASK_KIND_SERVICE:
             return "services are not run on this Ray site, which takes work that ends"
-        if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
-            return f"invalid cpu request {spec.resources.cpu}"
         if acc.fraction or acc.partition:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
         if spec.spread.all_or_nothing:
@@ -256,22 +261,17 @@ class RayCore:
                 "this Ray site does not stage inputs, store outputs, keep checkpoints or run "
                 "images yet"
             )
-        key = (offer.job_id, offer.task)
-        epochs = [
-            k[2] for k in [*self._tasks, *(h.key for h in self._held.values())] if k[:2] == key
-        ]
-        if epochs and max(epochs) > offer.epoch:
-            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
-        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
-            return f"epoch {offer.epoch} of the task was already committed here"
-        return ""
+        return epoch_problem(offer, (h.key for h in self._held.values()), self._tasks)
 
     async def _reserve(
         self, offer: site_link_service_pb2.Offer, key: RunKey, name: str, lease_s: float
     ) -> Held | str:
         spec = offer.spec
         replicas = spec.replicas or 1
-        placed = place(self.nodes(), spec, self._usage())
+        nodes = qualifying_nodes(self.nodes(), offer, self._compat)
+        if isinstance(nodes, str):
+            return nodes
+        placed = place(nodes, spec, self._usage())
         if isinstance(placed, str):
             # Ask Ray all the same, so the decline carries Ray's own word on the request.
             bundles = [self._requested_bundle(spec)] * replicas
@@ -335,16 +335,10 @@ class RayCore:
         self, commit: site_link_service_pb2.Commit
     ) -> site_link_service_pb2.CommitAnswer:
         """Submits the task's Ray job into its group."""
-        key: RunKey = (commit.job_id, commit.task, commit.epoch)
-        known = self._tasks.get(key)
-        if known is not None and known.reservation_id == commit.reservation_id:
-            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
-        held = self._held.get(commit.reservation_id)
-        if held is None or held.key != key:
-            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
-            if held is not None:
-                reason = f"reservation {commit.reservation_id!r} is for another task or epoch"
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        key = commit_key(commit)
+        held = settled(commit, self._tasks.get(key), self._held.get(commit.reservation_id))
+        if isinstance(held, site_link_service_pb2.CommitAnswer):
+            return held
         del self._held[held.name]
         sid = submission_id(self._site, key)
         task = RayTask(
@@ -357,14 +351,12 @@ class RayCore:
         except Exception as err:
             del self._tasks[key]
             await asyncio.to_thread(_remove_group, held.group)
-            reason = f"Ray would not take job {sid}: {err}"
-            log.warning("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
             self._changed()
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+            return refused(key, f"Ray would not take job {sid}: {err}", warning=True)
         log.info("task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=sid)
         self._changed()
         self._wake.set()
-        return site_link_service_pb2.CommitAnswer(started=True)
+        return started()
 
     def _submit(self, held: Held, sid: str) -> None:
         key, spec = held.key, held.spec
@@ -567,21 +559,10 @@ class RayCore:
     # Plumbing ------------------------------------------------------------------------------
 
     def _report(self, task: RayTask) -> None:
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        encoded = b"".join(n.SerializeToString(deterministic=True) for n in self.nodes())
-        encoded += self.queue().SerializeToString(deterministic=True)
-        if encoded == self._published:
-            return
-        self._published = encoded
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.view(self.nodes(), self.queue())
 
     async def close(self) -> None:
         """Stops following Ray and removes uncommitted groups; jobs stay with Ray."""

@@ -50,10 +50,12 @@ from datacenter_agent.slurm_reading import read_slurm
 from datacenter_agent.slurm_tasks import SlurmTask, follow
 from datacenter_agent.slurm_view import ClusterView, Partition
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.commits import commit_key, refused, settled, started
 from federation.agent.config import SlurmSettings
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
+from federation.agent.reports import Reports
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
@@ -99,7 +101,7 @@ class SlurmCore:
         self._cli = SlurmCli(env, settings.command_timeout_s)
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()  # batch scripts run elsewhere
-        self._on_status, self._on_change = on_status, on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._compat = compat or load_table_files()
         self._partition = Partition(settings.partition, "UNKNOWN", None)
@@ -114,7 +116,6 @@ class SlurmCore:
         self._wake = asyncio.Event()
         self._poller: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[Any]] = set()
-        self._published = b""
 
     async def start(self) -> None:
         """Reads Slurm once (adopting this site's jobs), then keeps reading it in the background."""
@@ -265,17 +266,11 @@ class SlurmCore:
         self, commit: site_link_service_pb2.Commit
     ) -> site_link_service_pb2.CommitAnswer:
         """Releases the held job; Slurm starts it when it can."""
-        key: RunKey = (commit.job_id, commit.task, commit.epoch)
-        known = self._tasks.get(key)
-        if known is not None and known.reservation_id == commit.reservation_id:
-            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
-        reservation = self._held.get(commit.reservation_id)
-        if reservation is None or reservation.key != key:
-            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
-            if reservation is not None:
-                reason = f"reservation {commit.reservation_id!r} is for another task or epoch"
-            log.info("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        key = commit_key(commit)
+        held = self._held.get(commit.reservation_id)
+        reservation = settled(commit, self._tasks.get(key), held)
+        if isinstance(reservation, site_link_service_pb2.CommitAnswer):
+            return reservation
         self._held.take(reservation.id)
         task = SlurmTask(key, reservation.slurm_id, reservation.id, reservation.slots)
         task.stop_after_s = reservation.stop_after_s
@@ -288,14 +283,13 @@ class SlurmCore:
         except SlurmError as err:
             del self._tasks[key]
             self._held.to_cancel.add(reservation.slurm_id)
-            reason = f"Slurm would not release job {reservation.slurm_id}: {err.message}"
-            log.warning("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
             self._changed()
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+            reason = f"Slurm would not release job {reservation.slurm_id}: {err.message}"
+            return refused(key, reason, warning=True)
         log.info("task_released", job_id=key[0], task=key[1], epoch=key[2], slurm_job=task.slurm_id)
         self._changed()
         self._wake.set()
-        return site_link_service_pb2.CommitAnswer(started=True)
+        return started()
 
     async def release(self, reservation_id: str) -> None:
         """Cancels an uncommitted held job; a no-op when it is unknown."""
@@ -509,21 +503,10 @@ class SlurmCore:
             self._report(task)
 
     def _report(self, task: SlurmTask) -> None:
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        encoded = b"".join(n.SerializeToString(deterministic=True) for n in self.nodes())
-        encoded += self._queue.SerializeToString(deterministic=True)
-        if encoded == self._published:
-            return
-        self._published = encoded
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.view(self.nodes(), self._queue)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(coro)

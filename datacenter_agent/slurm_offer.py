@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import math
 import re
 import time
 from collections.abc import Collection, Iterable, Sequence
@@ -30,14 +29,16 @@ from datacenter_agent.slurm_job import (
 from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
 from datacenter_agent.slurm_view import GRES_KINDS
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.commits import epoch_problem
 from federation.agent.config import SlurmSettings
 from federation.agent.core import gang_refusal
+from federation.agent.node_fit import invalid_names, task_problem
 from federation.agent.packing import task_speed
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(/[0-9]+)?$")
-"""A task, or a part of a divided one ("train/1")."""
+"""A task, or a part of a divided one ("train/1"), as Slurm's job names and comments take it."""
 _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 """A tenant's chosen ids are ``TENANT:ID``."""
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -50,7 +51,9 @@ def offer_problem(
     held: Iterable[RunKey],
     committed: Collection[RunKey],
 ) -> str:
-    """Why an offer is declined before Slurm is even asked, or "".
+    """Why an offer is declined before Slurm is even asked, or "": the checks every core
+    makes (``node_fit.task_problem``, ``commits.epoch_problem``) and what this site cannot do
+    under Slurm.
 
     Args:
         offer: The offer.
@@ -60,12 +63,12 @@ def offer_problem(
     """
     if health:
         return f"site degraded: {health}"
+    if problem := task_problem(offer):
+        return problem
+    if not (_JOB_ID_RE.match(offer.job_id) and _NAME_RE.match(offer.task)):
+        return invalid_names(offer)  # names Slurm's job names and comments cannot carry
     spec = offer.spec
     acc = spec.resources.accelerator
-    if not (_JOB_ID_RE.match(offer.job_id) and _NAME_RE.match(offer.task)):
-        return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
-    if not spec.command:
-        return "task has no command"
     if spec.kind == jobs_pb2.TASK_KIND_SERVICE:
         return (
             "services are not run under Slurm, which takes work that ends: this site keeps "
@@ -78,8 +81,6 @@ def offer_problem(
             f"replicas must share a {spec.topology.required}, and this site does not place by "
             "topology (Slurm's switches are not mapped to node labels)"
         )
-    if not math.isfinite(spec.resources.cpu) or spec.resources.cpu < 0:
-        return f"invalid cpu request {spec.resources.cpu}"
     if bad := sorted(k for k in spec.env if not _ENV_KEY_RE.match(k)):
         return f"invalid environment variable names: {', '.join(bad)}"
     if acc.fraction or acc.partition:
@@ -90,12 +91,7 @@ def offer_problem(
         return "Slurm has no generic resource for this device kind"
     if acc.count and (spec.replicas or 1) > 1 and acc.kind != resources_pb2.DEVICE_KIND_GPU:
         return "Slurm gives each of several replicas their own devices for GPUs only"
-    same_task = [k[2] for k in [*committed, *held] if k[:2] == (offer.job_id, offer.task)]
-    if same_task and max(same_task) > offer.epoch:
-        return f"stale epoch {offer.epoch}: this site holds epoch {max(same_task)} of the task"
-    if (offer.job_id, offer.task, offer.epoch) in committed:
-        return f"epoch {offer.epoch} of the task was already committed here"
-    return ""
+    return epoch_problem(offer, held, committed)
 
 
 @dataclass(frozen=True, slots=True)

@@ -33,6 +33,7 @@ from federation.agent.accounts import (
 )
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
+from federation.agent.commits import commit_key, epoch_problem, settled, started
 from federation.agent.containers import (
     ENV_FILE,
     IMAGE_REFRESH_S,
@@ -45,11 +46,12 @@ from federation.agent.core import ChangeCallback, StatusCallback, task_report
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.node_fit import qualifying_nodes
+from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.object_store import DataError
 from federation.agent.owner_share import held
 from federation.agent.packing import Placed, place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.reports import Reports
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
@@ -221,18 +223,6 @@ def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
     return ""
 
 
-def _bad_path_component(value: str) -> bool:
-    return not value or "/" in value or "\0" in value or value in (".", "..")
-
-
-def _bad_task_name(value: str) -> bool:
-    """A task's name is one folder, or two for a part of a divided task ("train/1")."""
-    head, part, number = value.rpartition("/")
-    if part:
-        return _bad_path_component(head) or not (number.isascii() and number.isdigit())
-    return _bad_path_component(value)
-
-
 INHERITED_ENV = frozenset(
     {
         "PATH",
@@ -314,8 +304,7 @@ class EmbeddedCore:
             self._nodes[node.name].CopyFrom(node)
         self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
-        self._on_status = on_status
-        self._on_change = on_change
+        self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
@@ -507,21 +496,11 @@ class EmbeddedCore:
         A replica that cannot be started (a missing program, say) does not refuse the commit:
         the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
         """
-        key: RunKey = (commit.job_id, commit.task, commit.epoch)
-        known = self._tasks.get(key)
-        if known is not None and known.reservation_id == commit.reservation_id:
-            return site_link_service_pb2.CommitAnswer(started=True)  # a retried commit
-        reservation = self._reservations.get(commit.reservation_id)
-        if reservation is None or reservation.key != key:
-            reason = f"unknown reservation {commit.reservation_id!r} (lapsed or released)"
-            if reservation is not None:
-                job_id, name, epoch = reservation.key
-                reason = (
-                    f"reservation {commit.reservation_id!r} is for {job_id}/{name} epoch {epoch}, "
-                    f"not {key[0]}/{key[1]} epoch {key[2]}"
-                )
-            log.info("commit_refused", job_id=key[0], task=key[1], epoch=key[2], reason=reason)
-            return site_link_service_pb2.CommitAnswer(started=False, reason=reason)
+        key = commit_key(commit)
+        held = self._reservations.get(commit.reservation_id)
+        reservation = settled(commit, self._tasks.get(key), held)
+        if isinstance(reservation, site_link_service_pb2.CommitAnswer):
+            return reservation
         self._drop_reservation(reservation.id)
         devices = self._device_labels(reservation.slots)
         task = _Task(
@@ -557,7 +536,7 @@ class EmbeddedCore:
             task.supervisor = asyncio.create_task(self._stage_then_launch(task))
         else:
             await self._launch(task)
-        return site_link_service_pb2.CommitAnswer(started=True)
+        return started()
 
     def _to_launch(self, task: _Task) -> set[str]:
         """The nodes of the task that an elastic site has yet to launch."""
@@ -953,24 +932,13 @@ class EmbeddedCore:
 
     def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
         """Why an offer is declined before placement is even tried, or ""."""
-        if _bad_path_component(offer.job_id) or _bad_task_name(offer.task):
-            return f"invalid job id or task name {offer.job_id!r}/{offer.task!r}"
-        if not offer.spec.command:
-            return "task has no command"
+        if problem := task_problem(offer):
+            return problem
         if offer.spec.image and (problem := self._containers.refusal(offer.spec.image)):
             return problem
         if problem := _fixed_port_problem(offer.spec):
             return problem
-        cpu = offer.spec.resources.cpu
-        if not math.isfinite(cpu) or cpu < 0:
-            return f"invalid cpu request {cpu}"
-        keys = [*self._tasks, *(r.key for r in self._reservations.values())]
-        epochs = [k[2] for k in keys if k[:2] == (offer.job_id, offer.task)]
-        if epochs and max(epochs) > offer.epoch:
-            return f"stale epoch {offer.epoch}: this site holds epoch {max(epochs)} of the task"
-        if (offer.job_id, offer.task, offer.epoch) in self._tasks:
-            return f"epoch {offer.epoch} of the task was already committed here"
-        return ""
+        return epoch_problem(offer, (r.key for r in self._reservations.values()), self._tasks)
 
     def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
         """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
@@ -1684,17 +1652,10 @@ class EmbeddedCore:
 
     def _report(self, task: _Task) -> None:
         task.moved.set()
-        # A failing callback must not stop the core from tracking its tasks.
-        try:
-            self._on_status(task.report())
-        except Exception:
-            log.exception("status_callback_failed")
+        self._reports.status(task.report())
 
     def _changed(self) -> None:
-        try:
-            self._on_change()
-        except Exception:
-            log.exception("change_callback_failed")
+        self._reports.changed()
 
 
 def _safe_part(name: str) -> bool:

@@ -1,7 +1,11 @@
-"""The embedded core accepts an offer exactly when the coordinator's CapacityFit says it fits.
+"""The cores decide alike, and as the coordinator expects.
 
-Each case builds nodes, holds some offers on a core, then asks both sides about one more: the
-coordinator through a snapshot of the core's published view, the core through a real offer.
+* The embedded core accepts an offer exactly when the coordinator's CapacityFit says it fits.
+  Each case builds nodes, holds some offers on a core, then asks both sides about one more: the
+  coordinator through a snapshot of the core's published view, the core through a real offer.
+* Every core gives the same answers to the same offers and commits (``decisions``): the
+  embedded core here, the Slurm and Ray cores in their own folders against a real Slurm and a
+  real Ray head, each held to the one table.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from federation.placement.request import Request
 from federation.placement.snapshot import SiteInput, build_snapshot
 
 from .cores import node, offer
+from .decisions import CASES as DECISIONS
+from .decisions import Case as Decision
+from .decisions import play
 
 MIG = {"1g.10gb": 7, "3g.40gb": 2}
 CUDA_12 = 'device.attributes["cuda"] >= "12"'
@@ -242,3 +249,12 @@ async def test_core_accepts_exactly_what_capacity_fit_admits(
     coordinator = coordinator_fits(core, ask)
     answer = await core.offer(ask)
     assert (coordinator, answer.accepted) == (case.fits, case.fits), answer.reason
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name) for name, c in DECISIONS.items()])
+async def test_embedded_core_decides_as_every_core(
+    make_core: Callable[..., EmbeddedCore], case: Decision
+) -> None:
+    """The embedded core answers each offer and commit as the table says every core does."""
+    core = make_core([node("fed-node-1", cpu=8, memory_mib=16000)])
+    assert await play(core, case) == case.answers

@@ -171,7 +171,7 @@ async def test_reservation_lapses_after_lease(
     assert core.queue().pending_tasks == 0
     refused = await core.commit(commit_for(o, answer))
     assert not refused.started
-    assert "unknown reservation" in refused.reason
+    assert refused.reason == f"unknown reservation {answer.reservation_id!r} (lapsed or released)"
 
 
 async def test_repeated_offer_and_stale_epoch(make_core: Callable[..., EmbeddedCore]) -> None:
@@ -184,7 +184,7 @@ async def test_repeated_offer_and_stale_epoch(make_core: Callable[..., EmbeddedC
     assert allocated(core) == {"dc-gpu-1": [0]}
     stale = await core.offer(offer(epoch=1, devices=1))
     assert not stale.accepted
-    assert stale.reason.startswith("stale epoch 1")
+    assert stale.reason == "stale epoch 1: this site holds epoch 2 of the task"
 
 
 async def test_commit_checks_reservation(make_core: Callable[..., EmbeddedCore]) -> None:
@@ -196,9 +196,12 @@ async def test_commit_checks_reservation(make_core: Callable[..., EmbeddedCore])
     wrong.epoch = 3
     refused = await core.commit(wrong)
     assert not refused.started
-    assert "epoch 2" in refused.reason
+    assert refused.reason == (
+        f"reservation {answer.reservation_id!r} is for job-1/train epoch 2, not job-1/train epoch 3"
+    )
     unknown = await core.commit(site_link_service_pb2.Commit(reservation_id="nope"))
     assert not unknown.started
+    assert unknown.reason == "unknown reservation 'nope' (lapsed or released)"
     assert core.queue() == resources_pb2.QueueState(pending_tasks=1)
     assert core.tasks() == []
 

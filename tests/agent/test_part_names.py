@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from datacenter_agent.slurm_offer import _NAME_RE
-from federation.agent.embedded_core import _bad_task_name
+from federation.agent.node_fit import bad_task_name
 
 
 @pytest.mark.parametrize(
@@ -24,5 +24,5 @@ from federation.agent.embedded_core import _bad_task_name
     ],
 )
 def test_task_names_at_the_sites(name: str, bad: bool) -> None:
-    assert _bad_task_name(name) is bad
+    assert bad_task_name(name) is bad
     assert (_NAME_RE.match(name) is None) is bad

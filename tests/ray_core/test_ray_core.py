@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
 import pytest
+from agent.decisions import CASES, Case, play
 
 from datacenter_agent.ray_core import RayCore
 from federation.agent.core import gang_refusal
@@ -147,7 +148,7 @@ async def test_uncommitted_offer_lapses_within_its_lease(make_core: MakeCore) ->
     assert time.monotonic() - began < 1.0 + 1.0
     refused = await core.commit(commit("j-lapse", answer.reservation_id))
     assert not refused.started
-    assert "lapsed" in refused.reason
+    assert refused.reason == f"unknown reservation {answer.reservation_id!r} (lapsed or released)"
     # Ray holds it no more either: a gang of both A100s is placed.
     again = await core.offer(offer("j-after", gang(["true"]), lease_s=5.0))
     assert again.accepted, again.reason
@@ -226,3 +227,10 @@ async def test_restarted_core_adopts_the_running_job(make_core: MakeCore, tmp_pa
     assert report is not None
     assert report.state == jobs_pb2.JOB_STATE_SUCCEEDED, report
     assert "done" in report.output_tail
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=name) for name, c in CASES.items()])
+async def test_ray_core_decides_as_every_core(make_core: MakeCore, case: Case) -> None:
+    """The Ray core answers offers and commits as every core does (``agent.decisions``)."""
+    core, _ = await make_core()
+    assert await play(core, case) == case.answers
