@@ -343,3 +343,22 @@ sites:
     assert second.grant is not None
     assert second.grant.nodes == first.grant.nodes
     assert (second.launch_s, result.summary["policies"]["completion-time"]["launches"]) == (0, 1)
+
+
+def test_the_shipped_example_launches_cloud_nodes_for_the_burst() -> None:
+    """``examples/sim/elastic-*``: the burst outgrows the datacenter; the cloud's nodes
+    launch, every job completes, and launched nodes are the whole cost (the figures
+    docs/simulator.md quotes)."""
+    examples = Path(__file__).resolve().parents[2] / "examples" / "sim"
+    result = replay(
+        load_topology(examples / "elastic-topology.yaml"),
+        load_trace(examples / "elastic-trace.csv"),
+        ["completion-time"],
+    )
+    figures = result.summary["policies"]["completion-time"]
+    assert figures["jobs_completed"] == 40
+    assert figures["launches"] == 8
+    assert figures["launched_node_hours"] == pytest.approx(13.09, abs=0.01)
+    cost = figures["cost_usd"]
+    assert cost["total"] == cost["elastic"] == pytest.approx(172.77, abs=0.01)
+    assert figures["jct_s"]["mean"] == pytest.approx(1971.0)
