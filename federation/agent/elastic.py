@@ -29,6 +29,7 @@ from typing import Protocol, TypeAlias
 import structlog
 
 from federation.api.v1 import resources_pb2
+from federation.common.node_types import IDLE_RELEASE_S, NodeType
 from federation.config import at_least, one_of, positive
 
 log = structlog.get_logger()
@@ -48,28 +49,10 @@ class ElasticSettings:
 
     provider: str = field(default="", metadata=one_of("", "simulated"))
     """Who starts and stops the inventory's ``node_types``; empty: none (they are ignored)."""
-    idle_release_s: float = field(default=300.0, metadata=positive())
+    idle_release_s: float = field(default=IDLE_RELEASE_S, metadata=positive())
     """A launched node that holds no task this long is released."""
     warm_min: int = field(default=0, metadata=at_least(0))
     """At least this many launched nodes stay running, busy or idle."""
-
-
-@dataclass(frozen=True, slots=True)
-class NodeType:
-    """One kind of node a site may launch, as its inventory declares it."""
-
-    name: str
-    template: resources_pb2.Node
-    """The hardware of one such node (its name unset)."""
-    max: int
-    """How many may run at once (the site's quota)."""
-    price_per_hour: float = 0.0
-    spot_price_per_hour: float = 0.0
-    delay_s: float = 60.0
-    """Expected launch delay until launches are measured; the simulated provider's delay."""
-
-    def node_names(self) -> list[str]:
-        return [f"{self.name}-{i}" for i in range(self.max)]
 
 
 class LaunchError(Exception):
@@ -129,12 +112,7 @@ class Elastic:
         """Every node the site may launch, as launchable nodes with their capacity."""
         out = []
         for name, node_type in self._type_of.items():
-            node = resources_pb2.Node()
-            node.CopyFrom(node_type.template)
-            node.name = name
-            node.labels["node_type"] = node_type.name
-            for i, device in enumerate(node.devices):
-                device.id = f"{name}-{i}"
+            node = node_type.node(name)
             self.decorate(node)
             out.append(node)
         return out
@@ -145,17 +123,8 @@ class Elastic:
         if node_type is None:
             return
         p50, p90 = self.delays(node_type.name)
-        node.launch.CopyFrom(
-            resources_pb2.NodeLaunch(
-                node_type=node_type.name,
-                state=self._state[node.name],
-                delay_p50_s=p50,
-                delay_p90_s=p90,
-                price_per_hour=node_type.price_per_hour,
-                spot_price_per_hour=node_type.spot_price_per_hour,
-                idle_since=self._idle_since.get(node.name, 0.0),
-            )
-        )
+        idle_since = self._idle_since.get(node.name, 0.0)
+        node.launch.CopyFrom(node_type.launch(self._state[node.name], p50, p90, idle_since))
 
     def delays(self, node_type: str) -> tuple[float, float]:
         """The p50 and p90 launch delay of the type: learned, else as configured."""

@@ -16,8 +16,8 @@ from typing import Any
 import structlog
 import yaml
 
-from federation.agent.elastic import NodeType
 from federation.api.v1 import resources_pb2
+from federation.common.node_types import DEFAULT_DELAY_S, MAX_LAUNCHABLE, NodeType
 from federation.common.view_limits import (
     MAX_DEVICE_MEMORY_MIB,
     MAX_DEVICE_PARTITIONS,
@@ -347,8 +347,6 @@ _NODE_TYPE_KEYS = (_NODE_KEYS - {"schedulable"}) | {
     "spot_price_per_hour",
     "delay_s",
 }
-MAX_LAUNCHABLE = 1000
-"""Nodes of one type a site may launch: each is a node of its view."""
 
 
 def load_node_types(path: Path) -> list[NodeType]:
@@ -372,7 +370,11 @@ def load_node_types(path: Path) -> list[NodeType]:
             raise reader.fail(f"{field}.max", f"must be 1 to {MAX_LAUNCHABLE}, got {count:g}")
         price, spot, delay_s = (
             reader.number(entry.get(key, default), f"{field}.{key}")
-            for key, default in (("price_per_hour", 0), ("spot_price_per_hour", 0), ("delay_s", 60))
+            for key, default in (
+                ("price_per_hour", 0),
+                ("spot_price_per_hour", 0),
+                ("delay_s", DEFAULT_DELAY_S),
+            )
         )
         node.name = ""
         types.append(NodeType(str(entry["name"]), node, int(count), price, spot, delay_s))

@@ -20,6 +20,9 @@ With queues or priority classes in the topology, waiting tasks are taken as the 
 scheduling cycle takes them (``_cycle``): in its line (``Sharing.order``), each through its
 queues' quotas, then placement, then preemption where it may stop others (``_preempt_for``).
 A stopped task waits again and restarts from its last checkpoint.
+
+Sites with node types launch nodes for the tasks placed on them and release them when idle
+(``federation.sim.elastic``): a task on nodes still to run starts once they do.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from federation.coordinator.scheduling.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework
 from federation.placement.request import Request
+from federation.sim.elastic import Launches, LaunchTally
 from federation.sim.policies import PROFILES, build_policy, feasibility_key
 from federation.sim.queues import Shares, Tally
 from federation.sim.state import Grant, SiteState, site_views
@@ -117,6 +121,9 @@ class TaskRun:
     started_s: float = math.nan
     finished_s: float = math.nan
     transfer_s: float = 0.0
+    launch_s: float = 0.0
+    """Seconds from its placement until the nodes it got run (launched for it, or already
+    launching); 0 on running nodes."""
     run_s: float = 0.0
     wan_bytes: float = 0.0
     compute_usd: float = 0.0
@@ -187,6 +194,8 @@ class Outcome:
     straddles: dict[str, list[int]] = field(default_factory=dict)
     """Per topology level the nodes declare (``rack``...): [gangs placed over several nodes
     that all carry the level, of those the gangs whose nodes were in more than one value]."""
+    elastic: LaunchTally | None = None
+    """With node types in the topology: the nodes launched, for how long, and at what cost."""
 
 
 class Simulation:
@@ -272,6 +281,8 @@ class Simulation:
             minlength=self.snap.n_nodes,
         ).astype(np.float64)
         self._node_tasks = np.zeros(self.snap.n_nodes, dtype=np.int64)
+        self.launches = Launches(state.topology, self.snap)
+        self.out.elastic = self.launches.tally if self.launches.any else None
         self._powered_nodes = 0
         self._powered_watts = 0.0
         self._running_watts = 0.0
@@ -335,6 +346,7 @@ class Simulation:
             handled += kind == DONE
             if progress is not None and kind == DONE and handled % 256 == 0:
                 progress(handled, total)
+        self.launches.finish(self._now)
         if progress is not None:
             progress(total, total)
         if self.learner is not None:
@@ -365,6 +377,7 @@ class Simulation:
                 self.out.idle_while_waiting_device_s += self.state.free_devices * dt
             if self.shares is not None:
                 self.shares.advance(dt)
+        self.launches.advance(when)
         self._now = max(self._now, when)
 
     def _move(self, run: TaskRun, new: int) -> None:
@@ -437,6 +450,7 @@ class Simulation:
         run.compute_usd += float(self.snap.price_per_device_hour[run.site]) * devices * held_h
         watts = self.snap.device_power_watts[list(run.grant.devices)].sum()
         run.energy_kwh += float(watts) * run.grant.device_share * ran_s / 3.6e6
+        self.launches.leave(run.grant.nodes, self._now)
         self.state.release(run.grant)
         if self.shares is not None:
             # Room and quota freed: every waiting task is weighed again, those that chose to
@@ -522,7 +536,7 @@ class Simulation:
         for j in self._at_site[site]:
             run = self.runs[j]
             assert run.grant is not None
-            end = run.placed_s + run.transfer_s + run.estimated_run_s
+            end = run.placed_s + run.launch_s + run.transfer_s + run.estimated_run_s
             end = max(end, self._now + OVERRUN_LEFT * run.estimated_run_s)
             ends.append((end, j, run.grant))
         heapq.heapify(ends)
@@ -563,7 +577,7 @@ class Simulation:
         run = self.runs[i]
         # The site packs as the estimate assumed (the faster devices), as real sites do.
         assumed = float(estimate(req, self.snap).device_speed[site])
-        run.grant = grant = self.state.allocate(req, site, assumed)
+        run.grant = grant = self.launches.allocate(self.state, req, site, assumed)
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
         if self.shares is not None:
@@ -573,6 +587,7 @@ class Simulation:
         run.site = site
         self._at_site[site].add(i)
         run.placed_s = self._now
+        run.launch_s = self.launches.hold(grant.nodes, self._now) - self._now
         run.transfer_s, wan_bytes, egress_usd = self._transfer(run.request, site)
         run.wan_bytes += wan_bytes  # a restart reads its inputs again
         run.egress_usd += egress_usd
@@ -595,7 +610,7 @@ class Simulation:
                 self._powered_nodes += 1
                 self._powered_watts += float(self.node_watts[node])
             self._node_tasks[node] += 1
-        run.event = self._push(self._now + run.transfer_s, START, i)
+        run.event = self._push(self._now + run.launch_s + run.transfer_s, START, i)
 
     def _count_straddles(self, nodes: tuple[int, ...]) -> None:
         """A gang over several nodes: whether it straddled each level its nodes carry."""
@@ -820,7 +835,7 @@ class Simulation:
         started = run.started_s if run.state == job_state.RUNNING else None
         ready = ready_s(started, min_run_s, reclaim=bool(lenders))
         if ready == math.inf:  # placed, its input still moving: the replay knows when it starts
-            ready = run.placed_s + run.transfer_s + min_run_s
+            ready = run.placed_s + run.launch_s + run.transfer_s + min_run_s
         assert run.grant is not None
         models = [str(self.snap.device_model[d]) for d in run.grant.devices]
         candidate = Candidate(

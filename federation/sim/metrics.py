@@ -22,6 +22,7 @@ from federation.placement.plugins.capacity_fit import matching_devices, replicas
 from federation.placement.registry import DEFAULT_FILTERS, build_framework
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
+from federation.sim.elastic import LaunchTally
 from federation.sim.engine import Outcome, TaskRun
 from federation.sim.policies import feasibility_key
 from federation.sim.queues import jain_index
@@ -162,6 +163,7 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
     in_system = sum(r.finished_s - r.trace.submit_s for r in finished)
     compute = sum(r.compute_usd for r in finished)
     egress = sum(r.egress_usd for r in placed)
+    elastic = 0.0 if outcome.elastic is None else outcome.elastic.usd
     promised = [r for r in placed if r.assumed_speed > 0]
     busy_kwh = sum(r.energy_kwh for r in finished)
     idle_kwh = outcome.idle_energy_j / 3.6e6
@@ -220,8 +222,10 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
         "cost_usd": {
             "compute": as_number(compute),
             "egress": as_number(egress),
-            "total": as_number(compute + egress),
+            **({} if outcome.elastic is None else {"elastic": as_number(elastic)}),
+            "total": as_number(compute + egress + elastic),
         },
+        **({} if outcome.elastic is None else launch_figures(outcome.elastic)),
         "energy_kwh": as_number(busy_kwh),
         "energy_idle_kwh": as_number(idle_kwh),
         "energy_total_kwh": as_number(busy_kwh + idle_kwh),
@@ -259,6 +263,18 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
                 }
             }
         ),
+    }
+
+
+def launch_figures(tally: LaunchTally) -> dict[str, Any]:
+    """Nodes launched (``launches``), how long tasks placed on launching nodes waited for them
+    to run (``launch_wait_s``, over those placements) and the node-hours from launch to
+    release (``launched_node_hours``); their cost is ``cost_usd.elastic``."""
+    waits = _spread(np.array(tally.waits))
+    return {
+        "launches": tally.launches,
+        "launch_wait_s": {k: waits[k] for k in ("mean", "p50", "p95")},
+        "launched_node_hours": as_number(tally.node_s / 3600.0),
     }
 
 

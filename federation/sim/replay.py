@@ -106,6 +106,7 @@ def replay(
             "sites": len(topology.sites),
             "nodes": topology.n_nodes,
             "devices": dict(sorted(devices.items())),
+            **({"launchable_nodes": topology.n_launchable} if topology.n_launchable else {}),
         },
         "trace": {"source": trace_source, "jobs": len(job_ids), "tasks": len(tasks)},
         "seed": seed,

@@ -65,9 +65,10 @@ def print_tables(result: ReplayResult, console: Console) -> None:
     policies: Mapping[str, dict[str, Any]] = summary["policies"]
     topo, trace = summary["topology"], summary["trace"]
     devices = sum(topo["devices"].values())
+    launchable = f" (+{topo['launchable_nodes']} launchable)" if "launchable_nodes" in topo else ""
     console.print(
         f"{trace['tasks']} tasks in {trace['jobs']} jobs over {topo['sites']} sites, "
-        f"{topo['nodes']} nodes, {devices} devices; lower bound on mean JCT "
+        f"{topo['nodes']} nodes{launchable}, {devices} devices; lower bound on mean JCT "
         f"{duration(summary['lower_bound_mean_jct_s'])} (each job alone on its best device, "
         "data local)"
     )
@@ -126,12 +127,37 @@ def print_tables(result: ReplayResult, console: Console) -> None:
         )
     console.print(resources)
     console.print(energy_table(summary))
+    if any("launches" in m for m in policies.values()):
+        console.print(launch_table(policies))
     if any("sharing" in m for m in policies.values()):
         console.print(sharing_table(policies))
     if any("gangs_straddling" in m for m in policies.values()):
         console.print(straddle_table(policies))
     for line in warnings(result):
         console.print(line, style="bold yellow", markup=False, highlight=False)
+
+
+def launch_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:
+    """Per policy: nodes launched, how long tasks waited for launches, the node-hours
+    launched and what they cost, beside the total cost."""
+    table = Table(title="Elastic capacity (launched nodes)", box=box.SIMPLE_HEAD)
+    table.add_column("policy", no_wrap=True)
+    for column in ("launches", "wait mean", "wait p50", "wait p95", "node-h", "launch $"):
+        table.add_column(column, justify="right")
+    table.add_column("cost $", justify="right")
+    for name, m in policies.items():
+        wait = m["launch_wait_s"]
+        table.add_row(
+            name,
+            str(m["launches"]),
+            duration(wait["mean"]),
+            duration(wait["p50"]),
+            duration(wait["p95"]),
+            f"{m['launched_node_hours']:.2f}",
+            f"{m['cost_usd']['elastic']:.2f}",
+            f"{m['cost_usd']['total']:.2f}",
+        )
+    return table
 
 
 def straddle_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:

@@ -27,6 +27,7 @@ from federation.placement.estimates import class_speed
 from federation.placement.plugins.capacity_fit import EPSILON, matching_classes, node_label_mask
 from federation.placement.request import Request
 from federation.placement.snapshot import Memo, SiteInput, Snapshot, build_snapshot
+from federation.sim.elastic import launchable_nodes
 from federation.sim.topology import Topology
 
 F64 = npt.NDArray[np.float64]
@@ -56,7 +57,8 @@ class Grant:
 
 
 def site_views(topology: Topology) -> list[SiteInput]:
-    """The views the topology's sites would publish, idle (nodes named ``site/00000``...)."""
+    """The views the topology's sites would publish, idle (nodes named ``site/00000``...,
+    then the nodes of their node types, launchable: ``site/a100x2-0``...)."""
     sites = []
     for spec in topology.sites:
         view = resources_pb2.SiteView(
@@ -69,30 +71,9 @@ def site_views(topology: Topology) -> list[SiteInput]:
         number = 0
         for node_spec in spec.nodes:
             for _ in range(node_spec.count):
-                node = view.nodes.add(
-                    name=f"{spec.name}/{number:05d}",
-                    cpu_cores=node_spec.cpu,
-                    cpu_free=node_spec.cpu,
-                    memory_mib=node_spec.memory_mib,
-                    memory_free_mib=node_spec.memory_mib,
-                    schedulable=True,
-                )
-                node.labels.update(node_spec.labels or {})
+                view.nodes.append(node_spec.node(f"{spec.name}/{number:05d}"))
                 number += 1
-                for device in node_spec.devices:
-                    for _ in range(device.count):
-                        node.devices.add(
-                            index=len(node.devices),
-                            kind=device.kind,
-                            vendor=device.vendor,
-                            model=device.model,
-                            memory_total_mib=device.memory_mib,
-                            tflops_fp16=device.tflops_fp16,
-                            power_tdp_watts=device.power_watts,
-                            health=resources_pb2.DEVICE_HEALTH_HEALTHY,
-                            shareable=device.shareable,
-                            free_fraction=1.0,
-                        )
+        view.nodes.extend(launchable_nodes(spec))
         sites.append(SiteInput(view=view, is_connected=True, is_cordoned=False))
     return sites
 
@@ -398,6 +379,8 @@ def _copy_capacity(snap: Snapshot) -> Snapshot:
         snap,
         node_cpu_free=snap.node_cpu_free.copy(),
         node_memory_free_mib=snap.node_memory_free_mib.copy(),
+        node_schedulable=snap.node_schedulable.copy(),
+        node_provision_s=snap.node_provision_s.copy(),
         device_available=snap.device_available.copy(),
         device_shareable=snap.device_shareable.copy(),
         device_free_fraction=snap.device_free_fraction.copy(),

@@ -16,6 +16,12 @@ import numpy.typing as npt
 import yaml
 
 from federation.api.v1 import queues_pb2, resources_pb2
+from federation.common.node_types import (
+    DEFAULT_DELAY_S,
+    IDLE_RELEASE_S,
+    MAX_LAUNCHABLE,
+    NodeType,
+)
 from federation.coordinator.policy.priority import PriorityClass
 from federation.jobspec import parse_domain
 from federation.sim.fields import Fields, InputFileError, read_text
@@ -94,6 +100,33 @@ class NodeSpec:
     """Node labels, as a site's nodes carry them; those naming a topology level (``rack``,
     ``block``) let the replay count the gangs that straddled a level."""
 
+    def node(self, name: str) -> resources_pb2.Node:
+        """One of these nodes as its site publishes it, idle."""
+        node = resources_pb2.Node(
+            name=name,
+            cpu_cores=self.cpu,
+            cpu_free=self.cpu,
+            memory_mib=self.memory_mib,
+            memory_free_mib=self.memory_mib,
+            schedulable=True,
+        )
+        node.labels.update(self.labels or {})
+        for device in self.devices:
+            for _ in range(device.count):
+                node.devices.add(
+                    index=len(node.devices),
+                    kind=device.kind,
+                    vendor=device.vendor,
+                    model=device.model,
+                    memory_total_mib=device.memory_mib,
+                    tflops_fp16=device.tflops_fp16,
+                    power_tdp_watts=device.power_watts,
+                    health=resources_pb2.DEVICE_HEALTH_HEALTHY,
+                    shareable=device.shareable,
+                    free_fraction=1.0,
+                )
+        return node
+
 
 @dataclass(frozen=True, slots=True)
 class SiteSpec:
@@ -113,11 +146,23 @@ class SiteSpec:
     speed_factor: float = 1.0
     """How fast its devices really run against their model's speed (the speed table's times
     the topology's ``speed_factors``): slower hardware or software at this site."""
+    node_types: tuple[NodeType, ...] = ()
+    """Nodes it launches when a task needs them (an elastic cloud site), as an agent's
+    inventory declares them; they are not among ``nodes``."""
+    idle_release_s: float = IDLE_RELEASE_S
+    """A launched node that holds no task this long is released."""
+    warm_min: int = 0
+    """At least this many launched nodes stay running, busy or idle."""
 
     @property
     def n_nodes(self) -> int:
-        """Nodes at the site."""
+        """Nodes at the site (running all the time: launchable ones are not counted)."""
         return sum(n.count for n in self.nodes)
+
+    @property
+    def n_launchable(self) -> int:
+        """Nodes the site may launch, of all its node types."""
+        return sum(t.max for t in self.node_types)
 
     @property
     def n_devices(self) -> int:
@@ -152,6 +197,19 @@ class Topology:
     def n_devices(self) -> int:
         """Accelerators in the federation."""
         return sum(s.n_devices for s in self.sites)
+
+    @property
+    def n_launchable(self) -> int:
+        """Nodes the sites may launch."""
+        return sum(s.n_launchable for s in self.sites)
+
+    @property
+    def models(self) -> set[str]:
+        """The device models of every node and node type."""
+        declared = {d.model for s in self.sites for n in s.nodes for d in n.devices}
+        return declared | {
+            d.model for s in self.sites for t in s.node_types for d in t.template.devices
+        }
 
     @property
     def levels(self) -> tuple[str, ...]:
@@ -206,6 +264,7 @@ def _speed_factors(top: Fields, sites: list[SiteSpec]) -> dict[str, float]:
     if given is None:
         return {}
     models = {d.model for s in sites for n in s.nodes for d in n.devices}
+    models |= {d.model for s in sites for t in s.node_types for d in t.template.devices}
     factors = {}
     for model in given.names():
         if model not in models:
@@ -228,7 +287,9 @@ def _site(f: Fields) -> SiteSpec:
         for dataset in held.names():
             datasets[dataset] = held.integer(dataset, minimum=0)
         held.done()
-    nodes = tuple(_node(n, power) for n in f.items("nodes", required=True))
+    node_types = tuple(_node_types(f, power))
+    nodes = tuple(_node(n, power) for n in f.items("nodes", required=not node_types))
+    idle_release_s, warm_min = _release(f, node_types)
     site = SiteSpec(
         name=name,
         domain=domain,
@@ -239,12 +300,54 @@ def _site(f: Fields) -> SiteSpec:
         decline_rate=f.number("decline_rate", 0.0, maximum=1.0),
         datasets=datasets,
         speed_factor=f.number("speed_factor", 1.0, minimum=MIN_SPEED_FACTOR),
+        node_types=node_types,
+        idle_release_s=idle_release_s,
+        warm_min=warm_min,
     )
     f.done()
     return site
 
 
-def _node(f: Fields, site_power: float) -> NodeSpec:
+def _node_types(f: Fields, site_power: float) -> list[NodeType]:
+    """A site's ``node_types``: the fields of an agent inventory's node types (``name``,
+    ``max``, ``price_per_hour``, ``spot_price_per_hour``, ``delay_s``, with its defaults and
+    bounds) and the node's hardware as the topology's nodes give it (no ``count``)."""
+    types: list[NodeType] = []
+    for t in f.items("node_types"):
+        name = t.string("name")
+        if any(other.name == name for other in types):
+            raise t.fail("name", f"duplicate node type {name!r}")
+        if "/" in name:
+            raise t.fail("name", f"{name!r}: a node type's name has no '/'")
+        most = t.integer("max", 1, minimum=1)
+        if most > MAX_LAUNCHABLE:
+            raise t.fail("max", f"must be 1 to {MAX_LAUNCHABLE}, got {most}")
+        price = t.number("price_per_hour", 0.0)
+        spot = t.number("spot_price_per_hour", 0.0)
+        delay_s = t.number("delay_s", DEFAULT_DELAY_S)
+        hardware = _node(t, site_power, counted=False)
+        types.append(NodeType(name, hardware.node(""), most, price, spot, delay_s))
+    return types
+
+
+def _release(f: Fields, node_types: tuple[NodeType, ...]) -> tuple[float, int]:
+    """A site's ``idle_release_s`` and ``warm_min``, which only node types have."""
+    for key in ("idle_release_s", "warm_min"):
+        if f.has(key) and not node_types:
+            raise f.fail(key, "applies to launched nodes: declare node_types, or drop it")
+    idle_release_s = f.number("idle_release_s", IDLE_RELEASE_S)
+    if idle_release_s <= 0:
+        raise f.fail("idle_release_s", f"must be > 0, got {f.raw('idle_release_s')!r}")
+    warm_min = f.integer("warm_min", 0, minimum=0)
+    launchable = sum(t.max for t in node_types)
+    if node_types and warm_min > launchable:
+        raise f.fail(
+            "warm_min", f"must be at most the node types' max in all ({launchable}), got {warm_min}"
+        )
+    return idle_release_s, warm_min
+
+
+def _node(f: Fields, site_power: float, *, counted: bool = True) -> NodeSpec:
     labels: dict[str, str] = {}
     declared = f.child("labels")
     if declared is not None:
@@ -255,7 +358,7 @@ def _node(f: Fields, site_power: float) -> NodeSpec:
         cpu=f.number("cpu", minimum=0.0),
         memory_mib=f.integer("memory_mib", minimum=0),
         devices=tuple(_device(d, site_power) for d in f.items("devices")),
-        count=f.integer("count", 1, minimum=1),
+        count=f.integer("count", 1, minimum=1) if counted else 1,
         labels=labels,
     )
     f.done()

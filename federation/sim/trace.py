@@ -250,7 +250,7 @@ def check_against(tasks: Iterable[TraceTask], topology: Topology, source: str) -
     (a task asking only for those would never run), naming the line."""
     names = {s.name for s in topology.sites}
     held = {d for s in topology.sites for d in (s.datasets or {})}
-    models = {d.model for s in topology.sites for n in s.nodes for d in n.devices}
+    models = topology.models
     for t in tasks:
         where = f"{source}:{t.line}"
         if t.accelerator_models and not t.accelerator_models & models:

@@ -17,12 +17,12 @@ from federation.agent.elastic import (
     Elastic,
     ElasticSettings,
     LaunchError,
-    NodeType,
     SimulatedProvider,
 )
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.inventory import InventoryError, load_inventory, load_node_types
 from federation.api.v1 import jobs_pb2, resources_pb2
+from federation.common.node_types import NodeType
 
 from .cores import Recorder, commit_for, node, offer
 
