@@ -438,15 +438,15 @@ class _Partial:
     def restart(self) -> None:
         self.out.seek(0)
         self.out.truncate()
-        self.used, self.digest = 0, hashlib.sha256()
+        self.held, self.digest = 0, hashlib.sha256()
 
     def add(self, block: bytes) -> None:
         self.digest.update(block)
         self.write(block)
-        self.used += len(block)
+        self.held += len(block)
         self.moved += len(block)
         if self.progress is not None:
-            self.progress(self.used, time.monotonic() - self.began)
+            self.progress(self.held, time.monotonic() - self.began)
 
     def write(self, block: bytes = b"") -> None:
         """Writes ``block`` (nothing: flushes). A local failure (the disk filled) is no
