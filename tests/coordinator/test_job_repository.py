@@ -357,14 +357,14 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
     await repo.create([new_job("j-1"), new_job("j-2", "a", "b"), new_job("j-3")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2", "j-3"]
 
-    repo.hold([(("j-1", "main"), {}), (("j-2", "a"), {})])
+    repo.start_negotiating([(("j-1", "main"), {}), (("j-2", "a"), {})])
     assert [j.id for j in repo.pending()] == ["j-2", "j-3"]  # j-2 still has b
 
     await repo.update("j-3", move(("main", DEL, "x accepted")))  # no longer pending
     await repo.update("j-1", move(("main", P, "declined")))  # written while held: left out
     assert [j.id for j in repo.pending()] == ["j-2"]
 
-    repo.release([("j-1", "main"), ("j-2", "a")])
+    repo.stop_negotiating([("j-1", "main"), ("j-2", "a")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
 
 
@@ -382,12 +382,12 @@ async def test_a_reservation_and_a_negotiation_hold_never_let_go_of_each_other(
     await repo.update("j-1", move(("main", DEL, "at x"), ("main", RUN, "runs")))
     assert repo.usage.of("q")["cpu"] == 1
     key = ("j-1", "main")
-    repo.hold([(key, {"cpu": 1.0})])  # the scheduler's negotiation, not let go yet
+    repo.start_negotiating([(key, {"cpu": 1.0})])  # the scheduler's negotiation, not let go yet
     repo.reserve(key, {"cpu": 3.0})  # a scale-up to 3 replicas under way
     assert repo.usage.of("q")["cpu"] == 3
-    repo.release([key])  # the scheduler lets go of its negotiation
+    repo.stop_negotiating([key])  # the scheduler lets go of its negotiation
     assert repo.usage.of("q")["cpu"] == 3
-    assert key not in repo.held
+    assert key not in repo.in_negotiation
     repo.unreserve(key)  # given up: what the stored spec holds
     assert repo.usage.of("q")["cpu"] == 1
 

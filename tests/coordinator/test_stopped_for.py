@@ -48,7 +48,7 @@ def test_an_ended_urgent_job_or_a_forgotten_victim_holds_nothing_back() -> None:
     stopped = gate(status, True)
     stopped.forget(VICTIM)
     assert stopped.room_kept(VICTIM, ["dc"]) == (["dc"], [])
-    assert gate(status, True).held_back(("other", "main"), ["dc"]) == (["dc"], [])
+    assert gate(status, True).room_kept(("other", "main"), ["dc"]) == (["dc"], [])
 
 
 def test_a_new_stop_drops_the_entries_whose_urgent_task_has_started() -> None:
