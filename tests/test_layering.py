@@ -51,9 +51,12 @@ def test_neither_side_imports_the_other(folders: list[str], forbidden: tuple[str
     [
         ("federation/cli", ("datacenter_agent", "edge_agent", "federation.agent")),
         ("federation/security", ("federation.store",)),
+        ("federation/testing", ("federation.cli",)),
     ],
 )
 def test_no_upward_import(folder: str, above: tuple[str, ...]) -> None:
+    """Nothing imports what is built on it: the CLI from the agents, the store from
+    security, the test harness from the CLI."""
     crossing = sorted(
         f"{path}: {module}" for path, module in imported(ROOT / folder) if within(module, above)
     )
@@ -114,6 +117,18 @@ def tree_sources() -> dict[str, str]:
             name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
             files[name] = path.read_text()
     return files
+
+
+def test_the_local_federation_does_not_import_the_cli() -> None:
+    """``federation.local`` is the library ``fedctl demo`` and the tests start federations
+    with; the CLI imports it, never the other way."""
+    source = (ROOT / "federation" / "local.py").read_text()
+    modules = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not {m for m in modules if within(m, ("federation.cli",))}
 
 
 def test_no_module_level_import_cycle() -> None:
