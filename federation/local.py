@@ -23,9 +23,9 @@ import grpc
 import yaml
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc
-from federation.cli.connection import LEADER_PATIENCE_S, Connection, on_leader
-from federation.cli.listing import list_sites
+from federation.connection import LEADER_PATIENCE_S, Connection, on_leader
 from federation.jobspec import parse_domain
+from federation.listing import list_sites
 from federation.security.pki import PkiLayout, init_pki, write_private_file
 from federation.security.tls import TlsFiles
 

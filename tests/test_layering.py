@@ -51,22 +51,34 @@ def test_neither_side_imports_the_other(folders: list[str], forbidden: tuple[str
     [
         ("federation/cli", ("datacenter_agent", "edge_agent", "federation.agent")),
         ("federation/security", ("federation.store",)),
+        ("federation/testing", ("federation.cli",)),
     ],
 )
 def test_no_upward_import(folder: str, above: tuple[str, ...]) -> None:
+    """Nothing imports what is built on it: the CLI from the agents, the store from
+    security, the test harness from the CLI."""
     crossing = sorted(
         f"{path}: {module}" for path, module in imported(ROOT / folder) if within(module, above)
     )
     assert not crossing, "\n".join(crossing)
 
 
-def module_graph(files: dict[str, str]) -> dict[str, set[str]]:
+def module_graph(files: dict[str, str], *, typing: bool = False) -> dict[str, set[str]]:
     """Module -> the tree's modules it imports at module level (imports inside functions and
-    ``if TYPE_CHECKING:`` blocks run later or never, so they close no cycle at import time)."""
+    ``if TYPE_CHECKING:`` blocks run later or never, so they close no cycle at import time);
+    with ``typing``, those of ``if TYPE_CHECKING:`` blocks too."""
     graph: dict[str, set[str]] = {}
     for name, source in files.items():
         edges: set[str] = set()
-        for node in ast.parse(source).body:
+        body = list(ast.parse(source).body)
+        if typing:
+            body += [
+                inner
+                for node in body
+                if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+                for inner in node.body
+            ]
+        for node in body:
             if isinstance(node, ast.ImportFrom) and node.module and not node.level:
                 for alias in node.names:
                     whole = f"{node.module}.{alias.name}"
@@ -116,8 +128,26 @@ def tree_sources() -> dict[str, str]:
     return files
 
 
+def test_the_local_federation_does_not_import_the_cli() -> None:
+    """``federation.local`` is the library ``fedctl demo`` and the tests start federations
+    with; the CLI imports it, never the other way."""
+    source = (ROOT / "federation" / "local.py").read_text()
+    modules = {
+        node.module
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.ImportFrom) and node.module
+    }
+    assert not {m for m in modules if within(m, ("federation.cli",))}
+
+
 def test_no_module_level_import_cycle() -> None:
     assert cycles(module_graph(tree_sources())) == []
+
+
+def test_no_import_cycle_even_for_the_type_checker() -> None:
+    """Not even type-only imports run back: a module that needs another's types only to
+    annotate sits beneath it, or the types move beneath both."""
+    assert cycles(module_graph(tree_sources(), typing=True)) == []
 
 
 def test_the_cycle_check_finds_a_planted_cycle() -> None:

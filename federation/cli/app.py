@@ -12,8 +12,9 @@ import grpc
 
 from federation import __version__
 from federation.cli import audit, data, demo, pki, queues, remote, sim, store, top
-from federation.cli.connection import CliError, describe_rpc_error, on_leader, resolve_connection
+from federation.cli.connection import CliError, describe_rpc_error, resolve_connection
 from federation.cli.output import add_to_every_command, output_of, quiet_on_closed_pipe
+from federation.connection import on_leader
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from rich.table import Table
 
 from federation.api.v1 import audit_service_pb2, audit_service_pb2_grpc
-from federation.cli.connection import Connection
 from federation.cli.output import message_data, output_of, show
 from federation.cli.render import text, utc_time
+from federation.connection import Connection
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

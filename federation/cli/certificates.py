@@ -15,9 +15,10 @@ from rich.table import Table
 from federation.api.v1 import certificate_service_pb2 as pb
 from federation.api.v1 import certificate_service_pb2_grpc as pb_grpc
 from federation.api.v1 import records_pb2
-from federation.cli.connection import CliError, Connection
+from federation.cli.connection import CliError
 from federation.cli.output import message_data, output_of, show
 from federation.cli.render import text, time_left, utc_time
+from federation.connection import Connection
 from federation.security.identity import InvalidIdentityError, identity_from_certificate
 from federation.security.key_pair_files import finish_replacement, replace_key_pair
 from federation.security.pki import (

@@ -8,9 +8,9 @@ from collections.abc import Iterable
 from rich.table import Table
 
 from federation.api.v1 import data_service_pb2, data_service_pb2_grpc
-from federation.cli.connection import Connection
 from federation.cli.output import output_of, show
 from federation.cli.render import text
+from federation.connection import Connection
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

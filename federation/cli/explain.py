@@ -16,9 +16,9 @@ from rich.table import Table
 from rich.text import Text
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
-from federation.cli.connection import Connection
 from federation.cli.output import output_of, show
 from federation.cli.render import division_line, format_duration, text
+from federation.connection import Connection
 from federation.coordinator.jobs import spread
 from federation.jobspec import state_name
 

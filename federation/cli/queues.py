@@ -8,9 +8,10 @@ from collections.abc import Iterable
 from rich.table import Table
 
 from federation.api.v1 import admin_service_pb2, admin_service_pb2_grpc, queues_pb2
-from federation.cli.connection import CliError, Connection
+from federation.cli.connection import CliError
 from federation.cli.output import output_of, show
 from federation.cli.render import text
+from federation.connection import Connection
 from federation.coordinator.policy.resources import quota_key, quota_label
 from federation.jobspec import parse_domain
 

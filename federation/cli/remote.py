@@ -28,10 +28,9 @@ from federation.api.v1 import (
     serving_service_pb2_grpc,
 )
 from federation.cli import explain
-from federation.cli.connection import CliError, Connection, cli_error
+from federation.cli.connection import CliError, cli_error
 from federation.cli.explain import division, explain_task
 from federation.cli.follow import exit_status
-from federation.cli.listing import list_sites
 from federation.cli.output import Output, message_data, output_of, show
 from federation.cli.render import (
     capacity_table,
@@ -50,7 +49,9 @@ from federation.cli.render import (
     visible_line,
 )
 from federation.client import CallError, Client
+from federation.connection import Connection
 from federation.jobspec import JobSpecFileError, load_job_specs, parse_domain, state_name
+from federation.listing import list_sites
 from federation.watch import events_of
 
 DRAIN_POLL_S = 1.0

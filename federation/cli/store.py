@@ -16,9 +16,10 @@ from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
 from federation.api.v1 import store_service_pb2, store_service_pb2_grpc
-from federation.cli.connection import CliError, Connection
+from federation.cli.connection import CliError
 from federation.cli.output import output_of, show
 from federation.cli.render import text
+from federation.connection import Connection
 from federation.coordinator.config import STORE_FILE
 from federation.store import StoreError
 from federation.store.backup_file import StoreFile, inspect, restore

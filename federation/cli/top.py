@@ -35,15 +35,7 @@ from federation.api.v1 import (
     jobs_pb2,
     resources_pb2,
 )
-from federation.cli.connection import (
-    CHANNEL_OPTIONS,
-    CliError,
-    Connection,
-    describe_rpc_error,
-    on_leader,
-    resolve_connection,
-)
-from federation.cli.listing import list_sites
+from federation.cli.connection import CliError, describe_rpc_error, resolve_connection
 from federation.cli.output import message_data, output_of
 from federation.cli.render import (
     capacity_table,
@@ -54,7 +46,9 @@ from federation.cli.render import (
     site_state_name,
     text,
 )
+from federation.connection import CHANNEL_OPTIONS, Connection, on_leader
 from federation.jobspec import domain_name, kind_name
+from federation.listing import list_sites
 from federation.resources import booked_share
 from federation.security.tls import channel_credentials
 

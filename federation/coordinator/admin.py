@@ -60,12 +60,15 @@ class Admin:
         sharing: Sharing | None = None,
         forecasts: Forecasts | None = None,
         expiries: Expiries | None = None,
+        queues: QueueBook | None = None,
     ) -> None:
         self._sites = sites
         self._jobs = jobs
         self._coordinators = coordinators
         self._lost_sites = lost_sites
-        self._sharing = sharing or Sharing(QueueBook(jobs.store), jobs.usage)
+        self._queues = queues or QueueBook(jobs.store)
+        """Where queues are written; ``sharing`` reads the same ones."""
+        self._sharing = sharing or Sharing(self._queues, jobs.usage)
         self._forecasts = forecasts
         self._expiries = expiries
 
@@ -165,18 +168,18 @@ class Admin:
 
     async def create_queue(self, caller: str, queue: queues_pb2.Queue) -> queues_pb2.Queue:
         recorded = audit.entry(caller, "queue.create", queue.name, _described(queue))
-        return await self._sharing.book.create(queue, [recorded])
+        return await self._queues.create(queue, [recorded])
 
     async def update_queue(self, caller: str, queue: queues_pb2.Queue) -> queues_pb2.Queue:
         recorded = audit.entry(caller, "queue.update", queue.name, _described(queue))
-        return await self._sharing.book.update(queue, [recorded])
+        return await self._queues.update(queue, [recorded])
 
     async def delete_queue(self, caller: str, name: str) -> None:
         if not name:
             raise InvalidArgumentError([FieldViolation("name", "is required")])
         used_by = [job.id for job in self._jobs.active() if job.spec.queue == name]
         recorded = audit.entry(caller, "queue.delete", name)
-        await self._sharing.book.delete(name, used_by, [recorded])
+        await self._queues.delete(name, used_by, [recorded])
 
     def queues(self, caller: Identity) -> list[queues_pb2.QueueStatus]:
         """Every queue's status for an operator; a tenant's own queues for a tenant."""

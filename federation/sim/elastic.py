@@ -24,35 +24,19 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from federation.api.v1 import resources_pb2
 from federation.common.node_types import NodeType
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
-from federation.sim.topology import SiteSpec, Topology
-
-if TYPE_CHECKING:
-    from federation.sim.state import Grant, SiteState
+from federation.sim.state import Grant, SiteState
+from federation.sim.topology import Topology
 
 LAUNCHABLE = resources_pb2.NodeLaunch.STATE_LAUNCHABLE
 LAUNCHING = resources_pb2.NodeLaunch.STATE_LAUNCHING
 RUNNING = resources_pb2.NodeLaunch.STATE_RUNNING
 _LAUNCHED, _IDLE = 0, 1
 """What comes due at a time, in the order handled at one instant."""
-
-
-def launchable_nodes(site: SiteSpec) -> list[resources_pb2.Node]:
-    """The nodes of the site's node types, launchable, as its agent publishes them (named
-    ``site/type-i``)."""
-    nodes = []
-    for node_type in site.node_types:
-        for name in node_type.node_names():
-            node = node_type.node(f"{site.name}/{name}")
-            delay_s = node_type.delay_s
-            node.launch.CopyFrom(node_type.launch(LAUNCHABLE, delay_s, delay_s))
-            nodes.append(node)
-    return nodes
 
 
 @dataclass(slots=True)

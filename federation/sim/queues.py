@@ -14,29 +14,24 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
 from federation.api.v1 import jobs_pb2, queues_pb2, resources_pb2
 from federation.common import job_state
-from federation.config import ConfigError
 from federation.coordinator.jobs.records import LineKey, line_order
 from federation.coordinator.policy.fair_share import dominant_share
-from federation.coordinator.policy.priority import PriorityClass, parse_priority_classes
-from federation.coordinator.policy.queues import QueueBook, queue_violations
+from federation.coordinator.policy.queues import QueueTable
 from federation.coordinator.policy.quota import Debt
 from federation.coordinator.policy.resources import Demand, demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import QueueUsage
 from federation.resources import capacity
-from federation.sim.fields import Fields, InputFileError
-from federation.store import Store
-
-if TYPE_CHECKING:
-    from federation.sim.topology import Topology
-    from federation.sim.trace import TraceTask
+from federation.sim.fields import InputFileError
+from federation.sim.topology import Topology
+from federation.sim.trace import TraceTask
 
 F64 = npt.NDArray[np.float64]
 NO_QUEUE = "(no queue)"
@@ -45,66 +40,9 @@ INT32 = 2**31
 """A job's priority is an int32 in its spec."""
 
 
-def parse_queues(top: Fields) -> dict[str, queues_pb2.Queue]:
-    """The top level's ``queues``: each checked as ``fedctl queues create`` checks it."""
-    queues = []
-    for item in top.items("queues"):
-        queue = queues_pb2.Queue(
-            name=item.string("name"),
-            tenant=item.string("tenant", ""),
-            weight=item.number("weight", 1.0),
-            parent=item.string("parent", ""),
-        )
-        for q in item.items("quotas"):
-            resource = q.string("resource")
-            if "/" in resource:
-                # The coordinator narrows a task's sites and models by such quotas, which the
-                # replay's offers do not carry.
-                raise q.fail("resource", f"{resource}: quotas of one model are not simulated")
-            queue.quotas.add(
-                resource=resource,
-                nominal=q.number("nominal"),
-                borrowing_limit=q.number("borrowing_limit", 0.0),
-            )
-            q.done()
-        item.done()
-        queues.append(queue)
-    names = [q.name for q in queues]
-    duplicates = sorted({n for n in names if names.count(n) > 1})
-    if duplicates:
-        raise top.fail("queues", f"duplicate queue name(s) {', '.join(duplicates)}")
-    known = {q.name: q for q in queues}
-    for i, queue in enumerate(queues):
-        for problem in queue_violations(queue, known, f"queues[{i}]"):
-            raise InputFileError(f"{top.source}: {problem.field}: {problem.description}")
-        queue.weight = queue.weight or 1.0  # as the queue book stores it: zero means 1
-    return known
-
-
-def parse_classes(top: Fields) -> dict[str, PriorityClass]:
-    """The top level's ``priority_classes``, as the coordinator's config gives them."""
-    raw = top.raw("priority_classes")
-    if raw is None:
-        return {}
-    if not isinstance(raw, Mapping):
-        raise top.fail("priority_classes", "expected a mapping: name -> {value: ...}")
-    try:
-        return parse_priority_classes({str(k): v for k, v in raw.items()}, source=top.source)
-    except ConfigError as err:
-        raise InputFileError(str(err)) from None
-
-
-class _FixedBook(QueueBook):
-    """The topology's queues: never written, so it needs no store."""
-
-    def __init__(self, queues: Mapping[str, queues_pb2.Queue]) -> None:
-        super().__init__(cast(Store, None))
-        self._queues = dict(queues)
-
-
 def sharing_of(topology: Topology) -> Sharing:
     """The coordinator's ``Sharing`` over the topology's queues and classes, and no usage."""
-    return Sharing(_FixedBook(topology.queues), QueueUsage(), topology.priority_classes)
+    return Sharing(QueueTable(topology.queues), QueueUsage(), topology.priority_classes)
 
 
 def resolve(tasks: Sequence[TraceTask], topology: Topology, source: str) -> list[TraceTask]:
@@ -179,7 +117,7 @@ class Shares:
     ) -> None:
         self.queues = topology.queues
         self.usage = QueueUsage()
-        self.sharing = Sharing(_FixedBook(topology.queues), self.usage, topology.priority_classes)
+        self.sharing = Sharing(QueueTable(topology.queues), self.usage, topology.priority_classes)
         self.capacity = capacity(nodes)
         """What the federation has: what dominant shares are shares of."""
         jobs: dict[str, jobs_pb2.Job] = {}

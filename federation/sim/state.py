@@ -27,8 +27,7 @@ from federation.placement.estimates import class_speed
 from federation.placement.plugins.capacity_fit import EPSILON, matching_classes, node_label_mask
 from federation.placement.request import Request
 from federation.placement.snapshot import Memo, SiteInput, Snapshot, build_snapshot
-from federation.sim.elastic import launchable_nodes
-from federation.sim.topology import Topology
+from federation.sim.topology import Topology, launchable_nodes
 
 F64 = npt.NDArray[np.float64]
 I64 = npt.NDArray[np.int64]

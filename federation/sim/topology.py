@@ -33,7 +33,7 @@ from federation.sim.links import (
     load_rtt_csv,
     load_throughput_csv,
 )
-from federation.sim.queues import parse_classes, parse_queues
+from federation.sim.queue_config import parse_classes, parse_queues
 
 F64 = npt.NDArray[np.float64]
 KIND_NAMES = frozenset(resources_pb2.DeviceKind.keys())
@@ -440,3 +440,18 @@ def _links(f: Fields, base: Path, sites: set[str]) -> LinkPlan:
     )
     f.done()
     return plan
+
+
+def launchable_nodes(site: SiteSpec) -> list[resources_pb2.Node]:
+    """The nodes of the site's node types, launchable, as its agent publishes them (named
+    ``site/type-i``)."""
+    nodes = []
+    for node_type in site.node_types:
+        for name in node_type.node_names():
+            node = node_type.node(f"{site.name}/{name}")
+            delay_s = node_type.delay_s
+            node.launch.CopyFrom(
+                node_type.launch(resources_pb2.NodeLaunch.STATE_LAUNCHABLE, delay_s, delay_s)
+            )
+            nodes.append(node)
+    return nodes

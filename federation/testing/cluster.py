@@ -21,9 +21,9 @@ from federation.api.v1 import (
     job_service_pb2_grpc,
     jobs_pb2,
 )
-from federation.cli.connection import Connection, on_leader
-from federation.cli.listing import list_sites
+from federation.connection import Connection, on_leader
 from federation.coordinator.server import SERVICE_NAMES
+from federation.listing import list_sites
 from federation.local import LocalFederation, SiteSpec
 from federation.testing.proxy import PausableProxy
 

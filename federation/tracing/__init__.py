@@ -15,28 +15,23 @@ the job's path crosses batches, awaits and processes, and no span stays open acr
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from federation.config import ConfigError
+from federation.tracing.spans import EPOCH as EPOCH
+from federation.tracing.spans import JOB_ID as JOB_ID
+from federation.tracing.spans import ROOT as ROOT
+from federation.tracing.spans import SITE as SITE
+from federation.tracing.spans import TASK as TASK
+from federation.tracing.spans import Value as Value
+from federation.tracing.spans import job_trace as job_trace
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from federation.tracing.sdk import Recorder
-
-ROOT = "job.submit"
-"""The span every trace starts with, and the one whose id ``job_trace`` derives."""
-
-JOB_ID = "federation.job_id"
-TASK = "federation.task"
-SITE = "federation.site"
-EPOCH = "federation.epoch"
-
-Value = str | bool | int | float | list[str] | list[float]
-"""What an attribute may hold."""
 
 _recorder: Recorder | None = None
 
@@ -49,12 +44,6 @@ def on() -> bool:
 def now_ns() -> int:
     """Wall-clock time as spans take it."""
     return time.time_ns()
-
-
-def job_trace(job_id: str) -> tuple[int, int]:
-    """The trace id of ``job_id``'s trace and the span id of its root (``job.submit``)."""
-    digest = hashlib.sha256(job_id.encode()).digest()
-    return int.from_bytes(digest[:16]) or 1, int.from_bytes(digest[16:24]) or 1  # never 0
 
 
 def record(

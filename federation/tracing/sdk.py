@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
 
 from federation import __version__
-from federation.tracing import ROOT, Value, job_trace
+from federation.tracing.spans import ROOT, Value, job_trace
 
 _ROOT_IDS: contextvars.ContextVar[tuple[int, int] | None] = contextvars.ContextVar(
     "federation_trace_root", default=None

@@ -29,7 +29,7 @@ import pytest
 import pytest_asyncio
 
 from federation.api.v1 import job_service_pb2, job_service_pb2_grpc, jobs_pb2
-from federation.cli.connection import Connection, on_leader
+from federation.connection import Connection, on_leader
 from federation.local import LocalFederation
 from federation.testing.cluster import etcd_coordinator_args, leader_name, submit, until
 from federation.testing.scripted_core import (

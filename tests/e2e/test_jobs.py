@@ -11,9 +11,9 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from federation.api.v1 import admin_service_pb2, job_service_pb2, jobs_pb2
-from federation.cli.listing import list_sites
 from federation.common import job_state
 from federation.coordinator.server import SERVICE_NAMES
+from federation.listing import list_sites
 from federation.local import LocalFederation
 from federation.watch import events_of
 

@@ -27,11 +27,11 @@ from federation.api.v1 import (
     site_link_service_pb2,
     site_link_service_pb2_grpc,
 )
-from federation.cli.listing import list_sites, retry_delay_s
 from federation.coordinator.admin import DEFAULT_PAGE, MAX_PAGE, MAX_REPLY_BYTES
 from federation.coordinator.config import STORE_FILE
 from federation.coordinator.sites.registry import SITES
 from federation.envelopes import envelopes
+from federation.listing import list_sites, retry_delay_s
 from federation.local import LocalFederation
 from federation.security.tls import channel_credentials
 from federation.store import Put

@@ -87,21 +87,12 @@ def _cycle(queue: queues_pb2.Queue, known: Mapping[str, queues_pb2.Queue]) -> li
     return []
 
 
-class QueueBook:
-    """Every queue, cached from the store; writes go to the store first."""
+class QueueTable:
+    """The queues by name, as scheduling reads them: nothing here writes (the simulator's
+    are the topology's; the coordinator's are a ``QueueBook``)."""
 
-    def __init__(self, store: Store) -> None:
-        self._store = store
-        self._queues: dict[str, queues_pb2.Queue] = {}
-        self._revisions: dict[str, int] = {}
-        self._writing = asyncio.Lock()
-        """One write at a time: a check (a parent exists, no children) holds until it lands."""
-
-    async def load(self) -> None:
-        for kv in await self._store.range(QUEUES, limit=MAX_QUEUES):
-            queue = queues_pb2.Queue.FromString(kv.value)
-            self._queues[queue.name] = queue
-            self._revisions[queue.name] = kv.mod_revision
+    def __init__(self, queues: Mapping[str, queues_pb2.Queue] | None = None) -> None:
+        self._queues: dict[str, queues_pb2.Queue] = dict(queues or {})
 
     @property
     def queues(self) -> Mapping[str, queues_pb2.Queue]:
@@ -116,6 +107,23 @@ class QueueBook:
 
     def children(self, name: str) -> list[str]:
         return [q.name for q in self._queues.values() if q.parent == name]
+
+
+class QueueBook(QueueTable):
+    """Every queue, cached from the store; writes go to the store first."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__()
+        self._store = store
+        self._revisions: dict[str, int] = {}
+        self._writing = asyncio.Lock()
+        """One write at a time: a check (a parent exists, no children) holds until it lands."""
+
+    async def load(self) -> None:
+        for kv in await self._store.range(QUEUES, limit=MAX_QUEUES):
+            queue = queues_pb2.Queue.FromString(kv.value)
+            self._queues[queue.name] = queue
+            self._revisions[queue.name] = kv.mod_revision
 
     async def create(self, queue: queues_pb2.Queue, also: Sequence[Op] = ()) -> queues_pb2.Queue:
         """Store a new queue, and ``also`` (its audit entry) in the same commit."""

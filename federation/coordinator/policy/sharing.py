@@ -12,7 +12,7 @@ from federation.api.v1 import jobs_pb2, queues_pb2
 from federation.common import job_state
 from federation.coordinator.policy.fair_share import dominant_share, fair_order
 from federation.coordinator.policy.priority import PriorityClass
-from federation.coordinator.policy.queues import QueueBook
+from federation.coordinator.policy.queues import QueueTable
 from federation.coordinator.policy.quota import EPSILON, Debt, admission, owed, within_nominal
 from federation.coordinator.policy.resources import Demand, at, demand, kind_of, quota_key
 from federation.coordinator.policy.usage import QueueUsage
@@ -43,7 +43,7 @@ class Admitted:
 class Sharing:
     def __init__(
         self,
-        book: QueueBook,
+        book: QueueTable,
         usage: QueueUsage,
         classes: Mapping[str, PriorityClass] | None = None,
     ) -> None:
