@@ -241,3 +241,34 @@ async def test_cancel_stops_the_container_within_the_grace(
     else:
         assert took < GRACE_S + KILL_WAIT_S + 5  # the grace, then Slurm's KillWait at most
     assert _containers_left(tmp_path / "work") == []
+
+
+async def test_a_restarted_agent_adopts_a_container_and_its_checkpoints(
+    make_core: MakeCore, registry: Registry, accounts: TaskAccounts, tmp_path: Path
+) -> None:
+    """The container writes to its checkpoint folder (the tenant's, mounted at its path); a
+    restarted agent finds the job, reports the checkpoint the container completes, and its
+    end."""
+    settings = _settings(registry)
+    first = await make_core(containers=settings, accounts=accounts)
+    script = (
+        "echo up > up; until [ -e go ]; do sleep 0.1; done; "
+        'echo 5 > "$FEDERATION_CHECKPOINT_DIR/s5"; touch "$FEDERATION_CHECKPOINT_DIR/s5.done"; '
+        "echo adopted-ok"
+    )
+    spec = _spec(registry.image, script)
+    spec.checkpoint.interval_s = 0.2
+    await first.run("adopted", spec, tenant=TENANT)
+    folder = job_dir(tmp_path / "work", ("adopted", "main", 1))
+    await eventually((folder / WORK_FOLDER / "up").exists, "the container to start", 120)
+    await first.shutdown()  # the agent exits; Slurm keeps the job, Podman the container
+    second = await make_core(containers=settings, accounts=accounts, site=first.site)
+    [running] = second.core.tasks()
+    assert (running.job_id, running.state) == ("adopted", RUNNING)
+    (folder / WORK_FOLDER / "go").touch()
+    report = await second.until_final("adopted")
+    assert report.state == jobs_pb2.JOB_STATE_SUCCEEDED, (report.reason, report.output_tail)
+    assert report.output_tail.strip() == "adopted-ok"
+    assert report.checkpoint.path == str(folder / "checkpoints" / "s5")
+    assert (folder / "checkpoints").stat().st_uid in range(UIDS[0], UIDS[1] + 1)
+    assert _containers_left(tmp_path / "work") == []
