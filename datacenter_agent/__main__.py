@@ -10,6 +10,7 @@ import importlib.util
 
 from datacenter_agent.ray_core import RayCore
 from datacenter_agent.slurm_core import SlurmCore
+from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.main import compat_table, run_agent
@@ -24,22 +25,31 @@ async def start_slurm_core(
     Raises:
         ConfigError: A setting that cannot apply to a Slurm site.
     """
-    if config.task_user or config.task_accounts or config.task_uid_range:
-        raise ConfigError(
-            "task_user, task_accounts and task_uid_range do not apply to Slurm sites: Slurm "
-            "runs jobs as the account that submits them. To fix: run the agent as that account "
-            "and drop them"
-        )
     if config.inventory:
         raise ConfigError("inventory does not apply to Slurm sites: Slurm describes the nodes")
+    work_dir = config.work_dir or config.state_dir / "work"
+    accounts = None
+    if config.task_user or config.task_accounts or config.task_uid_range:
+        # Slurm runs every job as the account that submits it (the agent's): the tenants'
+        # accounts are those their containers run as (tasks that name an image).
+        accounts = task_accounts(
+            accounts=config.task_accounts,
+            uid_range=config.task_uid_range,
+            shared_user=config.task_user,
+            as_agent=True,
+            state_dir=config.state_dir,
+            work_dir=work_dir,
+        )
     core = SlurmCore(
         config.slurm,
         site=config.site,
-        work_dir=config.work_dir or config.state_dir / "work",
+        work_dir=work_dir,
         on_status=on_status,
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
         compat=compat_table(config),
+        containers=config.containers,
+        accounts=accounts,
     )
     await core.start()
     return core

@@ -11,6 +11,8 @@
 * **Runs.** The job is followed through ``scontrol show job``; cancel sends SIGTERM first (so
   the task can checkpoint), then ``scancel`` after the grace time. A job Slurm preempts or
   loses with its node is requeued in Slurm, not reported ended (see ``slurm_tasks``).
+* **Images.** A task that names one runs in it with Podman on the node, as the embedded core
+  runs it, as its tenant's uid (``slurm_containers``).
 * **Checkpoints.** The embedded core's: the same folder, variables, watcher and reports
   (``federation.agent.checkpoints``); a requeued job restarts from the newest one.
 * **Health.** When Slurm cannot be read the site is *degraded*: the view shows one unschedulable
@@ -31,6 +33,7 @@ import structlog
 
 from datacenter_agent.slurm_checkpoints import adopted_checkpoints
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, slurm_env
+from datacenter_agent.slurm_containers import ContainerJob
 from datacenter_agent.slurm_holds import HeldJobs, Reservation
 from datacenter_agent.slurm_job import (
     RESTORE_FILE,
@@ -49,12 +52,15 @@ from datacenter_agent.slurm_offer import (
 from datacenter_agent.slurm_reading import read_slurm
 from datacenter_agent.slurm_tasks import SlurmTask, follow
 from datacenter_agent.slurm_view import ClusterView, Partition
+from federation.agent.accounts import NoAccountError, TaskAccounts
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import commit_key, refused, settled, started
 from federation.agent.config import SlurmSettings
+from federation.agent.containers import Containers, ContainerSettings, env_lines
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.node_fit import qualifying_nodes
 from federation.agent.packing import Usage, place
+from federation.agent.process import ReplicaStartError
 from federation.agent.reports import Reports
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -80,6 +86,10 @@ class SlurmCore:
         on_change: Called whenever the view or the queue changes.
         kill_grace_s: Time between SIGTERM and scancel when a task is cancelled.
         environ: Environment to take PATH, SLURM_CONF... from; default the agent's.
+        containers: Runs tasks that name an image (``slurm_containers``): the settings of
+            the embedded core's; Podman runs on the nodes.
+        accounts: Whose uid each tenant's containers run as; None: the site runs no image.
+            Tasks without an image run as the account that submits them (the agent's).
     """
 
     name = "slurm"
@@ -95,8 +105,16 @@ class SlurmCore:
         kill_grace_s: float = 5.0,
         environ: Mapping[str, str] | None = None,
         compat: CompatTable | None = None,
+        containers: ContainerSettings | None = None,
+        accounts: TaskAccounts | None = None,
     ) -> None:
-        env = slurm_env(settings, os.environ if environ is None else environ)
+        environ = os.environ if environ is None else environ
+        env = slurm_env(settings, environ)
+        self._environ = dict(environ)
+        self._containers = Containers(
+            containers or ContainerSettings(), work_dir.absolute(), local=False
+        )
+        self._accounts = accounts
         self._conf = Path(env["SLURM_CONF"]) if "SLURM_CONF" in env else None
         self._cli = SlurmCli(env, settings.command_timeout_s)
         self._settings = settings
@@ -130,8 +148,11 @@ class SlurmCore:
         return self._health
 
     def image_policy(self) -> tuple[str, list[str]]:
-        """Slurm sites run no images yet: placement sends tasks that name one elsewhere."""
-        return "this site does not run containers: its scheduler is Slurm", []
+        """Why this site runs no image ("": it runs them), and the registries it pulls from.
+
+        The nodes' images are not published: only a job on each node could list them, so
+        placement counts a pull wherever a Slurm site runs the task."""
+        return self._containers.policy(self._accounts)
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Usable nodes less Slurm's allocations and this core's held jobs; or the degraded node."""
@@ -191,11 +212,15 @@ class SlurmCore:
             held=[r.key for r in self._held],
             committed=self._tasks.keys(),
         )
+        container = self._container_job(offer) if not problem else None
+        if isinstance(container, str):
+            problem = container
         answer: site_link_service_pb2.OfferAnswer | str = problem
         if not problem:
+            assert not isinstance(container, str)
             async with self._offer_lock:  # one at a time, so each sees the others' holds
                 try:
-                    answer = await self._reserve(offer, key, lease_s)
+                    answer = await self._reserve(offer, key, lease_s, container)
                 except SlurmError as err:
                     answer = f"Slurm: {err.message}"
         if isinstance(answer, str):
@@ -203,8 +228,34 @@ class SlurmCore:
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=answer)
         return answer
 
+    def _container_job(self, offer: site_link_service_pb2.Offer) -> ContainerJob | str | None:
+        """How the task's image is run, and as whom; why it is not; None: it names none."""
+        spec = offer.spec
+        if not spec.image:
+            return None
+        if problem := self._containers.refusal(spec.image):
+            return problem
+        refusal, _ = self._containers.policy(self._accounts)
+        if refusal:
+            return f"{refusal} (image {spec.image})"
+        if (spec.replicas or 1) > 1:
+            return "this Slurm site runs a task from an image as one replica only"
+        assert self._accounts is not None  # the policy refuses a site without accounts
+        try:
+            account = self._accounts.for_tenant(offer.tenant)
+            if account is None or account.uid == 0 or account.gid == 0:
+                return "containers run as the tenant's account, never as root or the agent's"
+            env_lines(spec.env)
+        except (NoAccountError, ReplicaStartError) as err:
+            return str(err)
+        return ContainerJob(self._containers.settings, account, self._work_dir, self._environ)
+
     async def _reserve(
-        self, offer: site_link_service_pb2.Offer, key: RunKey, lease_s: float
+        self,
+        offer: site_link_service_pb2.Offer,
+        key: RunKey,
+        lease_s: float,
+        container: ContainerJob | None,
     ) -> site_link_service_pb2.OfferAnswer | str:
         spec = offer.spec
         nodes = qualifying_nodes(self._cluster.nodes, offer, self._compat)
@@ -241,6 +292,7 @@ class SlurmCore:
             args=foreseen.args,
             checkpoints=checkpoints,
             restore=offer.restore if offer.HasField("restore") else None,
+            container=container,
         )
         placed = place(nodes, spec, self._usage())  # what the view counts held
         slots = () if isinstance(placed, str) else placed
@@ -273,6 +325,7 @@ class SlurmCore:
             return reservation
         self._held.take(reservation.id)
         task = SlurmTask(key, reservation.slurm_id, reservation.id, reservation.slots)
+        task.folder = job_dir(self._work_dir, key)
         task.stop_after_s = reservation.stop_after_s
         if reservation.checkpoints is not None:
             task.checkpoints = reservation.checkpoints
@@ -484,7 +537,7 @@ class SlurmCore:
         if self._adopted or key in self._tasks:
             return  # only a restart brings back jobs this core did not commit itself
         task = SlurmTask(key, slurm_id, f"slurm-{slurm_id}", ())
-        folder = job_dir(self._work_dir, key)
+        folder = task.folder = job_dir(self._work_dir, key)
         task.checkpoints = await asyncio.to_thread(
             adopted_checkpoints, folder, lambda _: self._checkpointed(key)
         )

@@ -57,7 +57,7 @@ RESERVED_ENV = frozenset(
 """Variables a task's own env may not set: Slurm and the core set them (devices, identity)."""
 
 # Runs in each replica before the task's program: names the devices Slurm gave it.
-_DEVICES_PRELUDE = (
+DEVICES_PRELUDE = (
     'gpus="${SLURM_STEP_GPUS:-${SLURM_JOB_GPUS:-}}"; FEDERATION_DEVICES=""; '
     "for i in $(echo \"$gpus\" | tr ',' ' '); do "
     'FEDERATION_DEVICES="${FEDERATION_DEVICES:+$FEDERATION_DEVICES,}${SLURMD_NODENAME}:GPU:$i"; '
@@ -137,6 +137,41 @@ def task_env(spec: jobs_pb2.TaskSpec) -> dict[str, str]:
     }
 
 
+def task_variables(
+    spec: jobs_pb2.TaskSpec, key: RunKey, site: str, checkpoint_env: Mapping[str, str] | None
+) -> dict[str, str]:
+    """What a task's replicas see but for their devices and replica number: its own
+    variables, the federation's, and its checkpoint folder (``checkpoint_env``)."""
+    variables = dict(task_env(spec))
+    variables.update(
+        FEDERATION_JOB_ID=key[0],
+        FEDERATION_TASK=key[1],
+        FEDERATION_EPOCH=str(key[2]),
+        FEDERATION_SITE=site,
+        FEDERATION_REPLICAS=str(spec.replicas or 1),
+        **(checkpoint_env or {}),
+    )
+    return variables
+
+
+def script_header(key: RunKey, site: str) -> str:
+    """A batch script's first lines: its shell, and what it runs."""
+    return (
+        f"#!/bin/sh\n# The federation's task {key[1]} of job {key[0]}, epoch {key[2]}, "
+        f"at site {site}."
+    )
+
+
+def read_restore(restore_file: Path) -> str:
+    """The script's line that takes ``FEDERATION_RESTORE_FROM`` from ``restore_file``, where
+    the agent names the checkpoint a requeued job restarts from, when it is there."""
+    file = shlex.quote(str(restore_file))
+    return (
+        f'if [ -s {file} ]; then FEDERATION_RESTORE_FROM="$(cat {file})"; '
+        "export FEDERATION_RESTORE_FROM; fi"
+    )
+
+
 def batch_script(
     spec: jobs_pb2.TaskSpec,
     key: RunKey,
@@ -161,31 +196,18 @@ def batch_script(
             script reads it each time the job starts.
     """
     replicas = spec.replicas or 1
-    exports = dict(task_env(spec))
-    exports.update(
-        FEDERATION_JOB_ID=key[0],
-        FEDERATION_TASK=key[1],
-        FEDERATION_EPOCH=str(key[2]),
-        FEDERATION_SITE=site,
-        FEDERATION_REPLICAS=str(replicas),
-        **(checkpoint_env or {}),
-    )
+    exports = task_variables(spec, key, site, checkpoint_env)
     lines = [
-        "#!/bin/sh",
-        f"# The federation's task {key[1]} of job {key[0]}, epoch {key[2]}, at site {site}.",
+        script_header(key, site),
         *(f"export {name}={shlex.quote(value)}" for name, value in exports.items()),
     ]
     if restore_file is not None:
-        file = shlex.quote(str(restore_file))
-        lines.append(
-            f'if [ -s {file} ]; then FEDERATION_RESTORE_FROM="$(cat {file})"; '
-            "export FEDERATION_RESTORE_FROM; fi"
-        )
+        lines.append(read_restore(restore_file))
     command = " ".join(shlex.quote(arg) for arg in spec.command)
     if replicas == 1:
-        lines += [_DEVICES_PRELUDE, "export FEDERATION_REPLICA=0", f"exec {command}"]
+        lines += [DEVICES_PRELUDE, "export FEDERATION_REPLICA=0", f"exec {command}"]
     else:
-        per_replica = f'{_DEVICES_PRELUDE}; export FEDERATION_REPLICA="$SLURM_PROCID"; exec "$@"'
+        per_replica = f'{DEVICES_PRELUDE}; export FEDERATION_REPLICA="$SLURM_PROCID"; exec "$@"'
         lines.append(
             f"exec srun --kill-on-bad-exit=1 sh -c {shlex.quote(per_replica)} replica {command}"
         )

@@ -17,6 +17,13 @@ from pathlib import Path
 
 from datacenter_agent.slurm_checkpoints import save_policy
 from datacenter_agent.slurm_cli import SlurmCli, SlurmError
+from datacenter_agent.slurm_containers import (
+    CONTAINER_ENV,
+    WORK_FOLDER,
+    ContainerJob,
+    container_env,
+    container_script,
+)
 from datacenter_agent.slurm_job import (
     RESTORE_FILE,
     batch_script,
@@ -28,9 +35,11 @@ from datacenter_agent.slurm_job import (
 )
 from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
 from datacenter_agent.slurm_view import GRES_KINDS
+from federation.agent.accounts import Account, agent_folder, private_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import epoch_problem
 from federation.agent.config import SlurmSettings
+from federation.agent.containers import write_env_file
 from federation.agent.core import gang_refusal
 from federation.agent.node_fit import invalid_names, task_problem
 from federation.agent.packing import task_speed
@@ -181,8 +190,12 @@ async def submit_held(
     args: list[str],
     checkpoints: TaskCheckpoints | None = None,
     restore: jobs_pb2.CheckpointRecord | None = None,
+    container: ContainerJob | None = None,
 ) -> str:
     """Writes the task's batch script and submits it held; returns the Slurm job id.
+
+    A task from an image (``container``, see ``slurm_containers``) runs in its folder's
+    ``0``, the tenant's, and its variables go to ``container.env`` beside the script.
 
     The job runs in ``work_dir/JOB/TASK/EPOCH`` (its output in ``slurm-ID.out`` there), with
     its checkpoint folder there as the embedded core's, and beside the script what an agent
@@ -194,15 +207,27 @@ async def submit_held(
         SlurmError: sbatch refused the job; its message says why.
     """
     folder = job_dir(work_dir, key)
-    script = batch_script(
-        spec,
-        key,
-        site=site,
-        checkpoint_env=checkpoints.env() if checkpoints is not None else None,
-        restore_file=folder / RESTORE_FILE if checkpoints is not None else None,
-    )
+    checkpoint_env = checkpoints.env() if checkpoints is not None else None
+    restore_file = folder / RESTORE_FILE if checkpoints is not None else None
+    if container is None:
+        script = batch_script(
+            spec, key, site=site, checkpoint_env=checkpoint_env, restore_file=restore_file
+        )
+    else:
+        script = container_script(
+            spec,
+            key,
+            site=site,
+            folder=folder,
+            job=container,
+            checkpoint_env=checkpoint_env,
+            restore_file=restore_file,
+        )
     policy = spec.checkpoint if checkpoints is not None else None
     await asyncio.to_thread(_write_script, folder, script, checkpoints, policy, restore)
+    if container is not None:
+        env = container_env(spec, key, site, container.account, folder, checkpoint_env)
+        await asyncio.to_thread(_prepare_container, folder, container.account, checkpoints, env)
     out = await cli.run(
         "sbatch",
         "--parsable",
@@ -257,3 +282,19 @@ def _write_script(
     path = folder / "job.sh"
     path.write_text(script)
     path.chmod(0o700)
+
+
+def _prepare_container(
+    folder: Path,
+    account: Account,
+    checkpoints: TaskCheckpoints | None,
+    env: dict[str, str],
+) -> None:
+    """The job's folder the agent's (others may pass through it, not list it), the
+    container's folder and checkpoint folder the tenant's, its variables in a file of the
+    agent's alone."""
+    agent_folder(folder)
+    private_folder(folder / WORK_FOLDER, account)
+    if checkpoints is not None:
+        checkpoints.prepare(account)
+    write_env_file(folder / CONTAINER_ENV, env)

@@ -24,6 +24,7 @@ import structlog
 
 from datacenter_agent.slurm_checkpoints import save_restored
 from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
+from datacenter_agent.slurm_containers import CONTAINER_ENV, CONTAINER_FAILED
 from datacenter_agent.slurm_job import (
     Outcome,
     State,
@@ -76,6 +77,8 @@ class SlurmTask:
     Not known for a job adopted after a restart (the offer is gone): that one runs on."""
     interrupted: bool = False
     """Stopped because the site was cut off (``SlurmCore.stop_cut_off``)."""
+    folder: Path | None = None
+    """The job's folder, where a container that could not start says why."""
 
     @property
     def is_active(self) -> bool:
@@ -167,7 +170,21 @@ async def _ended(
     if task.checkpoints is not None:
         await task.checkpoints.last_look(started_at)
     tail = await asyncio.to_thread(read_tail, Path(output)) if output else ""
+    if task.folder is not None:
+        why = await asyncio.to_thread(_container_ended, task.folder)
+        if why and outcome.state == jobs_pb2.JOB_STATE_FAILED:
+            outcome = dataclasses.replace(outcome, reason=why)
     finish(task, outcome, tail, report)
+
+
+def _container_ended(folder: Path) -> str:
+    """Why the job's container could not start ("" if it did, or the job runs no image);
+    its environment file goes, now that no run of the job needs it."""
+    (folder / CONTAINER_ENV).unlink(missing_ok=True)
+    try:
+        return (folder / CONTAINER_FAILED).read_text(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 async def _before_restart(task: SlurmTask, started_at: float) -> None:

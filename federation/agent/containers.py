@@ -32,6 +32,7 @@ from pathlib import Path
 
 import structlog
 
+from federation.agent.accounts import TaskAccounts
 from federation.agent.process import ReplicaStartError
 from federation.agent.usage import Slot
 from federation.api.v1 import resources_pb2
@@ -52,6 +53,7 @@ _PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 IMAGE_REFRESH_S = 300.0
 """How often the agent reads its store's images again, beside after each pull."""
 _NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+_CDI_GPU = "nvidia.com/gpu"
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +100,13 @@ def container_name(work_dir: Path, key: tuple[str, str, int], replica: int) -> s
 class Containers:
     """A node's Podman: which images it may run, pulling them once, running replicas."""
 
-    def __init__(self, settings: ContainerSettings, work_dir: Path) -> None:
+    def __init__(self, settings: ContainerSettings, work_dir: Path, *, local: bool = True) -> None:
+        """``local``: Podman runs on this host; False: on the nodes a scheduler (Slurm) gives
+        each job, where this agent cannot look (it checks only its settings then)."""
         self._settings = settings
         self._work_dir = work_dir
-        self._podman = shutil.which(settings.podman)
+        self._local = local
+        self._podman = shutil.which(settings.podman) if local else settings.podman
         self._pulls: dict[str, asyncio.Lock] = {}
         self._store: Path | None = None
         """Where the store keeps its images' files (``podman info``), once asked."""
@@ -114,11 +119,27 @@ class Containers:
         """The registries images may come from; empty: any."""
         return list(self._settings.registries)
 
+    @property
+    def settings(self) -> ContainerSettings:
+        return self._settings
+
+    def policy(self, accounts: TaskAccounts | None) -> tuple[str, list[str]]:
+        """Why this site runs no image ("": it runs them), and the registries it pulls from:
+        a site whose tasks run as the agent's own account runs none (containers take the
+        tenant's)."""
+        refusal = self.site_refusal()
+        if not refusal and not (accounts is not None and accounts.switches):
+            refusal = (
+                "this site cannot run containers: its tasks run as the agent's own account "
+                "(containers take the tenant's: set task_uid_range, task_accounts or task_user)"
+            )
+        return refusal, self.registries
+
     def site_refusal(self) -> str:
         """Why this site runs no image at all, or "" (then ``refusal`` checks each image)."""
         if not self._settings.enabled:
             return "this site does not run containers: [containers] enabled = false"
-        if self._podman is None:
+        if self._local and self._podman is None:
             return f"this site cannot run containers: {self._settings.podman} is not installed"
         if os.geteuid() != 0:
             return "this site cannot run containers: its agent does not run as root"
@@ -153,22 +174,19 @@ class Containers:
             if code == 0:
                 log.info("image_cached", image=image)
                 return False
-            registry = parse_image(image).registry
-            tls = ["--tls-verify=false"] if registry in self._settings.insecure_registries else []
             started = time.monotonic()
             try:
                 code, answer = await asyncio.wait_for(
-                    self._podman_run("pull", "--quiet", *tls, image),
+                    self._podman_run(*pull_args(self._settings, image)),
                     self._settings.pull_timeout_s,
                 )
             except TimeoutError:
                 limit = self._settings.pull_timeout_s
-                raise ReplicaStartError(
-                    f"cannot pull image {image}: not done within {limit:g}s", 0
-                ) from None
+                why = f"not done within {limit:g}s"
+                raise ReplicaStartError(pull_failure(image, why), 0) from None
             if code != 0:
                 log.warning("image_pull_failed", image=image, answer=answer)
-                raise ReplicaStartError(f"cannot pull image {image}: {answer}", 0)
+                raise ReplicaStartError(pull_failure(image, answer), 0)
             log.info("image_pulled", image=image, seconds=round(time.monotonic() - started, 3))
             return True
 
@@ -230,48 +248,22 @@ class Containers:
         with; writes the container's environment to ``env_file`` (values may hold no newline).
         """
         assert self._podman is not None
-        if uid == 0 or gid == 0:
-            raise ReplicaStartError("containers run as the tenant's account, never as root", 126)
-        lines = []
-        for key, value in env.items():
-            if "\n" in value or "\r" in value:
-                raise ReplicaStartError(
-                    f"env {key}: a container's variable may not hold a line break", 126
-                )
-            lines.append(f"{key}={value}\n")
-        fd = os.open(env_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with open(fd, "w", encoding="utf-8") as out:
-            out.writelines(lines)
-        volumes = [f"--volume={path}:{path}" for path in dict.fromkeys(mounts)]
-        limits = [f"--cpus={cpu:g}"] if cpu > 0 else []
-        limits += [f"--memory={memory_mib}m"] if memory_mib > 0 else []
-        argv = [
-            self._podman,
-            *self._store_flags,
-            "run",
-            "--rm",
-            "--replace",  # a service replica restarted at once reuses its name
-            f"--name={name}",
-            f"--label=federation.work_dir={self._work_dir}",
-            "--pull=never",  # pulled beforehand (``pull``), once per node
-            "--init",  # passes the stop's SIGTERM on to the command
-            f"--user={uid}:{gid}",
-            "--cap-drop=all",
-            "--security-opt=no-new-privileges",
-            "--umask=0077",
-            "--network=host",  # as a bare replica: a service's port is the host's
-            f"--workdir={cwd}",
-            f"--env-file={env_file}",
-            "--log-driver=none",  # the output goes to the supervisor alone
-            *volumes,
-            *limits,
-            *devices,
-            "--",
+        run = run_args(
+            name,
             image,
-            *argv,
-        ]
-        own = {k: v for k, v in os.environ.items() if k in _PODMAN_ENV}
-        return argv, {"PATH": _PATH, **own}
+            argv,
+            work_dir=self._work_dir,
+            uid=uid,
+            gid=gid,
+            cwd=cwd,
+            mounts=mounts,
+            env_file=env_file,
+            cpu=cpu,
+            memory_mib=memory_mib,
+            devices=devices,
+        )
+        write_env_file(env_file, env)
+        return [self._podman, *self._store_flags, *run], podman_env(os.environ)
 
     async def remove(self, name: str) -> None:
         """Kills and removes the container, if it is still there."""
@@ -300,7 +292,7 @@ class Containers:
             stdin=asyncio.subprocess.DEVNULL,
             stdout=asyncio.subprocess.PIPE if keep_output else asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE,
-            env={"PATH": _PATH, **{k: v for k, v in os.environ.items() if k in _PODMAN_ENV}},
+            env=podman_env(os.environ),
         )
         try:
             out, err = await process.communicate()
@@ -311,6 +303,103 @@ class Containers:
         lines = err.decode(errors="replace").strip().splitlines()
         answer = lines[-1].removeprefix("Error: ") if lines else ""
         return process.returncode or 0, (out or b"").decode(errors="replace"), answer
+
+
+def podman_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment podman runs with: a fixed PATH and the operator's podman variables
+    (``HOME``, ``CONTAINERS_CONF``, ``REGISTRY_AUTH_FILE``...) from ``environ``; no task's."""
+    return {"PATH": _PATH, **{k: v for k, v in environ.items() if k in _PODMAN_ENV}}
+
+
+def pull_failure(image: str, answer: str) -> str:
+    """A task's reason when its image cannot be pulled: the image and the registry's answer."""
+    return f"cannot pull image {image}: {answer}"
+
+
+def pull_args(settings: ContainerSettings, image: str) -> list[str]:
+    """Podman's arguments (after the program and store flags) that pull ``image``."""
+    registry = parse_image(image).registry
+    tls = ["--tls-verify=false"] if registry in settings.insecure_registries else []
+    return ["pull", "--quiet", *tls, image]
+
+
+def env_lines(env: Mapping[str, str]) -> list[str]:
+    """A container's environment as ``--env-file`` lines.
+
+    Raises:
+        ReplicaStartError: A value holds a line break, which such a file cannot carry.
+    """
+    lines = []
+    for key, value in env.items():
+        if "\n" in value or "\r" in value:
+            raise ReplicaStartError(
+                f"env {key}: a container's variable may not hold a line break", 126
+            )
+        lines.append(f"{key}={value}\n")
+    return lines
+
+
+def write_env_file(path: Path, env: Mapping[str, str]) -> None:
+    """Writes the container's environment to ``path``, readable by its owner (the agent)
+    alone: the task's variables may be secrets, so they are not on podman's command line."""
+    lines = env_lines(env)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with open(fd, "w", encoding="utf-8") as out:
+        out.writelines(lines)
+
+
+def run_args(
+    name: str,
+    image: str,
+    argv: list[str],
+    *,
+    work_dir: Path,
+    uid: int,
+    gid: int,
+    cwd: Path,
+    mounts: list[Path],
+    env_file: Path,
+    cpu: float,
+    memory_mib: int,
+    devices: list[str],
+) -> list[str]:
+    """Podman's arguments (after the program and store flags) that run one replica of a task
+    in ``image``, as the embedded core and the Slurm batch script both run it: the tenant's
+    uid and gid, no capabilities, its folder at the same path as its working directory, the
+    host's network, the spec's limits, the devices given (``devices``: any options that
+    belong to this one run).
+
+    Raises:
+        ReplicaStartError: The account is root.
+    """
+    if uid == 0 or gid == 0:
+        raise ReplicaStartError("containers run as the tenant's account, never as root", 126)
+    volumes = [f"--volume={path}:{path}" for path in dict.fromkeys(mounts)]
+    limits = [f"--cpus={cpu:g}"] if cpu > 0 else []
+    limits += [f"--memory={memory_mib}m"] if memory_mib > 0 else []
+    return [
+        "run",
+        "--rm",
+        "--replace",  # a replica restarted at once (or a requeued job) reuses its name
+        f"--name={name}",
+        f"--label=federation.work_dir={work_dir}",
+        "--pull=never",  # pulled beforehand, once per node
+        "--init",  # passes the stop's SIGTERM on to the command
+        f"--user={uid}:{gid}",
+        "--cap-drop=all",
+        "--security-opt=no-new-privileges",
+        "--umask=0077",
+        "--network=host",  # as a bare replica: a service's port is the host's
+        f"--workdir={cwd}",
+        f"--env-file={env_file}",
+        "--log-driver=none",  # the output goes to the supervisor (or Slurm's file) alone
+        *volumes,
+        *limits,
+        *devices,
+        "--",
+        image,
+        *argv,
+    ]
 
 
 def pull_bytes(manifest: Path) -> int:
@@ -343,14 +432,36 @@ def device_args(node: resources_pb2.Node, slot: Slot) -> list[str]:
     for device in held:
         if device.vendor.lower() != "nvidia" or device.kind != resources_pb2.DEVICE_KIND_GPU:
             raise ReplicaStartError("containers take NVIDIA GPUs only at this site", 126)
-    if _has_cdi("nvidia.com/gpu"):
-        return [f"--device=nvidia.com/gpu={d.index}" for d in held]
-    nodes = [f"/dev/nvidia{d.index}" for d in held]
+    return gpu_device_args([d.index for d in held])
+
+
+def gpu_device_args(indices: list[int]) -> list[str]:
+    """``--device`` options for the NVIDIA GPUs of these indices on this host: their CDI names
+    where it has a CDI spec for them, else their /dev nodes and the driver's control nodes.
+    ``GPU_DEVICES_SHELL`` makes the same options on a node this agent cannot look at."""
+    if _has_cdi(_CDI_GPU):
+        return [f"--device={_CDI_GPU}={i}" for i in indices]
+    nodes = [f"/dev/nvidia{i}" for i in indices]
     nodes += [path for path in _NVIDIA_CONTROL if os.path.exists(path)]
     return [f"--device={path}" for path in nodes]
 
 
+_CDI_GLOBS = " ".join(f"{folder}/*.json {folder}/*.yaml" for folder in CDI_DIRS)
+GPU_DEVICES_SHELL = (
+    # ``gpu_device_args`` in sh, for a batch script: appends the options to "$@" for the
+    # indices in $gpus (separated by commas), as found on the node the job runs on.
+    f'if grep -qs -F {_CDI_GPU} {_CDI_GLOBS}; then cdi=1; else cdi=""; fi; '
+    "for i in $(echo \"$gpus\" | tr ',' ' '); do "
+    f'if [ -n "$cdi" ]; then set -- "$@" "--device={_CDI_GPU}=$i"; '
+    'else set -- "$@" "--device=/dev/nvidia$i"; fi; done; '
+    'if [ -z "$cdi" ] && [ -n "$gpus" ]; then '
+    f"for path in {' '.join(_NVIDIA_CONTROL)}; do "
+    '[ -e "$path" ] && set -- "$@" "--device=$path"; done; fi'
+)
+
+
 def _has_cdi(kind: str) -> bool:
+    # GPU_DEVICES_SHELL's grep does the same on a node
     for folder in CDI_DIRS:
         try:
             for spec in folder.iterdir():

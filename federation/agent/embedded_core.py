@@ -341,13 +341,7 @@ class EmbeddedCore:
 
     def image_policy(self) -> tuple[str, list[str]]:
         """Why this site runs no image ("": it runs them), and the registries it pulls from."""
-        refusal = self._containers.site_refusal()
-        if not refusal and not (self._accounts is not None and self._accounts.switches):
-            refusal = (
-                "this site cannot run containers: its tasks run as the agent's own account "
-                "(containers take the tenant's: set task_uid_range, task_accounts or task_user)"
-            )
-        return refusal, self._containers.registries
+        return self._containers.policy(self._accounts)
 
     async def refresh_images(self) -> None:
         """Reads the images in the Podman store again; a change is published with the nodes."""

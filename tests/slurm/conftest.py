@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,7 +79,10 @@ async def make_core(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> AsyncIt
     harnesses: list[Harness] = []
 
     async def make(
-        settings: SlurmSettings = SETTINGS, environ: dict[str, str] | None = None, site: str = ""
+        settings: SlurmSettings = SETTINGS,
+        environ: dict[str, str] | None = None,
+        site: str = "",
+        **options: Any,
     ) -> Harness:
         site = site or f"site-{next(sites)}"
         reports: list[site_link_service_pb2.TaskReport] = []
@@ -90,6 +94,7 @@ async def make_core(slurm_cluster: LocalSlurmCluster, tmp_path: Path) -> AsyncIt
             on_change=lambda: None,
             kill_grace_s=1.0,
             environ=environ or slurm_cluster.env,
+            **options,
         )
         await core.start()
         harness = Harness(core, site, reports)

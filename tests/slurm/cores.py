@@ -58,8 +58,10 @@ class Harness:
         epoch: int = 1,
         restore: jobs_pb2.CheckpointRecord | None = None,
         stop_after_s: float = 0,
+        tenant: str = "",
     ) -> site_link_service_pb2.OfferAnswer:
         offer = site_link_service_pb2.Offer(
+            tenant=tenant,
             job_id=job_id,
             task="main",
             epoch=epoch,
@@ -79,10 +81,11 @@ class Harness:
         epoch: int = 1,
         restore: jobs_pb2.CheckpointRecord | None = None,
         stop_after_s: float = 0,
+        tenant: str = "",
     ) -> str:
         """Offers and commits; returns the Slurm job id."""
         answer = await self.offer(
-            job_id, spec, epoch=epoch, restore=restore, stop_after_s=stop_after_s
+            job_id, spec, epoch=epoch, restore=restore, stop_after_s=stop_after_s, tenant=tenant
         )
         assert answer.accepted, answer.reason
         commit = site_link_service_pb2.Commit(

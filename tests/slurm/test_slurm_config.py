@@ -83,15 +83,20 @@ def test_unknown_scheduler_is_refused(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("setting", "words"),
     [
-        ({"task_user": "fedtask"}, "do not apply to Slurm sites"),
-        ({"task_uid_range": "200000-200100"}, "do not apply to Slurm sites"),
         ({"inventory": Path("inventory.yaml")}, "inventory does not apply to Slurm sites"),
+        # The tenants' accounts (their containers') are checked as on embedded sites.
+        ({"task_user": "no-such-fedtask"}, "task_user: no such account 'no-such-fedtask'"),
+        (
+            {"task_uid_range": "200000-200100"},
+            "work_dir .* lies in state_dir|need an agent running as root",
+        ),
     ],
 )
 async def test_settings_that_cannot_apply_to_slurm_are_refused(
     tmp_path: Path, setting: dict[str, object], words: str
 ) -> None:
-    """A Slurm agent refuses task_user and inventory before it talks to Slurm."""
+    """A Slurm agent refuses inventory, and tenant accounts it cannot use, before it talks
+    to Slurm."""
     config = AgentConfig(
         site="s",
         domain="datacenter",
