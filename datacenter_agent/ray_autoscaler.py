@@ -70,6 +70,7 @@ class RayAutoscalerProvider:
         """The site's node → the id of the Ray node that is it."""
         self._wanted: dict[str, str] = {}
         """The site's nodes launching or running → their type: the autoscaler's request."""
+        self._requesting = asyncio.Lock()
 
     # What the Ray core's view needs ---------------------------------------------------------
 
@@ -186,10 +187,13 @@ class RayAutoscalerProvider:
         return ids[0] if ids else None
 
     async def _request(self) -> None:
+        """Sends the demand as it is now. One request at a time, each read when it is sent: a
+        request replaces the one before, so an older demand must never be sent last."""
         from ray.autoscaler.sdk import request_resources
 
-        bundles = [{node_type: 1} for _, node_type in sorted(self._wanted.items())]
-        await asyncio.to_thread(request_resources, bundles=bundles)
+        async with self._requesting:
+            bundles = [{node_type: 1} for _, node_type in sorted(self._wanted.items())]
+            await asyncio.to_thread(request_resources, bundles=bundles)
         log.debug("ray_resources_requested", bundles=len(bundles))
 
 
