@@ -1,19 +1,22 @@
 """``fed-datacenter-agent``: a site agent for datacenter and cloud sites.
 
 Besides the embedded core it offers ``scheduler = "slurm"``, which delegates to the site's Slurm,
-and ``scheduler = "ray"``, which delegates to an existing Ray cluster (the ``ray`` extra).
+and ``scheduler = "ray"``, which delegates to an existing Ray cluster (the ``ray`` extra),
+whose autoscaler launches the site's node types with ``[elastic] provider = "ray"``.
 """
 
 from __future__ import annotations
 
 import importlib.util
 
+from datacenter_agent.ray_autoscaler import RayAutoscalerProvider
 from datacenter_agent.ray_core import RayCore
 from datacenter_agent.slurm_core import SlurmCore
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.main import compat_table, run_agent
+from federation.agent.inventory import load_inventory
+from federation.agent.main import compat_table, elastic_nodes, node_types, run_agent
 from federation.config import ConfigError
 
 
@@ -68,12 +71,23 @@ async def start_ray_core(
             "task_user, task_accounts and task_uid_range do not apply to Ray sites: Ray runs "
             "jobs as the account its nodes run as. To fix: drop them"
         )
-    if config.inventory:
-        raise ConfigError("inventory does not apply to Ray sites: Ray describes the nodes")
+    if config.inventory and (not config.elastic.provider or load_inventory(config.inventory)):
+        raise ConfigError(
+            "inventory does not apply to Ray sites: Ray describes the nodes (an elastic Ray "
+            "site's inventory declares node_types only)"
+        )
     if importlib.util.find_spec("ray") is None:
         raise ConfigError(
             'scheduler = "ray" needs Ray\'s client. To fix: pip install "federation[ray]"'
         )
+    elastic, autoscaler = None, None
+    if config.elastic.provider == "ray":
+        autoscaler = RayAutoscalerProvider(
+            node_types(config), timeout_s=config.elastic.launch_timeout_s
+        )
+        elastic = elastic_nodes(config, autoscaler)
+        assert elastic is not None
+        autoscaler.delays = elastic.delays  # the launch timeout follows the learned p90
     core = RayCore(
         config.ray,
         site=config.site,
@@ -82,6 +96,8 @@ async def start_ray_core(
         on_change=on_change,
         kill_grace_s=config.kill_grace_s,
         compat=compat_table(config),
+        elastic=elastic,
+        autoscaler=autoscaler,
     )
     await core.start()
     return core

@@ -14,6 +14,13 @@
   every replica; Ray kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, set to the stop grace.
 * **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs
   and removes groups no job uses (reservations it no longer knows).
+* **Elastic.** With ``[elastic] provider = "ray"`` the site's node types are launched by Ray's
+  autoscaler (``ray_autoscaler``): the view adds the nodes not running as launchable ones
+  (``Node.launch``) and names a launched Ray node as the site's node it is. An offer that needs
+  launchable nodes is held without a group (nothing to place it on yet) and accepted with the
+  launch delay as its expected start; the commit launches the nodes, then places the group on
+  them (pinned by Ray node id) and submits the job, the task DELEGATED meanwhile. A failed
+  launch fails the task with Ray's word. Nodes idle for ``idle_release_s`` are released.
 """
 
 from __future__ import annotations
@@ -30,10 +37,12 @@ from typing import Any
 
 import structlog
 
-from datacenter_agent.ray_view import bundle, ray_nodes
+from datacenter_agent.ray_autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_view import NODE_ID_LABEL, bundle, ray_nodes
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
+from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
 from federation.agent.reports import Reports
@@ -85,6 +94,8 @@ class Held:
     deadline: float
     stop_after_s: float
     spec: jobs_pb2.TaskSpec
+    expected_start_s: float = 0.0
+    """Until the nodes to launch run (a reservation with no group yet)."""
 
 
 @dataclass(slots=True)
@@ -104,6 +115,9 @@ class RayTask:
     interrupted: bool = False
     stop_after_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    starting: asyncio.Task[None] | None = None
+    """Launching the task's nodes, then placing its group and submitting its job."""
+    submitted: bool = True
 
     @property
     def is_active(self) -> bool:
@@ -133,6 +147,7 @@ class RayCore:
         on_change: Called whenever the view or the queue changes.
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
         compat: The software compatibility table requirements are read through.
+        elastic: The launch state of the site's node types, launched by ``autoscaler``.
     """
 
     name = "ray"
@@ -147,7 +162,13 @@ class RayCore:
         on_change: ChangeCallback,
         kill_grace_s: float = 5.0,
         compat: CompatTable | None = None,
+        elastic: Elastic | None = None,
+        autoscaler: RayAutoscalerProvider | None = None,
     ) -> None:
+        if (elastic is None) != (autoscaler is None):
+            raise ValueError("an elastic Ray site needs both its Elastic and its autoscaler")
+        self._elastic, self._autoscaler = elastic, autoscaler
+        self._idle_releases: asyncio.Task[None] | None = None
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()
         self._reports = Reports(on_status, on_change)
@@ -178,9 +199,17 @@ class RayCore:
             return JobSubmissionClient(self._settings.dashboard)
 
         self._jobs = await asyncio.to_thread(connect)
+        if self._elastic is not None and self._autoscaler is not None:
+            # Launched for the agent before this one: they run, until idle long enough.
+            names = [node.name for node in self._elastic.nodes()]
+            self._elastic.running(await self._autoscaler.adopt(names))
         await self._adopt()
         await self.refresh()
         self._poller = asyncio.create_task(self._poll())
+        if self._elastic is not None:
+            self._idle_releases = asyncio.create_task(
+                self._elastic.run(self._busy_nodes, self._changed)
+            )
 
     # The view ------------------------------------------------------------------------------
 
@@ -199,6 +228,8 @@ class RayCore:
             node.memory_free_mib = max(0, node.memory_mib - usage.memory_mib[node.name])
             for pos, device in enumerate(node.devices):
                 device.allocated = (node.name, pos) in usage.devices
+            if self._elastic is not None:
+                self._elastic.decorate(node)
             views.append(node)
         return views
 
@@ -219,6 +250,16 @@ class RayCore:
         held += [slot for t in self._tasks.values() if t.is_active for slot in t.slots]
         return Usage.of(held)
 
+    def _busy_nodes(self) -> set[str]:
+        """Nodes a reservation or an active task holds: not idle. A task adopted from the
+        agent before holds nodes it does not name: then every launched node is busy."""
+        busy = {slot.node for h in self._held.values() for slot in h.slots}
+        active = [t for t in self._tasks.values() if t.is_active]
+        busy |= {slot.node for t in active for slot in t.slots}
+        if self._autoscaler is not None and any(not t.slots for t in active):
+            busy |= set(self._autoscaler.names().values())
+        return busy
+
     # Negotiation ---------------------------------------------------------------------------
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
@@ -230,18 +271,21 @@ class RayCore:
             held = self._held.get(name)
             if held is not None:  # a repeated offer: the same group, its lease renewed
                 held.deadline = time.monotonic() + lease_s
-                return _accepted(name, lease_s)
+                return _accepted(name, lease_s, held.expected_start_s)
             problem = self._problem(offer)
+            expected_start_s = 0.0
             if not problem:
                 answer = await self._reserve(offer, key, name, lease_s)
                 if isinstance(answer, str):
                     problem = answer
+                else:
+                    expected_start_s = answer.expected_start_s
         if problem:
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=problem)
         self._changed()
         self._wake.set()  # the poller now watches this lease
-        return _accepted(name, lease_s)
+        return _accepted(name, lease_s, expected_start_s)
 
     def _problem(self, offer: site_link_service_pb2.Offer) -> str:
         if problem := task_problem(offer):
@@ -271,31 +315,35 @@ class RayCore:
         nodes = qualifying_nodes(self.nodes(), offer, self._compat)
         if isinstance(nodes, str):
             return nodes
-        placed = place(nodes, spec, self._usage())
+        placed = self._place(nodes, spec)
+        if isinstance(placed, str) and self._elastic is not None:
+            # No group to ask Ray about: Ray's autoscaler would launch nodes for it.
+            return placed
+        if not isinstance(placed, str) and (to_launch := self._to_launch(placed)):
+            return self._hold_for_launch(offer, key, name, lease_s, placed, to_launch)
+        selectors: list[dict[str, str]] = []
         if isinstance(placed, str):
             # Ask Ray all the same, so the decline carries Ray's own word on the request.
             bundles = [self._requested_bundle(spec)] * replicas
             slots: tuple[Slot, ...] = ()
         else:
             slots = placed
-            by_name = {node.name: node for node in self._nodes}
-            bundles = [
-                bundle(by_name[s.node], spec.resources.cpu, s.memory_mib, s.device_positions)
-                for s in slots
-            ]
+            bundles, selectors = self._bundles(slots, spec)
         strategy = "STRICT_PACK" if len({s.node for s in slots}) == 1 else "PACK"
         group, state = await asyncio.to_thread(
-            _place_group, name, bundles, strategy, expect_room=not isinstance(placed, str)
+            _place_group,
+            name,
+            bundles,
+            strategy,
+            expect_room=not isinstance(placed, str),
+            selectors=selectors,
         )
         if state:
             why = f"Ray cannot place the group ({strategy}, {bundles}): {state}"
             if isinstance(placed, str):
                 why += f"; {placed}"
             return why
-        by_name = {node.name: node for node in self._nodes}
-        devices = [
-            [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
-        ]
+        devices = self._device_ids(slots)
         held = Held(
             key,
             name,
@@ -310,6 +358,83 @@ class RayCore:
         self._held[name] = held
         log.info("offer_accepted", job_id=key[0], task=key[1], epoch=key[2], group=name)
         return held
+
+    def _place(self, nodes: list[resources_pb2.Node], spec: jobs_pb2.TaskSpec) -> Any:
+        """Slots for the task: on running nodes where they have room, else (an elastic site)
+        with nodes still to launch; or why not."""
+        usage = self._usage()
+        if self._elastic is None:
+            return place(nodes, spec, usage)
+        running = [node for node in nodes if self._elastic.ready(node.name)]
+        placed = place(running, spec, usage) if running else ""
+        return place(nodes, spec, usage) if isinstance(placed, str) else placed
+
+    def _to_launch(self, slots: tuple[Slot, ...]) -> set[str]:
+        """The nodes of ``slots`` that do not run yet."""
+        if self._elastic is None:
+            return set()
+        return {slot.node for slot in slots if not self._elastic.ready(slot.node)}
+
+    def _hold_for_launch(
+        self,
+        offer: site_link_service_pb2.Offer,
+        key: RunKey,
+        name: str,
+        lease_s: float,
+        slots: tuple[Slot, ...],
+        to_launch: set[str],
+    ) -> Held:
+        """A reservation on nodes to launch: no group yet (they are not in Ray), the slots
+        held in the view; expected to start after the slowest launch (its p50)."""
+        assert self._elastic is not None
+        by_name = {node.name: node for node in self._nodes}
+        expected = max(
+            self._elastic.delays(by_name[node].labels["node_type"])[0] for node in to_launch
+        )
+        held = Held(
+            key,
+            name,
+            None,
+            slots,
+            self._device_ids(slots),
+            [],
+            time.monotonic() + lease_s,
+            offer.stop_after_disconnect_s,
+            offer.spec,
+            expected_start_s=expected,
+        )
+        self._held[name] = held
+        log.info(
+            "offer_accepted",
+            job_id=key[0],
+            task=key[1],
+            epoch=key[2],
+            group=name,
+            to_launch=sorted(to_launch),
+            expected_start_s=round(expected, 1),
+        )
+        return held
+
+    def _bundles(
+        self, slots: tuple[Slot, ...], spec: jobs_pb2.TaskSpec
+    ) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
+        """Each replica's bundle on the node the view placed it on, and the label selectors
+        that pin the bundles on launched nodes (which may share an IP); [] when none is."""
+        by_name = {node.name: node for node in self._nodes}
+        bundles, selectors = [], []
+        for s in slots:
+            node = by_name[s.node]
+            ray_id = self._autoscaler.ray_node(s.node) if self._autoscaler is not None else None
+            cpu, memory = spec.resources.cpu, s.memory_mib
+            bundles.append(bundle(node, cpu, memory, s.device_positions, by_ip=ray_id is None))
+            selectors.append({NODE_ID_LABEL: ray_id} if ray_id is not None else {})
+        return bundles, selectors if any(selectors) else []
+
+    def _device_ids(self, slots: tuple[Slot, ...]) -> list[list[str]]:
+        by_name = {node.name: node for node in self._nodes}
+        return [
+            [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
+        ]
 
     def _requested_bundle(self, spec: jobs_pb2.TaskSpec) -> dict[str, float]:
         wanted: dict[str, float] = {"CPU": spec.resources.cpu} if spec.resources.cpu else {}
@@ -327,7 +452,8 @@ class RayCore:
         """Removes an uncommitted group; a no-op when it is unknown."""
         held = self._held.pop(reservation_id, None)
         if held is not None:
-            await asyncio.to_thread(_remove_group, held.group)
+            if held.group is not None:
+                await asyncio.to_thread(_remove_group, held.group)
             log.info("reservation_released", group=reservation_id)
             self._changed()
 
@@ -346,6 +472,14 @@ class RayCore:
         )
         task.stop_after_s = held.stop_after_s
         self._tasks[key] = task
+        if held.group is None:
+            # Launches take long: the commit is answered now, and the task stays DELEGATED
+            # until its nodes run, its group is placed on them and its job submitted.
+            task.submitted = False
+            task.starting = asyncio.create_task(self._launch_then_submit(task, held))
+            log.info("task_launching_nodes", job_id=key[0], task=key[1], epoch=key[2])
+            self._changed()
+            return started()
         try:
             await asyncio.to_thread(self._submit, held, sid)
         except Exception as err:
@@ -357,6 +491,50 @@ class RayCore:
         self._changed()
         self._wake.set()
         return started()
+
+    async def _launch_then_submit(self, task: RayTask, held: Held) -> None:
+        """Launches the task's nodes not running, places its group on them, submits its job;
+        a failure on the way ends it FAILED with the reason, before any replica ran."""
+        assert self._elastic is not None
+        try:
+            await self._elastic.ensure_running(self._to_launch(held.slots), self._changed)
+        except LaunchError as err:
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, str(err))
+            return
+        await self.refresh()  # the launched nodes, as Ray has them
+        async with self._lock:
+            bundles, selectors = self._bundles(held.slots, held.spec)
+            strategy = "STRICT_PACK" if len({s.node for s in held.slots}) == 1 else "PACK"
+            group, state = await asyncio.to_thread(
+                _place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
+            )
+        if state:
+            why = f"Ray cannot place the group on the launched nodes ({bundles}): {state}"
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
+            return
+        held.group, held.bundles = group, bundles
+        held.replica_devices = self._device_ids(held.slots)
+        task.devices = [d for r in held.replica_devices for d in r]
+        try:
+            await asyncio.to_thread(self._submit, held, task.submission_id)
+        except Exception as err:
+            await asyncio.to_thread(_remove_group, group)
+            why = f"Ray would not take job {task.submission_id}: {err}"
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
+            return
+        task.submitted = True
+        key = task.key
+        log.info(
+            "task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=task.submission_id
+        )
+        self._changed()
+        self._wake.set()
+
+    def _end_unsubmitted(self, task: RayTask, state: int, reason: str) -> None:
+        task.state, task.reason = state, reason
+        log.info("task_ended", job_id=task.key[0], task=task.key[1], state=state, reason=reason)
+        task.finished.set()
+        self._report(task)
 
     def _submit(self, held: Held, sid: str) -> None:
         key, spec = held.key, held.spec
@@ -451,6 +629,14 @@ class RayCore:
 
     async def _stop(self, task: RayTask, reason: str) -> None:
         task.cancel_reason = reason
+        if not task.submitted and task.starting is not None:
+            # Still launching its nodes: no job to stop (the launches go on; the nodes, idle,
+            # are released in time).
+            task.starting.cancel()
+            await asyncio.gather(task.starting, return_exceptions=True)
+            if not task.submitted:
+                self._end_unsubmitted(task, jobs_pb2.JOB_STATE_CANCELLED, reason)
+                return
         await asyncio.to_thread(self._jobs.stop_job, task.submission_id)
         log.info("task_signalled", ray_job=task.submission_id, signal="TERM")
         self._wake.set()
@@ -489,7 +675,8 @@ class RayCore:
         now = time.monotonic()
         for held in [h for h in self._held.values() if h.deadline <= now]:
             if self._held.pop(held.name, None) is not None:
-                await asyncio.to_thread(_remove_group, held.group)
+                if held.group is not None:
+                    await asyncio.to_thread(_remove_group, held.group)
                 log.info("reservation_lapsed", group=held.name)
                 self._changed()
 
@@ -498,8 +685,20 @@ class RayCore:
         import ray
 
         records = await asyncio.to_thread(ray.nodes)
-        self._nodes = ray_nodes(records, self._settings.devices)
-        for task in [t for t in self._tasks.values() if t.is_active]:
+        if self._elastic is None or self._autoscaler is None:
+            self._nodes = ray_nodes(records, self._settings.devices)
+        else:
+            for lost in self._autoscaler.lost(records):
+                self._elastic.taken_back(lost)
+            names = self._autoscaler.names()
+            nodes = ray_nodes(self._autoscaler.visible(records), self._settings.devices, names)
+            templates = {node.name: node for node in self._elastic.nodes()}
+            for node in nodes:
+                if (template := templates.pop(node.name, None)) is not None:
+                    node.labels["node_type"] = template.labels["node_type"]
+            # The nodes not running (or not yet in Ray): as their type describes them.
+            self._nodes = nodes + list(templates.values())
+        for task in [t for t in self._tasks.values() if t.is_active and t.submitted]:
             try:
                 await self._follow(task)
             except Exception as err:  # one job Ray cannot describe does not stop the others
@@ -570,6 +769,14 @@ class RayCore:
             self._poller.cancel()
             await asyncio.gather(self._poller, return_exceptions=True)
             self._poller = None
+        if self._idle_releases is not None:
+            self._idle_releases.cancel()
+            await asyncio.gather(self._idle_releases, return_exceptions=True)
+            self._idle_releases = None
+        starting = [t.starting for t in self._tasks.values() if t.starting and not t.submitted]
+        for launching in starting:
+            launching.cancel()
+        await asyncio.gather(*starting, return_exceptions=True)
         for name in list(self._held):
             await self.release(name)
 
@@ -578,12 +785,21 @@ class RayCore:
         await self.close()
 
 
-def _accepted(name: str, lease_s: float) -> site_link_service_pb2.OfferAnswer:
-    return site_link_service_pb2.OfferAnswer(accepted=True, reservation_id=name, lease_s=lease_s)
+def _accepted(
+    name: str, lease_s: float, expected_start_s: float = 0.0
+) -> site_link_service_pb2.OfferAnswer:
+    return site_link_service_pb2.OfferAnswer(
+        accepted=True, reservation_id=name, lease_s=lease_s, expected_start_s=expected_start_s
+    )
 
 
 def _place_group(
-    name: str, bundles: list[dict[str, float]], strategy: str, *, expect_room: bool
+    name: str,
+    bundles: list[dict[str, float]],
+    strategy: str,
+    *,
+    expect_room: bool,
+    selectors: list[dict[str, str]] | None = None,
 ) -> tuple[Any, str]:
     """Creates the detached group; "" when Ray placed it, else Ray's scheduling state.
 
@@ -594,7 +810,13 @@ def _place_group(
     """
     from ray.util.placement_group import placement_group, placement_group_table
 
-    group = placement_group(bundles, strategy=strategy, name=name, lifetime="detached")
+    group = placement_group(
+        bundles,
+        strategy=strategy,
+        name=name,
+        lifetime="detached",
+        bundle_label_selector=selectors or None,
+    )
     deadline = time.monotonic() + _PLACE_WAIT_S
     state = "not placed"
     while time.monotonic() < deadline:

@@ -2,7 +2,9 @@
 
 Ray counts devices (``GPU: 4``, ``GPU_A100: 2``) without naming them; the view names each one
 ``RESOURCE-INDEX`` on its node, as the Slurm view names GRES devices, and the core keeps which
-of them its placement groups hold. A node is addressed in Ray by its ``node:IP`` resource.
+of them its placement groups hold. A node is named and addressed in Ray by its IP (its
+``node:IP`` resource), a node an elastic site launched by the site's name for it and its Ray
+node id (the ``ray.io/node-id`` label: launched nodes may share an IP).
 """
 
 from __future__ import annotations
@@ -20,15 +22,20 @@ KINDS: dict[str, resources_pb2.DeviceKind.ValueType] = {
     "fpga": resources_pb2.DEVICE_KIND_FPGA,
     "dpu": resources_pb2.DEVICE_KIND_DPU,
 }
+NODE_ID_LABEL = "ray.io/node-id"
+"""Ray's label naming a node by its id, which a bundle's label selector can pin it to."""
 RESOURCE_ATTRIBUTE = "ray_resource"
 """The device attribute naming the Ray resource that counts it."""
 _MIB = 1024 * 1024
 
 
 def ray_nodes(
-    records: list[dict[str, Any]], devices: Mapping[str, RayDevice]
+    records: list[dict[str, Any]],
+    devices: Mapping[str, RayDevice],
+    names: Mapping[str, str] | None = None,
 ) -> list[resources_pb2.Node]:
-    """The live nodes of ``ray.nodes()``, each with its devices named, all free."""
+    """The live nodes of ``ray.nodes()``, each with its devices named, all free; named by
+    their IP, or as ``names`` (Ray node id → name) says."""
     nodes = []
     for record in records:
         if not record.get("Alive"):
@@ -38,7 +45,7 @@ def ray_nodes(
         cpus = float(resources.get("CPU", 0.0))
         memory_mib = int(resources.get("memory", 0.0) // _MIB)
         node = resources_pb2.Node(
-            name=address,
+            name=(names or {}).get(record["NodeID"], address),
             cpu_cores=cpus,
             cpu_free=cpus,
             memory_mib=memory_mib,
@@ -70,10 +77,16 @@ def ray_nodes(
 
 
 def bundle(
-    node: resources_pb2.Node, cpu: float, memory_mib: int, positions: tuple[int, ...]
+    node: resources_pb2.Node,
+    cpu: float,
+    memory_mib: int,
+    positions: tuple[int, ...],
+    *,
+    by_ip: bool = True,
 ) -> dict[str, float]:
-    """One replica's Ray bundle, pinned to ``node`` so Ray holds the devices the view names."""
-    wanted: dict[str, float] = {f"node:{node.name}": 0.001}
+    """One replica's Ray bundle, pinned to ``node`` (``by_ip``: through its ``node:IP``
+    resource; else the caller pins it by its id) so Ray holds the devices the view names."""
+    wanted: dict[str, float] = {f"node:{node.name}": 0.001} if by_ip else {}
     if cpu > 0:
         wanted["CPU"] = cpu
     if memory_mib > 0:

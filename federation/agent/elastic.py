@@ -13,7 +13,9 @@ running node that has held no task for ``idle_release_s`` is released (at most d
 
 Providers: ``simulated`` starts no machine (a node "launches" after its type's delay; the
 tasks run on the agent's host, as the declared inventory's do): for tests, demos and
-rehearsals. A real cloud's provider implements ``Provider``.
+rehearsals. ``ray`` asks the autoscaler of the site's Ray cluster for nodes, and the Ray core
+runs the tasks on them (``datacenter_agent.ray_autoscaler``). A real cloud's provider
+implements ``Provider``.
 """
 
 from __future__ import annotations
@@ -47,12 +49,17 @@ IDLE_CHECK_S = 1.0
 class ElasticSettings:
     """The ``[elastic]`` table of an agent's config."""
 
-    provider: str = field(default="", metadata=one_of("", "simulated"))
-    """Who starts and stops the inventory's ``node_types``; empty: none (they are ignored)."""
+    provider: str = field(default="", metadata=one_of("", "simulated", "ray"))
+    """Who starts and stops the inventory's ``node_types``; empty: none (they are ignored).
+    ``ray``: Ray's autoscaler, on a ``scheduler = "ray"`` site
+    (``datacenter_agent.ray_autoscaler``)."""
     idle_release_s: float = field(default=IDLE_RELEASE_S, metadata=positive())
     """A launched node that holds no task this long is released."""
     warm_min: int = field(default=0, metadata=at_least(0))
     """At least this many launched nodes stay running, busy or idle."""
+    launch_timeout_s: float = field(default=0.0, metadata=at_least(0))
+    """How long a launch may take before it fails (the ``ray`` provider); 0: three times the
+    type's p90 launch delay."""
 
 
 class LaunchError(Exception):
@@ -60,13 +67,23 @@ class LaunchError(Exception):
 
 
 class Provider(Protocol):
-    """Starts and stops the machines of an elastic site."""
+    """Starts and stops the machines of an elastic site.
+
+    ``Elastic`` calls it, one coroutine per node, on the agent's event loop (blocking cloud
+    calls belong in ``asyncio.to_thread``). ``node`` is the site's name for the node
+    (``<type>-<index>``, stable: the provider keeps which machine is which node); ``node_type``
+    its hardware, ``max``, prices and configured ``delay_s``. The core runs a node's tasks once
+    ``launch`` returns, and ``Elastic`` learns the type's delay from how long it took.
+    """
 
     async def launch(self, node: str, node_type: NodeType) -> None:
-        """Returns once the node runs and can take tasks; raises LaunchError."""
+        """Starts a machine of the type for ``node`` and returns once it runs and can take
+        tasks. Raises LaunchError saying why not (quota, capacity, timeout: the message is
+        the task's failure reason), having stopped or withdrawn whatever it started. It may be
+        cancelled (the agent stops); it then withdraws its request too."""
 
     async def release(self, node: str) -> None:
-        """Stops the node (it holds no task)."""
+        """Stops the node's machine (it holds no task); ``node`` may be launched again later."""
 
 
 class SimulatedProvider:
@@ -81,9 +98,10 @@ class SimulatedProvider:
 
 
 def provider_named(name: str) -> Provider:
+    """The provider of an embedded site; ``ray``'s is the Ray core's own."""
     if name == "simulated":
         return SimulatedProvider()
-    raise ValueError(f"unknown elastic provider {name!r}")
+    raise ValueError(f"unknown elastic provider {name!r} for this core")
 
 
 class Elastic:

@@ -25,7 +25,7 @@ from federation.agent.discovery import (
     discover_host_node,
     load_inventory,
 )
-from federation.agent.elastic import Elastic, provider_named
+from federation.agent.elastic import Elastic, Provider, provider_named
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import EnrollmentError, channel_options, ensure_enrolled
 from federation.agent.host_watch import HostWatcher, export_gauges, readings_pace
@@ -39,6 +39,7 @@ from federation.agent.runtime import AgentRejectedError, AgentRuntime, Certifica
 from federation.agent.state_lock import StateDirLockedError, hold_state_dir
 from federation.agent.task_data import TaskData
 from federation.api.v1 import resources_pb2
+from federation.common.node_types import NodeType
 from federation.config import ConfigError, build, read_toml
 from federation.logging import LEVELS, configure_logging
 from federation.metrics import serve_metrics
@@ -119,7 +120,7 @@ def load_config(args: argparse.Namespace, domain: str) -> AgentConfig:
     link_settings(config, source=source)  # refuse bad probe settings or declared links now
     if config.inventory:  # read now, before a join token is spent on a site that cannot start
         check_node_names(load_inventory(config.inventory), config.inventory)
-    elastic_nodes(config)
+    check_elastic(config, source=source)
     return config
 
 
@@ -194,18 +195,44 @@ async def embedded_core(
     return core
 
 
-def elastic_nodes(config: AgentConfig) -> Elastic | None:
-    """The nodes of the inventory's node types, launched by the configured provider; None
-    without a provider."""
-    if not config.elastic.provider:
-        return None
+def node_types(config: AgentConfig) -> list[NodeType]:
+    """The inventory's node types, for a site with an elastic provider.
+
+    Raises:
+        ConfigError: The provider is set and the inventory declares no node type.
+    """
     types = load_node_types(config.inventory) if config.inventory is not None else []
     if not types:
         raise ConfigError(
             f"[elastic] provider {config.elastic.provider!r} is set but the inventory declares "
             "no node_types: there is nothing to launch"
         )
-    return Elastic(types, provider_named(config.elastic.provider), config.elastic)
+    return types
+
+
+def check_elastic(config: AgentConfig, *, source: str) -> None:
+    """Refuses a provider its core cannot use: Ray's autoscaler launches Ray nodes, which only
+    the Ray core runs tasks on; the simulated provider's nodes are not in Ray."""
+    provider = config.elastic.provider
+    if not provider:
+        return
+    if (provider == "ray") != (config.scheduler == "ray"):
+        raise ConfigError(
+            f'{source}: [elastic] provider = "{provider}" does not apply to scheduler = '
+            f'"{config.scheduler}": Ray\'s autoscaler launches Ray nodes, which the Ray core '
+            'runs tasks on. To fix: provider = "ray" with scheduler = "ray", "simulated" '
+            "with the embedded core"
+        )
+    node_types(config)
+
+
+def elastic_nodes(config: AgentConfig, provider: Provider | None = None) -> Elastic | None:
+    """The nodes of the inventory's node types, launched by ``provider`` (else the one the
+    config names); None without a provider."""
+    if not config.elastic.provider:
+        return None
+    chosen = provider or provider_named(config.elastic.provider)
+    return Elastic(node_types(config), chosen, config.elastic)
 
 
 def host_watcher(config: AgentConfig, core: LocalCore, links: LinkMonitor) -> HostWatcher | None:

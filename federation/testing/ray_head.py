@@ -3,6 +3,12 @@
 The head declares ``GPU_A100`` devices as a custom resource: the machine has no GPU, so they
 are declared inventory (``RayDevice.declared``), as an inventory file declares hardware to an
 embedded site. The ``ray`` program comes from the ``ray`` extra, beside the interpreter.
+
+With ``worker_types``, the head runs Ray's autoscaler with its fake multi-node provider
+(``RAY_FAKE_CLUSTER=1``, ``--autoscaling-config``): a node it "launches" is one more raylet on
+this machine (about 0.3 GiB each: keep ``max_workers`` small), started in a few seconds. The
+wheel lacks the provider's defaults file (``fake_multi_node/example.yaml``), so the config
+loads the provider as an ``external`` one and states every field itself.
 """
 
 from __future__ import annotations
@@ -19,11 +25,78 @@ import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import yaml
 
 from federation.agent.config import RayDevice, RaySettings
 from federation.testing.etcd import free_ports, stop_process
 
 START_TIMEOUT_S = 60.0
+FAKE_PROVIDER = "ray.autoscaler._private.fake_multi_node.node_provider.FakeMultiNodeProvider"
+FAKE_OBJECT_STORE_BYTES = 80 * 1024 * 1024
+"""Each fake node's object store (Ray's least is 75 MiB): this host's memory is shared."""
+
+
+@dataclass(frozen=True)
+class FakeNodeType:
+    """A worker node type of the fake autoscaler: its Ray resources and how many may run."""
+
+    resources: dict[str, float]
+    max_workers: int = 1
+
+
+def fake_autoscaling_config(
+    gcs_address: str,
+    head_cpus: int,
+    worker_types: dict[str, FakeNodeType],
+    idle_timeout_s: float,
+) -> dict[str, Any]:
+    """An autoscaling config for Ray's fake multi-node provider on the head at ``gcs_address``."""
+    types: dict[str, Any] = {
+        "ray.head.default": {"resources": {"CPU": head_cpus}, "node_config": {}, "max_workers": 0}
+    }
+    for name, worker in worker_types.items():
+        types[name] = {
+            "resources": {"object_store_memory": FAKE_OBJECT_STORE_BYTES, **worker.resources},
+            "node_config": {},
+            "min_workers": 0,
+            "max_workers": worker.max_workers,
+        }
+    return {
+        "cluster_name": "federation-fake",
+        "max_workers": sum(w.max_workers for w in worker_types.values()),
+        "upscaling_speed": 1.0,
+        "idle_timeout_minutes": idle_timeout_s / 60,
+        "provider": {
+            "type": "external",
+            "module": FAKE_PROVIDER,
+            "gcs_address": gcs_address,
+            "use_node_id_as_ip": True,
+            "disable_node_updaters": True,
+            "disable_launch_config_check": True,
+        },
+        "available_node_types": types,
+        "head_node_type": "ray.head.default",
+        "auth": {"ssh_user": "ubuntu"},
+        "docker": {},
+        **{
+            key: []
+            for key in (
+                "initialization_commands",
+                "setup_commands",
+                "head_setup_commands",
+                "worker_setup_commands",
+                "head_start_ray_commands",
+                "worker_start_ray_commands",
+                "cluster_synced_files",
+                "rsync_exclude",
+                "rsync_filter",
+            )
+        },
+        "file_mounts": {},
+        "file_mounts_sync_continuously": False,
+    }
 
 
 def ray_binary() -> str | None:
@@ -36,14 +109,19 @@ def ray_binary() -> str | None:
 
 @dataclass
 class LocalRayHead:
-    """One Ray head node with ``cpus`` CPUs and ``a100s`` declared ``GPU_A100`` devices."""
+    """One Ray head node with ``cpus`` CPUs and ``a100s`` declared ``GPU_A100`` devices; with
+    ``worker_types``, the fake autoscaler launches those (removing them once idle for
+    ``idle_timeout_s``)."""
 
     cpus: int = 4
     a100s: int = 2
+    worker_types: dict[str, FakeNodeType] | None = None
+    idle_timeout_s: float = 6.0
     process: subprocess.Popen[bytes] | None = None
     address: str = ""
     dashboard: str = ""
     temp_dir: str = ""
+    gcs_port: int = 0
 
     def start(self) -> None:
         binary = ray_binary()
@@ -68,11 +146,23 @@ class LocalRayHead:
             "--include-dashboard=true",
             f"--num-cpus={self.cpus}",
             "--num-gpus=0",
-            f"--resources={json.dumps({'GPU_A100': self.a100s})}",
+            *([f"--resources={json.dumps({'GPU_A100': self.a100s})}"] if self.a100s else []),
             f"--temp-dir={self.temp_dir}",
             "--disable-usage-stats",
         ]
+        self.gcs_port = gcs
         env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+        if self.worker_types is not None:
+            config = Path(self.temp_dir) / "autoscaling.yaml"
+            config.write_text(
+                yaml.safe_dump(
+                    fake_autoscaling_config(
+                        self.address, self.cpus, self.worker_types, self.idle_timeout_s
+                    )
+                )
+            )
+            command.append(f"--autoscaling-config={config}")
+            env["RAY_FAKE_CLUSTER"] = "1"
         self.process = subprocess.Popen(
             command,
             env=env,
@@ -144,6 +234,9 @@ class LocalRayHead:
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
     def _pids(self) -> list[int]:
+        """This head's processes: those naming its temp dir, and those given its GCS address
+        (Ray's client server names neither its temp dir nor the head's IP as we gave it)."""
+        gcs = f":{self.gcs_port}".encode()
         pids = []
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
@@ -152,6 +245,9 @@ class LocalRayHead:
                 command = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if self.temp_dir.encode() in command:
+            given = any(
+                arg.startswith(b"--address=") and arg.endswith(gcs) for arg in command.split(b"\0")
+            )
+            if self.temp_dir.encode() in command or (self.gcs_port and given):
                 pids.append(int(entry.name))
         return pids

@@ -8,6 +8,7 @@ import pytest
 
 from datacenter_agent.__main__ import start_ray_core
 from federation.agent.config import AgentConfig, RayDevice
+from federation.agent.elastic import ElasticSettings
 from federation.agent.main import load_config, parse_args
 from federation.config import ConfigError
 
@@ -71,4 +72,51 @@ async def test_settings_that_cannot_apply_to_ray_are_refused(
         **setting,  # type: ignore[arg-type]
     )
     with pytest.raises(ConfigError, match=words):
+        await start_ray_core(config, lambda report: None, lambda: None)
+
+
+NODE_TYPES = (
+    "node_types:\n  - {name: a100x2, cpu_cores: 2, memory_mib: 4096, max: 2, delay_s: 10,\n"
+    "     devices: [{kind: GPU, vendor: nvidia, model: A100-80GB, count: 2}]}\n"
+)
+
+
+def test_an_elastic_ray_site_reads_its_node_types(tmp_path: Path) -> None:
+    (tmp_path / "inventory.yaml").write_text(NODE_TYPES)
+    config = load(
+        tmp_path,
+        'inventory = "inventory.yaml"\n[elastic]\nprovider = "ray"\nlaunch_timeout_s = 120\n',
+    )
+    assert (config.elastic.provider, config.elastic.launch_timeout_s) == ("ray", 120)
+
+
+@pytest.mark.parametrize(("scheduler", "provider"), [("embedded", "ray"), ("ray", "simulated")])
+def test_a_provider_its_core_cannot_use_is_refused(
+    tmp_path: Path, scheduler: str, provider: str
+) -> None:
+    (tmp_path / "inventory.yaml").write_text(NODE_TYPES)
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        BASE.replace('"ray"', f'"{scheduler}"')
+        + f'inventory = "inventory.yaml"\n[elastic]\nprovider = "{provider}"\n'
+    )
+    args = parse_args(["--config", str(path)], "p", "datacenter")
+    with pytest.raises(ConfigError, match=f'provider = "{provider}" does not apply'):
+        load_config(args, "datacenter")
+
+
+async def test_an_elastic_ray_sites_inventory_declares_node_types_only(tmp_path: Path) -> None:
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(NODE_TYPES + "nodes:\n  - {name: box, cpu_cores: 2, memory_mib: 1024}\n")
+    config = AgentConfig(
+        site="s",
+        domain="datacenter",
+        coordinator="c:1",
+        ca=tmp_path / "ca.pem",
+        state_dir=tmp_path,
+        scheduler="ray",
+        inventory=inventory,
+        elastic=ElasticSettings(provider="ray"),
+    )
+    with pytest.raises(ConfigError, match="declares node_types only"):
         await start_ray_core(config, lambda report: None, lambda: None)
