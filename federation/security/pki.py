@@ -484,6 +484,21 @@ def make_csr(identity_hint: str) -> tuple[bytes, bytes]:
     return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
+def key_pair_matches(cert_pem: bytes, key_pem: bytes) -> bool:
+    """Whether ``key_pem`` is the private key of the certificate ``cert_pem``; False for
+    either malformed (torn or foreign).
+
+    Raises:
+        TypeError: The key is encrypted.
+    """
+    try:
+        certificate = x509.load_pem_x509_certificate(cert_pem)
+        private_key = serialization.load_pem_private_key(key_pem, password=None)
+    except ValueError:
+        return False
+    return bool(certificate.public_key() == private_key.public_key())
+
+
 def load_certificate(path: Path) -> x509.Certificate:
     """The PEM certificate in ``path``."""
     return x509.load_pem_x509_certificate(path.read_bytes())
