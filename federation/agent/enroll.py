@@ -20,16 +20,12 @@ import structlog
 
 from federation.agent.config import AgentConfig
 from federation.api.v1 import site_link_service_pb2, site_link_service_pb2_grpc
+from federation.durable import write_private_file, write_public_file
 from federation.endpoints import LEADER_JOIN, Endpoints, never_sent, parse_endpoints
 from federation.envelopes import MAX_STREAM_MESSAGE_BYTES
+from federation.security.cert_info import fingerprint, load_certificate_info
+from federation.security.crypto_process import make_csr_async
 from federation.security.key_pair_files import finish_replacement
-from federation.security.pki import (
-    fingerprint,
-    load_certificate,
-    make_csr,
-    write_private_file,
-    write_public_file,
-)
 from federation.security.tls import TlsFiles, server_only_channel_credentials
 
 log = structlog.get_logger()
@@ -87,7 +83,7 @@ def expired_message(creds: SiteCredentials, site: str) -> str | None:
     """One line saying the site's certificate has expired and what to do; None while valid
     (or unreadable: then the TLS handshake says what is wrong)."""
     try:
-        not_after = load_certificate(creds.cert).not_valid_after_utc
+        not_after = load_certificate_info(creds.cert).not_valid_after_utc
     except (OSError, ValueError):
         return None
     if not_after > datetime.now(UTC):
@@ -136,7 +132,7 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
             "token (--token-file, from 'fedctl token create') and --join-address"
         )
     config.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    key_pem, csr_pem = pending_csr(creds.joining_key, creds.joining_csr, config.site)
+    key_pem, csr_pem = await pending_csr(creds.joining_key, creds.joining_csr, config.site)
     creds_in = server_only_channel_credentials(config.ca)
     request = site_link_service_pb2.JoinRequest(token=token, csr_pem=csr_pem)
 
@@ -161,18 +157,25 @@ async def ensure_enrolled(config: AgentConfig) -> SiteCredentials:
     return creds
 
 
-def pending_csr(key: Path, csr: Path, site: str) -> tuple[bytes, bytes]:
+async def pending_csr(key: Path, csr: Path, site: str) -> tuple[bytes, bytes]:
     """The key and CSR at ``key`` and ``csr``, made and written first if there are none: a
     join or renewal whose reply was lost is asked again with the same CSR, and answered with
-    the same certificate."""
-    try:
-        return key.read_bytes(), csr.read_bytes()
-    except FileNotFoundError:
-        pass
-    key_pem, csr_pem = make_csr(site)
+    the same certificate. A new pair is made in a child process (``crypto_process``), so that
+    the agent does not hold cryptography."""
+    found = _read_pair(key, csr)
+    if found is not None:
+        return found
+    key_pem, csr_pem = await make_csr_async(site)
     write_private_file(key, key_pem)
     write_public_file(csr, csr_pem)  # last: a CSR on disk has its key beside it
     return key_pem, csr_pem
+
+
+def _read_pair(key: Path, csr: Path) -> tuple[bytes, bytes] | None:
+    try:
+        return key.read_bytes(), csr.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def one_line(text: str) -> str:

@@ -20,18 +20,18 @@ from datetime import UTC, datetime, timedelta
 
 import grpc
 import structlog
-from cryptography import x509
 
 from federation.agent.enroll import SiteCredentials, one_line, pending_csr
 from federation.api.v1 import certificate_service_pb2, certificate_service_pb2_grpc
+from federation.durable import write_public_file
 from federation.metrics import AGENT_CERTIFICATE_EXPIRY
-from federation.security.key_pair_files import replace_key_pair
-from federation.security.pki import (
+from federation.security.cert_info import (
     CLOCK_SKEW,
+    CertificateInfo,
     fingerprint,
-    load_certificate,
-    write_public_file,
+    load_certificate_info,
 )
+from federation.security.key_pair_files import replace_key_pair
 from federation.security.tls import channel_credentials
 
 log = structlog.get_logger()
@@ -44,7 +44,7 @@ RETRY_MIN_S = 1.0
 RETRY_MAX_S = 300.0
 
 
-def renewal_due(cert: x509.Certificate) -> datetime:
+def renewal_due(cert: CertificateInfo) -> datetime:
     """When ``cert`` is due for renewal: ``RENEW_AT`` of its lifetime after it was issued.
 
     The CA starts every certificate ``CLOCK_SKEW`` before it issues it, so the lifetime
@@ -85,14 +85,14 @@ class CertificateRenewer:
     async def run(self) -> None:
         """Renew each certificate when due, until cancelled."""
         while True:
-            cert = load_certificate(self._creds.cert)
+            cert = load_certificate_info(self._creds.cert)
             AGENT_CERTIFICATE_EXPIRY.set(cert.not_valid_after_utc.timestamp())
             wait_s = (renewal_due(cert) - datetime.now(UTC)).total_seconds()
             if wait_s > 0:
                 await asyncio.sleep(wait_s)
             await self._renew_until_done(cert)
 
-    async def _renew_until_done(self, cert: x509.Certificate) -> None:
+    async def _renew_until_done(self, cert: CertificateInfo) -> None:
         attempt = 0
         while True:
             attempt += 1
@@ -119,7 +119,7 @@ class CertificateRenewer:
         signature, the files, the session; over ``channel``, or the session's."""
         if channel is None:
             channel = await self._channel()
-        key_pem, csr_pem = self._pending()
+        key_pem, csr_pem = await self._pending()
         stub = certificate_service_pb2_grpc.CertificateServiceStub(channel)
         try:
             reply = await stub.RenewCertificate(
@@ -163,9 +163,9 @@ class CertificateRenewer:
         log.info("certificate_recovered", coordinator=address)
         return True
 
-    def _pending(self) -> tuple[bytes, bytes]:
+    async def _pending(self) -> tuple[bytes, bytes]:
         """The key and CSR of the renewal under way, written first if there is none."""
-        return pending_csr(self._creds.renewal_key, self._creds.renewal_csr, self._site)
+        return await pending_csr(self._creds.renewal_key, self._creds.renewal_csr, self._site)
 
     def _drop_pending(self) -> None:
         self._creds.renewal_csr.unlink(missing_ok=True)

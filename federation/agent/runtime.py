@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -37,12 +38,13 @@ from federation.agent.task_data import TaskData
 from federation.agent.task_spans import TaskSpans
 from federation.api.v1 import resources_pb2, site_link_service_pb2_grpc
 from federation.api.v1 import site_link_service_pb2 as pb
+from federation.durable import write_public_file
 from federation.endpoints import Endpoints, error_info, is_not_leader, leader_hint
 from federation.envelopes import envelopes
 from federation.errors import ProtocolVersionError
 from federation.jobspec import parse_domain
 from federation.metrics import AGENT_TASKS_RUNNING
-from federation.security.pki import load_bundle, write_public_file
+from federation.security.crypto_process import check_bundle_async
 from federation.security.tls import channel_credentials
 from federation.site_protocol import PROTOCOL_VERSION, STAGE_PROGRESS_PROTOCOL
 
@@ -141,6 +143,9 @@ class AgentRuntime:
         self._heartbeat_s = 3.0
         self._welcomed = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._bundles_received: deque[bytes] = deque()
+        """Trust bundles received and not yet checked (``_keep_trust_bundle``)."""
+        self._bundle_keeper: asyncio.Task[None] | None = None
         self._endpoints = Endpoints(coordinator_endpoints(config))
         self._leaving = False
         self._session_over = asyncio.Event()
@@ -407,18 +412,29 @@ class AgentRuntime:
     def _keep_trust_bundle(self, bundle_pem: bytes) -> None:
         """Keep the roots the coordinator trusts as the agent's CA bundle: the next session
         (after a renewal, or once the coordinator serves a certificate of a new CA) verifies
-        the coordinator against them."""
+        the coordinator against them. Each bundle is checked first, in a child process (the
+        agent does not hold cryptography), one at a time in the order received."""
         if not bundle_pem:
             return
-        try:
-            if bundle_pem == self._creds.ca.read_bytes():
-                return
-            load_bundle(bundle_pem)  # never replace a working bundle with a broken one
-            write_public_file(self._creds.ca, bundle_pem)
-        except (OSError, ValueError) as err:
-            log.warning("trust_bundle_not_kept", error=str(err))
-            return
-        log.info("trust_bundle_kept", roots=bundle_pem.count(b"BEGIN CERTIFICATE"))
+        self._bundles_received.append(bundle_pem)
+        if self._bundle_keeper is None or self._bundle_keeper.done():
+            self._bundle_keeper = task = asyncio.create_task(self._keep_bundles())
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+
+    async def _keep_bundles(self) -> None:
+        while self._bundles_received:
+            bundle_pem = self._bundles_received.popleft()
+            try:
+                if bundle_pem == self._creds.ca.read_bytes():
+                    continue
+                # Never replace a working bundle with a broken one.
+                await check_bundle_async(bundle_pem)
+                write_public_file(self._creds.ca, bundle_pem)
+            except (OSError, ValueError) as err:
+                log.warning("trust_bundle_not_kept", error=str(err))
+                continue
+            log.info("trust_bundle_kept", roots=bundle_pem.count(b"BEGIN CERTIFICATE"))
 
     async def _views(self, outbox: asyncio.Queue[pb.AgentMessage | None]) -> None:
         while True:

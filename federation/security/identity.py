@@ -12,8 +12,6 @@ import functools
 import re
 from dataclasses import dataclass
 
-from cryptography import x509
-
 TRUST_DOMAIN = "federation"
 """Trust domain of every identity URI the federation issues or accepts."""
 
@@ -139,6 +137,8 @@ def identity_from_certificate(pem: bytes) -> Identity:
         InvalidIdentityError: If the PEM is malformed or the certificate does not
             carry exactly one valid identity URI.
     """
+    from cryptography import x509  # here: a site agent, which reads no peer's, never loads it
+
     try:
         cert = x509.load_pem_x509_certificate(pem)
     except ValueError as exc:

@@ -20,11 +20,9 @@ import os
 from pathlib import Path
 
 import structlog
-from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 
-from federation.durable import sync_dir
-from federation.security.pki import write_private_file
+from federation.durable import sync_dir, write_private_file
+from federation.security import crypto_process
 
 log = structlog.get_logger()
 
@@ -67,9 +65,10 @@ def finish_replacement(cert: Path, key: Path) -> bool:
 
 
 def _pair_matches(cert: Path, key: Path) -> bool:
-    try:
-        certificate = x509.load_pem_x509_certificate(cert.read_bytes())
-        private_key = serialization.load_pem_private_key(key.read_bytes(), password=None)
-    except ValueError:
-        return False  # torn or foreign: not a pair to finish
-    return bool(certificate.public_key() == private_key.public_key())
+    """Whether the key is the certificate's; False for either torn or foreign. Checked in a
+    child process: a site agent, which finishes its replacements, does not load cryptography.
+
+    Raises:
+        CryptoProcessError: The child failed (nothing is finished or removed then).
+    """
+    return crypto_process.pair_matches(cert.read_bytes(), key.read_bytes())

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -32,10 +31,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+# Defined where processes without cryptography (site agents) import them; part of this API.
+from federation.durable import write_private_file as write_private_file
+from federation.durable import write_public_file as write_public_file
+from federation.security.cert_info import CLOCK_SKEW as CLOCK_SKEW
+from federation.security.cert_info import CaCheckError as CaCheckError
 from federation.security.identity import Identity, Role
-
-CLOCK_SKEW = timedelta(minutes=5)
-"""How far in the past every certificate's validity starts, to tolerate clock skew."""
 
 DEFAULT_CLIENT_LIFETIME = timedelta(days=365)
 """Lifetime of a client certificate when the caller names none."""
@@ -116,10 +117,6 @@ def _check_csr_key(key: object) -> _IssuablePublicKey:
     raise InvalidCsrError(
         f"CSR uses an unsupported {type(key).__name__}; use EC P-256 or RSA >= {MIN_RSA_BITS}"
     )
-
-
-class CaCheckError(ValueError):
-    """A CA certificate, key or trust bundle is not fit for its part; the message says why."""
 
 
 def is_self_signed(cert: x509.Certificate) -> bool:
@@ -487,6 +484,21 @@ def make_csr(identity_hint: str) -> tuple[bytes, bytes]:
     return _key_pem(key), csr.public_bytes(serialization.Encoding.PEM)
 
 
+def key_pair_matches(cert_pem: bytes, key_pem: bytes) -> bool:
+    """Whether ``key_pem`` is the private key of the certificate ``cert_pem``; False for
+    either malformed (torn or foreign).
+
+    Raises:
+        TypeError: The key is encrypted.
+    """
+    try:
+        certificate = x509.load_pem_x509_certificate(cert_pem)
+        private_key = serialization.load_pem_private_key(key_pem, password=None)
+    except ValueError:
+        return False
+    return bool(certificate.public_key() == private_key.public_key())
+
+
 def load_certificate(path: Path) -> x509.Certificate:
     """The PEM certificate in ``path``."""
     return x509.load_pem_x509_certificate(path.read_bytes())
@@ -521,32 +533,6 @@ def public_key_sha256(pem: bytes) -> str:
 def serial_hex(cert_pem: bytes) -> str:
     """The certificate's serial number in lowercase hex, for logs."""
     return format(x509.load_pem_x509_certificate(cert_pem).serial_number, "x")
-
-
-def write_private_file(path: Path, data: bytes) -> None:
-    """Atomically writes ``data`` to ``path`` with 0600 permissions (keys, agent certs)."""
-    _atomic_write(path, data, 0o600)
-
-
-def write_public_file(path: Path, data: bytes) -> None:
-    """Atomically writes ``data`` to ``path`` with 0644 permissions (certificates)."""
-    _atomic_write(path, data, 0o644)
-
-
-def _atomic_write(path: Path, data: bytes, mode: int) -> None:
-    """Writes a temp file in the same directory (never readable by others), then renames it."""
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-            os.fchmod(f.fileno(), mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,19 +1,24 @@
 """The agent runs on the base install alone: it imports nothing of the coordinator extra
 (numpy, CEL, aetcd, rich, gRPC health and reflection) nor what only a feature it is not
-configured for needs, a replica's supervisor imports next to nothing, and without CEL the
-agent declines a task with a device selector, saying what to install."""
+configured for needs, nor cryptography (a running agent neither, having joined and renewed),
+a replica's supervisor imports next to nothing, and without CEL the agent declines a task
+with a device selector, saying what to install."""
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from federation.agent import packing, supervisor
 from federation.api.v1 import jobs_pb2
+from federation.local import LocalFederation
 from federation.programs import COORDINATOR_EXTRA
+from federation.testing.cluster import cpu_site
 
 BLOCKED = f"""
 import sys
@@ -54,6 +59,7 @@ NOT_ON_THE_AGENTS_PATH = (
     "federation.store",
     "federation.sim",
     "federation.cli",
+    "cryptography",  # keys and CSRs are made, bundles and pairs checked, in a child process
 )
 PLACEMENT_THE_AGENT_READS = {
     "federation.placement",
@@ -76,6 +82,36 @@ def test_the_agent_loads_nothing_it_does_not_run() -> None:
     ] == []
     placement = {m for m in loaded if m.startswith("federation.placement")}
     assert placement <= PLACEMENT_THE_AGENT_READS
+
+
+def mapped_files(pid: int) -> str:
+    """What ``pid`` has mapped: its libraries (and the files it maps)."""
+    return Path(f"/proc/{pid}/maps").read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+async def test_an_agent_that_joined_and_renewed_holds_no_cryptography(tmp_path: Path) -> None:
+    """A real agent joins with a token, connects, and renews its certificate (10 s long, so
+    due after about 7 s): its process has mapped no library of cryptography, which is about
+    10 MiB of an agent's memory (what ``bench/agent.py`` measures as ``idle_rss_mib``)."""
+    config = tmp_path / "coordinator.toml"
+    config.write_text("site_certificate_lifetime_s = 10\n")
+    fed = LocalFederation(
+        tmp_path / "fed", [cpu_site("lean")], coordinator_args=["--config", str(config)]
+    )
+    try:
+        await fed.start()
+        cert = fed.root / "sites" / "lean" / "state" / "site.pem"
+        joined = cert.read_bytes()
+        deadline = time.monotonic() + 30
+        while cert.read_bytes() == joined:
+            assert time.monotonic() < deadline, "the agent did not renew its certificate"
+            await asyncio.sleep(0.2)
+        await fed.wait_connected()
+        maps = mapped_files(fed.processes["lean"].pid)
+    finally:
+        fed.stop()
+    assert "/cryptography/" not in maps
 
 
 def test_a_replicas_supervisor_imports_little() -> None:
