@@ -53,6 +53,9 @@ _JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]*$")
 _ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
+SLURM_DATA_REFUSAL = "this Slurm site does not stage inputs or store outputs yet"
+
+
 def offer_problem(
     offer: site_link_service_pb2.Offer,
     *,
@@ -85,6 +88,10 @@ def offer_problem(
         )
     if spec.spread.all_or_nothing:
         return gang_refusal("Slurm")
+    if offer.stages_inputs or spec.outputs:
+        # Declined, not run without them: the task would miss its inputs, and a dependant
+        # elsewhere would wait for outputs no store ever gets.
+        return SLURM_DATA_REFUSAL
     if spec.topology.required:
         return (
             f"replicas must share a {spec.topology.required}, and this site does not place by "

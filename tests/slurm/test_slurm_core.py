@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from datacenter_agent.slurm_core import DEGRADED_NODE
+from datacenter_agent.slurm_offer import SLURM_DATA_REFUSAL
 from federation.agent.config import SlurmSettings
 from federation.agent.core import gang_refusal
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
@@ -136,6 +137,19 @@ async def test_a_part_of_a_gang_across_sites_is_declined(make_core: MakeCore) ->
     assert not answer.accepted
     assert answer.reason == gang_refusal("Slurm")
     assert "gang across sites" in answer.reason
+    alone = await harness.offer("alone", gpu_task("pass", gpus=1))
+    assert alone.accepted, alone.reason  # the decline held nothing
+    await harness.core.release(alone.reservation_id)
+
+
+async def test_a_task_with_outputs_or_staged_inputs_is_declined(make_core: MakeCore) -> None:
+    """A Slurm site neither stages inputs nor stores outputs: such a task is declined, not
+    run without its data, and nothing is held."""
+    harness = await make_core()
+    making = gpu_task("pass", gpus=1)
+    making.outputs.add(name="data", path="out.bin")
+    answer = await harness.offer("makes-data", making)
+    assert (answer.accepted, answer.reason) == (False, SLURM_DATA_REFUSAL)
     alone = await harness.offer("alone", gpu_task("pass", gpus=1))
     assert alone.accepted, alone.reason  # the decline held nothing
     await harness.core.release(alone.reservation_id)
