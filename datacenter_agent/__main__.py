@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import importlib.util
 
-from datacenter_agent.ray_autoscaler import RayAutoscalerProvider
-from datacenter_agent.ray_core import RayCore
-from datacenter_agent.slurm_core import SlurmCore
+from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_cluster.core import RayCore
+from datacenter_agent.slurm.core import SlurmCore
 from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback

@@ -14,7 +14,7 @@ running node that has held no task for ``idle_release_s`` is released (at most d
 Providers: ``simulated`` starts no machine (a node "launches" after its type's delay; the
 tasks run on the agent's host, as the declared inventory's do): for tests, demos and
 rehearsals. ``ray`` asks the autoscaler of the site's Ray cluster for nodes, and the Ray core
-runs the tasks on them (``datacenter_agent.ray_autoscaler``). A real cloud's provider
+runs the tasks on them (``datacenter_agent.ray_cluster.autoscaler``). A real cloud's provider
 implements ``Provider``.
 """
 
@@ -52,7 +52,7 @@ class ElasticSettings:
     provider: str = field(default="", metadata=one_of("", "simulated", "ray"))
     """Who starts and stops the inventory's ``node_types``; empty: none (they are ignored).
     ``ray``: Ray's autoscaler, on a ``scheduler = "ray"`` site
-    (``datacenter_agent.ray_autoscaler``)."""
+    (``datacenter_agent.ray_cluster.autoscaler``)."""
     idle_release_s: float = field(default=IDLE_RELEASE_S, metadata=positive())
     """A launched node that holds no task this long is released."""
     warm_min: int = field(default=0, metadata=at_least(0))

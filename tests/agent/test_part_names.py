@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from datacenter_agent.slurm_offer import _NAME_RE
+from datacenter_agent.slurm.offer import _NAME_RE
 from federation.agent.node_fit import bad_task_name
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from agent.decisions import CASES, Case, play
 
-from datacenter_agent.ray_core import RayCore
+from datacenter_agent.ray_cluster.core import RayCore
 from federation.agent.core import gang_refusal
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.testing.ray_head import LocalRayHead

@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 
-from datacenter_agent.ray_autoscaler import RayAutoscalerProvider
-from datacenter_agent.ray_core import RayCore
+from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_cluster.core import RayCore
 from federation.agent.elastic import LAUNCHABLE, LAUNCHING, RUNNING, Elastic, ElasticSettings
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.node_types import NodeType

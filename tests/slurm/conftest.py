@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from datacenter_agent.slurm_core import SlurmCore
+from datacenter_agent.slurm.core import SlurmCore
 from federation.agent.config import GresModel, SlurmSettings
 from federation.api.v1 import site_link_service_pb2
 from federation.testing.slurm_cluster import LocalNode, LocalSlurmCluster, missing_binaries

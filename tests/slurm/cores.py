@@ -6,8 +6,8 @@ import itertools
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from datacenter_agent.slurm_cli import parse_records
-from datacenter_agent.slurm_core import SlurmCore
+from datacenter_agent.slurm.cli import parse_records
+from datacenter_agent.slurm.core import SlurmCore
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.testing.slurm_cluster import LocalSlurmCluster
 

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_containers import (
+from datacenter_agent.slurm.containers import (
     CONTAINER_ENV,
     WORK_FOLDER,
     ContainerJob,
     container_script,
 )
-from datacenter_agent.slurm_job import job_dir
+from datacenter_agent.slurm.job import job_dir
 from federation.agent.accounts import Account, TaskAccounts, task_accounts
 from federation.agent.containers import (
     GPU_DEVICES_SHELL,

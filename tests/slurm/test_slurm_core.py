@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_core import DEGRADED_NODE
-from datacenter_agent.slurm_offer import SLURM_DATA_REFUSAL
+from datacenter_agent.slurm.core import DEGRADED_NODE
+from datacenter_agent.slurm.offer import SLURM_DATA_REFUSAL
 from federation.agent.config import SlurmSettings
 from federation.agent.core import gang_refusal
 from federation.api.v1 import jobs_pb2, site_link_service_pb2

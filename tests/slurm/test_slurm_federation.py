@@ -10,7 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from datacenter_agent.slurm_cli import parse_records
+from datacenter_agent.slurm.cli import parse_records
 from federation.api.v1 import (
     admin_service_pb2,
     admin_service_pb2_grpc,

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_cli import (
+from datacenter_agent.slurm.cli import (
     Record,
     expand_hostlist,
     parse_duration_s,
@@ -18,7 +18,7 @@ from datacenter_agent.slurm_cli import (
     parse_index_list,
     parse_records,
 )
-from datacenter_agent.slurm_job import (
+from datacenter_agent.slurm.job import (
     batch_script,
     job_comment,
     job_devices,
@@ -27,8 +27,8 @@ from datacenter_agent.slurm_job import (
     parse_test_only,
     resource_args,
 )
-from datacenter_agent.slurm_select import gres_options
-from datacenter_agent.slurm_view import cluster_view, is_usable, parse_gres, queue_state
+from datacenter_agent.slurm.select import gres_options
+from datacenter_agent.slurm.view import cluster_view, is_usable, parse_gres, queue_state
 from federation.agent.config import GresModel, SlurmSettings
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.compat import load_table_files, node_labels, unmet

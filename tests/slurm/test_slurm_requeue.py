@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from datacenter_agent.slurm_cli import SlurmCli, parse_records
-from datacenter_agent.slurm_tasks import SlurmTask, follow
+from datacenter_agent.slurm.cli import SlurmCli, parse_records
+from datacenter_agent.slurm.tasks import SlurmTask, follow
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.testing.slurm_cluster import LocalSlurmCluster, SlurmClusterError
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import structlog
 
-from datacenter_agent.slurm_checkpoints import save_restored
-from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
-from datacenter_agent.slurm_containers import CONTAINER_ENV, CONTAINER_FAILED
-from datacenter_agent.slurm_job import (
+from datacenter_agent.slurm.checkpoints import save_restored
+from datacenter_agent.slurm.cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
+from datacenter_agent.slurm.containers import CONTAINER_ENV, CONTAINER_FAILED
+from datacenter_agent.slurm.job import (
     Outcome,
     State,
     job_devices,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from datacenter_agent.slurm_view import GRES_KINDS
+from datacenter_agent.slurm.view import GRES_KINDS
 from federation.agent.packing import describe_request, selectors
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.placement.devices import device_attributes

@@ -31,27 +31,27 @@ from typing import Any
 
 import structlog
 
-from datacenter_agent.slurm_checkpoints import adopted_checkpoints
-from datacenter_agent.slurm_cli import Record, SlurmCli, SlurmError, slurm_env
-from datacenter_agent.slurm_containers import ContainerJob
-from datacenter_agent.slurm_holds import HeldJobs, Reservation
-from datacenter_agent.slurm_job import (
+from datacenter_agent.slurm.checkpoints import adopted_checkpoints
+from datacenter_agent.slurm.cli import Record, SlurmCli, SlurmError, slurm_env
+from datacenter_agent.slurm.containers import ContainerJob
+from datacenter_agent.slurm.job import (
     RESTORE_FILE,
     is_held,
     job_dir,
     job_outcome,
     parse_comment,
 )
-from datacenter_agent.slurm_offer import (
+from datacenter_agent.slurm.offer import (
     accepted,
     foresee,
     offer_problem,
     submit_held,
     with_partition,
 )
-from datacenter_agent.slurm_reading import read_slurm
-from datacenter_agent.slurm_tasks import SlurmTask, follow
-from datacenter_agent.slurm_view import ClusterView, Partition
+from datacenter_agent.slurm.reading import read_slurm
+from datacenter_agent.slurm.reservations import HeldJobs, Reservation
+from datacenter_agent.slurm.tasks import SlurmTask, follow
+from datacenter_agent.slurm.view import ClusterView, Partition
 from federation.agent.accounts import NoAccountError, TaskAccounts
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import commit_key, refused, settled, started

@@ -15,16 +15,16 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from datacenter_agent.slurm_checkpoints import save_policy
-from datacenter_agent.slurm_cli import SlurmCli, SlurmError
-from datacenter_agent.slurm_containers import (
+from datacenter_agent.slurm.checkpoints import save_policy
+from datacenter_agent.slurm.cli import SlurmCli, SlurmError
+from datacenter_agent.slurm.containers import (
     CONTAINER_ENV,
     WORK_FOLDER,
     ContainerJob,
     container_env,
     container_script,
 )
-from datacenter_agent.slurm_job import (
+from datacenter_agent.slurm.job import (
     RESTORE_FILE,
     batch_script,
     job_comment,
@@ -33,8 +33,8 @@ from datacenter_agent.slurm_job import (
     parse_test_only,
     resource_args,
 )
-from datacenter_agent.slurm_select import gres_devices, gres_name, gres_options, matches
-from datacenter_agent.slurm_view import GRES_KINDS
+from datacenter_agent.slurm.select import gres_devices, gres_name, gres_options, matches
+from datacenter_agent.slurm.view import GRES_KINDS
 from federation.agent.accounts import Account, agent_folder, private_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import epoch_problem

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
-from datacenter_agent.slurm_cli import Record, expand_hostlist, parse_exit_code, parse_time
-from datacenter_agent.slurm_view import GRES_KINDS, parse_gres
+from datacenter_agent.slurm.cli import Record, expand_hostlist, parse_exit_code, parse_time
+from datacenter_agent.slurm.view import GRES_KINDS, parse_gres
 from federation.agent.config import SlurmSettings
 from federation.agent.discovery import device_kind_name
 from federation.agent.process import describe_exit

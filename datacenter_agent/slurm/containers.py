@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from datacenter_agent.slurm_job import (
+from datacenter_agent.slurm.job import (
     DEVICES_PRELUDE,
     read_restore,
     script_header,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import structlog
 
-from datacenter_agent.slurm_cli import SlurmCli, SlurmError
+from datacenter_agent.slurm.cli import SlurmCli, SlurmError
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.packing import Slot
 from federation.common.keys import RunKey

@@ -7,8 +7,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from datacenter_agent.slurm_cli import Output, Record, SlurmCli, SlurmError, parse_records
-from datacenter_agent.slurm_view import (
+from datacenter_agent.slurm.cli import Output, Record, SlurmCli, SlurmError, parse_records
+from datacenter_agent.slurm.view import (
     ClusterView,
     Partition,
     cluster_view,

@@ -12,7 +12,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from datacenter_agent.slurm_cli import (
+from datacenter_agent.slurm.cli import (
     Record,
     parse_duration_s,
     parse_index_list,

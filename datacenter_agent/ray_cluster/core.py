@@ -37,8 +37,8 @@ from typing import Any
 
 import structlog
 
-from datacenter_agent.ray_autoscaler import RayAutoscalerProvider
-from datacenter_agent.ray_view import NODE_ID_LABEL, bundle, ray_nodes
+from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_cluster.view import NODE_ID_LABEL, bundle, ray_nodes
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
@@ -61,7 +61,7 @@ _UNPLACEABLE = {"NO_RESOURCES", "INFEASIBLE"}
 """Ray's scheduling states of a group its scheduler tried and could not place."""
 _TAIL_CHARS = 4000
 _FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-_LAUNCHER = Path(__file__).with_name("ray_launcher.py")
+_LAUNCHER = Path(__file__).with_name("launcher.py")
 
 
 def group_name(site: str, key: RunKey) -> str:
