@@ -4,6 +4,7 @@ same errors; a child that fails raises ``CryptoProcessError`` (an OSError), neve
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import pytest
 from cryptography import x509
@@ -24,15 +25,21 @@ async def test_a_csr_made_in_the_child_is_signed_for_its_key() -> None:
     assert not crypto_process.pair_matches(b"torn", key_pem)
 
 
+def torn_certificate() -> bytes:
+    return pki.CertificateAuthority.create().cert_pem.replace(b"MI", b"MJ", 1)
+
+
 @pytest.mark.parametrize(
-    "bundle",
+    "make",
     [
-        b"",
-        b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
-        pki.CertificateAuthority.create().cert_pem.replace(b"MI", b"MJ", 1),
+        lambda: b"",
+        lambda: b"-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n",
+        torn_certificate,
     ],
+    ids=["empty", "not-base64", "torn-der"],  # made in the test: every worker collects the same
 )
-async def test_a_bundle_is_refused_with_load_bundles_error(bundle: bytes) -> None:
+async def test_a_bundle_is_refused_with_load_bundles_error(make: Callable[[], bytes]) -> None:
+    bundle = make()
     with pytest.raises(pki.CaCheckError) as here:
         pki.load_bundle(bundle)
     with pytest.raises(pki.CaCheckError) as there:
