@@ -271,9 +271,16 @@ class Scheduler:
                 await asyncio.sleep(self._config.retry_interval_s)
 
     async def close(self) -> None:
-        await self._negotiator.close()
-        await self._preemption.close()
-        await self._placing.close()
+        """Cancel everything the parts run in the background, all at once: a stop must not
+        write ``preempted_by`` while a negotiation is being cancelled."""
+        running = [
+            *self._negotiator.running(),
+            *self._preemption.running(),
+            *self._placing.running(),
+        ]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     def _take_news(self) -> None:
         """Wake the tasks that what happened since the last cycle may help."""

@@ -278,7 +278,7 @@ class Negotiator:
         asking = {
             asyncio.ensure_future(
                 site_calls.offer(
-                    self._sites.session(site), [o for _, o in items], self._config.offer_timeout_s
+                    self._sites, site, [o for _, o in items], self._config.offer_timeout_s
                 )
             ): site
             for site, items in offers.items()
@@ -490,7 +490,7 @@ class Negotiator:
         answers = await asyncio.gather(
             *(
                 site_calls.commit(
-                    self._sites.session(site), [c for _, c in items], self._config.offer_timeout_s
+                    self._sites, site, [c for _, c in items], self._config.offer_timeout_s
                 )
                 for site, items in commits.items()
             )
@@ -582,10 +582,9 @@ class Negotiator:
             if isinstance(result, FederationError):
                 log.warning("requeue_failed", job=job_id, error=str(result))
 
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    def running(self) -> list[asyncio.Task[None]]:
+        """Its negotiations under way (the loop cancels them when it closes)."""
+        return list(self._tasks)
 
 
 def _specs(job: jobs_pb2.Job) -> dict[str, jobs_pb2.TaskSpec]:

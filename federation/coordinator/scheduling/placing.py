@@ -121,7 +121,6 @@ class Placing:
             if source := task.resources.accelerator.selector:
                 await asyncio.to_thread(selector_matches, source, attribute_sets)
 
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    def running(self) -> list[asyncio.Task[None]]:
+        """Its selector evaluations under way (the loop cancels them when it closes)."""
+        return list(self._tasks)

@@ -456,10 +456,9 @@ class Preemption:
         stopped for it."""
         return key in self._preempting or room_coming_by_verdict(outcome)
 
-    async def close(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+    def running(self) -> list[asyncio.Task[None]]:
+        """Its stops under way (the loop cancels them when it closes)."""
+        return list(self._tasks)
 
 
 def room_coming_by_verdict(outcome: list[jobs_pb2.SiteVerdict] | None) -> bool:

@@ -8,7 +8,7 @@ from typing import TypeAlias
 import structlog
 
 from federation.api.v1 import site_link_service_pb2
-from federation.coordinator.sites.registry import SessionClosedError, SiteSession
+from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
 from federation.errors import UnavailableError
 
 log = structlog.get_logger()
@@ -19,10 +19,11 @@ why not, None)."""
 
 
 async def offer(
-    session: SiteSession | None, offers: list[site_link_service_pb2.Offer], timeout_s: float
+    sites: SiteRegistry, site: str, offers: list[site_link_service_pb2.Offer], timeout_s: float
 ) -> list[OfferReply]:
     """For each offer: (reservation id, "", the answer) when the site accepts, else ("",
-    why not, None)."""
+    why not, None). The site's session is the one it has as the call starts."""
+    session = sites.session(site)
     if session is None:
         return [("", "site disconnected before the offer", None)] * len(offers)
     replies = await session.request_many(
@@ -44,7 +45,7 @@ async def offer(
 
 
 async def commit(
-    session: SiteSession | None, commits: list[site_link_service_pb2.Commit], timeout_s: float
+    sites: SiteRegistry, site: str, commits: list[site_link_service_pb2.Commit], timeout_s: float
 ) -> list[site_link_service_pb2.AgentMessage | None]:
     """Send the commits; those without an answer (None) go once more over the same session.
     A site answers a repeated commit of a task it took at once, as a no-op.
@@ -54,6 +55,7 @@ async def commit(
     hello did not list, which goes back to PENDING. A session that answers neither time is
     ended, so that its site says hello again with the tasks it holds."""
     answers: list[site_link_service_pb2.AgentMessage | None] = [None] * len(commits)
+    session = sites.session(site)
     if session is None:
         return answers
     unanswered = list(range(len(commits)))
