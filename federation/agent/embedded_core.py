@@ -119,6 +119,9 @@ class _Task:
     replicas: list[ReplicaProcess] = field(default_factory=list)
     cancel_reason: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    drain_first: bool = False
+    """Cancelled by the coordinator: an autoscaled service's replicas are drained before
+    they stop (not so when the agent shuts down or is cut off)."""
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     supervisor: asyncio.Task[None] | None = None
     checkpoints: TaskCheckpoints | None = None
@@ -660,6 +663,8 @@ class EmbeddedCore:
         victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
         if not victims and not dropped:
             log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
+        for victim in victims:
+            victim.drain_first = True
         await self._stop(victims, reason, self._kill_grace_s)
 
     async def stop_cut_off(self, cut_off_s: float) -> None:
@@ -1241,6 +1246,15 @@ class EmbeddedCore:
         converger = asyncio.create_task(self._converge(task))
         try:
             await task.cancelled.wait()
+            if task.drain_first and task.spec.service.HasField("autoscale"):
+                # No change under way while the replicas drain (an autoscaler's scale-in of a
+                # part stops it whole): each is shown draining, then waited on, all at once.
+                converger.cancel()
+                await asyncio.gather(converger, return_exceptions=True)
+                count = min(len(task.replicas), len(task.service or []))
+                await asyncio.gather(
+                    *(self._drain(task, i) for i in range(count)), return_exceptions=True
+                )
         finally:
             converger.cancel()
             await asyncio.gather(converger, return_exceptions=True)

@@ -230,7 +230,10 @@ async def start_services(
     drains_task = asyncio.create_task(Drains(sites, jobs, scheduler.stop).run())
     gangs_task = asyncio.create_task(GangKeeper(jobs, scheduler.stop).run())
     serving = Serving(manager, hub, jobs, sites, sharing, scheduler.room_freed)
-    autoscale_task = asyncio.create_task(Autoscaler(jobs, serving.autoscale).run())
+    autoscaler = Autoscaler(
+        jobs, serving.autoscale, add_part=serving.add_part, remove_part=serving.remove_part
+    )
+    autoscale_task = asyncio.create_task(autoscaler.run())
     site_lifetime = timedelta(seconds=config.site_certificate_lifetime_s)
     log.info("services_started", jobs_recovered=len(recovered), sites=len(sites.names()))
     return Services(

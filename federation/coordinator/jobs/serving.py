@@ -18,13 +18,18 @@ from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common import job_state
 from federation.coordinator.jobs.events import EventHub
 from federation.coordinator.jobs.manager import JobManager
-from federation.coordinator.jobs.records import Change, find_spec, find_task
+from federation.coordinator.jobs.records import Change, find_spec, find_task, transition
 from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.jobs.spread import PART, part_number
 from federation.coordinator.jobs.validation import MAX_REPLICAS, task_violations
 from federation.coordinator.policy.resources import at, demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import placed
-from federation.coordinator.sites.registry import SessionClosedError, SiteRegistry
+from federation.coordinator.sites.registry import (
+    SessionClosedError,
+    SiteRegistry,
+    cancel_request,
+)
 from federation.errors import (
     ConflictError,
     DeadlineExceededError,
@@ -48,8 +53,15 @@ CHANGE_TIMEOUT_S = 10.0
 
 
 def endpoints_of(job: jobs_pb2.Job, ready_only: bool = False) -> list[jobs_pb2.Endpoint]:
-    """Every replica of the job's service tasks, task by task, as their sites reported."""
-    return [e for task in job.tasks for e in task.endpoints if e.ready or not ready_only]
+    """Every replica of the job's service tasks that have not ended, task by task (an
+    autoscaled service's overflow parts too, wherever they run), as their sites reported."""
+    return [
+        e
+        for task in job.tasks
+        if not job_state.is_terminal(task.state)
+        for e in task.endpoints
+        if e.ready or not ready_only
+    ]
 
 
 class Serving:
@@ -146,6 +158,55 @@ class Serving:
         new.CopyFrom(find_spec(job, task))
         new.replicas = replicas
         return await self._change(None, job.id, new, what)
+
+    async def add_part(self, job_id: str, origin: str, replicas: int, what: str) -> str:
+        """Another part of the autoscaled service task ``origin`` (``jobs.autoscaler``), with
+        ``replicas`` replicas: a task ``origin/N`` (``spread.part_of`` names ``origin``) with
+        ``origin``'s spec, PENDING, which the scheduling cycle places as any task, by the same
+        placement and admitted against the job's queue. Returns its name."""
+        name = ""
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            nonlocal name
+            numbers = [part_number(t.name) for t in job.tasks if t.part_of == origin]
+            name = f"{origin}{PART}{max(numbers, default=0) + 1}"
+            spec = job.spec.tasks.add()
+            spec.CopyFrom(find_spec(job, origin))
+            spec.name, spec.replicas = name, replicas
+            spec.ClearField("spread")
+            job.tasks.add(name=name, state=job_state.PENDING, reason=what, part_of=origin)
+            return [Change(name, job_state.PENDING, what, "")]
+
+        async with self._one_at_a_time(job_id):
+            await self._jobs.update(job_id, mutate)
+        self._room_freed()  # a new task in line: a cycle may place it now
+        log.info("service_part_added", job=job_id, task=name, replicas=replicas)
+        return name
+
+    async def remove_part(self, job_id: str, part: str, what: str) -> None:
+        """Stops part ``part`` of an autoscaled service: its site drains each replica (no new
+        requests, those in flight finished) before it stops it, then reports it CANCELLED;
+        one not placed yet ends at once."""
+        to_stop: list[tuple[str, int]] = []
+
+        def mutate(job: jobs_pb2.Job) -> list[Change]:
+            task = find_task(job, part)
+            to_stop.clear()
+            if job_state.is_terminal(task.state):
+                return []
+            if task.state in job_state.AT_SITE and self._sites.session(task.site) is not None:
+                to_stop.append((task.site, task.epoch))
+                return [Change(part, task.state, what, task.site)]
+            return [transition(job, part, job_state.CANCELLED, what)]
+
+        async with self._one_at_a_time(job_id):
+            await self._jobs.update(job_id, mutate)
+        for site, epoch in to_stop:
+            session = self._sites.session(site)
+            if session is not None:
+                with contextlib.suppress(SessionClosedError):
+                    session.send(cancel_request(job_id, part, epoch, what))
+        log.info("service_part_removed", job=job_id, task=part)
 
     async def update(self, caller: Identity, job_id: str, spec: jobs_pb2.TaskSpec) -> jobs_pb2.Job:
         """Replaces a service task's spec (the task ``spec.name``): its replicas are replaced
