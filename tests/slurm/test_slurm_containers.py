@@ -17,6 +17,7 @@ import pytest
 
 from datacenter_agent.slurm.containers import (
     CONTAINER_ENV,
+    PULL_AUTH,
     WORK_FOLDER,
     ContainerJob,
     container_script,
@@ -74,6 +75,24 @@ def test_the_script_parses_and_keeps_the_tasks_variables_out(tmp_path: Path) -> 
     assert f"--name={container_name(tmp_path, key, 0)}" in script
     assert "s3cr3t-value" not in script
     assert f"--env-file={job_dir(tmp_path, key) / CONTAINER_ENV}" in script
+
+
+def test_the_script_pulls_with_the_login_file_never_its_text(tmp_path: Path) -> None:
+    """A task's registry login reaches the node's pull as a file of the agent's
+    (``--authfile``), never in the script's text; a login for another registry is not used."""
+    key = ("j1", "main", 1)
+    job = ContainerJob(ContainerSettings(), Account("t", 213_000, 213_000), tmp_path, {})
+    spec = _spec("r.example.org/a/b:1", "echo hi")
+    login = jobs_pb2.ImagePullSecret(registry="r.example.org", username="bot", password="pw-9")
+    spec.image_pull_secrets.append(login)
+    script = container_script(spec, key, site="s", folder=job_dir(tmp_path, key), job=job)
+    subprocess.run(["sh", "-n", "-c", script], check=True)
+    assert f"--authfile={job_dir(tmp_path, key) / PULL_AUTH}" in script
+    assert "pw-9" not in script
+    assert "bot" not in script
+    spec.image_pull_secrets[0].registry = "other.example.org"
+    script = container_script(spec, key, site="s", folder=job_dir(tmp_path, key), job=job)
+    assert "--authfile" not in script
 
 
 def test_gpus_on_a_node_get_the_options_the_embedded_core_gives() -> None:
