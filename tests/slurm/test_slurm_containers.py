@@ -6,6 +6,7 @@ starts on loopback (the image: a static busybox). The first tests need neither.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 import uuid
@@ -230,6 +231,51 @@ async def test_an_image_the_registry_does_not_have_fails_with_its_answer(
     assert report.state == jobs_pb2.JOB_STATE_FAILED
     assert report.reason.startswith(f"cannot pull image {image}: ")
     assert "manifest unknown" in report.reason  # the registry's own words
+
+
+SLURM_PULL_PASSWORD = "slurm-pull-pw-0c2e"
+
+
+async def test_a_private_image_is_pulled_on_the_node_with_the_tasks_login(
+    make_core: MakeCore, accounts: TaskAccounts, tmp_path: Path
+) -> None:
+    """A registry that asks for a login: the job without one fails with its answer; with the
+    task's login it runs; the login file is gone when the job has ended and the script never
+    held the password."""
+    if why := unavailable():
+        pytest.skip(f"containers cannot run here: {why}")
+    root = tmp_path / "private"
+    root.mkdir()
+    address = f"127.0.0.1:{free_port()}"
+    server = LocalRegistry.start(root, address, logins={"bot": SLURM_PULL_PASSWORD})
+    image = f"{address}/fedslurm-private-{uuid.uuid4().hex[:8]}/busybox:1"
+    work = tmp_path / "work"
+    try:
+        await asyncio.to_thread(import_image, busybox_rootfs(root), image)
+        await asyncio.to_thread(server.push, image, (), ("bot", SLURM_PULL_PASSWORD))
+        await asyncio.to_thread(podman, "rmi", image)
+        settings = ContainerSettings(insecure_registries=[address])
+        harness = await make_core(containers=settings, accounts=accounts)
+        await harness.run("nologin", _spec(image, "id -u"), tenant=TENANT)
+        refused = await harness.until_final("nologin")
+        assert refused.state == jobs_pb2.JOB_STATE_FAILED
+        assert refused.reason.startswith(f"cannot pull image {image}: ")
+        assert "unauthorized" in refused.reason or "authentication required" in refused.reason
+
+        spec = _spec(image, "env; id -u")
+        spec.image_pull_secrets.append(
+            jobs_pb2.ImagePullSecret(registry=address, username="bot", password=SLURM_PULL_PASSWORD)
+        )
+        await harness.run("login", spec, tenant=TENANT)
+        ran = await harness.until_final("login")
+        assert ran.state == jobs_pb2.JOB_STATE_SUCCEEDED, (ran.reason, ran.output_tail)
+        assert SLURM_PULL_PASSWORD not in ran.output_tail
+        folder = job_dir(work, ("login", "main", 1))
+        assert SLURM_PULL_PASSWORD not in (folder / "job.sh").read_text()
+        assert not (folder / PULL_AUTH).exists()
+    finally:
+        await asyncio.to_thread(podman, "rmi", "--ignore", image)
+        server.stop()
 
 
 @pytest.mark.parametrize("trap", ['"echo stopping; exit 7"', '""'], ids=["quits", "ignores"])
