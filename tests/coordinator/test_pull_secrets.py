@@ -51,6 +51,7 @@ def test_a_whole_login_is_accepted() -> None:
         (_login(username="a:b"), "username", "without ':'"),
         (_login(password=""), "password", "is required"),
         (_login(password="a\nb"), "password", "printable"),
+        (_login(password=REDACTED), "password", "give the password itself"),
     ],
 )
 def test_a_malformed_login_is_refused_at_its_field(

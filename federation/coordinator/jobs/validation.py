@@ -11,6 +11,7 @@ from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common.view_limits import MAX_FIGURE
 from federation.coordinator.data.outputs import OUTPUT_NAME_RE, names_dataset, source_of
 from federation.coordinator.data.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
+from federation.coordinator.jobs.redaction import REDACTED
 from federation.coordinator.sites.disconnect import DEFAULT_LOST_AFTER_S
 from federation.errors import FieldViolation, InvalidArgumentError
 from federation.images import ImageReferenceError, parse_image, registry_problem
@@ -235,6 +236,11 @@ def _pull_secret_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[Fiel
             )
         if not secret.password:
             yield FieldViolation(f"{at}.password", "is required (a password or an access token)")
+        elif secret.password == REDACTED:
+            yield FieldViolation(
+                f"{at}.password",
+                "is '<redacted>', as a job read back shows it: give the password itself",
+            )
         elif (
             len(secret.password.encode()) > MAX_PASSWORD_BYTES or not secret.password.isprintable()
         ):
