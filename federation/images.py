@@ -39,6 +39,13 @@ class ImageRef:
         return f"{self.registry}/{self.repository}{tag}{digest}"
 
 
+def registry_problem(registry: str) -> str | None:
+    """Why ``registry`` is not a registry's host (with an optional port), or None."""
+    if not _REGISTRY.fullmatch(registry) or len(registry) > MAX_REFERENCE:
+        return f"registry {registry[:64]!r} is not a host name with an optional port"
+    return None
+
+
 def parse_image(reference: str) -> ImageRef:
     """The reference parsed; ImageReferenceError saying why it is not one."""
     if not reference:

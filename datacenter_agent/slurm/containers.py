@@ -7,7 +7,11 @@ job's own folder stays the agent's) at the same path as its working directory, t
 folder mounted at its path, the spec's cpu and memory as limits, and only the GPUs Slurm gave
 the job (CDI names where the node has a CDI spec, /dev nodes otherwise). The task's variables
 reach the container through a file only the agent's account reads (``container.env`` in the
-job's folder), never through the script's text.
+job's folder), never through the script's text. So does the task's login for its image's
+registry (``image_pull_secrets``): ``pull-auth.json`` in the job's folder, the agent's alone
+(mode 0600), which the script gives ``podman pull --authfile``; the agent removes it with the
+environment file once the job has ended (not after the first pull: a requeued job may pull
+again, on another node).
 
 On the node the script first makes sure the image is in the store (pulled once per node, then
 found there; the site's store flags), and a pull that fails writes its reason (the image and
@@ -37,6 +41,7 @@ from federation.agent.containers import (
     GPU_DEVICES_SHELL,
     ContainerSettings,
     container_name,
+    login_for,
     podman_env,
     pull_args,
     pull_failure,
@@ -48,6 +53,9 @@ from federation.common.keys import RunKey
 
 CONTAINER_ENV = "container.env"
 """In the job's folder (the agent's): the container's environment."""
+PULL_AUTH = "pull-auth.json"
+"""In the job's folder (the agent's, mode 0600): the task's login for its image's registry,
+if it gave one."""
 CONTAINER_FAILED = "container-failed"
 """In the job's folder: why the container could not start (its image not pulled), if so."""
 WORK_FOLDER = "0"
@@ -152,7 +160,8 @@ def container_script(
     run_line = " ".join('"$@"' if arg == _RUN_OPTIONS else shlex.quote(arg) for arg in run)
     restore = (checkpoint_env or {}).get("FEDERATION_RESTORE_FROM", "")
     timeout = f"{settings.pull_timeout_s:g}"
-    pull = " ".join(shlex.quote(arg) for arg in pull_args(settings, image))
+    authfile = folder / PULL_AUTH if login_for(image, spec.image_pull_secrets) else None
+    pull = " ".join(shlex.quote(arg) for arg in pull_args(settings, image, authfile))
     remove = f"pod rm --force --ignore --time=0 {shlex.quote(name)} >/dev/null 2>&1"
     lines = [
         script_header(key, site),

@@ -19,6 +19,7 @@ from datacenter_agent.slurm.checkpoints import save_policy
 from datacenter_agent.slurm.cli import SlurmCli, SlurmError
 from datacenter_agent.slurm.containers import (
     CONTAINER_ENV,
+    PULL_AUTH,
     WORK_FOLDER,
     ContainerJob,
     container_env,
@@ -39,7 +40,7 @@ from federation.agent.accounts import Account, agent_folder, private_folder
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import epoch_problem
 from federation.agent.config import SlurmSettings
-from federation.agent.containers import write_env_file
+from federation.agent.containers import login_for, write_auth_file, write_env_file
 from federation.agent.core import gang_refusal
 from federation.agent.node_fit import invalid_names, task_problem
 from federation.agent.packing import task_speed
@@ -234,7 +235,10 @@ async def submit_held(
     await asyncio.to_thread(_write_script, folder, script, checkpoints, policy, restore)
     if container is not None:
         env = container_env(spec, key, site, container.account, folder, checkpoint_env)
-        await asyncio.to_thread(_prepare_container, folder, container.account, checkpoints, env)
+        login = login_for(spec.image, spec.image_pull_secrets)
+        await asyncio.to_thread(
+            _prepare_container, folder, container.account, checkpoints, env, login
+        )
     out = await cli.run(
         "sbatch",
         "--parsable",
@@ -296,12 +300,16 @@ def _prepare_container(
     account: Account,
     checkpoints: TaskCheckpoints | None,
     env: dict[str, str],
+    login: jobs_pb2.ImagePullSecret | None,
 ) -> None:
     """The job's folder the agent's (others may pass through it, not list it), the
-    container's folder and checkpoint folder the tenant's, its variables in a file of the
-    agent's alone."""
+    container's folder and checkpoint folder the tenant's, its variables and its registry
+    login in files of the agent's alone."""
     agent_folder(folder)
     private_folder(folder / WORK_FOLDER, account)
     if checkpoints is not None:
         checkpoints.prepare(account)
     write_env_file(folder / CONTAINER_ENV, env)
+    (folder / PULL_AUTH).unlink(missing_ok=True)
+    if login is not None:
+        write_auth_file(folder / PULL_AUTH, [login])

@@ -24,7 +24,7 @@ import structlog
 
 from datacenter_agent.slurm.checkpoints import save_restored
 from datacenter_agent.slurm.cli import Record, SlurmCli, SlurmError, expand_hostlist, parse_time
-from datacenter_agent.slurm.containers import CONTAINER_ENV, CONTAINER_FAILED
+from datacenter_agent.slurm.containers import CONTAINER_ENV, CONTAINER_FAILED, PULL_AUTH
 from datacenter_agent.slurm.job import (
     Outcome,
     State,
@@ -179,8 +179,9 @@ async def _ended(
 
 def _container_ended(folder: Path) -> str:
     """Why the job's container could not start ("" if it did, or the job runs no image);
-    its environment file goes, now that no run of the job needs it."""
+    its environment and login files go, now that no run of the job needs them."""
     (folder / CONTAINER_ENV).unlink(missing_ok=True)
+    (folder / PULL_AUTH).unlink(missing_ok=True)
     try:
         return (folder / CONTAINER_FAILED).read_text(errors="replace").strip()
     except OSError:

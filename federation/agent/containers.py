@@ -15,18 +15,30 @@ Images are pulled once per node: a replica whose image is in the node's store st
 in the store are published with the node (``images``), each with the bytes a pull of it moves
 (its manifest's config and layers, as the store keeps the manifest it pulled), so placement
 charges a pull only where no node holds the image.
+
+A task may bring a login for its image's registry (``image_pull_secrets``). The pull then
+runs with ``--authfile`` naming a file written for that pull alone (``write_auth_file``: the
+agent's, mode 0600, in the agent's state folder, never the task's) and removed as soon as the
+pull is done, whatever its outcome; the login is never logged, and the replica's process
+never sees it. A task without a login for the image's registry pulls with the operator's
+credentials (``REGISTRY_AUTH_FILE``, root's ``podman login``), as before. An image in the
+node's store is run without a pull, so without checking a login (as Kubernetes'
+``IfNotPresent``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import os
 import re
 import shutil
+import tempfile
 import time
-from collections.abc import Mapping
+import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +47,7 @@ import structlog
 from federation.agent.accounts import TaskAccounts
 from federation.agent.process import ReplicaStartError
 from federation.agent.usage import Slot
-from federation.api.v1 import resources_pb2
+from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common.view_limits import MAX_IMAGE_REFERENCES, MAX_NODE_IMAGES
 from federation.config import positive
 from federation.images import ImageReferenceError, parse_image
@@ -100,10 +112,20 @@ def container_name(work_dir: Path, key: tuple[str, str, int], replica: int) -> s
 class Containers:
     """A node's Podman: which images it may run, pulling them once, running replicas."""
 
-    def __init__(self, settings: ContainerSettings, work_dir: Path, *, local: bool = True) -> None:
+    def __init__(
+        self,
+        settings: ContainerSettings,
+        work_dir: Path,
+        *,
+        local: bool = True,
+        auth_dir: Path | None = None,
+    ) -> None:
         """``local``: Podman runs on this host; False: on the nodes a scheduler (Slurm) gives
-        each job, where this agent cannot look (it checks only its settings then)."""
+        each job, where this agent cannot look (it checks only its settings then).
+        ``auth_dir``: where a pull's login file is written for the pull (the agent's state
+        folder); None: a private temporary folder, made at the first such pull."""
         self._settings = settings
+        self._auth_dir = auth_dir
         self._work_dir = work_dir
         self._local = local
         self._podman = shutil.which(settings.podman) if local else settings.podman
@@ -161,9 +183,10 @@ class Containers:
             )
         return ""
 
-    async def pull(self, image: str) -> bool:
+    async def pull(self, image: str, secrets: Sequence[jobs_pb2.ImagePullSecret] = ()) -> bool:
         """Makes sure ``image`` is in the node's store: pulled once, then found there. True
-        if it was pulled now.
+        if it was pulled now. ``secrets``: the task's registry logins; the one for the
+        image's registry, if any, is used for this pull alone.
 
         Raises:
             ReplicaStartError: The pull failed; the message names the image and has the
@@ -175,20 +198,35 @@ class Containers:
                 log.info("image_cached", image=image)
                 return False
             started = time.monotonic()
+            login = login_for(image, secrets)
+            authfile = self._auth_file() if login is not None else None
             try:
+                if authfile is not None and login is not None:
+                    write_auth_file(authfile, [login])
                 code, answer = await asyncio.wait_for(
-                    self._podman_run(*pull_args(self._settings, image)),
+                    self._podman_run(*pull_args(self._settings, image, authfile)),
                     self._settings.pull_timeout_s,
                 )
             except TimeoutError:
                 limit = self._settings.pull_timeout_s
                 why = f"not done within {limit:g}s"
                 raise ReplicaStartError(pull_failure(image, why), 0) from None
+            finally:
+                if authfile is not None:
+                    authfile.unlink(missing_ok=True)
             if code != 0:
                 log.warning("image_pull_failed", image=image, answer=answer)
                 raise ReplicaStartError(pull_failure(image, answer), 0)
             log.info("image_pulled", image=image, seconds=round(time.monotonic() - started, 3))
             return True
+
+    def _auth_file(self) -> Path:
+        """A new path for one pull's login file, in a folder only the agent reads."""
+        if self._auth_dir is None:
+            self._auth_dir = Path(tempfile.mkdtemp(prefix="fed-pull-auth-"))
+        self._auth_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        self._auth_dir.chmod(0o700)
+        return self._auth_dir / f"pull-{uuid.uuid4().hex}.json"
 
     async def images(self) -> list[resources_pb2.CachedImage]:
         """The images in the node's store, newest first (at most ``MAX_NODE_IMAGES``), each
@@ -316,11 +354,39 @@ def pull_failure(image: str, answer: str) -> str:
     return f"cannot pull image {image}: {answer}"
 
 
-def pull_args(settings: ContainerSettings, image: str) -> list[str]:
-    """Podman's arguments (after the program and store flags) that pull ``image``."""
+def pull_args(settings: ContainerSettings, image: str, authfile: Path | None = None) -> list[str]:
+    """Podman's arguments (after the program and store flags) that pull ``image``, with the
+    login in ``authfile`` if one is given."""
     registry = parse_image(image).registry
     tls = ["--tls-verify=false"] if registry in settings.insecure_registries else []
-    return ["pull", "--quiet", *tls, image]
+    auth = [f"--authfile={authfile}"] if authfile is not None else []
+    return ["pull", "--quiet", *tls, *auth, image]
+
+
+def login_for(
+    image: str, secrets: Sequence[jobs_pb2.ImagePullSecret]
+) -> jobs_pb2.ImagePullSecret | None:
+    """The task's login for its image's registry, or None."""
+    if not secrets:
+        return None
+    registry = parse_image(image).registry
+    return next((s for s in secrets if s.registry == registry), None)
+
+
+def auth_json(secrets: Sequence[jobs_pb2.ImagePullSecret]) -> str:
+    """Logins as a containers-auth.json(5) file: ``{"auths": {registry: {"auth": ...}}}``."""
+    auths = {
+        s.registry: {"auth": base64.b64encode(f"{s.username}:{s.password}".encode()).decode()}
+        for s in secrets
+    }
+    return json.dumps({"auths": auths})
+
+
+def write_auth_file(path: Path, secrets: Sequence[jobs_pb2.ImagePullSecret]) -> None:
+    """Writes the logins to ``path``, a new file readable by its owner (the agent) alone."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with open(fd, "w", encoding="utf-8") as out:
+        out.write(auth_json(secrets))
 
 
 def env_lines(env: Mapping[str, str]) -> list[str]:

@@ -296,7 +296,11 @@ class EmbeddedCore:
         (``federation.agent.packing.place``)."""
         self.data = data or TaskData(None, site)
         self._address = service_address or socket.getfqdn()
-        self._containers = Containers(containers or ContainerSettings(), work_dir.absolute())
+        self._containers = Containers(
+            containers or ContainerSettings(),
+            work_dir.absolute(),
+            auth_dir=state_dir.absolute() / "pull-auth" if state_dir is not None else None,
+        )
         self._nodes: dict[str, resources_pb2.Node] = {}
         self._elastic = elastic
         self._idle_releases: asyncio.Task[None] | None = None
@@ -1069,7 +1073,7 @@ class EmbeddedCore:
         pulls the image first if the node does not have it."""
         if account is None:
             raise ReplicaStartError("containers run as the tenant's account: this site has none", 0)
-        if await self._containers.pull(task.spec.image):
+        if await self._containers.pull(task.spec.image, task.spec.image_pull_secrets):
             await self.refresh_images()
         slot = task.slots[replica]
         devices = device_args(self._nodes[slot.node], slot)

@@ -180,16 +180,18 @@ class JobServicer(job_grpc.JobServiceServicer):
         (job,) = await services.manager.submit(
             current_caller(), [request.spec], batch=False, validate_only=request.validate_only
         )
+        shown = for_reader(current_caller(), job)  # registry passwords: never in a reply
         if not request.validate_only:
-            return job_pb.SubmitJobResponse(job=job)
+            return job_pb.SubmitJobResponse(job=shown)
         await services.scheduler.evaluate_selectors(job)
-        return job_pb.SubmitJobResponse(job=job, placement=services.scheduler.explain(job))
+        return job_pb.SubmitJobResponse(job=shown, placement=services.scheduler.explain(job))
 
     async def SubmitJobs(
         self, request: job_pb.SubmitJobsRequest, context: Context
     ) -> job_pb.SubmitJobsResponse:
-        jobs = await self._current().manager.submit(current_caller(), request.specs, batch=True)
-        return job_pb.SubmitJobsResponse(jobs=jobs)
+        caller = current_caller()
+        jobs = await self._current().manager.submit(caller, request.specs, batch=True)
+        return job_pb.SubmitJobsResponse(jobs=[for_reader(caller, job) for job in jobs])
 
     async def GetJob(
         self, request: job_pb.GetJobRequest, context: Context

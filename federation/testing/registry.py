@@ -2,8 +2,10 @@
 busybox, for the container tests and ``bench/containers.py``.
 
 The registry serves plain HTTP at the address given (pull with ``--tls-verify=false``) and
-logs every request; ``wrap`` runs it in a network namespace. The image holds busybox and its
-applets, and optionally a layer of incompressible bytes, so a pull moves about that much.
+logs every request; ``wrap`` runs it in a network namespace. Given ``logins`` (user: password)
+it asks for them (htpasswd, bcrypt), as a tenant's private registry does. The image holds
+busybox and its applets, and optionally a layer of incompressible bytes, so a pull moves
+about that much.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import socket
 import subprocess
 import tarfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,6 +78,24 @@ def import_image(archive: Path, image: str, store: Sequence[str] = ()) -> None:
     podman(*store, "import", "--change", "ENV=PATH=/bin", str(archive), image)
 
 
+def bcrypt_hash(password: str) -> str:
+    """A bcrypt hash of ``password``, as the registry's htpasswd file takes it (libcrypt's,
+    through Python's ``crypt``; the ``bcrypt`` package where that is missing)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            import crypt
+
+        hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
+        if hashed and hashed.startswith("$2"):
+            return hashed
+    except (ImportError, AttributeError, OSError):
+        pass
+    import bcrypt  # type: ignore[import-not-found]
+
+    return str(bcrypt.hashpw(password.encode(), bcrypt.gensalt()).decode())
+
+
 @dataclass
 class LocalRegistry:
     """A running registry; ``stop`` ends it."""
@@ -89,8 +110,10 @@ class LocalRegistry:
         folder: Path,
         address: str,
         wrap: Callable[[list[str]], list[str]] = lambda argv: argv,
+        logins: dict[str, str] | None = None,
     ) -> LocalRegistry:
-        """Serves a registry at ``address`` (host:port) with its blobs in ``folder``."""
+        """Serves a registry at ``address`` (host:port) with its blobs in ``folder``; with
+        ``logins``, to those users alone."""
         server = shutil.which("docker-registry")
         if server is None:
             raise RuntimeError("docker-registry is not installed (apt-get install docker-registry)")
@@ -100,6 +123,11 @@ class LocalRegistry:
             f"storage: {{filesystem: {{rootdirectory: {folder / 'data'}}}}}\n"
             f"http: {{addr: {address}}}\n"
         )
+        if logins:
+            users = folder / "htpasswd"
+            users.write_text("".join(f"{u}:{bcrypt_hash(p)}\n" for u, p in logins.items()))
+            with config.open("a") as out:
+                out.write(f"auth: {{htpasswd: {{realm: fedtest, path: {users}}}}}\n")
         log = folder / "registry.log"
         with log.open("wb") as out:
             process = subprocess.Popen(wrap([server, "serve", str(config)]), stdout=out, stderr=out)
@@ -118,9 +146,13 @@ class LocalRegistry:
                     ) from None
                 time.sleep(0.05)
 
-    def push(self, image: str, store: Sequence[str] = ()) -> None:
-        """Pushes ``image`` (named for this registry) from a Podman store."""
-        podman(*store, "push", "--tls-verify=false", image)
+    def push(
+        self, image: str, store: Sequence[str] = (), login: tuple[str, str] | None = None
+    ) -> None:
+        """Pushes ``image`` (named for this registry) from a Podman store, as ``login``
+        (user, password) where the registry asks for one."""
+        creds = [f"--creds={login[0]}:{login[1]}"] if login else []
+        podman(*store, "push", "--tls-verify=false", *creds, image)
 
     def manifest_gets(self, repository: str) -> int:
         """How often the registry was asked for a manifest of ``repository`` (pulls)."""

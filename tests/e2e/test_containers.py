@@ -359,3 +359,61 @@ async def test_the_container_example_runs_from_this_registry(
     assert said.startswith(f"hello from a container: uid {UIDS[0]}")
     folder = Path(said.rpartition("working in ")[2])  # the replica's: <job>/hello/<epoch>/0
     assert folder.is_relative_to(_work(federation) / job.id / "hello")
+
+
+PULL_PASSWORD = "tenant-pull-pw-51c9"
+
+
+async def test_a_private_image_runs_with_the_tenants_login_never_shown(
+    tmp_path: Path, registry: Registry
+) -> None:
+    """A registry that asks for a login: without one the task fails with the registry's
+    answer; with the tenant's it runs. GetJob shows the password redacted to the tenant and
+    to an operator, and neither the job's events, the logs nor the task see it."""
+    private_root = tmp_path / "private"
+    private_root.mkdir()
+    address = f"127.0.0.1:{free_port()}"
+    server = LocalRegistry.start(private_root, address, logins={"bot": PULL_PASSWORD})
+    image = f"{address}/private-{uuid.uuid4().hex[:8]}/busybox:1"
+    root = tmp_path / "fed"
+    root.mkdir(mode=0o755)
+    site = _site(root / "tasks", registry, containers={"insecure_registries": [address]})
+    fed = LocalFederation(root, [site])
+    login = {"registry": address, "username": "bot", "password": PULL_PASSWORD}
+    try:
+        import_image(busybox_rootfs(private_root), image)
+        server.push(image, login=("bot", PULL_PASSWORD))
+        podman("rmi", image)
+        await fed.start()
+        task = {"image": image, "command": ["sh", "-c", "env; ls -a /"]}
+        refused = await _run(fed, "tenant-a", task)
+        assert refused.state == jobs_pb2.JOB_STATE_FAILED
+        reason = refused.tasks[0].reason
+        assert f"cannot pull image {image}" in reason
+        assert "unauthorized" in reason or "authentication required" in reason
+
+        ran = await _run(fed, "tenant-a", {**task, "image_pull_secrets": [login]})
+        assert ran.state == jobs_pb2.JOB_STATE_SUCCEEDED, ran.tasks[0].reason
+        request = job_service_pb2.GetJobRequest(job_id=ran.id, include_events=True)
+        async with channel_as(fed, tenant_tls(fed, "tenant-a")) as channel:
+            as_tenant = await jobs(channel).GetJob(request)
+            listed = await jobs(channel).ListJobs(job_service_pb2.ListJobsRequest())
+        async with fed.operator().channel() as channel:
+            as_operator = await jobs(channel).GetJob(request)
+    finally:
+        fed.stop()
+        await asyncio.to_thread(podman, "rmi", "--ignore", image)
+        server.stop()
+    for reply in (as_tenant, as_operator):
+        (secret,) = reply.job.spec.tasks[0].image_pull_secrets
+        assert (secret.registry, secret.username, secret.password) == (
+            address,
+            "bot",
+            "<redacted>",
+        )
+        assert PULL_PASSWORD not in str(reply)
+    assert PULL_PASSWORD not in str(listed)
+    assert PULL_PASSWORD not in ran.tasks[0].output_tail  # the task's env and its root
+    for log in (root / "logs").iterdir():
+        assert PULL_PASSWORD not in log.read_text(errors="replace"), log.name
+    assert list(root.rglob("pull-*.json")) == []  # each pull's login file is gone

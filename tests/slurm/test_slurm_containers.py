@@ -6,6 +6,7 @@ starts on loopback (the image: a static busybox). The first tests need neither.
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 import uuid
@@ -17,6 +18,7 @@ import pytest
 
 from datacenter_agent.slurm.containers import (
     CONTAINER_ENV,
+    PULL_AUTH,
     WORK_FOLDER,
     ContainerJob,
     container_script,
@@ -74,6 +76,24 @@ def test_the_script_parses_and_keeps_the_tasks_variables_out(tmp_path: Path) -> 
     assert f"--name={container_name(tmp_path, key, 0)}" in script
     assert "s3cr3t-value" not in script
     assert f"--env-file={job_dir(tmp_path, key) / CONTAINER_ENV}" in script
+
+
+def test_the_script_pulls_with_the_login_file_never_its_text(tmp_path: Path) -> None:
+    """A task's registry login reaches the node's pull as a file of the agent's
+    (``--authfile``), never in the script's text; a login for another registry is not used."""
+    key = ("j1", "main", 1)
+    job = ContainerJob(ContainerSettings(), Account("t", 213_000, 213_000), tmp_path, {})
+    spec = _spec("r.example.org/a/b:1", "echo hi")
+    login = jobs_pb2.ImagePullSecret(registry="r.example.org", username="bot", password="pw-9")
+    spec.image_pull_secrets.append(login)
+    script = container_script(spec, key, site="s", folder=job_dir(tmp_path, key), job=job)
+    subprocess.run(["sh", "-n", "-c", script], check=True)
+    assert f"--authfile={job_dir(tmp_path, key) / PULL_AUTH}" in script
+    assert "pw-9" not in script
+    assert "bot" not in script
+    spec.image_pull_secrets[0].registry = "other.example.org"
+    script = container_script(spec, key, site="s", folder=job_dir(tmp_path, key), job=job)
+    assert "--authfile" not in script
 
 
 def test_gpus_on_a_node_get_the_options_the_embedded_core_gives() -> None:
@@ -211,6 +231,51 @@ async def test_an_image_the_registry_does_not_have_fails_with_its_answer(
     assert report.state == jobs_pb2.JOB_STATE_FAILED
     assert report.reason.startswith(f"cannot pull image {image}: ")
     assert "manifest unknown" in report.reason  # the registry's own words
+
+
+SLURM_PULL_PASSWORD = "slurm-pull-pw-0c2e"
+
+
+async def test_a_private_image_is_pulled_on_the_node_with_the_tasks_login(
+    make_core: MakeCore, accounts: TaskAccounts, tmp_path: Path
+) -> None:
+    """A registry that asks for a login: the job without one fails with its answer; with the
+    task's login it runs; the login file is gone when the job has ended and the script never
+    held the password."""
+    if why := unavailable():
+        pytest.skip(f"containers cannot run here: {why}")
+    root = tmp_path / "private"
+    root.mkdir()
+    address = f"127.0.0.1:{free_port()}"
+    server = LocalRegistry.start(root, address, logins={"bot": SLURM_PULL_PASSWORD})
+    image = f"{address}/fedslurm-private-{uuid.uuid4().hex[:8]}/busybox:1"
+    work = tmp_path / "work"
+    try:
+        await asyncio.to_thread(import_image, busybox_rootfs(root), image)
+        await asyncio.to_thread(server.push, image, (), ("bot", SLURM_PULL_PASSWORD))
+        await asyncio.to_thread(podman, "rmi", image)
+        settings = ContainerSettings(insecure_registries=[address])
+        harness = await make_core(containers=settings, accounts=accounts)
+        await harness.run("nologin", _spec(image, "id -u"), tenant=TENANT)
+        refused = await harness.until_final("nologin")
+        assert refused.state == jobs_pb2.JOB_STATE_FAILED
+        assert refused.reason.startswith(f"cannot pull image {image}: ")
+        assert "unauthorized" in refused.reason or "authentication required" in refused.reason
+
+        spec = _spec(image, "env; id -u")
+        spec.image_pull_secrets.append(
+            jobs_pb2.ImagePullSecret(registry=address, username="bot", password=SLURM_PULL_PASSWORD)
+        )
+        await harness.run("login", spec, tenant=TENANT)
+        ran = await harness.until_final("login")
+        assert ran.state == jobs_pb2.JOB_STATE_SUCCEEDED, (ran.reason, ran.output_tail)
+        assert SLURM_PULL_PASSWORD not in ran.output_tail
+        folder = job_dir(work, ("login", "main", 1))
+        assert SLURM_PULL_PASSWORD not in (folder / "job.sh").read_text()
+        assert not (folder / PULL_AUTH).exists()
+    finally:
+        await asyncio.to_thread(podman, "rmi", "--ignore", image)
+        server.stop()
 
 
 @pytest.mark.parametrize("trap", ['"echo stopping; exit 7"', '""'], ids=["quits", "ignores"])

@@ -451,6 +451,7 @@ class TaskSpec(_message.Message):
     OUTPUTS_FIELD_NUMBER: _builtins.int
     IMAGE_FIELD_NUMBER: _builtins.int
     TOPOLOGY_FIELD_NUMBER: _builtins.int
+    IMAGE_PULL_SECRETS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     replicas: _builtins.int
     estimated_duration_s: _builtins.float
@@ -512,6 +513,14 @@ class TaskSpec(_message.Message):
     def topology(self) -> Global___TopologyRequest:
         """Where the replicas sit in the site's topology (block, rack, ...: node labels)."""
 
+    @_builtins.property
+    def image_pull_secrets(self) -> _containers.RepeatedCompositeFieldContainer[Global___ImagePullSecret]:
+        """Credentials for the registries image is pulled from (Kubernetes' imagePullSecrets), at
+        most one per registry; only with image. Given to the site that runs the task, which
+        pulls with them and keeps them nowhere; every reply, event, audit entry and archive
+        shows them redacted, to the tenant too.
+        """
+
     def __init__(
         self,
         *,
@@ -536,14 +545,46 @@ class TaskSpec(_message.Message):
         outputs: _abc.Iterable[Global___Output] | None = ...,
         image: _builtins.str = ...,
         topology: Global___TopologyRequest | None = ...,
+        image_pull_secrets: _abc.Iterable[Global___ImagePullSecret] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "resources", b"resources", "retry", b"retry", "service", b"service", "spread", b"spread", "topology", b"topology"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "image", b"image", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "topology", b"topology", "workload_class", b"workload_class"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint", b"checkpoint", "command", b"command", "depends_on", b"depends_on", "env", b"env", "estimated_duration_s", b"estimated_duration_s", "image", b"image", "image_pull_secrets", b"image_pull_secrets", "inputs", b"inputs", "kind", b"kind", "name", b"name", "output_bytes", b"output_bytes", "outputs", b"outputs", "replicas", b"replicas", "requires", b"requires", "resources", b"resources", "retry", b"retry", "service", b"service", "speed", b"speed", "spread", b"spread", "timeout_s", b"timeout_s", "topology", b"topology", "workload_class", b"workload_class"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TaskSpec: _TypeAlias = TaskSpec  # noqa: Y015
+
+@_typing.final
+class ImagePullSecret(_message.Message):
+    """A login to one registry, for pulling a task's image."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REGISTRY_FIELD_NUMBER: _builtins.int
+    USERNAME_FIELD_NUMBER: _builtins.int
+    PASSWORD_FIELD_NUMBER: _builtins.int
+    registry: _builtins.str
+    """The registry's host, with its port if it has one, as the image names it
+    ("registry.example.org:5000").
+    """
+    username: _builtins.str
+    password: _builtins.str
+    """The password or an access token; shown as "<redacted>" wherever the job is read."""
+    def __init__(
+        self,
+        *,
+        registry: _builtins.str = ...,
+        username: _builtins.str = ...,
+        password: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["password", b"password", "registry", b"registry", "username", b"username"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ImagePullSecret: _TypeAlias = ImagePullSecret  # noqa: Y015
 
 @_typing.final
 class TopologyRequest(_message.Message):

@@ -27,7 +27,7 @@ from google.protobuf import json_format
 
 from federation.api.v1 import records_pb2
 from federation.coordinator import audit
-from federation.coordinator.jobs.redaction import has_env, redact_env
+from federation.coordinator.jobs.redaction import has_env, has_pull_secrets, redact_all
 from federation.coordinator.jobs.repository import JobRepository
 from federation.durable import sync_dir
 from federation.errors import FederationError
@@ -46,12 +46,12 @@ def archive_path(archive_dir: Path, when_s: float) -> Path:
 
 
 def _archived(record: records_pb2.JobRecord) -> str:
-    """One archive line: the record with its env values redacted (an archive outlives the
-    job and is read by whoever keeps history, not by the job's tenant)."""
-    if has_env(record.job):
+    """One archive line: the record with its env values and registry passwords redacted (an
+    archive outlives the job and is read by whoever keeps history, not by the job's tenant)."""
+    if has_env(record.job) or has_pull_secrets(record.job):
         copy = records_pb2.JobRecord()
         copy.CopyFrom(record)
-        redact_env(copy.job)
+        redact_all(copy.job)
         record = copy
     return json.dumps(json_format.MessageToDict(record), separators=(",", ":")) + "\n"
 

@@ -11,9 +11,10 @@ from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common.view_limits import MAX_FIGURE
 from federation.coordinator.data.outputs import OUTPUT_NAME_RE, names_dataset, source_of
 from federation.coordinator.data.outputs import TASK_OUTPUT as TASK_OUTPUT  # "task:NAME[.OUTPUT]"
+from federation.coordinator.jobs.redaction import REDACTED
 from federation.coordinator.sites.disconnect import DEFAULT_LOST_AFTER_S
 from federation.errors import FieldViolation, InvalidArgumentError
-from federation.images import ImageReferenceError, parse_image
+from federation.images import ImageReferenceError, parse_image, registry_problem
 from federation.placement.compat import validate_requires
 from federation.placement.selectors import SelectorError, check_selector
 
@@ -42,6 +43,11 @@ MAX_ENTRIES = 64
 MAX_ENV = 256
 """Environment variables per task."""
 MAX_KEY_CHARS = 256
+MAX_PULL_SECRETS = 8
+"""Registry logins per task (one per registry)."""
+MAX_USERNAME = 256
+MAX_PASSWORD_BYTES = 8 * 1024
+"""A registry token (a JWT, say) fits; a password longer than this is a mistake."""
 """Longest map key (env, labels, requires) or list item (models, regions, datasets)."""
 MAX_VALUE_BYTES = 32 * 1024
 """Longest env value; labels and requires take MAX_KEY_CHARS."""
@@ -166,6 +172,7 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
             parse_image(task.image)
         except ImageReferenceError as err:
             yield FieldViolation(f"{path}.image", str(err))
+    yield from _pull_secret_violations(task, path)
     for level in ("required", "preferred"):
         value = getattr(task.topology, level)
         if len(value) > MAX_KEY_CHARS or any(c.isspace() or not c.isprintable() for c in value):
@@ -194,6 +201,53 @@ def _task_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolat
     if task.HasField("spread"):
         yield from _spread_violations(task, f"{path}.spread")
     yield from _kind_violations(task, path)
+
+
+def _pull_secret_violations(task: jobs_pb2.TaskSpec, path: str) -> Iterator[FieldViolation]:
+    """Registry logins: only with an image, one per registry, each whole. No message repeats
+    a password (a refusal is shown to the tenant and may be logged)."""
+    secrets = task.image_pull_secrets
+    if secrets and not task.image:
+        yield FieldViolation(f"{path}.image_pull_secrets", "are only for a task that names image")
+    if len(secrets) > MAX_PULL_SECRETS:
+        yield FieldViolation(
+            f"{path}.image_pull_secrets", f"at most {MAX_PULL_SECRETS}, got {len(secrets)}"
+        )
+    seen: set[str] = set()
+    for i, secret in enumerate(secrets):
+        at = f"{path}.image_pull_secrets[{i}]"
+        if not secret.registry:
+            yield FieldViolation(f"{at}.registry", "is required (host[:port], as image names it)")
+        elif problem := registry_problem(secret.registry):
+            yield FieldViolation(f"{at}.registry", problem)
+        elif secret.registry in seen:
+            yield FieldViolation(f"{at}.registry", f"{secret.registry} has a login already")
+        seen.add(secret.registry)
+        if not secret.username:
+            yield FieldViolation(f"{at}.username", "is required")
+        elif (
+            len(secret.username) > MAX_USERNAME
+            or ":" in secret.username
+            or any(c.isspace() or not c.isprintable() for c in secret.username)
+        ):
+            yield FieldViolation(
+                f"{at}.username",
+                f"must be at most {MAX_USERNAME} printable characters, without ':' or spaces",
+            )
+        if not secret.password:
+            yield FieldViolation(f"{at}.password", "is required (a password or an access token)")
+        elif secret.password == REDACTED:
+            yield FieldViolation(
+                f"{at}.password",
+                "is '<redacted>', as a job read back shows it: give the password itself",
+            )
+        elif (
+            len(secret.password.encode()) > MAX_PASSWORD_BYTES or not secret.password.isprintable()
+        ):
+            yield FieldViolation(
+                f"{at}.password",
+                f"must be at most {MAX_PASSWORD_BYTES} bytes of printable characters",
+            )
 
 
 def _relative_path_problem(value: str) -> str | None:
