@@ -16,7 +16,6 @@ import socket
 import subprocess
 import tarfile
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,19 +78,8 @@ def import_image(archive: Path, image: str, store: Sequence[str] = ()) -> None:
 
 
 def bcrypt_hash(password: str) -> str:
-    """A bcrypt hash of ``password``, as the registry's htpasswd file takes it (libcrypt's,
-    through Python's ``crypt``; the ``bcrypt`` package where that is missing)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)
-            import crypt
-
-        hashed = crypt.crypt(password, crypt.mksalt(crypt.METHOD_BLOWFISH))
-        if hashed and hashed.startswith("$2"):
-            return hashed
-    except (ImportError, AttributeError, OSError):
-        pass
-    import bcrypt  # type: ignore[import-not-found]
+    """A bcrypt hash of ``password``, as the registry's htpasswd file takes it."""
+    import bcrypt  # the dev extra's; imported here so the module loads without it
 
     return str(bcrypt.hashpw(password.encode(), bcrypt.gensalt()).decode())
 
