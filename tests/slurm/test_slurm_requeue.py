@@ -60,15 +60,20 @@ async def until_running_again(harness: Harness, job_id: str) -> None:
     await eventually(running_again, f"{job_id} running again")
 
 
+UP = frozenset({"idle", "mixed", "allocated", "completing"})
+"""Node states in which Slurm runs jobs there: a requeued job may take the node back the
+moment it is resumed, so "idle" alone may never be seen."""
+
+
 async def node_back(cluster: LocalSlurmCluster) -> None:
-    """Resumes the node set DOWN (Slurm may have taken it back already) until it is idle."""
+    """Resumes the node set DOWN (Slurm may have taken it back already) until it is up."""
     with contextlib.suppress(SlurmClusterError):
         cluster.run("scontrol", "update", f"NodeName={NODE.name}", "State=RESUME")
 
-    def idle() -> bool:
-        return cluster.run("sinfo", "-h", "-n", NODE.name, "-o", "%T").strip() == "idle"
+    def up() -> bool:
+        return cluster.run("sinfo", "-h", "-n", NODE.name, "-o", "%T").strip() in UP
 
-    await eventually(idle, f"{NODE.name} idle again")
+    await eventually(up, f"{NODE.name} up again")
 
 
 async def finishes_from(
