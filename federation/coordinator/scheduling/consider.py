@@ -92,9 +92,6 @@ class Considering:
         self._waiting = waiting
         self._preemption = preemption
 
-    def _connected(self, site: str) -> bool:
-        return self._sites.session(site) is not None
-
     def task(self, job: jobs_pb2.Job, task: str, cycle: Cycle) -> Outcome:
         """One waiting task, through its queue's quota and placement (``Outcome``)."""
         key = (job.id, task)
@@ -156,7 +153,7 @@ class Considering:
             cycle.snapshot = self._sites.snapshot()
             cycle.placements = self._placing.placements_on(cycle.snapshot)
         request = with_copies(
-            request_for(job, task), job.spec.tenant, self._datasets, self._connected
+            request_for(job, task), job.spec.tenant, self._datasets, self._sites.connected
         )
         if request is None:
             return None  # waits for its dependencies; a report of theirs wakes us

@@ -67,12 +67,11 @@ class Explainer:
         self, job: jobs_pb2.Job, task: jobs_pb2.TaskStatus, snapshot: Snapshot
     ) -> jobs_pb2.TaskExplanation:
         explanation = jobs_pb2.TaskExplanation(task=task.name, state=task.state, site=task.site)
-        connected = self._sites.session
         request = with_copies(
             request_for(job, task.name),
             job.spec.tenant,
             self._datasets,
-            lambda site: connected(site) is not None,
+            self._sites.connected,
         )
         if request is None:
             waiting = waiting_on(job, task.name)

@@ -376,13 +376,19 @@ class Preemption:
                 started = task.started_at.ToSeconds() if task.HasField("started_at") else None
                 if ready_s(started, min_run_s, reclaim=reclaim) > now:
                     continue
-                out.append(self._candidate(job, spec, task, now))
+                out.append(self._candidate(job, spec, task, started, now))
         return out
 
     def _candidate(
-        self, job: jobs_pb2.Job, spec: jobs_pb2.TaskSpec, task: jobs_pb2.TaskStatus, now: float
+        self,
+        job: jobs_pb2.Job,
+        spec: jobs_pb2.TaskSpec,
+        task: jobs_pb2.TaskStatus,
+        started: float | None,
+        now: float,
     ) -> Candidate:
-        started = task.started_at.ToSeconds() if task.HasField("started_at") else None
+        """``task`` as a victim: what it holds as its site granted it, and the run it would
+        lose (since it ``started``, or its last checkpoint)."""
         since = max(
             started or now, task.checkpoint.time.ToSeconds() if task.checkpoint.path else 0.0
         )

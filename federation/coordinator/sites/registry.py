@@ -348,6 +348,10 @@ class SiteRegistry:
             if e.session is None
         ]
 
+    def connected(self, name: str) -> bool:
+        """Whether ``name`` has a live session now."""
+        return self.session(name) is not None
+
     def connected_count(self) -> int:
         """How many sites have a live session."""
         return sum(e.session is not None for e in self._sites.values())
