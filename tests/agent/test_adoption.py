@@ -152,11 +152,14 @@ async def test_a_task_that_ended_while_no_agent_ran_is_reported(
         if not alive(pid):
             break
         await asyncio.sleep(0.05)
-    [exit_file] = (tmp_path / "work").glob("job-1/train/7.run/0/exit")
-    for _ in range(1200):  # the supervisor writes it once the output has drained
-        if exit_file.exists():
+    # The supervisor writes the replica's exit once its output has drained, a moment after
+    # the replica itself is gone.
+    exit_files: list[Path] = []
+    for _ in range(1200):
+        if exit_files := list((tmp_path / "work").glob("job-1/train/7.run/0/exit")):
             break
         await asyncio.sleep(0.05)
+    assert len(exit_files) == 1, "the supervisor wrote no exit file"
     core = make_core([node("n", devices=2)], state_dir=tmp_path / "state")
     await core.adopt()
     final = await recorder.final()
