@@ -14,6 +14,7 @@ from federation.coordinator.jobs import records, repository
 from federation.coordinator.jobs.events import EventHub, Subscription
 from federation.coordinator.jobs.records import Change, Mutation, job_key, read_record, transition
 from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.policy.reservations import Reservations
 from federation.errors import InvalidArgumentError, JobNotFoundError
 from federation.store import Put, SqliteStore, StoreError
 
@@ -356,15 +357,17 @@ async def test_pending_lists_jobs_with_a_pending_task_not_held_oldest_first(
     with another PENDING task stays listed; the order is by id, also after a release."""
     await repo.create([new_job("j-1"), new_job("j-2", "a", "b"), new_job("j-3")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2", "j-3"]
+    negotiating = Reservations()
+    repo.counts(negotiating, out_of_line=True)
 
-    repo.start_negotiating([(("j-1", "main"), {}), (("j-2", "a"), {})])
+    negotiating.keep([(("j-1", "main"), {}), (("j-2", "a"), {})])
     assert [j.id for j in repo.pending()] == ["j-2", "j-3"]  # j-2 still has b
 
     await repo.update("j-3", move(("main", DEL, "x accepted")))  # no longer pending
     await repo.update("j-1", move(("main", P, "declined")))  # written while held: left out
     assert [j.id for j in repo.pending()] == ["j-2"]
 
-    repo.stop_negotiating([("j-1", "main"), ("j-2", "a")])
+    negotiating.let_go([("j-1", "main"), ("j-2", "a")])
     assert [j.id for j in repo.pending()] == ["j-1", "j-2"]
 
 
@@ -382,13 +385,17 @@ async def test_a_reservation_and_a_negotiation_hold_never_let_go_of_each_other(
     await repo.update("j-1", move(("main", DEL, "at x"), ("main", RUN, "runs")))
     assert repo.usage.of("q")["cpu"] == 1
     key = ("j-1", "main")
-    repo.start_negotiating([(key, {"cpu": 1.0})])  # the scheduler's negotiation, not let go yet
-    repo.reserve(key, {"cpu": 3.0})  # a scale-up to 3 replicas under way
+    negotiating, growing = Reservations(), Reservations()
+    repo.counts(negotiating, out_of_line=True)
+    repo.counts(growing)
+    negotiating.keep([(key, {"cpu": 1.0})])  # the scheduler's negotiation, not let go yet
+    assert repo.usage.of("q")["cpu"] == 1
+    growing.keep([(key, {"cpu": 3.0})])  # a scale-up to 3 replicas under way
     assert repo.usage.of("q")["cpu"] == 3
-    repo.stop_negotiating([key])  # the scheduler lets go of its negotiation
+    negotiating.let_go([key])  # the scheduler lets go of its negotiation
     assert repo.usage.of("q")["cpu"] == 3
-    assert key not in repo.in_negotiation
-    repo.unreserve(key)  # given up: what the stored spec holds
+    assert key not in negotiating
+    growing.let_go([key])  # given up: what the stored spec holds
     assert repo.usage.of("q")["cpu"] == 1
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections import ChainMap, Counter, OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -13,7 +13,6 @@ from collections.abc import (
     Iterator,
     Sequence,
 )
-from collections.abc import Set as AbstractSet
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -48,7 +47,7 @@ from federation.coordinator.jobs.records import (
     read_record,
     record_value,
 )
-from federation.coordinator.policy.resources import Demand
+from federation.coordinator.policy.reservations import Reservations, merged
 from federation.coordinator.policy.usage import QueueUsage
 from federation.errors import (
     ConflictError,
@@ -83,12 +82,11 @@ class JobRepository:
         # priority arrive in order, and only one that goes ahead marks the line unsorted.
         self._pending: dict[str, LineKey] = {}
         self._pending_in_order = True
-        self._negotiating: dict[tuple[str, str], Demand] = {}
-        """(job id, task) of PENDING tasks whose offers are out, with what each was admitted
-        with (counted against its queue meanwhile): ``pending`` leaves them out."""
-        self._reserved: dict[tuple[str, str], Demand] = {}
-        """(job id, task) of running tasks whose change adds replicas, with what each will
-        hold (``reserve``): counted against its queue in place of what it holds now."""
+        self._kept: list[Reservations] = []
+        """Reservations counted against their queues in place of what their tasks' stored
+        state holds (``counts``), the ones that hold tasks out of the line last."""
+        self._out_of_line: list[Reservations] = []
+        """Of those, the ones whose PENDING tasks ``pending`` leaves out."""
         self._finished: OrderedDict[str, jobs_pb2.Job] = OrderedDict()
         """The newest jobs seen finishing (``FINISHED_KEPT``), as written."""
         self.usage = QueueUsage(domain_of)
@@ -133,13 +131,13 @@ class JobRepository:
         return self._unfinished[tenant]
 
     def _index(self, job: jobs_pb2.Job) -> None:
-        """Keep ``job`` in the pending index exactly while it has a PENDING task not under
-        negotiation, and what it holds counted against its queue."""
-        negotiating = self._negotiating
-        counted = ChainMap(self._reserved, negotiating) if self._reserved else negotiating
-        self.usage.update(job, counted)
+        """Keep ``job`` in the pending index exactly while it has a PENDING task not held out
+        of the line, and what it holds counted against its queue."""
+        self.usage.update(job, merged(self._kept))
+        out = self._out_of_line
         if any(
-            t.state == job_state.PENDING and (job.id, t.name) not in negotiating for t in job.tasks
+            t.state == job_state.PENDING and not any((job.id, t.name) in r for r in out)
+            for t in job.tasks
         ):
             if job.id not in self._pending:
                 key = line_order(job)
@@ -149,51 +147,29 @@ class JobRepository:
         else:
             self._pending.pop(job.id, None)
 
-    def start_negotiating(self, negotiations: Iterable[tuple[tuple[str, str], Demand]]) -> None:
-        """Leave these (job id, task) out of ``pending`` while the scheduler negotiates them,
-        counting what each was admitted with against its queue: they stay PENDING in the
-        store, since offers need no write. One every site declined counts until its
-        negotiation ends: uncounted, the queues beside its queue borrowed the room and a
-        reclaim followed once it was let go (``bench/fairness.py``, no minimum run: 8-9
-        reclaims a run, against none)."""
-        for key, admitted in negotiations:
-            self._negotiating[key] = admitted
-            self._reindex(key[0])
-
-    def stop_negotiating(self, keys: Iterable[tuple[str, str]]) -> None:
-        """Undo ``start_negotiating``: the tasks are the scheduler's to pick up again if
-        still PENDING."""
-        for key in keys:
-            self._negotiating.pop(key, None)
-            self._reindex(key[0])
-
-    def reserve(self, key: tuple[str, str], holds: Demand) -> None:
-        """Count the running task ``key`` (job id, task) as holding ``holds`` against its
-        queue, until ``unreserve``: a change that adds replicas, while it is made. Apart from
-        ``start_negotiating``, which is the scheduler's: neither lets go of the other's."""
-        self._reserved[key] = holds
-        self._reindex(key[0])
-
-    def unreserve(self, key: tuple[str, str]) -> None:
-        """Undo ``reserve``: the task counts as what its stored spec holds."""
-        self._reserved.pop(key, None)
-        self._reindex(key[0])
-
-    @property
-    def in_negotiation(self) -> AbstractSet[tuple[str, str]]:
-        """The (job id, task) under negotiation now (see ``start_negotiating``)."""
-        return self._negotiating.keys()
+    def counts(self, reservations: Reservations, *, out_of_line: bool = False) -> None:
+        """Count ``reservations`` against their queues from now on, in place of what their
+        tasks' stored state holds; ``out_of_line``: their PENDING tasks are left out of
+        ``pending`` too (offers are out for them, which needs no write). Where both kinds
+        keep one task, the other kind counts: a running task's change is newer than a
+        negotiation that settled it and is not yet let go."""
+        if out_of_line:
+            self._kept.append(reservations)
+            self._out_of_line.append(reservations)
+        else:
+            self._kept.insert(0, reservations)
+        reservations.watch(self._reindex)
 
     def _reindex(self, job_id: str) -> None:
         if cached := self._active.get(job_id):
             self._index(cached[0])
 
     def pending(self) -> Iterator[jobs_pb2.Job]:
-        """The jobs that have a PENDING task not held, in line order (``line_order``): the
-        cached messages themselves, not copies (a hot path), so callers read them and never
-        change them. Lazily, as a caller often needs only the first few; a caller may await
-        between jobs (the ids are taken at the start, and a job no longer pending when reached
-        is skipped)."""
+        """The jobs that have a PENDING task not held out of the line, in line order
+        (``line_order``): the cached messages themselves, not copies (a hot path), so callers
+        read them and never change them. Lazily, as a caller often needs only the first few;
+        a caller may await between jobs (the ids are taken at the start, and a job no longer
+        pending when reached is skipped)."""
         for job_id in self.pending_ids():
             if (job := self.pending_job(job_id)) is not None:
                 yield job

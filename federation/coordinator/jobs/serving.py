@@ -22,6 +22,7 @@ from federation.coordinator.jobs.records import Change, find_spec, find_task, tr
 from federation.coordinator.jobs.repository import JobRepository
 from federation.coordinator.jobs.spread import PART, part_number
 from federation.coordinator.jobs.validation import MAX_REPLICAS, task_violations
+from federation.coordinator.policy.reservations import Reservations
 from federation.coordinator.policy.resources import at, demand
 from federation.coordinator.policy.sharing import Sharing
 from federation.coordinator.policy.usage import placed
@@ -86,6 +87,10 @@ class Serving:
         self._room_freed = room_freed
         self._changing: dict[str, tuple[asyncio.Lock, int]] = {}
         """Per job with a change under way: its lock, and how many callers hold or await it."""
+        self._growing = Reservations()
+        """Running tasks whose change adds replicas, with what each will hold while it is
+        made: counted against its queue in place of what it holds now."""
+        jobs.counts(self._growing)
 
     async def endpoints(self, caller: Identity, job_id: str) -> tuple[str, list[jobs_pb2.Endpoint]]:
         """The job's full id and its endpoints; NOT_FOUND for a job the caller may not see."""
@@ -294,14 +299,14 @@ class Serving:
         reserved = at(placed(old, status), site, domain)
         add(reserved, need.items())
         key = (job.id, new.name)
-        self._jobs.reserve(key, reserved)
+        self._growing.keep([(key, reserved)])
         try:
             yield
         except BaseException:
-            self._jobs.unreserve(key)
+            self._growing.let_go([key])
             self._room_freed()  # tasks turned away meanwhile may have it now
             raise
-        self._jobs.unreserve(key)
+        self._growing.let_go([key])
 
     async def _tell_site(
         self,

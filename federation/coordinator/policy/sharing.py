@@ -270,7 +270,7 @@ class Sharing:
         they held as it began; admitted, it counts in that cycle's view too, so the cycle
         cannot hand the same room to a task of its own (nor this change the room the cycle
         admitted a task to, not held yet). The caller holds it in the usage
-        (``JobRepository.reserve``) until the change is written or given up."""
+        (``Serving``'s ``Reservations``) until the change is written or given up."""
         queue = job.spec.queue
         if not queue or queue not in self.book.queues:
             return None

@@ -305,10 +305,10 @@ class Scheduler:
 
     async def _cycle(self) -> None:
         self._take_news()
-        # Tasks under negotiation are the ones the repository holds out of pending(); as the
+        # Tasks under negotiation are the ones held out of the repository's pending(); as the
         # cycle starts: one let go while it rests is neither tried now nor taken for gone
         # (forgetting it would forget the tasks being stopped for it, and stop more).
-        negotiating = set(self._jobs.in_negotiation)
+        negotiating = set(self._negotiator.reservations)
         room = self._config.max_concurrent_negotiations - len(negotiating)
         self._loop.full = room <= 0
         if self._loop.full:

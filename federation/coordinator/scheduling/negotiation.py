@@ -38,6 +38,7 @@ from federation.coordinator.data.staged_inputs import Registered, resolve
 from federation.coordinator.jobs.gangs import host_of, rendezvous
 from federation.coordinator.jobs.records import Mutation, find_spec, find_task
 from federation.coordinator.jobs.repository import JobRepository
+from federation.coordinator.policy.reservations import Reservations
 from federation.coordinator.scheduling import site_calls
 from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.delegation import (
@@ -121,10 +122,18 @@ class Negotiator:
         """Pushes a task's outputs out of a store other sites cannot reach (the job
         manager's, set once it exists)."""
         self._tasks: set[asyncio.Task[None]] = set()
+        self.reservations = Reservations()
+        """The tasks under negotiation, with what each was admitted with: counted against
+        their queues and held out of the line (they stay PENDING in the store, since offers
+        need no write). One every site declined counts until its negotiation ends:
+        uncounted, the queues beside its queue borrowed the room and a reclaim followed once
+        it was let go (``bench/fairness.py``, no minimum run: 8-9 reclaims a run, against
+        none)."""
+        jobs.counts(self.reservations, out_of_line=True)
 
     def start(self, batch: list[Negotiation]) -> None:
         """Negotiate ``batch`` in the background; its tasks are held out of the line."""
-        self._jobs.start_negotiating((n.key, n.holds) for n in batch)
+        self.reservations.keep((n.key, n.holds) for n in batch)
         runner = asyncio.create_task(self._negotiate(batch, self._outcomes.frees()))
         self._tasks.add(runner)
         runner.add_done_callback(self._tasks.discard)
@@ -173,7 +182,7 @@ class Negotiator:
         ending = [n for n in negotiations if not n.over]
         for n in ending:
             n.over = True
-        self._jobs.stop_negotiating(n.key for n in ending)
+        self.reservations.let_go(n.key for n in ending)
         self._outcomes.over(ending)
 
     async def _rounds(self, batch: list[Negotiation]) -> None:
