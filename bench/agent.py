@@ -100,12 +100,12 @@ def children(pid: int) -> list[int]:
 
 def supervisors(agent_pid: int) -> list[int]:
     """The agent's replica supervisors that have started their replica: its children
-    running supervisor.py, each with a child of its own (one still importing, or not yet
+    running the supervisor, each with a child of its own (one still importing, or not yet
     watching its replica, would be measured short)."""
     out = []
     for child in children(agent_pid):
         cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"supervisor.py" in cmdline and children(child):
+        if b"import supervisor" in cmdline and children(child):
             out.append(child)
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import marshal
 import os
 import select
 import shutil
@@ -33,6 +34,10 @@ log = structlog.get_logger()
 
 _ANSWER_TIMEOUT_S = 30.0
 """How long a supervisor may take to start its replica and say so."""
+_BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; supervisor.main()"
+"""Runs the supervisor from its compiled module: as a script it would be compiled at every
+start, which left each supervisor 1.3 MiB larger."""
+_SUPERVISOR_DIR = os.path.dirname(supervisor.__file__)
 OUTPUT_FILE = "output"
 EXIT_FILE = "exit"
 
@@ -313,7 +318,7 @@ def _spawn(
     # Its own session, so it outlives the agent, and a clean environment, as it runs as the
     # agent's user: the task's goes to the replica only. Started by vfork (no user change).
     child = subprocess.Popen(
-        [sys.executable, "-I", "-S", supervisor.__file__, label or str(cwd)],
+        [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR, label or str(cwd)],
         cwd=cwd,
         env={},
         stdin=subprocess.PIPE,
@@ -321,7 +326,7 @@ def _spawn(
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
-    return child, json.dumps(spec).encode()
+    return child, marshal.dumps(spec)
 
 
 def _exchange(child: subprocess.Popen[bytes], spec: bytes) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 
+from federation.agent import supervisor
 from federation.agent.process import TAIL_BYTES, ReplicaProcess
 from federation.agent.task_records import TaskRecords
 
@@ -221,3 +222,9 @@ async def test_a_recycled_pid_is_not_adopted(tmp_path: Path) -> None:
     await other.terminate(grace_s=0.1)  # signals nothing
     assert alive(proc.pid)
     assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+def test_the_exit_record_is_json_whatever_the_reason_holds() -> None:
+    """The supervisor writes its exit record without the json module: any text reads back."""
+    for why in ["", "agent_died", 'supervisor failed: OSError(5, "I/O\\error")\n\t\x00', "é ü 💥"]:
+        assert json.loads(supervisor._json_text(why)) == why
