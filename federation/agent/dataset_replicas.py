@@ -60,7 +60,7 @@ class DatasetReplicas:
         return "/".join(part for part in parts if part)
 
     @property
-    def held_bytes(self) -> int:
+    def stored_bytes(self) -> int:
         return sum(k.bytes for k in self._kept.values())
 
     def touch(self, key: str) -> None:
@@ -83,7 +83,7 @@ class DatasetReplicas:
         if size > self._limit:
             return []
         reports = []
-        while self.held_bytes + size > self._limit:
+        while self.stored_bytes + size > self._limit:
             oldest = min(self._kept.values(), key=lambda k: k.used)
             reports.append(self._evict(oldest))
         try:

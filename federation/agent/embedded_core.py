@@ -357,7 +357,7 @@ class EmbeddedCore:
             i.SerializeToString(deterministic=True) for i in self._images
         ]:
             self._images = images
-            log.info("images_held", images=len(images))
+            log.info("images_stored", images=len(images))
             self._changed()
 
     def watch_images(self, interval_s: float = IMAGE_REFRESH_S) -> None:

@@ -567,7 +567,7 @@ def _pick_partition(
             continue
         ref = (node.name, pos)
         free = usage.partitions_free(ref, device.partitions)[profile]
-        in_use = usage.slots_held(ref) > 0
+        in_use = usage.slots_taken(ref) > 0
         scarcity = -plenty[device.model]
         offered.append(((not in_use, (free - 1) / total), scarcity, device.index, pos, free))
     fitting = [entry for entry in offered if entry[4] >= 1]

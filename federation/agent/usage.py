@@ -1,10 +1,10 @@
-"""Capacity held on a site's nodes: cpu, memory, whole devices, device shares, partition slots.
+"""Capacity taken on a site's nodes: cpu, memory, whole devices, device shares, partition slots.
 
 A device is used in one mode at a time:
 
-* **whole**: one replica holds it and nothing else may use it;
-* **fractions**: replicas hold shares of a ``shareable`` device, summing to at most 1;
-* **partitions**: replicas hold slots of the hardware profiles it declares (MIG).
+* **whole**: one replica takes it and nothing else may use it;
+* **fractions**: replicas take shares of a ``shareable`` device, summing to at most 1;
+* **partitions**: replicas take slots of the hardware profiles it declares (MIG).
 
 So a device with any share or slot handed out cannot be given whole, a device given whole cannot
 be shared or partitioned, and a device with slots in use takes no shares (nor the other way
@@ -37,7 +37,7 @@ DeviceRef = tuple[str, int]
 
 @dataclass(frozen=True, slots=True)
 class Slot:
-    """Capacity held on one node for one replica.
+    """Capacity taken on one node for one replica.
 
     Devices are named by their position in ``Node.devices``, since ids may be empty or clash.
     """
@@ -47,13 +47,13 @@ class Slot:
     memory_mib: int
     device_positions: tuple[int, ...]
     fraction: float = 0.0
-    """Share held of the one device in ``device_positions``; 0 when devices are held whole."""
+    """Share taken of the one device in ``device_positions``; 0 when devices are taken whole."""
     device_memory_mib: int = 0
-    """Memory of that device the share holds; 0 when it asks for none."""
+    """Memory of that device the share takes; 0 when it asks for none."""
     partition: str = ""
-    """Profile of the slot held on the one device in ``device_positions``; "" when none."""
+    """Profile of the slot taken on the one device in ``device_positions``; "" when none."""
     instance: str = ""
-    """The instance of that profile the slot holds (``PartitionProfile.instances``), where the
+    """The instance of that profile the slot takes (``PartitionProfile.instances``), where the
     device names its instances; "" otherwise."""
 
 
@@ -64,20 +64,20 @@ def shares_fit(free_fraction: float, fraction: float) -> int:
 
 @dataclass(slots=True)
 class Usage:
-    """Capacity held on each node."""
+    """Capacity taken on each node."""
 
     cpu: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     memory_mib: defaultdict[str, int] = field(default_factory=lambda: defaultdict(int))
     devices: set[DeviceRef] = field(default_factory=set)
-    """Devices held whole."""
+    """Devices taken whole."""
     fractions: dict[DeviceRef, float] = field(default_factory=dict)
-    """Sum of the shares held per shared device."""
+    """Sum of the shares taken per shared device."""
     device_memory: Counter[DeviceRef] = field(default_factory=Counter)
-    """Device memory (MiB) the shares hold, per shared device."""
+    """Device memory (MiB) the shares take, per shared device."""
     partitions: dict[DeviceRef, Counter[str]] = field(default_factory=dict)
-    """Slots held per profile, per partitioned device."""
+    """Slots taken per profile, per partitioned device."""
     instances: dict[DeviceRef, set[str]] = field(default_factory=dict)
-    """The named instances held, per partitioned device."""
+    """The named instances taken, per partitioned device."""
 
     @classmethod
     def of(cls, slots: Iterable[Slot]) -> Usage:
@@ -95,12 +95,12 @@ class Usage:
             set(self.devices),
             dict(self.fractions),
             Counter(self.device_memory),
-            {ref: Counter(held) for ref, held in self.partitions.items()},
-            {ref: set(held) for ref, held in self.instances.items()},
+            {ref: Counter(taken) for ref, taken in self.partitions.items()},
+            {ref: set(taken) for ref, taken in self.instances.items()},
         )
 
     def add(self, slot: Slot) -> None:
-        """Counts ``slot`` as held."""
+        """Counts ``slot`` as taken."""
         self.cpu[slot.node] += slot.cpu
         self.memory_mib[slot.node] += slot.memory_mib
         refs = [(slot.node, pos) for pos in slot.device_positions]
@@ -116,46 +116,46 @@ class Usage:
                 self.devices.add(ref)
 
     def free_instance(self, ref: DeviceRef, profile: resources_pb2.PartitionProfile) -> str:
-        """The first of ``profile``'s named instances on the device that no slot holds; ""
+        """The first of ``profile``'s named instances on the device that no slot takes; ""
         where the device names none (or, past its count, none is left)."""
-        held = self.instances.get(ref, set())
-        return next((name for name in profile.instances if name not in held), "")
+        taken = self.instances.get(ref, set())
+        return next((name for name in profile.instances if name not in taken), "")
 
-    def slots_held(self, ref: DeviceRef) -> int:
-        """Partition slots held on the device, of any profile."""
-        held = self.partitions.get(ref)
-        return held.total() if held else 0
+    def slots_taken(self, ref: DeviceRef) -> int:
+        """Partition slots taken on the device, of any profile."""
+        taken = self.partitions.get(ref)
+        return taken.total() if taken else 0
 
     def is_whole_free(self, ref: DeviceRef) -> bool:
-        """Whether nothing of the device is held: no replica has it whole, a share or a slot."""
-        return ref not in self.devices and not self.fractions.get(ref) and not self.slots_held(ref)
+        """Whether nothing of the device is taken: no replica has it whole, a share or a slot."""
+        return ref not in self.devices and not self.fractions.get(ref) and not self.slots_taken(ref)
 
     def free_fraction(self, ref: DeviceRef) -> float:
-        """Share of the device that fractions may still take: 0 while held whole or partitioned."""
-        if ref in self.devices or self.slots_held(ref):
+        """Share of the device that fractions may still take: 0 while taken whole or partitioned."""
+        if ref in self.devices or self.slots_taken(ref):
             return 0.0
         return max(0.0, 1.0 - self.fractions.get(ref, 0.0))
 
     def partitions_free(
         self, ref: DeviceRef, profiles: Iterable[resources_pb2.PartitionProfile]
     ) -> dict[str, int]:
-        """Free slots per profile of the device: none while it is held whole or shared."""
+        """Free slots per profile of the device: none while it is taken whole or shared."""
         profiles = list(profiles)
         if ref in self.devices or self.fractions.get(ref):
             return {p.profile: 0 for p in profiles}
         total = {p.profile: p.total for p in profiles}
-        held = self.partitions.get(ref, Counter())
+        taken = self.partitions.get(ref, Counter())
         used = sum(
-            (Fraction(n, total[name]) for name, n in held.items() if total.get(name)), Fraction(0)
+            (Fraction(n, total[name]) for name, n in taken.items() if total.get(name)), Fraction(0)
         )
         left = max(Fraction(0), 1 - used)
         return {p.profile: math.floor(left * p.total) for p in profiles}
 
 
 def apply_usage(node: resources_pb2.Node, usage: Usage) -> None:
-    """Writes what ``usage`` holds into ``node``, as a site view publishes it.
+    """Writes what ``usage`` counts into ``node``, as a site view publishes it.
 
-    Sets the node's free cpu and memory and, per device, ``allocated`` (held whole),
+    Sets the node's free cpu and memory and, per device, ``allocated`` (taken whole),
     ``free_fraction``, ``memory_free_mib`` (not booked by shares) and each partition profile's
     ``free``.
     """
@@ -166,8 +166,8 @@ def apply_usage(node: resources_pb2.Node, usage: Usage) -> None:
         device.allocated = ref in usage.devices
         device.free_fraction = usage.free_fraction(ref)
         # What shares may still book (what the device uses now is in ``measured``).
-        held = device.memory_total_mib if device.allocated else usage.device_memory[ref]
-        device.memory_free_mib = max(0, device.memory_total_mib - held)
+        taken = device.memory_total_mib if device.allocated else usage.device_memory[ref]
+        device.memory_free_mib = max(0, device.memory_total_mib - taken)
         free = usage.partitions_free(ref, device.partitions)
         for profile in device.partitions:
             profile.free = free[profile.profile]

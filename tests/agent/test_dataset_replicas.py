@@ -56,7 +56,7 @@ def test_the_least_recently_used_copy_goes_first(seaweed: LocalSeaweed, tmp_path
     reports = replicas.keep("t", "c", path, 150 * KIB, digest, tmp_path)
     assert [(r.dataset, r.removed) for r in reports] == [("b", True), ("c", False)]
     assert objects(store) == {"a", "c"}
-    assert replicas.held_bytes == 250 * KIB
+    assert replicas.stored_bytes == 250 * KIB
     # Bigger than the whole limit: not kept, nothing evicted for it.
     path, digest = staged(tmp_path, "huge", 400 * KIB)
     assert replicas.keep("t", "huge", path, 400 * KIB, digest, tmp_path) == []
