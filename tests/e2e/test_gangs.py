@@ -40,13 +40,16 @@ time.sleep(float(sys.argv[1]))
 """Prints its rendezvous environment, then sleeps argv[1] seconds."""
 TRAIN = """
 import os, sys, time
+def mark(folder, name, text):  # whole: a test reads a marker the moment it appears
+    temporary = os.path.join(os.path.dirname(folder), "." + name)
+    open(temporary, "w").write(text)
+    os.rename(temporary, os.path.join(folder, name))
 markers = sys.argv[1]
 part = os.environ["FEDERATION_TASK"].replace("/", "-")
 folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
 restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
 step = int(open(os.path.join(restore, "step")).read()) if restore else 0
-open(os.path.join(markers, "%s-epoch-%s" % (part, os.environ["FEDERATION_EPOCH"])), "w").write(
-    str(step))
+mark(markers, "%s-epoch-%s" % (part, os.environ["FEDERATION_EPOCH"]), str(step))
 while True:
     if not os.path.exists(os.path.join(markers, "pause")):
         step += 1

@@ -35,6 +35,10 @@ LOST_AFTER_S = 3.0
 # Counts steps, one checkpoint per step, from the restored step on; stops at the file "go".
 TASK = """
 import os, signal, sys, time
+def mark(folder, name, text):  # whole: a test reads a marker the moment it appears
+    temporary = os.path.join(os.path.dirname(folder), "." + name)
+    open(temporary, "w").write(text)
+    os.rename(temporary, os.path.join(folder, name))
 markers = sys.argv[1]
 tag = os.environ["FEDERATION_SITE"] + "-" + os.environ["FEDERATION_EPOCH"]
 def stop(*_):
@@ -44,14 +48,14 @@ signal.signal(signal.SIGTERM, stop)
 folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
 restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
 step = int(open(restore).read()) if restore else 0
-open(os.path.join(markers, "start-" + tag), "w").write(restore)
+mark(markers, "start-" + tag, restore)
 while not os.path.exists(os.path.join(markers, "go")):
     step += 1
     name = os.path.join(folder, "step-%04d" % step)
     open(name, "w").write(str(step))
     open(name + ".done", "w").close()
     time.sleep(0.2)
-open(os.path.join(markers, "done-" + tag), "w").write(str(step))
+mark(markers, "done-" + tag, str(step))
 """
 
 

@@ -28,6 +28,10 @@ RECLAIM_MIN_RUN_S = 3.0
 # Markers: start-TAG holds where it restored from, stopped-TAG when SIGTERM came, done-TAG.
 TASK = """
 import os, signal, sys, time
+def mark(folder, name, text):  # whole: a test reads a marker the moment it appears
+    temporary = os.path.join(os.path.dirname(folder), "." + name)
+    open(temporary, "w").write(text)
+    os.rename(temporary, os.path.join(folder, name))
 markers = sys.argv[1]
 tag = "-".join(os.environ[k] for k in ("FEDERATION_JOB_ID", "FEDERATION_EPOCH",
                                        "FEDERATION_REPLICA")).replace(":", "_")
@@ -38,7 +42,7 @@ signal.signal(signal.SIGTERM, stop)
 folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
 restore = os.environ.get("FEDERATION_RESTORE_FROM", "")
 step = int(open(restore).read()) if restore else 0
-open(os.path.join(markers, "start-" + tag), "w").write(restore)
+mark(markers, "start-" + tag, restore)
 while not os.path.exists(os.path.join(markers, "go")):
     step += 1
     if os.environ["FEDERATION_REPLICA"] == "0":
@@ -46,7 +50,7 @@ while not os.path.exists(os.path.join(markers, "go")):
         open(name, "w").write(str(step))
         open(name + ".done", "w").close()
     time.sleep(0.2)
-open(os.path.join(markers, "done-" + tag), "w").write(str(step))
+mark(markers, "done-" + tag, str(step))
 """
 
 

@@ -44,6 +44,10 @@ def gpu_task(
 # stopped-TAG appears when SIGTERM comes, and half a second later the checkpoint final-TAG.
 CHECKPOINTING = """
 import os, signal, sys, time
+def mark(folder, name, text):  # whole: a test reads a marker the moment it appears
+    temporary = os.path.join(os.path.dirname(folder), "." + name)
+    open(temporary, "w").write(text)
+    os.rename(temporary, os.path.join(folder, name))
 markers = os.environ["MARKERS"]
 tag = os.environ["FEDERATION_EPOCH"] + "-" + os.environ.get("SLURM_RESTART_COUNT", "0")
 folder = os.environ["FEDERATION_CHECKPOINT_DIR"]
@@ -59,7 +63,7 @@ def stop(*_):
     save("final-" + tag)
     sys.exit(143)
 signal.signal(signal.SIGTERM, stop)
-open(os.path.join(markers, "start-" + tag), "w").write(restore)
+mark(markers, "start-" + tag, restore)
 while not os.path.exists(os.path.join(markers, "go")):
     step += 1
     save("step-%04d" % step)

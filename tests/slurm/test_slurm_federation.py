@@ -336,8 +336,12 @@ async def test_a_task_slurm_requeues_shows_waiting_until_it_runs_again(
 # STOP_S (a checkpoint taking a while) and exits; else runs RUN_S and succeeds.
 TIMED = """
 import os, signal, sys, time
+def mark(folder, name, text):  # whole: a test reads a marker the moment it appears
+    temporary = os.path.join(os.path.dirname(folder), "." + name)
+    open(temporary, "w").write(text)
+    os.rename(temporary, os.path.join(folder, name))
 name = os.environ["NAME"] + "-" + os.environ["FEDERATION_EPOCH"]
-open(os.path.join(os.environ["MARKERS"], name), "w").write(repr(time.time()))
+mark(os.environ["MARKERS"], name, repr(time.time()))
 def stop(*_):
     time.sleep(float(os.environ["STOP_S"]))
     sys.exit(143)
