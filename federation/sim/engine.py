@@ -48,15 +48,16 @@ from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.preemption import plan_preemption
 from federation.coordinator.scheduling.rounds import offer_rounds
-from federation.coordinator.scheduling.waits import OVERRUN_LEFT
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework
 from federation.placement.request import Request
 from federation.sim.elastic import Launches, LaunchTally
 from federation.sim.policies import PROFILES, build_policy, feasibility_key
 from federation.sim.queues import Shares, Tally
-from federation.sim.state import Grant, SiteState, site_views
+from federation.sim.runs import TaskRun
+from federation.sim.state import SiteState, site_views
 from federation.sim.trace import TraceTask
+from federation.sim.waiting import BusySites
 
 F64 = npt.NDArray[np.float64]
 # Event kinds, in the order they are handled at one instant: capacity frees before anything
@@ -105,56 +106,6 @@ class SimConfig:
         for name in ("preemption_min_run_s", "reclaim_min_run_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-
-
-@dataclass(slots=True)
-class TaskRun:
-    """One task's life in the replay; times in simulated seconds."""
-
-    trace: TraceTask
-    request: Request
-    """What the scheduler sees (its duration may be a noisy estimate)."""
-    state: int = job_state.PENDING
-    epoch: int = 0
-    site: int = -1
-    placed_s: float = math.nan
-    started_s: float = math.nan
-    finished_s: float = math.nan
-    transfer_s: float = 0.0
-    launch_s: float = 0.0
-    """Seconds from its placement until the nodes it got run (launched for it, or already
-    launching); 0 on running nodes."""
-    run_s: float = 0.0
-    wan_bytes: float = 0.0
-    compute_usd: float = 0.0
-    egress_usd: float = 0.0
-    energy_kwh: float = 0.0
-    offers: int = 0
-    declines: int = 0
-    backoff_s: float = 0.25
-    never_fits: bool = False
-    """No site could take it even with the whole federation idle (under this policy)."""
-    grant: Grant | None = None
-    held: F64 = field(default_factory=lambda: np.zeros(0))
-    """Device-equivalents held per accelerator model."""
-    assumed_speed: float = 0.0
-    """The device speed placement's estimate assumed at its site (0: no devices asked)."""
-    speed: float = 0.0
-    """The speed of the slowest device it got there (0: none)."""
-    estimated_run_s: float = 0.0
-    """The run time the scheduler expected on the devices it got (its duration over the
-    speed it believed of the slowest, learned speeds included)."""
-    watts: float = 0.0
-    """Power its devices draw while it runs (TDP times the share held)."""
-    remaining_s: float = 0.0
-    """Its run time left on a device of speed 1.0: its duration, less what it checkpointed
-    before it was preempted."""
-    event: int = 0
-    """The sequence number of its next START or DONE (cancelled when it is preempted)."""
-    preemptions: int = 0
-    lost_device_s: float = 0.0
-    """Device-seconds of run lost to preemption: run since the last checkpoint, times the
-    devices held."""
 
 
 @dataclass(slots=True)
@@ -264,10 +215,9 @@ class Simulation:
         self._blocked: dict[object, list[int]] = {}
         if waits is None:
             waits = PROFILES[policy].waits if policy in PROFILES else ""
-        self.waits = waits
         self._at_site: list[set[int]] = [set() for _ in range(self.snap.n_sites)]
         """Tasks each site holds (placed, not finished): what frees there, and when."""
-        self._waiting_for: dict[int, list[int]] = {}
+        self.busy = BusySites(self.snap, self.runs, self._at_site, waits, self.config.wait_gain)
         """Tasks waiting for a busy site, by that site: tried again when it frees capacity."""
         self._potential: dict[object, npt.NDArray[np.bool_]] = {}
         self._speeds: dict[tuple[str, tuple[tuple[str, float], ...]], F64] = {}
@@ -455,7 +405,7 @@ class Simulation:
         if self.shares is not None:
             # Room and quota freed: every waiting task is weighed again, those that chose to
             # wait for this site at once (as the coordinator's ``capacity_freed``).
-            for j in self._waiting_for.pop(run.site, ()):
+            for j in self.busy.lines.at([self.snap.site_ids[run.site]]):
                 self._retry_at.pop(j, None)
             self._full = True
             self._want_cycle()
@@ -467,12 +417,16 @@ class Simulation:
         run = self.runs[i]
         if run.state != job_state.PENDING:
             return True  # placed meanwhile (retried while it also waited in a line)
+        lines = self.busy.lines
+        lines.stop_waiting(i)  # weighed afresh, as ``Considering.task`` does
         req = self._estimating(run.request)
         decision = self.framework.place(req, self.snap)
         if not decision.ranked:
             return False
-        if self.waits and (busy := self._sooner_by_waiting(i, req, decision.ranked)) is not None:
-            self._waiting_for.setdefault(busy, []).append(i)
+        wait = self.busy.sooner(req, decision, self._now)
+        if wait is not None and lines.within_promise(i, wait, self._now):
+            # A task's end there wakes it, and it is weighed again by then anyway.
+            self._due(i, self._now + lines.wait_for(i, wait))
             return True
         candidates = decision.ranked[: self.config.max_offers_per_round]
         for first, stop in offer_rounds(len(candidates), self.config.offers_at_once):
@@ -494,76 +448,6 @@ class Simulation:
         self._due(i, self._now + run.backoff_s)
         return True
 
-    def _sooner_by_waiting(self, i: int, req: Request, ranked: Sequence[str]) -> int | None:
-        """A site that is full now where the task would finish sooner, once what runs there
-        ends as predicted, than on the best site that can take it now (by ``wait_gain``);
-        None if there is none. Each such site's wait is found by releasing what it holds in
-        the predicted order, on trial, until the task fits on devices as fast as those its
-        estimate assumes, and only as far as a wait could still win."""
-        now_est = estimate(req, self.snap)
-        idle_est = estimate(req, self.empty)  # each site's run on its fastest devices
-        transfer = now_est.transfer_s if self.waits == "total" else np.zeros(self.snap.n_sites)
-        best = self.site_index[ranked[0]]
-        best_s = float(now_est.queue_s[best] + transfer[best] + now_est.run_s[best])
-        busy = self._potential_sites(i).copy()
-        busy[[self.site_index[name] for name in ranked]] = False
-        chosen, chosen_s, chosen_wait = None, self.config.wait_gain * best_s, 0.0
-        for site in map(int, np.flatnonzero(busy)):
-            after_s = float(transfer[site] + idle_est.run_s[site])
-            if after_s >= chosen_s:
-                continue
-            speed = float(idle_est.device_speed[site])
-            wait = self._frees_in(i, req, site, speed, chosen_s - after_s)
-            if wait is not None:
-                chosen, chosen_s, chosen_wait = site, wait + after_s, wait
-        if chosen is not None:
-            # Tried again then too, should what runs there overrun its estimate.
-            self._due(i, self._now + chosen_wait + 1.0)
-        return chosen
-
-    def _frees_in(
-        self, i: int, req: Request, site: int, speed: float, within_s: float
-    ) -> float | None:
-        """Seconds until task ``i`` (``req``) fits at ``site`` on devices at least ``speed``
-        fast, by the predicted ends of the tasks there, once every other task waiting for the
-        site has taken what frees first; None if not within ``within_s``. Played out on trial.
-
-        Every other waiter counts, not only those that arrived earlier: what frees does not
-        go strictly in arrival order (tasks that arrive while the site has room, and blocked
-        ones, take it too), and counting only the earlier ones made the 60-site benchmark's
-        JCT worse than never waiting (1.248 of the bound, against 1.237)."""
-        ends: list[tuple[float, int, Grant]] = []
-        for j in self._at_site[site]:
-            run = self.runs[j]
-            assert run.grant is not None
-            end = run.placed_s + run.launch_s + run.transfer_s + run.estimated_run_s
-            end = max(end, self._now + OVERRUN_LEFT * run.estimated_run_s)
-            ends.append((end, j, run.grant))
-        heapq.heapify(ends)
-        ahead = [
-            k
-            for k in sorted(set(self._waiting_for.get(site, ())))
-            if k != i and self.runs[k].state == job_state.PENDING
-        ]
-        state = self.state
-        with state.trial(site):
-            while ends:
-                end, _, grant = heapq.heappop(ends)
-                if end - self._now >= within_s:
-                    return None
-                state.release(grant)
-                while ahead:  # the first in line for the site take what freed
-                    other = self._estimating(self.runs[ahead[0]].request)
-                    idle = estimate(other, self.empty)
-                    other_speed = float(idle.device_speed[site])
-                    if state.room(other, site, other_speed) < other.replicas:
-                        break
-                    taken = state.allocate(other, site, other_speed)
-                    heapq.heappush(ends, (end + float(idle.run_s[site]), ahead.pop(0), taken))
-                if state.room(req, site, speed) >= req.replicas:
-                    return end - self._now
-        return None
-
     def _accepts(self, req: Request, site: int) -> bool:
         if self.state.room(req, site) < req.replicas:
             return False
@@ -580,6 +464,7 @@ class Simulation:
         run.grant = grant = self.launches.allocate(self.state, req, site, assumed)
         self._move(run, job_state.DELEGATED)
         self._waiting -= 1
+        self.busy.lines.forget(i)
         if self.shares is not None:
             self._pending.discard(i)
             self._preempted_for.discard(i)
@@ -902,16 +787,11 @@ class Simulation:
     def _wake(self, site: int) -> None:
         """Capacity freed at ``site``: place the waiting tasks that now fit, oldest first;
         first those that chose to wait for it."""
-        waiting = sorted(set(self._waiting_for.pop(site, ())))
-        for n, j in enumerate(waiting):
-            if self.runs[j].state != job_state.PENDING:
-                continue
+        for j in self.busy.lines.at([self.snap.site_ids[site]]):
             if not self._try(j):
                 self._block(j)
             elif self.runs[j].state == job_state.PENDING:
-                # What freed was not enough for the first in line: the rest wait on.
-                self._waiting_for.setdefault(site, []).extend(waiting[n + 1 :])
-                break
+                break  # what freed was not enough for the first in line: the rest wait on
         woken = [
             (group[0], key) for key, group in self._blocked.items() if self._fits_at(group[0], site)
         ]

@@ -23,9 +23,10 @@ from federation.placement.registry import DEFAULT_FILTERS, build_framework
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 from federation.sim.elastic import LaunchTally
-from federation.sim.engine import Outcome, TaskRun
+from federation.sim.engine import Outcome
 from federation.sim.policies import feasibility_key
 from federation.sim.queues import jain_index
+from federation.sim.runs import TaskRun
 from federation.sim.state import SiteState
 from federation.sim.trace import TraceTask
 

@@ -13,10 +13,10 @@ import pytest
 from federation.agent.elastic import LAUNCHABLE, Elastic, ElasticSettings, SimulatedProvider
 from federation.placement.estimates import estimate
 from federation.sim.elastic import Launches
-from federation.sim.engine import TaskRun
 from federation.sim.fields import InputFileError
 from federation.sim.replay import ReplayResult as Result
 from federation.sim.replay import replay
+from federation.sim.runs import TaskRun
 from federation.sim.state import SiteState
 from federation.sim.topology import launchable_nodes, load_topology
 from federation.sim.trace import load_trace

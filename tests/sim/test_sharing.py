@@ -11,10 +11,10 @@ from typing import Any
 import pytest
 
 from federation.coordinator.policy import sharing
-from federation.sim.engine import TaskRun
 from federation.sim.fields import InputFileError
 from federation.sim.queues import jain_index
 from federation.sim.replay import ReplayResult, replay
+from federation.sim.runs import TaskRun
 from federation.sim.topology import load_topology
 from federation.sim.trace import TraceTask, load_trace, write_trace
 

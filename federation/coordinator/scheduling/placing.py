@@ -17,7 +17,7 @@ from federation.coordinator.scheduling.learning import SpeedLearner
 from federation.coordinator.scheduling.task_requests import estimate_proto
 from federation.coordinator.scheduling.waits import predictable
 from federation.placement.estimates import estimate
-from federation.placement.framework import Framework
+from federation.placement.framework import Decision, Framework
 from federation.placement.request import Request
 from federation.placement.selectors import VERDICTS, selector_matches
 from federation.placement.snapshot import Snapshot
@@ -78,10 +78,7 @@ class Placing:
         by_site = {
             site: estimate_proto(estimates, snapshot.site_index(site) or 0) for site in ranked
         }
-        # Only for tasks a wait can be predicted for: finding the busy sites reads every
-        # site's shortfall, which most placements never need.
-        weigh = self._wait_gain > 0 and predictable(request)
-        busy = tuple(decision.short_of_room().tolist()) if weigh else ()
+        busy = busy_sites(decision, request, self._wait_gain)
         return verdicts, ranked, by_site, busy, False
 
     def selector_unevaluated(self, source: str, snapshot: Snapshot) -> bool:
@@ -124,3 +121,12 @@ class Placing:
     def running(self) -> list[asyncio.Task[None]]:
         """Its selector evaluations under way (the loop cancels them when it closes)."""
         return list(self._tasks)
+
+
+def busy_sites(decision: Decision, request: Request, wait_gain: float) -> tuple[int, ...]:
+    """The sites a task may wait for (``waits``): those only short of room now. Only for
+    tasks a wait can be predicted for: finding them reads every site's shortfall, which most
+    placements never need."""
+    if wait_gain <= 0 or not predictable(request):
+        return ()
+    return tuple(decision.short_of_room().tolist())

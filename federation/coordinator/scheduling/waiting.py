@@ -9,12 +9,11 @@ from collections.abc import Iterable, Sequence
 from federation.api.v1 import admin_service_pb2
 from federation.common.keys import TaskKey
 from federation.coordinator.jobs.repository import JobRepository
-from federation.coordinator.scheduling.config import WAIT_RECHECK_S, WAIT_SLACK_S
 from federation.coordinator.scheduling.cycle_state import Cycle, Placement
 from federation.coordinator.scheduling.forecast import SiteHistory
+from federation.coordinator.scheduling.wait_lines import WaitLines
 from federation.coordinator.scheduling.waits import (
     Wait,
-    Waiter,
     occupants,
     predictable,
     sooner_by_waiting,
@@ -25,28 +24,26 @@ from federation.placement.snapshot import Snapshot
 
 
 class Waiting:
-    """The tasks that wait for a busy site, per site in the order they chose to."""
+    """The tasks that wait for a busy site, per site in the order they chose to: the lines
+    (``WaitLines``) on the coordinator's clocks, what runs at the sites read from the job
+    records."""
 
     def __init__(self, jobs: JobRepository, wait_gain: float) -> None:
         self._jobs = jobs
         self._wait_gain = wait_gain
-        self._waiting: dict[str, dict[TaskKey, Waiter]] = {}
-        """Per busy site, the tasks that chose to wait for it, in the order they chose."""
-        self._waits_for: dict[TaskKey, str] = {}
-        self._promised: dict[TaskKey, float] = {}
-        """Per task that waited for a busy site: by when (monotonic) it was to start there,
-        slack included (``within_promise``)."""
+        self._lines: WaitLines[TaskKey] = WaitLines()
+        """Per busy site, the tasks that chose to wait for it; per task that waited, by when
+        (monotonic) it was to start there, slack included (``within_promise``)."""
         self.history = SiteHistory()
         """How often tasks come to each site and how long they run there."""
 
     def __contains__(self, key: object) -> bool:
         """Whether the task waits for a busy site now."""
-        return key in self._waits_for
+        return key in self._lines
 
     def at(self, sites: Iterable[str]) -> list[TaskKey]:
         """The tasks waiting for any of ``sites``."""
-        wanted = set(sites)
-        return [key for key, site in self._waits_for.items() if site in wanted]
+        return self._lines.at(sites)
 
     def sooner(
         self, request: Request, placement: Placement, ranked: Sequence[str], cycle: Cycle
@@ -65,7 +62,7 @@ class Waiting:
             busy,
             estimates[ranked[0]].total_s,
             cycle.occupants,
-            self._waiters(),
+            self._lines.waiters(),
             now,
             self._wait_gain,
         )
@@ -73,23 +70,17 @@ class Waiting:
     def within_promise(self, key: TaskKey, wait: Wait) -> bool:
         """Whether the task may (still) wait: not yet past the start its first wait promised,
         and the slack. Past it, the task goes where it can start now."""
-        now = time.monotonic()
-        promised = self._promised.setdefault(
-            key, now + wait.wait_s + max(WAIT_SLACK_S, wait.wait_s / 4)
-        )
-        return now <= promised
+        return self._lines.within_promise(key, wait, time.monotonic())
 
     def wait_for(self, key: TaskKey, wait: Wait) -> float:
         """The task waits for ``wait.site``; returns how long until it is weighed again (a
         task's end there wakes it sooner), should what runs there overrun."""
-        self._waiting.setdefault(wait.site, {})[key] = wait.waiter
-        self._waits_for[key] = wait.site
-        return min(wait.wait_s + 1.0, WAIT_RECHECK_S)
+        return self._lines.wait_for(key, wait)
 
     def forecasts(self, sites: Iterable[str]) -> dict[str, admin_service_pb2.SiteForecast]:
         """Per site: when room should next free there, what waits for it, and its history."""
         now = time.time()
-        waiting = {site: len(line) for site, line in self._waiting.items()}
+        waiting = self._lines.lengths()
         return self.history.forecasts(sites, occupants(self._jobs.at_site(), now), waiting, now)
 
     def predicted(
@@ -100,25 +91,12 @@ class Waiting:
             return {}
         now = time.time()
         holding = occupants(self._jobs.at_site(), now)
-        waiting = self._waiters(but=key)
+        waiting = self._lines.waiters(but=key)
         found = (wait_at(request, snapshot, i, holding, waiting, now) for i in busy)
         return {wait.site: wait for wait in found if wait is not None}
 
-    def _waiters(self, but: TaskKey | None = None) -> dict[str, list[Waiter]]:
-        """Per busy site, the tasks waiting for it in the order they chose to (but ``but``)."""
-        return {
-            site: [waiter for key, waiter in line.items() if key != but]
-            for site, line in self._waiting.items()
-        }
-
     def stop_waiting(self, key: TaskKey) -> None:
-        site = self._waits_for.pop(key, None)
-        if site is not None:
-            line = self._waiting[site]
-            line.pop(key, None)
-            if not line:
-                del self._waiting[site]
+        self._lines.stop_waiting(key)
 
     def forget(self, key: TaskKey) -> None:
-        self._promised.pop(key, None)
-        self.stop_waiting(key)
+        self._lines.forget(key)

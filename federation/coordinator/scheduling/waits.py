@@ -104,22 +104,29 @@ def occupants(jobs: Iterable[jobs_pb2.Job], now: float) -> dict[str, list[Occupa
 
 
 def _holding(task: jobs_pb2.TaskStatus, spec: jobs_pb2.TaskSpec, now: float) -> Occupant:
-    run_s = task.estimate.run_s
-    if run_s <= 0:
-        end = math.inf
-    elif task.HasField("started_at"):
-        end = task.started_at.ToNanoseconds() / 1e9 + run_s
-    else:
-        end = now + task.estimate.transfer_s + run_s
+    started = task.started_at.ToNanoseconds() / 1e9 if task.HasField("started_at") else None
     acc = spec.resources.accelerator
     return Occupant(
-        end=max(end, now + OVERRUN_LEFT * run_s),
+        end=expected_end(task.estimate.run_s, task.estimate.transfer_s, started, now),
         nodes=tuple(task.nodes),
         cpu=spec.resources.cpu,
         memory_mib=float(spec.resources.memory_mib),
         devices=acc.count,
         model=task.estimate.device_model,
     )
+
+
+def expected_end(run_s: float, transfer_s: float, started: float | None, now: float) -> float:
+    """When a task at a site should end (Unix time): its start plus its estimated run, or,
+    not started yet, now plus its input's transfer and its run; infinite with no run-time
+    estimate, and never sooner than ``OVERRUN_LEFT`` of its run from now."""
+    if run_s <= 0:
+        end = math.inf
+    elif started is not None:
+        end = started + run_s
+    else:
+        end = now + transfer_s + run_s
+    return max(end, now + OVERRUN_LEFT * run_s)
 
 
 def predictable(req: Request) -> bool:
@@ -145,17 +152,21 @@ def sooner_by_waiting(
     waiting: Mapping[str, Sequence[Waiter]],
     now: float,
     gain: float = WAIT_GAIN,
+    *,
+    transfer: bool = True,
 ) -> Wait | None:
     """The busy site where ``req`` would finish soonest once room frees there, if by ``gain``
     of ``now_s`` (when it would finish on the best site that can take it now); else None.
-    ``holding`` lists each site's tasks soonest end first (``occupants``).
+    ``holding`` lists each site's tasks soonest end first (``occupants``). Without
+    ``transfer`` (a simulated policy blind to bandwidth) moving its input counts for
+    nothing, in ``now_s`` too.
 
     Each site's wait is played out only as far as a wait could still win."""
     within_s = gain * now_s
     if not predictable(req) or not len(busy):
         return None
     run_s, _ = once_free(req, snap)
-    after_s = estimate(req, snap).transfer_s + run_s
+    after_s = _moving_s(req, snap, transfer) + run_s
     bounds = []
     for site in busy:
         name = snap.site_ids[site]
@@ -170,7 +181,7 @@ def sooner_by_waiting(
     for bound, site in sorted(bounds)[:MAX_SITES_WEIGHED]:
         if bound >= within_s:
             break
-        found = wait_at(req, snap, site, holding, waiting, now, within_s)
+        found = wait_at(req, snap, site, holding, waiting, now, within_s, transfer=transfer)
         if found is not None:
             chosen, within_s = found, found.finish_s
     return chosen
@@ -184,11 +195,13 @@ def wait_at(
     waiting: Mapping[str, Sequence[Waiter]],
     now: float,
     within_s: float = math.inf,
+    *,
+    transfer: bool = True,
 ) -> Wait | None:
     """When ``req`` would start and finish at busy ``site``, if it would finish within
     ``within_s``; None if not, or if nothing there is due to end."""
     run_s, speed = once_free(req, snap)
-    after_s = float(estimate(req, snap).transfer_s[site] + run_s[site])
+    after_s = float(_moving_s(req, snap, transfer)[site] + run_s[site])
     if after_s >= within_s:
         return None
     name = snap.site_ids[site]
@@ -205,6 +218,11 @@ def wait_at(
         return None
     wait_s = max(found, forecast)
     return Wait(name, wait_s, wait_s + after_s, waiter)
+
+
+def _moving_s(req: Request, snap: Snapshot, transfer: bool) -> F64:
+    """Per site, the seconds to move ``req``'s input there (none without ``transfer``)."""
+    return estimate(req, snap).transfer_s if transfer else np.zeros(snap.n_sites)
 
 
 def frees_in(
