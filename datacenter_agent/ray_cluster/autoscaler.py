@@ -97,9 +97,10 @@ class RayAutoscalerProvider:
         names = self.names()
         return [r for r in records if self.type_of(r) is None or r.get("NodeID") in names]
 
-    def lost(self, records: list[dict[str, Any]]) -> list[str]:
-        """The site's launched nodes whose Ray node is no longer alive: forgotten here and
-        reported taken back. Returns their names."""
+    async def lost(self, records: list[dict[str, Any]]) -> list[str]:
+        """The site's launched nodes whose Ray node is no longer alive: forgotten here,
+        reported taken back, and withdrawn from the autoscaler's request (else it would start
+        others for them). Returns their names."""
         alive = {r.get("NodeID") for r in records if r.get("Alive")}
         gone = [(node, ray_id) for node, ray_id in self._ray_node.items() if ray_id not in alive]
         for node, ray_id in gone:
@@ -108,6 +109,8 @@ class RayAutoscalerProvider:
             log.warning("ray_node_lost", node=node, ray_node=ray_id)
             if self._taken_back is not None:
                 self._taken_back(node, f"its Ray node {ray_id} is no longer alive")
+        if gone:
+            await self._request()
         return [node for node, _ in gone]
 
     async def adopt(self, node_names: Iterable[str]) -> list[str]:

@@ -710,7 +710,7 @@ class RayCore:
         if self._elastic is None or self._autoscaler is None:
             self._nodes = ray_nodes(records, self._settings.devices)
         else:
-            self._autoscaler.lost(records)  # each taken back: _node_taken_back
+            await self._autoscaler.lost(records)  # each taken back: _node_taken_back
             names = self._autoscaler.names()
             nodes = ray_nodes(self._autoscaler.visible(records), self._settings.devices, names)
             templates = {node.name: node for node in self._elastic.nodes()}
