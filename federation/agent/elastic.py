@@ -122,7 +122,7 @@ class SimulatedProvider:
         self._taken_back: TakenBack | None = None
         self._reclaims: dict[str, asyncio.TimerHandle] = {}
         self.launched: list[str] = []
-        """Every node launched, in order (each launch once more)."""
+        """The nodes it launched, in order (a node launched twice is there twice)."""
 
     def watch(self, taken_back: TakenBack) -> None:
         self._taken_back = taken_back
