@@ -16,7 +16,8 @@ tells the site which Ray nodes are of which type.
   once it has been idle for its ``idle_timeout_minutes``. Until then the node is no longer the
   site's (it is out of the view), and a launch of its type may take it back.
 * **Lost.** A Ray node of the site that dies (the cloud took it back, or the autoscaler removed
-  it) makes its node launchable again.
+  it) is reported taken back (``Provider.watch``): its node is launchable again, and the Ray
+  core stops the tasks that were on it and reports them interrupted.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from federation.agent.elastic import LaunchError
+from federation.agent.elastic import LaunchError, TakenBack
 from federation.common.node_types import NodeType
 
 log = structlog.get_logger()
@@ -71,6 +72,7 @@ class RayAutoscalerProvider:
         self._wanted: dict[str, str] = {}
         """The site's nodes launching or running → their type: the autoscaler's request."""
         self._requesting = asyncio.Lock()
+        self._taken_back: TakenBack | None = None
 
     # What the Ray core's view needs ---------------------------------------------------------
 
@@ -95,15 +97,21 @@ class RayAutoscalerProvider:
         names = self.names()
         return [r for r in records if self.type_of(r) is None or r.get("NodeID") in names]
 
-    def lost(self, records: list[dict[str, Any]]) -> list[str]:
-        """The site's launched nodes whose Ray node is no longer alive; forgotten here."""
+    async def lost(self, records: list[dict[str, Any]]) -> list[str]:
+        """The site's launched nodes whose Ray node is no longer alive: forgotten here,
+        reported taken back, and withdrawn from the autoscaler's request (else it would start
+        others for them). Returns their names."""
         alive = {r.get("NodeID") for r in records if r.get("Alive")}
-        gone = [node for node, ray_id in self._ray_node.items() if ray_id not in alive]
-        for node in gone:
+        gone = [(node, ray_id) for node, ray_id in self._ray_node.items() if ray_id not in alive]
+        for node, ray_id in gone:
             del self._ray_node[node]
             self._wanted.pop(node, None)
-            log.warning("ray_node_lost", node=node)
-        return gone
+            log.warning("ray_node_lost", node=node, ray_node=ray_id)
+            if self._taken_back is not None:
+                self._taken_back(node, f"its Ray node {ray_id} is no longer alive")
+        if gone:
+            await self._request()
+        return [node for node, _ in gone]
 
     async def adopt(self, node_names: Iterable[str]) -> list[str]:
         """Takes the alive Ray nodes of the site's types (launched for the agent before this
@@ -131,6 +139,10 @@ class RayAutoscalerProvider:
         return adopted
 
     # Provider --------------------------------------------------------------------------------
+
+    def watch(self, taken_back: TakenBack) -> None:
+        """Reports the launched nodes Ray loses (``lost``, on each reading of Ray's nodes)."""
+        self._taken_back = taken_back
 
     async def launch(self, node: str, node_type: NodeType) -> None:
         """Asks the autoscaler for the node and returns once a Ray node of its type is alive

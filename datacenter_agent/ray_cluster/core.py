@@ -20,7 +20,9 @@
   launchable nodes is held without a group (nothing to place it on yet) and accepted with the
   launch delay as its expected start; the commit launches the nodes, then places the group on
   them (pinned by Ray node id) and submits the job, the task DELEGATED meanwhile. A failed
-  launch fails the task with Ray's word. Nodes idle for ``idle_release_s`` are released.
+  launch fails the task with Ray's word. Nodes idle for ``idle_release_s`` are released. A
+  launched node Ray loses is taken back: its reservations are released and its tasks stopped,
+  reported interrupted (placed again by the coordinator, from their newest checkpoints).
 """
 
 from __future__ import annotations
@@ -168,7 +170,11 @@ class RayCore:
         if (elastic is None) != (autoscaler is None):
             raise ValueError("an elastic Ray site needs both its Elastic and its autoscaler")
         self._elastic, self._autoscaler = elastic, autoscaler
+        if elastic is not None:
+            elastic.on_taken_back(self._node_taken_back)
         self._idle_releases: asyncio.Task[None] | None = None
+        self._stops: set[asyncio.Task[None]] = set()
+        """Releases and stops for nodes taken back, under way."""
         self._settings = settings
         self._site, self._work_dir = site, work_dir.absolute()
         self._reports = Reports(on_status, on_change)
@@ -646,6 +652,22 @@ class RayCore:
         except TimeoutError:
             log.warning("task_still_ending", ray_job=task.submission_id)
 
+    def _node_taken_back(self, node: str, why: str) -> None:
+        """A launched node Ray lost, launchable again: its reservations are released and the
+        tasks on it stopped, CANCELLED and reported interrupted, so the coordinator places them
+        again. (A task adopted from the agent before names no nodes: Ray's word on its job
+        stands.)"""
+        stops = [self.release(h.name) for h in self._held.values() if _on(h.slots, node)]
+        reason = f"node {node} was taken back by its provider: {why}"
+        for task in self._tasks.values():
+            if task.is_active and task.cancel_reason is None and _on(task.slots, node):
+                task.interrupted, task.cancel_reason = True, reason
+                stops.append(self._stop(task, reason))
+        for stop in stops:
+            spawned = asyncio.ensure_future(stop)
+            self._stops.add(spawned)
+            spawned.add_done_callback(self._stops.discard)
+
     def forget(self, job_id: str, task: str, epoch: int) -> None:
         known = self._tasks.get((job_id, task, epoch))
         if known is not None and not known.is_active:
@@ -688,8 +710,7 @@ class RayCore:
         if self._elastic is None or self._autoscaler is None:
             self._nodes = ray_nodes(records, self._settings.devices)
         else:
-            for lost in self._autoscaler.lost(records):
-                self._elastic.taken_back(lost)
+            await self._autoscaler.lost(records)  # each taken back: _node_taken_back
             names = self._autoscaler.names()
             nodes = ray_nodes(self._autoscaler.visible(records), self._settings.devices, names)
             templates = {node.name: node for node in self._elastic.nodes()}
@@ -773,6 +794,9 @@ class RayCore:
             self._idle_releases.cancel()
             await asyncio.gather(self._idle_releases, return_exceptions=True)
             self._idle_releases = None
+        for stop in list(self._stops):
+            stop.cancel()
+        await asyncio.gather(*self._stops, return_exceptions=True)
         starting = [t.starting for t in self._tasks.values() if t.starting and not t.submitted]
         for launching in starting:
             launching.cancel()
@@ -783,6 +807,10 @@ class RayCore:
     async def shutdown(self, grace_s: float) -> None:
         """Lets go of Ray for agent exit: committed jobs keep running, as under Slurm."""
         await self.close()
+
+
+def _on(slots: tuple[Slot, ...], node: str) -> bool:
+    return any(slot.node == node for slot in slots)
 
 
 def _accepted(

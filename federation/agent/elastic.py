@@ -11,11 +11,20 @@ task starts once they run (it stays DELEGATED meanwhile, like a task staging its
 running node that has held no task for ``idle_release_s`` is released (at most down to
 ``warm_min`` running), and is launchable again.
 
+Spot nodes: a node type declared ``spot`` is launched as spot capacity, charged its
+``spot_price_per_hour``, and its cloud may take a node back at any time. The provider tells the
+site through the callback ``Elastic`` handed it (``Provider.watch``): the node is launchable
+again at once, and the core stops the tasks on it and reports them interrupted, so the
+coordinator places them again, from their newest checkpoints, without counting a failed attempt.
+
 Providers: ``simulated`` starts no machine (a node "launches" after its type's delay; the
-tasks run on the agent's host, as the declared inventory's do): for tests, demos and
-rehearsals. ``ray`` asks the autoscaler of the site's Ray cluster for nodes, and the Ray core
-runs the tasks on them (``datacenter_agent.ray_cluster.autoscaler``). A real cloud's provider
-implements ``Provider``.
+tasks run on the agent's host, as the declared inventory's do), and with
+``spot_reclaim_after_s`` takes each spot node back that long after it runs: for tests, demos
+and rehearsals. ``ray`` asks the autoscaler of the site's Ray cluster for nodes, and the Ray core
+runs the tasks on them (``datacenter_agent.ray_cluster.autoscaler``); a launched Ray node that
+dies is reported taken back. A real cloud's provider implements ``Provider``: an AWS one would
+call the callback on a spot interruption notice (instance metadata or EventBridge), a GCP one
+on a preemption.
 """
 
 from __future__ import annotations
@@ -60,6 +69,13 @@ class ElasticSettings:
     launch_timeout_s: float = field(default=0.0, metadata=at_least(0))
     """How long a launch may take before it fails (the ``ray`` provider); 0: three times the
     type's p90 launch delay."""
+    spot_reclaim_after_s: float = field(default=0.0, metadata=at_least(0))
+    """The ``simulated`` provider takes each node of a ``spot`` type back this long after it
+    runs, as a cloud reclaims spot capacity; 0: never."""
+
+
+TakenBack: TypeAlias = Callable[[str, str], None]
+"""Told that a node was taken back: its name and why."""
 
 
 class LaunchError(Exception):
@@ -76,6 +92,15 @@ class Provider(Protocol):
     ``launch`` returns, and ``Elastic`` learns the type's delay from how long it took.
     """
 
+    def watch(self, taken_back: TakenBack) -> None:
+        """Takes the site's callback for nodes lost, once, before any launch. The provider
+        calls ``taken_back(node, why)`` on the agent's event loop (from a thread:
+        ``loop.call_soon_threadsafe``) when a node it launched is gone without a release: a
+        spot node the cloud takes back (an interruption notice, a preemption), a machine that
+        died. ``why`` says so in a few words; the tasks on the node are reported interrupted
+        with it. A node still launching fails its ``launch`` instead. Providers that never lose
+        a node keep nothing."""
+
     async def launch(self, node: str, node_type: NodeType) -> None:
         """Starts a machine of the type for ``node`` and returns once it runs and can take
         tasks. Raises LaunchError saying why not (quota, capacity, timeout: the message is
@@ -88,20 +113,44 @@ class Provider(Protocol):
 
 class SimulatedProvider:
     """Launches nothing: a node runs after its type's ``delay_s`` (tasks run on the agent's
-    host, as for a declared inventory). For tests, demos and rehearsals."""
+    host, as for a declared inventory). With ``spot_reclaim_after_s``, each node of a spot type
+    is taken back that long after it runs, unless released first. For tests, demos and
+    rehearsals."""
+
+    def __init__(self, spot_reclaim_after_s: float = 0.0) -> None:
+        self._reclaim_after_s = spot_reclaim_after_s
+        self._taken_back: TakenBack | None = None
+        self._reclaims: dict[str, asyncio.TimerHandle] = {}
+        self.launched: list[str] = []
+        """The nodes it launched, in order (a node launched twice is there twice)."""
+
+    def watch(self, taken_back: TakenBack) -> None:
+        self._taken_back = taken_back
 
     async def launch(self, node: str, node_type: NodeType) -> None:
         await asyncio.sleep(node_type.delay_s)
+        self.launched.append(node)
+        if node_type.spot and self._reclaim_after_s > 0:
+            self._reclaims[node] = asyncio.get_running_loop().call_later(
+                self._reclaim_after_s, self._reclaim, node
+            )
 
     async def release(self, node: str) -> None:
-        return None
+        if (reclaim := self._reclaims.pop(node, None)) is not None:
+            reclaim.cancel()
+
+    def _reclaim(self, node: str) -> None:
+        del self._reclaims[node]
+        if self._taken_back is not None:
+            why = f"spot capacity reclaimed (simulated, {self._reclaim_after_s:g}s after launch)"
+            self._taken_back(node, why)
 
 
-def provider_named(name: str) -> Provider:
+def provider_named(settings: ElasticSettings) -> Provider:
     """The provider of an embedded site; ``ray``'s is the Ray core's own."""
-    if name == "simulated":
-        return SimulatedProvider()
-    raise ValueError(f"unknown elastic provider {name!r} for this core")
+    if settings.provider == "simulated":
+        return SimulatedProvider(settings.spot_reclaim_after_s)
+    raise ValueError(f"unknown elastic provider {settings.provider!r} for this core")
 
 
 class Elastic:
@@ -125,6 +174,13 @@ class Elastic:
         self._delays: dict[str, deque[float]] = {
             t: deque(maxlen=LEARNED_LAUNCHES) for t in self._types
         }
+        self._on_taken_back: TakenBack | None = None
+        provider.watch(self._reported_lost)
+
+    def on_taken_back(self, handler: TakenBack) -> None:
+        """The core's handler for a node its provider lost: it stops the tasks there and
+        reports them interrupted. Called once the node is launchable again."""
+        self._on_taken_back = handler
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Every node the site may launch, as launchable nodes with their capacity."""
@@ -200,15 +256,24 @@ class Elastic:
         log.info("node_launched", node=node, node_type=node_type.name, delay_s=round(delay_s, 2))
         changed()
 
-    def taken_back(self, node: str) -> bool:
+    def taken_back(self, node: str, why: str = "") -> bool:
         """The provider lost a running or launching node (a spot node taken back by the
         cloud): it is launchable again. False for a node not elastic or not running."""
         if self._state.get(node, LAUNCHABLE) == LAUNCHABLE:
             return False
         self._state[node] = LAUNCHABLE
         self._idle_since.pop(node, None)
-        log.warning("node_taken_back", node=node)
+        log.warning("node_taken_back", node=node, why=why)
         return True
+
+    def _reported_lost(self, node: str, why: str) -> None:
+        """The provider's callback: the node is launchable again, and the core stops its
+        tasks. A node not launched (released meanwhile, say) is ignored."""
+        if not self.taken_back(node, why):
+            log.info("node_taken_back_ignored", node=node, why=why)
+            return
+        if self._on_taken_back is not None:
+            self._on_taken_back(node, why)
 
     async def release_idle(self, busy: Collection[str], changed: Callable[[], None]) -> list[str]:
         """Releases the running nodes idle for idle_release_s, longest idle first, keeping

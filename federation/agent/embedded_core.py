@@ -303,6 +303,8 @@ class EmbeddedCore:
         )
         self._nodes: dict[str, resources_pb2.Node] = {}
         self._elastic = elastic
+        if elastic is not None:
+            elastic.on_taken_back(self._node_taken_back)
         self._idle_releases: asyncio.Task[None] | None = None
         for node in [*nodes, *(elastic.nodes() if elastic is not None else [])]:
             if node.name in self._nodes:
@@ -687,13 +689,10 @@ class EmbeddedCore:
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
-    async def node_taken_back(self, node: str, why: str) -> None:
-        """An elastic node its provider lost (a spot node taken back): the tasks on it stop
-        and are reported interrupted, so the coordinator places them again (from their
-        newest checkpoints) as capacity lost; reservations there are dropped, and the node is
-        launchable again."""
-        if self._elastic is None or not self._elastic.taken_back(node):
-            return
+    def _node_taken_back(self, node: str, why: str) -> None:
+        """An elastic node its provider lost (a spot node taken back), launchable again: the
+        tasks on it stop and are reported interrupted, so the coordinator places them again
+        (from their newest checkpoints) as capacity lost; reservations there are dropped."""
         for reservation in list(self._reservations.values()):
             if any(slot.node == node for slot in reservation.slots):
                 self._drop_reservation(reservation.id)
@@ -708,7 +707,6 @@ class EmbeddedCore:
             victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
             victim.cancelled.set()
         self._changed()
-        await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
     async def read_logs(
         self, request: site_link_service_pb2.ReadLogs

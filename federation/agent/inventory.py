@@ -346,14 +346,16 @@ _NODE_TYPE_KEYS = (_NODE_KEYS - {"schedulable"}) | {
     "price_per_hour",
     "spot_price_per_hour",
     "delay_s",
+    "spot",
 }
 
 
 def load_node_types(path: Path) -> list[NodeType]:
     """The node types an elastic site may launch (``node_types`` of the inventory): each a
     node's fields (``name`` is the type's) with ``max`` (how many may run; default 1),
-    ``price_per_hour`` and ``spot_price_per_hour`` (USD per node-hour) and ``delay_s`` (the
-    expected launch delay; default 60)."""
+    ``price_per_hour`` and ``spot_price_per_hour`` (USD per node-hour), ``delay_s`` (the
+    expected launch delay; default 60) and ``spot`` (launched as spot capacity, charged the
+    spot price, which it must then declare; default false)."""
     reader, top = _read(path)
     entries = top.get("node_types", [])
     if not isinstance(entries, list):
@@ -376,8 +378,15 @@ def load_node_types(path: Path) -> list[NodeType]:
                 ("delay_s", DEFAULT_DELAY_S),
             )
         )
+        is_spot = reader.boolean(entry.get("spot", False), f"{field}.spot")
+        if is_spot and "spot_price_per_hour" not in entry:
+            raise reader.fail(
+                f"{field}.spot_price_per_hour", "a spot node type must declare its spot price"
+            )
         node.name = ""
-        types.append(NodeType(str(entry["name"]), node, int(count), price, spot, delay_s))
+        types.append(
+            NodeType(str(entry["name"]), node, int(count), price, spot, delay_s, spot=is_spot)
+        )
     return types
 
 

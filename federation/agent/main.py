@@ -223,6 +223,12 @@ def check_elastic(config: AgentConfig, *, source: str) -> None:
             'runs tasks on. To fix: provider = "ray" with scheduler = "ray", "simulated" '
             "with the embedded core"
         )
+    if config.elastic.spot_reclaim_after_s and provider != "simulated":
+        raise ConfigError(
+            f'{source}: [elastic] spot_reclaim_after_s applies to provider = "simulated" only: '
+            f"the {provider!r} provider's spot nodes are taken back by their cloud. To fix: "
+            "drop it"
+        )
     node_types(config)
 
 
@@ -231,7 +237,7 @@ def elastic_nodes(config: AgentConfig, provider: Provider | None = None) -> Elas
     config names); None without a provider."""
     if not config.elastic.provider:
         return None
-    chosen = provider or provider_named(config.elastic.provider)
+    chosen = provider or provider_named(config.elastic)
     return Elastic(node_types(config), chosen, config.elastic)
 
 

@@ -32,6 +32,9 @@ class NodeType:
     spot_price_per_hour: float = 0.0
     delay_s: float = DEFAULT_DELAY_S
     """Expected launch delay until launches are measured; the simulated provider's delay."""
+    spot: bool = False
+    """Its nodes are launched as spot capacity: charged ``spot_price_per_hour``, and the cloud
+    may take one back at any time (its tasks are then placed again)."""
 
     def node_names(self) -> list[str]:
         return [f"{self.name}-{i}" for i in range(self.max)]
@@ -64,4 +67,5 @@ class NodeType:
             price_per_hour=self.price_per_hour,
             spot_price_per_hour=self.spot_price_per_hour,
             idle_since=idle_since,
+            spot=self.spot,
         )

@@ -319,6 +319,13 @@ def launch_delay_s(node: resources_pb2.Node) -> float:
     return 0.0
 
 
+def launch_price_per_hour(node: resources_pb2.Node) -> float:
+    """What a launched node of the site is charged an hour: its spot price when it is launched
+    as spot capacity, else its on-demand price."""
+    launch = node.launch
+    return launch.spot_price_per_hour if launch.spot else launch.price_per_hour
+
+
 def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
     """The arrays of one site's nodes (see ``SitePart``)."""
     cpu_free: list[float] = []
@@ -365,7 +372,7 @@ def site_part(nodes: Iterable[resources_pb2.Node]) -> SitePart:
         labels.append(node_labels(node))
         names.append(node.name)
         provision.append(launch_delay_s(node))
-        price.append(_capacity(node.launch.price_per_hour) if node.HasField("launch") else 0.0)
+        price.append(_capacity(launch_price_per_hour(node)) if node.HasField("launch") else 0.0)
         for d in node.devices:
             device_index = len(dev["node"])
             key = _class_key(d)

@@ -233,6 +233,23 @@ class LocalRayHead:
                 time.sleep(0.1)
         shutil.rmtree(self.temp_dir, ignore_errors=True)
 
+    def kill_node(self, node_id: str) -> int:
+        """Kills the raylet of the Ray node ``node_id`` (a node the fake autoscaler started, say)
+        as a machine that dies would: its workers end with it and Ray marks the node dead.
+        Returns the raylet's pid."""
+        flag = f"--node_id={node_id}".encode()
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                command = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if flag in command and command[0].endswith(b"raylet"):
+                os.kill(int(entry.name), signal.SIGKILL)
+                return int(entry.name)
+        raise LookupError(f"no raylet of Ray node {node_id} runs here")
+
     def _pids(self) -> list[int]:
         """This head's processes: those naming its temp dir, and those given its GCS address
         (Ray's client server names neither its temp dir nor the head's IP as we gave it)."""

@@ -23,17 +23,20 @@ from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.inventory import InventoryError, load_inventory, load_node_types
 from federation.api.v1 import jobs_pb2, resources_pb2
 from federation.common.node_types import NodeType
+from federation.placement.snapshot import launch_price_per_hour
 
 from .cores import Recorder, commit_for, node, offer
 
 A100 = node("template", devices=2, model="A100-80GB")
 
 
-def a100x2(max_nodes: int = 2, delay_s: float = 0.3) -> NodeType:
+def a100x2(max_nodes: int = 2, delay_s: float = 0.3, *, spot: bool = False) -> NodeType:
     template = resources_pb2.Node()
     template.CopyFrom(A100)
     template.name = ""
-    return NodeType("a100x2", template, max_nodes, price_per_hour=8.0, delay_s=delay_s)
+    return NodeType(
+        "a100x2", template, max_nodes, 8.0, spot_price_per_hour=3.0, delay_s=delay_s, spot=spot
+    )
 
 
 class FailingProvider(SimulatedProvider):
@@ -161,21 +164,87 @@ def test_node_types_are_read_from_the_inventory(tmp_path: Path) -> None:
         load_node_types(inventory)
 
 
-async def test_a_node_taken_back_stops_its_tasks_as_interrupted(
+def test_a_spot_node_type_is_read_with_its_spot_price(tmp_path: Path) -> None:
+    inventory = tmp_path / "inventory.yaml"
+    inventory.write_text(
+        "node_types:\n"
+        "  - {name: a, cpu_cores: 4, price_per_hour: 8, spot_price_per_hour: 3, spot: true}\n"
+        "  - {name: b, cpu_cores: 4, price_per_hour: 8}\n"
+    )
+    spot, on_demand = load_node_types(inventory)
+    assert (spot.spot, spot.spot_price_per_hour, on_demand.spot) == (True, 3.0, False)
+    inventory.write_text("node_types:\n  - {name: a, price_per_hour: 8, spot: true}\n")
+    with pytest.raises(
+        InventoryError,
+        match=r"node_types\[0\]\.spot_price_per_hour: a spot node type must declare its spot",
+    ):
+        load_node_types(inventory)
+    inventory.write_text("node_types:\n  - {name: a, spot: 'yes', spot_price_per_hour: 3}\n")
+    with pytest.raises(InventoryError, match=r"node_types\[0\]\.spot: expected true or false"):
+        load_node_types(inventory)
+
+
+async def test_a_spot_node_taken_back_stops_its_tasks_as_interrupted(
     make_core: Callable[..., EmbeddedCore], recorder: Recorder
 ) -> None:
-    """A spot node the cloud takes back: its task ends CANCELLED and interrupted (the
-    coordinator places such a task again, from its checkpoint), and the node is launchable."""
-    elastic = Elastic([a100x2(delay_s=0)], SimulatedProvider(), ElasticSettings())
+    """A spot node its provider reports taken back (the simulated provider, 0.5 s after the
+    launch): its task ends CANCELLED and interrupted (the coordinator places such a task again,
+    from its checkpoint), and the node is launchable; a second report of it is ignored."""
+    provider = SimulatedProvider(spot_reclaim_after_s=0.5)
+    elastic = Elastic([a100x2(delay_s=0, spot=True)], provider, ElasticSettings())
     core = make_core([], elastic=elastic)
     o = offer("spot", devices=2, code="import time; time.sleep(60)")
     answer = await core.offer(o)
     await core.commit(commit_for(o, answer))
     await recorder.reached("spot", jobs_pb2.JOB_STATE_RUNNING)
-    await core.node_taken_back("a100x2-0", "spot capacity reclaimed")
     final = await recorder.final("spot")
     assert final.state == jobs_pb2.JOB_STATE_CANCELLED
     assert final.interrupted
-    assert "node a100x2-0 was taken back by its provider: spot capacity reclaimed" in final.reason
+    assert (
+        "node a100x2-0 was taken back by its provider: spot capacity reclaimed "
+        "(simulated, 0.5s after launch)" in final.reason
+    )
     assert states(core)["a100x2-0"] == LAUNCHABLE
-    await core.node_taken_back("a100x2-0", "again")  # not running: nothing to do
+    assert provider.launched == ["a100x2-0"]
+    elastic._reported_lost("a100x2-0", "again")  # not running: nothing to do
+    assert states(core)["a100x2-0"] == LAUNCHABLE
+
+
+async def test_on_demand_and_released_nodes_are_not_taken_back() -> None:
+    """The simulated provider takes back spot nodes only, and none it released."""
+    lost: list[str] = []
+    told = asyncio.Event()
+    provider = SimulatedProvider(spot_reclaim_after_s=0.2)
+    spot = NodeType("spot", A100, 1, spot_price_per_hour=3.0, delay_s=0, spot=True)
+    elastic = Elastic([a100x2(delay_s=0), spot], provider, ElasticSettings(idle_release_s=0.01))
+
+    def taken_back(node: str, why: str) -> None:
+        lost.append(node)
+        told.set()
+
+    elastic.on_taken_back(taken_back)
+    await elastic.ensure_running(["a100x2-0", "spot-0"], lambda: None)
+    await asyncio.sleep(0.02)
+    assert sorted(await elastic.release_idle(set(), lambda: None)) == ["a100x2-0", "spot-0"]
+    await elastic.ensure_running(["a100x2-0"], lambda: None)
+    await asyncio.sleep(0.4)  # past when the released spot node would have been taken back
+    assert lost == []
+    assert elastic.ready("a100x2-0")
+    await elastic.ensure_running(["spot-0"], lambda: None)
+    async with asyncio.timeout(2):
+        await told.wait()
+    assert lost == ["spot-0"]
+    assert not elastic.ready("spot-0")
+
+
+def test_a_spot_node_publishes_and_is_charged_its_spot_price() -> None:
+    on_demand, spot = a100x2(), a100x2(spot=True)
+    published = Elastic([spot], SimulatedProvider(), ElasticSettings()).nodes()[0]
+    assert published.launch.spot
+    assert launch_price_per_hour(published) == 3.0
+    assert (
+        launch_price_per_hour(
+            Elastic([on_demand], SimulatedProvider(), ElasticSettings()).nodes()[0]
+        )
+        == 8.0
+    )

@@ -105,6 +105,18 @@ def test_a_provider_its_core_cannot_use_is_refused(
         load_config(args, "datacenter")
 
 
+def test_simulated_spot_reclaims_are_refused_on_a_ray_site(tmp_path: Path) -> None:
+    (tmp_path / "inventory.yaml").write_text(NODE_TYPES)
+    path = tmp_path / "agent.toml"
+    path.write_text(
+        BASE + 'inventory = "inventory.yaml"\n[elastic]\nprovider = "ray"\n'
+        "spot_reclaim_after_s = 30\n"
+    )
+    args = parse_args(["--config", str(path)], "p", "datacenter")
+    with pytest.raises(ConfigError, match='spot_reclaim_after_s applies to provider = "simulated"'):
+        load_config(args, "datacenter")
+
+
 async def test_an_elastic_ray_sites_inventory_declares_node_types_only(tmp_path: Path) -> None:
     inventory = tmp_path / "inventory.yaml"
     inventory.write_text(NODE_TYPES + "nodes:\n  - {name: box, cpu_cores: 2, memory_mib: 1024}\n")

@@ -457,6 +457,7 @@ class NodeLaunch(_message.Message):
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     SPOT_PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     IDLE_SINCE_FIELD_NUMBER: _builtins.int
+    SPOT_FIELD_NUMBER: _builtins.int
     node_type: _builtins.str
     """The site's node type ("a100x2")."""
     state: Global___NodeLaunch.State.ValueType
@@ -468,6 +469,10 @@ class NodeLaunch(_message.Message):
     spot_price_per_hour: _builtins.float
     idle_since: _builtins.float
     """Unix time since when a running node holds no task; 0 while it holds one."""
+    spot: _builtins.bool
+    """Launched as spot capacity: charged spot_price_per_hour, and the cloud may take it back
+    (its tasks are then placed again). Otherwise on demand, charged price_per_hour.
+    """
     def __init__(
         self,
         *,
@@ -478,10 +483,11 @@ class NodeLaunch(_message.Message):
         price_per_hour: _builtins.float = ...,
         spot_price_per_hour: _builtins.float = ...,
         idle_since: _builtins.float = ...,
+        spot: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_p50_s", b"delay_p50_s", "delay_p90_s", b"delay_p90_s", "idle_since", b"idle_since", "node_type", b"node_type", "price_per_hour", b"price_per_hour", "spot_price_per_hour", b"spot_price_per_hour", "state", b"state"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_p50_s", b"delay_p50_s", "delay_p90_s", b"delay_p90_s", "idle_since", b"idle_since", "node_type", b"node_type", "price_per_hour", b"price_per_hour", "spot", b"spot", "spot_price_per_hour", b"spot_price_per_hour", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
