@@ -38,6 +38,7 @@ from typing import Any
 import structlog
 
 from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_cluster.task_data import RayTaskData, has_data, task_folder
 from datacenter_agent.ray_cluster.view import NODE_ID_LABEL, bundle, ray_nodes
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
@@ -46,6 +47,7 @@ from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
 from federation.agent.reports import Reports
+from federation.agent.task_data import TaskData
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -96,6 +98,9 @@ class Held:
     spec: jobs_pb2.TaskSpec
     expected_start_s: float = 0.0
     """Until the nodes to launch run (a reservation with no group yet)."""
+    tenant: str = ""
+    restore: jobs_pb2.CheckpointRecord | None = None
+    """The checkpoint the task restarts from, if the offer named one."""
 
 
 @dataclass(slots=True)
@@ -116,8 +121,13 @@ class RayTask:
     stop_after_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
     starting: asyncio.Task[None] | None = None
-    """Launching the task's nodes, then placing its group and submitting its job."""
+    """Staging its inputs, launching its nodes, then placing its group and submitting its
+    job."""
     submitted: bool = True
+    data: RayTaskData | None = None
+    """Its inputs, checkpoints and outputs, when it has any."""
+    settling: asyncio.Task[None] | None = None
+    """Storing its outputs and last checkpoint once its job has ended."""
 
     @property
     def is_active(self) -> bool:
@@ -132,7 +142,9 @@ class RayTask:
             reason=self.reason,
             devices=self.devices,
             nodes=sorted({slot.node for slot in self.slots}),
+            checkpoint=self.data.checkpoint if self.data is not None else None,
             interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
+            artifacts=self.data.artifacts if self.data is not None else None,
         )
 
 
@@ -148,6 +160,8 @@ class RayCore:
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
         compat: The software compatibility table requirements are read through.
         elastic: The launch state of the site's node types, launched by ``autoscaler``.
+        data: Stages tasks' inputs and stores their outputs and checkpoints; default: a site
+            without an object store.
     """
 
     name = "ray"
@@ -164,12 +178,14 @@ class RayCore:
         compat: CompatTable | None = None,
         elastic: Elastic | None = None,
         autoscaler: RayAutoscalerProvider | None = None,
+        data: TaskData | None = None,
     ) -> None:
         if (elastic is None) != (autoscaler is None):
             raise ValueError("an elastic Ray site needs both its Elastic and its autoscaler")
         self._elastic, self._autoscaler = elastic, autoscaler
         self._idle_releases: asyncio.Task[None] | None = None
         self._settings = settings
+        self.data = data or TaskData(None, site)
         self._site, self._work_dir = site, work_dir.absolute()
         self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
@@ -280,6 +296,8 @@ class RayCore:
                     problem = answer
                 else:
                     expected_start_s = answer.expected_start_s
+                    answer.tenant = offer.tenant
+                    answer.restore = offer.restore if offer.HasField("restore") else None
         if problem:
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=problem)
@@ -298,13 +316,8 @@ class RayCore:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
         if spec.spread.all_or_nothing:
             return gang_refusal("Ray")
-        # Not yet on Ray: staging inputs, storing outputs, checkpoints, images. Declined,
-        # rather than run without them.
-        if offer.stages_inputs or spec.outputs or spec.HasField("checkpoint") or spec.image:
-            return (
-                "this Ray site does not stage inputs, store outputs, keep checkpoints or run "
-                "images yet"
-            )
+        if spec.image:  # declined, rather than run without its image
+            return "this Ray site does not run images: its tasks run as processes on Ray's nodes"
         return epoch_problem(offer, (h.key for h in self._held.values()), self._tasks)
 
     async def _reserve(
@@ -471,7 +484,26 @@ class RayCore:
             key, sid, held.name, held.slots, [d for r in held.replica_devices for d in r]
         )
         task.stop_after_s = held.stop_after_s
+        if has_data(held.spec, commit):
+            task.data = RayTaskData(
+                self.data,
+                key,
+                held.spec,
+                tenant=held.tenant,
+                folder=task_folder(self._work_dir, key),
+                replicas=held.spec.replicas or 1,
+                restore=held.restore,
+                commit=commit,
+                on_checkpoint=lambda: self._checkpointed(task),
+            )
         self._tasks[key] = task
+        if task.data is not None and task.data.stages:
+            # Downloads take long: the commit is answered now, and the task stays DELEGATED
+            # until every input is in place and its job submitted.
+            task.submitted = False
+            task.starting = asyncio.create_task(self._stage_then_submit(task, held))
+            self._changed()
+            return started()
         if held.group is None:
             # Launches take long: the commit is answered now, and the task stays DELEGATED
             # until its nodes run, its group is placed on them and its job submitted.
@@ -491,6 +523,42 @@ class RayCore:
         self._changed()
         self._wake.set()
         return started()
+
+    async def _stage_then_submit(self, task: RayTask, held: Held) -> None:
+        """Stages the task's inputs into its replicas' folders, then launches its nodes (an
+        elastic site) or submits its job; an input that cannot be had ends it FAILED before
+        any replica ran, and its group goes."""
+        assert task.data is not None
+        try:
+            problem = await task.data.stage()
+        except asyncio.CancelledError:  # stopped while staging: nothing ran
+            if held.group is not None:
+                await asyncio.to_thread(_remove_group, held.group)
+            raise
+        if problem is not None:
+            if held.group is not None:
+                await asyncio.to_thread(_remove_group, held.group)
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, problem)
+            return
+        task.reason = task.data.note
+        if held.group is None:
+            log.info("task_launching_nodes", job_id=task.key[0], task=task.key[1])
+            await self._launch_then_submit(task, held)
+            return
+        try:
+            await asyncio.to_thread(self._submit, held, task.submission_id)
+        except Exception as err:
+            await asyncio.to_thread(_remove_group, held.group)
+            why = f"Ray would not take job {task.submission_id}: {err}"
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
+            return
+        task.submitted = True
+        key = task.key
+        log.info(
+            "task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=task.submission_id
+        )
+        self._changed()
+        self._wake.set()
 
     async def _launch_then_submit(self, task: RayTask, held: Held) -> None:
         """Launches the task's nodes not running, places its group on them, submits its job;
@@ -531,6 +599,8 @@ class RayCore:
         self._wake.set()
 
     def _end_unsubmitted(self, task: RayTask, state: int, reason: str) -> None:
+        if task.data is not None:
+            task.data.stop()
         task.state, task.reason = state, reason
         log.info("task_ended", job_id=task.key[0], task=task.key[1], state=state, reason=reason)
         task.finished.set()
@@ -538,8 +608,13 @@ class RayCore:
 
     def _submit(self, held: Held, sid: str) -> None:
         key, spec = held.key, held.spec
-        folder = self._work_dir / key[0] / key[1].replace("/", "~") / str(key[2])
+        folder = task_folder(self._work_dir, key)
         folder.mkdir(parents=True, exist_ok=True)
+        known = self._tasks.get(key)
+        data_env = {}
+        if known is not None and known.data is not None:
+            known.data.make_folders()
+            data_env = known.data.env()
         launcher = folder / "ray_launcher.py"
         shutil.copyfile(_LAUNCHER, launcher)
         replicas = []
@@ -559,6 +634,7 @@ class RayCore:
                 "FEDERATION_DEVICES": ",".join(
                     held.replica_devices[index] if held.replica_devices else []
                 ),
+                **data_env,
             }
             replicas.append(
                 {
@@ -699,6 +775,8 @@ class RayCore:
             # The nodes not running (or not yet in Ray): as their type describes them.
             self._nodes = nodes + list(templates.values())
         for task in [t for t in self._tasks.values() if t.is_active and t.submitted]:
+            if task.settling is not None:
+                continue
             try:
                 await self._follow(task)
             except Exception as err:  # one job Ray cannot describe does not stop the others
@@ -710,6 +788,8 @@ class RayCore:
         status = str(info.status.value if hasattr(info.status, "value") else info.status)
         if status == "RUNNING" and task.state != jobs_pb2.JOB_STATE_RUNNING:
             task.state = jobs_pb2.JOB_STATE_RUNNING
+            if task.data is not None:
+                task.data.started(time.time())
             log.info("task_running", ray_job=task.submission_id)
             self._report(task)
         elif status in _FINAL:
@@ -717,19 +797,39 @@ class RayCore:
             task.output_tail = logs[-_TAIL_CHARS:]
             code = info.driver_exit_code
             task.exit_code = int(code) if code is not None else 0
+            state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, task.reason
             if task.cancel_reason is not None or status == "STOPPED":
-                task.state = jobs_pb2.JOB_STATE_CANCELLED
-                task.reason = task.cancel_reason or "stopped in Ray"
-            elif status == "SUCCEEDED":
-                task.state = jobs_pb2.JOB_STATE_SUCCEEDED
-            else:
-                task.state = jobs_pb2.JOB_STATE_FAILED
-                task.reason = info.message or f"exit code {task.exit_code}"
+                state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or "stopped in Ray"
+            elif status != "SUCCEEDED":
+                state = jobs_pb2.JOB_STATE_FAILED
+                reason = info.message or f"exit code {task.exit_code}"
             await asyncio.to_thread(_remove_named_group, task.reservation_id)
-            log.info(
-                "task_ended", ray_job=task.submission_id, status=status, exit_code=task.exit_code
-            )
-            task.finished.set()
+            if task.data is None:
+                self._end(task, status, state, reason)
+            else:  # its outputs and last checkpoint stored first, off the poller
+                task.settling = asyncio.create_task(self._settle(task, status, state, reason))
+
+    async def _settle(self, task: RayTask, status: str, state: int, reason: str) -> None:
+        assert task.data is not None
+        try:
+            state, reason = await task.data.settle(state, reason)
+        except Exception as exc:  # a bug must not leave the task unended for ever
+            log.exception("task_data_not_settled", ray_job=task.submission_id)
+            state, reason = jobs_pb2.JOB_STATE_FAILED, f"outputs not stored: {type(exc).__name__}"
+        task.data.stop()
+        self._end(task, status, state, reason)
+
+    def _end(self, task: RayTask, status: str, state: int, reason: str) -> None:
+        task.state, task.reason = state, reason
+        log.info("task_ended", ray_job=task.submission_id, status=status, exit_code=task.exit_code)
+        task.finished.set()
+        self._report(task)
+        self._changed()
+
+    def _checkpointed(self, task: RayTask) -> None:
+        """A task completed a checkpoint (uploaded, at a site with a store): reported while
+        the task has not ended."""
+        if task.is_active:
             self._report(task)
 
     async def _adopt(self) -> None:
@@ -773,6 +873,9 @@ class RayCore:
             self._idle_releases.cancel()
             await asyncio.gather(self._idle_releases, return_exceptions=True)
             self._idle_releases = None
+        for task in self._tasks.values():
+            if task.data is not None and task.settling is None:
+                task.data.stop()
         starting = [t.starting for t in self._tasks.values() if t.starting and not t.submitted]
         for launching in starting:
             launching.cancel()
@@ -863,7 +966,7 @@ def _site_groups(site: str) -> list[str]:
 
 def _launch_devices(work_dir: Path, key: RunKey) -> list[str]:
     """The devices an adopted job's launcher was given, from its launch file."""
-    path = work_dir / key[0] / key[1].replace("/", "~") / str(key[2]) / "launch.json"
+    path = task_folder(work_dir, key) / "launch.json"
     try:
         launch = json.loads(path.read_text())
     except (OSError, ValueError):
