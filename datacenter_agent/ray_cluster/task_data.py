@@ -144,6 +144,7 @@ class RayTaskData:
         them (the Ray nodes write there as the account they run as). Blocking."""
         for folder in self.replica_folders():
             folder.mkdir(parents=True, exist_ok=True)
+        self.scratch.mkdir(mode=0o700, exist_ok=True)
         if self.checkpoints is not None:
             self.checkpoints.directory.mkdir(parents=True, exist_ok=True)
 
