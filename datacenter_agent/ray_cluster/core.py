@@ -12,6 +12,11 @@
   commit finds the job it submitted) whose 0-CPU launcher starts one actor per bundle
   (``ray_launcher``). Cancel stops the job: Ray sends the launcher SIGTERM, which passes it to
   every replica; Ray kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, set to the stop grace.
+* **Data.** The agent and the Ray nodes share ``work_dir`` (as a Slurm site's nodes share
+  theirs), so the agent stages a task's inputs into its replicas' folders before its job is
+  submitted (the task DELEGATED meanwhile), watches and uploads its checkpoints and stores its
+  outputs once it succeeded, with the embedded core's parts (``ray_cluster.task_data``).
+  Tasks that name an image are declined.
 * **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs
   and removes groups no job uses (reservations it no longer knows).
 * **Elastic.** With ``[elastic] provider = "ray"`` the site's node types are launched by Ray's
