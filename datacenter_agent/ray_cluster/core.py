@@ -31,23 +31,36 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
+from datacenter_agent.ray_cluster.groups import (
+    group_name,
+    parse_group,
+    place_group,
+    remove_group,
+    remove_named_group,
+    site_groups,
+    submission_id,
+)
+from datacenter_agent.ray_cluster.launch import launch_devices, replica_env, write_launch
 from datacenter_agent.ray_cluster.task_data import RayTaskData, has_data, task_folder
-from datacenter_agent.ray_cluster.view import NODE_ID_LABEL, bundle, ray_nodes
+from datacenter_agent.ray_cluster.tasks import Held, RayTask
+from datacenter_agent.ray_cluster.view import (
+    NODE_ID_LABEL,
+    bundle,
+    ray_nodes,
+    requested_bundle,
+)
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
-from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
+from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
@@ -62,95 +75,8 @@ from federation.stop_after import announce_stop
 log = structlog.get_logger()
 
 _DEFAULT_LEASE_S = 10.0
-_PLACE_WAIT_S = 2.0
-"""How long an offer waits for Ray to place its group before declining."""
-_UNPLACEABLE = {"NO_RESOURCES", "INFEASIBLE"}
-"""Ray's scheduling states of a group its scheduler tried and could not place."""
 _TAIL_CHARS = 4000
 _FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-_LAUNCHER = Path(__file__).with_name("launcher.py")
-
-
-def group_name(site: str, key: RunKey) -> str:
-    """The placement group (and reservation id) of a task's offer."""
-    return f"fed|{site}|{key[0]}|{key[1]}|{key[2]}"
-
-
-def submission_id(site: str, key: RunKey) -> str:
-    """The Ray job of a task: the same for a retried commit of the same epoch."""
-    return f"fed-{site}-{key[0]}-{key[1].replace('/', '~')}-{key[2]}"
-
-
-def parse_group(name: str, site: str) -> RunKey | None:
-    parts = name.split("|")
-    if len(parts) != 5 or parts[:2] != ["fed", site] or not parts[4].isdigit():
-        return None
-    return parts[2], parts[3], int(parts[4])
-
-
-@dataclass(slots=True)
-class Held:
-    """An uncommitted reservation: a placement group Ray has placed."""
-
-    key: RunKey
-    name: str
-    group: Any
-    slots: tuple[Slot, ...]
-    replica_devices: list[list[str]]
-    bundles: list[dict[str, float]]
-    deadline: float
-    stop_after_s: float
-    spec: jobs_pb2.TaskSpec
-    expected_start_s: float = 0.0
-    """Until the nodes to launch run (a reservation with no group yet)."""
-    tenant: str = ""
-    restore: jobs_pb2.CheckpointRecord | None = None
-    """The checkpoint the task restarts from, if the offer named one."""
-
-
-@dataclass(slots=True)
-class RayTask:
-    """A committed task and what Ray last said of its job."""
-
-    key: RunKey
-    submission_id: str
-    reservation_id: str
-    slots: tuple[Slot, ...]
-    devices: list[str]
-    state: int = jobs_pb2.JOB_STATE_DELEGATED
-    exit_code: int = 0
-    output_tail: str = ""
-    reason: str = ""
-    cancel_reason: str | None = None
-    interrupted: bool = False
-    stop_after_s: float = 0.0
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    starting: asyncio.Task[None] | None = None
-    """Staging its inputs, launching its nodes, then placing its group and submitting its
-    job."""
-    submitted: bool = True
-    data: RayTaskData | None = None
-    """Its inputs, checkpoints and outputs, when it has any."""
-    settling: asyncio.Task[None] | None = None
-    """Storing its outputs and last checkpoint once its job has ended."""
-
-    @property
-    def is_active(self) -> bool:
-        return self.state in (jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING)
-
-    def report(self) -> site_link_service_pb2.TaskReport:
-        return task_report(
-            self.key,
-            self.state,
-            exit_code=self.exit_code,
-            output_tail=self.output_tail,
-            reason=self.reason,
-            devices=self.devices,
-            nodes=sorted({slot.node for slot in self.slots}),
-            checkpoint=self.data.checkpoint if self.data is not None else None,
-            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
-            artifacts=self.data.artifacts if self.data is not None else None,
-        )
 
 
 class RayCore:
@@ -342,14 +268,14 @@ class RayCore:
         selectors: list[dict[str, str]] = []
         if isinstance(placed, str):
             # Ask Ray all the same, so the decline carries Ray's own word on the request.
-            bundles = [self._requested_bundle(spec)] * replicas
+            bundles = [requested_bundle(spec, self._settings.devices)] * replicas
             slots: tuple[Slot, ...] = ()
         else:
             slots = placed
             bundles, selectors = self._bundles(slots, spec)
         strategy = "STRICT_PACK" if len({s.node for s in slots}) == 1 else "PACK"
         group, state = await asyncio.to_thread(
-            _place_group,
+            place_group,
             name,
             bundles,
             strategy,
@@ -454,24 +380,12 @@ class RayCore:
             [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
         ]
 
-    def _requested_bundle(self, spec: jobs_pb2.TaskSpec) -> dict[str, float]:
-        wanted: dict[str, float] = {"CPU": spec.resources.cpu} if spec.resources.cpu else {}
-        acc = spec.resources.accelerator
-        if acc.count:
-            models = set(acc.models)
-            resource = next(
-                (r for r, d in sorted(self._settings.devices.items()) if (d.model or r) in models),
-                next(iter(sorted(self._settings.devices)), "GPU"),
-            )
-            wanted[resource] = float(acc.count)
-        return wanted or {"CPU": 0.001}
-
     async def release(self, reservation_id: str) -> None:
         """Removes an uncommitted group; a no-op when it is unknown."""
         held = self._held.pop(reservation_id, None)
         if held is not None:
             if held.group is not None:
-                await asyncio.to_thread(_remove_group, held.group)
+                await asyncio.to_thread(remove_group, held.group)
             log.info("reservation_released", group=reservation_id)
             self._changed()
 
@@ -521,7 +435,7 @@ class RayCore:
             await asyncio.to_thread(self._submit, held, sid)
         except Exception as err:
             del self._tasks[key]
-            await asyncio.to_thread(_remove_group, held.group)
+            await asyncio.to_thread(remove_group, held.group)
             self._changed()
             return refused(key, f"Ray would not take job {sid}: {err}", warning=True)
         log.info("task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=sid)
@@ -538,11 +452,11 @@ class RayCore:
             problem = await task.data.stage()
         except asyncio.CancelledError:  # stopped while staging: nothing ran
             if held.group is not None:
-                await asyncio.to_thread(_remove_group, held.group)
+                await asyncio.to_thread(remove_group, held.group)
             raise
         if problem is not None:
             if held.group is not None:
-                await asyncio.to_thread(_remove_group, held.group)
+                await asyncio.to_thread(remove_group, held.group)
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, problem)
             return
         task.reason = task.data.note
@@ -553,7 +467,7 @@ class RayCore:
         try:
             await asyncio.to_thread(self._submit, held, task.submission_id)
         except Exception as err:
-            await asyncio.to_thread(_remove_group, held.group)
+            await asyncio.to_thread(remove_group, held.group)
             why = f"Ray would not take job {task.submission_id}: {err}"
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
             return
@@ -579,7 +493,7 @@ class RayCore:
             bundles, selectors = self._bundles(held.slots, held.spec)
             strategy = "STRICT_PACK" if len({s.node for s in held.slots}) == 1 else "PACK"
             group, state = await asyncio.to_thread(
-                _place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
+                place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
             )
         if state:
             why = f"Ray cannot place the group on the launched nodes ({bundles}): {state}"
@@ -591,7 +505,7 @@ class RayCore:
         try:
             await asyncio.to_thread(self._submit, held, task.submission_id)
         except Exception as err:
-            await asyncio.to_thread(_remove_group, group)
+            await asyncio.to_thread(remove_group, group)
             why = f"Ray would not take job {task.submission_id}: {err}"
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
             return
@@ -620,46 +534,24 @@ class RayCore:
         if known is not None and known.data is not None:
             known.data.make_folders()
             data_env = known.data.env()
-        launcher = folder / "ray_launcher.py"
-        shutil.copyfile(_LAUNCHER, launcher)
-        replicas = []
-        for index in range(len(held.bundles)):
-            wanted = dict(held.bundles[index])
-            cwd = folder / f"replica-{index}"
-            cwd.mkdir(exist_ok=True)
-            env = {
-                **spec.env,
-                "FEDERATION_JOB_ID": key[0],
-                "FEDERATION_TASK": key[1],
-                "FEDERATION_EPOCH": str(key[2]),
-                "FEDERATION_SITE": self._site,
-                "FEDERATION_REPLICA": str(index),
-                "FEDERATION_REPLICAS": str(len(held.bundles)),
-                "FEDERATION_WORK_DIR": str(cwd),
-                "FEDERATION_DEVICES": ",".join(
-                    held.replica_devices[index] if held.replica_devices else []
-                ),
-                **data_env,
-            }
-            replicas.append(
+        launch = write_launch(
+            folder,
+            namespace=self._settings.namespace,
+            group=held.name,
+            command=list(spec.command),
+            bundles=held.bundles,
+            env=[
                 {
-                    "cpu": wanted.pop("CPU", 0.0),
-                    "memory": int(wanted.pop("memory", 0.0)),
-                    "resources": {r: n for r, n in wanted.items() if not r.startswith("node:")},
-                    "env": env,
-                    "cwd": str(cwd),
+                    **spec.env,
+                    **replica_env(self._site, key, index, held.replica_devices, len(held.bundles)),
+                    **data_env,
                 }
-            )
-        launch = {
-            "namespace": self._settings.namespace,
-            "group": held.name,
-            "command": list(spec.command),
-            "replicas": replicas,
-        }
-        (folder / "launch.json").write_text(json.dumps(launch))
+                for index in range(len(held.bundles))
+            ],
+        )
         try:
             self._jobs.submit_job(
-                entrypoint=f"{self._settings.python} {launcher} {folder / 'launch.json'}",
+                entrypoint=f"{self._settings.python} {launch.launcher} {launch.path}",
                 submission_id=sid,
                 metadata={"federation_site": self._site, "federation_group": held.name},
                 runtime_env={
@@ -757,7 +649,7 @@ class RayCore:
         for held in [h for h in self._held.values() if h.deadline <= now]:
             if self._held.pop(held.name, None) is not None:
                 if held.group is not None:
-                    await asyncio.to_thread(_remove_group, held.group)
+                    await asyncio.to_thread(remove_group, held.group)
                 log.info("reservation_lapsed", group=held.name)
                 self._changed()
 
@@ -808,7 +700,7 @@ class RayCore:
             elif status != "SUCCEEDED":
                 state = jobs_pb2.JOB_STATE_FAILED
                 reason = info.message or f"exit code {task.exit_code}"
-            await asyncio.to_thread(_remove_named_group, task.reservation_id)
+            await asyncio.to_thread(remove_named_group, task.reservation_id)
             if task.data is None:
                 self._end(task, status, state, reason)
             else:  # its outputs and last checkpoint stored first, off the poller
@@ -849,15 +741,16 @@ class RayCore:
             key = parse_group(name, self._site)
             if key is None or key in self._tasks:
                 continue
-            devices = await asyncio.to_thread(_launch_devices, self._work_dir, key)
+            folder = task_folder(self._work_dir, key)
+            devices = await asyncio.to_thread(launch_devices, folder)
             self._tasks[key] = RayTask(key, job.submission_id, name, (), devices)
             log.info(
                 "task_adopted", job_id=key[0], task=key[1], epoch=key[2], ray_job=job.submission_id
             )
         used = {t.reservation_id for t in self._tasks.values()}
-        for name in await asyncio.to_thread(_site_groups, self._site):
+        for name in await asyncio.to_thread(site_groups, self._site):
             if name not in used:
-                await asyncio.to_thread(_remove_named_group, name)
+                await asyncio.to_thread(remove_named_group, name)
                 log.info("stale_reservation_removed", group=name)
 
     # Plumbing ------------------------------------------------------------------------------
@@ -899,86 +792,3 @@ def _accepted(
     return site_link_service_pb2.OfferAnswer(
         accepted=True, reservation_id=name, lease_s=lease_s, expected_start_s=expected_start_s
     )
-
-
-def _place_group(
-    name: str,
-    bundles: list[dict[str, float]],
-    strategy: str,
-    *,
-    expect_room: bool,
-    selectors: list[dict[str, str]] | None = None,
-) -> tuple[Any, str]:
-    """Creates the detached group; "" when Ray placed it, else Ray's scheduling state.
-
-    Ray queues a group it cannot place rather than refusing it. With ``expect_room`` (the view
-    has the room) Ray gets ``_PLACE_WAIT_S`` to place it: a group just removed frees its
-    resources a moment later. Without, Ray's first ``NO_RESOURCES`` or ``INFEASIBLE`` is the
-    answer. A group not placed is removed.
-    """
-    from ray.util.placement_group import placement_group, placement_group_table
-
-    group = placement_group(
-        bundles,
-        strategy=strategy,
-        name=name,
-        lifetime="detached",
-        bundle_label_selector=selectors or None,
-    )
-    deadline = time.monotonic() + _PLACE_WAIT_S
-    state = "not placed"
-    while time.monotonic() < deadline:
-        if group.wait(timeout_seconds=0.05):
-            return group, ""
-        table = placement_group_table(group)
-        state = str(table.get("stats", {}).get("scheduling_state", state))
-        if table.get("state") == "CREATED":
-            return group, ""
-        if state in _UNPLACEABLE and (not expect_room or state == "INFEASIBLE"):
-            break
-    _remove_group(group)
-    return None, state
-
-
-def _remove_group(group: Any) -> None:
-    from ray.util import remove_placement_group
-
-    try:
-        remove_placement_group(group)
-    except Exception as err:  # already gone
-        log.debug("group_remove_failed", error=str(err))
-
-
-def _remove_named_group(name: str) -> None:
-    from ray.util import get_placement_group
-
-    try:
-        group = get_placement_group(name)
-    except ValueError:
-        return
-    _remove_group(group)
-
-
-def _site_groups(site: str) -> list[str]:
-    from ray.util.placement_group import placement_group_table
-
-    return [
-        g["name"]
-        for g in placement_group_table().values()
-        if g.get("state") != "REMOVED" and parse_group(g.get("name", ""), site) is not None
-    ]
-
-
-def _launch_devices(work_dir: Path, key: RunKey) -> list[str]:
-    """The devices an adopted job's launcher was given, from its launch file."""
-    path = task_folder(work_dir, key) / "launch.json"
-    try:
-        launch = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return [
-        d
-        for r in launch["replicas"]
-        for d in r["env"].get("FEDERATION_DEVICES", "").split(",")
-        if d
-    ]
