@@ -16,7 +16,13 @@ from federation.agent.accounts import task_accounts
 from federation.agent.config import AgentConfig
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.inventory import load_inventory
-from federation.agent.main import compat_table, elastic_nodes, node_types, run_agent
+from federation.agent.main import (
+    compat_table,
+    elastic_nodes,
+    node_types,
+    run_agent,
+    task_data,
+)
 from federation.config import ConfigError
 
 
@@ -98,6 +104,7 @@ async def start_ray_core(
         compat=compat_table(config),
         elastic=elastic,
         autoscaler=autoscaler,
+        data=task_data(config),
     )
     await core.start()
     return core

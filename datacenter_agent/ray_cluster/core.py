@@ -12,6 +12,11 @@
   commit finds the job it submitted) whose 0-CPU launcher starts one actor per bundle
   (``ray_launcher``). Cancel stops the job: Ray sends the launcher SIGTERM, which passes it to
   every replica; Ray kills it after ``RAY_JOB_STOP_WAIT_TIME_S``, set to the stop grace.
+* **Data.** The agent and the Ray nodes share ``work_dir`` (as a Slurm site's nodes share
+  theirs), so the agent stages a task's inputs into its replicas' folders before its job is
+  submitted (the task DELEGATED meanwhile), watches and uploads its checkpoints and stores its
+  outputs once it succeeded, with the embedded core's parts (``ray_cluster.task_data``).
+  Tasks that name an image are declined.
 * **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs
   and removes groups no job uses (reservations it no longer knows).
 * **Elastic.** With ``[elastic] provider = "ray"`` the site's node types are launched by Ray's
@@ -28,26 +33,41 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import shutil
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
 
 from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
-from datacenter_agent.ray_cluster.view import NODE_ID_LABEL, bundle, ray_nodes
+from datacenter_agent.ray_cluster.groups import (
+    group_name,
+    parse_group,
+    place_group,
+    remove_group,
+    remove_named_group,
+    site_groups,
+    submission_id,
+)
+from datacenter_agent.ray_cluster.launch import launch_devices, replica_env, write_launch
+from datacenter_agent.ray_cluster.task_data import RayTaskData, has_data, task_folder
+from datacenter_agent.ray_cluster.tasks import Held, RayTask
+from datacenter_agent.ray_cluster.view import (
+    NODE_ID_LABEL,
+    bundle,
+    ray_nodes,
+    requested_bundle,
+)
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
-from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal, task_report
+from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.packing import Usage, place
 from federation.agent.reports import Reports
+from federation.agent.task_data import TaskData
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -57,85 +77,8 @@ from federation.stop_after import announce_stop
 log = structlog.get_logger()
 
 _DEFAULT_LEASE_S = 10.0
-_PLACE_WAIT_S = 2.0
-"""How long an offer waits for Ray to place its group before declining."""
-_UNPLACEABLE = {"NO_RESOURCES", "INFEASIBLE"}
-"""Ray's scheduling states of a group its scheduler tried and could not place."""
 _TAIL_CHARS = 4000
 _FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
-_LAUNCHER = Path(__file__).with_name("launcher.py")
-
-
-def group_name(site: str, key: RunKey) -> str:
-    """The placement group (and reservation id) of a task's offer."""
-    return f"fed|{site}|{key[0]}|{key[1]}|{key[2]}"
-
-
-def submission_id(site: str, key: RunKey) -> str:
-    """The Ray job of a task: the same for a retried commit of the same epoch."""
-    return f"fed-{site}-{key[0]}-{key[1].replace('/', '~')}-{key[2]}"
-
-
-def parse_group(name: str, site: str) -> RunKey | None:
-    parts = name.split("|")
-    if len(parts) != 5 or parts[:2] != ["fed", site] or not parts[4].isdigit():
-        return None
-    return parts[2], parts[3], int(parts[4])
-
-
-@dataclass(slots=True)
-class Held:
-    """An uncommitted reservation: a placement group Ray has placed."""
-
-    key: RunKey
-    name: str
-    group: Any
-    slots: tuple[Slot, ...]
-    replica_devices: list[list[str]]
-    bundles: list[dict[str, float]]
-    deadline: float
-    stop_after_s: float
-    spec: jobs_pb2.TaskSpec
-    expected_start_s: float = 0.0
-    """Until the nodes to launch run (a reservation with no group yet)."""
-
-
-@dataclass(slots=True)
-class RayTask:
-    """A committed task and what Ray last said of its job."""
-
-    key: RunKey
-    submission_id: str
-    reservation_id: str
-    slots: tuple[Slot, ...]
-    devices: list[str]
-    state: int = jobs_pb2.JOB_STATE_DELEGATED
-    exit_code: int = 0
-    output_tail: str = ""
-    reason: str = ""
-    cancel_reason: str | None = None
-    interrupted: bool = False
-    stop_after_s: float = 0.0
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    starting: asyncio.Task[None] | None = None
-    """Launching the task's nodes, then placing its group and submitting its job."""
-    submitted: bool = True
-
-    @property
-    def is_active(self) -> bool:
-        return self.state in (jobs_pb2.JOB_STATE_DELEGATED, jobs_pb2.JOB_STATE_RUNNING)
-
-    def report(self) -> site_link_service_pb2.TaskReport:
-        return task_report(
-            self.key,
-            self.state,
-            exit_code=self.exit_code,
-            output_tail=self.output_tail,
-            reason=self.reason,
-            devices=self.devices,
-            nodes=sorted({slot.node for slot in self.slots}),
-            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
-        )
 
 
 class RayCore:
@@ -150,6 +93,8 @@ class RayCore:
         kill_grace_s: Time between SIGTERM and SIGKILL when a task is cancelled.
         compat: The software compatibility table requirements are read through.
         elastic: The launch state of the site's node types, launched by ``autoscaler``.
+        data: Stages tasks' inputs and stores their outputs and checkpoints; default: a site
+            without an object store.
     """
 
     name = "ray"
@@ -166,6 +111,7 @@ class RayCore:
         compat: CompatTable | None = None,
         elastic: Elastic | None = None,
         autoscaler: RayAutoscalerProvider | None = None,
+        data: TaskData | None = None,
     ) -> None:
         if (elastic is None) != (autoscaler is None):
             raise ValueError("an elastic Ray site needs both its Elastic and its autoscaler")
@@ -176,6 +122,7 @@ class RayCore:
         self._stops: set[asyncio.Task[None]] = set()
         """Releases and stops for nodes taken back, under way."""
         self._settings = settings
+        self.data = data or TaskData(None, site)
         self._site, self._work_dir = site, work_dir.absolute()
         self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
@@ -286,6 +233,8 @@ class RayCore:
                     problem = answer
                 else:
                     expected_start_s = answer.expected_start_s
+                    answer.tenant = offer.tenant
+                    answer.restore = offer.restore if offer.HasField("restore") else None
         if problem:
             log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=problem)
@@ -304,13 +253,8 @@ class RayCore:
             return "this Ray site gives whole devices only (no fractions or MIG partitions)"
         if spec.spread.all_or_nothing:
             return gang_refusal("Ray")
-        # Not yet on Ray: staging inputs, storing outputs, checkpoints, images. Declined,
-        # rather than run without them.
-        if offer.stages_inputs or spec.outputs or spec.HasField("checkpoint") or spec.image:
-            return (
-                "this Ray site does not stage inputs, store outputs, keep checkpoints or run "
-                "images yet"
-            )
+        if spec.image:  # declined, rather than run without its image
+            return "this Ray site does not run images: its tasks run as processes on Ray's nodes"
         return epoch_problem(offer, (h.key for h in self._held.values()), self._tasks)
 
     async def _reserve(
@@ -330,14 +274,14 @@ class RayCore:
         selectors: list[dict[str, str]] = []
         if isinstance(placed, str):
             # Ask Ray all the same, so the decline carries Ray's own word on the request.
-            bundles = [self._requested_bundle(spec)] * replicas
+            bundles = [requested_bundle(spec, self._settings.devices)] * replicas
             slots: tuple[Slot, ...] = ()
         else:
             slots = placed
             bundles, selectors = self._bundles(slots, spec)
         strategy = "STRICT_PACK" if len({s.node for s in slots}) == 1 else "PACK"
         group, state = await asyncio.to_thread(
-            _place_group,
+            place_group,
             name,
             bundles,
             strategy,
@@ -442,24 +386,12 @@ class RayCore:
             [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
         ]
 
-    def _requested_bundle(self, spec: jobs_pb2.TaskSpec) -> dict[str, float]:
-        wanted: dict[str, float] = {"CPU": spec.resources.cpu} if spec.resources.cpu else {}
-        acc = spec.resources.accelerator
-        if acc.count:
-            models = set(acc.models)
-            resource = next(
-                (r for r, d in sorted(self._settings.devices.items()) if (d.model or r) in models),
-                next(iter(sorted(self._settings.devices)), "GPU"),
-            )
-            wanted[resource] = float(acc.count)
-        return wanted or {"CPU": 0.001}
-
     async def release(self, reservation_id: str) -> None:
         """Removes an uncommitted group; a no-op when it is unknown."""
         held = self._held.pop(reservation_id, None)
         if held is not None:
             if held.group is not None:
-                await asyncio.to_thread(_remove_group, held.group)
+                await asyncio.to_thread(remove_group, held.group)
             log.info("reservation_released", group=reservation_id)
             self._changed()
 
@@ -477,7 +409,26 @@ class RayCore:
             key, sid, held.name, held.slots, [d for r in held.replica_devices for d in r]
         )
         task.stop_after_s = held.stop_after_s
+        if has_data(held.spec, commit):
+            task.data = RayTaskData(
+                self.data,
+                key,
+                held.spec,
+                tenant=held.tenant,
+                folder=task_folder(self._work_dir, key),
+                replicas=held.spec.replicas or 1,
+                restore=held.restore,
+                commit=commit,
+                on_checkpoint=lambda: self._checkpointed(task),
+            )
         self._tasks[key] = task
+        if task.data is not None and task.data.stages:
+            # Downloads take long: the commit is answered now, and the task stays DELEGATED
+            # until every input is in place and its job submitted.
+            task.submitted = False
+            task.starting = asyncio.create_task(self._stage_then_submit(task, held))
+            self._changed()
+            return started()
         if held.group is None:
             # Launches take long: the commit is answered now, and the task stays DELEGATED
             # until its nodes run, its group is placed on them and its job submitted.
@@ -490,13 +441,49 @@ class RayCore:
             await asyncio.to_thread(self._submit, held, sid)
         except Exception as err:
             del self._tasks[key]
-            await asyncio.to_thread(_remove_group, held.group)
+            await asyncio.to_thread(remove_group, held.group)
             self._changed()
             return refused(key, f"Ray would not take job {sid}: {err}", warning=True)
         log.info("task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=sid)
         self._changed()
         self._wake.set()
         return started()
+
+    async def _stage_then_submit(self, task: RayTask, held: Held) -> None:
+        """Stages the task's inputs into its replicas' folders, then launches its nodes (an
+        elastic site) or submits its job; an input that cannot be had ends it FAILED before
+        any replica ran, and its group goes."""
+        assert task.data is not None
+        try:
+            problem = await task.data.stage()
+        except asyncio.CancelledError:  # stopped while staging: nothing ran
+            if held.group is not None:
+                await asyncio.to_thread(remove_group, held.group)
+            raise
+        if problem is not None:
+            if held.group is not None:
+                await asyncio.to_thread(remove_group, held.group)
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, problem)
+            return
+        task.reason = task.data.note
+        if held.group is None:
+            log.info("task_launching_nodes", job_id=task.key[0], task=task.key[1])
+            await self._launch_then_submit(task, held)
+            return
+        try:
+            await asyncio.to_thread(self._submit, held, task.submission_id)
+        except Exception as err:
+            await asyncio.to_thread(remove_group, held.group)
+            why = f"Ray would not take job {task.submission_id}: {err}"
+            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
+            return
+        task.submitted = True
+        key = task.key
+        log.info(
+            "task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=task.submission_id
+        )
+        self._changed()
+        self._wake.set()
 
     async def _launch_then_submit(self, task: RayTask, held: Held) -> None:
         """Launches the task's nodes not running, places its group on them, submits its job;
@@ -512,7 +499,7 @@ class RayCore:
             bundles, selectors = self._bundles(held.slots, held.spec)
             strategy = "STRICT_PACK" if len({s.node for s in held.slots}) == 1 else "PACK"
             group, state = await asyncio.to_thread(
-                _place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
+                place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
             )
         if state:
             why = f"Ray cannot place the group on the launched nodes ({bundles}): {state}"
@@ -524,7 +511,7 @@ class RayCore:
         try:
             await asyncio.to_thread(self._submit, held, task.submission_id)
         except Exception as err:
-            await asyncio.to_thread(_remove_group, group)
+            await asyncio.to_thread(remove_group, group)
             why = f"Ray would not take job {task.submission_id}: {err}"
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
             return
@@ -537,6 +524,8 @@ class RayCore:
         self._wake.set()
 
     def _end_unsubmitted(self, task: RayTask, state: int, reason: str) -> None:
+        if task.data is not None:
+            task.data.stop()
         task.state, task.reason = state, reason
         log.info("task_ended", job_id=task.key[0], task=task.key[1], state=state, reason=reason)
         task.finished.set()
@@ -544,47 +533,31 @@ class RayCore:
 
     def _submit(self, held: Held, sid: str) -> None:
         key, spec = held.key, held.spec
-        folder = self._work_dir / key[0] / key[1].replace("/", "~") / str(key[2])
+        folder = task_folder(self._work_dir, key)
         folder.mkdir(parents=True, exist_ok=True)
-        launcher = folder / "ray_launcher.py"
-        shutil.copyfile(_LAUNCHER, launcher)
-        replicas = []
-        for index in range(len(held.bundles)):
-            wanted = dict(held.bundles[index])
-            cwd = folder / f"replica-{index}"
-            cwd.mkdir(exist_ok=True)
-            env = {
-                **spec.env,
-                "FEDERATION_JOB_ID": key[0],
-                "FEDERATION_TASK": key[1],
-                "FEDERATION_EPOCH": str(key[2]),
-                "FEDERATION_SITE": self._site,
-                "FEDERATION_REPLICA": str(index),
-                "FEDERATION_REPLICAS": str(len(held.bundles)),
-                "FEDERATION_WORK_DIR": str(cwd),
-                "FEDERATION_DEVICES": ",".join(
-                    held.replica_devices[index] if held.replica_devices else []
-                ),
-            }
-            replicas.append(
+        known = self._tasks.get(key)
+        data_env = {}
+        if known is not None and known.data is not None:
+            known.data.make_folders()
+            data_env = known.data.env()
+        launch = write_launch(
+            folder,
+            namespace=self._settings.namespace,
+            group=held.name,
+            command=list(spec.command),
+            bundles=held.bundles,
+            env=[
                 {
-                    "cpu": wanted.pop("CPU", 0.0),
-                    "memory": int(wanted.pop("memory", 0.0)),
-                    "resources": {r: n for r, n in wanted.items() if not r.startswith("node:")},
-                    "env": env,
-                    "cwd": str(cwd),
+                    **spec.env,
+                    **replica_env(self._site, key, index, held.replica_devices, len(held.bundles)),
+                    **data_env,
                 }
-            )
-        launch = {
-            "namespace": self._settings.namespace,
-            "group": held.name,
-            "command": list(spec.command),
-            "replicas": replicas,
-        }
-        (folder / "launch.json").write_text(json.dumps(launch))
+                for index in range(len(held.bundles))
+            ],
+        )
         try:
             self._jobs.submit_job(
-                entrypoint=f"{self._settings.python} {launcher} {folder / 'launch.json'}",
+                entrypoint=f"{self._settings.python} {launch.launcher} {launch.path}",
                 submission_id=sid,
                 metadata={"federation_site": self._site, "federation_group": held.name},
                 runtime_env={
@@ -698,7 +671,7 @@ class RayCore:
         for held in [h for h in self._held.values() if h.deadline <= now]:
             if self._held.pop(held.name, None) is not None:
                 if held.group is not None:
-                    await asyncio.to_thread(_remove_group, held.group)
+                    await asyncio.to_thread(remove_group, held.group)
                 log.info("reservation_lapsed", group=held.name)
                 self._changed()
 
@@ -720,6 +693,8 @@ class RayCore:
             # The nodes not running (or not yet in Ray): as their type describes them.
             self._nodes = nodes + list(templates.values())
         for task in [t for t in self._tasks.values() if t.is_active and t.submitted]:
+            if task.settling is not None:
+                continue
             try:
                 await self._follow(task)
             except Exception as err:  # one job Ray cannot describe does not stop the others
@@ -731,6 +706,8 @@ class RayCore:
         status = str(info.status.value if hasattr(info.status, "value") else info.status)
         if status == "RUNNING" and task.state != jobs_pb2.JOB_STATE_RUNNING:
             task.state = jobs_pb2.JOB_STATE_RUNNING
+            if task.data is not None:
+                task.data.started(time.time())
             log.info("task_running", ray_job=task.submission_id)
             self._report(task)
         elif status in _FINAL:
@@ -738,19 +715,39 @@ class RayCore:
             task.output_tail = logs[-_TAIL_CHARS:]
             code = info.driver_exit_code
             task.exit_code = int(code) if code is not None else 0
+            state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, task.reason
             if task.cancel_reason is not None or status == "STOPPED":
-                task.state = jobs_pb2.JOB_STATE_CANCELLED
-                task.reason = task.cancel_reason or "stopped in Ray"
-            elif status == "SUCCEEDED":
-                task.state = jobs_pb2.JOB_STATE_SUCCEEDED
-            else:
-                task.state = jobs_pb2.JOB_STATE_FAILED
-                task.reason = info.message or f"exit code {task.exit_code}"
-            await asyncio.to_thread(_remove_named_group, task.reservation_id)
-            log.info(
-                "task_ended", ray_job=task.submission_id, status=status, exit_code=task.exit_code
-            )
-            task.finished.set()
+                state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or "stopped in Ray"
+            elif status != "SUCCEEDED":
+                state = jobs_pb2.JOB_STATE_FAILED
+                reason = info.message or f"exit code {task.exit_code}"
+            await asyncio.to_thread(remove_named_group, task.reservation_id)
+            if task.data is None:
+                self._end(task, status, state, reason)
+            else:  # its outputs and last checkpoint stored first, off the poller
+                task.settling = asyncio.create_task(self._settle(task, status, state, reason))
+
+    async def _settle(self, task: RayTask, status: str, state: int, reason: str) -> None:
+        assert task.data is not None
+        try:
+            state, reason = await task.data.settle(state, reason)
+        except Exception as exc:  # a bug must not leave the task unended for ever
+            log.exception("task_data_not_settled", ray_job=task.submission_id)
+            state, reason = jobs_pb2.JOB_STATE_FAILED, f"outputs not stored: {type(exc).__name__}"
+        task.data.stop()
+        self._end(task, status, state, reason)
+
+    def _end(self, task: RayTask, status: str, state: int, reason: str) -> None:
+        task.state, task.reason = state, reason
+        log.info("task_ended", ray_job=task.submission_id, status=status, exit_code=task.exit_code)
+        task.finished.set()
+        self._report(task)
+        self._changed()
+
+    def _checkpointed(self, task: RayTask) -> None:
+        """A task completed a checkpoint (uploaded, at a site with a store): reported while
+        the task has not ended."""
+        if task.is_active:
             self._report(task)
 
     async def _adopt(self) -> None:
@@ -765,15 +762,16 @@ class RayCore:
             key = parse_group(name, self._site)
             if key is None or key in self._tasks:
                 continue
-            devices = await asyncio.to_thread(_launch_devices, self._work_dir, key)
+            folder = task_folder(self._work_dir, key)
+            devices = await asyncio.to_thread(launch_devices, folder)
             self._tasks[key] = RayTask(key, job.submission_id, name, (), devices)
             log.info(
                 "task_adopted", job_id=key[0], task=key[1], epoch=key[2], ray_job=job.submission_id
             )
         used = {t.reservation_id for t in self._tasks.values()}
-        for name in await asyncio.to_thread(_site_groups, self._site):
+        for name in await asyncio.to_thread(site_groups, self._site):
             if name not in used:
-                await asyncio.to_thread(_remove_named_group, name)
+                await asyncio.to_thread(remove_named_group, name)
                 log.info("stale_reservation_removed", group=name)
 
     # Plumbing ------------------------------------------------------------------------------
@@ -797,6 +795,9 @@ class RayCore:
         for stop in list(self._stops):
             stop.cancel()
         await asyncio.gather(*self._stops, return_exceptions=True)
+        for task in self._tasks.values():
+            if task.data is not None and task.settling is None:
+                task.data.stop()
         starting = [t.starting for t in self._tasks.values() if t.starting and not t.submitted]
         for launching in starting:
             launching.cancel()
@@ -819,86 +820,3 @@ def _accepted(
     return site_link_service_pb2.OfferAnswer(
         accepted=True, reservation_id=name, lease_s=lease_s, expected_start_s=expected_start_s
     )
-
-
-def _place_group(
-    name: str,
-    bundles: list[dict[str, float]],
-    strategy: str,
-    *,
-    expect_room: bool,
-    selectors: list[dict[str, str]] | None = None,
-) -> tuple[Any, str]:
-    """Creates the detached group; "" when Ray placed it, else Ray's scheduling state.
-
-    Ray queues a group it cannot place rather than refusing it. With ``expect_room`` (the view
-    has the room) Ray gets ``_PLACE_WAIT_S`` to place it: a group just removed frees its
-    resources a moment later. Without, Ray's first ``NO_RESOURCES`` or ``INFEASIBLE`` is the
-    answer. A group not placed is removed.
-    """
-    from ray.util.placement_group import placement_group, placement_group_table
-
-    group = placement_group(
-        bundles,
-        strategy=strategy,
-        name=name,
-        lifetime="detached",
-        bundle_label_selector=selectors or None,
-    )
-    deadline = time.monotonic() + _PLACE_WAIT_S
-    state = "not placed"
-    while time.monotonic() < deadline:
-        if group.wait(timeout_seconds=0.05):
-            return group, ""
-        table = placement_group_table(group)
-        state = str(table.get("stats", {}).get("scheduling_state", state))
-        if table.get("state") == "CREATED":
-            return group, ""
-        if state in _UNPLACEABLE and (not expect_room or state == "INFEASIBLE"):
-            break
-    _remove_group(group)
-    return None, state
-
-
-def _remove_group(group: Any) -> None:
-    from ray.util import remove_placement_group
-
-    try:
-        remove_placement_group(group)
-    except Exception as err:  # already gone
-        log.debug("group_remove_failed", error=str(err))
-
-
-def _remove_named_group(name: str) -> None:
-    from ray.util import get_placement_group
-
-    try:
-        group = get_placement_group(name)
-    except ValueError:
-        return
-    _remove_group(group)
-
-
-def _site_groups(site: str) -> list[str]:
-    from ray.util.placement_group import placement_group_table
-
-    return [
-        g["name"]
-        for g in placement_group_table().values()
-        if g.get("state") != "REMOVED" and parse_group(g.get("name", ""), site) is not None
-    ]
-
-
-def _launch_devices(work_dir: Path, key: RunKey) -> list[str]:
-    """The devices an adopted job's launcher was given, from its launch file."""
-    path = work_dir / key[0] / key[1].replace("/", "~") / str(key[2]) / "launch.json"
-    try:
-        launch = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return []
-    return [
-        d
-        for r in launch["replicas"]
-        for d in r["env"].get("FEDERATION_DEVICES", "").split(",")
-        if d
-    ]

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from federation.agent.config import RayDevice
-from federation.api.v1 import resources_pb2
+from federation.api.v1 import jobs_pb2, resources_pb2
 
 KINDS: dict[str, resources_pb2.DeviceKind.ValueType] = {
     "gpu": resources_pb2.DEVICE_KIND_GPU,
@@ -95,3 +95,18 @@ def bundle(
         resource = node.devices[pos].attributes[RESOURCE_ATTRIBUTE]
         wanted[resource] = wanted.get(resource, 0.0) + 1.0
     return wanted
+
+
+def requested_bundle(spec: jobs_pb2.TaskSpec, devices: Mapping[str, RayDevice]) -> dict[str, float]:
+    """The bundle a replica of ``spec`` asks Ray for where the view found no node for it,
+    so that Ray's own word on the request is heard."""
+    wanted: dict[str, float] = {"CPU": spec.resources.cpu} if spec.resources.cpu else {}
+    acc = spec.resources.accelerator
+    if acc.count:
+        models = set(acc.models)
+        resource = next(
+            (r for r, d in sorted(devices.items()) if (d.model or r) in models),
+            next(iter(sorted(devices)), "GPU"),
+        )
+        wanted[resource] = float(acc.count)
+    return wanted or {"CPU": 0.001}

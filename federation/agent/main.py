@@ -153,6 +153,20 @@ def site_store(config: AgentConfig) -> SiteStore | None:
     return SiteStore(config.object_store, source="object_store")
 
 
+def core_data(core: LocalCore) -> TaskData | None:
+    """The stage-in and store of a core that stages inputs and stores outputs (the
+    embedded and Ray cores); None for one that does neither."""
+    data = getattr(core, "data", None)
+    return data if isinstance(data, TaskData) else None
+
+
+def task_data(config: AgentConfig) -> TaskData:
+    """The site's stage-in and store, as its config describes them."""
+    return TaskData(
+        site_store(config), config.site, config.object_store, scratch=config.state_dir / "scratch"
+    )
+
+
 async def embedded_core(
     config: AgentConfig, on_status: StatusCallback, on_change: ChangeCallback
 ) -> LocalCore:
@@ -169,12 +183,7 @@ async def embedded_core(
     )
     core = EmbeddedCore(
         site_nodes(config),
-        data=TaskData(
-            site_store(config),
-            config.site,
-            config.object_store,
-            scratch=config.state_dir / "scratch",
-        ),
+        data=task_data(config),
         site=config.site,
         work_dir=work_dir,
         on_status=on_status,
@@ -323,7 +332,7 @@ async def _serve(config: AgentConfig, factory: CoreFactory) -> int:
         links=links,
         probe_endpoint=endpoint,
         journal=journal,
-        data=core.data if isinstance(core, EmbeddedCore) else None,
+        data=core_data(core),
     )
     runtime_ref.append(runtime)
     links.start()
