@@ -290,9 +290,12 @@ async def test_cancel_stops_the_container_within_the_grace(
     await harness.run("stopped", _spec(registry.image, script), tenant=TENANT)
     up = job_dir(tmp_path / "work", ("stopped", "main", 1)) / WORK_FOLDER / "up"
     await eventually(up.exists, "the container to start", timeout_s=120)
-    report = harness.last("stopped")
-    assert report is not None
-    assert report.state == RUNNING
+
+    def reported_running() -> bool:  # the core reads Slurm's state a moment after the start
+        report = harness.last("stopped")
+        return report is not None and report.state == RUNNING
+
+    await eventually(reported_running, "the task reported running")
     began = time.monotonic()
     await harness.core.cancel("stopped", "main", 0, "cancelled by the test")
     report = await harness.until_final("stopped")
