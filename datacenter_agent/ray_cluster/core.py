@@ -17,7 +17,8 @@
   submitted (the task DELEGATED meanwhile), watches and uploads its checkpoints and stores its
   outputs once it succeeded, with the embedded core's parts (``ray_cluster.task_data``).
   Tasks that name an image are declined.
-* **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs
+* **Restart.** Groups and jobs carry the site's name: a restarted agent adopts the running jobs,
+  with their data and nodes as the record in their folders tells (``ray_cluster.adoption``),
   and removes groups no job uses (reservations it no longer knows).
 * **Elastic.** With ``[elastic] provider = "ray"`` the site's node types are launched by Ray's
   autoscaler (``ray_autoscaler``): the view adds the nodes not running as launchable ones
@@ -27,39 +28,36 @@
   them (pinned by Ray node id) and submits the job, the task DELEGATED meanwhile. A failed
   launch fails the task with Ray's word. Nodes idle for ``idle_release_s`` are released. A
   launched node Ray loses is taken back: its reservations are released and its tasks stopped,
-  reported interrupted (placed again by the coordinator, from their newest checkpoints).
+  reported interrupted (placed again by the coordinator, from their newest checkpoints); a job
+  Ray ended FAILED as its replica's actor died waits for Ray's word on the node (``verdict``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from datacenter_agent.ray_cluster.adoption import FINAL, adopted_task, status_of, unfinished
 from datacenter_agent.ray_cluster.autoscaler import RayAutoscalerProvider
 from datacenter_agent.ray_cluster.groups import (
     group_name,
-    parse_group,
     place_group,
     remove_group,
     remove_named_group,
     site_groups,
     submission_id,
 )
-from datacenter_agent.ray_cluster.launch import launch_devices, replica_env, write_launch
+from datacenter_agent.ray_cluster.launch import submit_job
+from datacenter_agent.ray_cluster.record import TaskRecord, save_record
 from datacenter_agent.ray_cluster.task_data import RayTaskData, has_data, task_folder
 from datacenter_agent.ray_cluster.tasks import Held, RayTask
-from datacenter_agent.ray_cluster.view import (
-    NODE_ID_LABEL,
-    bundle,
-    ray_nodes,
-    requested_bundle,
-)
+from datacenter_agent.ray_cluster.verdict import NODE_VERDICT_S, may_be_lost, node_lost
+from datacenter_agent.ray_cluster.view import bundles_on, device_ids, ray_nodes, requested_bundle
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
 from federation.agent.config import RaySettings
 from federation.agent.core import ChangeCallback, StatusCallback, gang_refusal
@@ -78,7 +76,6 @@ log = structlog.get_logger()
 
 _DEFAULT_LEASE_S = 10.0
 _TAIL_CHARS = 4000
-_FINAL = {"SUCCEEDED", "FAILED", "STOPPED"}
 
 
 class RayCore:
@@ -98,6 +95,9 @@ class RayCore:
     """
 
     name = "ray"
+    node_verdict_s = NODE_VERDICT_S
+    """How long a job that failed as its replica's actor died waits for Ray's word on its
+    launched node (``verdict``)."""
 
     def __init__(
         self,
@@ -204,8 +204,9 @@ class RayCore:
         return Usage.of(held)
 
     def _busy_nodes(self) -> set[str]:
-        """Nodes a reservation or an active task holds: not idle. A task adopted from the
-        agent before holds nodes it does not name: then every launched node is busy."""
+        """Nodes a reservation or an active task holds: not idle. A task adopted from an
+        agent that kept no record of it holds nodes it does not name: then every launched node
+        is busy."""
         busy = {slot.node for h in self._held.values() for slot in h.slots}
         active = [t for t in self._tasks.values() if t.is_active]
         busy |= {slot.node for t in active for slot in t.slots}
@@ -278,7 +279,7 @@ class RayCore:
             slots: tuple[Slot, ...] = ()
         else:
             slots = placed
-            bundles, selectors = self._bundles(slots, spec)
+            bundles, selectors = bundles_on(self._nodes, slots, spec, self._ray_node)
         strategy = "STRICT_PACK" if len({s.node for s in slots}) == 1 else "PACK"
         group, state = await asyncio.to_thread(
             place_group,
@@ -293,7 +294,7 @@ class RayCore:
             if isinstance(placed, str):
                 why += f"; {placed}"
             return why
-        devices = self._device_ids(slots)
+        devices = device_ids(self._nodes, slots)
         held = Held(
             key,
             name,
@@ -346,7 +347,7 @@ class RayCore:
             name,
             None,
             slots,
-            self._device_ids(slots),
+            device_ids(self._nodes, slots),
             [],
             time.monotonic() + lease_s,
             offer.stop_after_disconnect_s,
@@ -365,26 +366,10 @@ class RayCore:
         )
         return held
 
-    def _bundles(
-        self, slots: tuple[Slot, ...], spec: jobs_pb2.TaskSpec
-    ) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
-        """Each replica's bundle on the node the view placed it on, and the label selectors
-        that pin the bundles on launched nodes (which may share an IP); [] when none is."""
-        by_name = {node.name: node for node in self._nodes}
-        bundles, selectors = [], []
-        for s in slots:
-            node = by_name[s.node]
-            ray_id = self._autoscaler.ray_node(s.node) if self._autoscaler is not None else None
-            cpu, memory = spec.resources.cpu, s.memory_mib
-            bundles.append(bundle(node, cpu, memory, s.device_positions, by_ip=ray_id is None))
-            selectors.append({NODE_ID_LABEL: ray_id} if ray_id is not None else {})
-        return bundles, selectors if any(selectors) else []
-
-    def _device_ids(self, slots: tuple[Slot, ...]) -> list[list[str]]:
-        by_name = {node.name: node for node in self._nodes}
-        return [
-            [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
-        ]
+    def _ray_node(self, node: str) -> str:
+        """The Ray node id of a launched node; "" for a node of Ray's own."""
+        launched = self._autoscaler.ray_node(node) if self._autoscaler is not None else None
+        return launched or ""
 
     async def release(self, reservation_id: str) -> None:
         """Removes an uncommitted group; a no-op when it is unknown."""
@@ -470,20 +455,7 @@ class RayCore:
             log.info("task_launching_nodes", job_id=task.key[0], task=task.key[1])
             await self._launch_then_submit(task, held)
             return
-        try:
-            await asyncio.to_thread(self._submit, held, task.submission_id)
-        except Exception as err:
-            await asyncio.to_thread(remove_group, held.group)
-            why = f"Ray would not take job {task.submission_id}: {err}"
-            self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
-            return
-        task.submitted = True
-        key = task.key
-        log.info(
-            "task_submitted", job_id=key[0], task=key[1], epoch=key[2], ray_job=task.submission_id
-        )
-        self._changed()
-        self._wake.set()
+        await self._submit_staged(task, held)
 
     async def _launch_then_submit(self, task: RayTask, held: Held) -> None:
         """Launches the task's nodes not running, places its group on them, submits its job;
@@ -496,7 +468,7 @@ class RayCore:
             return
         await self.refresh()  # the launched nodes, as Ray has them
         async with self._lock:
-            bundles, selectors = self._bundles(held.slots, held.spec)
+            bundles, selectors = bundles_on(self._nodes, held.slots, held.spec, self._ray_node)
             strategy = "STRICT_PACK" if len({s.node for s in held.slots}) == 1 else "PACK"
             group, state = await asyncio.to_thread(
                 place_group, held.name, bundles, strategy, expect_room=True, selectors=selectors
@@ -506,12 +478,17 @@ class RayCore:
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
             return
         held.group, held.bundles = group, bundles
-        held.replica_devices = self._device_ids(held.slots)
+        held.replica_devices = device_ids(self._nodes, held.slots)
         task.devices = [d for r in held.replica_devices for d in r]
+        await self._submit_staged(task, held)
+
+    async def _submit_staged(self, task: RayTask, held: Held) -> None:
+        """Submits the job of a task answered before (its inputs staged, its nodes
+        launched); Ray's refusal ends it FAILED and its group goes."""
         try:
             await asyncio.to_thread(self._submit, held, task.submission_id)
         except Exception as err:
-            await asyncio.to_thread(remove_group, group)
+            await asyncio.to_thread(remove_group, held.group)
             why = f"Ray would not take job {task.submission_id}: {err}"
             self._end_unsubmitted(task, jobs_pb2.JOB_STATE_FAILED, why)
             return
@@ -532,42 +509,36 @@ class RayCore:
         self._report(task)
 
     def _submit(self, held: Held, sid: str) -> None:
-        key, spec = held.key, held.spec
+        key = held.key
         folder = task_folder(self._work_dir, key)
         folder.mkdir(parents=True, exist_ok=True)
         known = self._tasks.get(key)
+        data = known.data if known is not None else None
         data_env = {}
-        if known is not None and known.data is not None:
-            known.data.make_folders()
-            data_env = known.data.env()
-        launch = write_launch(
+        if data is not None:
+            data.make_folders()
+            data_env = data.env()
+        save_record(  # for an agent that adopts the job
             folder,
-            namespace=self._settings.namespace,
-            group=held.name,
-            command=list(spec.command),
-            bundles=held.bundles,
-            env=[
-                {
-                    **spec.env,
-                    **replica_env(self._site, key, index, held.replica_devices, len(held.bundles)),
-                    **data_env,
-                }
-                for index in range(len(held.bundles))
-            ],
+            TaskRecord(
+                held.tenant,
+                held.spec,
+                data.restored if data is not None else None,
+                held.stop_after_s,
+                held.slots,
+                tuple(self._ray_node(s.node) for s in held.slots),
+            ),
         )
-        try:
-            self._jobs.submit_job(
-                entrypoint=f"{self._settings.python} {launch.launcher} {launch.path}",
-                submission_id=sid,
-                metadata={"federation_site": self._site, "federation_group": held.name},
-                runtime_env={
-                    "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": str(math.ceil(self._kill_grace_s))}
-                },
-                entrypoint_num_cpus=0,
-            )
-        except RuntimeError as err:
-            if "already exists" not in str(err):  # a retried commit
-                raise
+        submit_job(
+            self._jobs,
+            held,
+            sid,
+            folder,
+            settings=self._settings,
+            site=self._site,
+            env=data_env,
+            kill_grace_s=self._kill_grace_s,
+        )
 
     async def change(
         self, change: site_link_service_pb2.ChangeTask
@@ -628,13 +599,13 @@ class RayCore:
     def _node_taken_back(self, node: str, why: str) -> None:
         """A launched node Ray lost, launchable again: its reservations are released and the
         tasks on it stopped, CANCELLED and reported interrupted, so the coordinator places them
-        again. (A task adopted from the agent before names no nodes: Ray's word on its job
-        stands.)"""
+        again. (A task adopted with no record names no nodes: Ray's word on its job stands.)"""
         stops = [self.release(h.name) for h in self._held.values() if _on(h.slots, node)]
         reason = f"node {node} was taken back by its provider: {why}"
         for task in self._tasks.values():
             if task.is_active and task.cancel_reason is None and _on(task.slots, node):
                 task.interrupted, task.cancel_reason = True, reason
+                task.taken_back.set()
                 stops.append(self._stop(task, reason))
         for stop in stops:
             spawned = asyncio.ensure_future(stop)
@@ -703,14 +674,14 @@ class RayCore:
 
     async def _follow(self, task: RayTask) -> None:
         info = await asyncio.to_thread(self._jobs.get_job_info, task.submission_id)
-        status = str(info.status.value if hasattr(info.status, "value") else info.status)
+        status = status_of(info)
         if status == "RUNNING" and task.state != jobs_pb2.JOB_STATE_RUNNING:
             task.state = jobs_pb2.JOB_STATE_RUNNING
             if task.data is not None:
                 task.data.started(time.time())
             log.info("task_running", ray_job=task.submission_id)
             self._report(task)
-        elif status in _FINAL:
+        elif status in FINAL:
             logs = await asyncio.to_thread(self._jobs.get_job_logs, task.submission_id)
             task.output_tail = logs[-_TAIL_CHARS:]
             code = info.driver_exit_code
@@ -722,19 +693,26 @@ class RayCore:
                 state = jobs_pb2.JOB_STATE_FAILED
                 reason = info.message or f"exit code {task.exit_code}"
             await asyncio.to_thread(remove_named_group, task.reservation_id)
-            if task.data is None:
+            if task.data is None and not self._may_be_lost(task, state):
                 self._end(task, status, state, reason)
-            else:  # its outputs and last checkpoint stored first, off the poller
+            else:  # Ray's word on its node, its outputs and last checkpoint first, off the poller
                 task.settling = asyncio.create_task(self._settle(task, status, state, reason))
 
+    def _may_be_lost(self, task: RayTask, state: int) -> bool:
+        launched = self._autoscaler.names().values() if self._autoscaler is not None else ()
+        return may_be_lost(task, state, set(launched))
+
     async def _settle(self, task: RayTask, status: str, state: int, reason: str) -> None:
-        assert task.data is not None
-        try:
-            state, reason = await task.data.settle(state, reason)
-        except Exception as exc:  # a bug must not leave the task unended for ever
-            log.exception("task_data_not_settled", ray_job=task.submission_id)
-            state, reason = jobs_pb2.JOB_STATE_FAILED, f"outputs not stored: {type(exc).__name__}"
-        task.data.stop()
+        if self._may_be_lost(task, state) and await node_lost(task, self.node_verdict_s):
+            state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or reason
+        if task.data is not None:
+            try:
+                state, reason = await task.data.settle(state, reason)
+            except Exception as exc:  # a bug must not leave the task unended for ever
+                log.exception("task_data_not_settled", ray_job=task.submission_id)
+                why = f"outputs not stored: {type(exc).__name__}"
+                state, reason = jobs_pb2.JOB_STATE_FAILED, why
+            task.data.stop()
         self._end(task, status, state, reason)
 
     def _end(self, task: RayTask, status: str, state: int, reason: str) -> None:
@@ -751,23 +729,16 @@ class RayCore:
             self._report(task)
 
     async def _adopt(self) -> None:
-        """Takes back this site's unfinished jobs; removes its groups that no job uses."""
-        jobs = await asyncio.to_thread(self._jobs.list_jobs)
-        for job in jobs:
-            meta = job.metadata or {}
-            status = str(job.status.value if hasattr(job.status, "value") else job.status)
-            if meta.get("federation_site") != self._site or status in _FINAL:
-                continue
-            name = meta.get("federation_group", "")
-            key = parse_group(name, self._site)
-            if key is None or key in self._tasks:
-                continue
-            folder = task_folder(self._work_dir, key)
-            devices = await asyncio.to_thread(launch_devices, folder)
-            self._tasks[key] = RayTask(key, job.submission_id, name, (), devices)
-            log.info(
-                "task_adopted", job_id=key[0], task=key[1], epoch=key[2], ray_job=job.submission_id
-            )
+        """Takes back this site's unfinished jobs, with their data and nodes as their folders
+        tell; removes its groups that no job uses."""
+        names = self._autoscaler.names() if self._autoscaler is not None else {}
+        for job in await asyncio.to_thread(self._jobs.list_jobs):
+            found = unfinished(job, self._site)
+            if found is not None and found.key not in self._tasks:
+                task = await adopted_task(
+                    found, self._work_dir, self.data, names, self._checkpointed
+                )
+                self._tasks[found.key] = task
         used = {t.reservation_id for t in self._tasks.values()}
         for name in await asyncio.to_thread(site_groups, self._site):
             if name not in used:

@@ -8,7 +8,10 @@ resource request naming a bundle's resource crashed the raylet when this was wri
 scheduled into the bundles do not.
 
 Ray stops a job with SIGTERM to this process; it is passed on to every replica's process,
-whose own handler may save a checkpoint, and this launcher exits once they have ended.
+whose own handler may save a checkpoint, and this launcher exits once they have ended. Its exit
+code is the first failing replica's, or the launch file's ``lost_code`` when a replica's actor
+died under it (its node lost, say): the agent then waits for Ray's word on the node before it
+calls the task failed.
 """
 
 from __future__ import annotations
@@ -95,15 +98,18 @@ def main(path: str) -> int:
     pending = list(runs)
     while pending:  # short waits: Python runs the SIGTERM handler only between them
         _, pending = ray.wait(pending, num_returns=len(pending), timeout=0.2)
-    results = ray.get(runs)
-    code = 0
-    for index, (exit_code, output) in enumerate(results):
+    code, lost = 0, False
+    for index, run in enumerate(runs):
+        try:
+            exit_code, output = ray.get(run)
+        except ray.exceptions.RayActorError as err:  # its node died, or its worker did
+            exit_code, output, lost = 1, f"replica {index} lost: {type(err).__name__}", True
         for line in output.splitlines():
-            print(f"[replica {index}] {line}" if len(results) > 1 else line)
+            print(f"[replica {index}] {line}" if len(runs) > 1 else line)
         if exit_code != 0 and code == 0:
             code = exit_code if exit_code > 0 else 128 - exit_code
     sys.stdout.flush()
-    return code
+    return int(launch.get("lost_code", 1)) if lost else code
 
 
 if __name__ == "__main__":

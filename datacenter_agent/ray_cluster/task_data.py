@@ -19,6 +19,7 @@ from pathlib import Path
 
 import structlog
 
+from datacenter_agent.ray_cluster.record import TaskRecord
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.object_store import DataError
@@ -89,6 +90,8 @@ class RayTaskData:
         self.started_at = 0.0
         """Wall-clock time the task was seen running."""
         self.inputs = list(commit.inputs)
+        self.restored = restore
+        """The checkpoint its replicas restore from, where they read it; None: none (yet)."""
         self.restore_input: site_link_service_pb2.StagedInput | None = None
         if restore is not None and restore.HasField("stored"):
             # Uploaded: the task restores from a copy staged here, or starts fresh.
@@ -98,7 +101,7 @@ class RayTaskData:
             )
             if commit.HasField("restore"):
                 self.restore_input.CopyFrom(commit.restore)
-            restore = None
+            restore = self.restored = None
         self.checkpoints: TaskCheckpoints | None = None
         self.uploads: CheckpointUploads | None = None
         if spec.HasField("checkpoint"):
@@ -107,6 +110,39 @@ class RayTaskData:
                 self.uploads = CheckpointUploads(
                     data.store, key, tenant, spec.checkpoint, self.scratch, self._report
                 )
+
+    @classmethod
+    def adopted(
+        cls,
+        data: TaskData,
+        key: RunKey,
+        record: TaskRecord,
+        *,
+        folder: Path,
+        started_at: float,
+        on_checkpoint: Callable[[], None],
+    ) -> RayTaskData:
+        """The data of a task whose job an earlier agent submitted, from its ``record``:
+        its inputs are in place, its checkpoints are counted from ``started_at`` (when its job
+        started) and the checkpoint it restored from, as its submitter counted them."""
+        restore = None
+        if record.restore is not None:
+            restore = jobs_pb2.CheckpointRecord()
+            restore.CopyFrom(record.restore)
+            restore.ClearField("stored")  # staged already: read where its path says
+        adopted = cls(
+            data,
+            key,
+            record.spec,
+            tenant=record.tenant,
+            folder=folder,
+            replicas=record.spec.replicas or 1,
+            restore=restore,
+            commit=site_link_service_pb2.Commit(),
+            on_checkpoint=on_checkpoint,
+        )
+        adopted.started_at = started_at
+        return adopted
 
     @property
     def scratch(self) -> Path:
@@ -164,6 +200,7 @@ class RayTaskData:
         if self._restore is not None:
             record.CopyFrom(self._restore)
         record.path = str(dest)
+        self.restored = record
         if self.checkpoints is not None:
             self.checkpoints.restore_from_copy(record)
 
@@ -174,10 +211,11 @@ class RayTaskData:
         return self.checkpoints.env()
 
     def started(self, at: float) -> None:
-        """The task runs (since ``at``, wall clock): its checkpoint folder is watched."""
-        self.started_at = at
+        """The task runs (since ``at``, wall clock; an adopted task since its job started):
+        its checkpoint folder is watched."""
+        self.started_at = self.started_at or at
         if self.checkpoints is not None:
-            self.checkpoints.start(at)
+            self.checkpoints.start(self.started_at)
 
     async def settle(self, state: int, reason: str) -> tuple[int, str]:
         """Before the task's end is reported: one more look for a checkpoint (one saved in

@@ -50,6 +50,8 @@ class RayTask:
     interrupted: bool = False
     stop_after_s: float = 0.0
     finished: asyncio.Event = field(default_factory=asyncio.Event)
+    taken_back: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set once a node it runs on is lost (the task is then interrupted)."""
     starting: asyncio.Task[None] | None = None
     """Staging its inputs, launching its nodes, then placing its group and submitting its
     job."""

@@ -9,10 +9,11 @@ node id (the ``ray.io/node-id`` label: launched nodes may share an IP).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from federation.agent.config import RayDevice
+from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2, resources_pb2
 
 KINDS: dict[str, resources_pb2.DeviceKind.ValueType] = {
@@ -110,3 +111,30 @@ def requested_bundle(spec: jobs_pb2.TaskSpec, devices: Mapping[str, RayDevice]) 
         )
         wanted[resource] = float(acc.count)
     return wanted or {"CPU": 0.001}
+
+
+def bundles_on(
+    nodes: Sequence[resources_pb2.Node],
+    slots: Sequence[Slot],
+    spec: jobs_pb2.TaskSpec,
+    ray_node: Callable[[str], str],
+) -> tuple[list[dict[str, float]], list[dict[str, str]]]:
+    """Each replica's bundle on the node the view placed it on, and the label selectors that
+    pin the bundles on launched nodes (which may share an IP; ``ray_node`` gives a launched
+    node's Ray node id, "" for others); [] when none is."""
+    by_name = {node.name: node for node in nodes}
+    bundles, selectors = [], []
+    for s in slots:
+        ray_id = ray_node(s.node)
+        cpu, memory = spec.resources.cpu, s.memory_mib
+        bundles.append(bundle(by_name[s.node], cpu, memory, s.device_positions, by_ip=not ray_id))
+        selectors.append({NODE_ID_LABEL: ray_id} if ray_id else {})
+    return bundles, selectors if any(selectors) else []
+
+
+def device_ids(nodes: Sequence[resources_pb2.Node], slots: Sequence[Slot]) -> list[list[str]]:
+    """Each replica's devices, ``NODE:DEVICE``."""
+    by_name = {node.name: node for node in nodes}
+    return [
+        [f"{s.node}:{by_name[s.node].devices[p].id}" for p in s.device_positions] for s in slots
+    ]

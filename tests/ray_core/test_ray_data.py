@@ -84,10 +84,11 @@ async def make_core(ray_head: LocalRayHead, tmp_path: Path) -> AsyncIterator[Mak
         return core, reports, progress
 
     yield make
-    for core in cores:
+    for core in cores[-1:]:  # the newest core follows every job of the site
         for report in core.tasks():
             if report.state not in FINAL:
                 await core.cancel(report.job_id, report.task, 0, "test over")
+    for core in cores:
         await core.close()
 
 
@@ -283,6 +284,59 @@ async def test_a_stopped_task_restarts_from_its_checkpoint(
     assert "done at step 5" in again.output_tail
     assert again.checkpoint.path == str(tmp_path / "work/j-ckpt/main/2/ckpt/step-5")
     assert again.checkpoint.progress_s > stopped.checkpoint.progress_s
+
+
+ADOPTED = """
+import os, pathlib, sys, time
+saved = pathlib.Path(os.environ["FEDERATION_CHECKPOINT_DIR"])
+def save(step):
+    (saved / f"step-{step}").write_text(str(step))
+    (saved / f"step-{step}.done").touch()
+save(1)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.05)
+save(2)
+pathlib.Path("model.bin").write_bytes(b"m" * 321)
+print("done")
+"""
+
+
+async def test_a_restarted_agent_watches_an_adopted_tasks_checkpoints_and_keeps_its_outputs(
+    make_core: MakeCore, tmp_path: Path
+) -> None:
+    """The agent that committed a task stops after its first checkpoint; the next one adopts
+    its job from the record in its folder: it reports the checkpoint the job completes after,
+    counted from the job's start, and keeps the task's output once it succeeds."""
+    core, reports, _ = await make_core()
+    gate = tmp_path / "go"
+    spec = gang([sys.executable, "-c", ADOPTED, str(gate)], replicas=1)
+    spec.checkpoint.CopyFrom(jobs_pb2.Checkpoint(dir="ckpt", interval_s=0.2))
+    spec.outputs.add(name="model", path="model.bin")
+    await run(core, "j-adopt", spec)
+
+    def first() -> bool:
+        report = last(reports, "j-adopt")
+        return report is not None and report.checkpoint.path.endswith("step-1")
+
+    await until(first, "the first checkpoint reported", timeout_s=60)
+    before = last(reports, "j-adopt")
+    assert before is not None
+    record = tmp_path / "work/j-adopt/main/1/task-record.json"
+    assert record.stat().st_mode & 0o777 == 0o600
+    await core.close()  # as an agent that stops: the job stays with Ray
+
+    again, later, _ = await make_core()
+    [adopted] = again.tasks()
+    assert adopted.nodes == before.nodes  # its node named again: a lost one would stop it
+    await until(lambda: last(later, "j-adopt") is not None, "reported")
+    gate.touch()
+    report = await ended(later, "j-adopt")
+    assert report.state == jobs_pb2.JOB_STATE_SUCCEEDED, report
+    assert report.checkpoint.path == str(tmp_path / "work/j-adopt/main/1/ckpt/step-2")
+    assert report.checkpoint.progress_s > before.checkpoint.progress_s
+    assert report.reason.startswith("outputs model kept at site raydata"), report.reason
+    [artifact] = report.artifacts
+    assert (artifact.name, artifact.bytes) == ("model", 321)
 
 
 async def test_a_task_that_names_an_image_is_declined(make_core: MakeCore) -> None:

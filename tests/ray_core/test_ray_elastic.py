@@ -55,22 +55,33 @@ def node_type(name: str, max_nodes: int, model: str = "A100-80GB", cpus: int = 2
     return NodeType(name, template, max_nodes, price_per_hour=PRICE, delay_s=DELAY_S)
 
 
-@pytest.fixture(scope="module")
-def head() -> Iterator[LocalRayHead]:
-    """A head with 2 CPUs and no A100; its autoscaler launches up to 2 a100x2 nodes."""
+def elastic_head() -> Iterator[LocalRayHead]:
+    """A head with 2 CPUs and no A100; its autoscaler launches up to 2 a100x2 nodes, and a
+    dead node is found in a few seconds."""
     if ray_binary() is None:
         pytest.skip("Ray is not installed: pip install -e '.[ray]'")
     import ray
 
     ray.shutdown()  # a core of another module may have connected this process to its head
     a100x2 = FakeNodeType({"CPU": 2, "GPU_A100": 2, "a100x2": 1}, max_workers=2)
-    head = LocalRayHead(cpus=2, a100s=0, worker_types={"a100x2": a100x2}, idle_timeout_s=RAY_IDLE_S)
+    head = LocalRayHead(
+        cpus=2,
+        a100s=0,
+        worker_types={"a100x2": a100x2},
+        idle_timeout_s=RAY_IDLE_S,
+        quick_node_checks=True,
+    )
     head.start()
     try:
         yield head
     finally:
         ray.shutdown()
         head.stop()
+
+
+@pytest.fixture(scope="module")
+def head() -> Iterator[LocalRayHead]:
+    yield from elastic_head()
 
 
 class RecordingProvider(RayAutoscalerProvider):
