@@ -6,11 +6,11 @@ time under one epoch per round, the best acceptance gets the commit, declines mo
 ranked list up to ``max_offers_per_round``, then the task waits in PENDING) and its task
 state machine (``job_state.check_transition`` on every change) govern; sites take an offer by
 the embedded core's rule (every replica on one node). What is simulated: the clock, the
-sites' capacity, input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the
-data there soonest, as the estimate computes), runs (duration / the granted device's
-speed) and power: a device running a task draws its TDP (times the share it runs), and every
-other device of a node that holds some task draws ``idle_power_share`` of its TDP; a node that
-holds no task is powered down and draws nothing.
+sites' capacity, input transfers (``transfers``: bytes x 8 / bandwidth + RTT from the holder
+that gets the data there soonest, as the estimate computes), runs (duration / the granted
+device's speed) and power: a device running a task draws its TDP (times the share it runs),
+and every other device of a node that holds some task draws ``idle_power_share`` of its TDP; a
+node that holds no task is powered down and draws nothing.
 
 A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
 same filters form a group, and when a site frees capacity only the first task of each group
@@ -57,6 +57,7 @@ from federation.sim.queues import Shares, Tally
 from federation.sim.runs import TaskRun
 from federation.sim.state import SiteState, site_views
 from federation.sim.trace import TraceTask
+from federation.sim.transfers import transfer
 from federation.sim.waiting import BusySites
 
 F64 = npt.NDArray[np.float64]
@@ -473,7 +474,9 @@ class Simulation:
         self._at_site[site].add(i)
         run.placed_s = self._now
         run.launch_s = self.launches.hold(grant.nodes, self._now) - self._now
-        run.transfer_s, wan_bytes, egress_usd = self._transfer(run.request, site)
+        run.transfer_s, wan_bytes, egress_usd = transfer(
+            run.request, site, self.snap, self.site_index, self.egress_usd_per_gb
+        )
         run.wan_bytes += wan_bytes  # a restart reads its inputs again
         run.egress_usd += egress_usd
         classes = self.snap.device_class[list(grant.devices)]
@@ -508,30 +511,6 @@ class Simulation:
             counts = self.out.straddles.setdefault(level, [0, 0])
             counts[0] += 1
             counts[1] += len(values) > 1
-
-    def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
-        """Seconds, bytes over the WAN and egress cost to bring the inputs to ``site``."""
-        snap = self.snap
-        seconds = moved = egress = 0.0
-        for item in req.inputs:
-            if item.site:
-                holders = [self.site_index[item.site]]
-                sizes = [float(item.bytes)]
-            else:
-                holders = snap.holders(item.dataset)
-                sizes = [float(item.bytes or snap.datasets[h][item.dataset]) for h in holders]
-            if not holders:
-                continue
-            times = [
-                size * 8.0 / (snap.bandwidth_mbps[h, site] * 1e6) + snap.rtt_ms[h, site] / 1e3
-                for h, size in zip(holders, sizes, strict=True)
-            ]
-            best = int(np.argmin(times))
-            seconds += times[best]
-            if holders[best] != site:
-                moved += sizes[best]
-                egress += sizes[best] / 1e9 * float(self.egress_usd_per_gb[holders[best]])
-        return seconds, moved, egress
 
     def _estimating(self, req: Request) -> Request:
         """``req`` with the learned speeds where it sets none of its own (as the scheduler's
