@@ -37,17 +37,13 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.common import job_state
-from federation.coordinator.policy.preemption import (
-    Candidate,
-    free_room,
-    may_stop,
-    ready_s,
-)
+from federation.coordinator.policy.preemption import Candidate, TaskAt, free_room
 from federation.coordinator.policy.resources import demand
 from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.learning import SpeedLearner
-from federation.coordinator.scheduling.preemption import plan_preemption
+from federation.coordinator.scheduling.preemption import as_victim, plan_preemption
 from federation.coordinator.scheduling.rounds import offer_rounds
+from federation.jobspec import domain_name
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework
 from federation.placement.request import Request
@@ -683,36 +679,30 @@ class Simulation:
         return True
 
     def _candidate(self, j: int, i: int, lenders: set[str]) -> tuple[Candidate, float] | None:
-        """Task ``j`` as a victim for waiting task ``i``, and from when: if it is of a
-        preemptible class, and of a queue in ``lenders`` (from when it has run
-        ``reclaim_min_run_s``) or else of lower priority (``preemption_min_run_s``), as
-        ``Preemption._candidates``."""
+        """Task ``j`` as a victim for waiting task ``i``, and from when (``as_victim``, as
+        ``Preemption._candidates`` takes them): of a preemptible class, and of a queue in
+        ``lenders`` or else of lower priority, once it has run its minimum."""
         assert self.shares is not None
-        shares = self.shares
-        run = self.runs[j]
-        if not shares.preemptible(j) or not may_stop(
-            shares.priority(j), shares.queue(j), shares.priority(i), lenders
-        ):
-            return None
-        config = self.config
-        min_run_s = config.reclaim_min_run_s if lenders else config.preemption_min_run_s
-        started = run.started_s if run.state == job_state.RUNNING else None
-        ready = ready_s(started, min_run_s, reclaim=bool(lenders))
-        if ready == math.inf:  # placed, its input still moving: the replay knows when it starts
-            ready = run.placed_s + run.launch_s + run.transfer_s + min_run_s
+        shares, run, snap = self.shares, self.runs[j], self.snap
         assert run.grant is not None
-        models = [str(self.snap.device_model[d]) for d in run.grant.devices]
-        candidate = Candidate(
-            job_id=run.trace.job_id,
-            task=run.trace.task,
-            site=self.snap.site_ids[run.site],
-            epoch=run.epoch,
-            priority=shares.priority(j),
-            demand=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
+        models = [str(snap.device_model[d]) for d in run.grant.devices]
+        found = as_victim(
+            shares.sharing,
+            shares.job[j],
+            TaskAt(run.trace.job_id, run.trace.task, snap.site_ids[run.site], run.epoch),
+            holds=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
+            domain=domain_name(int(snap.domain[run.site])),
+            started_s=run.started_s if run.state == job_state.RUNNING else None,
             lost_s=self._since_checkpoint(run),
-            queues=shares.sharing.chain(shares.queue(j)),
+            urgent=shares.job[i],
+            lenders=lenders,
+            min_runs=self.config,
         )
-        return candidate, ready
+        if found is not None and found[1] == math.inf:
+            # Placed, its input still moving: the replay knows when it starts.
+            ready = run.placed_s + run.launch_s + run.transfer_s + self.config.reclaim_min_run_s
+            return found[0], ready
+        return found
 
     def _since_checkpoint(self, run: TaskRun) -> float:
         """Seconds ``run`` has run since its last checkpoint (every ``checkpoint_interval_s``
