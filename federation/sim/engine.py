@@ -6,11 +6,11 @@ time under one epoch per round, the best acceptance gets the commit, declines mo
 ranked list up to ``max_offers_per_round``, then the task waits in PENDING) and its task
 state machine (``job_state.check_transition`` on every change) govern; sites take an offer by
 the embedded core's rule (every replica on one node). What is simulated: the clock, the
-sites' capacity, input transfers (bytes x 8 / bandwidth + RTT from the holder that gets the
-data there soonest, as the estimate computes), runs (duration / the granted device's
-speed) and power: a device running a task draws its TDP (times the share it runs), and every
-other device of a node that holds some task draws ``idle_power_share`` of its TDP; a node that
-holds no task is powered down and draws nothing.
+sites' capacity, input transfers (``transfers``: bytes x 8 / bandwidth + RTT from the holder
+that gets the data there soonest, as the estimate computes), runs (duration / the granted
+device's speed) and power: a device running a task draws its TDP (times the share it runs),
+and every other device of a node that holds some task draws ``idle_power_share`` of its TDP; a
+node that holds no task is powered down and draws nothing.
 
 A task that fits nowhere waits until capacity frees. Waiting tasks whose requests pass the
 same filters form a group, and when a site frees capacity only the first task of each group
@@ -37,17 +37,13 @@ import numpy as np
 import numpy.typing as npt
 
 from federation.common import job_state
-from federation.coordinator.policy.preemption import (
-    Candidate,
-    free_room,
-    may_stop,
-    ready_s,
-)
+from federation.coordinator.policy.preemption import Candidate, TaskAt, free_room
 from federation.coordinator.policy.resources import demand
 from federation.coordinator.scheduling.config import SchedulerConfig
 from federation.coordinator.scheduling.learning import SpeedLearner
-from federation.coordinator.scheduling.preemption import plan_preemption
+from federation.coordinator.scheduling.preemption import as_victim, plan_preemption
 from federation.coordinator.scheduling.rounds import offer_rounds
+from federation.jobspec import domain_name
 from federation.placement.estimates import class_speed, estimate
 from federation.placement.framework import Code, Framework
 from federation.placement.request import Request
@@ -57,6 +53,7 @@ from federation.sim.queues import Shares, Tally
 from federation.sim.runs import TaskRun
 from federation.sim.state import SiteState, site_views
 from federation.sim.trace import TraceTask
+from federation.sim.transfers import transfer
 from federation.sim.waiting import BusySites
 
 F64 = npt.NDArray[np.float64]
@@ -473,7 +470,9 @@ class Simulation:
         self._at_site[site].add(i)
         run.placed_s = self._now
         run.launch_s = self.launches.hold(grant.nodes, self._now) - self._now
-        run.transfer_s, wan_bytes, egress_usd = self._transfer(run.request, site)
+        run.transfer_s, wan_bytes, egress_usd = transfer(
+            run.request, site, self.snap, self.site_index, self.egress_usd_per_gb
+        )
         run.wan_bytes += wan_bytes  # a restart reads its inputs again
         run.egress_usd += egress_usd
         classes = self.snap.device_class[list(grant.devices)]
@@ -508,30 +507,6 @@ class Simulation:
             counts = self.out.straddles.setdefault(level, [0, 0])
             counts[0] += 1
             counts[1] += len(values) > 1
-
-    def _transfer(self, req: Request, site: int) -> tuple[float, float, float]:
-        """Seconds, bytes over the WAN and egress cost to bring the inputs to ``site``."""
-        snap = self.snap
-        seconds = moved = egress = 0.0
-        for item in req.inputs:
-            if item.site:
-                holders = [self.site_index[item.site]]
-                sizes = [float(item.bytes)]
-            else:
-                holders = snap.holders(item.dataset)
-                sizes = [float(item.bytes or snap.datasets[h][item.dataset]) for h in holders]
-            if not holders:
-                continue
-            times = [
-                size * 8.0 / (snap.bandwidth_mbps[h, site] * 1e6) + snap.rtt_ms[h, site] / 1e3
-                for h, size in zip(holders, sizes, strict=True)
-            ]
-            best = int(np.argmin(times))
-            seconds += times[best]
-            if holders[best] != site:
-                moved += sizes[best]
-                egress += sizes[best] / 1e9 * float(self.egress_usd_per_gb[holders[best]])
-        return seconds, moved, egress
 
     def _estimating(self, req: Request) -> Request:
         """``req`` with the learned speeds where it sets none of its own (as the scheduler's
@@ -704,36 +679,30 @@ class Simulation:
         return True
 
     def _candidate(self, j: int, i: int, lenders: set[str]) -> tuple[Candidate, float] | None:
-        """Task ``j`` as a victim for waiting task ``i``, and from when: if it is of a
-        preemptible class, and of a queue in ``lenders`` (from when it has run
-        ``reclaim_min_run_s``) or else of lower priority (``preemption_min_run_s``), as
-        ``Preemption._candidates``."""
+        """Task ``j`` as a victim for waiting task ``i``, and from when (``as_victim``, as
+        ``Preemption._candidates`` takes them): of a preemptible class, and of a queue in
+        ``lenders`` or else of lower priority, once it has run its minimum."""
         assert self.shares is not None
-        shares = self.shares
-        run = self.runs[j]
-        if not shares.preemptible(j) or not may_stop(
-            shares.priority(j), shares.queue(j), shares.priority(i), lenders
-        ):
-            return None
-        config = self.config
-        min_run_s = config.reclaim_min_run_s if lenders else config.preemption_min_run_s
-        started = run.started_s if run.state == job_state.RUNNING else None
-        ready = ready_s(started, min_run_s, reclaim=bool(lenders))
-        if ready == math.inf:  # placed, its input still moving: the replay knows when it starts
-            ready = run.placed_s + run.launch_s + run.transfer_s + min_run_s
+        shares, run, snap = self.shares, self.runs[j], self.snap
         assert run.grant is not None
-        models = [str(self.snap.device_model[d]) for d in run.grant.devices]
-        candidate = Candidate(
-            job_id=run.trace.job_id,
-            task=run.trace.task,
-            site=self.snap.site_ids[run.site],
-            epoch=run.epoch,
-            priority=shares.priority(j),
-            demand=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
+        models = [str(snap.device_model[d]) for d in run.grant.devices]
+        found = as_victim(
+            shares.sharing,
+            shares.job[j],
+            TaskAt(run.trace.job_id, run.trace.task, snap.site_ids[run.site], run.epoch),
+            holds=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
+            domain=domain_name(int(snap.domain[run.site])),
+            started_s=run.started_s if run.state == job_state.RUNNING else None,
             lost_s=self._since_checkpoint(run),
-            queues=shares.sharing.chain(shares.queue(j)),
+            urgent=shares.job[i],
+            lenders=lenders,
+            min_runs=self.config,
         )
-        return candidate, ready
+        if found is not None and found[1] == math.inf:
+            # Placed, its input still moving: the replay knows when it starts.
+            ready = run.placed_s + run.launch_s + run.transfer_s + self.config.reclaim_min_run_s
+            return found[0], ready
+        return found
 
     def _since_checkpoint(self, run: TaskRun) -> float:
         """Seconds ``run`` has run since its last checkpoint (every ``checkpoint_interval_s``

@@ -197,9 +197,6 @@ class Shares:
     def may_preempt(self, i: int) -> bool:
         return self.sharing.may_preempt(self.job[i])
 
-    def preemptible(self, i: int) -> bool:
-        return self.sharing.preemptible(self.job[i])
-
     def lenders(self, i: int) -> set[str]:
         """The queues whose tasks may be stopped to give task ``i``'s queue its nominal."""
         return self.sharing.lenders(self.job[i], self.need[i])
@@ -211,9 +208,6 @@ class Shares:
 
     def queue(self, i: int) -> str:
         return self.job[i].spec.queue
-
-    def priority(self, i: int) -> int:
-        return self.job[i].spec.priority
 
     def demand(self, i: int) -> Demand:
         return self.need[i]

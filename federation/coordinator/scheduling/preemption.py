@@ -8,8 +8,9 @@ import asyncio
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import structlog
 
@@ -57,6 +58,60 @@ class Plan:
     site: str
     victims: list[Candidate] = field(default_factory=list)
     stopping: Stopping = field(default_factory=list)
+
+
+class MinRuns(Protocol):
+    """How long a task runs before it may be stopped (``SchedulerConfig``; the simulator's
+    ``SimConfig`` has the same two)."""
+
+    @property
+    def preemption_min_run_s(self) -> float:
+        """For a task of higher priority."""
+        ...
+
+    @property
+    def reclaim_min_run_s(self) -> float:
+        """For its queue's borrowed quota to be taken back."""
+        ...
+
+
+def as_victim(
+    sharing: Sharing,
+    job: jobs_pb2.Job,
+    task: TaskAt,
+    *,
+    holds: Demand,
+    domain: str,
+    started_s: float | None,
+    lost_s: float,
+    urgent: jobs_pb2.Job,
+    lenders: Collection[str],
+    min_runs: MinRuns,
+) -> tuple[Candidate, float] | None:
+    """``task`` of ``job``, at a site, as a victim for a waiting task of ``urgent``, and from
+    when it may be stopped (``ready_s``: once it has run its minimum since ``started_s``);
+    None when it may not be: its class is not preemptible, or it is not of one of
+    ``lenders`` when its queue takes back what it lent, or else not of lower priority
+    (``may_stop``). ``holds``: what it holds as its site granted it, counted at its site and
+    in its ``domain``; ``lost_s``: the run it would lose. The coordinator's ``Preemption``
+    and the simulator both take their candidates so."""
+    if not sharing.preemptible(job):
+        return None
+    if not may_stop(job.spec.priority, job.spec.queue, urgent.spec.priority, lenders):
+        return None
+    reclaim = bool(lenders)
+    min_run_s = min_runs.reclaim_min_run_s if reclaim else min_runs.preemption_min_run_s
+    candidate = Candidate(
+        job_id=task.job_id,
+        task=task.task,
+        site=task.site,
+        epoch=task.epoch,
+        priority=job.spec.priority,
+        demand=at(holds, task.site, domain),
+        lost_s=lost_s,
+        queues=sharing.chain(job.spec.queue),
+    )
+    return candidate, ready_s(started_s, min_run_s, reclaim=reclaim)
 
 
 def plan_preemption(
@@ -349,59 +404,41 @@ class Preemption:
         sites: set[str] | None,
         lenders: Mapping[str, set[str]] | set[str],
     ) -> list[Candidate]:
-        """Tasks at ``sites`` (None: anywhere) that ``urgent`` may stop, running long enough
-        and not already being stopped: with ``lenders`` (per site, or everywhere), those of
-        the queues that borrow what its queue is owed; else those of lower priority and a
-        preemptible class. Each counts what it holds as its site granted it."""
+        """Tasks at ``sites`` (None: anywhere) that ``urgent`` may stop (``as_victim``),
+        running long enough and not already being stopped: with ``lenders`` (per site, or
+        everywhere), those of the queues that borrow what its queue is owed; else those of
+        lower priority and a preemptible class."""
         now = time.time()
         taken = {victim for victims in self._preempting.values() for victim in victims}
-        reclaim = bool(lenders)
-        min_run_s = self._config.reclaim_min_run_s if reclaim else self._config.preemption_min_run_s
         out = []
         for job in self._jobs.at_sites(sites) if sites is not None else self._jobs.at_any_site():
-            if job.cancel_requested or not self._sharing.preemptible(job):
+            if job.cancel_requested:
                 continue
             for spec, task in zip(job.spec.tasks, job.tasks, strict=False):
                 if task.state not in job_state.AT_SITE or (
                     sites is not None and task.site not in sites
                 ):
                     continue
-                stoppable = (
-                    lenders.get(task.site, set()) if isinstance(lenders, Mapping) else lenders
-                )
-                if not may_stop(job.spec.priority, job.spec.queue, urgent.spec.priority, stoppable):
-                    continue
                 if task.preempted_by or (job.id, task.name, task.epoch) in taken:
                     continue  # stopping already, or chosen by another waiting task
                 started = task.started_at.ToSeconds() if task.HasField("started_at") else None
-                if ready_s(started, min_run_s, reclaim=reclaim) > now:
-                    continue
-                out.append(self._candidate(job, spec, task, started, now))
+                found = as_victim(
+                    self._sharing,
+                    job,
+                    TaskAt(job.id, task.name, task.site, task.epoch),
+                    holds=placed(spec, task),
+                    domain=self._sites.domain_of(task.site),
+                    started_s=started,
+                    lost_s=_lost_s(task, started, now),
+                    urgent=urgent,
+                    lenders=(
+                        lenders.get(task.site, set()) if isinstance(lenders, Mapping) else lenders
+                    ),
+                    min_runs=self._config,
+                )
+                if found is not None and found[1] <= now:
+                    out.append(found[0])
         return out
-
-    def _candidate(
-        self,
-        job: jobs_pb2.Job,
-        spec: jobs_pb2.TaskSpec,
-        task: jobs_pb2.TaskStatus,
-        started: float | None,
-        now: float,
-    ) -> Candidate:
-        """``task`` as a victim: what it holds as its site granted it, and the run it would
-        lose (since it ``started``, or its last checkpoint)."""
-        since = max(
-            started or now, task.checkpoint.time.ToSeconds() if task.checkpoint.path else 0.0
-        )
-        return Candidate(
-            job_id=job.id,
-            task=task.name,
-            site=task.site,
-            epoch=task.epoch,
-            priority=job.spec.priority,
-            demand=at(placed(spec, task), task.site, self._sites.domain_of(task.site)),
-            lost_s=max(0.0, now - since),
-            queues=self._sharing.chain(job.spec.queue),
-        )
 
     def _room_coming_free(
         self, snapshot: Snapshot, sites: set[str]
@@ -465,6 +502,13 @@ class Preemption:
     def running(self) -> list[asyncio.Task[None]]:
         """Its stops under way (the loop cancels them when it closes)."""
         return list(self._tasks)
+
+
+def _lost_s(task: jobs_pb2.TaskStatus, started: float | None, now: float) -> float:
+    """The run ``task`` would lose if stopped ``now``: since it ``started``, or its last
+    checkpoint; nothing if it has not started."""
+    checkpoint = task.checkpoint.time.ToSeconds() if task.checkpoint.path else 0.0
+    return max(0.0, now - max(now if started is None else started, checkpoint))
 
 
 def room_coming_by_verdict(outcome: list[jobs_pb2.SiteVerdict] | None) -> bool:
