@@ -18,9 +18,8 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeAlias
 
 import structlog
 
@@ -42,9 +41,10 @@ from federation.agent.containers import (
     container_name,
     device_args,
 )
-from federation.agent.core import ChangeCallback, StatusCallback, task_report
+from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.elastic import Elastic, LaunchError
+from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.object_store import DataError
@@ -67,16 +67,11 @@ from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
-State: TypeAlias = jobs_pb2.JobState.ValueType
-
 _DEFAULT_LEASE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """How long a replica taken away from an autoscaled service may take to finish what it has
 in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
 _OUTPUT_TAIL_CHARS = 2000
-_FINAL = frozenset(
-    {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
-)
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,121 +95,6 @@ class Reservation:
     """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
     revision: int = 0
     """The offer's spec revision (a service's endpoints report it)."""
-
-
-@dataclass(slots=True, eq=False)
-class _Task:
-    """A committed task: its replicas and, once it has ended, its outcome."""
-
-    key: RunKey
-    reservation_id: str
-    spec: jobs_pb2.TaskSpec
-    slots: tuple[Slot, ...]
-    devices: list[str]
-    grace_s: float
-    state: State = jobs_pb2.JOB_STATE_DELEGATED  # until every replica has started
-    exit_code: int = 0
-    reason: str = ""
-    output_tail: str = ""
-    replicas: list[ReplicaProcess] = field(default_factory=list)
-    cancel_reason: str | None = None
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    drain_first: bool = False
-    """Cancelled by the coordinator: an autoscaled service's replicas are drained before
-    they stop (not so when the agent shuts down or is cut off)."""
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    supervisor: asyncio.Task[None] | None = None
-    checkpoints: TaskCheckpoints | None = None
-    """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
-    tenant: str = ""
-    stop_after_s: float = 0.0
-    """Cut off from every coordinator this long, the site stops the task; 0: it does not."""
-    interrupted: bool = False
-    """Stopped because the site was cut off (``stop_cut_off``), not for the task's sake."""
-    started_at: float = 0.0
-    """Wall-clock time its replicas started."""
-    restore: jobs_pb2.CheckpointRecord | None = None
-    final: site_link_service_pb2.TaskReport | None = None
-    """Its final report, once it has ended (the very one recorded and sent)."""
-    service: list[ReplicaService] | None = None
-    """Per replica, for a service task: its port, restarts and readiness; None for batch."""
-    site: str = ""
-    address: str = ""
-    """Where clients reach its replicas (a service's endpoints)."""
-    revision: int = 0
-    """The revision of ``spec`` (a service changed in place has a newer one)."""
-    keepers: list[asyncio.Task[None]] = field(default_factory=list)
-    """A service's restarters, one per started replica, in replica order."""
-    reshaped: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when a service's spec changed in place: its replicas are brought to it."""
-    moved: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set on each report of the task (a replica's readiness, say)."""
-    inputs: list[site_link_service_pb2.StagedInput] = field(default_factory=list)
-    gang_peers: list[str] = field(default_factory=list)
-    """Every replica's host:port of its all-or-nothing gang, in rank order; empty: none."""
-    gang_rank: int = 0
-    """The gang rank of its replica 0."""
-    """Other tasks' outputs to stage into its folders before it starts (from the commit)."""
-    artifacts: list[jobs_pb2.Artifact] = field(default_factory=list)
-    """Its outputs as stored, once it succeeded."""
-    checkpoint: jobs_pb2.CheckpointRecord | None = None
-    """The newest checkpoint reported: at a site with a store, the newest uploaded."""
-    uploads: CheckpointUploads | None = None
-    """Uploads its checkpoints, at a site with a store."""
-    restore_input: site_link_service_pb2.StagedInput | None = None
-    """The uploaded checkpoint to stage in before it starts (from the commit)..."""
-    restore_of: jobs_pb2.CheckpointRecord | None = None
-    """... and its record (from the offer)."""
-
-    @property
-    def active(self) -> bool:
-        return self.state not in _FINAL
-
-    def report(self) -> site_link_service_pb2.TaskReport:
-        if self.final is not None:
-            return self.final
-        return task_report(
-            self.key,
-            self.state,
-            exit_code=self.exit_code,
-            output_tail=self.output_tail,
-            reason=self.reason,
-            devices=self.devices,
-            nodes=[slot.node for slot in self.slots],
-            checkpoint=self.checkpoint,
-            # Only once stopped: a task that ended by itself first did not lose its run.
-            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
-            endpoints=self.endpoints(),
-            artifacts=self.artifacts,
-        )
-
-    def endpoints(self) -> list[jobs_pb2.Endpoint]:
-        """A running service's replicas; none for batch work or once it has ended."""
-        if self.service is None or not self.active:
-            return []
-        policy = RestartPolicy.of(self.spec.service)
-        return [
-            jobs_pb2.Endpoint(
-                site=self.site,
-                node=slot.node,
-                address=self.address,
-                port=replica.port,
-                replica=i,
-                ready=replica.ready,
-                restarts=replica.restarts,
-                crash_looping=policy.crash_looping(replica.short_runs),
-                revision=replica.revision,
-                load=replica.load,
-                draining=replica.draining,
-            )
-            for i, (slot, replica) in enumerate(zip(self.slots, self.service, strict=True))
-        ]
-
-
-def _ended_by_themselves(replicas: Sequence[ReplicaProcess]) -> bool:
-    """Whether every replica has ended, none stopped nor killed for a reason of its
-    supervisor's own (so its end is the task's own)."""
-    return all(p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas)
 
 
 def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
@@ -322,7 +202,7 @@ class EmbeddedCore:
         self._levels = tuple(topology_levels)
         self._reservations: dict[str, Reservation] = {}
         self._lease_timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: dict[RunKey, _Task] = {}
+        self._tasks: dict[RunKey, Task] = {}
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
         self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
@@ -506,7 +386,7 @@ class EmbeddedCore:
             return reservation
         self._drop_reservation(reservation.id)
         devices = self._device_labels(reservation.slots)
-        task = _Task(
+        task = Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
         task.tenant, task.restore = reservation.tenant, reservation.restore
@@ -541,13 +421,13 @@ class EmbeddedCore:
             await self._launch(task)
         return started()
 
-    def _to_launch(self, task: _Task) -> set[str]:
+    def _to_launch(self, task: Task) -> set[str]:
         """The nodes of the task that an elastic site has yet to launch."""
         if self._elastic is None:
             return set()
         return {slot.node for slot in task.slots if not self._elastic.ready(slot.node)}
 
-    async def _stage_then_launch(self, task: _Task) -> None:
+    async def _stage_then_launch(self, task: Task) -> None:
         """Launches the task's nodes that do not run yet and stages its inputs, then starts
         it; a cancel meanwhile ends it CANCELLED, a node that cannot be launched or an input
         that cannot be had FAILED, before any replica ran."""
@@ -567,7 +447,7 @@ class EmbeddedCore:
             return
         await self._launch(task)
 
-    async def _provision_and_stage(self, task: _Task) -> str | None:
+    async def _provision_and_stage(self, task: Task) -> str | None:
         if self._elastic is not None and (nodes := self._to_launch(task)):
             try:
                 await self._elastic.ensure_running(nodes, self._changed)
@@ -577,7 +457,7 @@ class EmbeddedCore:
             return None
         return await self._stage(task)
 
-    async def _stage(self, task: _Task) -> str | None:
+    async def _stage(self, task: Task) -> str | None:
         """Puts the inputs in every replica's folder; why not, or None."""
         try:
             await asyncio.to_thread(self._make_dirs, task)
@@ -600,7 +480,7 @@ class EmbeddedCore:
             return f"staging failed: {type(exc).__name__}"
         return None
 
-    async def _stage_restore(self, task: _Task, item: site_link_service_pb2.StagedInput) -> None:
+    async def _stage_restore(self, task: Task, item: site_link_service_pb2.StagedInput) -> None:
         """Stages the uploaded checkpoint the task restores from; one that cannot be had is
         no failure: the task starts fresh, and its reason says why."""
         dest = restore_path(self._task_dir(task.key), item)
@@ -619,7 +499,7 @@ class EmbeddedCore:
         if task.checkpoints is not None:
             task.checkpoints.restore_from_copy(record)
 
-    async def _launch(self, task: _Task) -> None:
+    async def _launch(self, task: Task) -> None:
         """Starts every replica and supervises the task (or ends it, if one cannot start)."""
         key = task.key
         devices = task.devices
@@ -786,7 +666,7 @@ class EmbeddedCore:
                 if replica.exited and record.spec.image:
                     # Ended meanwhile: its supervisor may have had to leave the container.
                     await self._containers.remove(container_name(self._work_dir, record.key, i))
-            ended_alone = _ended_by_themselves(replicas)
+            ended_alone = ended_by_themselves(replicas)
             died = any(p.ended and p.ended.why == "agent_died" for p in replicas)
             # A task whose every replica had ended by itself is reported as it ended, crash or
             # not: its end was only not reported yet, and placed again it would run twice.
@@ -794,7 +674,7 @@ class EmbeddedCore:
                 for replica in replicas:
                     replica.kill()
                 await asyncio.gather(*(replica.wait() for replica in replicas))
-                if _ended_by_themselves(replicas):
+                if ended_by_themselves(replicas):
                     # Each ended by itself while being stopped (its supervisor says it was not
                     # stopped): the work is done, and placed again it would run twice.
                     self._adopt_running(record, replicas)
@@ -816,8 +696,8 @@ class EmbeddedCore:
         held += [t.slots for t in self._tasks.values() if t.active]
         return {slot.node for slots in held for slot in slots}
 
-    def _adopted(self, record: TaskRecord) -> _Task:
-        task = _Task(
+    def _adopted(self, record: TaskRecord) -> Task:
+        task = Task(
             record.key,
             record.reservation_id,
             record.spec,
@@ -865,7 +745,7 @@ class EmbeddedCore:
         task.supervisor = asyncio.create_task(self._supervise(task))
 
     def _watch_checkpoints(
-        self, task: _Task, restore: jobs_pb2.CheckpointRecord | None
+        self, task: Task, restore: jobs_pb2.CheckpointRecord | None
     ) -> TaskCheckpoints:
         """The task's checkpoint folder and watcher; at a site with a store, its uploads."""
         policy = task.spec.checkpoint
@@ -883,7 +763,7 @@ class EmbeddedCore:
             )
         return task.checkpoints
 
-    def _found(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
+    def _found(self, task: Task, record: jobs_pb2.CheckpointRecord) -> None:
         """A checkpoint completed: reported now, or once uploaded where there is a store."""
         if task.uploads is not None:
             task.uploads.submit(record)
@@ -891,12 +771,12 @@ class EmbeddedCore:
             task.checkpoint = record
             self._report(task)
 
-    def _checkpoint_stored(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
+    def _checkpoint_stored(self, task: Task, record: jobs_pb2.CheckpointRecord) -> None:
         if task.final is None:
             task.checkpoint = record
             self._report(task)
 
-    async def _settle_checkpoints(self, task: _Task, state: State) -> None:
+    async def _settle_checkpoints(self, task: Task, state: State) -> None:
         """Before a task's end is reported: one more look for a checkpoint (one saved in its
         stop's grace) and, unless it succeeded, its newest one uploaded."""
         if task.checkpoints is not None:
@@ -908,7 +788,7 @@ class EmbeddedCore:
         else:
             await task.uploads.flush()
 
-    def _save(self, task: _Task) -> None:
+    def _save(self, task: Task) -> None:
         """Records the task for a later agent; a failure costs its adoption, not the task."""
         if self._records is None:
             return
@@ -996,7 +876,7 @@ class EmbeddedCore:
             timer.cancel()
         return self._reservations.pop(reservation_id, None)
 
-    def _replica_env(self, task: _Task, replica: int) -> dict[str, str]:
+    def _replica_env(self, task: Task, replica: int) -> dict[str, str]:
         slot = task.slots[replica]
         node = self._nodes[slot.node]
         # Only the basics of the agent's own environment: it may hold the agent's secrets.
@@ -1030,14 +910,14 @@ class EmbeddedCore:
             )
         return env
 
-    def _account(self, task: _Task) -> Account | None:
+    def _account(self, task: Task) -> Account | None:
         """The account the task runs as; ReplicaStartError when the site has none for it."""
         try:
             return self._accounts.for_tenant(task.tenant) if self._accounts else None
         except NoAccountError as exc:
             raise ReplicaStartError(str(exc), 0) from None
 
-    async def _start_replica(self, task: _Task, replica: int, account: Account | None) -> None:
+    async def _start_replica(self, task: Task, replica: int, account: Account | None) -> None:
         """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
         job_id, name, epoch = task.key
         cwd, env = self._task_dir(task.key) / str(replica), self._replica_env(task, replica)
@@ -1065,7 +945,7 @@ class EmbeddedCore:
             task.service[replica].checked = False
 
     async def _in_container(
-        self, task: _Task, replica: int, account: Account | None, cwd: Path, env: dict[str, str]
+        self, task: Task, replica: int, account: Account | None, cwd: Path, env: dict[str, str]
     ) -> tuple[list[str], dict[str, str]]:
         """The ``podman run`` that runs the replica in its image, and podman's environment;
         pulls the image first if the node does not have it."""
@@ -1129,7 +1009,7 @@ class EmbeddedCore:
         job_id, name, epoch = key
         return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
 
-    def _make_dirs(self, task: _Task) -> None:
+    def _make_dirs(self, task: Task) -> None:
         """Creates the task's folders (again: a retried start takes those there). Blocking."""
         # The folders above the replicas' are the agent's, so no task can put a link where
         # another task's folder goes; each replica's is its account's alone.
@@ -1143,7 +1023,7 @@ class EmbeddedCore:
             self._reopen(task.key, task.checkpoints.restore_from)
             task.checkpoints.prepare(account)
 
-    async def _start_replicas(self, task: _Task) -> None:
+    async def _start_replicas(self, task: Task) -> None:
         account = self._account(task)
         try:
             await asyncio.to_thread(self._make_dirs, task)
@@ -1153,14 +1033,14 @@ class EmbeddedCore:
         for replica in range(len(task.slots)):
             await self._start_replica(task, replica, account)
 
-    async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
+    async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
         for victim in victims:
             victim.cancel_reason, victim.grace_s = reason, grace_s
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
 
-    async def _supervise(self, task: _Task) -> None:
+    async def _supervise(self, task: Task) -> None:
         """Runs the task to its end; a bug here must not leave it (and cancel) hanging."""
         try:
             await (self._watch_service(task) if task.service is not None else self._watch(task))
@@ -1171,7 +1051,7 @@ class EmbeddedCore:
             )
             self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
 
-    async def _watch(self, task: _Task) -> None:
+    async def _watch(self, task: Task) -> None:
         """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
         loop = asyncio.get_running_loop()
         waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
@@ -1241,7 +1121,7 @@ class EmbeddedCore:
             )
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
-    async def _watch_service(self, task: _Task) -> None:
+    async def _watch_service(self, task: Task) -> None:
         """Keeps every replica of a service running, and brings them to its spec each time
         that changes in place, until the task is cancelled."""
         task.keepers = [asyncio.create_task(self._keep(task, i)) for i in range(len(task.replicas))]
@@ -1314,7 +1194,7 @@ class EmbeddedCore:
         self._changed()
         return site_link_service_pb2.ChangeAnswer(accepted=True)
 
-    def _change_problem(self, task: _Task | None, change: site_link_service_pb2.ChangeTask) -> str:
+    def _change_problem(self, task: Task | None, change: site_link_service_pb2.ChangeTask) -> str:
         """Why a change of a running service is declined before any room is sought, or ""."""
         if task is None or not task.active:
             return f"no task {change.job_id}/{change.task} epoch {change.epoch} runs here"
@@ -1335,7 +1215,7 @@ class EmbeddedCore:
 
     def _place_added(
         self,
-        task: _Task,
+        task: Task,
         new: jobs_pb2.TaskSpec,
         change: site_link_service_pb2.ChangeTask,
         extra: int,
@@ -1361,7 +1241,7 @@ class EmbeddedCore:
     def _device_labels(self, slots: Iterable[Slot]) -> list[str]:
         return [label for slot in slots for label in device_labels(self._nodes[slot.node], slot)]
 
-    async def _converge(self, task: _Task) -> None:
+    async def _converge(self, task: Task) -> None:
         """Brings a service's replicas to its spec as it changes in place: the replicas past
         its count stop (the highest-numbered first), missing ones start, and those of an older
         revision are replaced, never more than max_unavailable not ready at once (a replica
@@ -1406,7 +1286,7 @@ class EmbeddedCore:
                 for wait in waits:
                     wait.cancel()
 
-    def _to_replace(self, task: _Task) -> list[int]:
+    def _to_replace(self, task: Task) -> list[int]:
         """The replicas of an older revision to replace now: every one known not to be ready,
         and as many ready ones as leave at most max_unavailable not ready. None while a
         replica's readiness is not known yet (just started, or adopted before its first
@@ -1420,7 +1300,7 @@ class EmbeddedCore:
         ready = [i for i in stale if service[i].ready][: max(0, budget)]
         return [i for i in stale if not service[i].ready] + ready
 
-    async def _retire(self, task: _Task) -> None:
+    async def _retire(self, task: Task) -> None:
         """Stops a service's highest-numbered replica and gives its room back: shown not
         ready first, so whoever follows the endpoints stops sending to it."""
         assert task.service is not None
@@ -1443,7 +1323,7 @@ class EmbeddedCore:
         self._report(task)
         self._changed()
 
-    async def _start_added(self, task: _Task, replica: int) -> None:
+    async def _start_added(self, task: Task, replica: int) -> None:
         """Starts a replica a change added (or one a restarted agent found not started)."""
         account = self._account(task)
         folder = self._task_dir(task.key) / str(replica)
@@ -1456,7 +1336,7 @@ class EmbeddedCore:
         self._save(task)
         self._report(task)
 
-    async def _replace(self, task: _Task, replica: int) -> None:
+    async def _replace(self, task: Task, replica: int) -> None:
         """Stops one replica and starts it with the task's current spec. A start that fails
         is the keeper's to retry, with its backoff, as after a crash."""
         assert task.service is not None
@@ -1479,7 +1359,7 @@ class EmbeddedCore:
         self._save(task)
         self._report(task)
 
-    async def _keep(self, task: _Task, replica: int) -> None:
+    async def _keep(self, task: Task, replica: int) -> None:
         """Restarts one replica of a service each time it ends, by the task's policy: after
         a backoff that doubles with each short run in a row, crash-looping after enough."""
         assert task.service is not None
@@ -1538,7 +1418,7 @@ class EmbeddedCore:
             self._save(task)
             self._report(task)
 
-    async def _check_readiness(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
+    async def _check_readiness(self, task: Task, replica: int, process: ReplicaProcess) -> None:
         """Checks a running replica every period from its initial delay; reports each change
         of its readiness. Without a check, a replica is ready once it runs."""
         assert task.service is not None
@@ -1565,7 +1445,7 @@ class EmbeddedCore:
                 self._report(task)
             await asyncio.sleep(check.period_s or 1.0)
 
-    async def _watch_load(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
+    async def _watch_load(self, task: Task, replica: int, process: ReplicaProcess) -> None:
         """Reads an autoscaled replica's load every readiness period; reports each change (to
         a hundredth). A replica that does not answer keeps its last reading."""
         assert task.service is not None
@@ -1583,7 +1463,7 @@ class EmbeddedCore:
                 self._report(task)
             await asyncio.sleep(period_s)
 
-    async def _drain(self, task: _Task, replica: int) -> None:
+    async def _drain(self, task: Task, replica: int) -> None:
         """Waits until a replica being taken away has nothing in flight: shown draining (so
         whoever follows the endpoints stops sending to it) for at least two readiness periods,
         then until its load reads 0, or drain_timeout_s."""
@@ -1636,7 +1516,7 @@ class EmbeddedCore:
             epoch_dir.chmod(0o711)
 
     def _finish(
-        self, task: _Task, state: State, exit_code: int, reason: str, output_tail: str
+        self, task: Task, state: State, exit_code: int, reason: str, output_tail: str
     ) -> None:
         task.state, task.exit_code, task.reason = state, exit_code, reason
         task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
@@ -1660,7 +1540,7 @@ class EmbeddedCore:
         self._report(task)
         self._changed()
 
-    def _report(self, task: _Task) -> None:
+    def _report(self, task: Task) -> None:
         task.moved.set()
         self._reports.status(task.report())
 
