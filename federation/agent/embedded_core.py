@@ -18,7 +18,6 @@ import socket
 import time
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
@@ -44,6 +43,7 @@ from federation.agent.containers import (
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.elastic import Elastic, LaunchError
+from federation.agent.embedded.reservations import Reservation, Reservations, accepted
 from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes, task_problem
@@ -72,29 +72,6 @@ DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """How long a replica taken away from an autoscaled service may take to finish what it has
 in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
 _OUTPUT_TAIL_CHARS = 2000
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Capacity held for every replica of a task until it is committed or its lease lapses."""
-
-    id: str
-    key: RunKey
-    spec: jobs_pb2.TaskSpec
-    slots: tuple[Slot, ...]
-    lease_s: float
-    restore: jobs_pb2.CheckpointRecord | None = None
-    """The checkpoint the task restarts from, if the offer carried one."""
-    tenant: str = ""
-    """Whose task it is: it runs as that tenant's account."""
-    run_s: float = 0.0
-    """How long the task runs on the devices held (0: not said), as the answer told."""
-    device_model: str = ""
-    """The model of the slowest device held, as the answer told."""
-    stop_after_s: float = 0.0
-    """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
-    revision: int = 0
-    """The offer's spec revision (a service's endpoints report it)."""
 
 
 def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
@@ -200,8 +177,7 @@ class EmbeddedCore:
         self._compat = compat or load_table_files()
         self._owner_share = owner_share or resources_pb2.OwnerShare()
         self._levels = tuple(topology_levels)
-        self._reservations: dict[str, Reservation] = {}
-        self._lease_timers: dict[str, asyncio.TimerHandle] = {}
+        self._reservations = Reservations(self._changed)
         self._tasks: dict[RunKey, Task] = {}
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
@@ -312,13 +288,12 @@ class EmbeddedCore:
         """Reserves room for every replica of the task at once, or declines with a reason."""
         key: RunKey = (offer.job_id, offer.task, offer.epoch)
         lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
-        held = next((r for r in self._reservations.values() if r.key == key), None)
+        held = self._reservations.for_task(key)
         if held is not None:
             # A repeated offer: the same reservation, its lease renewed from now.
             held = dataclasses.replace(held, lease_s=lease_s)
-            self._reservations[held.id] = held
-            self._arm_lease(held)
-            return self._accepted(held)
+            self._reservations.hold(held)
+            return accepted(held)
         problem = self._offer_problem(offer)
         nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
         placed = nodes if isinstance(nodes, str) else self._place(nodes, offer)
@@ -343,8 +318,7 @@ class EmbeddedCore:
             stop_after_s=offer.stop_after_disconnect_s,
             revision=offer.revision,
         )
-        self._reservations[reservation.id] = reservation
-        self._arm_lease(reservation)
+        self._reservations.hold(reservation)
         log.info(
             "offer_accepted",
             job_id=key[0],
@@ -355,7 +329,7 @@ class EmbeddedCore:
             run_s=round(placed.run_s, 1),
         )
         self._changed()
-        return self._accepted(reservation)
+        return accepted(reservation)
 
     def _place(
         self, nodes: list[resources_pb2.Node], offer: site_link_service_pb2.Offer
@@ -384,7 +358,7 @@ class EmbeddedCore:
         reservation = settled(commit, self._tasks.get(key), held)
         if isinstance(reservation, site_link_service_pb2.CommitAnswer):
             return reservation
-        self._drop_reservation(reservation.id)
+        self._reservations.drop(reservation.id)
         devices = self._device_labels(reservation.slots)
         task = Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
@@ -527,7 +501,7 @@ class EmbeddedCore:
 
     async def release(self, reservation_id: str) -> None:
         """Frees an uncommitted reservation; a no-op when it is unknown."""
-        if self._drop_reservation(reservation_id) is not None:
+        if self._reservations.drop(reservation_id) is not None:
             log.info("reservation_released", reservation_id=reservation_id)
             self._changed()
 
@@ -541,9 +515,9 @@ class EmbeddedCore:
         def targeted(key: RunKey) -> bool:
             return key[:2] == (job_id, task) and epoch in (0, key[2])
 
-        dropped = [r.id for r in self._reservations.values() if targeted(r.key)]
+        dropped = [r.id for r in self._reservations if targeted(r.key)]
         for reservation_id in dropped:
-            self._drop_reservation(reservation_id)
+            self._reservations.drop(reservation_id)
         if dropped:
             self._changed()
         victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
@@ -573,9 +547,9 @@ class EmbeddedCore:
         """An elastic node its provider lost (a spot node taken back), launchable again: the
         tasks on it stop and are reported interrupted, so the coordinator places them again
         (from their newest checkpoints) as capacity lost; reservations there are dropped."""
-        for reservation in list(self._reservations.values()):
+        for reservation in self._reservations:
             if any(slot.node == node for slot in reservation.slots):
-                self._drop_reservation(reservation.id)
+                self._reservations.drop(reservation.id)
         victims = [
             t
             for t in self._tasks.values()
@@ -612,8 +586,8 @@ class EmbeddedCore:
     async def close(self) -> None:
         """Drops reservations and their timers; running tasks go on and are still reported,
         and are left to the next agent on this state_dir when this one exits."""
-        for reservation_id in list(self._reservations):
-            self._drop_reservation(reservation_id)
+        for reservation in self._reservations:
+            self._reservations.drop(reservation.id)
         if self._image_watch is not None:
             self._image_watch.cancel()
             self._image_watch = None
@@ -692,7 +666,7 @@ class EmbeddedCore:
 
     def _busy_nodes(self) -> set[str]:
         """Nodes that hold a reservation or an unfinished task."""
-        held = [r.slots for r in self._reservations.values()]
+        held = [r.slots for r in self._reservations]
         held += [t.slots for t in self._tasks.values() if t.active]
         return {slot.node for slots in held for slot in slots}
 
@@ -819,16 +793,14 @@ class EmbeddedCore:
             return problem
         if problem := _fixed_port_problem(offer.spec):
             return problem
-        return epoch_problem(offer, (r.key for r in self._reservations.values()), self._tasks)
+        return epoch_problem(offer, (r.key for r in self._reservations), self._tasks)
 
     def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
         """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
         share = self._owner_share
         if not share.keep or tenant in share.tenants:
             return None
-        guests = [
-            s for r in self._reservations.values() if r.tenant not in share.tenants for s in r.slots
-        ]
+        guests = [s for r in self._reservations if r.tenant not in share.tenants for s in r.slots]
         guests += [
             s
             for t in self._tasks.values()
@@ -844,37 +816,9 @@ class EmbeddedCore:
         )
 
     def _usage(self) -> Usage:
-        held = [slot for r in self._reservations.values() for slot in r.slots]
+        held = [slot for r in self._reservations for slot in r.slots]
         held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
         return Usage.of(held)
-
-    @staticmethod
-    def _accepted(reservation: Reservation) -> site_link_service_pb2.OfferAnswer:
-        return site_link_service_pb2.OfferAnswer(
-            accepted=True,
-            reservation_id=reservation.id,
-            expected_start_s=0.0,
-            lease_s=reservation.lease_s,
-            run_s=reservation.run_s,
-            device_model=reservation.device_model,
-        )
-
-    def _arm_lease(self, reservation: Reservation) -> None:
-        if (timer := self._lease_timers.pop(reservation.id, None)) is not None:
-            timer.cancel()
-        self._lease_timers[reservation.id] = asyncio.get_running_loop().call_later(
-            reservation.lease_s, self._lapse, reservation.id
-        )
-
-    def _lapse(self, reservation_id: str) -> None:
-        if self._drop_reservation(reservation_id) is not None:
-            log.info("reservation_lapsed", reservation_id=reservation_id)
-            self._changed()
-
-    def _drop_reservation(self, reservation_id: str) -> Reservation | None:
-        if (timer := self._lease_timers.pop(reservation_id, None)) is not None:
-            timer.cancel()
-        return self._reservations.pop(reservation_id, None)
 
     def _replica_env(self, task: Task, replica: int) -> dict[str, str]:
         slot = task.slots[replica]
