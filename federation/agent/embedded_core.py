@@ -43,6 +43,7 @@ from federation.agent.containers import (
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.device_env import SHARING_VARS, device_env, device_labels
 from federation.agent.elastic import Elastic, LaunchError
+from federation.agent.embedded.folders import TaskFolders, safe_part
 from federation.agent.embedded.reservations import Reservation, Reservations, accepted
 from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
@@ -170,6 +171,7 @@ class EmbeddedCore:
             self._nodes[node.name].CopyFrom(node)
         self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
+        self._folders = TaskFolders(self._work_dir)
         self._reports = Reports(on_status, on_change)
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
@@ -437,7 +439,7 @@ class EmbeddedCore:
             await asyncio.to_thread(self._make_dirs, task)
             await self.data.stage(
                 task.inputs,
-                [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
+                [self._folders.task_dir(task.key) / str(i) for i in range(len(task.slots))],
                 self._account(task),
                 task.key,
                 task.tenant,
@@ -457,7 +459,7 @@ class EmbeddedCore:
     async def _stage_restore(self, task: Task, item: site_link_service_pb2.StagedInput) -> None:
         """Stages the uploaded checkpoint the task restores from; one that cannot be had is
         no failure: the task starts fresh, and its reason says why."""
-        dest = restore_path(self._task_dir(task.key), item)
+        dest = restore_path(self._folders.task_dir(task.key), item)
         try:
             await self.data.restore(item, dest, self._account(task))
         except DataError as exc:
@@ -568,9 +570,9 @@ class EmbeddedCore:
         """A replica's output lines, from its log beside its work folder (kept after the
         task ends, as the work folder is)."""
         key = (request.job_id, request.task, request.epoch)
-        if not all(_safe_part(part) for part in (request.job_id, request.task)):
+        if not all(safe_part(part) for part in (request.job_id, request.task)):
             return site_link_service_pb2.LogsAnswer(error="no such task here")
-        run_dir = self._run_dir(key, request.replica)
+        run_dir = self._folders.run_dir(key, request.replica)
         return await asyncio.to_thread(read_log, run_dir, request)
 
     def forget(self, job_id: str, task: str, epoch: int) -> None:
@@ -632,7 +634,7 @@ class EmbeddedCore:
                 self._adopt_final(record)
                 continue
             replicas = [
-                ReplicaProcess.adopt(r.pid, r.start_ticks, self._run_dir(record.key, i))
+                ReplicaProcess.adopt(r.pid, r.start_ticks, self._folders.run_dir(record.key, i))
                 for i, r in enumerate(record.replicas)
             ]
             for i, replica in enumerate(replicas):
@@ -724,7 +726,10 @@ class EmbeddedCore:
         """The task's checkpoint folder and watcher; at a site with a store, its uploads."""
         policy = task.spec.checkpoint
         task.checkpoints = TaskCheckpoints(
-            policy, self._task_dir(task.key), restore, lambda found: self._found(task, found)
+            policy,
+            self._folders.task_dir(task.key),
+            restore,
+            lambda found: self._found(task, found),
         )
         if self.data.store is not None:
             task.uploads = CheckpointUploads(
@@ -732,7 +737,7 @@ class EmbeddedCore:
                 task.key,
                 task.tenant,
                 policy,
-                self._run_dir(task.key, 0).parent,
+                self._folders.run_dir(task.key, 0).parent,
                 lambda stored: self._checkpoint_stored(task, stored),
             )
         return task.checkpoints
@@ -864,7 +869,7 @@ class EmbeddedCore:
     async def _start_replica(self, task: Task, replica: int, account: Account | None) -> None:
         """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
         job_id, name, epoch = task.key
-        cwd, env = self._task_dir(task.key) / str(replica), self._replica_env(task, replica)
+        cwd, env = self._folders.task_dir(task.key) / str(replica), self._replica_env(task, replica)
         argv = list(task.spec.command)
         if task.spec.image:
             argv, env = await self._in_container(task, replica, account, cwd, env)
@@ -873,7 +878,7 @@ class EmbeddedCore:
             argv,
             cwd=cwd,
             env=env,
-            run_dir=self._run_dir(task.key, replica),
+            run_dir=self._folders.run_dir(task.key, replica),
             account=account,
             grace_s=self._kill_grace_s,
             owner=self._records.owner if self._records is not None else None,
@@ -910,7 +915,7 @@ class EmbeddedCore:
         for variable in ("FEDERATION_CHECKPOINT_DIR", "FEDERATION_RESTORE_FROM"):
             if variable in env and not Path(env[variable]).is_relative_to(cwd):
                 mounts.append(Path(env[variable]))
-        run_dir = self._run_dir(task.key, replica)
+        run_dir = self._folders.run_dir(task.key, replica)
         await asyncio.to_thread(private_folder, run_dir, None)
         return self._containers.command(
             container_name(self._work_dir, task.key, replica),
@@ -942,29 +947,18 @@ class EmbeddedCore:
 
         process.after_exit = clean_up
 
-    def _task_dir(self, key: RunKey) -> Path:
-        """The work folder of one epoch of a task; its replicas run in subfolders."""
-        job_id, name, epoch = key
-        return self._work_dir / job_id / name / str(epoch)
-
-    def _run_dir(self, key: RunKey, replica: int) -> Path:
-        """The agent's own folder for a replica's supervisor files (output tail, exit status):
-        beside the epoch's folder, where no task can reach."""
-        job_id, name, epoch = key
-        return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
-
     def _make_dirs(self, task: Task) -> None:
         """Creates the task's folders (again: a retried start takes those there). Blocking."""
         # The folders above the replicas' are the agent's, so no task can put a link where
         # another task's folder goes; each replica's is its account's alone.
-        base = self._task_dir(task.key)
+        base = self._folders.task_dir(task.key)
         account = self._account(task)
         agent_folder(base)
-        private_folder(self._run_dir(task.key, 0).parent, None)
+        private_folder(self._folders.run_dir(task.key, 0).parent, None)
         for replica in range(len(task.slots)):
             private_folder(base / str(replica), account)
         if task.checkpoints is not None:
-            self._reopen(task.key, task.checkpoints.restore_from)
+            self._folders.reopen(task.key, task.checkpoints.restore_from)
             task.checkpoints.prepare(account)
 
     async def _start_replicas(self, task: Task) -> None:
@@ -1048,8 +1042,8 @@ class EmbeddedCore:
                     task.key,
                     task.tenant,
                     task.spec.outputs,
-                    self._task_dir(task.key) / "0",
-                    self._run_dir(task.key, 0).parent,
+                    self._folders.task_dir(task.key) / "0",
+                    self._folders.run_dir(task.key, 0).parent,
                 )
             except DataError as exc:
                 job_id, name, _ = task.key
@@ -1060,8 +1054,8 @@ class EmbeddedCore:
                 task.key,
                 task.tenant,
                 task.spec.outputs,
-                self._task_dir(task.key) / "0",
-                self._run_dir(task.key, 0).parent,
+                self._folders.task_dir(task.key) / "0",
+                self._folders.run_dir(task.key, 0).parent,
             )
         self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
@@ -1270,7 +1264,7 @@ class EmbeddedCore:
     async def _start_added(self, task: Task, replica: int) -> None:
         """Starts a replica a change added (or one a restarted agent found not started)."""
         account = self._account(task)
-        folder = self._task_dir(task.key) / str(replica)
+        folder = self._folders.task_dir(task.key) / str(replica)
         try:
             await asyncio.to_thread(private_folder, folder, account)
         except OSError as exc:
@@ -1374,7 +1368,7 @@ class EmbeddedCore:
         check = task.spec.service.readiness
         await asyncio.sleep(check.initial_delay_s)
         env = self._replica_env(task, replica)
-        cwd = self._task_dir(task.key) / str(replica)
+        cwd = self._folders.task_dir(task.key) / str(replica)
         account = self._account(task)
         while not process.exited:
             ready = await is_ready(
@@ -1434,31 +1428,6 @@ class EmbeddedCore:
                 after_s=timeout_s,
             )
 
-    def _lock(self, key: RunKey) -> None:
-        """Once a task has ended only the agent may enter its folder: a task that opened its
-        own folder to others while it ran leaves nothing reachable. (One chmod: no walk.)"""
-        try:
-            self._task_dir(key).chmod(0o700)
-        except FileNotFoundError:
-            pass  # it never started
-        except OSError as exc:
-            log.warning("work_folder_not_locked", job_id=key[0], task=key[1], error=str(exc))
-
-    def _reopen(self, key: RunKey, checkpoint: Path | None) -> None:
-        """A restart from a checkpoint of an ended epoch here passes through that epoch's
-        folder again (locked by ``_lock``); the checkpoint's own folder stays its account's.
-        Blocking: run it in a thread."""
-        if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
-            return
-        parts = checkpoint.relative_to(self._work_dir).parts
-        # A part of a divided task ("train/1") has a folder per level of its name.
-        task = (key[0], *Path(key[1]).parts)
-        if len(parts) < len(task) + 2 or ".." in parts or parts[: len(task)] != task:
-            return  # only an earlier epoch of this same task is opened again
-        epoch_dir = self._work_dir.joinpath(*parts[: len(task) + 1])  # <job>/<task>/<epoch>
-        if epoch_dir.is_dir() and not epoch_dir.is_symlink():
-            epoch_dir.chmod(0o711)
-
     def _finish(
         self, task: Task, state: State, exit_code: int, reason: str, output_tail: str
     ) -> None:
@@ -1470,7 +1439,7 @@ class EmbeddedCore:
             task.uploads.cancel()
         task.final = task.report()
         self._save(task)  # before it is reported: a restarted agent reports it again
-        self._lock(task.key)
+        self._folders.lock(task.key)
         task.finished.set()
         log.info(
             "task_finished",
@@ -1490,8 +1459,3 @@ class EmbeddedCore:
 
     def _changed(self) -> None:
         self._reports.changed()
-
-
-def _safe_part(name: str) -> bool:
-    """Whether ``name`` (a job id or task name from the coordinator) is one path part."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
