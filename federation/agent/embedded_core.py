@@ -46,6 +46,7 @@ from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.embedded.folders import TaskFolders, safe_part
 from federation.agent.embedded.reservations import Reservation, Reservations, accepted
 from federation.agent.embedded.task import State, Task, ended_by_themselves
+from federation.agent.embedded.task_book import TaskBook
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.object_store import DataError
@@ -57,7 +58,7 @@ from federation.agent.service import ReplicaService, free_port, is_ready, is_ser
 from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
 from federation.agent.task_logs import read_log
-from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
+from federation.agent.task_records import TaskRecord, TaskRecords
 from federation.agent.usage import Slot, Usage, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
@@ -72,7 +73,6 @@ _DEFAULT_LEASE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """How long a replica taken away from an autoscaled service may take to finish what it has
 in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
-_OUTPUT_TAIL_CHARS = 2000
 
 
 def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
@@ -172,18 +172,18 @@ class EmbeddedCore:
         self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
         self._folders = TaskFolders(self._work_dir)
-        self._reports = Reports(on_status, on_change)
+        self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
+        self._book = TaskBook(self._records, Reports(on_status, on_change), self._folders)
+        self._tasks = self._book.tasks
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
         self._compat = compat or load_table_files()
         self._owner_share = owner_share or resources_pb2.OwnerShare()
         self._levels = tuple(topology_levels)
-        self._reservations = Reservations(self._changed)
-        self._tasks: dict[RunKey, Task] = {}
+        self._reservations = Reservations(self._book.changed)
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
-        self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -218,7 +218,7 @@ class EmbeddedCore:
         ]:
             self._images = images
             log.info("images_stored", images=len(images))
-            self._changed()
+            self._book.changed()
 
     def watch_images(self, interval_s: float = IMAGE_REFRESH_S) -> None:
         """Reads the images again every ``interval_s`` (an operator may prune or load some),
@@ -273,7 +273,7 @@ class EmbeddedCore:
             kept = resources_pb2.Node()
             kept.CopyFrom(current)
             self._readings_published[found.name] = (now, kept)
-            self._changed()
+            self._book.changed()
 
     def queue(self) -> resources_pb2.QueueState:
         """Reservations not yet committed, and tasks starting or running."""
@@ -330,7 +330,7 @@ class EmbeddedCore:
             nodes=[slot.node for slot in placed.slots],
             run_s=round(placed.run_s, 1),
         )
-        self._changed()
+        self._book.changed()
         return accepted(reservation)
 
     def _place(
@@ -388,7 +388,7 @@ class EmbeddedCore:
         if reservation.spec.HasField("checkpoint"):
             self._watch_checkpoints(task, restore)
         self._tasks[key] = task
-        self._changed()
+        self._book.changed()
         if task.inputs or task.restore_input is not None or self._to_launch(task):
             # Downloads and launches may take long: the commit is answered now, and the task
             # stays DELEGATED (not RUNNING) until its nodes run and every input is in place.
@@ -416,17 +416,17 @@ class EmbeddedCore:
         if not staging.done():
             staging.cancel()
             await asyncio.gather(staging, return_exceptions=True)
-            self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "", "")
+            self._book.finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "", "")
             return
         if (problem := staging.result()) is not None:
-            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
+            self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
             return
         await self._launch(task)
 
     async def _provision_and_stage(self, task: Task) -> str | None:
         if self._elastic is not None and (nodes := self._to_launch(task)):
             try:
-                await self._elastic.ensure_running(nodes, self._changed)
+                await self._elastic.ensure_running(nodes, self._book.changed)
             except LaunchError as exc:
                 return str(exc)
         if not task.inputs and task.restore_input is None:
@@ -488,16 +488,16 @@ class EmbeddedCore:
         except ReplicaStartError as exc:
             await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
             if task.cancel_reason is not None:
-                self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
+                self._book.finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
             else:
-                self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
+                self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
             return
         task.state, task.started_at = jobs_pb2.JOB_STATE_RUNNING, time.time()
-        self._save(task)
+        self._book.save(task)
         if task.checkpoints is not None:
             task.checkpoints.start(task.started_at)
         log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
-        self._report(task)
+        self._book.report(task)
         # Held so the supervisor is not garbage-collected while it runs.
         task.supervisor = asyncio.create_task(self._supervise(task))
 
@@ -505,7 +505,7 @@ class EmbeddedCore:
         """Frees an uncommitted reservation; a no-op when it is unknown."""
         if self._reservations.drop(reservation_id) is not None:
             log.info("reservation_released", reservation_id=reservation_id)
-            self._changed()
+            self._book.changed()
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
         """Stops the task and waits until it has ended CANCELLED.
@@ -521,7 +521,7 @@ class EmbeddedCore:
         for reservation_id in dropped:
             self._reservations.drop(reservation_id)
         if dropped:
-            self._changed()
+            self._book.changed()
         victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
         if not victims and not dropped:
             log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
@@ -562,7 +562,7 @@ class EmbeddedCore:
             victim.cancel_reason = f"node {node} was taken back by its provider: {why}"
             victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
             victim.cancelled.set()
-        self._changed()
+        self._book.changed()
 
     async def read_logs(
         self, request: site_link_service_pb2.ReadLogs
@@ -623,7 +623,7 @@ class EmbeddedCore:
         """
         if self._elastic is not None and self._idle_releases is None:
             self._idle_releases = asyncio.create_task(
-                self._elastic.run(self._busy_nodes, self._changed)
+                self._elastic.run(self._busy_nodes, self._book.changed)
             )
         if self._records is None:
             return
@@ -664,7 +664,7 @@ class EmbeddedCore:
             self._adopt_running(record, replicas)
         if self._elastic is not None:  # launched by the agent before: they run
             self._elastic.running(self._busy_nodes())
-        self._changed()
+        self._book.changed()
 
     def _busy_nodes(self) -> set[str]:
         """Nodes that hold a reservation or an unfinished task."""
@@ -748,12 +748,12 @@ class EmbeddedCore:
             task.uploads.submit(record)
         else:
             task.checkpoint = record
-            self._report(task)
+            self._book.report(task)
 
     def _checkpoint_stored(self, task: Task, record: jobs_pb2.CheckpointRecord) -> None:
         if task.final is None:
             task.checkpoint = record
-            self._report(task)
+            self._book.report(task)
 
     async def _settle_checkpoints(self, task: Task, state: State) -> None:
         """Before a task's end is reported: one more look for a checkpoint (one saved in its
@@ -766,29 +766,6 @@ class EmbeddedCore:
             task.uploads.cancel()  # never restored from: not worth the wait
         else:
             await task.uploads.flush()
-
-    def _save(self, task: Task) -> None:
-        """Records the task for a later agent; a failure costs its adoption, not the task."""
-        if self._records is None:
-            return
-        record = TaskRecord(
-            task.key,
-            task.reservation_id,
-            task.spec,
-            task.slots,
-            task.devices,
-            task.tenant,
-            task.started_at,
-            task.restore,
-            tuple(ReplicaRecord(p.pid, p.start_ticks) for p in task.replicas),
-            task.final,
-            tuple((r.port, r.restarts, r.revision) for r in task.service or ()),
-            task.revision,
-        )
-        try:
-            self._records.save(record)
-        except OSError as exc:
-            log.error("task_record_failed", job_id=task.key[0], task=task.key[1], error=str(exc))
 
     def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
         """Why an offer is declined before placement is even tried, or ""."""
@@ -987,7 +964,7 @@ class EmbeddedCore:
             await asyncio.gather(
                 *(p.terminate(task.grace_s) for p in task.replicas), return_exceptions=True
             )
-            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
+            self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
 
     async def _watch(self, task: Task) -> None:
         """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
@@ -1057,7 +1034,7 @@ class EmbeddedCore:
                 self._folders.task_dir(task.key) / "0",
                 self._folders.run_dir(task.key, 0).parent,
             )
-        self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
+        self._book.finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
 
     async def _watch_service(self, task: Task) -> None:
         """Keeps every replica of a service running, and brings them to its spec each time
@@ -1083,7 +1060,9 @@ class EmbeddedCore:
             await asyncio.gather(*task.keepers, return_exceptions=True)
         await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
         await self._settle_checkpoints(task, jobs_pb2.JOB_STATE_CANCELLED)
-        self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", "")
+        self._book.finish(
+            task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", ""
+        )
 
     async def change(
         self, change: site_link_service_pb2.ChangeTask
@@ -1119,7 +1098,7 @@ class EmbeddedCore:
         task.slots += added
         task.service += [ReplicaService.new(spec, task.revision) for _ in added]
         task.devices = self._device_labels(task.slots)
-        self._save(task)
+        self._book.save(task)
         log.info(
             "service_changed",
             job_id=key[0],
@@ -1129,7 +1108,7 @@ class EmbeddedCore:
             replicas=len(task.slots),
         )
         task.reshaped.set()
-        self._changed()
+        self._book.changed()
         return site_link_service_pb2.ChangeAnswer(accepted=True)
 
     def _change_problem(self, task: Task | None, change: site_link_service_pb2.ChangeTask) -> str:
@@ -1210,7 +1189,7 @@ class EmbeddedCore:
                 log.warning(
                     "replica_start_failed", job_id=job_id, task=name, error=str(exc), in_s=pause
                 )
-                self._report(task)
+                self._book.report(task)
             except Exception:
                 log.exception("service_change_failed", job_id=job_id, task=name, epoch=epoch)
                 busy = True
@@ -1250,16 +1229,16 @@ class EmbeddedCore:
             keeper.cancel()
             await asyncio.gather(keeper, return_exceptions=True)
         task.service[replica].ready = False
-        self._report(task)
+        self._book.report(task)
         if replica < len(task.replicas):
             await task.replicas[replica].terminate(task.grace_s)
             task.replicas.pop(replica)
         task.service.pop(replica)
         task.slots = task.slots[:replica]
         task.devices = self._device_labels(task.slots)
-        self._save(task)
-        self._report(task)
-        self._changed()
+        self._book.save(task)
+        self._book.report(task)
+        self._book.changed()
 
     async def _start_added(self, task: Task, replica: int) -> None:
         """Starts a replica a change added (or one a restarted agent found not started)."""
@@ -1271,8 +1250,8 @@ class EmbeddedCore:
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
         await self._start_replica(task, replica, account)
         task.keepers.append(asyncio.create_task(self._keep(task, replica)))
-        self._save(task)
-        self._report(task)
+        self._book.save(task)
+        self._book.report(task)
 
     async def _replace(self, task: Task, replica: int) -> None:
         """Stops one replica and starts it with the task's current spec. A start that fails
@@ -1283,7 +1262,7 @@ class EmbeddedCore:
         await asyncio.gather(keeper, return_exceptions=True)
         state = task.service[replica]
         state.ready, state.down, state.short_runs = False, False, 0
-        self._report(task)
+        self._book.report(task)
         await task.replicas[replica].terminate(task.grace_s)
         try:
             await self._start_replica(task, replica, self._account(task))
@@ -1294,8 +1273,8 @@ class EmbeddedCore:
                 "replica_replace_failed", job_id=task.key[0], task=task.key[1], error=str(exc)
             )
         task.keepers[replica] = asyncio.create_task(self._keep(task, replica))
-        self._save(task)
-        self._report(task)
+        self._book.save(task)
+        self._book.report(task)
 
     async def _keep(self, task: Task, replica: int) -> None:
         """Restarts one replica of a service each time it ends, by the task's policy: after
@@ -1319,7 +1298,7 @@ class EmbeddedCore:
                 except TimeoutError:
                     if state.short_runs:  # a long run: no more backoff, no more crash loop
                         state.short_runs = 0
-                        self._report(task)
+                        self._book.report(task)
                     code, short = await process.wait(), False
             finally:
                 checker.cancel()
@@ -1329,7 +1308,7 @@ class EmbeddedCore:
             if not policy.restarts(code):
                 state.down = True
                 log.info("replica_stays_down", job_id=job_id, task=name, replica=replica)
-                self._report(task)
+                self._book.report(task)
                 return
             while True:
                 state.short_runs = state.short_runs + 1 if short else 0
@@ -1344,7 +1323,7 @@ class EmbeddedCore:
                     in_s=delay_s,
                     crash_looping=policy.crash_looping(state.short_runs),
                 )
-                self._report(task)
+                self._book.report(task)
                 await asyncio.sleep(delay_s)
                 try:
                     await self._start_replica(task, replica, self._account(task))
@@ -1353,8 +1332,8 @@ class EmbeddedCore:
                     log.warning("replica_restart_failed", job_id=job_id, task=name, error=str(exc))
                     code, short = exc.exit_code, True
             state.restarts += 1
-            self._save(task)
-            self._report(task)
+            self._book.save(task)
+            self._book.report(task)
 
     async def _check_readiness(self, task: Task, replica: int, process: ReplicaProcess) -> None:
         """Checks a running replica every period from its initial delay; reports each change
@@ -1363,7 +1342,7 @@ class EmbeddedCore:
         state = task.service[replica]
         if not task.spec.service.HasField("readiness"):
             state.ready = state.checked = True
-            self._report(task)
+            self._book.report(task)
             return
         check = task.spec.service.readiness
         await asyncio.sleep(check.initial_delay_s)
@@ -1380,7 +1359,7 @@ class EmbeddedCore:
             ready = ready and not state.draining
             if ready != state.ready or first:
                 state.ready = ready
-                self._report(task)
+                self._book.report(task)
             await asyncio.sleep(check.period_s or 1.0)
 
     async def _watch_load(self, task: Task, replica: int, process: ReplicaProcess) -> None:
@@ -1398,7 +1377,7 @@ class EmbeddedCore:
             )
             if load is not None and round(load, 2) != round(state.load, 2):
                 state.load = load
-                self._report(task)
+                self._book.report(task)
             await asyncio.sleep(period_s)
 
     async def _drain(self, task: Task, replica: int) -> None:
@@ -1410,7 +1389,7 @@ class EmbeddedCore:
         state, process = task.service[replica], task.replicas[replica]
         period_s = task.spec.service.readiness.period_s or 1.0
         state.ready, state.draining = False, True
-        self._report(task)
+        self._book.report(task)
         started = time.monotonic()
         timeout_s = scale.drain_timeout_s or DEFAULT_DRAIN_TIMEOUT_S
         await asyncio.sleep(min(2 * period_s, timeout_s))
@@ -1427,35 +1406,3 @@ class EmbeddedCore:
                 replica=replica,
                 after_s=timeout_s,
             )
-
-    def _finish(
-        self, task: Task, state: State, exit_code: int, reason: str, output_tail: str
-    ) -> None:
-        task.state, task.exit_code, task.reason = state, exit_code, reason
-        task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
-        if task.checkpoints is not None:
-            task.checkpoints.stop()
-        if task.uploads is not None:
-            task.uploads.cancel()
-        task.final = task.report()
-        self._save(task)  # before it is reported: a restarted agent reports it again
-        self._folders.lock(task.key)
-        task.finished.set()
-        log.info(
-            "task_finished",
-            job_id=task.key[0],
-            task=task.key[1],
-            epoch=task.key[2],
-            state=jobs_pb2.JobState.Name(state),
-            exit_code=exit_code,
-            reason=reason,
-        )
-        self._report(task)
-        self._changed()
-
-    def _report(self, task: Task) -> None:
-        task.moved.set()
-        self._reports.status(task.report())
-
-    def _changed(self) -> None:
-        self._reports.changed()
