@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-import os
 import socket
 import time
 import uuid
@@ -23,27 +22,23 @@ from pathlib import Path
 import structlog
 
 from federation.agent.accounts import (
-    Account,
-    NoAccountError,
     TaskAccounts,
-    agent_folder,
     private_folder,
 )
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import commit_key, epoch_problem, settled, started
 from federation.agent.containers import (
-    ENV_FILE,
     IMAGE_REFRESH_S,
     Containers,
     ContainerSettings,
     container_name,
-    device_args,
 )
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.device_env import SHARING_VARS, device_env, device_labels
+from federation.agent.device_env import device_labels
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.embedded.folders import TaskFolders, safe_part
+from federation.agent.embedded.launching import ReplicaLauncher
 from federation.agent.embedded.reservations import Reservation, Reservations, accepted
 from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.embedded.task_book import TaskBook
@@ -82,26 +77,6 @@ def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
             "one machine: only one could listen on it (give port 0 for a port per replica)"
         )
     return ""
-
-
-INHERITED_ENV = frozenset(
-    {
-        "PATH",
-        "HOME",
-        "USER",
-        "LOGNAME",
-        "SHELL",
-        "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
-        "TZ",
-        "TMPDIR",
-        "LD_LIBRARY_PATH",
-        "CUDA_HOME",
-        "ASCEND_HOME_PATH",
-        "NEURON_RT_ROOT",
-    }
-)
 
 
 class EmbeddedCore:
@@ -184,6 +159,16 @@ class EmbeddedCore:
         self._reservations = Reservations(self._book.changed)
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
+        self._launcher = ReplicaLauncher(
+            self._nodes,
+            site=site,
+            folders=self._folders,
+            containers=self._containers,
+            accounts=accounts,
+            kill_grace_s=kill_grace_s,
+            records=self._records,
+            on_pulled=self.refresh_images,
+        )
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -436,11 +421,11 @@ class EmbeddedCore:
     async def _stage(self, task: Task) -> str | None:
         """Puts the inputs in every replica's folder; why not, or None."""
         try:
-            await asyncio.to_thread(self._make_dirs, task)
+            await asyncio.to_thread(self._launcher.make_dirs, task)
             await self.data.stage(
                 task.inputs,
                 [self._folders.task_dir(task.key) / str(i) for i in range(len(task.slots))],
-                self._account(task),
+                self._launcher.account(task),
                 task.key,
                 task.tenant,
             )
@@ -461,7 +446,7 @@ class EmbeddedCore:
         no failure: the task starts fresh, and its reason says why."""
         dest = restore_path(self._folders.task_dir(task.key), item)
         try:
-            await self.data.restore(item, dest, self._account(task))
+            await self.data.restore(item, dest, self._launcher.account(task))
         except DataError as exc:
             task.reason = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
             job_id, name, _ = task.key
@@ -480,7 +465,7 @@ class EmbeddedCore:
         key = task.key
         devices = task.devices
         try:
-            await self._start_replicas(task)
+            await self._launcher.start_replicas(task)
         except asyncio.CancelledError:  # the agent is going: no record, so no adoption
             for replica in task.replicas:
                 replica.kill()
@@ -638,7 +623,7 @@ class EmbeddedCore:
                 for i, r in enumerate(record.replicas)
             ]
             for i, replica in enumerate(replicas):
-                self._bind_container(record.key, record.spec, i, replica)
+                self._launcher.bind_container(record.key, record.spec, i, replica)
                 if replica.exited and record.spec.image:
                     # Ended meanwhile: its supervisor may have had to leave the container.
                     await self._containers.remove(container_name(self._work_dir, record.key, i))
@@ -801,152 +786,6 @@ class EmbeddedCore:
         held = [slot for r in self._reservations for slot in r.slots]
         held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
         return Usage.of(held)
-
-    def _replica_env(self, task: Task, replica: int) -> dict[str, str]:
-        slot = task.slots[replica]
-        node = self._nodes[slot.node]
-        # Only the basics of the agent's own environment: it may hold the agent's secrets.
-        env = {k: v for k, v in os.environ.items() if k in INHERITED_ENV}
-        env.update(task.spec.env)
-        for name in SHARING_VARS:
-            env.pop(name, None)
-        # Set last: a task's own env must not widen what it was given.
-        env.update(
-            FEDERATION_JOB_ID=task.key[0],
-            FEDERATION_TASK=task.key[1],
-            FEDERATION_EPOCH=str(task.key[2]),
-            FEDERATION_SITE=self._site,
-            FEDERATION_REPLICA=str(replica),
-            FEDERATION_REPLICAS=str(len(task.slots)),
-        )
-        env.update(device_env(node, slot))
-        if task.checkpoints is not None:
-            env.update(task.checkpoints.env())
-        if task.service is not None:
-            env["FEDERATION_PORT"] = str(task.service[replica].port)
-        if task.gang_peers:  # a part of a gang across sites: its rendezvous
-            rank = task.gang_rank + replica
-            env.update(
-                FEDERATION_GANG_PEERS=",".join(task.gang_peers),
-                FEDERATION_GANG_RANK=str(rank),
-                FEDERATION_GANG_SIZE=str(len(task.gang_peers)),
-                FEDERATION_GANG_PORT=task.gang_peers[
-                    min(rank, len(task.gang_peers) - 1)
-                ].rpartition(":")[2],
-            )
-        return env
-
-    def _account(self, task: Task) -> Account | None:
-        """The account the task runs as; ReplicaStartError when the site has none for it."""
-        try:
-            return self._accounts.for_tenant(task.tenant) if self._accounts else None
-        except NoAccountError as exc:
-            raise ReplicaStartError(str(exc), 0) from None
-
-    async def _start_replica(self, task: Task, replica: int, account: Account | None) -> None:
-        """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
-        job_id, name, epoch = task.key
-        cwd, env = self._folders.task_dir(task.key) / str(replica), self._replica_env(task, replica)
-        argv = list(task.spec.command)
-        if task.spec.image:
-            argv, env = await self._in_container(task, replica, account, cwd, env)
-            account = None  # podman runs as the agent; the container as the account
-        process = await ReplicaProcess.start(
-            argv,
-            cwd=cwd,
-            env=env,
-            run_dir=self._folders.run_dir(task.key, replica),
-            account=account,
-            grace_s=self._kill_grace_s,
-            owner=self._records.owner if self._records is not None else None,
-            label=f"{job_id}/{name}/{epoch}/{replica}",
-        )
-        self._bind_container(task.key, task.spec, replica, process)
-        if replica < len(task.replicas):
-            task.replicas[replica] = process
-        else:
-            task.replicas.append(process)
-        if task.service is not None:
-            task.service[replica].revision = task.revision
-            task.service[replica].checked = False
-
-    async def _in_container(
-        self, task: Task, replica: int, account: Account | None, cwd: Path, env: dict[str, str]
-    ) -> tuple[list[str], dict[str, str]]:
-        """The ``podman run`` that runs the replica in its image, and podman's environment;
-        pulls the image first if the node does not have it."""
-        if account is None:
-            raise ReplicaStartError("containers run as the tenant's account: this site has none", 0)
-        if await self._containers.pull(task.spec.image, task.spec.image_pull_secrets):
-            await self.refresh_images()
-        slot = task.slots[replica]
-        devices = device_args(self._nodes[slot.node], slot)
-        # The image's own PATH and libraries, not the host's; what the task set stays.
-        env = {k: v for k, v in env.items() if k not in INHERITED_ENV or k in task.spec.env}
-        home = account.home or str(cwd)
-        env.update(HOME=home, USER=account.name, LOGNAME=account.name)
-        if devices and "CUDA_VISIBLE_DEVICES" in env:
-            # The container holds only its own GPUs, numbered from 0.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(len(slot.device_positions))))
-        mounts = [cwd]
-        for variable in ("FEDERATION_CHECKPOINT_DIR", "FEDERATION_RESTORE_FROM"):
-            if variable in env and not Path(env[variable]).is_relative_to(cwd):
-                mounts.append(Path(env[variable]))
-        run_dir = self._folders.run_dir(task.key, replica)
-        await asyncio.to_thread(private_folder, run_dir, None)
-        return self._containers.command(
-            container_name(self._work_dir, task.key, replica),
-            task.spec.image,
-            list(task.spec.command),
-            uid=account.uid,
-            gid=account.gid,
-            cwd=cwd,
-            mounts=mounts,
-            env=env,
-            env_file=run_dir / ENV_FILE,
-            cpu=slot.cpu,
-            memory_mib=slot.memory_mib,
-            devices=devices,
-        )
-
-    def _bind_container(
-        self, key: RunKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
-    ) -> None:
-        """A container replica's container, and the file of its environment, go when the
-        replica has ended."""
-        if not spec.image:
-            return
-        name = container_name(self._work_dir, key, replica)
-
-        async def clean_up() -> None:
-            await self._containers.remove(name)
-            (process.run_dir / ENV_FILE).unlink(missing_ok=True)
-
-        process.after_exit = clean_up
-
-    def _make_dirs(self, task: Task) -> None:
-        """Creates the task's folders (again: a retried start takes those there). Blocking."""
-        # The folders above the replicas' are the agent's, so no task can put a link where
-        # another task's folder goes; each replica's is its account's alone.
-        base = self._folders.task_dir(task.key)
-        account = self._account(task)
-        agent_folder(base)
-        private_folder(self._folders.run_dir(task.key, 0).parent, None)
-        for replica in range(len(task.slots)):
-            private_folder(base / str(replica), account)
-        if task.checkpoints is not None:
-            self._folders.reopen(task.key, task.checkpoints.restore_from)
-            task.checkpoints.prepare(account)
-
-    async def _start_replicas(self, task: Task) -> None:
-        account = self._account(task)
-        try:
-            await asyncio.to_thread(self._make_dirs, task)
-        except OSError as exc:
-            # No replica ran, so there is no exit code to report.
-            raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        for replica in range(len(task.slots)):
-            await self._start_replica(task, replica, account)
 
     async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
@@ -1242,13 +1081,13 @@ class EmbeddedCore:
 
     async def _start_added(self, task: Task, replica: int) -> None:
         """Starts a replica a change added (or one a restarted agent found not started)."""
-        account = self._account(task)
+        account = self._launcher.account(task)
         folder = self._folders.task_dir(task.key) / str(replica)
         try:
             await asyncio.to_thread(private_folder, folder, account)
         except OSError as exc:
             raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        await self._start_replica(task, replica, account)
+        await self._launcher.start_replica(task, replica, account)
         task.keepers.append(asyncio.create_task(self._keep(task, replica)))
         self._book.save(task)
         self._book.report(task)
@@ -1265,7 +1104,7 @@ class EmbeddedCore:
         self._book.report(task)
         await task.replicas[replica].terminate(task.grace_s)
         try:
-            await self._start_replica(task, replica, self._account(task))
+            await self._launcher.start_replica(task, replica, self._launcher.account(task))
         except ReplicaStartError as exc:
             # Of the new revision all the same: its keeper restarts it, with its backoff.
             state.revision, state.checked = task.revision, True
@@ -1326,7 +1165,7 @@ class EmbeddedCore:
                 self._book.report(task)
                 await asyncio.sleep(delay_s)
                 try:
-                    await self._start_replica(task, replica, self._account(task))
+                    await self._launcher.start_replica(task, replica, self._launcher.account(task))
                     break
                 except ReplicaStartError as exc:
                     log.warning("replica_restart_failed", job_id=job_id, task=name, error=str(exc))
@@ -1346,9 +1185,9 @@ class EmbeddedCore:
             return
         check = task.spec.service.readiness
         await asyncio.sleep(check.initial_delay_s)
-        env = self._replica_env(task, replica)
+        env = self._launcher.replica_env(task, replica)
         cwd = self._folders.task_dir(task.key) / str(replica)
-        account = self._account(task)
+        account = self._launcher.account(task)
         while not process.exited:
             ready = await is_ready(
                 check, address=self._address, port=state.port, env=env, cwd=cwd, account=account
