@@ -11,12 +11,10 @@ purpose leaves its tasks running, and the next one adopts them with their epochs
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
 import socket
 import time
-import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import structlog
@@ -27,7 +25,7 @@ from federation.agent.accounts import (
 )
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
-from federation.agent.commits import commit_key, epoch_problem, settled, started
+from federation.agent.commits import commit_key, settled, started
 from federation.agent.containers import (
     IMAGE_REFRESH_S,
     Containers,
@@ -35,18 +33,15 @@ from federation.agent.containers import (
     container_name,
 )
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.device_env import device_labels
 from federation.agent.elastic import Elastic, LaunchError
 from federation.agent.embedded.folders import TaskFolders, safe_part
 from federation.agent.embedded.launching import ReplicaLauncher
-from federation.agent.embedded.reservations import Reservation, Reservations, accepted
+from federation.agent.embedded.reservations import Reservations
+from federation.agent.embedded.room import Room, fixed_port_problem
 from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.embedded.task_book import TaskBook
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.node_fit import qualifying_nodes, task_problem
 from federation.agent.object_store import DataError
-from federation.agent.owner_share import held
-from federation.agent.packing import Placed, place_as_estimated
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.reports import Reports
 from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
@@ -54,29 +49,18 @@ from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
 from federation.agent.task_logs import read_log
 from federation.agent.task_records import TaskRecord, TaskRecords
-from federation.agent.usage import Slot, Usage, apply_usage
+from federation.agent.usage import Slot, apply_usage
 from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
-from federation.resources import capacity, owner_share_refusal
 from federation.service_policy import RestartPolicy, in_place, max_unavailable, only_scaled
 from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
-_DEFAULT_LEASE_S = 10.0
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 """How long a replica taken away from an autoscaled service may take to finish what it has
 in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
-
-
-def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
-    if is_service(spec) and spec.service.port and spec.replicas > 1:
-        return (
-            f"service.port {spec.service.port} is fixed, and this site runs every replica on "
-            "one machine: only one could listen on it (give port 0 for a port per replica)"
-        )
-    return ""
 
 
 class EmbeddedCore:
@@ -153,9 +137,6 @@ class EmbeddedCore:
         self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
-        self._compat = compat or load_table_files()
-        self._owner_share = owner_share or resources_pb2.OwnerShare()
-        self._levels = tuple(topology_levels)
         self._reservations = Reservations(self._book.changed)
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
@@ -169,6 +150,17 @@ class EmbeddedCore:
             records=self._records,
             on_pulled=self.refresh_images,
         )
+        self._room = Room(
+            self._nodes,
+            self._reservations,
+            self._tasks,
+            elastic=elastic,
+            levels=topology_levels,
+            compat=compat or load_table_files(),
+            owner_share=owner_share or resources_pb2.OwnerShare(),
+            containers=self._containers,
+            changed=self._book.changed,
+        )
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -179,7 +171,7 @@ class EmbeddedCore:
         ``Device.allocated`` marks devices held whole, ``free_fraction`` what shares may still
         take, and each partition profile's ``free`` its slots left (see ``agent.usage``).
         """
-        usage = self._usage()
+        usage = self._room.usage()
         views = []
         for base in self._nodes.values():
             node = resources_pb2.Node()
@@ -273,64 +265,7 @@ class EmbeddedCore:
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         """Reserves room for every replica of the task at once, or declines with a reason."""
-        key: RunKey = (offer.job_id, offer.task, offer.epoch)
-        lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
-        held = self._reservations.for_task(key)
-        if held is not None:
-            # A repeated offer: the same reservation, its lease renewed from now.
-            held = dataclasses.replace(held, lease_s=lease_s)
-            self._reservations.hold(held)
-            return accepted(held)
-        problem = self._offer_problem(offer)
-        nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
-        placed = nodes if isinstance(nodes, str) else self._place(nodes, offer)
-        if not isinstance(placed, str):
-            placed = self._owner_share_refusal(offer.tenant, placed.slots) or placed
-        if isinstance(placed, str):
-            log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
-            return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
-        spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(offer.spec)
-        restore = offer.restore if offer.HasField("restore") else None
-        reservation = Reservation(
-            uuid.uuid4().hex,
-            key,
-            spec,
-            placed.slots,
-            lease_s,
-            restore,
-            tenant=offer.tenant,
-            run_s=placed.run_s,
-            device_model=placed.device_model,
-            stop_after_s=offer.stop_after_disconnect_s,
-            revision=offer.revision,
-        )
-        self._reservations.hold(reservation)
-        log.info(
-            "offer_accepted",
-            job_id=key[0],
-            task=key[1],
-            epoch=key[2],
-            reservation_id=reservation.id,
-            nodes=[slot.node for slot in placed.slots],
-            run_s=round(placed.run_s, 1),
-        )
-        self._book.changed()
-        return accepted(reservation)
-
-    def _place(
-        self, nodes: list[resources_pb2.Node], offer: site_link_service_pb2.Offer
-    ) -> Placed | str:
-        """Room for the offer: on running nodes where they have it, else (an elastic site)
-        with nodes still to launch."""
-        usage, speed, levels = self._usage(), offer.estimate.device_speed, self._levels
-        if self._elastic is None:
-            return place_as_estimated(nodes, offer.spec, usage, speed, levels)
-        running = [node for node in nodes if self._elastic.ready(node.name)]
-        placed = place_as_estimated(running, offer.spec, usage, speed, levels) if running else ""
-        if isinstance(placed, str):
-            placed = place_as_estimated(nodes, offer.spec, usage, speed, levels)
-        return placed
+        return await self._room.offer(offer)
 
     async def commit(
         self, commit: site_link_service_pb2.Commit
@@ -346,7 +281,7 @@ class EmbeddedCore:
         if isinstance(reservation, site_link_service_pb2.CommitAnswer):
             return reservation
         self._reservations.drop(reservation.id)
-        devices = self._device_labels(reservation.slots)
+        devices = self._room.device_labels(reservation.slots)
         task = Task(
             key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
         )
@@ -374,19 +309,13 @@ class EmbeddedCore:
             self._watch_checkpoints(task, restore)
         self._tasks[key] = task
         self._book.changed()
-        if task.inputs or task.restore_input is not None or self._to_launch(task):
+        if task.inputs or task.restore_input is not None or self._room.to_launch(task):
             # Downloads and launches may take long: the commit is answered now, and the task
             # stays DELEGATED (not RUNNING) until its nodes run and every input is in place.
             task.supervisor = asyncio.create_task(self._stage_then_launch(task))
         else:
             await self._launch(task)
         return started()
-
-    def _to_launch(self, task: Task) -> set[str]:
-        """The nodes of the task that an elastic site has yet to launch."""
-        if self._elastic is None:
-            return set()
-        return {slot.node for slot in task.slots if not self._elastic.ready(slot.node)}
 
     async def _stage_then_launch(self, task: Task) -> None:
         """Launches the task's nodes that do not run yet and stages its inputs, then starts
@@ -409,7 +338,7 @@ class EmbeddedCore:
         await self._launch(task)
 
     async def _provision_and_stage(self, task: Task) -> str | None:
-        if self._elastic is not None and (nodes := self._to_launch(task)):
+        if self._elastic is not None and (nodes := self._room.to_launch(task)):
             try:
                 await self._elastic.ensure_running(nodes, self._book.changed)
             except LaunchError as exc:
@@ -608,7 +537,7 @@ class EmbeddedCore:
         """
         if self._elastic is not None and self._idle_releases is None:
             self._idle_releases = asyncio.create_task(
-                self._elastic.run(self._busy_nodes, self._book.changed)
+                self._elastic.run(self._room.busy_nodes, self._book.changed)
             )
         if self._records is None:
             return
@@ -648,14 +577,8 @@ class EmbeddedCore:
                 replica.claim()
             self._adopt_running(record, replicas)
         if self._elastic is not None:  # launched by the agent before: they run
-            self._elastic.running(self._busy_nodes())
+            self._elastic.running(self._room.busy_nodes())
         self._book.changed()
-
-    def _busy_nodes(self) -> set[str]:
-        """Nodes that hold a reservation or an unfinished task."""
-        held = [r.slots for r in self._reservations]
-        held += [t.slots for t in self._tasks.values() if t.active]
-        return {slot.node for slots in held for slot in slots}
 
     def _adopted(self, record: TaskRecord) -> Task:
         task = Task(
@@ -751,41 +674,6 @@ class EmbeddedCore:
             task.uploads.cancel()  # never restored from: not worth the wait
         else:
             await task.uploads.flush()
-
-    def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
-        """Why an offer is declined before placement is even tried, or ""."""
-        if problem := task_problem(offer):
-            return problem
-        if offer.spec.image and (problem := self._containers.refusal(offer.spec.image)):
-            return problem
-        if problem := _fixed_port_problem(offer.spec):
-            return problem
-        return epoch_problem(offer, (r.key for r in self._reservations), self._tasks)
-
-    def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
-        """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
-        share = self._owner_share
-        if not share.keep or tenant in share.tenants:
-            return None
-        guests = [s for r in self._reservations if r.tenant not in share.tenants for s in r.slots]
-        guests += [
-            s
-            for t in self._tasks.values()
-            if t.active and t.tenant not in share.tenants
-            for s in t.slots
-        ]
-        return owner_share_refusal(
-            share,
-            tenant,
-            held(slots, self._nodes),
-            held(guests, self._nodes),
-            capacity(self._nodes.values()),
-        )
-
-    def _usage(self) -> Usage:
-        held = [slot for r in self._reservations for slot in r.slots]
-        held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
-        return Usage.of(held)
 
     async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
@@ -920,7 +808,7 @@ class EmbeddedCore:
         added: tuple[Slot, ...] = ()
         if task is not None and not problem:
             extra = (spec.replicas or 1) - len(task.slots)
-            placed = self._place_added(task, spec, change, extra) if extra > 0 else ()
+            placed = self._room.place_added(task, spec, change, extra) if extra > 0 else ()
             if isinstance(placed, str):
                 problem = f"no room for {extra} more replicas: {placed}"
             else:
@@ -936,7 +824,7 @@ class EmbeddedCore:
         task.spec, task.revision = spec, change.revision
         task.slots += added
         task.service += [ReplicaService.new(spec, task.revision) for _ in added]
-        task.devices = self._device_labels(task.slots)
+        task.devices = self._room.device_labels(task.slots)
         self._book.save(task)
         log.info(
             "service_changed",
@@ -967,35 +855,7 @@ class EmbeddedCore:
                 f"the change to revision {task.revision} is still stopping replicas "
                 f"({len(task.slots)} left of {task.spec.replicas or 1}); try again in a moment"
             )
-        return _fixed_port_problem(change.spec)
-
-    def _place_added(
-        self,
-        task: Task,
-        new: jobs_pb2.TaskSpec,
-        change: site_link_service_pb2.ChangeTask,
-        extra: int,
-    ) -> tuple[Slot, ...] | str:
-        """Room for ``extra`` more replicas of a service, on nodes that may run it."""
-        spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(new)
-        spec.replicas = extra
-        wanted = site_link_service_pb2.Offer(
-            spec=spec,
-            tenant=task.tenant,
-            node_labels=change.node_labels,
-            cordoned_nodes=change.cordoned_nodes,
-        )
-        nodes = qualifying_nodes(self._nodes.values(), wanted, self._compat)
-        if isinstance(nodes, str):
-            return nodes
-        placed = place_as_estimated(nodes, spec, self._usage(), 0.0)
-        if isinstance(placed, str):
-            return placed
-        return self._owner_share_refusal(task.tenant, placed.slots) or placed.slots
-
-    def _device_labels(self, slots: Iterable[Slot]) -> list[str]:
-        return [label for slot in slots for label in device_labels(self._nodes[slot.node], slot)]
+        return fixed_port_problem(change.spec)
 
     async def _converge(self, task: Task) -> None:
         """Brings a service's replicas to its spec as it changes in place: the replicas past
@@ -1074,7 +934,7 @@ class EmbeddedCore:
             task.replicas.pop(replica)
         task.service.pop(replica)
         task.slots = task.slots[:replica]
-        task.devices = self._device_labels(task.slots)
+        task.devices = self._room.device_labels(task.slots)
         self._book.save(task)
         self._book.report(task)
         self._book.changed()
