@@ -23,8 +23,6 @@ from federation.agent.accounts import (
     TaskAccounts,
     private_folder,
 )
-from federation.agent.checkpoint_store import CheckpointUploads, restore_path
-from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.commits import commit_key, settled, started
 from federation.agent.containers import (
     IMAGE_REFRESH_S,
@@ -40,6 +38,7 @@ from federation.agent.embedded.reservations import Reservations
 from federation.agent.embedded.room import Room, fixed_port_problem
 from federation.agent.embedded.task import State, Task, ended_by_themselves
 from federation.agent.embedded.task_book import TaskBook
+from federation.agent.embedded.task_files import TaskFiles
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
 from federation.agent.object_store import DataError
 from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
@@ -161,6 +160,7 @@ class EmbeddedCore:
             containers=self._containers,
             changed=self._book.changed,
         )
+        self._files = TaskFiles(self.data, self._folders, self._launcher, self._book.report)
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -306,7 +306,7 @@ class EmbeddedCore:
                 ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
             ]
         if reservation.spec.HasField("checkpoint"):
-            self._watch_checkpoints(task, restore)
+            self._files.watch_checkpoints(task, restore)
         self._tasks[key] = task
         self._book.changed()
         if task.inputs or task.restore_input is not None or self._room.to_launch(task):
@@ -345,49 +345,7 @@ class EmbeddedCore:
                 return str(exc)
         if not task.inputs and task.restore_input is None:
             return None
-        return await self._stage(task)
-
-    async def _stage(self, task: Task) -> str | None:
-        """Puts the inputs in every replica's folder; why not, or None."""
-        try:
-            await asyncio.to_thread(self._launcher.make_dirs, task)
-            await self.data.stage(
-                task.inputs,
-                [self._folders.task_dir(task.key) / str(i) for i in range(len(task.slots))],
-                self._launcher.account(task),
-                task.key,
-                task.tenant,
-            )
-            if task.restore_input is not None:
-                await self._stage_restore(task, task.restore_input)
-        except (DataError, ReplicaStartError) as exc:
-            log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
-            return str(exc)
-        except OSError as exc:
-            return f"cannot create working directory: {exc}"
-        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
-            log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
-            return f"staging failed: {type(exc).__name__}"
-        return None
-
-    async def _stage_restore(self, task: Task, item: site_link_service_pb2.StagedInput) -> None:
-        """Stages the uploaded checkpoint the task restores from; one that cannot be had is
-        no failure: the task starts fresh, and its reason says why."""
-        dest = restore_path(self._folders.task_dir(task.key), item)
-        try:
-            await self.data.restore(item, dest, self._launcher.account(task))
-        except DataError as exc:
-            task.reason = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
-            job_id, name, _ = task.key
-            log.warning("checkpoint_not_restored", job_id=job_id, task=name, error=str(exc))
-            return
-        record = jobs_pb2.CheckpointRecord()
-        if task.restore_of is not None:
-            record.CopyFrom(task.restore_of)
-        record.path = str(dest)
-        task.restore = record
-        if task.checkpoints is not None:
-            task.checkpoints.restore_from_copy(record)
+        return await self._files.stage(task)
 
     async def _launch(self, task: Task) -> None:
         """Starts every replica and supervises the task (or ends it, if one cannot start)."""
@@ -615,7 +573,7 @@ class EmbeddedCore:
         task = self._adopted(record)
         task.replicas, task.state = replicas, jobs_pb2.JOB_STATE_RUNNING
         if record.spec.HasField("checkpoint"):
-            checkpoints = self._watch_checkpoints(task, record.restore)
+            checkpoints = self._files.watch_checkpoints(task, record.restore)
             checkpoints.start(record.started_at)
         job_id, name, epoch = record.key
         log.info(
@@ -627,53 +585,6 @@ class EmbeddedCore:
             ended=[p.exited for p in replicas],
         )
         task.supervisor = asyncio.create_task(self._supervise(task))
-
-    def _watch_checkpoints(
-        self, task: Task, restore: jobs_pb2.CheckpointRecord | None
-    ) -> TaskCheckpoints:
-        """The task's checkpoint folder and watcher; at a site with a store, its uploads."""
-        policy = task.spec.checkpoint
-        task.checkpoints = TaskCheckpoints(
-            policy,
-            self._folders.task_dir(task.key),
-            restore,
-            lambda found: self._found(task, found),
-        )
-        if self.data.store is not None:
-            task.uploads = CheckpointUploads(
-                self.data.store,
-                task.key,
-                task.tenant,
-                policy,
-                self._folders.run_dir(task.key, 0).parent,
-                lambda stored: self._checkpoint_stored(task, stored),
-            )
-        return task.checkpoints
-
-    def _found(self, task: Task, record: jobs_pb2.CheckpointRecord) -> None:
-        """A checkpoint completed: reported now, or once uploaded where there is a store."""
-        if task.uploads is not None:
-            task.uploads.submit(record)
-        else:
-            task.checkpoint = record
-            self._book.report(task)
-
-    def _checkpoint_stored(self, task: Task, record: jobs_pb2.CheckpointRecord) -> None:
-        if task.final is None:
-            task.checkpoint = record
-            self._book.report(task)
-
-    async def _settle_checkpoints(self, task: Task, state: State) -> None:
-        """Before a task's end is reported: one more look for a checkpoint (one saved in its
-        stop's grace) and, unless it succeeded, its newest one uploaded."""
-        if task.checkpoints is not None:
-            await task.checkpoints.last_look(task.started_at)
-        if task.uploads is None:
-            return
-        if state == jobs_pb2.JOB_STATE_SUCCEEDED:
-            task.uploads.cancel()  # never restored from: not worth the wait
-        else:
-            await task.uploads.flush()
 
     async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
@@ -739,7 +650,7 @@ class EmbeddedCore:
             # work is done, and a preempted task must not run again. (One that exits 0 once
             # signalled has not said so: it may have saved a checkpoint and quit.)
             state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
-        await self._settle_checkpoints(task, state)
+        await self._files.settle_checkpoints(task, state)
         if state == jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
             try:
                 task.artifacts, reason = await self.data.publish(
@@ -786,7 +697,7 @@ class EmbeddedCore:
                 keeper.cancel()
             await asyncio.gather(*task.keepers, return_exceptions=True)
         await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-        await self._settle_checkpoints(task, jobs_pb2.JOB_STATE_CANCELLED)
+        await self._files.settle_checkpoints(task, jobs_pb2.JOB_STATE_CANCELLED)
         self._book.finish(
             task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", ""
         )
