@@ -22,7 +22,6 @@ import structlog
 from federation.agent.accounts import (
     TaskAccounts,
 )
-from federation.agent.commits import commit_key, settled, started
 from federation.agent.containers import (
     IMAGE_REFRESH_S,
     Containers,
@@ -30,19 +29,19 @@ from federation.agent.containers import (
     container_name,
 )
 from federation.agent.core import ChangeCallback, StatusCallback
-from federation.agent.elastic import Elastic, LaunchError
+from federation.agent.elastic import Elastic
 from federation.agent.embedded.folders import TaskFolders, safe_part
 from federation.agent.embedded.launching import ReplicaLauncher
 from federation.agent.embedded.reservations import Reservations
 from federation.agent.embedded.room import Room
 from federation.agent.embedded.service_changes import ServiceChanges
 from federation.agent.embedded.service_replicas import ReplicaKeeper
-from federation.agent.embedded.task import State, Task, ended_by_themselves
+from federation.agent.embedded.task import Task, ended_by_themselves
 from federation.agent.embedded.task_book import TaskBook
 from federation.agent.embedded.task_files import TaskFiles
+from federation.agent.embedded.task_runs import TaskRuns
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.object_store import DataError
-from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
+from federation.agent.process import ReplicaProcess
 from federation.agent.reports import Reports
 from federation.agent.service import ReplicaService, free_port, is_service
 from federation.agent.supervisor import LEAVING
@@ -161,6 +160,20 @@ class EmbeddedCore:
         self._services = ServiceChanges(
             self._book, self._room, self._launcher, self._keeper, self._folders, self._files
         )
+        self._runs = TaskRuns(
+            self._reservations,
+            self._book,
+            self._room,
+            self._launcher,
+            self._files,
+            self._services,
+            folders=self._folders,
+            data=self.data,
+            elastic=elastic,
+            kill_grace_s=kill_grace_s,
+            site=site,
+            address=self._address,
+        )
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -267,118 +280,22 @@ class EmbeddedCore:
         """Reserves room for every replica of the task at once, or declines with a reason."""
         return await self._room.offer(offer)
 
-    async def commit(
-        self, commit: site_link_service_pb2.Commit
-    ) -> site_link_service_pb2.CommitAnswer:
-        """Starts every replica of a reserved task.
-
-        A replica that cannot be started (a missing program, say) does not refuse the commit:
-        the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
-        """
-        key = commit_key(commit)
-        held = self._reservations.get(commit.reservation_id)
-        reservation = settled(commit, self._tasks.get(key), held)
-        if isinstance(reservation, site_link_service_pb2.CommitAnswer):
-            return reservation
-        self._reservations.drop(reservation.id)
-        devices = self._room.device_labels(reservation.slots)
-        task = Task(
-            key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
-        )
-        task.tenant, task.restore = reservation.tenant, reservation.restore
-        task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
-        task.site, task.address = self._site, self._address
-        task.inputs = list(commit.inputs)
-        task.gang_peers, task.gang_rank = list(commit.gang_peers), commit.gang_rank
-        restore = reservation.restore
-        if restore is not None and restore.HasField("stored"):
-            # Uploaded: the task restores from a copy staged here, or starts fresh.
-            task.restore_input = site_link_service_pb2.StagedInput(
-                dataset=restore.stored.name,
-                error="the commit carried no copy of the checkpoint to restore",
-            )
-            if commit.HasField("restore"):
-                task.restore_input.CopyFrom(commit.restore)
-            task.restore_of, task.restore = restore, None
-            restore = None
-        if is_service(reservation.spec):
-            task.service = [
-                ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
-            ]
-        if reservation.spec.HasField("checkpoint"):
-            self._files.watch_checkpoints(task, restore)
-        self._tasks[key] = task
-        self._book.changed()
-        if task.inputs or task.restore_input is not None or self._room.to_launch(task):
-            # Downloads and launches may take long: the commit is answered now, and the task
-            # stays DELEGATED (not RUNNING) until its nodes run and every input is in place.
-            task.supervisor = asyncio.create_task(self._stage_then_launch(task))
-        else:
-            await self._launch(task)
-        return started()
-
-    async def _stage_then_launch(self, task: Task) -> None:
-        """Launches the task's nodes that do not run yet and stages its inputs, then starts
-        it; a cancel meanwhile ends it CANCELLED, a node that cannot be launched or an input
-        that cannot be had FAILED, before any replica ran."""
-        staging = asyncio.ensure_future(self._provision_and_stage(task))
-        cancelled = asyncio.ensure_future(task.cancelled.wait())
-        try:
-            await asyncio.wait({staging, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancelled.cancel()
-        if not staging.done():
-            staging.cancel()
-            await asyncio.gather(staging, return_exceptions=True)
-            self._book.finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "", "")
-            return
-        if (problem := staging.result()) is not None:
-            self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
-            return
-        await self._launch(task)
-
-    async def _provision_and_stage(self, task: Task) -> str | None:
-        if self._elastic is not None and (nodes := self._room.to_launch(task)):
-            try:
-                await self._elastic.ensure_running(nodes, self._book.changed)
-            except LaunchError as exc:
-                return str(exc)
-        if not task.inputs and task.restore_input is None:
-            return None
-        return await self._files.stage(task)
-
-    async def _launch(self, task: Task) -> None:
-        """Starts every replica and supervises the task (or ends it, if one cannot start)."""
-        key = task.key
-        devices = task.devices
-        try:
-            await self._launcher.start_replicas(task)
-        except asyncio.CancelledError:  # the agent is going: no record, so no adoption
-            for replica in task.replicas:
-                replica.kill()
-            raise
-        except ReplicaStartError as exc:
-            await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-            if task.cancel_reason is not None:
-                self._book.finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
-            else:
-                self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
-            return
-        task.state, task.started_at = jobs_pb2.JOB_STATE_RUNNING, time.time()
-        self._book.save(task)
-        if task.checkpoints is not None:
-            task.checkpoints.start(task.started_at)
-        log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
-        self._book.report(task)
-        # Held so the supervisor is not garbage-collected while it runs.
-        task.supervisor = asyncio.create_task(self._supervise(task))
-
     async def change(
         self, change: site_link_service_pb2.ChangeTask
     ) -> site_link_service_pb2.ChangeAnswer:
         """Takes a running service's new spec (``federation.service_policy``) or declines it
         with a reason (``federation.agent.embedded.service_changes``)."""
         return await self._services.change(change)
+
+    async def commit(
+        self, commit: site_link_service_pb2.Commit
+    ) -> site_link_service_pb2.CommitAnswer:
+        """Starts every replica of a reserved task (``federation.agent.embedded.task_runs``).
+
+        A replica that cannot be started (a missing program, say) does not refuse the commit:
+        the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
+        """
+        return await self._runs.commit(commit)
 
     async def release(self, reservation_id: str) -> None:
         """Frees an uncommitted reservation; a no-op when it is unknown."""
@@ -591,7 +508,7 @@ class EmbeddedCore:
             supervisors=[p.pid for p in replicas],
             ended=[p.exited for p in replicas],
         )
-        task.supervisor = asyncio.create_task(self._supervise(task))
+        task.supervisor = asyncio.create_task(self._runs.supervise(task))
 
     async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
@@ -599,88 +516,3 @@ class EmbeddedCore:
             victim.cancel_reason, victim.grace_s = reason, grace_s
             victim.cancelled.set()
         await asyncio.gather(*(victim.finished.wait() for victim in victims))
-
-    async def _supervise(self, task: Task) -> None:
-        """Runs the task to its end; a bug here must not leave it (and cancel) hanging."""
-        try:
-            await (
-                self._services.watch_service(task)
-                if task.service is not None
-                else self._watch(task)
-            )
-        except Exception as exc:
-            log.exception("task_supervision_failed", job_id=task.key[0], task=task.key[1])
-            await asyncio.gather(
-                *(p.terminate(task.grace_s) for p in task.replicas), return_exceptions=True
-            )
-            self._book.finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
-
-    async def _watch(self, task: Task) -> None:
-        """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
-        loop = asyncio.get_running_loop()
-        waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
-        cancelled = asyncio.ensure_future(task.cancelled.wait())
-        timeout_s = task.spec.timeout_s
-        # From its start, which an adopted task had before this agent did.
-        ran_s = max(0.0, time.time() - task.started_at)
-        deadline = loop.time() + timeout_s - ran_s if timeout_s > 0 else None
-        state: State = jobs_pb2.JOB_STATE_SUCCEEDED
-        exit_code, reason, tail_of = 0, "", 0
-        try:
-            while waits:
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                done, _ = await asyncio.wait(
-                    {*waits, cancelled}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                if cancelled in done:
-                    state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or "cancelled"
-                    break
-                if not done:
-                    state, reason = jobs_pb2.JOB_STATE_FAILED, f"timed out after {timeout_s:g}s"
-                    break
-                exits = sorted((waits.pop(future), future.result()) for future in done)
-                failures = [(replica, code) for replica, code in exits if code != 0]
-                if failures:
-                    tail_of, exit_code = failures[0]
-                    ended = task.replicas[tail_of].ended
-                    why = ended.why if ended is not None else ""
-                    reason = (
-                        f"replica {tail_of}: {why}"
-                        if why
-                        else f"replica {tail_of} {describe_exit(exit_code)}"
-                    )
-                    state = jobs_pb2.JOB_STATE_FAILED
-                    break
-        finally:
-            for future in [*waits, cancelled]:
-                future.cancel()
-        stopped = await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-        ended_by_itself = not any(stopped) and all(p.returncode == 0 for p in task.replicas)
-        if state == jobs_pb2.JOB_STATE_CANCELLED and ended_by_itself:
-            # Every replica had ended by itself, with 0, before the stop could reach it: the
-            # work is done, and a preempted task must not run again. (One that exits 0 once
-            # signalled has not said so: it may have saved a checkpoint and quit.)
-            state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
-        await self._files.settle_checkpoints(task, state)
-        if state == jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
-            try:
-                task.artifacts, reason = await self.data.publish(
-                    task.key,
-                    task.tenant,
-                    task.spec.outputs,
-                    self._folders.task_dir(task.key) / "0",
-                    self._folders.run_dir(task.key, 0).parent,
-                )
-            except DataError as exc:
-                job_id, name, _ = task.key
-                log.warning("outputs_not_stored", job_id=job_id, task=name, error=str(exc))
-                state, reason = jobs_pb2.JOB_STATE_FAILED, str(exc)
-        elif state != jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
-            task.artifacts = await self.data.keep_partial(
-                task.key,
-                task.tenant,
-                task.spec.outputs,
-                self._folders.task_dir(task.key) / "0",
-                self._folders.run_dir(task.key, 0).parent,
-            )
-        self._book.finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
