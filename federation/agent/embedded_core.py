@@ -26,30 +26,27 @@ from federation.agent.containers import (
     IMAGE_REFRESH_S,
     Containers,
     ContainerSettings,
-    container_name,
 )
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.elastic import Elastic
+from federation.agent.embedded.adoption import Adoption
 from federation.agent.embedded.folders import TaskFolders, safe_part
 from federation.agent.embedded.launching import ReplicaLauncher
 from federation.agent.embedded.reservations import Reservations
 from federation.agent.embedded.room import Room
 from federation.agent.embedded.service_changes import ServiceChanges
 from federation.agent.embedded.service_replicas import ReplicaKeeper
-from federation.agent.embedded.task import Task, ended_by_themselves
+from federation.agent.embedded.task import Task
 from federation.agent.embedded.task_book import TaskBook
 from federation.agent.embedded.task_files import TaskFiles
 from federation.agent.embedded.task_runs import TaskRuns
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.process import ReplicaProcess
 from federation.agent.reports import Reports
-from federation.agent.service import ReplicaService, free_port, is_service
-from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
 from federation.agent.task_logs import read_log
-from federation.agent.task_records import TaskRecord, TaskRecords
+from federation.agent.task_records import TaskRecords
 from federation.agent.usage import apply_usage
-from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
+from federation.api.v1 import resources_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
 from federation.stop_after import STOP_GRACE_S, announce_stop
@@ -173,6 +170,22 @@ class EmbeddedCore:
             kill_grace_s=kill_grace_s,
             site=site,
             address=self._address,
+        )
+        self._adoption = (
+            Adoption(
+                self._records,
+                self._book,
+                self._launcher,
+                self._files,
+                self._runs,
+                folders=self._folders,
+                containers=self._containers,
+                kill_grace_s=kill_grace_s,
+                site=site,
+                address=self._address,
+            )
+            if self._records is not None
+            else None
         )
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
@@ -408,107 +421,19 @@ class EmbeddedCore:
         await self.close()
 
     async def adopt(self) -> None:
-        """Takes over the tasks recorded in state_dir by the agent before this one.
-
-        Tasks it left on purpose (its core closed) are adopted with their epochs: a replica
-        whose supervisor still runs (the same pid and start time) is watched again, one that
-        ended meanwhile reports how; a task that had ended keeps its final report. Tasks of an
-        agent that crashed are stopped, if any process is left, and forgotten: the coordinator
-        places them again, as it does for every task a site no longer reports; but one whose
-        replicas had all ended by themselves is reported as they ended.
-        """
+        """Takes over the tasks recorded in state_dir by the agent before this one
+        (``federation.agent.embedded.adoption``); at an elastic site, starts letting go of the
+        nodes that stay idle, and counts those launched before as running."""
         if self._elastic is not None and self._idle_releases is None:
             self._idle_releases = asyncio.create_task(
                 self._elastic.run(self._room.busy_nodes, self._book.changed)
             )
-        if self._records is None:
+        if self._adoption is None:
             return
-        previous = self._records.claim()
-        handed_over = previous is not None and previous[2] == LEAVING
-        for record in self._records.load():
-            if record.final is not None:
-                self._adopt_final(record)
-                continue
-            replicas = [
-                ReplicaProcess.adopt(r.pid, r.start_ticks, self._folders.run_dir(record.key, i))
-                for i, r in enumerate(record.replicas)
-            ]
-            for i, replica in enumerate(replicas):
-                self._launcher.bind_container(record.key, record.spec, i, replica)
-                if replica.exited and record.spec.image:
-                    # Ended meanwhile: its supervisor may have had to leave the container.
-                    await self._containers.remove(container_name(self._work_dir, record.key, i))
-            ended_alone = ended_by_themselves(replicas)
-            died = any(p.ended and p.ended.why == "agent_died" for p in replicas)
-            # A task whose every replica had ended by itself is reported as it ended, crash or
-            # not: its end was only not reported yet, and placed again it would run twice.
-            if not ended_alone and (not handed_over or died):
-                for replica in replicas:
-                    replica.kill()
-                await asyncio.gather(*(replica.wait() for replica in replicas))
-                if ended_by_themselves(replicas):
-                    # Each ended by itself while being stopped (its supervisor says it was not
-                    # stopped): the work is done, and placed again it would run twice.
-                    self._adopt_running(record, replicas)
-                    continue
-                self._records.drop(record.reservation_id)
-                job_id, name, epoch = record.key
-                log.warning("task_not_adopted", job_id=job_id, task=name, epoch=epoch)
-                continue
-            for replica in replicas:
-                replica.claim()
-            self._adopt_running(record, replicas)
+        await self._adoption.adopt()
         if self._elastic is not None:  # launched by the agent before: they run
             self._elastic.running(self._room.busy_nodes())
         self._book.changed()
-
-    def _adopted(self, record: TaskRecord) -> Task:
-        task = Task(
-            record.key,
-            record.reservation_id,
-            record.spec,
-            record.slots,
-            record.devices,
-            self._kill_grace_s,
-        )
-        task.tenant, task.restore, task.started_at = (
-            record.tenant,
-            record.restore,
-            record.started_at,
-        )
-        task.site, task.address, task.revision = self._site, self._address, record.revision
-        if is_service(record.spec):
-            kept = record.service or tuple((free_port(), 0, 0) for _ in record.slots)
-            task.service = [
-                ReplicaService(port, restarts, revision=revision)
-                for port, restarts, revision in kept
-            ]
-        self._tasks[record.key] = task
-        return task
-
-    def _adopt_final(self, record: TaskRecord) -> None:
-        """A task that ended before the restart: its final report, until acknowledged."""
-        assert record.final is not None
-        task = self._adopted(record)
-        task.final, task.state = record.final, record.final.state
-        task.finished.set()
-
-    def _adopt_running(self, record: TaskRecord, replicas: list[ReplicaProcess]) -> None:
-        task = self._adopted(record)
-        task.replicas, task.state = replicas, jobs_pb2.JOB_STATE_RUNNING
-        if record.spec.HasField("checkpoint"):
-            checkpoints = self._files.watch_checkpoints(task, record.restore)
-            checkpoints.start(record.started_at)
-        job_id, name, epoch = record.key
-        log.info(
-            "task_adopted",
-            job_id=job_id,
-            task=name,
-            epoch=epoch,
-            supervisors=[p.pid for p in replicas],
-            ended=[p.exited for p in replicas],
-        )
-        task.supervisor = asyncio.create_task(self._runs.supervise(task))
 
     async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
         """Asks each task's supervisor to stop it and waits until all have ended."""
