@@ -36,7 +36,7 @@ from federation.agent.embedded.reservations import Reservations
 from federation.agent.embedded.room import Room
 from federation.agent.embedded.service_changes import ServiceChanges
 from federation.agent.embedded.service_replicas import ReplicaKeeper
-from federation.agent.embedded.task import Task
+from federation.agent.embedded.stops import Stops
 from federation.agent.embedded.task_book import TaskBook
 from federation.agent.embedded.task_files import TaskFiles
 from federation.agent.embedded.task_runs import TaskRuns
@@ -47,9 +47,7 @@ from federation.agent.task_logs import read_log
 from federation.agent.task_records import TaskRecords
 from federation.agent.usage import apply_usage
 from federation.api.v1 import resources_pb2, site_link_service_pb2
-from federation.common.keys import RunKey
 from federation.placement.compat import CompatTable, load_table_files
-from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
 
@@ -111,21 +109,17 @@ class EmbeddedCore:
         )
         self._nodes: dict[str, resources_pb2.Node] = {}
         self._elastic = elastic
-        if elastic is not None:
-            elastic.on_taken_back(self._node_taken_back)
         self._idle_releases: asyncio.Task[None] | None = None
         for node in [*nodes, *(elastic.nodes() if elastic is not None else [])]:
             if node.name in self._nodes:
                 raise ValueError(f"duplicate node name {node.name!r}")
             self._nodes[node.name] = resources_pb2.Node()
             self._nodes[node.name].CopyFrom(node)
-        self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
         self._folders = TaskFolders(self._work_dir)
         self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
         self._book = TaskBook(self._records, Reports(on_status, on_change), self._folders)
         self._tasks = self._book.tasks
-        self._kill_grace_s = kill_grace_s
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
         self._reservations = Reservations(self._book.changed)
@@ -187,6 +181,9 @@ class EmbeddedCore:
             if self._records is not None
             else None
         )
+        self._stops = Stops(self._reservations, self._tasks, kill_grace_s, self._book.changed)
+        if elastic is not None:
+            elastic.on_taken_back(self._stops.node_taken_back)
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
@@ -317,61 +314,14 @@ class EmbeddedCore:
             self._book.changed()
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
-        """Stops the task and waits until it has ended CANCELLED.
-
-        Epoch 0 means any epoch; an unknown, finished or other-epoch task is left alone. A
-        reservation for the task is dropped too, so it can no longer be committed.
-        """
-
-        def targeted(key: RunKey) -> bool:
-            return key[:2] == (job_id, task) and epoch in (0, key[2])
-
-        dropped = [r.id for r in self._reservations if targeted(r.key)]
-        for reservation_id in dropped:
-            self._reservations.drop(reservation_id)
-        if dropped:
-            self._book.changed()
-        victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
-        if not victims and not dropped:
-            log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
-        for victim in victims:
-            victim.drain_first = True
-        await self._stop(victims, reason, self._kill_grace_s)
+        """Stops the task and waits until it has ended CANCELLED (epoch 0: any epoch;
+        ``federation.agent.embedded.stops``). A reservation for the task is dropped too."""
+        await self._stops.cancel(job_id, task, epoch, reason)
 
     async def stop_cut_off(self, cut_off_s: float) -> None:
         """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
-        coordinator, and waits until they have ended CANCELLED, reported interrupted: the
-        coordinator places them elsewhere once they are surely gone (``stop_after``)."""
-        victims = [
-            t
-            for t in self._tasks.values()
-            if t.active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
-        ]
-        for victim in victims:
-            victim.interrupted = True
-            victim.cancel_reason = announce_stop(victim.key, cut_off_s, victim.stop_after_s)
-            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
-            victim.cancelled.set()
-        await asyncio.gather(*(victim.finished.wait() for victim in victims))
-
-    def _node_taken_back(self, node: str, why: str) -> None:
-        """An elastic node its provider lost (a spot node taken back), launchable again: the
-        tasks on it stop and are reported interrupted, so the coordinator places them again
-        (from their newest checkpoints) as capacity lost; reservations there are dropped."""
-        for reservation in self._reservations:
-            if any(slot.node == node for slot in reservation.slots):
-                self._reservations.drop(reservation.id)
-        victims = [
-            t
-            for t in self._tasks.values()
-            if t.active and t.cancel_reason is None and any(s.node == node for s in t.slots)
-        ]
-        for victim in victims:
-            victim.interrupted = True
-            victim.cancel_reason = f"node {node} was taken back by its provider: {why}"
-            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
-            victim.cancelled.set()
-        self._book.changed()
+        coordinator, and waits until they have ended CANCELLED, reported interrupted."""
+        await self._stops.stop_cut_off(cut_off_s)
 
     async def read_logs(
         self, request: site_link_service_pb2.ReadLogs
@@ -414,7 +364,7 @@ class EmbeddedCore:
         tasks stopped are forgotten, as a crashed agent's are: the coordinator places them
         again rather than take the stop for a cancel."""
         victims = [t for t in self._tasks.values() if t.active]
-        await self._stop(victims, "agent shutting down", grace_s)
+        await self._stops.stop(victims, "agent shutting down", grace_s)
         if self._records is not None:
             for victim in victims:
                 self._records.drop(victim.reservation_id)
@@ -434,10 +384,3 @@ class EmbeddedCore:
         if self._elastic is not None:  # launched by the agent before: they run
             self._elastic.running(self._room.busy_nodes())
         self._book.changed()
-
-    async def _stop(self, victims: list[Task], reason: str, grace_s: float) -> None:
-        """Asks each task's supervisor to stop it and waits until all have ended."""
-        for victim in victims:
-            victim.cancel_reason, victim.grace_s = reason, grace_s
-            victim.cancelled.set()
-        await asyncio.gather(*(victim.finished.wait() for victim in victims))
