@@ -1,7 +1,13 @@
 """The embedded local scheduler core: reserves room for tasks on the agent's nodes and runs them.
 
-Held capacity is never tracked incrementally: it is recomputed from the reservations and the
-unfinished tasks whenever it is needed, so it cannot drift from them.
+``EmbeddedCore`` satisfies ``LocalCore`` and asks its parts (``federation.agent.embedded``):
+``room`` decides offers and holds their ``reservations``; ``task_runs`` takes a commit, stages
+the task's inputs (``task_files``, which also follows its checkpoints), starts its replicas
+(``launching``) and watches it to its end; ``service_changes`` changes a running service in
+place and supervises it, with ``service_replicas`` keeping each replica; ``stops`` stops tasks;
+``adoption`` takes over what the agent before this one left running. ``task_book`` holds the
+tasks, records and reports them; ``folders`` says where they run. The core itself keeps the
+node views, their rediscovered readings and images, and the agent's logs and lifecycle calls.
 
 Each replica runs under a supervisor that outlives the agent (``federation.agent.supervisor``),
 and each task is recorded in state_dir (``federation.agent.task_records``): an agent stopped on
@@ -19,14 +25,8 @@ from pathlib import Path
 
 import structlog
 
-from federation.agent.accounts import (
-    TaskAccounts,
-)
-from federation.agent.containers import (
-    IMAGE_REFRESH_S,
-    Containers,
-    ContainerSettings,
-)
+from federation.agent.accounts import TaskAccounts
+from federation.agent.containers import IMAGE_REFRESH_S, Containers, ContainerSettings
 from federation.agent.core import ChangeCallback, StatusCallback
 from federation.agent.elastic import Elastic
 from federation.agent.embedded.adoption import Adoption
@@ -125,12 +125,33 @@ class EmbeddedCore:
         self._reservations = Reservations(self._book.changed)
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
+        self._images: list[resources_pb2.CachedImage] = []
+        """The images in the host's Podman store, which every node here starts from."""
+        self._image_watch: asyncio.Task[None] | None = None
+        self._assemble(
+            site=site,
+            kill_grace_s=kill_grace_s,
+            compat=compat or load_table_files(),
+            owner_share=owner_share or resources_pb2.OwnerShare(),
+            topology_levels=topology_levels,
+        )
+
+    def _assemble(
+        self,
+        *,
+        site: str,
+        kill_grace_s: float,
+        compat: CompatTable,
+        owner_share: resources_pb2.OwnerShare,
+        topology_levels: Sequence[str],
+    ) -> None:
+        """Builds the core's parts, each given the parts below it that it asks."""
         self._launcher = ReplicaLauncher(
             self._nodes,
             site=site,
             folders=self._folders,
             containers=self._containers,
-            accounts=accounts,
+            accounts=self._accounts,
             kill_grace_s=kill_grace_s,
             records=self._records,
             on_pulled=self.refresh_images,
@@ -139,10 +160,10 @@ class EmbeddedCore:
             self._nodes,
             self._reservations,
             self._tasks,
-            elastic=elastic,
+            elastic=self._elastic,
             levels=topology_levels,
-            compat=compat or load_table_files(),
-            owner_share=owner_share or resources_pb2.OwnerShare(),
+            compat=compat,
+            owner_share=owner_share,
             containers=self._containers,
             changed=self._book.changed,
         )
@@ -160,7 +181,7 @@ class EmbeddedCore:
             self._services,
             folders=self._folders,
             data=self.data,
-            elastic=elastic,
+            elastic=self._elastic,
             kill_grace_s=kill_grace_s,
             site=site,
             address=self._address,
@@ -182,11 +203,8 @@ class EmbeddedCore:
             else None
         )
         self._stops = Stops(self._reservations, self._tasks, kill_grace_s, self._book.changed)
-        if elastic is not None:
-            elastic.on_taken_back(self._stops.node_taken_back)
-        self._images: list[resources_pb2.CachedImage] = []
-        """The images in the host's Podman store, which every node here starts from."""
-        self._image_watch: asyncio.Task[None] | None = None
+        if self._elastic is not None:
+            self._elastic.on_taken_back(self._stops.node_taken_back)
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Nodes with free cpu/memory and devices reflecting all held capacity.
