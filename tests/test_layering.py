@@ -204,6 +204,47 @@ def test_no_coordinator_module_is_too_long_to_read() -> None:
     assert long_modules == []
 
 
+EMBEDDED_CORE = [
+    ROOT / "federation" / "agent" / "embedded_core.py",
+    *sorted((ROOT / "federation" / "agent" / "embedded").glob("*.py")),
+]
+MAX_EMBEDDED_CORE_MODULE_LINES = 600
+MAX_EMBEDDED_CORE_FUNCTION_LINES = 80
+
+
+def test_the_embedded_core_parts_stay_small() -> None:
+    """The embedded core and each of its parts read in one sitting: no module of
+    ``federation.agent.embedded`` (nor ``embedded_core`` itself) over 600 lines, no function
+    there over 80."""
+    assert len(EMBEDDED_CORE) > 1, "the embedded package is where this test looks"
+    long_modules, long_functions = [], []
+    for path in EMBEDDED_CORE:
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_EMBEDDED_CORE_MODULE_LINES:
+            long_modules.append(path.name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_EMBEDDED_CORE_FUNCTION_LINES:
+                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
+    assert long_modules == []
+    assert long_functions == []
+
+
+MAX_AGENT_MODULE_LINES = 800
+
+
+def test_no_agent_module_is_too_long_to_read() -> None:
+    """No module anywhere under ``federation/agent`` is over 800 lines: a concern that
+    outgrows that is split into parts of its own, as the embedded core was."""
+    long_modules = sorted(
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for path in (ROOT / "federation" / "agent").rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > MAX_AGENT_MODULE_LINES
+    )
+    assert long_modules == []
+
+
 def assigned(node: ast.stmt) -> list[str]:
     """The names a top-level statement defines."""
     if isinstance(node, ast.ClassDef):

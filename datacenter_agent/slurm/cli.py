@@ -18,7 +18,7 @@ from datetime import datetime
 import structlog
 
 from federation.agent.config import SlurmSettings
-from federation.agent.embedded_core import INHERITED_ENV
+from federation.agent.embedded.launching import INHERITED_ENV
 
 log = structlog.get_logger()
 

@@ -1,7 +1,13 @@
 """The embedded local scheduler core: reserves room for tasks on the agent's nodes and runs them.
 
-Held capacity is never tracked incrementally: it is recomputed from the reservations and the
-unfinished tasks whenever it is needed, so it cannot drift from them.
+``EmbeddedCore`` satisfies ``LocalCore`` and asks its parts (``federation.agent.embedded``):
+``room`` decides offers and holds their ``reservations``; ``task_runs`` takes a commit, stages
+the task's inputs (``task_files``, which also follows its checkpoints), starts its replicas
+(``launching``) and watches it to its end; ``service_changes`` changes a running service in
+place and supervises it, with ``service_replicas`` keeping each replica; ``stops`` stops tasks;
+``adoption`` takes over what the agent before this one left running. ``task_book`` holds the
+tasks, records and reports them; ``folders`` says where they run. The core itself keeps the
+node views, their rediscovered readings and images, and the agent's logs and lifecycle calls.
 
 Each replica runs under a supervisor that outlives the agent (``federation.agent.supervisor``),
 and each task is recorded in state_dir (``federation.agent.task_records``): an agent stopped on
@@ -11,239 +17,39 @@ purpose leaves its tasks running, and the next one adopts them with their epochs
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import math
-import os
 import socket
 import time
-import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TypeAlias
 
 import structlog
 
-from federation.agent.accounts import (
-    Account,
-    NoAccountError,
-    TaskAccounts,
-    agent_folder,
-    private_folder,
-)
-from federation.agent.checkpoint_store import CheckpointUploads, restore_path
-from federation.agent.checkpoints import TaskCheckpoints
-from federation.agent.commits import commit_key, epoch_problem, settled, started
-from federation.agent.containers import (
-    ENV_FILE,
-    IMAGE_REFRESH_S,
-    Containers,
-    ContainerSettings,
-    container_name,
-    device_args,
-)
-from federation.agent.core import ChangeCallback, StatusCallback, task_report
-from federation.agent.device_env import SHARING_VARS, device_env, device_labels
-from federation.agent.elastic import Elastic, LaunchError
+from federation.agent.accounts import TaskAccounts
+from federation.agent.containers import IMAGE_REFRESH_S, Containers, ContainerSettings
+from federation.agent.core import ChangeCallback, StatusCallback
+from federation.agent.elastic import Elastic
+from federation.agent.embedded.adoption import Adoption
+from federation.agent.embedded.folders import TaskFolders, safe_part
+from federation.agent.embedded.launching import ReplicaLauncher
+from federation.agent.embedded.reservations import Reservations
+from federation.agent.embedded.room import Room
+from federation.agent.embedded.service_changes import ServiceChanges
+from federation.agent.embedded.service_replicas import ReplicaKeeper
+from federation.agent.embedded.stops import Stops
+from federation.agent.embedded.task_book import TaskBook
+from federation.agent.embedded.task_files import TaskFiles
+from federation.agent.embedded.task_runs import TaskRuns
 from federation.agent.host_watch import FAST, Pace, merge_rediscovered, worth_publishing
-from federation.agent.node_fit import qualifying_nodes, task_problem
-from federation.agent.object_store import DataError
-from federation.agent.owner_share import held
-from federation.agent.packing import Placed, place_as_estimated
-from federation.agent.process import ReplicaProcess, ReplicaStartError, describe_exit
 from federation.agent.reports import Reports
-from federation.agent.service import ReplicaService, free_port, is_ready, is_service, read_load
-from federation.agent.supervisor import LEAVING
 from federation.agent.task_data import TaskData
 from federation.agent.task_logs import read_log
-from federation.agent.task_records import ReplicaRecord, TaskRecord, TaskRecords
-from federation.agent.usage import Slot, Usage, apply_usage
-from federation.api.v1 import jobs_pb2, resources_pb2, site_link_service_pb2
-from federation.common.keys import RunKey
+from federation.agent.task_records import TaskRecords
+from federation.agent.usage import apply_usage
+from federation.api.v1 import resources_pb2, site_link_service_pb2
 from federation.placement.compat import CompatTable, load_table_files
-from federation.resources import capacity, owner_share_refusal
-from federation.service_policy import RestartPolicy, in_place, max_unavailable, only_scaled
-from federation.stop_after import STOP_GRACE_S, announce_stop
 
 log = structlog.get_logger()
-
-State: TypeAlias = jobs_pb2.JobState.ValueType
-
-_DEFAULT_LEASE_S = 10.0
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-"""How long a replica taken away from an autoscaled service may take to finish what it has
-in flight (ServicePolicy.autoscale.drain_timeout_s 0)."""
-_OUTPUT_TAIL_CHARS = 2000
-_FINAL = frozenset(
-    {jobs_pb2.JOB_STATE_SUCCEEDED, jobs_pb2.JOB_STATE_FAILED, jobs_pb2.JOB_STATE_CANCELLED}
-)
-
-
-@dataclass(frozen=True, slots=True)
-class Reservation:
-    """Capacity held for every replica of a task until it is committed or its lease lapses."""
-
-    id: str
-    key: RunKey
-    spec: jobs_pb2.TaskSpec
-    slots: tuple[Slot, ...]
-    lease_s: float
-    restore: jobs_pb2.CheckpointRecord | None = None
-    """The checkpoint the task restarts from, if the offer carried one."""
-    tenant: str = ""
-    """Whose task it is: it runs as that tenant's account."""
-    run_s: float = 0.0
-    """How long the task runs on the devices held (0: not said), as the answer told."""
-    device_model: str = ""
-    """The model of the slowest device held, as the answer told."""
-    stop_after_s: float = 0.0
-    """The offer's ``stop_after_disconnect_s``: cut off this long, the site stops the task."""
-    revision: int = 0
-    """The offer's spec revision (a service's endpoints report it)."""
-
-
-@dataclass(slots=True, eq=False)
-class _Task:
-    """A committed task: its replicas and, once it has ended, its outcome."""
-
-    key: RunKey
-    reservation_id: str
-    spec: jobs_pb2.TaskSpec
-    slots: tuple[Slot, ...]
-    devices: list[str]
-    grace_s: float
-    state: State = jobs_pb2.JOB_STATE_DELEGATED  # until every replica has started
-    exit_code: int = 0
-    reason: str = ""
-    output_tail: str = ""
-    replicas: list[ReplicaProcess] = field(default_factory=list)
-    cancel_reason: str | None = None
-    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
-    drain_first: bool = False
-    """Cancelled by the coordinator: an autoscaled service's replicas are drained before
-    they stop (not so when the agent shuts down or is cut off)."""
-    finished: asyncio.Event = field(default_factory=asyncio.Event)
-    supervisor: asyncio.Task[None] | None = None
-    checkpoints: TaskCheckpoints | None = None
-    """Its checkpoint folder and watcher, when the task declares a checkpoint policy."""
-    tenant: str = ""
-    stop_after_s: float = 0.0
-    """Cut off from every coordinator this long, the site stops the task; 0: it does not."""
-    interrupted: bool = False
-    """Stopped because the site was cut off (``stop_cut_off``), not for the task's sake."""
-    started_at: float = 0.0
-    """Wall-clock time its replicas started."""
-    restore: jobs_pb2.CheckpointRecord | None = None
-    final: site_link_service_pb2.TaskReport | None = None
-    """Its final report, once it has ended (the very one recorded and sent)."""
-    service: list[ReplicaService] | None = None
-    """Per replica, for a service task: its port, restarts and readiness; None for batch."""
-    site: str = ""
-    address: str = ""
-    """Where clients reach its replicas (a service's endpoints)."""
-    revision: int = 0
-    """The revision of ``spec`` (a service changed in place has a newer one)."""
-    keepers: list[asyncio.Task[None]] = field(default_factory=list)
-    """A service's restarters, one per started replica, in replica order."""
-    reshaped: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set when a service's spec changed in place: its replicas are brought to it."""
-    moved: asyncio.Event = field(default_factory=asyncio.Event)
-    """Set on each report of the task (a replica's readiness, say)."""
-    inputs: list[site_link_service_pb2.StagedInput] = field(default_factory=list)
-    gang_peers: list[str] = field(default_factory=list)
-    """Every replica's host:port of its all-or-nothing gang, in rank order; empty: none."""
-    gang_rank: int = 0
-    """The gang rank of its replica 0."""
-    """Other tasks' outputs to stage into its folders before it starts (from the commit)."""
-    artifacts: list[jobs_pb2.Artifact] = field(default_factory=list)
-    """Its outputs as stored, once it succeeded."""
-    checkpoint: jobs_pb2.CheckpointRecord | None = None
-    """The newest checkpoint reported: at a site with a store, the newest uploaded."""
-    uploads: CheckpointUploads | None = None
-    """Uploads its checkpoints, at a site with a store."""
-    restore_input: site_link_service_pb2.StagedInput | None = None
-    """The uploaded checkpoint to stage in before it starts (from the commit)..."""
-    restore_of: jobs_pb2.CheckpointRecord | None = None
-    """... and its record (from the offer)."""
-
-    @property
-    def active(self) -> bool:
-        return self.state not in _FINAL
-
-    def report(self) -> site_link_service_pb2.TaskReport:
-        if self.final is not None:
-            return self.final
-        return task_report(
-            self.key,
-            self.state,
-            exit_code=self.exit_code,
-            output_tail=self.output_tail,
-            reason=self.reason,
-            devices=self.devices,
-            nodes=[slot.node for slot in self.slots],
-            checkpoint=self.checkpoint,
-            # Only once stopped: a task that ended by itself first did not lose its run.
-            interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
-            endpoints=self.endpoints(),
-            artifacts=self.artifacts,
-        )
-
-    def endpoints(self) -> list[jobs_pb2.Endpoint]:
-        """A running service's replicas; none for batch work or once it has ended."""
-        if self.service is None or not self.active:
-            return []
-        policy = RestartPolicy.of(self.spec.service)
-        return [
-            jobs_pb2.Endpoint(
-                site=self.site,
-                node=slot.node,
-                address=self.address,
-                port=replica.port,
-                replica=i,
-                ready=replica.ready,
-                restarts=replica.restarts,
-                crash_looping=policy.crash_looping(replica.short_runs),
-                revision=replica.revision,
-                load=replica.load,
-                draining=replica.draining,
-            )
-            for i, (slot, replica) in enumerate(zip(self.slots, self.service, strict=True))
-        ]
-
-
-def _ended_by_themselves(replicas: Sequence[ReplicaProcess]) -> bool:
-    """Whether every replica has ended, none stopped nor killed for a reason of its
-    supervisor's own (so its end is the task's own)."""
-    return all(p.ended is not None and not p.ended.why and not p.ended.stopped for p in replicas)
-
-
-def _fixed_port_problem(spec: jobs_pb2.TaskSpec) -> str:
-    if is_service(spec) and spec.service.port and spec.replicas > 1:
-        return (
-            f"service.port {spec.service.port} is fixed, and this site runs every replica on "
-            "one machine: only one could listen on it (give port 0 for a port per replica)"
-        )
-    return ""
-
-
-INHERITED_ENV = frozenset(
-    {
-        "PATH",
-        "HOME",
-        "USER",
-        "LOGNAME",
-        "SHELL",
-        "LANG",
-        "LC_ALL",
-        "LC_CTYPE",
-        "TZ",
-        "TMPDIR",
-        "LD_LIBRARY_PATH",
-        "CUDA_HOME",
-        "ASCEND_HOME_PATH",
-        "NEURON_RT_ROOT",
-    }
-)
 
 
 class EmbeddedCore:
@@ -303,32 +109,102 @@ class EmbeddedCore:
         )
         self._nodes: dict[str, resources_pb2.Node] = {}
         self._elastic = elastic
-        if elastic is not None:
-            elastic.on_taken_back(self._node_taken_back)
         self._idle_releases: asyncio.Task[None] | None = None
         for node in [*nodes, *(elastic.nodes() if elastic is not None else [])]:
             if node.name in self._nodes:
                 raise ValueError(f"duplicate node name {node.name!r}")
             self._nodes[node.name] = resources_pb2.Node()
             self._nodes[node.name].CopyFrom(node)
-        self._site = site
         self._work_dir = work_dir.absolute()  # tasks run elsewhere: no relative paths
-        self._reports = Reports(on_status, on_change)
-        self._kill_grace_s = kill_grace_s
+        self._folders = TaskFolders(self._work_dir)
+        self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
+        self._book = TaskBook(self._records, Reports(on_status, on_change), self._folders)
+        self._tasks = self._book.tasks
         self._accounts = accounts
         """Who runs each tenant's tasks; None: the agent itself (tests of the core alone)."""
-        self._compat = compat or load_table_files()
-        self._owner_share = owner_share or resources_pb2.OwnerShare()
-        self._levels = tuple(topology_levels)
-        self._reservations: dict[str, Reservation] = {}
-        self._lease_timers: dict[str, asyncio.TimerHandle] = {}
-        self._tasks: dict[RunKey, _Task] = {}
+        self._reservations = Reservations(self._book.changed)
         self._readings_published: dict[str, tuple[float, resources_pb2.Node]] = {}
         """Per node: when its readings were last published, and the node as it was then."""
-        self._records = TaskRecords(state_dir / "tasks") if state_dir is not None else None
         self._images: list[resources_pb2.CachedImage] = []
         """The images in the host's Podman store, which every node here starts from."""
         self._image_watch: asyncio.Task[None] | None = None
+        self._assemble(
+            site=site,
+            kill_grace_s=kill_grace_s,
+            compat=compat or load_table_files(),
+            owner_share=owner_share or resources_pb2.OwnerShare(),
+            topology_levels=topology_levels,
+        )
+
+    def _assemble(
+        self,
+        *,
+        site: str,
+        kill_grace_s: float,
+        compat: CompatTable,
+        owner_share: resources_pb2.OwnerShare,
+        topology_levels: Sequence[str],
+    ) -> None:
+        """Builds the core's parts, each given the parts below it that it asks."""
+        self._launcher = ReplicaLauncher(
+            self._nodes,
+            site=site,
+            folders=self._folders,
+            containers=self._containers,
+            accounts=self._accounts,
+            kill_grace_s=kill_grace_s,
+            records=self._records,
+            on_pulled=self.refresh_images,
+        )
+        self._room = Room(
+            self._nodes,
+            self._reservations,
+            self._tasks,
+            elastic=self._elastic,
+            levels=topology_levels,
+            compat=compat,
+            owner_share=owner_share,
+            containers=self._containers,
+            changed=self._book.changed,
+        )
+        self._files = TaskFiles(self.data, self._folders, self._launcher, self._book.report)
+        self._keeper = ReplicaKeeper(self._launcher, self._book, self._folders, self._address)
+        self._services = ServiceChanges(
+            self._book, self._room, self._launcher, self._keeper, self._folders, self._files
+        )
+        self._runs = TaskRuns(
+            self._reservations,
+            self._book,
+            self._room,
+            self._launcher,
+            self._files,
+            self._services,
+            folders=self._folders,
+            data=self.data,
+            elastic=self._elastic,
+            kill_grace_s=kill_grace_s,
+            site=site,
+            address=self._address,
+        )
+        self._adoption = (
+            Adoption(
+                self._records,
+                self._book,
+                self._launcher,
+                self._files,
+                self._runs,
+                folders=self._folders,
+                containers=self._containers,
+                kill_grace_s=kill_grace_s,
+                site=site,
+                address=self._address,
+            )
+            if self._records is not None
+            else None
+        )
+        self._stops = Stops(self._reservations, self._tasks, kill_grace_s, self._book.changed)
+        if self._elastic is not None:
+            self._elastic.on_taken_back(self._stops.node_taken_back)
 
     def nodes(self) -> list[resources_pb2.Node]:
         """Nodes with free cpu/memory and devices reflecting all held capacity.
@@ -336,7 +212,7 @@ class EmbeddedCore:
         ``Device.allocated`` marks devices held whole, ``free_fraction`` what shares may still
         take, and each partition profile's ``free`` its slots left (see ``agent.usage``).
         """
-        usage = self._usage()
+        usage = self._room.usage()
         views = []
         for base in self._nodes.values():
             node = resources_pb2.Node()
@@ -360,7 +236,7 @@ class EmbeddedCore:
         ]:
             self._images = images
             log.info("images_stored", images=len(images))
-            self._changed()
+            self._book.changed()
 
     def watch_images(self, interval_s: float = IMAGE_REFRESH_S) -> None:
         """Reads the images again every ``interval_s`` (an operator may prune or load some),
@@ -415,7 +291,7 @@ class EmbeddedCore:
             kept = resources_pb2.Node()
             kept.CopyFrom(current)
             self._readings_published[found.name] = (now, kept)
-            self._changed()
+            self._book.changed()
 
     def queue(self) -> resources_pb2.QueueState:
         """Reservations not yet committed, and tasks starting or running."""
@@ -430,283 +306,40 @@ class EmbeddedCore:
 
     async def offer(self, offer: site_link_service_pb2.Offer) -> site_link_service_pb2.OfferAnswer:
         """Reserves room for every replica of the task at once, or declines with a reason."""
-        key: RunKey = (offer.job_id, offer.task, offer.epoch)
-        lease_s = offer.lease_s if offer.lease_s > 0 else _DEFAULT_LEASE_S
-        held = next((r for r in self._reservations.values() if r.key == key), None)
-        if held is not None:
-            # A repeated offer: the same reservation, its lease renewed from now.
-            held = dataclasses.replace(held, lease_s=lease_s)
-            self._reservations[held.id] = held
-            self._arm_lease(held)
-            return self._accepted(held)
-        problem = self._offer_problem(offer)
-        nodes = problem or qualifying_nodes(self._nodes.values(), offer, self._compat)
-        placed = nodes if isinstance(nodes, str) else self._place(nodes, offer)
-        if not isinstance(placed, str):
-            placed = self._owner_share_refusal(offer.tenant, placed.slots) or placed
-        if isinstance(placed, str):
-            log.info("offer_declined", job_id=key[0], task=key[1], epoch=key[2], reason=placed)
-            return site_link_service_pb2.OfferAnswer(accepted=False, reason=placed)
-        spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(offer.spec)
-        restore = offer.restore if offer.HasField("restore") else None
-        reservation = Reservation(
-            uuid.uuid4().hex,
-            key,
-            spec,
-            placed.slots,
-            lease_s,
-            restore,
-            tenant=offer.tenant,
-            run_s=placed.run_s,
-            device_model=placed.device_model,
-            stop_after_s=offer.stop_after_disconnect_s,
-            revision=offer.revision,
-        )
-        self._reservations[reservation.id] = reservation
-        self._arm_lease(reservation)
-        log.info(
-            "offer_accepted",
-            job_id=key[0],
-            task=key[1],
-            epoch=key[2],
-            reservation_id=reservation.id,
-            nodes=[slot.node for slot in placed.slots],
-            run_s=round(placed.run_s, 1),
-        )
-        self._changed()
-        return self._accepted(reservation)
+        return await self._room.offer(offer)
 
-    def _place(
-        self, nodes: list[resources_pb2.Node], offer: site_link_service_pb2.Offer
-    ) -> Placed | str:
-        """Room for the offer: on running nodes where they have it, else (an elastic site)
-        with nodes still to launch."""
-        usage, speed, levels = self._usage(), offer.estimate.device_speed, self._levels
-        if self._elastic is None:
-            return place_as_estimated(nodes, offer.spec, usage, speed, levels)
-        running = [node for node in nodes if self._elastic.ready(node.name)]
-        placed = place_as_estimated(running, offer.spec, usage, speed, levels) if running else ""
-        if isinstance(placed, str):
-            placed = place_as_estimated(nodes, offer.spec, usage, speed, levels)
-        return placed
+    async def change(
+        self, change: site_link_service_pb2.ChangeTask
+    ) -> site_link_service_pb2.ChangeAnswer:
+        """Takes a running service's new spec (``federation.service_policy``) or declines it
+        with a reason (``federation.agent.embedded.service_changes``)."""
+        return await self._services.change(change)
 
     async def commit(
         self, commit: site_link_service_pb2.Commit
     ) -> site_link_service_pb2.CommitAnswer:
-        """Starts every replica of a reserved task.
+        """Starts every replica of a reserved task (``federation.agent.embedded.task_runs``).
 
         A replica that cannot be started (a missing program, say) does not refuse the commit:
         the task was taken, and it ends FAILED with the reason, reported through ``on_status``.
         """
-        key = commit_key(commit)
-        held = self._reservations.get(commit.reservation_id)
-        reservation = settled(commit, self._tasks.get(key), held)
-        if isinstance(reservation, site_link_service_pb2.CommitAnswer):
-            return reservation
-        self._drop_reservation(reservation.id)
-        devices = self._device_labels(reservation.slots)
-        task = _Task(
-            key, reservation.id, reservation.spec, reservation.slots, devices, self._kill_grace_s
-        )
-        task.tenant, task.restore = reservation.tenant, reservation.restore
-        task.stop_after_s, task.revision = reservation.stop_after_s, reservation.revision
-        task.site, task.address = self._site, self._address
-        task.inputs = list(commit.inputs)
-        task.gang_peers, task.gang_rank = list(commit.gang_peers), commit.gang_rank
-        restore = reservation.restore
-        if restore is not None and restore.HasField("stored"):
-            # Uploaded: the task restores from a copy staged here, or starts fresh.
-            task.restore_input = site_link_service_pb2.StagedInput(
-                dataset=restore.stored.name,
-                error="the commit carried no copy of the checkpoint to restore",
-            )
-            if commit.HasField("restore"):
-                task.restore_input.CopyFrom(commit.restore)
-            task.restore_of, task.restore = restore, None
-            restore = None
-        if is_service(reservation.spec):
-            task.service = [
-                ReplicaService.new(reservation.spec, task.revision) for _ in reservation.slots
-            ]
-        if reservation.spec.HasField("checkpoint"):
-            self._watch_checkpoints(task, restore)
-        self._tasks[key] = task
-        self._changed()
-        if task.inputs or task.restore_input is not None or self._to_launch(task):
-            # Downloads and launches may take long: the commit is answered now, and the task
-            # stays DELEGATED (not RUNNING) until its nodes run and every input is in place.
-            task.supervisor = asyncio.create_task(self._stage_then_launch(task))
-        else:
-            await self._launch(task)
-        return started()
-
-    def _to_launch(self, task: _Task) -> set[str]:
-        """The nodes of the task that an elastic site has yet to launch."""
-        if self._elastic is None:
-            return set()
-        return {slot.node for slot in task.slots if not self._elastic.ready(slot.node)}
-
-    async def _stage_then_launch(self, task: _Task) -> None:
-        """Launches the task's nodes that do not run yet and stages its inputs, then starts
-        it; a cancel meanwhile ends it CANCELLED, a node that cannot be launched or an input
-        that cannot be had FAILED, before any replica ran."""
-        staging = asyncio.ensure_future(self._provision_and_stage(task))
-        cancelled = asyncio.ensure_future(task.cancelled.wait())
-        try:
-            await asyncio.wait({staging, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            cancelled.cancel()
-        if not staging.done():
-            staging.cancel()
-            await asyncio.gather(staging, return_exceptions=True)
-            self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "", "")
-            return
-        if (problem := staging.result()) is not None:
-            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, problem, "")
-            return
-        await self._launch(task)
-
-    async def _provision_and_stage(self, task: _Task) -> str | None:
-        if self._elastic is not None and (nodes := self._to_launch(task)):
-            try:
-                await self._elastic.ensure_running(nodes, self._changed)
-            except LaunchError as exc:
-                return str(exc)
-        if not task.inputs and task.restore_input is None:
-            return None
-        return await self._stage(task)
-
-    async def _stage(self, task: _Task) -> str | None:
-        """Puts the inputs in every replica's folder; why not, or None."""
-        try:
-            await asyncio.to_thread(self._make_dirs, task)
-            await self.data.stage(
-                task.inputs,
-                [self._task_dir(task.key) / str(i) for i in range(len(task.slots))],
-                self._account(task),
-                task.key,
-                task.tenant,
-            )
-            if task.restore_input is not None:
-                await self._stage_restore(task, task.restore_input)
-        except (DataError, ReplicaStartError) as exc:
-            log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
-            return str(exc)
-        except OSError as exc:
-            return f"cannot create working directory: {exc}"
-        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
-            log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
-            return f"staging failed: {type(exc).__name__}"
-        return None
-
-    async def _stage_restore(self, task: _Task, item: site_link_service_pb2.StagedInput) -> None:
-        """Stages the uploaded checkpoint the task restores from; one that cannot be had is
-        no failure: the task starts fresh, and its reason says why."""
-        dest = restore_path(self._task_dir(task.key), item)
-        try:
-            await self.data.restore(item, dest, self._account(task))
-        except DataError as exc:
-            task.reason = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
-            job_id, name, _ = task.key
-            log.warning("checkpoint_not_restored", job_id=job_id, task=name, error=str(exc))
-            return
-        record = jobs_pb2.CheckpointRecord()
-        if task.restore_of is not None:
-            record.CopyFrom(task.restore_of)
-        record.path = str(dest)
-        task.restore = record
-        if task.checkpoints is not None:
-            task.checkpoints.restore_from_copy(record)
-
-    async def _launch(self, task: _Task) -> None:
-        """Starts every replica and supervises the task (or ends it, if one cannot start)."""
-        key = task.key
-        devices = task.devices
-        try:
-            await self._start_replicas(task)
-        except asyncio.CancelledError:  # the agent is going: no record, so no adoption
-            for replica in task.replicas:
-                replica.kill()
-            raise
-        except ReplicaStartError as exc:
-            await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-            if task.cancel_reason is not None:
-                self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason, "")
-            else:
-                self._finish(task, jobs_pb2.JOB_STATE_FAILED, exc.exit_code, str(exc), "")
-            return
-        task.state, task.started_at = jobs_pb2.JOB_STATE_RUNNING, time.time()
-        self._save(task)
-        if task.checkpoints is not None:
-            task.checkpoints.start(task.started_at)
-        log.info("task_started", job_id=key[0], task=key[1], epoch=key[2], devices=devices)
-        self._report(task)
-        # Held so the supervisor is not garbage-collected while it runs.
-        task.supervisor = asyncio.create_task(self._supervise(task))
+        return await self._runs.commit(commit)
 
     async def release(self, reservation_id: str) -> None:
         """Frees an uncommitted reservation; a no-op when it is unknown."""
-        if self._drop_reservation(reservation_id) is not None:
+        if self._reservations.drop(reservation_id) is not None:
             log.info("reservation_released", reservation_id=reservation_id)
-            self._changed()
+            self._book.changed()
 
     async def cancel(self, job_id: str, task: str, epoch: int, reason: str) -> None:
-        """Stops the task and waits until it has ended CANCELLED.
-
-        Epoch 0 means any epoch; an unknown, finished or other-epoch task is left alone. A
-        reservation for the task is dropped too, so it can no longer be committed.
-        """
-
-        def targeted(key: RunKey) -> bool:
-            return key[:2] == (job_id, task) and epoch in (0, key[2])
-
-        dropped = [r.id for r in self._reservations.values() if targeted(r.key)]
-        for reservation_id in dropped:
-            self._drop_reservation(reservation_id)
-        if dropped:
-            self._changed()
-        victims = [t for key, t in self._tasks.items() if targeted(key) and t.active]
-        if not victims and not dropped:
-            log.debug("cancel_ignored", job_id=job_id, task=task, epoch=epoch)
-        for victim in victims:
-            victim.drain_first = True
-        await self._stop(victims, reason, self._kill_grace_s)
+        """Stops the task and waits until it has ended CANCELLED (epoch 0: any epoch;
+        ``federation.agent.embedded.stops``). A reservation for the task is dropped too."""
+        await self._stops.cancel(job_id, task, epoch, reason)
 
     async def stop_cut_off(self, cut_off_s: float) -> None:
         """Stops every task whose job asks for it after ``cut_off_s`` seconds cut off from every
-        coordinator, and waits until they have ended CANCELLED, reported interrupted: the
-        coordinator places them elsewhere once they are surely gone (``stop_after``)."""
-        victims = [
-            t
-            for t in self._tasks.values()
-            if t.active and t.cancel_reason is None and 0 < t.stop_after_s <= cut_off_s
-        ]
-        for victim in victims:
-            victim.interrupted = True
-            victim.cancel_reason = announce_stop(victim.key, cut_off_s, victim.stop_after_s)
-            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
-            victim.cancelled.set()
-        await asyncio.gather(*(victim.finished.wait() for victim in victims))
-
-    def _node_taken_back(self, node: str, why: str) -> None:
-        """An elastic node its provider lost (a spot node taken back), launchable again: the
-        tasks on it stop and are reported interrupted, so the coordinator places them again
-        (from their newest checkpoints) as capacity lost; reservations there are dropped."""
-        for reservation in list(self._reservations.values()):
-            if any(slot.node == node for slot in reservation.slots):
-                self._drop_reservation(reservation.id)
-        victims = [
-            t
-            for t in self._tasks.values()
-            if t.active and t.cancel_reason is None and any(s.node == node for s in t.slots)
-        ]
-        for victim in victims:
-            victim.interrupted = True
-            victim.cancel_reason = f"node {node} was taken back by its provider: {why}"
-            victim.grace_s = min(self._kill_grace_s, STOP_GRACE_S)
-            victim.cancelled.set()
-        self._changed()
+        coordinator, and waits until they have ended CANCELLED, reported interrupted."""
+        await self._stops.stop_cut_off(cut_off_s)
 
     async def read_logs(
         self, request: site_link_service_pb2.ReadLogs
@@ -714,9 +347,9 @@ class EmbeddedCore:
         """A replica's output lines, from its log beside its work folder (kept after the
         task ends, as the work folder is)."""
         key = (request.job_id, request.task, request.epoch)
-        if not all(_safe_part(part) for part in (request.job_id, request.task)):
+        if not all(safe_part(part) for part in (request.job_id, request.task)):
             return site_link_service_pb2.LogsAnswer(error="no such task here")
-        run_dir = self._run_dir(key, request.replica)
+        run_dir = self._folders.run_dir(key, request.replica)
         return await asyncio.to_thread(read_log, run_dir, request)
 
     def forget(self, job_id: str, task: str, epoch: int) -> None:
@@ -732,8 +365,8 @@ class EmbeddedCore:
     async def close(self) -> None:
         """Drops reservations and their timers; running tasks go on and are still reported,
         and are left to the next agent on this state_dir when this one exits."""
-        for reservation_id in list(self._reservations):
-            self._drop_reservation(reservation_id)
+        for reservation in self._reservations:
+            self._reservations.drop(reservation.id)
         if self._image_watch is not None:
             self._image_watch.cancel()
             self._image_watch = None
@@ -749,925 +382,23 @@ class EmbeddedCore:
         tasks stopped are forgotten, as a crashed agent's are: the coordinator places them
         again rather than take the stop for a cancel."""
         victims = [t for t in self._tasks.values() if t.active]
-        await self._stop(victims, "agent shutting down", grace_s)
+        await self._stops.stop(victims, "agent shutting down", grace_s)
         if self._records is not None:
             for victim in victims:
                 self._records.drop(victim.reservation_id)
         await self.close()
 
     async def adopt(self) -> None:
-        """Takes over the tasks recorded in state_dir by the agent before this one.
-
-        Tasks it left on purpose (its core closed) are adopted with their epochs: a replica
-        whose supervisor still runs (the same pid and start time) is watched again, one that
-        ended meanwhile reports how; a task that had ended keeps its final report. Tasks of an
-        agent that crashed are stopped, if any process is left, and forgotten: the coordinator
-        places them again, as it does for every task a site no longer reports; but one whose
-        replicas had all ended by themselves is reported as they ended.
-        """
+        """Takes over the tasks recorded in state_dir by the agent before this one
+        (``federation.agent.embedded.adoption``); at an elastic site, starts letting go of the
+        nodes that stay idle, and counts those launched before as running."""
         if self._elastic is not None and self._idle_releases is None:
             self._idle_releases = asyncio.create_task(
-                self._elastic.run(self._busy_nodes, self._changed)
+                self._elastic.run(self._room.busy_nodes, self._book.changed)
             )
-        if self._records is None:
+        if self._adoption is None:
             return
-        previous = self._records.claim()
-        handed_over = previous is not None and previous[2] == LEAVING
-        for record in self._records.load():
-            if record.final is not None:
-                self._adopt_final(record)
-                continue
-            replicas = [
-                ReplicaProcess.adopt(r.pid, r.start_ticks, self._run_dir(record.key, i))
-                for i, r in enumerate(record.replicas)
-            ]
-            for i, replica in enumerate(replicas):
-                self._bind_container(record.key, record.spec, i, replica)
-                if replica.exited and record.spec.image:
-                    # Ended meanwhile: its supervisor may have had to leave the container.
-                    await self._containers.remove(container_name(self._work_dir, record.key, i))
-            ended_alone = _ended_by_themselves(replicas)
-            died = any(p.ended and p.ended.why == "agent_died" for p in replicas)
-            # A task whose every replica had ended by itself is reported as it ended, crash or
-            # not: its end was only not reported yet, and placed again it would run twice.
-            if not ended_alone and (not handed_over or died):
-                for replica in replicas:
-                    replica.kill()
-                await asyncio.gather(*(replica.wait() for replica in replicas))
-                if _ended_by_themselves(replicas):
-                    # Each ended by itself while being stopped (its supervisor says it was not
-                    # stopped): the work is done, and placed again it would run twice.
-                    self._adopt_running(record, replicas)
-                    continue
-                self._records.drop(record.reservation_id)
-                job_id, name, epoch = record.key
-                log.warning("task_not_adopted", job_id=job_id, task=name, epoch=epoch)
-                continue
-            for replica in replicas:
-                replica.claim()
-            self._adopt_running(record, replicas)
+        await self._adoption.adopt()
         if self._elastic is not None:  # launched by the agent before: they run
-            self._elastic.running(self._busy_nodes())
-        self._changed()
-
-    def _busy_nodes(self) -> set[str]:
-        """Nodes that hold a reservation or an unfinished task."""
-        held = [r.slots for r in self._reservations.values()]
-        held += [t.slots for t in self._tasks.values() if t.active]
-        return {slot.node for slots in held for slot in slots}
-
-    def _adopted(self, record: TaskRecord) -> _Task:
-        task = _Task(
-            record.key,
-            record.reservation_id,
-            record.spec,
-            record.slots,
-            record.devices,
-            self._kill_grace_s,
-        )
-        task.tenant, task.restore, task.started_at = (
-            record.tenant,
-            record.restore,
-            record.started_at,
-        )
-        task.site, task.address, task.revision = self._site, self._address, record.revision
-        if is_service(record.spec):
-            kept = record.service or tuple((free_port(), 0, 0) for _ in record.slots)
-            task.service = [
-                ReplicaService(port, restarts, revision=revision)
-                for port, restarts, revision in kept
-            ]
-        self._tasks[record.key] = task
-        return task
-
-    def _adopt_final(self, record: TaskRecord) -> None:
-        """A task that ended before the restart: its final report, until acknowledged."""
-        assert record.final is not None
-        task = self._adopted(record)
-        task.final, task.state = record.final, record.final.state
-        task.finished.set()
-
-    def _adopt_running(self, record: TaskRecord, replicas: list[ReplicaProcess]) -> None:
-        task = self._adopted(record)
-        task.replicas, task.state = replicas, jobs_pb2.JOB_STATE_RUNNING
-        if record.spec.HasField("checkpoint"):
-            checkpoints = self._watch_checkpoints(task, record.restore)
-            checkpoints.start(record.started_at)
-        job_id, name, epoch = record.key
-        log.info(
-            "task_adopted",
-            job_id=job_id,
-            task=name,
-            epoch=epoch,
-            supervisors=[p.pid for p in replicas],
-            ended=[p.exited for p in replicas],
-        )
-        task.supervisor = asyncio.create_task(self._supervise(task))
-
-    def _watch_checkpoints(
-        self, task: _Task, restore: jobs_pb2.CheckpointRecord | None
-    ) -> TaskCheckpoints:
-        """The task's checkpoint folder and watcher; at a site with a store, its uploads."""
-        policy = task.spec.checkpoint
-        task.checkpoints = TaskCheckpoints(
-            policy, self._task_dir(task.key), restore, lambda found: self._found(task, found)
-        )
-        if self.data.store is not None:
-            task.uploads = CheckpointUploads(
-                self.data.store,
-                task.key,
-                task.tenant,
-                policy,
-                self._run_dir(task.key, 0).parent,
-                lambda stored: self._checkpoint_stored(task, stored),
-            )
-        return task.checkpoints
-
-    def _found(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
-        """A checkpoint completed: reported now, or once uploaded where there is a store."""
-        if task.uploads is not None:
-            task.uploads.submit(record)
-        else:
-            task.checkpoint = record
-            self._report(task)
-
-    def _checkpoint_stored(self, task: _Task, record: jobs_pb2.CheckpointRecord) -> None:
-        if task.final is None:
-            task.checkpoint = record
-            self._report(task)
-
-    async def _settle_checkpoints(self, task: _Task, state: State) -> None:
-        """Before a task's end is reported: one more look for a checkpoint (one saved in its
-        stop's grace) and, unless it succeeded, its newest one uploaded."""
-        if task.checkpoints is not None:
-            await task.checkpoints.last_look(task.started_at)
-        if task.uploads is None:
-            return
-        if state == jobs_pb2.JOB_STATE_SUCCEEDED:
-            task.uploads.cancel()  # never restored from: not worth the wait
-        else:
-            await task.uploads.flush()
-
-    def _save(self, task: _Task) -> None:
-        """Records the task for a later agent; a failure costs its adoption, not the task."""
-        if self._records is None:
-            return
-        record = TaskRecord(
-            task.key,
-            task.reservation_id,
-            task.spec,
-            task.slots,
-            task.devices,
-            task.tenant,
-            task.started_at,
-            task.restore,
-            tuple(ReplicaRecord(p.pid, p.start_ticks) for p in task.replicas),
-            task.final,
-            tuple((r.port, r.restarts, r.revision) for r in task.service or ()),
-            task.revision,
-        )
-        try:
-            self._records.save(record)
-        except OSError as exc:
-            log.error("task_record_failed", job_id=task.key[0], task=task.key[1], error=str(exc))
-
-    def _offer_problem(self, offer: site_link_service_pb2.Offer) -> str:
-        """Why an offer is declined before placement is even tried, or ""."""
-        if problem := task_problem(offer):
-            return problem
-        if offer.spec.image and (problem := self._containers.refusal(offer.spec.image)):
-            return problem
-        if problem := _fixed_port_problem(offer.spec):
-            return problem
-        return epoch_problem(offer, (r.key for r in self._reservations.values()), self._tasks)
-
-    def _owner_share_refusal(self, tenant: str, slots: Iterable[Slot]) -> str | None:
-        """Why ``tenant`` may not hold ``slots`` by the site's owner share, or None."""
-        share = self._owner_share
-        if not share.keep or tenant in share.tenants:
-            return None
-        guests = [
-            s for r in self._reservations.values() if r.tenant not in share.tenants for s in r.slots
-        ]
-        guests += [
-            s
-            for t in self._tasks.values()
-            if t.active and t.tenant not in share.tenants
-            for s in t.slots
-        ]
-        return owner_share_refusal(
-            share,
-            tenant,
-            held(slots, self._nodes),
-            held(guests, self._nodes),
-            capacity(self._nodes.values()),
-        )
-
-    def _usage(self) -> Usage:
-        held = [slot for r in self._reservations.values() for slot in r.slots]
-        held += [slot for t in self._tasks.values() if t.active for slot in t.slots]
-        return Usage.of(held)
-
-    @staticmethod
-    def _accepted(reservation: Reservation) -> site_link_service_pb2.OfferAnswer:
-        return site_link_service_pb2.OfferAnswer(
-            accepted=True,
-            reservation_id=reservation.id,
-            expected_start_s=0.0,
-            lease_s=reservation.lease_s,
-            run_s=reservation.run_s,
-            device_model=reservation.device_model,
-        )
-
-    def _arm_lease(self, reservation: Reservation) -> None:
-        if (timer := self._lease_timers.pop(reservation.id, None)) is not None:
-            timer.cancel()
-        self._lease_timers[reservation.id] = asyncio.get_running_loop().call_later(
-            reservation.lease_s, self._lapse, reservation.id
-        )
-
-    def _lapse(self, reservation_id: str) -> None:
-        if self._drop_reservation(reservation_id) is not None:
-            log.info("reservation_lapsed", reservation_id=reservation_id)
-            self._changed()
-
-    def _drop_reservation(self, reservation_id: str) -> Reservation | None:
-        if (timer := self._lease_timers.pop(reservation_id, None)) is not None:
-            timer.cancel()
-        return self._reservations.pop(reservation_id, None)
-
-    def _replica_env(self, task: _Task, replica: int) -> dict[str, str]:
-        slot = task.slots[replica]
-        node = self._nodes[slot.node]
-        # Only the basics of the agent's own environment: it may hold the agent's secrets.
-        env = {k: v for k, v in os.environ.items() if k in INHERITED_ENV}
-        env.update(task.spec.env)
-        for name in SHARING_VARS:
-            env.pop(name, None)
-        # Set last: a task's own env must not widen what it was given.
-        env.update(
-            FEDERATION_JOB_ID=task.key[0],
-            FEDERATION_TASK=task.key[1],
-            FEDERATION_EPOCH=str(task.key[2]),
-            FEDERATION_SITE=self._site,
-            FEDERATION_REPLICA=str(replica),
-            FEDERATION_REPLICAS=str(len(task.slots)),
-        )
-        env.update(device_env(node, slot))
-        if task.checkpoints is not None:
-            env.update(task.checkpoints.env())
-        if task.service is not None:
-            env["FEDERATION_PORT"] = str(task.service[replica].port)
-        if task.gang_peers:  # a part of a gang across sites: its rendezvous
-            rank = task.gang_rank + replica
-            env.update(
-                FEDERATION_GANG_PEERS=",".join(task.gang_peers),
-                FEDERATION_GANG_RANK=str(rank),
-                FEDERATION_GANG_SIZE=str(len(task.gang_peers)),
-                FEDERATION_GANG_PORT=task.gang_peers[
-                    min(rank, len(task.gang_peers) - 1)
-                ].rpartition(":")[2],
-            )
-        return env
-
-    def _account(self, task: _Task) -> Account | None:
-        """The account the task runs as; ReplicaStartError when the site has none for it."""
-        try:
-            return self._accounts.for_tenant(task.tenant) if self._accounts else None
-        except NoAccountError as exc:
-            raise ReplicaStartError(str(exc), 0) from None
-
-    async def _start_replica(self, task: _Task, replica: int, account: Account | None) -> None:
-        """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
-        job_id, name, epoch = task.key
-        cwd, env = self._task_dir(task.key) / str(replica), self._replica_env(task, replica)
-        argv = list(task.spec.command)
-        if task.spec.image:
-            argv, env = await self._in_container(task, replica, account, cwd, env)
-            account = None  # podman runs as the agent; the container as the account
-        process = await ReplicaProcess.start(
-            argv,
-            cwd=cwd,
-            env=env,
-            run_dir=self._run_dir(task.key, replica),
-            account=account,
-            grace_s=self._kill_grace_s,
-            owner=self._records.owner if self._records is not None else None,
-            label=f"{job_id}/{name}/{epoch}/{replica}",
-        )
-        self._bind_container(task.key, task.spec, replica, process)
-        if replica < len(task.replicas):
-            task.replicas[replica] = process
-        else:
-            task.replicas.append(process)
-        if task.service is not None:
-            task.service[replica].revision = task.revision
-            task.service[replica].checked = False
-
-    async def _in_container(
-        self, task: _Task, replica: int, account: Account | None, cwd: Path, env: dict[str, str]
-    ) -> tuple[list[str], dict[str, str]]:
-        """The ``podman run`` that runs the replica in its image, and podman's environment;
-        pulls the image first if the node does not have it."""
-        if account is None:
-            raise ReplicaStartError("containers run as the tenant's account: this site has none", 0)
-        if await self._containers.pull(task.spec.image, task.spec.image_pull_secrets):
-            await self.refresh_images()
-        slot = task.slots[replica]
-        devices = device_args(self._nodes[slot.node], slot)
-        # The image's own PATH and libraries, not the host's; what the task set stays.
-        env = {k: v for k, v in env.items() if k not in INHERITED_ENV or k in task.spec.env}
-        home = account.home or str(cwd)
-        env.update(HOME=home, USER=account.name, LOGNAME=account.name)
-        if devices and "CUDA_VISIBLE_DEVICES" in env:
-            # The container holds only its own GPUs, numbered from 0.
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(len(slot.device_positions))))
-        mounts = [cwd]
-        for variable in ("FEDERATION_CHECKPOINT_DIR", "FEDERATION_RESTORE_FROM"):
-            if variable in env and not Path(env[variable]).is_relative_to(cwd):
-                mounts.append(Path(env[variable]))
-        run_dir = self._run_dir(task.key, replica)
-        await asyncio.to_thread(private_folder, run_dir, None)
-        return self._containers.command(
-            container_name(self._work_dir, task.key, replica),
-            task.spec.image,
-            list(task.spec.command),
-            uid=account.uid,
-            gid=account.gid,
-            cwd=cwd,
-            mounts=mounts,
-            env=env,
-            env_file=run_dir / ENV_FILE,
-            cpu=slot.cpu,
-            memory_mib=slot.memory_mib,
-            devices=devices,
-        )
-
-    def _bind_container(
-        self, key: RunKey, spec: jobs_pb2.TaskSpec, replica: int, process: ReplicaProcess
-    ) -> None:
-        """A container replica's container, and the file of its environment, go when the
-        replica has ended."""
-        if not spec.image:
-            return
-        name = container_name(self._work_dir, key, replica)
-
-        async def clean_up() -> None:
-            await self._containers.remove(name)
-            (process.run_dir / ENV_FILE).unlink(missing_ok=True)
-
-        process.after_exit = clean_up
-
-    def _task_dir(self, key: RunKey) -> Path:
-        """The work folder of one epoch of a task; its replicas run in subfolders."""
-        job_id, name, epoch = key
-        return self._work_dir / job_id / name / str(epoch)
-
-    def _run_dir(self, key: RunKey, replica: int) -> Path:
-        """The agent's own folder for a replica's supervisor files (output tail, exit status):
-        beside the epoch's folder, where no task can reach."""
-        job_id, name, epoch = key
-        return self._work_dir / job_id / name / f"{epoch}.run" / str(replica)
-
-    def _make_dirs(self, task: _Task) -> None:
-        """Creates the task's folders (again: a retried start takes those there). Blocking."""
-        # The folders above the replicas' are the agent's, so no task can put a link where
-        # another task's folder goes; each replica's is its account's alone.
-        base = self._task_dir(task.key)
-        account = self._account(task)
-        agent_folder(base)
-        private_folder(self._run_dir(task.key, 0).parent, None)
-        for replica in range(len(task.slots)):
-            private_folder(base / str(replica), account)
-        if task.checkpoints is not None:
-            self._reopen(task.key, task.checkpoints.restore_from)
-            task.checkpoints.prepare(account)
-
-    async def _start_replicas(self, task: _Task) -> None:
-        account = self._account(task)
-        try:
-            await asyncio.to_thread(self._make_dirs, task)
-        except OSError as exc:
-            # No replica ran, so there is no exit code to report.
-            raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        for replica in range(len(task.slots)):
-            await self._start_replica(task, replica, account)
-
-    async def _stop(self, victims: list[_Task], reason: str, grace_s: float) -> None:
-        """Asks each task's supervisor to stop it and waits until all have ended."""
-        for victim in victims:
-            victim.cancel_reason, victim.grace_s = reason, grace_s
-            victim.cancelled.set()
-        await asyncio.gather(*(victim.finished.wait() for victim in victims))
-
-    async def _supervise(self, task: _Task) -> None:
-        """Runs the task to its end; a bug here must not leave it (and cancel) hanging."""
-        try:
-            await (self._watch_service(task) if task.service is not None else self._watch(task))
-        except Exception as exc:
-            log.exception("task_supervision_failed", job_id=task.key[0], task=task.key[1])
-            await asyncio.gather(
-                *(p.terminate(task.grace_s) for p in task.replicas), return_exceptions=True
-            )
-            self._finish(task, jobs_pb2.JOB_STATE_FAILED, 0, f"supervision failed: {exc}", "")
-
-    async def _watch(self, task: _Task) -> None:
-        """Waits for every replica, the first failure, the timeout or a cancel; ends the task."""
-        loop = asyncio.get_running_loop()
-        waits = {asyncio.ensure_future(p.wait()): i for i, p in enumerate(task.replicas)}
-        cancelled = asyncio.ensure_future(task.cancelled.wait())
-        timeout_s = task.spec.timeout_s
-        # From its start, which an adopted task had before this agent did.
-        ran_s = max(0.0, time.time() - task.started_at)
-        deadline = loop.time() + timeout_s - ran_s if timeout_s > 0 else None
-        state: State = jobs_pb2.JOB_STATE_SUCCEEDED
-        exit_code, reason, tail_of = 0, "", 0
-        try:
-            while waits:
-                remaining = None if deadline is None else max(0.0, deadline - loop.time())
-                done, _ = await asyncio.wait(
-                    {*waits, cancelled}, timeout=remaining, return_when=asyncio.FIRST_COMPLETED
-                )
-                if cancelled in done:
-                    state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or "cancelled"
-                    break
-                if not done:
-                    state, reason = jobs_pb2.JOB_STATE_FAILED, f"timed out after {timeout_s:g}s"
-                    break
-                exits = sorted((waits.pop(future), future.result()) for future in done)
-                failures = [(replica, code) for replica, code in exits if code != 0]
-                if failures:
-                    tail_of, exit_code = failures[0]
-                    ended = task.replicas[tail_of].ended
-                    why = ended.why if ended is not None else ""
-                    reason = (
-                        f"replica {tail_of}: {why}"
-                        if why
-                        else f"replica {tail_of} {describe_exit(exit_code)}"
-                    )
-                    state = jobs_pb2.JOB_STATE_FAILED
-                    break
-        finally:
-            for future in [*waits, cancelled]:
-                future.cancel()
-        stopped = await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-        ended_by_itself = not any(stopped) and all(p.returncode == 0 for p in task.replicas)
-        if state == jobs_pb2.JOB_STATE_CANCELLED and ended_by_itself:
-            # Every replica had ended by itself, with 0, before the stop could reach it: the
-            # work is done, and a preempted task must not run again. (One that exits 0 once
-            # signalled has not said so: it may have saved a checkpoint and quit.)
-            state, reason = jobs_pb2.JOB_STATE_SUCCEEDED, ""
-        await self._settle_checkpoints(task, state)
-        if state == jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
-            try:
-                task.artifacts, reason = await self.data.publish(
-                    task.key,
-                    task.tenant,
-                    task.spec.outputs,
-                    self._task_dir(task.key) / "0",
-                    self._run_dir(task.key, 0).parent,
-                )
-            except DataError as exc:
-                job_id, name, _ = task.key
-                log.warning("outputs_not_stored", job_id=job_id, task=name, error=str(exc))
-                state, reason = jobs_pb2.JOB_STATE_FAILED, str(exc)
-        elif state != jobs_pb2.JOB_STATE_SUCCEEDED and task.spec.outputs:
-            task.artifacts = await self.data.keep_partial(
-                task.key,
-                task.tenant,
-                task.spec.outputs,
-                self._task_dir(task.key) / "0",
-                self._run_dir(task.key, 0).parent,
-            )
-        self._finish(task, state, exit_code, reason, task.replicas[tail_of].output_tail)
-
-    async def _watch_service(self, task: _Task) -> None:
-        """Keeps every replica of a service running, and brings them to its spec each time
-        that changes in place, until the task is cancelled."""
-        task.keepers = [asyncio.create_task(self._keep(task, i)) for i in range(len(task.replicas))]
-        converger = asyncio.create_task(self._converge(task))
-        try:
-            await task.cancelled.wait()
-            if task.drain_first and task.spec.service.HasField("autoscale"):
-                # No change under way while the replicas drain (an autoscaler's scale-in of a
-                # part stops it whole): each is shown draining, then waited on, all at once.
-                converger.cancel()
-                await asyncio.gather(converger, return_exceptions=True)
-                count = min(len(task.replicas), len(task.service or []))
-                await asyncio.gather(
-                    *(self._drain(task, i) for i in range(count)), return_exceptions=True
-                )
-        finally:
-            converger.cancel()
-            await asyncio.gather(converger, return_exceptions=True)
-            for keeper in task.keepers:
-                keeper.cancel()
-            await asyncio.gather(*task.keepers, return_exceptions=True)
-        await asyncio.gather(*(p.terminate(task.grace_s) for p in task.replicas))
-        await self._settle_checkpoints(task, jobs_pb2.JOB_STATE_CANCELLED)
-        self._finish(task, jobs_pb2.JOB_STATE_CANCELLED, 0, task.cancel_reason or "cancelled", "")
-
-    async def change(
-        self, change: site_link_service_pb2.ChangeTask
-    ) -> site_link_service_pb2.ChangeAnswer:
-        """Takes a running service's new spec (``federation.service_policy``) or declines it
-        with a reason. Room for added replicas is held at once; the replicas are brought to
-        the spec after the answer (``_converge``)."""
-        key: RunKey = (change.job_id, change.task, change.epoch)
-        task = self._tasks.get(key)
-        problem = self._change_problem(task, change)
-        spec = in_place(task.spec, change.spec) if task is not None else change.spec
-        if task is not None and not problem and change.revision == task.revision:
-            if spec == task.spec:
-                return site_link_service_pb2.ChangeAnswer(accepted=True)  # a retried change
-            problem = f"revision {change.revision} was taken here with another spec"
-        added: tuple[Slot, ...] = ()
-        if task is not None and not problem:
-            extra = (spec.replicas or 1) - len(task.slots)
-            placed = self._place_added(task, spec, change, extra) if extra > 0 else ()
-            if isinstance(placed, str):
-                problem = f"no room for {extra} more replicas: {placed}"
-            else:
-                added = placed
-        if problem or task is None or task.service is None:
-            log.info("change_declined", job_id=key[0], task=key[1], epoch=key[2], reason=problem)
-            return site_link_service_pb2.ChangeAnswer(accepted=False, reason=problem)
-        if only_scaled(task.spec, spec):
-            # The replicas that run are the new revision already: none is replaced.
-            for replica in task.service:
-                if replica.revision == task.revision:
-                    replica.revision = change.revision
-        task.spec, task.revision = spec, change.revision
-        task.slots += added
-        task.service += [ReplicaService.new(spec, task.revision) for _ in added]
-        task.devices = self._device_labels(task.slots)
-        self._save(task)
-        log.info(
-            "service_changed",
-            job_id=key[0],
-            task=key[1],
-            epoch=key[2],
-            revision=task.revision,
-            replicas=len(task.slots),
-        )
-        task.reshaped.set()
-        self._changed()
-        return site_link_service_pb2.ChangeAnswer(accepted=True)
-
-    def _change_problem(self, task: _Task | None, change: site_link_service_pb2.ChangeTask) -> str:
-        """Why a change of a running service is declined before any room is sought, or ""."""
-        if task is None or not task.active:
-            return f"no task {change.job_id}/{change.task} epoch {change.epoch} runs here"
-        if task.service is None:
-            return f"{change.job_id}/{change.task} is not a service"
-        if task.state != jobs_pb2.JOB_STATE_RUNNING:
-            return f"{change.job_id}/{change.task} is still starting"
-        if change.revision < task.revision:
-            return f"revision {change.revision} is older than revision {task.revision} here"
-        if change.revision == task.revision:
-            return ""
-        if len(task.slots) > (task.spec.replicas or 1):
-            return (
-                f"the change to revision {task.revision} is still stopping replicas "
-                f"({len(task.slots)} left of {task.spec.replicas or 1}); try again in a moment"
-            )
-        return _fixed_port_problem(change.spec)
-
-    def _place_added(
-        self,
-        task: _Task,
-        new: jobs_pb2.TaskSpec,
-        change: site_link_service_pb2.ChangeTask,
-        extra: int,
-    ) -> tuple[Slot, ...] | str:
-        """Room for ``extra`` more replicas of a service, on nodes that may run it."""
-        spec = jobs_pb2.TaskSpec()
-        spec.CopyFrom(new)
-        spec.replicas = extra
-        wanted = site_link_service_pb2.Offer(
-            spec=spec,
-            tenant=task.tenant,
-            node_labels=change.node_labels,
-            cordoned_nodes=change.cordoned_nodes,
-        )
-        nodes = qualifying_nodes(self._nodes.values(), wanted, self._compat)
-        if isinstance(nodes, str):
-            return nodes
-        placed = place_as_estimated(nodes, spec, self._usage(), 0.0)
-        if isinstance(placed, str):
-            return placed
-        return self._owner_share_refusal(task.tenant, placed.slots) or placed.slots
-
-    def _device_labels(self, slots: Iterable[Slot]) -> list[str]:
-        return [label for slot in slots for label in device_labels(self._nodes[slot.node], slot)]
-
-    async def _converge(self, task: _Task) -> None:
-        """Brings a service's replicas to its spec as it changes in place: the replicas past
-        its count stop (the highest-numbered first), missing ones start, and those of an older
-        revision are replaced, never more than max_unavailable not ready at once (a replica
-        not ready anyway is replaced first: that costs nothing)."""
-        assert task.service is not None
-        job_id, name, epoch = task.key
-        while True:
-            task.reshaped.clear()
-            task.moved.clear()
-            busy, pause = False, 1.0
-            waits_for: list[asyncio.Event] = [task.moved, task.reshaped]
-            try:
-                while len(task.slots) > (task.spec.replicas or 1):
-                    await self._retire(task)
-                while len(task.replicas) < len(task.slots):
-                    await self._start_added(task, len(task.replicas))
-                for replica in self._to_replace(task):
-                    await self._replace(task, replica)
-                busy = any(r.revision < task.revision for r in task.service)
-            except ReplicaStartError as exc:
-                # Tried again after the policy's backoff, as a crashed replica is restarted;
-                # a newer change does not wait for it.
-                failed = task.service[len(task.replicas)]
-                failed.short_runs += 1
-                failed.checked = True
-                pause = RestartPolicy.of(task.spec.service).delay_s(failed.short_runs)
-                busy, waits_for = True, [task.reshaped]
-                log.warning(
-                    "replica_start_failed", job_id=job_id, task=name, error=str(exc), in_s=pause
-                )
-                self._report(task)
-            except Exception:
-                log.exception("service_change_failed", job_id=job_id, task=name, epoch=epoch)
-                busy = True
-            if not busy:
-                await task.reshaped.wait()
-                continue
-            waits = [asyncio.ensure_future(event.wait()) for event in waits_for]
-            try:
-                await asyncio.wait(waits, timeout=pause, return_when="FIRST_COMPLETED")
-            finally:
-                for wait in waits:
-                    wait.cancel()
-
-    def _to_replace(self, task: _Task) -> list[int]:
-        """The replicas of an older revision to replace now: every one known not to be ready,
-        and as many ready ones as leave at most max_unavailable not ready. None while a
-        replica's readiness is not known yet (just started, or adopted before its first
-        check): it may be ready."""
-        assert task.service is not None
-        service = task.service[: len(task.replicas)]
-        if not all(r.checked for r in service):
-            return []
-        stale = [i for i, r in enumerate(service) if r.revision < task.revision]
-        budget = max_unavailable(task.spec) - sum(not r.ready for r in task.service)
-        ready = [i for i in stale if service[i].ready][: max(0, budget)]
-        return [i for i in stale if not service[i].ready] + ready
-
-    async def _retire(self, task: _Task) -> None:
-        """Stops a service's highest-numbered replica and gives its room back: shown not
-        ready first, so whoever follows the endpoints stops sending to it."""
-        assert task.service is not None
-        replica = len(task.slots) - 1
-        if task.spec.service.HasField("autoscale") and replica < len(task.replicas):
-            await self._drain(task, replica)
-        if replica < len(task.keepers):
-            keeper = task.keepers.pop(replica)
-            keeper.cancel()
-            await asyncio.gather(keeper, return_exceptions=True)
-        task.service[replica].ready = False
-        self._report(task)
-        if replica < len(task.replicas):
-            await task.replicas[replica].terminate(task.grace_s)
-            task.replicas.pop(replica)
-        task.service.pop(replica)
-        task.slots = task.slots[:replica]
-        task.devices = self._device_labels(task.slots)
-        self._save(task)
-        self._report(task)
-        self._changed()
-
-    async def _start_added(self, task: _Task, replica: int) -> None:
-        """Starts a replica a change added (or one a restarted agent found not started)."""
-        account = self._account(task)
-        folder = self._task_dir(task.key) / str(replica)
-        try:
-            await asyncio.to_thread(private_folder, folder, account)
-        except OSError as exc:
-            raise ReplicaStartError(f"cannot create working directory: {exc}", 0) from exc
-        await self._start_replica(task, replica, account)
-        task.keepers.append(asyncio.create_task(self._keep(task, replica)))
-        self._save(task)
-        self._report(task)
-
-    async def _replace(self, task: _Task, replica: int) -> None:
-        """Stops one replica and starts it with the task's current spec. A start that fails
-        is the keeper's to retry, with its backoff, as after a crash."""
-        assert task.service is not None
-        keeper = task.keepers[replica]
-        keeper.cancel()
-        await asyncio.gather(keeper, return_exceptions=True)
-        state = task.service[replica]
-        state.ready, state.down, state.short_runs = False, False, 0
-        self._report(task)
-        await task.replicas[replica].terminate(task.grace_s)
-        try:
-            await self._start_replica(task, replica, self._account(task))
-        except ReplicaStartError as exc:
-            # Of the new revision all the same: its keeper restarts it, with its backoff.
-            state.revision, state.checked = task.revision, True
-            log.warning(
-                "replica_replace_failed", job_id=task.key[0], task=task.key[1], error=str(exc)
-            )
-        task.keepers[replica] = asyncio.create_task(self._keep(task, replica))
-        self._save(task)
-        self._report(task)
-
-    async def _keep(self, task: _Task, replica: int) -> None:
-        """Restarts one replica of a service each time it ends, by the task's policy: after
-        a backoff that doubles with each short run in a row, crash-looping after enough."""
-        assert task.service is not None
-        state = task.service[replica]
-        policy = RestartPolicy.of(task.spec.service)
-        job_id, name, epoch = task.key
-        while True:
-            process = task.replicas[replica]
-            checker = asyncio.create_task(self._check_readiness(task, replica, process))
-            loads = (
-                asyncio.create_task(self._watch_load(task, replica, process))
-                if task.spec.service.HasField("autoscale")
-                else None
-            )
-            try:
-                try:
-                    code = await asyncio.wait_for(process.wait(), policy.min_run_s)
-                    short = True
-                except TimeoutError:
-                    if state.short_runs:  # a long run: no more backoff, no more crash loop
-                        state.short_runs = 0
-                        self._report(task)
-                    code, short = await process.wait(), False
-            finally:
-                checker.cancel()
-                if loads is not None:
-                    loads.cancel()
-            state.ready, state.checked = False, True
-            if not policy.restarts(code):
-                state.down = True
-                log.info("replica_stays_down", job_id=job_id, task=name, replica=replica)
-                self._report(task)
-                return
-            while True:
-                state.short_runs = state.short_runs + 1 if short else 0
-                delay_s = policy.delay_s(state.short_runs)
-                log.info(
-                    "replica_restarting",
-                    job_id=job_id,
-                    task=name,
-                    epoch=epoch,
-                    replica=replica,
-                    exit=describe_exit(code),
-                    in_s=delay_s,
-                    crash_looping=policy.crash_looping(state.short_runs),
-                )
-                self._report(task)
-                await asyncio.sleep(delay_s)
-                try:
-                    await self._start_replica(task, replica, self._account(task))
-                    break
-                except ReplicaStartError as exc:
-                    log.warning("replica_restart_failed", job_id=job_id, task=name, error=str(exc))
-                    code, short = exc.exit_code, True
-            state.restarts += 1
-            self._save(task)
-            self._report(task)
-
-    async def _check_readiness(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
-        """Checks a running replica every period from its initial delay; reports each change
-        of its readiness. Without a check, a replica is ready once it runs."""
-        assert task.service is not None
-        state = task.service[replica]
-        if not task.spec.service.HasField("readiness"):
-            state.ready = state.checked = True
-            self._report(task)
-            return
-        check = task.spec.service.readiness
-        await asyncio.sleep(check.initial_delay_s)
-        env = self._replica_env(task, replica)
-        cwd = self._task_dir(task.key) / str(replica)
-        account = self._account(task)
-        while not process.exited:
-            ready = await is_ready(
-                check, address=self._address, port=state.port, env=env, cwd=cwd, account=account
-            )
-            if process.exited:
-                break
-            first, state.checked = not state.checked, True
-            ready = ready and not state.draining
-            if ready != state.ready or first:
-                state.ready = ready
-                self._report(task)
-            await asyncio.sleep(check.period_s or 1.0)
-
-    async def _watch_load(self, task: _Task, replica: int, process: ReplicaProcess) -> None:
-        """Reads an autoscaled replica's load every readiness period; reports each change (to
-        a hundredth). A replica that does not answer keeps its last reading."""
-        assert task.service is not None
-        state = task.service[replica]
-        period_s = task.spec.service.readiness.period_s or 1.0
-        while not process.exited:
-            load = await read_load(
-                task.spec.service.autoscale,
-                address=self._address,
-                port=state.port,
-                timeout_s=task.spec.service.readiness.timeout_s or 1.0,
-            )
-            if load is not None and round(load, 2) != round(state.load, 2):
-                state.load = load
-                self._report(task)
-            await asyncio.sleep(period_s)
-
-    async def _drain(self, task: _Task, replica: int) -> None:
-        """Waits until a replica being taken away has nothing in flight: shown draining (so
-        whoever follows the endpoints stops sending to it) for at least two readiness periods,
-        then until its load reads 0, or drain_timeout_s."""
-        assert task.service is not None
-        scale = task.spec.service.autoscale
-        state, process = task.service[replica], task.replicas[replica]
-        period_s = task.spec.service.readiness.period_s or 1.0
-        state.ready, state.draining = False, True
-        self._report(task)
-        started = time.monotonic()
-        timeout_s = scale.drain_timeout_s or DEFAULT_DRAIN_TIMEOUT_S
-        await asyncio.sleep(min(2 * period_s, timeout_s))
-        while not process.exited and time.monotonic() - started < timeout_s:
-            load = await read_load(scale, address=self._address, port=state.port, timeout_s=1.0)
-            if load == 0:
-                return
-            await asyncio.sleep(period_s)
-        if not process.exited:
-            log.warning(
-                "replica_drain_timed_out",
-                job_id=task.key[0],
-                task=task.key[1],
-                replica=replica,
-                after_s=timeout_s,
-            )
-
-    def _lock(self, key: RunKey) -> None:
-        """Once a task has ended only the agent may enter its folder: a task that opened its
-        own folder to others while it ran leaves nothing reachable. (One chmod: no walk.)"""
-        try:
-            self._task_dir(key).chmod(0o700)
-        except FileNotFoundError:
-            pass  # it never started
-        except OSError as exc:
-            log.warning("work_folder_not_locked", job_id=key[0], task=key[1], error=str(exc))
-
-    def _reopen(self, key: RunKey, checkpoint: Path | None) -> None:
-        """A restart from a checkpoint of an ended epoch here passes through that epoch's
-        folder again (locked by ``_lock``); the checkpoint's own folder stays its account's.
-        Blocking: run it in a thread."""
-        if checkpoint is None or not checkpoint.is_relative_to(self._work_dir):
-            return
-        parts = checkpoint.relative_to(self._work_dir).parts
-        # A part of a divided task ("train/1") has a folder per level of its name.
-        task = (key[0], *Path(key[1]).parts)
-        if len(parts) < len(task) + 2 or ".." in parts or parts[: len(task)] != task:
-            return  # only an earlier epoch of this same task is opened again
-        epoch_dir = self._work_dir.joinpath(*parts[: len(task) + 1])  # <job>/<task>/<epoch>
-        if epoch_dir.is_dir() and not epoch_dir.is_symlink():
-            epoch_dir.chmod(0o711)
-
-    def _finish(
-        self, task: _Task, state: State, exit_code: int, reason: str, output_tail: str
-    ) -> None:
-        task.state, task.exit_code, task.reason = state, exit_code, reason
-        task.output_tail = output_tail[-_OUTPUT_TAIL_CHARS:]
-        if task.checkpoints is not None:
-            task.checkpoints.stop()
-        if task.uploads is not None:
-            task.uploads.cancel()
-        task.final = task.report()
-        self._save(task)  # before it is reported: a restarted agent reports it again
-        self._lock(task.key)
-        task.finished.set()
-        log.info(
-            "task_finished",
-            job_id=task.key[0],
-            task=task.key[1],
-            epoch=task.key[2],
-            state=jobs_pb2.JobState.Name(state),
-            exit_code=exit_code,
-            reason=reason,
-        )
-        self._report(task)
-        self._changed()
-
-    def _report(self, task: _Task) -> None:
-        task.moved.set()
-        self._reports.status(task.report())
-
-    def _changed(self) -> None:
-        self._reports.changed()
-
-
-def _safe_part(name: str) -> bool:
-    """Whether ``name`` (a job id or task name from the coordinator) is one path part."""
-    return bool(name) and name not in (".", "..") and "/" not in name and "\0" not in name
+            self._elastic.running(self._room.busy_nodes())
+        self._book.changed()

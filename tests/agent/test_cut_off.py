@@ -13,9 +13,9 @@ import psutil
 import pytest
 from structlog.testing import capture_logs
 
-from federation.agent import embedded_core
 from federation.agent.config import AgentConfig
 from federation.agent.cut_off import CutOffWatch
+from federation.agent.embedded import stops
 from federation.agent.embedded_core import EmbeddedCore
 from federation.agent.enroll import credential_paths
 from federation.agent.journal import Journal
@@ -75,7 +75,7 @@ async def test_a_cut_off_stop_kills_within_the_stop_grace(
 ) -> None:
     """A task that ignores SIGTERM is SIGKILLed after STOP_GRACE_S, not the longer kill grace
     of the site: the coordinator's margin counts on it."""
-    monkeypatch.setattr(embedded_core, "STOP_GRACE_S", 0.3)
+    monkeypatch.setattr(stops, "STOP_GRACE_S", 0.3)
     core = make_core([node("n")], kill_grace_s=60)
     await run(core, offer(code=beacon.child(IGNORES_SIGTERM), stop_after_s=1))
     pid = int((await beacon.expect("ready")).split()[1])
