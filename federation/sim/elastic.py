@@ -96,7 +96,7 @@ class Launches:
 
     def allocate(self, state: SiteState, req: Request, site: int, min_speed: float) -> Grant:
         """Room for every replica at ``site``, which has it: on running nodes where they hold
-        every replica, else on any, launchable ones included (``Room._place`` (federation.agent.embedded.room))."""
+        every replica, else on any, launchable ones included (the embedded ``Room._place``)."""
         waiting = [n for n in self._at_site.get(site, ()) if self._state[n] != RUNNING]
         if not waiting:
             return state.allocate(req, site, min_speed)
