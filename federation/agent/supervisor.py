@@ -153,7 +153,8 @@ def _as_replica(spec: dict[str, Any], stdout: int, errors: int, supervisor: int)
         os.dup2(stdout, 1)
         os.dup2(stdout, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-        signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # exec keeps what Python ignores
+        for ignored in (signal.SIGPIPE, signal.SIGXFSZ):  # exec keeps what Python ignores
+            signal.signal(ignored, signal.SIG_DFL)
         os.umask(0o077)
         os.setsid()
         step = "parent-death signal"

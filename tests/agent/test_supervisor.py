@@ -224,6 +224,25 @@ async def test_a_recycled_pid_is_not_adopted(tmp_path: Path) -> None:
     assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
 
 
+async def test_a_replica_starts_with_no_signal_ignored_nor_a_descriptor_of_its_supervisor(
+    tmp_path: Path,
+) -> None:
+    """Python ignores SIGPIPE and SIGXFSZ, and an exec keeps what is ignored: the supervisor
+    sets them back; and the replica holds its output and /dev/null only."""
+    script = "grep SigIgn /proc/self/status; ls /proc/self/fd"  # a shell ignores nothing itself
+    proc = await ReplicaProcess.start(
+        ["/bin/sh", "-c", script],
+        cwd=tmp_path,
+        env={"PATH": os.environ["PATH"]},
+        run_dir=tmp_path / "run",
+        grace_s=5.0,
+    )
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    ignored, fds = proc.output_tail.split("\n", 1)
+    assert int(ignored.split()[1], 16) == 0
+    assert fds.split() == ["0", "1", "2", "3"]  # the last: ls's listing of the folder
+
+
 def test_the_exit_record_is_json_whatever_the_reason_holds() -> None:
     """The supervisor writes its exit record without the json module: any text reads back."""
     for why in ["", "agent_died", 'supervisor failed: OSError(5, "I/O\\error")\n\t\x00', "é ü 💥"]:
