@@ -15,15 +15,26 @@ longest idle first and keeping ``warm_min`` running, and is launchable again. A 
 
 Launches end and idle nodes are released at their own times, between the replay's events
 (``advance``, called as the clock moves): nothing reads the state in between. A launched node
-costs its type's price from its launch to its release; one that ``warm_min`` keeps running to
-the end costs until the replay's last event or release.
+costs its type's price (its spot price for a ``spot`` type) from its launch to its release;
+one that ``warm_min`` keeps running to the end costs until the replay's last event or release.
+
+Spot nodes: where the site sets a reclaim model, each node of a ``spot`` type it launches is
+taken back a while after it runs: ``spot_reclaim_after_s`` (as the agent's simulated provider),
+or a draw from an exponential distribution of mean ``spot_mean_lifetime_s`` (from a generator
+seeded by the replay's seed, drawn at each launch, so a seed gives the same reclaims). When it
+launches, its reclaim is handed to the replay (``schedule``), which stops the node's tasks then
+and asks ``reclaim`` first: a node released meanwhile is not taken back. A reclaimed node is
+charged until then and is launchable again at once.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from federation.api.v1 import resources_pb2
 from federation.common.node_types import NodeType
@@ -50,13 +61,25 @@ class LaunchTally:
     """Price per node-hour times those hours."""
     waits: list[float] = field(default_factory=list)
     """Seconds from placement to start, per placement that waited for a launch."""
+    spot: bool = False
+    """Some node type is ``spot``."""
+    reclaims: int = 0
+    """Spot nodes taken back while they ran."""
 
 
 class Launches:
     """The launch state of every elastic node of one replay, kept in its snapshot's
     ``node_provision_s`` (the type's delay while launchable or launching, 0 while running)."""
 
-    def __init__(self, topology: Topology, snap: Snapshot) -> None:
+    def __init__(
+        self,
+        topology: Topology,
+        snap: Snapshot,
+        seed: int = 0,
+        schedule: Callable[[float, int], object] | None = None,
+    ) -> None:
+        """``schedule(when, node)``: the replay takes ``node`` back at ``when`` (a spot node
+        launched now, under its site's reclaim model)."""
         self.snap = snap
         self.tally = LaunchTally()
         index = {name: i for i, name in enumerate(snap.node_names)}
@@ -65,11 +88,14 @@ class Launches:
         self._at_site: dict[int, list[int]] = {}
         self._release: dict[int, tuple[float, int]] = {}
         """Per site with node types: its ``idle_release_s`` and ``warm_min``."""
+        self._lifetime: dict[int, tuple[float, float]] = {}
+        """Per site with node types: ``spot_reclaim_after_s`` and ``spot_mean_lifetime_s``."""
         for spec in topology.sites:
             if not spec.node_types:
                 continue
             site = sites[spec.name]
             self._release[site] = (spec.idle_release_s, spec.warm_min)
+            self._lifetime[site] = (spec.spot_reclaim_after_s, spec.spot_mean_lifetime_s)
             for node_type in spec.node_types:
                 for name in node_type.node_names():
                     node = index[f"{spec.name}/{name}"]
@@ -84,6 +110,12 @@ class Launches:
         """(when, what, node): launches that end, idle nodes that may be released then."""
         self._last = 0.0
         """When the last launch ended or node was released."""
+        self.tally.spot = any(t.spot for t in self._type.values())
+        self._schedule = schedule
+        self._rng = np.random.default_rng((seed, 1)) if self.tally.spot else None
+        """Draws spot lifetimes; its own stream, so the replay's other draws stay as they were."""
+        self._reclaim_at: dict[int, float] = {}
+        """When each launched spot node is taken back (under a reclaim model)."""
 
     @property
     def any(self) -> bool:
@@ -126,6 +158,7 @@ class Launches:
                 self._ready_at[node] = now + self._type[node].delay_s
                 heapq.heappush(self._due, (self._ready_at[node], _LAUNCHED, node))
                 self.tally.launches += 1
+                self._lifetime_of(node)
             if self._state[node] == LAUNCHING:
                 ready = max(ready, self._ready_at[node])
         if ready > now:
@@ -153,6 +186,22 @@ class Launches:
             self._last = at
             self._release_idle(int(self.snap.node_site[node]), at)
 
+    def reclaim(self, node: int, now: float) -> bool:
+        """The cloud takes spot ``node`` back now, as scheduled when it launched, unless it
+        was released since: charged until now, launchable again. True when taken back (the
+        replay then stops its tasks)."""
+        if self._reclaim_at.get(node) != now or self._state[node] != RUNNING:
+            return False
+        del self._reclaim_at[node]
+        self._idle_since.pop(node, None)
+        self._state[node] = LAUNCHABLE
+        self.snap.node_provision_s[node] = self._type[node].delay_s
+        self.snap.memo.clear()
+        self._charge(node, now)
+        self._last = max(self._last, now)
+        self.tally.reclaims += 1
+        return True
+
     def finish(self, now: float) -> None:
         """The replay ended at ``now``: what is due still happens, and nodes still running
         (kept by ``warm_min``) are charged until the end."""
@@ -161,6 +210,16 @@ class Launches:
         for node, node_state in self._state.items():
             if node_state == RUNNING:
                 self._charge(node, end)
+
+    def _lifetime_of(self, node: int) -> None:
+        """A spot node launches: when its site's reclaim model takes it back, if ever."""
+        after_s, mean_s = self._lifetime[int(self.snap.node_site[node])]
+        if not self._type[node].spot or not (after_s or mean_s) or self._schedule is None:
+            return
+        assert self._rng is not None
+        life_s = after_s or float(self._rng.exponential(mean_s))
+        self._reclaim_at[node] = self._ready_at[node] + life_s
+        self._schedule(self._reclaim_at[node], node)
 
     def _release_s(self, node: int) -> float:
         return self._release[int(self.snap.node_site[node])][0]
@@ -182,6 +241,7 @@ class Launches:
         spare = max(0, self.running(site) - warm_min)
         for _, node in idle[:spare]:
             del self._idle_since[node]
+            self._reclaim_at.pop(node, None)
             self._state[node] = LAUNCHABLE
             self.snap.node_provision_s[node] = self._type[node].delay_s
             self._charge(node, now)
@@ -191,4 +251,6 @@ class Launches:
     def _charge(self, node: int, until: float) -> None:
         seconds = until - self._launched_at[node]
         self.tally.node_s += seconds
-        self.tally.usd += self._type[node].price_per_hour * seconds / 3600.0
+        node_type = self._type[node]
+        price = node_type.spot_price_per_hour if node_type.spot else node_type.price_per_hour
+        self.tally.usd += price * seconds / 3600.0

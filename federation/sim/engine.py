@@ -22,7 +22,8 @@ queues' quotas, then placement, then preemption where it may stop others (``_pre
 A stopped task waits again and restarts from its last checkpoint.
 
 Sites with node types launch nodes for the tasks placed on them and release them when idle
-(``federation.sim.elastic``): a task on nodes still to run starts once they do.
+(``federation.sim.elastic``): a task on nodes still to run starts once they do. A spot node the
+cloud takes back (``RECLAIM``) has its tasks stopped as preempted ones are, and placed again.
 """
 
 from __future__ import annotations
@@ -59,9 +60,12 @@ from federation.sim.waiting import BusySites
 F64 = npt.NDArray[np.float64]
 # Event kinds, in the order they are handled at one instant: capacity frees before anything
 # new is placed on it, and a scheduling cycle (with queues) sees everything that happened.
-DONE, START, RETRY, ARRIVE, CYCLE = 0, 1, 2, 3, 4
+DONE, RECLAIM, START, RETRY, ARRIVE, CYCLE = 0, 1, 2, 3, 4, 5
 _SCHEDULER = SchedulerConfig()
 Progress = Callable[[int, int], None]
+MAX_RECLAIMS = 100
+"""A task its spot nodes are taken back from this often is given up (it stays PENDING): one
+that runs longer than a fixed spot lifetime without checkpointing would restart forever."""
 IDLE_POWER_SHARE = 0.25
 """An idle device of a powered node draws this share of its TDP: its own idle draw (about
 10-15 % of TDP on the A100's and H100's spec sheets) plus its share of the host's."""
@@ -228,7 +232,9 @@ class Simulation:
             minlength=self.snap.n_nodes,
         ).astype(np.float64)
         self._node_tasks = np.zeros(self.snap.n_nodes, dtype=np.int64)
-        self.launches = Launches(state.topology, self.snap)
+        self.launches = Launches(
+            state.topology, self.snap, self.config.seed, lambda at, n: self._push(at, RECLAIM, n)
+        )
         self.out.elastic = self.launches.tally if self.launches.any else None
         self._powered_nodes = 0
         self._powered_watts = 0.0
@@ -273,6 +279,7 @@ class Simulation:
             RETRY: self._retry,
             ARRIVE: self._arrive,
             CYCLE: self._cycle,
+            RECLAIM: self._reclaim,
         }
         while self._events:
             when, kind, sequence, i = heapq.heappop(self._events)
@@ -341,6 +348,10 @@ class Simulation:
             run.never_fits = True  # stays PENDING for good, as in the coordinator
             return
         self._waiting += 1
+        self._wait_or_try(i)
+
+    def _wait_or_try(self, i: int) -> None:
+        """Task ``i`` waits: in line for the next cycle (with queues), else placed now."""
         if self.shares is not None:
             self._wait_again(i)
             return
@@ -529,7 +540,7 @@ class Simulation:
         grant = run.grant
         if self.learner is None or grant is None or not grant.devices or run.run_s <= 0:
             return
-        if run.preemptions:
+        if run.preemptions or run.reclaims:
             return  # it ran only what was left of the duration its estimate is for
         devices = list(grant.devices)
         true = self._speed(run.request)[self.snap.device_class[devices]]
@@ -675,7 +686,9 @@ class Simulation:
             return False
         self._preempted_for.add(i)
         for victim in victims:
-            self._stop(self._index[victim.job_id, victim.task])
+            j = self._index[victim.job_id, victim.task]
+            self._stop(j)
+            self._wait_again(j)
         return True
 
     def _candidate(self, j: int, i: int, lenders: set[str]) -> tuple[Candidate, float] | None:
@@ -693,7 +706,7 @@ class Simulation:
             holds=demand(shares.job[j].spec.tasks[shares.slot[j]], models),  # as granted
             domain=domain_name(int(snap.domain[run.site])),
             started_s=run.started_s if run.state == job_state.RUNNING else None,
-            lost_s=self._since_checkpoint(run),
+            lost_s=run.since_checkpoint(self._now),
             urgent=shares.job[i],
             lenders=lenders,
             min_runs=self.config,
@@ -704,32 +717,36 @@ class Simulation:
             return found[0], ready
         return found
 
-    def _since_checkpoint(self, run: TaskRun) -> float:
-        """Seconds ``run`` has run since its last checkpoint (every ``checkpoint_interval_s``
-        of run since it started; none: since it started)."""
-        if run.state != job_state.RUNNING:
-            return 0.0
-        ran_s = self._now - run.started_s
-        every = run.trace.checkpoint_interval_s
-        return ran_s - math.floor(ran_s / every) * every if every > 0 else ran_s
-
-    def _stop(self, j: int) -> None:
-        """Preempt task ``j``: it gives back its room, waits again, and keeps the run up to
-        its last checkpoint (its site stops it at once: no grace for a last checkpoint)."""
+    def _stop(self, j: int, *, reclaimed: bool = False) -> None:
+        """Preempt task ``j`` (or stop it on a spot node taken back: ``reclaimed``, counted
+        apart): it gives back its room, waits (the caller puts it in line), and keeps the run
+        up to its last checkpoint (its site stops it at once: no grace for a last checkpoint)."""
         run = self.runs[j]
         running = run.state == job_state.RUNNING
-        ran_s = self._now - run.started_s if running else 0.0
-        lost_s = self._since_checkpoint(run)
-        assert run.grant is not None
-        run.lost_device_s += lost_s * len(run.grant.devices) * run.grant.device_share
-        if running:  # what it checkpointed is done
-            run.remaining_s = (run.run_s - ran_s + lost_s) * (run.speed or 1.0)
-        run.preemptions += 1
+        ran_s = run.stop(self._now, reclaimed=reclaimed)
         self._cancelled.add(run.event)
         self._move(run, job_state.PENDING)
         self._leave(j, ran_s, running=running)
+        if reclaimed:
+            run.held[:] = 0.0  # nothing until it is placed again
         self._waiting += 1
-        self._wait_again(j)
+
+    def _reclaim(self, node: int) -> None:
+        """The cloud takes spot ``node`` back (unless released since): its tasks stop as
+        preempted ones do, not counted as preempted or failed, and are placed again."""
+        if not self.launches.reclaim(node, self._now):
+            return
+        site = int(self.snap.node_site[node])
+        stopped = [j for j in sorted(self._at_site[site]) if node in self.runs[j].nodes]
+        for j in stopped:
+            self._stop(j, reclaimed=True)
+        for j in stopped:
+            if self.runs[j].reclaims < MAX_RECLAIMS:
+                self._wait_or_try(j)
+            else:
+                self._waiting -= 1
+        if self.shares is None:
+            self._wake(site)
 
     # Waiting tasks.
 

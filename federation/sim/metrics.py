@@ -23,7 +23,7 @@ from federation.placement.registry import DEFAULT_FILTERS, build_framework
 from federation.placement.request import Request
 from federation.placement.snapshot import Snapshot
 from federation.sim.elastic import LaunchTally
-from federation.sim.engine import Outcome
+from federation.sim.engine import MAX_RECLAIMS, Outcome
 from federation.sim.policies import feasibility_key
 from federation.sim.queues import jain_index
 from federation.sim.runs import TaskRun
@@ -226,7 +226,7 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
             **({} if outcome.elastic is None else {"elastic": as_number(elastic)}),
             "total": as_number(compute + egress + elastic),
         },
-        **({} if outcome.elastic is None else launch_figures(outcome.elastic)),
+        **({} if outcome.elastic is None else launch_figures(outcome.elastic, runs)),
         "energy_kwh": as_number(busy_kwh),
         "energy_idle_kwh": as_number(idle_kwh),
         "energy_total_kwh": as_number(busy_kwh + idle_kwh),
@@ -267,15 +267,26 @@ def summarize(outcome: Outcome, bounds: F64) -> dict[str, Any]:
     }
 
 
-def launch_figures(tally: LaunchTally) -> dict[str, Any]:
+def launch_figures(tally: LaunchTally, runs: Sequence[TaskRun]) -> dict[str, Any]:
     """Nodes launched (``launches``), how long tasks placed on launching nodes waited for them
     to run (``launch_wait_s``, over those placements) and the node-hours from launch to
-    release (``launched_node_hours``); their cost is ``cost_usd.elastic``."""
+    release (``launched_node_hours``); their cost is ``cost_usd.elastic``. With spot node
+    types: the spot nodes taken back (``spot_reclaims``), the tasks stopped on them
+    (``spot_interruptions``) and the device-hours of run those lost since their last
+    checkpoints (``spot_device_hours_lost``, as ``sharing``'s ``device_hours_lost``), and the
+    tasks given up after ``MAX_RECLAIMS`` reclaims (``spot_tasks_given_up``)."""
     waits = _spread(np.array(tally.waits))
+    spot = {
+        "spot_reclaims": tally.reclaims,
+        "spot_interruptions": sum(r.reclaims for r in runs),
+        "spot_device_hours_lost": as_number(sum(r.reclaim_lost_device_s for r in runs) / 3600.0),
+        "spot_tasks_given_up": sum(r.reclaims >= MAX_RECLAIMS for r in runs),
+    }
     return {
         "launches": tally.launches,
         "launch_wait_s": {k: waits[k] for k in ("mean", "p50", "p95")},
         "launched_node_hours": as_number(tally.node_s / 3600.0),
+        **(spot if tally.spot else {}),
     }
 
 

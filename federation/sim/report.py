@@ -139,14 +139,19 @@ def print_tables(result: ReplayResult, console: Console) -> None:
 
 def launch_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:
     """Per policy: nodes launched, how long tasks waited for launches, the node-hours
-    launched and what they cost, beside the total cost."""
+    launched and what they cost, beside the total cost; with spot node types, the spot nodes
+    taken back, the tasks stopped on them and the device-hours those lost."""
     table = Table(title="Elastic capacity (launched nodes)", box=box.SIMPLE_HEAD)
     table.add_column("policy", no_wrap=True)
     for column in ("launches", "wait mean", "wait p50", "wait p95", "node-h", "launch $"):
         table.add_column(column, justify="right")
     table.add_column("cost $", justify="right")
+    spot = any("spot_reclaims" in m for m in policies.values())
+    for column in ("reclaims", "interrupted", "dev-h lost") if spot else ():
+        table.add_column(column, justify="right")
     for name, m in policies.items():
         wait = m["launch_wait_s"]
+        reclaims = ("spot_reclaims", "spot_interruptions") if spot else ()
         table.add_row(
             name,
             str(m["launches"]),
@@ -156,6 +161,8 @@ def launch_table(policies: Mapping[str, Mapping[str, Any]]) -> Table:
             f"{m['launched_node_hours']:.2f}",
             f"{m['cost_usd']['elastic']:.2f}",
             f"{m['cost_usd']['total']:.2f}",
+            *(str(m[key]) for key in reclaims),
+            *([f"{m['spot_device_hours_lost']:.2f}"] if spot else []),
         )
     return table
 

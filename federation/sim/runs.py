@@ -64,3 +64,41 @@ class TaskRun:
     lost_device_s: float = 0.0
     """Device-seconds of run lost to preemption: run since the last checkpoint, times the
     devices held."""
+    reclaims: int = 0
+    """Times it was stopped because its spot node was taken back."""
+    reclaim_lost_device_s: float = 0.0
+    """Device-seconds of run lost to those reclaims, as ``lost_device_s`` counts them."""
+
+    @property
+    def nodes(self) -> tuple[int, ...]:
+        """The nodes it holds (none before it is placed)."""
+        return self.grant.nodes if self.grant is not None else ()
+
+    def since_checkpoint(self, now: float) -> float:
+        """Seconds it has run by ``now`` since its last checkpoint (every
+        ``checkpoint_interval_s`` of run since it started; none: since it started); 0 unless
+        it runs."""
+        if self.state != job_state.RUNNING:
+            return 0.0
+        ran_s = now - self.started_s
+        every = self.trace.checkpoint_interval_s
+        return ran_s - math.floor(ran_s / every) * every if every > 0 else ran_s
+
+    def stop(self, now: float, *, reclaimed: bool) -> float:
+        """It is stopped at ``now``, preempted or, with ``reclaimed``, on a spot node taken
+        back: the run since its last checkpoint is lost (counted per cause), what it
+        checkpointed is done. The seconds it ran."""
+        running = self.state == job_state.RUNNING
+        ran_s = now - self.started_s if running else 0.0
+        lost_s = self.since_checkpoint(now)
+        assert self.grant is not None
+        lost_device_s = lost_s * len(self.grant.devices) * self.grant.device_share
+        if reclaimed:
+            self.reclaims += 1
+            self.reclaim_lost_device_s += lost_device_s
+        else:
+            self.preemptions += 1
+            self.lost_device_s += lost_device_s
+        if running:  # what it checkpointed is done
+            self.remaining_s = (self.run_s - ran_s + lost_s) * (self.speed or 1.0)
+        return ran_s

@@ -153,6 +153,12 @@ class SiteSpec:
     """A launched node that holds no task this long is released."""
     warm_min: int = 0
     """At least this many launched nodes stay running, busy or idle."""
+    spot_reclaim_after_s: float = 0.0
+    """The cloud takes each node of a ``spot`` type back this long after it runs (0: never),
+    as the agent's simulated provider does."""
+    spot_mean_lifetime_s: float = 0.0
+    """Else, each such node's life after it runs is drawn from an exponential distribution
+    of this mean (0: never taken back)."""
 
     @property
     def n_nodes(self) -> int:
@@ -290,6 +296,7 @@ def _site(f: Fields) -> SiteSpec:
     node_types = tuple(_node_types(f, power))
     nodes = tuple(_node(n, power) for n in f.items("nodes", required=not node_types))
     idle_release_s, warm_min = _release(f, node_types)
+    reclaim_after_s, mean_lifetime_s = _reclaims(f, node_types)
     site = SiteSpec(
         name=name,
         domain=domain,
@@ -303,6 +310,8 @@ def _site(f: Fields) -> SiteSpec:
         node_types=node_types,
         idle_release_s=idle_release_s,
         warm_min=warm_min,
+        spot_reclaim_after_s=reclaim_after_s,
+        spot_mean_lifetime_s=mean_lifetime_s,
     )
     f.done()
     return site
@@ -310,8 +319,8 @@ def _site(f: Fields) -> SiteSpec:
 
 def _node_types(f: Fields, site_power: float) -> list[NodeType]:
     """A site's ``node_types``: the fields of an agent inventory's node types (``name``,
-    ``max``, ``price_per_hour``, ``spot_price_per_hour``, ``delay_s``, with its defaults and
-    bounds) and the node's hardware as the topology's nodes give it (no ``count``)."""
+    ``max``, ``price_per_hour``, ``spot_price_per_hour``, ``delay_s``, ``spot``, with its
+    defaults and bounds) and the node's hardware as the topology's nodes give it (no ``count``)."""
     types: list[NodeType] = []
     for t in f.items("node_types"):
         name = t.string("name")
@@ -325,9 +334,27 @@ def _node_types(f: Fields, site_power: float) -> list[NodeType]:
         price = t.number("price_per_hour", 0.0)
         spot = t.number("spot_price_per_hour", 0.0)
         delay_s = t.number("delay_s", DEFAULT_DELAY_S)
+        is_spot = t.flag("spot", False)
         hardware = _node(t, site_power, counted=False)
-        types.append(NodeType(name, hardware.node(""), most, price, spot, delay_s))
+        types.append(NodeType(name, hardware.node(""), most, price, spot, delay_s, is_spot))
     return types
+
+
+def _reclaims(f: Fields, node_types: tuple[NodeType, ...]) -> tuple[float, float]:
+    """A site's reclaim model for its spot nodes: ``spot_reclaim_after_s`` (each is taken back
+    that long after it runs) or ``spot_mean_lifetime_s`` (the mean of exponential draws), one
+    of them, and only with a ``spot`` node type."""
+    keys = ("spot_reclaim_after_s", "spot_mean_lifetime_s")
+    for key in keys:
+        if f.has(key) and not any(t.spot for t in node_types):
+            raise f.fail(key, "applies to spot nodes: declare a node type with spot: true")
+    if all(f.has(key) for key in keys):
+        raise f.fail(keys[1], "give spot_reclaim_after_s or spot_mean_lifetime_s, not both")
+    after_s, mean_s = (f.number(key, 0.0) for key in keys)
+    for key, value in zip(keys, (after_s, mean_s), strict=True):
+        if f.has(key) and value <= 0:
+            raise f.fail(key, f"must be > 0, got {f.raw(key)!r}")
+    return after_s, mean_s
 
 
 def _release(f: Fields, node_types: tuple[NodeType, ...]) -> tuple[float, int]:

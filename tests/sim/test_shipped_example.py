@@ -1,7 +1,8 @@
 """The report of ``fedctl sim`` on the shipped example (``examples/sim/``) is pinned: a change to
 the scheduling parts that the simulator shares with the coordinator which alters any decision
 alters a figure here. A change meant to alter decisions rewrites these files
-(``fedctl sim ... -o json > tests/sim/data/sharing-report-POLICY.json``) and says why."""
+(``fedctl sim ... -o json > tests/sim/data/sharing-report-POLICY.json``, and
+``elastic-report.json`` likewise) and says why."""
 
 from __future__ import annotations
 
@@ -27,3 +28,16 @@ def test_the_shipped_example_reports_what_it_reported(
     report = json.loads(capsys.readouterr().out)
     pinned = json.loads((PINNED / f"sharing-report-{policy}.json").read_text())
     assert report == pinned
+
+
+def test_the_elastic_example_reports_what_it_reported(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``examples/sim/elastic-*`` (node types, no spot), pinned byte for byte: capacity that
+    is never taken back replays as it always did."""
+    monkeypatch.chdir(ROOT)
+    argv = ["sim", "--topology", "examples/sim/elastic-topology.yaml"]
+    argv += ["--trace", "examples/sim/elastic-trace.csv"]
+    argv += ["--policies", "completion-time,round-robin,greedy", "--seed", "1", "-o", "json"]
+    assert fedctl(*argv) == 0
+    assert capsys.readouterr().out == (PINNED / "elastic-report.json").read_text()
