@@ -727,8 +727,7 @@ class Simulation:
         self._cancelled.add(run.event)
         self._move(run, job_state.PENDING)
         self._leave(j, ran_s, running=running)
-        if reclaimed:
-            run.held[:] = 0.0  # nothing until it is placed again
+        run.held[:] = 0.0  # nothing until it is placed again (counted twice, it was)
         self._waiting += 1
 
     def _reclaim(self, node: int) -> None:
