@@ -147,9 +147,17 @@ class LogWriter:
 
 def _as_replica(spec: dict[str, Any], stdout: int, errors: int, supervisor: int) -> None:
     """In the forked child: becomes the replica (never returns); a failed step is written to
-    ``errors`` (closed by the exec) as ``ERRNO STEP``."""
-    step = "setsid"
+    ``errors`` (closed by the exec) as ``ERRNO STEP``, or ``0 STEP: WHY`` for an error that
+    is not the system's."""
+    step = "parent-death signal"
     try:
+        # In the child only, so the supervisor never pays for it; before the account is taken,
+        # which may not read the interpreter's library, and before the umask, which would
+        # leave any bytecode it writes unreadable to others.
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        step = "setsid"
         os.dup2(stdout, 1)
         os.dup2(stdout, 2)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -157,12 +165,6 @@ def _as_replica(spec: dict[str, Any], stdout: int, errors: int, supervisor: int)
             signal.signal(ignored, signal.SIG_DFL)
         os.umask(0o077)
         os.setsid()
-        step = "parent-death signal"
-        # In the child only, so the supervisor never pays for it; before the account is taken,
-        # which may not read the interpreter's library.
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
         if spec["uid"] >= 0:
             step = "account"
             os.setgroups([])
@@ -176,8 +178,8 @@ def _as_replica(spec: dict[str, Any], stdout: int, errors: int, supervisor: int)
         os.execve(spec["program"], spec["argv"], spec["env"])
     except OSError as err:
         os.write(errors, b"%d %s" % (err.errno or 0, step.encode()))
-    except BaseException:
-        os.write(errors, b"0 %s" % step.encode())
+    except BaseException as err:  # a NUL in the command or its environment, say
+        os.write(errors, b"0 %s: %s" % (step.encode(), str(err).encode(errors="replace")))
     os._exit(127)
 
 
@@ -186,7 +188,12 @@ def _start(spec: dict[str, Any], stdout: int) -> int:
     Raises OSError (with the failed step in its filename) if it could not."""
     errors_r, errors_w = os.pipe2(os.O_CLOEXEC)
     supervisor = os.getpid()
-    pid = os.fork()
+    try:
+        pid = os.fork()
+    except OSError as err:
+        os.close(errors_r)
+        os.close(errors_w)
+        raise OSError(err.errno, err.strerror, "fork") from err
     if pid == 0:  # every fd of the supervisor's own is close-on-exec: none reaches the replica
         _as_replica(spec, stdout, errors_w, supervisor)
     os.close(errors_w)
@@ -199,7 +206,7 @@ def _start(spec: dict[str, Any], stdout: int) -> int:
     os.waitpid(pid, 0)
     number, _, step = failed.decode(errors="replace").partition(" ")
     code = int(number) if number.isdigit() else 0
-    raise OSError(code, os.strerror(code) if code else "failed", step)
+    raise OSError(code, os.strerror(code) if code else "", step)
 
 
 def _json_text(text: str) -> str:
@@ -260,7 +267,8 @@ class Supervisor:
                 return f"error 126 permission denied: {program}"
             return f"error 126 cannot start {program}: {err.filename}: {err.strerror}"
         except OSError as err:
-            return f"error 126 cannot start {program}: {err.filename}: {err.strerror}"
+            why = f"{err.filename}: {err.strerror}" if err.strerror else err.filename
+            return f"error 126 cannot start {program}: {why}"
         finally:
             os.close(self._output_w)
         self._leader = os.pidfd_open(self._replica)
