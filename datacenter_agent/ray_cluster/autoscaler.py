@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -68,6 +69,9 @@ class RayAutoscalerProvider:
         self.delays = delays
         self._poll_s = poll_s
         self._ray_node: dict[str, str] = {}
+        self._claimed_at: dict[str, float] = {}
+        """When (monotonic) each launched node was claimed: a reading of Ray's nodes taken
+        before that may not show it yet."""
         """The site's node → the id of the Ray node that is it."""
         self._wanted: dict[str, str] = {}
         """The site's nodes launching or running → their type: the autoscaler's request."""
@@ -97,14 +101,21 @@ class RayAutoscalerProvider:
         names = self.names()
         return [r for r in records if self.type_of(r) is None or r.get("NodeID") in names]
 
-    async def lost(self, records: list[dict[str, Any]]) -> list[str]:
-        """The site's launched nodes whose Ray node is no longer alive: forgotten here,
-        reported taken back, and withdrawn from the autoscaler's request (else it would start
-        others for them). Returns their names."""
+    async def lost(self, records: list[dict[str, Any]], read_at: float) -> list[str]:
+        """The site's launched nodes whose Ray node is no longer alive in ``records`` (read
+        from ``ray.nodes()`` starting at ``read_at``, monotonic): forgotten here, reported
+        taken back, and withdrawn from the autoscaler's request (else it would start others
+        for them). A node claimed after the reading began is not judged by it. Returns their
+        names."""
         alive = {r.get("NodeID") for r in records if r.get("Alive")}
-        gone = [(node, ray_id) for node, ray_id in self._ray_node.items() if ray_id not in alive]
+        gone = [
+            (node, ray_id)
+            for node, ray_id in self._ray_node.items()
+            if ray_id not in alive and self._claimed_at.get(node, -math.inf) <= read_at
+        ]
         for node, ray_id in gone:
             del self._ray_node[node]
+            self._claimed_at.pop(node, None)
             self._wanted.pop(node, None)
             log.warning("ray_node_lost", node=node, ray_node=ray_id)
             if self._taken_back is not None:
@@ -132,6 +143,7 @@ class RayAutoscalerProvider:
                 continue
             free.remove(node)
             self._ray_node[node], self._wanted[node] = record["NodeID"], node_type
+            self._claimed_at[node] = time.monotonic()
             adopted.append(node)
         if adopted:
             log.info("ray_nodes_adopted", nodes=adopted)
@@ -157,7 +169,7 @@ class RayAutoscalerProvider:
             while True:
                 records = await asyncio.to_thread(ray.nodes)
                 if (found := self._unclaimed(records, node_type.name)) is not None:
-                    self._ray_node[node] = found
+                    self._ray_node[node], self._claimed_at[node] = found, time.monotonic()
                     log.info("ray_node_claimed", node=node, ray_node=found)
                     return
                 report = await asyncio.to_thread(_autoscaler_report)
@@ -180,6 +192,7 @@ class RayAutoscalerProvider:
     async def release(self, node: str) -> None:
         """Withdraws the node from the autoscaler's request: Ray removes it once idle."""
         self._ray_node.pop(node, None)
+        self._claimed_at.pop(node, None)
         if self._wanted.pop(node, None) is not None:
             await self._request()
 

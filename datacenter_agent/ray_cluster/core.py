@@ -55,7 +55,7 @@ from datacenter_agent.ray_cluster.groups import (
 from datacenter_agent.ray_cluster.launch import submit_job
 from datacenter_agent.ray_cluster.record import TaskRecord, save_record
 from datacenter_agent.ray_cluster.task_data import RayTaskData, has_data, task_folder
-from datacenter_agent.ray_cluster.tasks import Held, RayTask
+from datacenter_agent.ray_cluster.tasks import Held, RayTask, accepted, on_node
 from datacenter_agent.ray_cluster.verdict import NODE_VERDICT_S, may_be_lost, node_lost
 from datacenter_agent.ray_cluster.view import bundles_on, device_ids, ray_nodes, requested_bundle
 from federation.agent.commits import commit_key, epoch_problem, refused, settled, started
@@ -225,7 +225,7 @@ class RayCore:
             held = self._held.get(name)
             if held is not None:  # a repeated offer: the same group, its lease renewed
                 held.deadline = time.monotonic() + lease_s
-                return _accepted(name, lease_s, held.expected_start_s)
+                return accepted(name, lease_s, held.expected_start_s)
             problem = self._problem(offer)
             expected_start_s = 0.0
             if not problem:
@@ -241,7 +241,7 @@ class RayCore:
             return site_link_service_pb2.OfferAnswer(accepted=False, reason=problem)
         self._changed()
         self._wake.set()  # the poller now watches this lease
-        return _accepted(name, lease_s, expected_start_s)
+        return accepted(name, lease_s, expected_start_s)
 
     def _problem(self, offer: site_link_service_pb2.Offer) -> str:
         if problem := task_problem(offer):
@@ -485,8 +485,20 @@ class RayCore:
     async def _submit_staged(self, task: RayTask, held: Held) -> None:
         """Submits the job of a task answered before (its inputs staged, its nodes
         launched); Ray's refusal ends it FAILED and its group goes."""
+        submitting = asyncio.ensure_future(
+            asyncio.to_thread(self._submit, held, task.submission_id)
+        )
         try:
-            await asyncio.to_thread(self._submit, held, task.submission_id)
+            await asyncio.shield(submitting)
+        except asyncio.CancelledError:
+            # Stopped while Ray takes the job: its thread goes on. A job Ray took is stopped
+            # as any other (``_stop`` finds it submitted), never left running untracked.
+            await asyncio.wait([submitting])
+            if submitting.exception() is None:
+                task.submitted = True
+            else:
+                await asyncio.to_thread(remove_group, held.group)
+            raise
         except Exception as err:
             await asyncio.to_thread(remove_group, held.group)
             why = f"Ray would not take job {task.submission_id}: {err}"
@@ -600,10 +612,10 @@ class RayCore:
         """A launched node Ray lost, launchable again: its reservations are released and the
         tasks on it stopped, CANCELLED and reported interrupted, so the coordinator places them
         again. (A task adopted with no record names no nodes: Ray's word on its job stands.)"""
-        stops = [self.release(h.name) for h in self._held.values() if _on(h.slots, node)]
+        stops = [self.release(h.name) for h in self._held.values() if on_node(h.slots, node)]
         reason = f"node {node} was taken back by its provider: {why}"
         for task in self._tasks.values():
-            if task.is_active and task.cancel_reason is None and _on(task.slots, node):
+            if task.is_active and task.cancel_reason is None and on_node(task.slots, node):
                 task.interrupted, task.cancel_reason = True, reason
                 task.taken_back.set()
                 stops.append(self._stop(task, reason))
@@ -650,11 +662,12 @@ class RayCore:
         """Reads Ray's nodes and the state of every active job once."""
         import ray
 
+        read_at = time.monotonic()
         records = await asyncio.to_thread(ray.nodes)
         if self._elastic is None or self._autoscaler is None:
             self._nodes = ray_nodes(records, self._settings.devices)
         else:
-            await self._autoscaler.lost(records)  # each taken back: _node_taken_back
+            await self._autoscaler.lost(records, read_at)  # each taken back: _node_taken_back
             names = self._autoscaler.names()
             nodes = ray_nodes(self._autoscaler.visible(records), self._settings.devices, names)
             templates = {node.name: node for node in self._elastic.nodes()}
@@ -779,15 +792,3 @@ class RayCore:
     async def shutdown(self, grace_s: float) -> None:
         """Lets go of Ray for agent exit: committed jobs keep running, as under Slurm."""
         await self.close()
-
-
-def _on(slots: tuple[Slot, ...], node: str) -> bool:
-    return any(slot.node == node for slot in slots)
-
-
-def _accepted(
-    name: str, lease_s: float, expected_start_s: float = 0.0
-) -> site_link_service_pb2.OfferAnswer:
-    return site_link_service_pb2.OfferAnswer(
-        accepted=True, reservation_id=name, lease_s=lease_s, expected_start_s=expected_start_s
-    )

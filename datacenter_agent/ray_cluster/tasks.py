@@ -78,3 +78,17 @@ class RayTask:
             interrupted=self.interrupted and self.state == jobs_pb2.JOB_STATE_CANCELLED,
             artifacts=self.data.artifacts if self.data is not None else None,
         )
+
+
+def on_node(slots: tuple[Slot, ...], node: str) -> bool:
+    """Whether any of ``slots`` is on ``node``."""
+    return any(slot.node == node for slot in slots)
+
+
+def accepted(
+    name: str, lease_s: float, expected_start_s: float = 0.0
+) -> site_link_service_pb2.OfferAnswer:
+    """The answer that takes an offer with the group (or the launch) ``name``."""
+    return site_link_service_pb2.OfferAnswer(
+        accepted=True, reservation_id=name, lease_s=lease_s, expected_start_s=expected_start_s
+    )
