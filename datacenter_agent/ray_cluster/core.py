@@ -76,6 +76,9 @@ log = structlog.get_logger()
 
 _DEFAULT_LEASE_S = 10.0
 _TAIL_CHARS = 4000
+_SETTLE_ON_CLOSE_S = 30.0
+"""How long closing waits for ended jobs still storing their outputs and last checkpoint: a
+next agent adopts running jobs only, so an end not reported by then is lost."""
 
 
 class RayCore:
@@ -779,6 +782,8 @@ class RayCore:
         for stop in list(self._stops):
             stop.cancel()
         await asyncio.gather(*self._stops, return_exceptions=True)
+        if settling := [t.settling for t in self._tasks.values() if t.settling is not None]:
+            await asyncio.wait(settling, timeout=_SETTLE_ON_CLOSE_S)
         for task in self._tasks.values():
             if task.data is not None and task.settling is None:
                 task.data.stop()
