@@ -191,7 +191,7 @@ async def test_not_executable_raises_start_error(tmp_path: Path) -> None:
 async def test_bad_environment_or_directory_raises_start_error(tmp_path: Path) -> None:
     """An invalid variable name or a missing working directory is a ReplicaStartError."""
     argv = [sys.executable, "-c", "pass"]
-    with pytest.raises(ReplicaStartError, match="cannot start .*: exec: illegal environment"):
+    with pytest.raises(ReplicaStartError, match=r"cannot start .*: exec: illegal environment"):
         await ReplicaProcess.start(
             argv, cwd=tmp_path, env={"BAD=NAME": "x"}, run_dir=run_dir(tmp_path)
         )
