@@ -171,23 +171,38 @@ MAX_SCHEDULING_MODULE_LINES = 600
 MAX_SCHEDULING_FUNCTION_LINES = 80
 
 
+def too_long(paths: list[Path], max_module: int, max_function: int) -> tuple[list[str], list[str]]:
+    """The modules of ``paths`` over ``max_module`` lines, and their functions over
+    ``max_function``."""
+    long_modules, long_functions = [], []
+    for path in paths:
+        text = path.read_text()
+        if len(text.splitlines()) > max_module:
+            long_modules.append(path.name)
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > max_function:
+                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
+    return long_modules, long_functions
+
+
+def longer_than(folder: Path, max_lines: int) -> list[str]:
+    """The modules anywhere under ``folder`` over ``max_lines`` lines."""
+    return sorted(
+        f"{path.relative_to(ROOT)} ({lines} lines)"
+        for path in folder.rglob("*.py")
+        if (lines := len(path.read_text().splitlines())) > max_lines
+    )
+
+
 def test_the_scheduling_parts_stay_small() -> None:
     """Each part of the scheduling cycle reads in one sitting: no module of
     ``federation.coordinator.scheduling`` over 600 lines, no function there over 80."""
     modules = sorted(SCHEDULING.glob("*.py"))
     assert modules, "the scheduling package is where this test looks"
-    long_modules, long_functions = [], []
-    for path in modules:
-        text = path.read_text()
-        if len(text.splitlines()) > MAX_SCHEDULING_MODULE_LINES:
-            long_modules.append(path.name)
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > MAX_SCHEDULING_FUNCTION_LINES:
-                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
-    assert long_modules == []
-    assert long_functions == []
+    too = too_long(modules, MAX_SCHEDULING_MODULE_LINES, MAX_SCHEDULING_FUNCTION_LINES)
+    assert too == ([], [])
 
 
 MAX_COORDINATOR_MODULE_LINES = 800
@@ -196,12 +211,8 @@ MAX_COORDINATOR_MODULE_LINES = 800
 def test_no_coordinator_module_is_too_long_to_read() -> None:
     """No module anywhere under ``federation/coordinator`` is over 800 lines: a concern that
     outgrows that is split into a package of its own, as the scheduling cycle was."""
-    long_modules = sorted(
-        f"{path.relative_to(ROOT)} ({lines} lines)"
-        for path in (ROOT / "federation" / "coordinator").rglob("*.py")
-        if (lines := len(path.read_text().splitlines())) > MAX_COORDINATOR_MODULE_LINES
-    )
-    assert long_modules == []
+    coordinator = ROOT / "federation" / "coordinator"
+    assert longer_than(coordinator, MAX_COORDINATOR_MODULE_LINES) == []
 
 
 EMBEDDED_CORE = [
@@ -217,18 +228,8 @@ def test_the_embedded_core_parts_stay_small() -> None:
     ``federation.agent.embedded`` (nor ``embedded_core`` itself) over 600 lines, no function
     there over 80."""
     assert len(EMBEDDED_CORE) > 1, "the embedded package is where this test looks"
-    long_modules, long_functions = [], []
-    for path in EMBEDDED_CORE:
-        text = path.read_text()
-        if len(text.splitlines()) > MAX_EMBEDDED_CORE_MODULE_LINES:
-            long_modules.append(path.name)
-        for node in ast.walk(ast.parse(text)):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                length = (node.end_lineno or node.lineno) - node.lineno + 1
-                if length > MAX_EMBEDDED_CORE_FUNCTION_LINES:
-                    long_functions.append(f"{path.name}:{node.name} ({length} lines)")
-    assert long_modules == []
-    assert long_functions == []
+    too = too_long(EMBEDDED_CORE, MAX_EMBEDDED_CORE_MODULE_LINES, MAX_EMBEDDED_CORE_FUNCTION_LINES)
+    assert too == ([], [])
 
 
 MAX_AGENT_MODULE_LINES = 800
@@ -237,12 +238,7 @@ MAX_AGENT_MODULE_LINES = 800
 def test_no_agent_module_is_too_long_to_read() -> None:
     """No module anywhere under ``federation/agent`` is over 800 lines: a concern that
     outgrows that is split into parts of its own, as the embedded core was."""
-    long_modules = sorted(
-        f"{path.relative_to(ROOT)} ({lines} lines)"
-        for path in (ROOT / "federation" / "agent").rglob("*.py")
-        if (lines := len(path.read_text().splitlines())) > MAX_AGENT_MODULE_LINES
-    )
-    assert long_modules == []
+    assert longer_than(ROOT / "federation" / "agent", MAX_AGENT_MODULE_LINES) == []
 
 
 def assigned(node: ast.stmt) -> list[str]:
