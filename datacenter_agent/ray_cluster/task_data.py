@@ -23,7 +23,7 @@ from datacenter_agent.ray_cluster.record import TaskRecord
 from federation.agent.checkpoint_store import CheckpointUploads, restore_path
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.object_store import DataError
-from federation.agent.task_data import TaskData
+from federation.agent.task_data import TaskData, staging_problem
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 from federation.common.keys import RunKey
 
@@ -160,20 +160,13 @@ class RayTaskData:
     async def stage(self) -> str | None:
         """Creates the task's folders and puts each input in every replica's, and the stored
         checkpoint it restores from in its ``.restore``; why not, or None."""
-        try:
-            await asyncio.to_thread(self.make_folders)
-            await self.data.stage(self.inputs, self.replica_folders(), None, self.key, self.tenant)
-            if self.restore_input is not None:
-                await self._stage_restore(self.restore_input)
-        except DataError as exc:
-            log.warning("inputs_not_staged", job_id=self.key[0], task=self.key[1], error=str(exc))
-            return str(exc)
-        except OSError as exc:
-            return f"cannot create working directory: {exc}"
-        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
-            log.exception("staging_failed", job_id=self.key[0], task=self.key[1])
-            return f"staging failed: {type(exc).__name__}"
-        return None
+        return await staging_problem(self.key, self._stage())
+
+    async def _stage(self) -> None:
+        await asyncio.to_thread(self.make_folders)
+        await self.data.stage(self.inputs, self.replica_folders(), None, self.key, self.tenant)
+        if self.restore_input is not None:
+            await self._stage_restore(self.restore_input)
 
     def make_folders(self) -> None:
         """The replicas' folders and the checkpoint folder, as the nodes' account may use

@@ -14,7 +14,7 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +37,25 @@ log = structlog.get_logger()
 
 PROGRESS_EVERY_S = 5.0
 """How often a long stage-in tells the coordinator how far it is."""
+
+
+async def staging_problem(
+    key: RunKey, staging: Awaitable[None], expected: tuple[type[Exception], ...] = (DataError,)
+) -> str | None:
+    """Awaits a task's ``staging`` (its folders, inputs and restore); why it failed, or None.
+    ``expected`` failures are the task's (an input that cannot be had); any other is a bug,
+    which must not leave the task DELEGATED for ever either."""
+    try:
+        await staging
+    except expected as exc:
+        log.warning("inputs_not_staged", job_id=key[0], task=key[1], error=str(exc))
+        return str(exc)
+    except OSError as exc:
+        return f"cannot create working directory: {exc}"
+    except Exception as exc:
+        log.exception("staging_failed", job_id=key[0], task=key[1])
+        return f"staging failed: {type(exc).__name__}"
+    return None
 
 
 class TaskData:

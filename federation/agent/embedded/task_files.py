@@ -15,7 +15,7 @@ from federation.agent.embedded.launching import ReplicaLauncher
 from federation.agent.embedded.task import State, Task
 from federation.agent.object_store import DataError
 from federation.agent.process import ReplicaStartError
-from federation.agent.task_data import TaskData
+from federation.agent.task_data import TaskData, staging_problem
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
 log = structlog.get_logger()
@@ -45,26 +45,19 @@ class TaskFiles:
 
     async def stage(self, task: Task) -> str | None:
         """Puts the inputs in every replica's folder; why not, or None."""
-        try:
-            await asyncio.to_thread(self._launcher.make_dirs, task)
-            await self._data.stage(
-                task.inputs,
-                [self._folders.task_dir(task.key) / str(i) for i in range(len(task.slots))],
-                self._launcher.account(task),
-                task.key,
-                task.tenant,
-            )
-            if task.restore_input is not None:
-                await self._stage_restore(task, task.restore_input)
-        except (DataError, ReplicaStartError) as exc:
-            log.warning("inputs_not_staged", job_id=task.key[0], task=task.key[1], error=str(exc))
-            return str(exc)
-        except OSError as exc:
-            return f"cannot create working directory: {exc}"
-        except Exception as exc:  # a bug must not leave the task DELEGATED for ever
-            log.exception("staging_failed", job_id=task.key[0], task=task.key[1])
-            return f"staging failed: {type(exc).__name__}"
-        return None
+        return await staging_problem(task.key, self._stage(task), (DataError, ReplicaStartError))
+
+    async def _stage(self, task: Task) -> None:
+        await asyncio.to_thread(self._launcher.make_dirs, task)
+        await self._data.stage(
+            task.inputs,
+            [self._folders.task_dir(task.key) / str(i) for i in range(len(task.slots))],
+            self._launcher.account(task),
+            task.key,
+            task.tenant,
+        )
+        if task.restore_input is not None:
+            await self._stage_restore(task, task.restore_input)
 
     async def _stage_restore(self, task: Task, item: site_link_service_pb2.StagedInput) -> None:
         """Stages the uploaded checkpoint the task restores from; one that cannot be had is
