@@ -95,19 +95,27 @@ def private_mib(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    """The children of process ``pid``, whichever of its threads started them."""
+    return [
+        int(child)
+        for thread in Path(f"/proc/{pid}/task").iterdir()
+        for child in (thread / "children").read_text().split()
+    ]
+
+
+def spawner(agent_pid: int) -> int | None:
+    """The agent's spawner, its child that forks the supervisors, once started."""
+    for child in children(agent_pid):
+        if b"supervisor.serve()" in Path(f"/proc/{child}/cmdline").read_bytes():
+            return child
+    return None
 
 
 def supervisors(agent_pid: int) -> list[int]:
-    """The agent's replica supervisors that have started their replica: its children
-    running the supervisor, each with a child of its own (one still importing, or not yet
-    watching its replica, would be measured short)."""
-    out = []
-    for child in children(agent_pid):
-        cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
-        if b"import supervisor" in cmdline and children(child):
-            out.append(child)
-    return out
+    """The replica supervisors that have started their replica: the spawner's children, each
+    with a child of its own (one not yet watching its replica would be measured short)."""
+    forks = spawner(agent_pid)
+    return [child for child in children(forks) if children(child)] if forks else []
 
 
 async def measure(replicas: int) -> dict[str, float | None]:
@@ -149,6 +157,7 @@ async def measure(replicas: int) -> dict[str, float | None]:
                 watching = supervisors(agent)
                 per_replica = statistics.median(rss_mib(pid) for pid in watching)
                 per_replica_private = statistics.median(private_mib(pid) for pid in watching)
+                spawner_rss = rss_mib(spawner(agent) or 0)
                 await client.cancel(job.id)
         finally:
             fed.stop()
@@ -159,6 +168,7 @@ async def measure(replicas: int) -> dict[str, float | None]:
         "bare_python_rss_mib": bare,
         "per_replica_rss_mib": per_replica,
         "per_replica_private_mib": per_replica_private,
+        "spawner_rss_mib": spawner_rss,
         "install_mb": installed,
         "empty_venv_mb": empty,
     }

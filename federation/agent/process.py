@@ -1,9 +1,10 @@
 """One replica of a task, run by a supervisor process that outlives the agent.
 
-The supervisor (``federation.agent.supervisor``) starts the replica as the leader of a new
-session, as the task's account, keeps its output tail and exit status in files of the replica's
-run folder, and goes on when the agent stops: a restarted agent adopts it by its pid and start
-time (``ReplicaProcess.adopt``), or reads how the replica ended from those files.
+The supervisor (``federation.agent.supervisor``), forked by the agent's spawner, starts the
+replica as the leader of a new session, as the task's account, keeps its output tail and exit
+status in files of the replica's run folder, and goes on when the agent stops: a restarted agent
+adopts it by its pid and start time (``ReplicaProcess.adopt``), or reads how the replica ended
+from those files.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,9 +37,9 @@ log = structlog.get_logger()
 
 _ANSWER_TIMEOUT_S = 30.0
 """How long a supervisor may take to start its replica and say so."""
-_BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; supervisor.main()"
-"""Runs the supervisor from its compiled module: as a script it would be compiled at every
-start, which left each supervisor 1.3 MiB larger."""
+_BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; supervisor.serve()"
+"""Runs the spawner from the supervisor's compiled module: as a script it would be compiled at
+its start, and every supervisor it forks would hold that."""
 _SUPERVISOR_DIR = os.path.dirname(supervisor.__file__)
 OUTPUT_FILE = "output"
 EXIT_FILE = "exit"
@@ -104,15 +107,13 @@ class ReplicaProcess:
         start_ticks: int,
         pidfd: int | None,
         run_dir: Path,
-        child: subprocess.Popen[bytes] | None = None,
     ) -> None:
         """Watches a supervisor through ``pidfd`` (None: it is gone); use ``start`` or
-        ``adopt``. ``child`` keeps the Popen of a supervisor this agent started, to reap it."""
+        ``adopt``."""
         self.pid = pid
         self.start_ticks = start_ticks
         self.run_dir = run_dir
         self._pidfd = pidfd
-        self._child = child
         self._ended: ReplicaExit | None = None
         self._tail = ""
         self._done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -137,7 +138,6 @@ class ReplicaProcess:
         account: Account | None = None,
         grace_s: float = 5.0,
         owner: Path | None = None,
-        label: str = "",
     ) -> ReplicaProcess:
         """Starts ``argv`` in ``cwd`` with exactly ``env``, as ``account`` when given.
 
@@ -146,7 +146,6 @@ class ReplicaProcess:
             grace_s: Between SIGTERM and SIGKILL when the supervisor is told to stop it.
             owner: The file naming the agent that owns the replica (see ``supervisor``); None:
                 the replica dies with this process.
-            label: Shown in the supervisor's command line, for operators.
 
         Raises:
             ReplicaStartError: The program is missing, not executable, or cannot be started.
@@ -156,44 +155,26 @@ class ReplicaProcess:
         if account is not None:
             home = account.home or str(cwd)  # an allocated uid has no home of its own
             env = {**env, "HOME": home, "USER": account.name, "LOGNAME": account.name}
-        child, spec = _spawn(argv, cwd, env, run_dir, account, grace_s, owner, label)
-        pidfd = os.pidfd_open(child.pid)  # our child, not reaped yet: it is that process
+        spec = _spec(argv, cwd, env, run_dir, account, grace_s, owner)
+        spawned = asyncio.ensure_future(asyncio.to_thread(_SPAWNER.spawn, spec))
         try:
-            answer = await asyncio.wait_for(
-                asyncio.to_thread(_exchange, child, spec), _ANSWER_TIMEOUT_S
-            )
-        except BaseException:
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)  # its replica dies with it
-            os.close(pidfd)
-            await asyncio.to_thread(child.wait)
+            pid, start_ticks, answer = await asyncio.shield(spawned)
+        except asyncio.CancelledError:
+            spawned.add_done_callback(_kill_spawned)  # its replica dies with it
             raise
         if not answer.startswith("ok "):
-            os.close(pidfd)
-            await asyncio.to_thread(child.wait)
             _, code, message = [*answer.split(" ", 2), "", ""][:3]
             raise ReplicaStartError(message or "the supervisor failed", int(code or 126))
-        start_ticks = process_start(child.pid) or 0
-        log.debug(
-            "replica_started",
-            supervisor=child.pid,
-            pid=int(answer.split()[1]),
-            argv=list(argv),
-            cwd=str(cwd),
-        )
-        return cls(child.pid, start_ticks, pidfd, run_dir, child)
+        log.debug("replica_started", supervisor=pid, pid=int(answer.split()[1]), argv=list(argv))
+        # Watched as an adopted one is: it may have ended already, and its pid been taken.
+        return cls.adopt(pid, start_ticks, run_dir)
 
     @classmethod
     def adopt(cls, pid: int, start_ticks: int, run_dir: Path) -> ReplicaProcess:
         """The replica a supervisor started by an earlier agent runs, if that supervisor
         (``pid``, started at ``start_ticks``) still runs; else how it ended, from its files.
         A pid now held by another process is never taken for it."""
-        try:
-            pidfd: int | None = os.pidfd_open(pid)
-        except ProcessLookupError:
-            pidfd = None
-        if pidfd is not None and process_start(pid) != start_ticks:
-            os.close(pidfd)
-            pidfd = None
+        pidfd = _pidfd(pid, start_ticks)
         if pidfd is not None and (
             select.select([pidfd], [], [], 0)[0] or (run_dir / EXIT_FILE).exists()
         ):
@@ -264,8 +245,6 @@ class ReplicaProcess:
             asyncio.get_running_loop().remove_reader(self._pidfd)
             os.close(self._pidfd)
             self._pidfd = None
-        if self._child is not None:
-            self._child.poll()  # reap it
         self._ended = _read_exit(self.run_dir, self.pid)
         self._tail = _read_tail(self.run_dir)
         log.debug("replica_exited", supervisor=self.pid, returncode=self._ended.returncode)
@@ -283,7 +262,36 @@ class ReplicaProcess:
         self._done.set_result(self._ended.returncode)
 
 
-def _spawn(
+def _pidfd(pid: int, start_ticks: int) -> int | None:
+    """A pidfd of process ``pid`` if it is the one started at ``start_ticks``; else None."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return None
+    if process_start(pid) != start_ticks:  # read once the pidfd holds whatever has the pid
+        os.close(pidfd)
+        return None
+    return pidfd
+
+
+def _kill(pid: int, start_ticks: int) -> None:
+    """SIGKILLs supervisor ``pid`` (started at ``start_ticks``) if it runs: its replica dies
+    with it."""
+    pidfd = _pidfd(pid, start_ticks)
+    if pidfd is not None:
+        with contextlib.suppress(ProcessLookupError):
+            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+        os.close(pidfd)
+
+
+def _kill_spawned(spawned: asyncio.Future[tuple[int, int, str]]) -> None:
+    """What a start cancelled meanwhile had forked is killed."""
+    if not spawned.cancelled() and spawned.exception() is None:
+        pid, start_ticks, _ = spawned.result()
+        _kill(pid, start_ticks)
+
+
+def _spec(
     argv: Sequence[str],
     cwd: Path,
     env: Mapping[str, str],
@@ -291,9 +299,8 @@ def _spawn(
     account: Account | None,
     grace_s: float,
     owner: Path | None,
-    label: str,
-) -> tuple[subprocess.Popen[bytes], bytes]:
-    """Starts a supervisor for ``argv``; returns it and the spec to give it."""
+) -> bytes:
+    """The launch spec of a supervisor for ``argv``, for the spawner."""
     if sys.platform != "linux":
         raise ReplicaStartError("tasks run only on Linux (pidfds, /proc)", 126)
     if not cwd.is_dir():
@@ -304,40 +311,104 @@ def _spawn(
     spec = {
         "argv": list(argv),
         "program": _resolve(argv[0], cwd, env),
+        "cwd": str(cwd),
         "env": dict(env),
         "uid": account.uid if account is not None else -1,
         "gid": account.gid if account is not None else -1,
         "grace_s": grace_s,
         "agent_pid": os.getpid(),
+        "agent_start": process_start(os.getpid()),
         "owner": str(owner) if owner is not None else "",
         "output": str(run_dir / OUTPUT_FILE),
         "exit": str(run_dir / EXIT_FILE),
         "log": str(run_dir / LOG_FILE),
         "log_bytes": LOG_BYTES,
     }
-    # Its own session, so it outlives the agent, and a clean environment, as it runs as the
-    # agent's user: the task's goes to the replica only. Started by vfork (no user change).
-    child = subprocess.Popen(
-        [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR, label or str(cwd)],
-        cwd=cwd,
-        env={},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    return child, marshal.dumps(spec)
+    return marshal.dumps(spec)
 
 
-def _exchange(child: subprocess.Popen[bytes], spec: bytes) -> str:
-    """Gives the supervisor its spec and reads its answer (blocking: run it in a thread)."""
-    assert child.stdin is not None
-    assert child.stdout is not None
-    with contextlib.suppress(BrokenPipeError):
-        child.stdin.write(spec)
-        child.stdin.close()
-    with child.stdout:
-        return child.stdout.readline().decode(errors="replace").strip()
+class _Spawner:
+    """The agent's spawner (``supervisor.serve``), started at its first replica: it forks a
+    supervisor per replica, which shares its interpreter instead of starting its own. Started
+    again when it has ended; it ends with the agent (its stdin closes)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._read = b""
+
+    def spawn(self, spec: bytes) -> tuple[int, int, str]:
+        """Has a supervisor forked for ``spec``: its pid and start, and its answer (blocking:
+        run it in a thread). Raises ReplicaStartError when the spawner failed."""
+        with self._lock:
+            for _ in range(2):
+                process = self._running()
+                assert process.stdin is not None
+                try:
+                    process.stdin.write(b"%d\n%s" % (len(spec), spec))
+                    process.stdin.flush()
+                except BrokenPipeError:  # it had ended: it has started nothing
+                    self._stop()
+                    continue
+                return self._answer(process)
+            raise ReplicaStartError("the replica spawner ends as soon as it starts", 126)
+
+    def _answer(self, process: subprocess.Popen[bytes]) -> tuple[int, int, str]:
+        deadline = time.monotonic() + _ANSWER_TIMEOUT_S
+        pid = start_ticks = 0
+        try:
+            pid, start_ticks = (int(word) for word in self._line(process, deadline).split())
+            return pid, start_ticks, self._line(process, deadline)
+        except (OSError, EOFError, ValueError) as err:
+            self._stop()
+            if pid:
+                _kill(pid, start_ticks)
+            raise ReplicaStartError(f"the replica spawner failed: {err}", 126) from None
+
+    def _line(self, process: subprocess.Popen[bytes], deadline: float) -> str:
+        assert process.stdout is not None
+        fd = process.stdout.fileno()
+        while b"\n" not in self._read:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise TimeoutError(f"no answer in {_ANSWER_TIMEOUT_S:.0f} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                raise EOFError("it ended")
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    def _running(self) -> subprocess.Popen[bytes]:
+        if self._process is not None and self._process.poll() is None:
+            return self._process
+        self._stop()
+        # Its own session, so that a terminal's signals to the agent miss it, and a clean
+        # environment, as it runs as the agent's user: the task's goes to the replica only.
+        # Started by vfork, never a fork of the gRPC-threaded agent.
+        self._process = subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR],
+            cwd="/",
+            env={},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return self._process
+
+    def _stop(self) -> None:
+        self._read = b""
+        if self._process is not None:
+            self._process.kill()
+            self._process.wait()
+            for pipe in (self._process.stdin, self._process.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()  # type: ignore[union-attr]
+            self._process = None
+
+
+_SPAWNER = _Spawner()
 
 
 def _read_tail(run_dir: Path) -> str:

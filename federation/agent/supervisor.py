@@ -1,15 +1,17 @@
 """The supervisor of one replica: it runs the replica and outlives the agent that started it.
 
-The agent starts it with ``python -I -S`` (standard library only, no ``PYTHON*`` variables: it
-runs as the agent's user with a tenant's spec in hand; its command line ends with a label for
-operators) in a session of its own, and writes a launch spec to its stdin (``marshal``: it runs
-the agent's own interpreter). The supervisor starts the replica as
-the leader of another new session, as the tenant's account, answers ``ok PID`` (or
-``error CODE MESSAGE``) on stdout, then keeps the last ``TAIL_BYTES`` of the replica's output in
-a file and every line of it in a log (``LogWriter``: stamped, rotated at a size), and, once the
-replica has exited and the stragglers it left are killed, writes its exit status to another,
-atomically. A restarted agent reads both, or adopts the supervisor while it runs. The replica
-dies with its supervisor (parent-death signal).
+The agent starts one spawner (``serve``) with ``python -I -S`` (standard library only, no
+``PYTHON*`` variables: it runs as the agent's user with tenants' specs in hand) in a session of
+its own, and writes it a launch spec per replica (``marshal``: it runs the agent's own
+interpreter). The spawner forks a supervisor for each: forked, a supervisor shares the spawner's
+interpreter, its code and most of its memory, rather than starting an interpreter of its own.
+The supervisor works in the replica's folder (which ``pwdx`` shows), starts the replica as the
+leader of another new session, as the tenant's account, answers ``ok PID`` (or ``error CODE
+MESSAGE``), then keeps the last ``TAIL_BYTES`` of the replica's output in a file and every line
+of it in a log (``LogWriter``: stamped, rotated at a size), and, once the replica has exited and
+the stragglers it left are killed, writes its exit status to another, atomically. A restarted
+agent reads both, or adopts the supervisor while it runs. The replica dies with its supervisor
+(parent-death signal). The spawner ends with its agent; the supervisors do not.
 
 Signals from the agent:
 
@@ -24,9 +26,10 @@ on purpose (``PID START leaving``): then it runs on until the next agent claims 
 
 from __future__ import annotations
 
-# One supervisor per replica: every import is paid that many times. No subprocess, json,
-# selectors or signal (the last imports enum): together they took a supervisor from 8.5 to
-# 12 MiB of memory. ``_signal`` is the signal module's C half.
+# Every supervisor holds what the spawner imported. No subprocess, json, selectors or signal
+# (the last imports enum): together they took a supervisor from 8.5 to 12 MiB of memory.
+# ``_signal`` is the signal module's C half.
+import gc
 import marshal
 import os
 import select
@@ -254,8 +257,13 @@ class Supervisor:
     def start(self) -> str:
         """Starts the replica; the answer for the agent (``ok PID`` or ``error CODE WHY``)."""
         program = self._spec["argv"][0]
-        if not self._watch_agent(self._spec["agent_pid"]) or os.getppid() != self._agent_pid():
+        if not self._watch_agent(self._spec["agent_pid"], self._spec["agent_start"]):
             return "error 126 the agent is gone"
+        try:
+            os.chdir(self._spec["cwd"])
+        except OSError as err:
+            os.close(self._output_w)
+            return f"error 126 working directory {self._spec['cwd']}: {err.strerror}"
         try:
             self._replica = _start(self._spec, self._output_w)
         except FileNotFoundError as err:
@@ -436,17 +444,72 @@ class Supervisor:
         write_atomically(self._spec["exit"], status.encode(), sync=True)
 
 
-def main() -> None:
-    spec = marshal.loads(sys.stdin.buffer.read())
+def serve() -> None:
+    """The spawner: reads launch specs from stdin, each as ``LENGTH\\n`` and that many bytes of
+    ``marshal``, until it closes (the agent has ended), and forks a supervisor for each. For
+    each it answers two lines on stdout: ``PID START`` of the supervisor once forked (which
+    starts nothing before that line is out, so the agent can always stop what it asked for),
+    then the supervisor's own answer."""
+    os.chdir("/")  # pins no folder; each supervisor works in its replica's
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors
+    # Objects a supervisor's collections need not visit: their pages stay shared with it.
+    gc.freeze()
+    requests = sys.stdin.buffer
+    while header := requests.readline():
+        _fork_supervisor(marshal.loads(requests.read(int(header))))
+
+
+def _say(line: bytes) -> None:
+    """One line to the agent, whole (it raises BrokenPipeError once the agent is gone)."""
+    view = memoryview(line + b"\n")
+    while view:
+        view = view[os.write(1, view) :]
+
+
+def _fork_supervisor(spec: dict[str, Any]) -> None:
+    go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    answer_r, answer_w = os.pipe2(os.O_CLOEXEC)
+    pid = os.fork()
+    if pid == 0:  # never returns into the spawner's loop
+        code = 1
+        try:
+            os.close(go_w)
+            os.close(answer_r)
+            if os.read(go_r, 1):  # nothing: the agent never heard of it, so it starts nothing
+                os.close(go_r)
+                _supervise(spec, answer_w)
+                code = 0
+        finally:
+            os._exit(code)
+    os.close(go_r)
+    os.close(answer_w)
+    try:
+        _say(b"%d %d" % (pid, process_start(pid) or 0))
+        os.write(go_w, b"g")
+    finally:
+        os.close(go_w)
+    answer = b""
+    while b"\n" not in answer and (chunk := os.read(answer_r, 512)):
+        answer += chunk
+    os.close(answer_r)
+    _say(answer.strip() or b"error 126 the supervisor ended without answering")
+
+
+def _supervise(spec: dict[str, Any], answer: int) -> None:
+    """In the forked supervisor: starts the replica, says how on ``answer``, and watches it."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its replica is its own to wait for
+    os.setsid()  # outlives the spawner and the agent
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)
+    os.dup2(devnull, 0)  # the spawner's pipes stay the spawner's
+    os.dup2(devnull, 1)
+    os.close(devnull)
     supervisor = Supervisor(spec)
-    answer = supervisor.start()
-    os.write(1, answer.encode() + b"\n")
-    os.dup2(devnull, 1)  # the agent reads to the end of the answer
-    if answer.startswith("ok"):
+    said = supervisor.start()
+    os.write(answer, said.encode() + b"\n")
+    os.close(answer)
+    if said.startswith("ok"):
         supervisor.run()
 
 
 if __name__ == "__main__":
-    main()
+    serve()

@@ -227,8 +227,9 @@ async def test_a_recycled_pid_is_not_adopted(tmp_path: Path) -> None:
 async def test_a_replica_starts_with_no_signal_ignored_nor_a_descriptor_of_its_supervisor(
     tmp_path: Path,
 ) -> None:
-    """Python ignores SIGPIPE and SIGXFSZ, and an exec keeps what is ignored: the supervisor
-    sets them back; and the replica holds its output and /dev/null only."""
+    """Python ignores SIGPIPE and SIGXFSZ, the spawner SIGCHLD, and an exec keeps what is
+    ignored: the supervisor sets them back; and the replica holds its output and /dev/null
+    only."""
     script = "grep SigIgn /proc/self/status; ls /proc/self/fd"  # a shell ignores nothing itself
     proc = await ReplicaProcess.start(
         ["/bin/sh", "-c", script],
@@ -240,8 +241,71 @@ async def test_a_replica_starts_with_no_signal_ignored_nor_a_descriptor_of_its_s
     assert await asyncio.wait_for(proc.wait(), 10) == 0
     ignored, fds = proc.output_tail.split("\n", 1)
     mask = int(ignored.split()[1], 16)  # bit N-1: signal N (others the agent's parent ignored)
-    assert [sig for sig in (signal.SIGPIPE, signal.SIGXFSZ) if mask >> (sig - 1) & 1] == []
+    reset = (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGCHLD)  # SIGCHLD: the spawner ignores it
+    assert [sig for sig in reset if mask >> (sig - 1) & 1] == []
     assert fds.split() == ["0", "1", "2", "3"]  # the last: ls's listing of the folder
+
+
+async def test_supervisors_are_forked_by_one_spawner_and_work_in_their_replicas_folder(
+    tmp_path: Path,
+) -> None:
+    """Each supervisor is a fork of the agent's one spawner (no interpreter of its own), in
+    the replica's folder (which ``pwdx`` shows operators)."""
+    first, second = (tmp_path / "a", tmp_path / "b")
+    procs = []
+    for folder in (first, second):
+        folder.mkdir()
+        procs.append(await start("import time; time.sleep(60)", folder))
+    spawners = {psutil.Process(proc.pid).ppid() for proc in procs}
+    assert len(spawners) == 1
+    spawner = psutil.Process(spawners.pop())
+    assert spawner.ppid() == os.getpid()
+    assert "supervisor.serve()" in " ".join(spawner.cmdline())
+    assert [psutil.Process(proc.pid).cwd() for proc in procs] == [str(first), str(second)]
+    for proc in procs:
+        assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def test_a_spawner_that_died_is_started_again_and_its_supervisors_run_on(
+    tmp_path: Path,
+) -> None:
+    """The spawner killed, the replicas it started run on under their supervisors, and the
+    next replica is started by a new spawner."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    before = await start("import time; time.sleep(60)", tmp_path / "a")
+    spawner = psutil.Process(before.pid).ppid()
+    os.kill(spawner, signal.SIGKILL)
+    assert await gone(spawner)
+    after = await start("print('started'); import time; time.sleep(60)", tmp_path / "b")
+    assert psutil.Process(after.pid).ppid() not in (spawner, 1)
+    assert await first_line(tmp_path / "b" / "run" / "output") == "started"
+    assert alive(before.pid)
+    assert not before.exited
+    for proc in (before, after):
+        assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def test_a_start_cancelled_midway_leaves_no_replica(tmp_path: Path) -> None:
+    """Cancelled while the spawner forks its supervisor, the start leaves nothing running:
+    what was forked is killed, and its replica with it."""
+    cancelled = 0
+    for attempt in range(10):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        code = "import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep(60)"
+        starting = asyncio.ensure_future(start(code, folder))
+        await asyncio.sleep(attempt * 0.002)  # cancelled at a different point each time
+        if not starting.cancel():  # too late: it started, and is the caller's to stop
+            assert await asyncio.wait_for((await starting).terminate(grace_s=5), 10)
+            continue
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        await asyncio.sleep(0.5)  # a replica forked before the kill has written its pid
+        if (folder / "pid").exists() and (pid := (folder / "pid").read_text()):
+            assert await gone(int(pid)), f"attempt {attempt}: replica {pid} runs on"
+        cancelled += 1
+    assert cancelled >= 3, "too few starts were cancelled midway to tell"
 
 
 def test_the_exit_record_is_json_whatever_the_reason_holds() -> None:

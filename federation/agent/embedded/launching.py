@@ -122,7 +122,6 @@ class ReplicaLauncher:
 
     async def start_replica(self, task: Task, replica: int, account: Account | None) -> None:
         """Starts (or starts again) one replica, in its folder, as ``task.replicas[replica]``."""
-        job_id, name, epoch = task.key
         cwd, env = self._folders.task_dir(task.key) / str(replica), self.replica_env(task, replica)
         argv = list(task.spec.command)
         if task.spec.image:
@@ -136,7 +135,6 @@ class ReplicaLauncher:
             account=account,
             grace_s=self._kill_grace_s,
             owner=self._records.owner if self._records is not None else None,
-            label=f"{job_id}/{name}/{epoch}/{replica}",
         )
         self.bind_container(task.key, task.spec, replica, process)
         if replica < len(task.replicas):
