@@ -8,7 +8,8 @@ of the interpreter alone) and the empty environment. A real coordinator (from th
 environment) and one agent (from the agent-only one) run on loopback; the agent is measured
 once connected and idle, then while it runs N replicas that sleep (their supervisors' memory,
 apart from the replicas' own: resident, and private, which leaves out the pages every
-supervisor shares with the agent and the others).
+supervisor shares with the spawner that forked it, the others and the agent; and the
+spawner's, one per agent).
 
     python bench/agent.py [--replicas 4] [--json]
 """
@@ -157,7 +158,9 @@ async def measure(replicas: int) -> dict[str, float | None]:
                 watching = supervisors(agent)
                 per_replica = statistics.median(rss_mib(pid) for pid in watching)
                 per_replica_private = statistics.median(private_mib(pid) for pid in watching)
-                spawner_rss = rss_mib(spawner(agent) or 0)
+                forks = spawner(agent)
+                assert forks is not None  # it forked the supervisors
+                spawner_rss = rss_mib(forks)
                 await client.cancel(job.id)
         finally:
             fed.stop()
@@ -192,6 +195,7 @@ def main() -> None:
     )
     print(f"{'per replica RSS MiB':<22} {result['per_replica_rss_mib']:>9.1f} {'':>12}")
     print(f"{'per replica own MiB':<22} {result['per_replica_private_mib']:>9.1f} {'':>12}")
+    print(f"{'spawner RSS MiB':<22} {result['spawner_rss_mib']:>9.1f} {'':>12}")
     installed, empty = result["install_mb"], result["empty_venv_mb"]
     shown = f"{installed:>9.1f}" if installed is not None else f"{'n/a':>9}"
     print(f"{'install MB':<22} {shown} {empty or 0:>12.1f}  (beside: an empty venv)")

@@ -115,8 +115,8 @@ async def test_an_agent_that_joined_and_renewed_holds_no_cryptography(tmp_path: 
 
 
 def test_a_replicas_supervisor_imports_little() -> None:
-    """The supervisor, one per replica, runs as ``python -I -S``: the standard library alone,
-    and none of its larger modules (its memory is paid once per replica)."""
+    """The spawner runs the supervisor's module as ``python -I -S``: the standard library alone,
+    and none of its larger modules (every supervisor it forks holds what it imported)."""
     code = (
         f"import sys; sys.path.insert(0, {str(Path(supervisor.__file__).parent)!r}); "
         "import supervisor; print('\\n'.join(sorted(sys.modules)))"
