@@ -28,7 +28,8 @@ def has_env(job: jobs_pb2.Job) -> bool:
 def redact_env(job: jobs_pb2.Job) -> None:
     """Replace every env value of ``job``'s tasks with ``REDACTED``, in place."""
     for task in job.spec.tasks:
-        for name in task.env:
+        # The names first: a protobuf map set while it is walked may skip some of its keys.
+        for name in list(task.env):
             task.env[name] = REDACTED
 
 
