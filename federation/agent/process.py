@@ -10,6 +10,7 @@ from those files.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import marshal
@@ -17,30 +18,21 @@ import os
 import select
 import shutil
 import signal
-import subprocess
 import sys
-import threading
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import structlog
 
-from federation.agent import supervisor
 from federation.agent.accounts import Account
+from federation.agent.spawner import ANSWER_TIMEOUT_S, SPAWNER, Forked, SpawnError, pidfd_of
 from federation.agent.supervisor import TAIL_BYTES as TAIL_BYTES
 from federation.agent.supervisor import process_start
 from federation.agent.task_logs import LOG_BYTES, LOG_FILE
 
 log = structlog.get_logger()
 
-_ANSWER_TIMEOUT_S = 30.0
-"""How long a supervisor may take to start its replica and say so."""
-_BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; supervisor.serve()"
-"""Runs the spawner from the supervisor's compiled module: as a script it would be compiled at
-its start, and every supervisor it forks would hold that."""
-_SUPERVISOR_DIR = os.path.dirname(supervisor.__file__)
 OUTPUT_FILE = "output"
 EXIT_FILE = "exit"
 
@@ -156,28 +148,39 @@ class ReplicaProcess:
             home = account.home or str(cwd)  # an allocated uid has no home of its own
             env = {**env, "HOME": home, "USER": account.name, "LOGNAME": account.name}
         spec = _spec(argv, cwd, env, run_dir, account, grace_s, owner)
-        spawned = asyncio.ensure_future(asyncio.to_thread(_SPAWNER.spawn, spec))
+        forking = SPAWNER.submit(spec)
         try:
-            pid, start_ticks, answer = await asyncio.shield(spawned)
-        except asyncio.CancelledError:
-            spawned.add_done_callback(_kill_spawned)  # its replica dies with it
+            forked = await asyncio.wrap_future(forking)
+        except SpawnError as err:
+            raise ReplicaStartError(str(err), 126) from None
+        except BaseException:  # given up (the agent is going, say): what was let go is killed
+            forking.add_done_callback(_kill_forked)  # in the spawner's thread if need be
             raise
-        if not answer.startswith("ok "):
-            _, code, message = [*answer.split(" ", 2), "", ""][:3]
+        try:
+            # Not wait_for, which may return an answer that came as it was cancelled: the
+            # replica would run on, its start given up.
+            async with asyncio.timeout(ANSWER_TIMEOUT_S):
+                answer = await asyncio.wrap_future(forked.answer)
+        except BaseException:
+            forked.kill()  # its replica dies with it
+            os.close(forked.pidfd)
+            raise
+        if answer is None or not answer.startswith("ok "):
+            os.close(forked.pidfd)  # it has ended, or ends now, having started nothing
+            _, code, message = [*(answer or "").split(" ", 2), "", ""][:3]
             raise ReplicaStartError(message or "the supervisor failed", int(code or 126))
-        log.debug("replica_started", supervisor=pid, pid=int(answer.split()[1]), argv=list(argv))
-        # Watched as an adopted one is: it may have ended already, and its pid been taken.
-        return cls.adopt(pid, start_ticks, run_dir)
+        log.debug(
+            "replica_started", supervisor=forked.pid, pid=int(answer.split()[1]), argv=list(argv)
+        )
+        return cls(forked.pid, forked.start_ticks, forked.pidfd, run_dir)
 
     @classmethod
     def adopt(cls, pid: int, start_ticks: int, run_dir: Path) -> ReplicaProcess:
         """The replica a supervisor started by an earlier agent runs, if that supervisor
         (``pid``, started at ``start_ticks``) still runs; else how it ended, from its files.
         A pid now held by another process is never taken for it."""
-        pidfd = _pidfd(pid, start_ticks)
-        if pidfd is not None and (
-            select.select([pidfd], [], [], 0)[0] or (run_dir / EXIT_FILE).exists()
-        ):
+        pidfd = pidfd_of(pid, start_ticks)
+        if pidfd is not None and (_has_exited(pidfd) or (run_dir / EXIT_FILE).exists()):
             # It has exited already (a zombie its new parent has not reaped), or it is exiting:
             # the exit file is the last thing it writes, and a fresh start removes it. How the
             # replica ended is known now, for the adopting agent to decide on.
@@ -262,33 +265,17 @@ class ReplicaProcess:
         self._done.set_result(self._ended.returncode)
 
 
-def _pidfd(pid: int, start_ticks: int) -> int | None:
-    """A pidfd of process ``pid`` if it is the one started at ``start_ticks``; else None."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except ProcessLookupError:
-        return None
-    if process_start(pid) != start_ticks:  # read once the pidfd holds whatever has the pid
-        os.close(pidfd)
-        return None
-    return pidfd
+def _has_exited(pidfd: int) -> bool:
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
-def _kill(pid: int, start_ticks: int) -> None:
-    """SIGKILLs supervisor ``pid`` (started at ``start_ticks``) if it runs: its replica dies
-    with it."""
-    pidfd = _pidfd(pid, start_ticks)
-    if pidfd is not None:
-        with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-        os.close(pidfd)
-
-
-def _kill_spawned(spawned: asyncio.Future[tuple[int, int, str]]) -> None:
-    """What a start cancelled meanwhile had forked is killed."""
-    if not spawned.cancelled() and spawned.exception() is None:
-        pid, start_ticks, _ = spawned.result()
-        _kill(pid, start_ticks)
+def _kill_forked(forking: concurrent.futures.Future[Forked]) -> None:
+    if not forking.cancelled() and forking.exception() is None:
+        forked = forking.result()
+        forked.kill()
+        os.close(forked.pidfd)
 
 
 def _spec(
@@ -325,90 +312,6 @@ def _spec(
         "log_bytes": LOG_BYTES,
     }
     return marshal.dumps(spec)
-
-
-class _Spawner:
-    """The agent's spawner (``supervisor.serve``), started at its first replica: it forks a
-    supervisor per replica, which shares its interpreter instead of starting its own. Started
-    again when it has ended; it ends with the agent (its stdin closes)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._process: subprocess.Popen[bytes] | None = None
-        self._read = b""
-
-    def spawn(self, spec: bytes) -> tuple[int, int, str]:
-        """Has a supervisor forked for ``spec``: its pid and start, and its answer (blocking:
-        run it in a thread). Raises ReplicaStartError when the spawner failed."""
-        with self._lock:
-            for _ in range(2):
-                process = self._running()
-                assert process.stdin is not None
-                try:
-                    process.stdin.write(b"%d\n%s" % (len(spec), spec))
-                    process.stdin.flush()
-                except BrokenPipeError:  # it had ended: it has started nothing
-                    self._stop()
-                    continue
-                return self._answer(process)
-            raise ReplicaStartError("the replica spawner ends as soon as it starts", 126)
-
-    def _answer(self, process: subprocess.Popen[bytes]) -> tuple[int, int, str]:
-        deadline = time.monotonic() + _ANSWER_TIMEOUT_S
-        pid = start_ticks = 0
-        try:
-            pid, start_ticks = (int(word) for word in self._line(process, deadline).split())
-            return pid, start_ticks, self._line(process, deadline)
-        except (OSError, EOFError, ValueError) as err:
-            self._stop()
-            if pid:
-                _kill(pid, start_ticks)
-            raise ReplicaStartError(f"the replica spawner failed: {err}", 126) from None
-
-    def _line(self, process: subprocess.Popen[bytes], deadline: float) -> str:
-        assert process.stdout is not None
-        fd = process.stdout.fileno()
-        while b"\n" not in self._read:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                raise TimeoutError(f"no answer in {_ANSWER_TIMEOUT_S:.0f} s")
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise EOFError("it ended")
-            self._read += chunk
-        line, self._read = self._read.split(b"\n", 1)
-        return line.decode(errors="replace")
-
-    def _running(self) -> subprocess.Popen[bytes]:
-        if self._process is not None and self._process.poll() is None:
-            return self._process
-        self._stop()
-        # Its own session, so that a terminal's signals to the agent miss it, and a clean
-        # environment, as it runs as the agent's user: the task's goes to the replica only.
-        # Started by vfork, never a fork of the gRPC-threaded agent.
-        self._process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR],
-            cwd="/",
-            env={},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-        return self._process
-
-    def _stop(self) -> None:
-        self._read = b""
-        if self._process is not None:
-            self._process.kill()
-            self._process.wait()
-            for pipe in (self._process.stdin, self._process.stdout):
-                with contextlib.suppress(OSError):
-                    pipe.close()  # type: ignore[union-attr]
-            self._process = None
-
-
-_SPAWNER = _Spawner()
 
 
 def _read_tail(run_dir: Path) -> str:

@@ -52,6 +52,8 @@ _FLUSH_S = 1.0
 _DRAIN_S = 1.0
 """After the replica exits, how long to read what is left in its output pipe."""
 _PR_SET_PDEATHSIG = 1
+_LINE_BYTES = 2048
+"""At most this long, a line to the agent (less than ``PIPE_BUF``: written whole)."""
 
 LEAVING = "leaving"
 RUNNING = "running"
@@ -65,7 +67,7 @@ def process_start(pid: int) -> int | None:
     try:
         with open(f"/proc/{pid}/stat", "rb") as stat:
             fields = stat.read()
-    except OSError:
+    except (FileNotFoundError, ProcessLookupError):  # others (out of descriptors) are errors
         return None
     # The name (field 2) may hold spaces and parentheses: count fields after its last ')'.
     return int(fields[fields.rindex(b")") + 2 :].split()[19])
@@ -446,67 +448,87 @@ class Supervisor:
 
 def serve() -> None:
     """The spawner: reads launch specs from stdin, each as ``LENGTH\\n`` and that many bytes of
-    ``marshal``, until it closes (the agent has ended), and forks a supervisor for each. For
-    each it answers two lines on stdout: ``PID START`` of the supervisor once forked (which
-    starts nothing before that line is out, so the agent can always stop what it asked for),
-    then the supervisor's own answer."""
+    ``marshal``, until it closes (the agent has ended), and forks a supervisor for each.
+
+    For each it says ``forked PID START`` on stdout (``forked 0 0 WHY`` if it could not), then
+    reads one byte from the agent: ``g`` lets the supervisor go; anything else, or nothing,
+    ends it before it starts anything. The agent holds the supervisor by a pidfd before it
+    lets it go, so it can stop whatever it asked for. Each supervisor then answers the agent
+    itself, on the same stdout, in one line of its own (``PID ok REPLICA`` or ``PID error CODE
+    WHY``): a slow start holds up no other.
+    """
     os.chdir("/")  # pins no folder; each supervisor works in its replica's
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors
     # Objects a supervisor's collections need not visit: their pages stay shared with it.
     gc.freeze()
     requests = sys.stdin.buffer
     while header := requests.readline():
-        _fork_supervisor(marshal.loads(requests.read(int(header))))
+        spec = marshal.loads(requests.read(int(header)))
+        if not _fork_supervisor(spec, requests):
+            return  # the agent is gone
 
 
 def _say(line: bytes) -> None:
-    """One line to the agent, whole (it raises BrokenPipeError once the agent is gone)."""
-    view = memoryview(line + b"\n")
-    while view:
-        view = view[os.write(1, view) :]
+    """One line to the agent, in one write: under ``PIPE_BUF``, it never mixes with another
+    process's line (it raises BrokenPipeError once the agent is gone)."""
+    os.write(1, line[: _LINE_BYTES - 1] + b"\n")
 
 
-def _fork_supervisor(spec: dict[str, Any]) -> None:
-    go_r, go_w = os.pipe2(os.O_CLOEXEC)
-    answer_r, answer_w = os.pipe2(os.O_CLOEXEC)
-    pid = os.fork()
+def _one_line(text: str) -> bytes:
+    """``text`` with no control character (a tenant's command name may hold a newline)."""
+    return "".join(c if c >= " " else f"\\x{ord(c):02x}" for c in text).encode()
+
+
+def _fork_supervisor(spec: dict[str, Any], requests: Any) -> bool:
+    """Forks a supervisor for ``spec`` and lets it go if the agent says so; False once the
+    agent is gone."""
+    try:
+        go_r, go_w = os.pipe2(os.O_CLOEXEC)
+    except OSError as err:
+        _say(b"forked 0 0 " + _one_line(f"pipe: {err.strerror}"))
+        return True
+    try:
+        pid = os.fork()
+    except OSError as err:
+        os.close(go_r)
+        os.close(go_w)
+        _say(b"forked 0 0 " + _one_line(f"fork: {err.strerror}"))
+        return True
     if pid == 0:  # never returns into the spawner's loop
         code = 1
         try:
             os.close(go_w)
-            os.close(answer_r)
-            if os.read(go_r, 1):  # nothing: the agent never heard of it, so it starts nothing
+            if os.read(go_r, 1):  # nothing: the agent let it go no further
                 os.close(go_r)
-                _supervise(spec, answer_w)
+                _supervise(spec)
                 code = 0
         finally:
             os._exit(code)
     os.close(go_r)
-    os.close(answer_w)
     try:
-        _say(b"%d %d" % (pid, process_start(pid) or 0))
-        os.write(go_w, b"g")
+        _say(b"forked %d %d" % (pid, process_start(pid) or 0))
+        verdict = requests.read(1)
+        if verdict == b"g":
+            os.write(go_w, b"g")
     finally:
         os.close(go_w)
-    answer = b""
-    while b"\n" not in answer and (chunk := os.read(answer_r, 512)):
-        answer += chunk
-    os.close(answer_r)
-    _say(answer.strip() or b"error 126 the supervisor ended without answering")
+    return bool(verdict)
 
 
-def _supervise(spec: dict[str, Any], answer: int) -> None:
-    """In the forked supervisor: starts the replica, says how on ``answer``, and watches it."""
+def _supervise(spec: dict[str, Any]) -> None:
+    """In the forked supervisor: starts the replica, answers, and watches it."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its replica is its own to wait for
     os.setsid()  # outlives the spawner and the agent
     devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)  # the spawner's pipes stay the spawner's
-    os.dup2(devnull, 1)
+    os.dup2(devnull, 0)  # the spawner's requests stay the spawner's
+    try:
+        supervisor = Supervisor(spec)
+        said = supervisor.start()
+    except Exception as err:  # its log cannot be opened, say: the agent hears why at once
+        said = f"error 126 the supervisor failed: {err}"
+    _say(b"%d %s" % (os.getpid(), _one_line(said)))
+    os.dup2(devnull, 1)  # the agent reads the spawner's output to its end
     os.close(devnull)
-    supervisor = Supervisor(spec)
-    said = supervisor.start()
-    os.write(answer, said.encode() + b"\n")
-    os.close(answer)
     if said.startswith("ok"):
         supervisor.run()
 

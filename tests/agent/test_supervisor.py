@@ -14,9 +14,11 @@ import time
 from pathlib import Path
 
 import psutil
+import pytest
 
+from federation.agent import spawner as spawning
 from federation.agent import supervisor
-from federation.agent.process import TAIL_BYTES, ReplicaProcess
+from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError
 from federation.agent.task_records import TaskRecords
 
 from .test_process import gone
@@ -301,11 +303,108 @@ async def test_a_start_cancelled_midway_leaves_no_replica(tmp_path: Path) -> Non
             continue
         with contextlib.suppress(asyncio.CancelledError):
             await starting
+            raise AssertionError(f"attempt {attempt}: a cancelled start returned a replica")
         await asyncio.sleep(0.5)  # a replica forked before the kill has written its pid
         if (folder / "pid").exists() and (pid := (folder / "pid").read_text()):
             assert await gone(int(pid)), f"attempt {attempt}: replica {pid} runs on"
         cancelled += 1
     assert cancelled >= 3, "too few starts were cancelled midway to tell"
+
+
+# An agent that leaves on purpose while a start is under way: ``asyncio.run`` cancels it as
+# the loop closes, after the owner file says "leaving" (as a closing core does).
+LEAVING_MIDSTART = """
+import asyncio, os, sys
+from pathlib import Path
+from federation.agent.process import ReplicaProcess
+from federation.agent.task_records import TaskRecords
+
+async def main():
+    records, work, delay = TaskRecords(Path(sys.argv[1])), Path(sys.argv[2]), float(sys.argv[3])
+    records.claim()
+    code = "import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep(60)"
+    starting = asyncio.ensure_future(ReplicaProcess.start(
+        [sys.executable, "-c", code], cwd=work, env=dict(os.environ), run_dir=work / "run",
+        owner=records.owner,
+    ))
+    started = lambda task: not task.cancelled() and task.exception() is None
+    starting.add_done_callback(lambda task: print("started" if started(task) else "given up"))
+    await asyncio.sleep(delay)
+    records.leave()
+
+asyncio.run(main())
+"""
+
+
+async def test_a_start_given_up_as_its_agent_leaves_leaves_no_replica(tmp_path: Path) -> None:
+    """A start the agent's loop cancels as it closes, its agent leaving on purpose: no
+    supervisor it let go runs on unrecorded (no next agent would know of it). A start that
+    finished first is its caller's to record, and runs on."""
+    given_up = 0
+    for attempt in range(8):
+        work = tmp_path / str(attempt)
+        work.mkdir()
+        args = [str(tmp_path / f"state{attempt}"), str(work), str(attempt * 0.004)]
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", LEAVING_MIDSTART, *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        await asyncio.sleep(0.5)  # a replica started before the kill has written its pid
+        pid = (work / "pid").read_text() if (work / "pid").exists() else ""
+        outcome = done.stdout.splitlines()[-1] if done.stdout else ""  # after its log lines
+        if outcome == "started":
+            os.kill(int(pid), signal.SIGKILL)  # its supervisor ends with it
+            continue
+        assert outcome == "given up", done.stdout
+        given_up += 1
+        if pid:
+            assert await gone(int(pid)), f"attempt {attempt}: replica {pid} runs on"
+    assert given_up >= 2, "too few starts were given up midway to tell"
+
+
+async def test_a_command_name_cannot_speak_for_another_start(tmp_path: Path) -> None:
+    """A command whose name holds newlines and the words of another answer fails alone, with
+    its name shown escaped; the next start is still told its own supervisor."""
+    forged = tmp_path / "x\n1 1\nok 1 "
+    forged.write_bytes(b"\x7fELF not really\n")
+    forged.chmod(0o755)
+    with pytest.raises(ReplicaStartError) as failed:
+        await ReplicaProcess.start(
+            [str(forged)], cwd=tmp_path, env={}, run_dir=tmp_path / "run-forged", grace_s=1
+        )
+    assert "\\x0a1 1\\x0aok 1" in str(failed.value)
+    (tmp_path / "next").mkdir()
+    proc = await start("print('mine'); import time; time.sleep(60)", tmp_path / "next")
+    assert psutil.Process(proc.pid).cwd() == str(tmp_path / "next")
+    assert await first_line(tmp_path / "next" / "run" / "output") == "mine"
+    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def test_a_frozen_spawner_fails_the_start_in_time_and_is_replaced(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A spawner that forks nothing (stopped here) fails the start once the answer is due,
+    starts nothing, and the next start gets a new spawner."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    (tmp_path / "c").mkdir()
+    first = await start("import time; time.sleep(60)", tmp_path / "a")
+    spawner = psutil.Process(first.pid).ppid()
+    os.kill(spawner, signal.SIGSTOP)
+    monkeypatch.setattr(spawning, "ANSWER_TIMEOUT_S", 1.0)
+    code = "import os; open('pid', 'w').write(str(os.getpid()))"
+    with pytest.raises(ReplicaStartError, match="did not fork"):
+        await start(code, tmp_path / "b")
+    assert await gone(spawner)
+    assert not (tmp_path / "b" / "pid").exists()
+    after = await start("import time; time.sleep(60)", tmp_path / "c")
+    assert psutil.Process(after.pid).ppid() != spawner
+    for proc in (first, after):
+        assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
 
 
 def test_the_exit_record_is_json_whatever_the_reason_holds() -> None:
