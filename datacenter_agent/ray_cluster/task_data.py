@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 
 from datacenter_agent.ray_cluster.record import TaskRecord
-from federation.agent.checkpoint_store import CheckpointUploads, restore_path
+from federation.agent.checkpoint_store import CheckpointUploads
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.object_store import DataError
 from federation.agent.task_data import TaskData, staging_problem
@@ -178,21 +178,11 @@ class RayTaskData:
             self.checkpoints.directory.mkdir(parents=True, exist_ok=True)
 
     async def _stage_restore(self, item: site_link_service_pb2.StagedInput) -> None:
-        """Stages the stored checkpoint the task restores from; one that cannot be had is no
-        failure: the task starts fresh, and its reason says why."""
-        dest = restore_path(self.folder, item)
-        try:
-            await self.data.restore(item, dest, None)
-        except DataError as exc:
-            self.note = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
-            log.warning(
-                "checkpoint_not_restored", job_id=self.key[0], task=self.key[1], error=str(exc)
-            )
+        """Stages the stored checkpoint the task restores from, or says why it starts fresh."""
+        record, why = await self.data.restore(self.key, item, self.folder, None, self._restore)
+        if record is None:
+            self.note = why
             return
-        record = jobs_pb2.CheckpointRecord()
-        if self._restore is not None:
-            record.CopyFrom(self._restore)
-        record.path = str(dest)
         self.restored = record
         if self.checkpoints is not None:
             self.checkpoints.restore_from_copy(record)
@@ -218,10 +208,7 @@ class RayTaskData:
         if self.checkpoints is not None:
             await self.checkpoints.last_look(self.started_at)
         if self.uploads is not None:
-            if state == _SUCCEEDED:
-                self.uploads.cancel()  # never restored from: not worth the wait
-            else:
-                await self.uploads.flush()
+            await self.uploads.settle(state == _SUCCEEDED)
         outputs = self.spec.outputs
         if state == _SUCCEEDED and outputs:
             try:

@@ -117,6 +117,14 @@ class CheckpointUploads:
         if self._worker is not None:
             self._worker.cancel()
 
+    async def settle(self, succeeded: bool) -> None:
+        """As the task ends: its newest checkpoint uploaded, unless it succeeded (then never
+        restored from: not worth the wait)."""
+        if succeeded:
+            self.cancel()
+        else:
+            await self.flush()
+
     async def _run(self) -> None:
         while (record := self._waiting) is not None:
             self._waiting = None

@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from federation.agent.accounts import Account
-from federation.agent.checkpoint_store import prune, replicate
+from federation.agent.checkpoint_store import prune, replicate, restore_path
 from federation.agent.dataset_replicas import DatasetReplicas
 from federation.agent.object_store import (
     DataError,
@@ -295,21 +295,38 @@ class TaskData:
         return site_link_service_pb2.ReplicateAnswer()
 
     async def restore(
-        self, item: site_link_service_pb2.StagedInput, dest: Path, account: Account | None
-    ) -> None:
-        """Stage an uploaded checkpoint at ``dest`` (in the task's work folder). Raises
-        DataError."""
-        if item.error:
-            raise DataError(item.error)
+        self,
+        key: RunKey,
+        item: site_link_service_pb2.StagedInput,
+        task_dir: Path,
+        account: Account | None,
+        of: jobs_pb2.CheckpointRecord | None,
+    ) -> tuple[jobs_pb2.CheckpointRecord | None, str]:
+        """Stages the uploaded checkpoint task ``key`` restores from in ``task_dir``: the
+        record of it there (``of``, where it now lies), or, when it cannot be had, None and
+        why the task starts fresh (no failure: its reason says so)."""
+        dest = restore_path(task_dir, item)
         try:
-            await asyncio.to_thread(
-                download, item.url, dest, item.bytes, item.sha256, folder=item.folder
-            )
-            if account is not None:
-                await asyncio.to_thread(_give, dest.parent.parent, _relative(dest), account)
-        except OSError as err:
-            raise DataError(f"cannot write {dest.name}: {err}") from None
+            if item.error:
+                raise DataError(item.error)
+            try:
+                await asyncio.to_thread(
+                    download, item.url, dest, item.bytes, item.sha256, folder=item.folder
+                )
+                if account is not None:
+                    await asyncio.to_thread(_give, dest.parent.parent, _relative(dest), account)
+            except OSError as err:
+                raise DataError(f"cannot write {dest.name}: {err}") from None
+        except DataError as exc:
+            job_id, task, _ = key
+            log.warning("checkpoint_not_restored", job_id=job_id, task=task, error=str(exc))
+            return None, f"started fresh: checkpoint {item.dataset} not restored: {exc}"
         log.info("checkpoint_staged", name=item.dataset, bytes=item.bytes)
+        record = jobs_pb2.CheckpointRecord()
+        if of is not None:
+            record.CopyFrom(of)
+        record.path = str(dest)
+        return record, ""
 
     async def describe(
         self, request: site_link_service_pb2.DescribeRequest

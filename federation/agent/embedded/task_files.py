@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import structlog
 
-from federation.agent.checkpoint_store import CheckpointUploads, restore_path
+from federation.agent.checkpoint_store import CheckpointUploads
 from federation.agent.checkpoints import TaskCheckpoints
 from federation.agent.embedded.folders import TaskFolders
 from federation.agent.embedded.launching import ReplicaLauncher
@@ -60,20 +60,13 @@ class TaskFiles:
             await self._stage_restore(task, task.restore_input)
 
     async def _stage_restore(self, task: Task, item: site_link_service_pb2.StagedInput) -> None:
-        """Stages the uploaded checkpoint the task restores from; one that cannot be had is
-        no failure: the task starts fresh, and its reason says why."""
-        dest = restore_path(self._folders.task_dir(task.key), item)
-        try:
-            await self._data.restore(item, dest, self._launcher.account(task))
-        except DataError as exc:
-            task.reason = f"started fresh: checkpoint {item.dataset} not restored: {exc}"
-            job_id, name, _ = task.key
-            log.warning("checkpoint_not_restored", job_id=job_id, task=name, error=str(exc))
+        """Stages the uploaded checkpoint the task restores from, or says why it starts
+        fresh."""
+        task_dir, account = self._folders.task_dir(task.key), self._launcher.account(task)
+        record, why = await self._data.restore(task.key, item, task_dir, account, task.restore_of)
+        if record is None:
+            task.reason = why
             return
-        record = jobs_pb2.CheckpointRecord()
-        if task.restore_of is not None:
-            record.CopyFrom(task.restore_of)
-        record.path = str(dest)
         task.restore = record
         if task.checkpoints is not None:
             task.checkpoints.restore_from_copy(record)
@@ -118,9 +111,5 @@ class TaskFiles:
         stop's grace) and, unless it succeeded, its newest one uploaded."""
         if task.checkpoints is not None:
             await task.checkpoints.last_look(task.started_at)
-        if task.uploads is None:
-            return
-        if state == jobs_pb2.JOB_STATE_SUCCEEDED:
-            task.uploads.cancel()  # never restored from: not worth the wait
-        else:
-            await task.uploads.flush()
+        if task.uploads is not None:
+            await task.uploads.settle(state == jobs_pb2.JOB_STATE_SUCCEEDED)
