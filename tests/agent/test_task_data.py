@@ -3,6 +3,7 @@ real HTTP server on loopback (the URL a holding site would sign), no store neede
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import http.server
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from federation.agent.embedded_core import EmbeddedCore
+from federation.agent.task_data import TaskData
 from federation.api.v1 import jobs_pb2, site_link_service_pb2
 
 from .cores import CANCELLED, FAILED, RUNNING, SUCCEEDED, Recorder, commit_for, node, offer
@@ -159,3 +161,29 @@ async def test_a_missing_output_fails_the_task(
         FAILED,
         "output frames (out.bin): the task did not write it",
     )
+
+
+async def test_a_stored_checkpoint_is_staged_with_its_record_or_the_task_starts_fresh(
+    served: str, tmp_path: Path
+) -> None:
+    """``TaskData.restore`` puts a stored checkpoint in the task's folder and gives its record
+    pointing there; one that cannot be had gives no record and says why the task starts
+    fresh."""
+    data = TaskData(None, "edge-a", scratch=tmp_path / "scratch")
+    key = ("job-1", "train", 2)
+    of = jobs_pb2.CheckpointRecord(epoch=1, progress_s=30.0, path="/elsewhere/ckpt-30")
+    record, why = await data.restore(key, staged(served), tmp_path / "task", None, of)
+    assert why == ""
+    assert record is not None
+    assert (record.epoch, record.progress_s) == (1, 30.0)
+    assert Path(record.path).is_relative_to(tmp_path / "task")
+    assert await asyncio.to_thread(Path(record.path).read_bytes) == DATA
+    reasons = []
+    for bad in (staged(served, error="no copy reached this site"), staged(served, sha256="0" * 64)):
+        record, why = await data.restore(key, bad, tmp_path / "other", None, of)
+        assert record is None
+        reasons.append(why)
+    start = "started fresh: checkpoint task:prep.frames not restored: "
+    assert reasons[0] == start + "no copy reached this site"
+    assert reasons[1].startswith(start)
+    assert "sha256" in reasons[1] or "digest" in reasons[1], reasons[1]
