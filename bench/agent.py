@@ -107,7 +107,7 @@ def children(pid: int) -> list[int]:
 def spawner(agent_pid: int) -> int | None:
     """The agent's spawner, its child that forks the supervisors, once started."""
     for child in children(agent_pid):
-        if b"supervisor.serve()" in Path(f"/proc/{child}/cmdline").read_bytes():
+        if b"supervisor.serve(" in Path(f"/proc/{child}/cmdline").read_bytes():
             return child
     return None
 

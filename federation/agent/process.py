@@ -26,7 +26,14 @@ from pathlib import Path
 import structlog
 
 from federation.agent.accounts import Account
-from federation.agent.spawner import ANSWER_TIMEOUT_S, SPAWNER, Forked, SpawnError, pidfd_of
+from federation.agent.spawner import (
+    ANSWER_TIMEOUT_S,
+    SPAWNER,
+    Forked,
+    SpawnError,
+    answer_of,
+    pidfd_of,
+)
 from federation.agent.supervisor import TAIL_BYTES as TAIL_BYTES
 from federation.agent.supervisor import process_start
 from federation.agent.task_logs import LOG_BYTES, LOG_FILE
@@ -154,24 +161,24 @@ class ReplicaProcess:
         except SpawnError as err:
             raise ReplicaStartError(str(err), 126) from None
         except BaseException:  # given up (the agent is going, say): what was let go is killed
-            forking.add_done_callback(_kill_forked)  # in the spawner's thread if need be
+            forking.add_done_callback(_abandon_forked)  # in the spawner's thread if need be
             raise
         try:
-            # Not wait_for, which may return an answer that came as it was cancelled: the
-            # replica would run on, its start given up.
-            async with asyncio.timeout(ANSWER_TIMEOUT_S):
-                answer = await asyncio.wrap_future(forked.answer)
+            answer = await answer_of(forked)
+        except TimeoutError:
+            forked.abandon()
+            raise ReplicaStartError(
+                f"the supervisor did not answer in {ANSWER_TIMEOUT_S:.0f} s", 126
+            ) from None
         except BaseException:
-            forked.kill()  # its replica dies with it
-            os.close(forked.pidfd)
+            forked.abandon()
             raise
         if answer is None or not answer.startswith("ok "):
             os.close(forked.pidfd)  # it has ended, or ends now, having started nothing
             _, code, message = [*(answer or "").split(" ", 2), "", ""][:3]
-            raise ReplicaStartError(message or "the supervisor failed", int(code or 126))
-        log.debug(
-            "replica_started", supervisor=forked.pid, pid=int(answer.split()[1]), argv=list(argv)
-        )
+            why = message or "the supervisor ended without answering"
+            raise ReplicaStartError(why, int(code) if code.isdigit() else 126)
+        log.debug("replica_started", supervisor=forked.pid, pid=answer[3:], argv=list(argv))
         return cls(forked.pid, forked.start_ticks, forked.pidfd, run_dir)
 
     @classmethod
@@ -271,11 +278,9 @@ def _has_exited(pidfd: int) -> bool:
     return bool(poll.poll(0))
 
 
-def _kill_forked(forking: concurrent.futures.Future[Forked]) -> None:
+def _abandon_forked(forking: concurrent.futures.Future[Forked]) -> None:
     if not forking.cancelled() and forking.exception() is None:
-        forked = forking.result()
-        forked.kill()
-        os.close(forked.pidfd)
+        forking.result().abandon()
 
 
 def _spec(

@@ -9,10 +9,10 @@ runs, so a slow start (an exec on a hung filesystem) holds up no other.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import contextlib
 import os
-import queue
 import select
 import signal
 import subprocess
@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from federation.agent import supervisor
 from federation.agent.supervisor import process_start
@@ -27,7 +28,12 @@ from federation.agent.supervisor import process_start
 ANSWER_TIMEOUT_S = 30.0
 """How long the spawner may take to fork a supervisor, and a supervisor to start its replica
 and say so."""
-_BOOT = "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; supervisor.serve()"
+_ANSWER_AFTER_EXIT_S = 1.0
+"""How long an answer may trail its supervisor's exit (the reader thread may be behind)."""
+_BOOT = (
+    "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; "
+    "supervisor.serve(int(sys.argv[1]))"
+)
 """Runs the spawner from the supervisor's compiled module: as a script it would be compiled at
 its start, and every supervisor it forks would hold that."""
 _SUPERVISOR_DIR = os.path.dirname(supervisor.__file__)
@@ -39,7 +45,8 @@ class SpawnError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Forked:
-    """A supervisor forked and let go: the agent holds it by ``pidfd``."""
+    """A supervisor forked and let go: the agent holds it by ``pidfd`` (closed by ``abandon``,
+    or by whoever takes it on)."""
 
     pid: int
     start_ticks: int
@@ -47,10 +54,41 @@ class Forked:
     answer: concurrent.futures.Future[str | None]
     """Its answer (``ok PID`` or ``error CODE WHY``); None if it ended without one."""
 
-    def kill(self) -> None:
-        """SIGKILLs the supervisor: its replica dies with it (parent-death signal)."""
+    def abandon(self) -> None:
+        """Its start is given up: the supervisor stops its replica (which has run, if it
+        answered ``ok``: then it kills the replica's whole group and records it), or is
+        killed, and its replica with it (parent-death signal)."""
+        answered = self.answer.done() and not self.answer.cancelled()
+        started = answered and (self.answer.result() or "").startswith("ok ")
+        self.answer.cancel()  # no answer is waited for any more
         with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+            signal.pidfd_send_signal(self.pidfd, signal.SIGUSR1 if started else signal.SIGKILL)
+        os.close(self.pidfd)
+
+
+async def answer_of(forked: Forked) -> str | None:
+    """The supervisor's answer; None if it ended without one. Raises TimeoutError after
+    ``ANSWER_TIMEOUT_S``."""
+    loop = asyncio.get_running_loop()
+    answer = asyncio.wrap_future(forked.answer)
+    exited: asyncio.Future[None] = loop.create_future()
+
+    def ended() -> None:
+        if not exited.done():
+            exited.set_result(None)
+
+    loop.add_reader(forked.pidfd, ended)
+    try:
+        async with asyncio.timeout(ANSWER_TIMEOUT_S):
+            either: list[asyncio.Future[Any]] = [answer, exited]
+            await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not answer.done():  # it has ended: an answer it gave is on its way
+            await asyncio.wait([answer], timeout=_ANSWER_AFTER_EXIT_S)
+    finally:
+        loop.remove_reader(forked.pidfd)
+        if not answer.done():
+            answer.cancel()
+    return answer.result() if not answer.cancelled() else None
 
 
 class _Unstarted(Exception):
@@ -58,33 +96,49 @@ class _Unstarted(Exception):
 
 
 class _Channel:
-    """One spawner process, and a thread that reads what it and its supervisors say."""
+    """One spawner process: its requests and what it says of its forks are its alone (it is gone once
+    they close); the supervisors' answers come on a pipe they share, read by a thread."""
 
     def __init__(self) -> None:
-        # Its own session, so that a terminal's signals to the agent miss it, and a clean
-        # environment, as it runs as the agent's user: the task's goes to the replica only.
-        # Started by vfork, never a fork of the gRPC-threaded agent.
-        self.process = subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR],
-            cwd="/",
-            env={},
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+        answers_r, answers_w = os.pipe2(os.O_CLOEXEC)
+        try:
+            # Its own session, so that a terminal's signals to the agent miss it, and a clean
+            # environment, as it runs as the agent's user: the task's goes to the replica
+            # only. Started by vfork, never a fork of the gRPC-threaded agent.
+            self.process = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _BOOT, _SUPERVISOR_DIR, str(answers_w)],
+                cwd="/",
+                env={},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(answers_w,),
+            )
+        except BaseException:
+            os.close(answers_r)
+            raise
+        finally:
+            os.close(answers_w)
         assert self.process.stdin is not None
+        assert self.process.stdout is not None
         self._requests = self.process.stdin.fileno()
-        os.set_blocking(self._requests, False)  # a frozen spawner holds no start for ever
-        self._forked: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._said = self.process.stdout.fileno()
+        for fd in (self._requests, self._said):
+            os.set_blocking(fd, False)  # a frozen spawner holds no start for ever
+        self._read = b""
+        self._gone = False
         self._lock = threading.Lock()
         self._answers: dict[int, concurrent.futures.Future[str | None]] = {}
         """The supervisors let go, by pid, until they answer."""
         self._ended = False
-        threading.Thread(target=self._read, name="spawner-reader", daemon=True).start()
+        reader = threading.Thread(
+            target=self._read_answers, args=(answers_r,), name="spawner-answers", daemon=True
+        )
+        reader.start()
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self._gone and self.process.poll() is None
 
     def spawn(self, spec: bytes) -> Forked:
         """Has a supervisor forked for ``spec`` and lets it go. Raises _Unstarted if the
@@ -92,87 +146,103 @@ class _Channel:
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
         try:
             self._send(b"%d\n%s" % (len(spec), spec), deadline)
+            said = self._line(deadline)
         except BrokenPipeError:
             raise _Unstarted from None
-        except TimeoutError as err:
-            self.stop()
-            raise SpawnError(str(err)) from None
-        try:
-            said = self._forked.get(timeout=max(0.0, deadline - time.monotonic()))
-        except queue.Empty:
+        except TimeoutError:
             self.stop()  # the supervisor it may have forked meanwhile is never let go
             raise SpawnError(
                 f"the replica spawner did not fork in {ANSWER_TIMEOUT_S:.0f} s"
             ) from None
-        if said is None:
-            raise _Unstarted
+        try:
+            return self._let_go(said, deadline)
+        except (_Unstarted, SpawnError):
+            raise
+        except Exception as err:  # unforeseen: nothing is let go, and the spawner is not reused
+            self.stop()
+            raise SpawnError(f"the replica spawner failed: {err!r}") from None
+
+    def _let_go(self, said: str, deadline: float) -> Forked:
         pid_text, ticks_text, why = [*said.split(" ", 2), "", ""][:3]
         pid, start_ticks = int(pid_text), int(ticks_text)
         if pid == 0:
             raise SpawnError(f"cannot fork a supervisor: {why}")
+        pidfd = None
         try:
             pidfd = pidfd_of(pid, start_ticks)
-        except OSError as err:
-            self._let_go(False, deadline)
-            raise SpawnError(f"cannot watch the supervisor: {err}") from None
-        if pidfd is None:
-            self._let_go(False, deadline)
-            raise SpawnError("the supervisor ended as soon as it was forked")
-        answer = self._expect(pid)
-        try:
-            self._let_go(True, deadline)
-        except BaseException:
-            os.close(pidfd)
+            if pidfd is None:
+                raise SpawnError("the supervisor ended as soon as it was forked")
+            answer = self._expect(pid)
+            self._send(b"g", deadline)
+        except BaseException as err:
+            if pidfd is not None:
+                os.close(pidfd)
+            self.stop()  # the supervisor is never let go
+            if isinstance(err, BrokenPipeError):
+                raise _Unstarted from None  # it had ended
             raise
         return Forked(pid, start_ticks, pidfd, answer)
 
     def stop(self) -> None:
+        self._gone = True
         self.process.kill()
-        self.process.wait()
-
-    def _let_go(self, go: bool, deadline: float) -> None:
-        try:
-            self._send(b"g" if go else b"n", deadline)
-        except (BrokenPipeError, TimeoutError):
-            self.stop()  # it forgets what it forked: the supervisor gets no go, and ends
-            if go:
-                raise _Unstarted from None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(5)  # one that cannot die (stuck in the kernel) is left behind
 
     def _send(self, data: bytes, deadline: float) -> None:
         view = memoryview(data)
-        poll = select.poll()
-        poll.register(self._requests, select.POLLOUT)
         while view:
-            left = deadline - time.monotonic()
-            if left <= 0 or not poll.poll(left * 1000):
-                raise TimeoutError("the replica spawner takes no request")
+            self._wait(self._requests, select.POLLOUT, deadline)
             view = view[os.write(self._requests, view) :]
+
+    def _line(self, deadline: float) -> str:
+        """The spawner's next line. Raises BrokenPipeError if it has ended."""
+        while b"\n" not in self._read:
+            self._wait(self._said, select.POLLIN, deadline)
+            chunk = os.read(self._said, 4096)
+            if not chunk:
+                self._gone = True
+                raise BrokenPipeError("the replica spawner ended")
+            self._read += chunk
+        line, self._read = self._read.split(b"\n", 1)
+        return line.decode(errors="replace")
+
+    @staticmethod
+    def _wait(fd: int, event: int, deadline: float) -> None:
+        poll = select.poll()
+        poll.register(fd, event)
+        left = deadline - time.monotonic()
+        if left <= 0 or not poll.poll(left * 1000):
+            raise TimeoutError("the replica spawner did not answer")
 
     def _expect(self, pid: int) -> concurrent.futures.Future[str | None]:
         answer: concurrent.futures.Future[str | None] = concurrent.futures.Future()
         with self._lock:
             if self._ended:
                 answer.set_result(None)
-            else:
-                self._answers[pid] = answer
+                return answer
+            self._answers[pid] = answer
+
+        def forget(done: concurrent.futures.Future[str | None]) -> None:
+            with self._lock:  # given up before it answered
+                if self._answers.get(pid) is done:
+                    del self._answers[pid]
+
+        answer.add_done_callback(forget)
         return answer
 
-    def _read(self) -> None:
-        """Until the spawner and every supervisor it let go have closed its output."""
-        assert self.process.stdout is not None
-        for raw in self.process.stdout:
-            head, _, rest = raw.decode(errors="replace").rstrip("\n").partition(" ")
-            if head == "forked":
-                self._forked.put(rest)
-            elif head.isdigit():
+    def _read_answers(self, fd: int) -> None:
+        """Until the spawner and every supervisor it let go have closed the answers pipe."""
+        with open(fd, "rb") as answers:
+            for raw in answers:
+                pid, _, text = raw.decode(errors="replace").rstrip("\n").partition(" ")
                 with self._lock:
-                    answer = self._answers.pop(int(head), None)
+                    answer = self._answers.pop(int(pid), None) if pid.isdigit() else None
                 if answer is not None and answer.set_running_or_notify_cancel():
-                    answer.set_result(rest)  # unless the start was given up
+                    answer.set_result(text)
         with self._lock:
             self._ended = True
             unanswered, self._answers = self._answers, {}
-        self._forked.put(None)
         for answer in unanswered.values():
             if answer.set_running_or_notify_cancel():
                 answer.set_result(None)
@@ -196,7 +266,13 @@ class Spawner:
     def _spawn(self, spec: bytes) -> Forked:
         for _ in range(2):  # in the spawner's one thread
             if self._channel is None or not self._channel.alive():
-                self._channel = _Channel()
+                if self._channel is not None:
+                    self._channel.stop()
+                try:
+                    self._channel = _Channel()
+                except OSError as err:
+                    self._channel = None
+                    raise SpawnError(f"cannot start the replica spawner: {err}") from None
             try:
                 return self._channel.spawn(spec)
             except _Unstarted:

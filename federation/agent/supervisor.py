@@ -446,32 +446,34 @@ class Supervisor:
         write_atomically(self._spec["exit"], status.encode(), sync=True)
 
 
-def serve() -> None:
+def serve(answers: int) -> None:
     """The spawner: reads launch specs from stdin, each as ``LENGTH\\n`` and that many bytes of
     ``marshal``, until it closes (the agent has ended), and forks a supervisor for each.
 
-    For each it says ``forked PID START`` on stdout (``forked 0 0 WHY`` if it could not), then
-    reads one byte from the agent: ``g`` lets the supervisor go; anything else, or nothing,
-    ends it before it starts anything. The agent holds the supervisor by a pidfd before it
-    lets it go, so it can stop whatever it asked for. Each supervisor then answers the agent
-    itself, on the same stdout, in one line of its own (``PID ok REPLICA`` or ``PID error CODE
-    WHY``): a slow start holds up no other.
+    For each it says ``PID START`` on stdout, which it alone holds (``0 0 WHY`` if it could not
+    fork), then reads one byte from the agent: ``g`` lets the supervisor go;
+    anything else, or nothing, ends it before it starts anything. The agent holds the
+    supervisor by a pidfd before it lets it go, so it can stop whatever it asked for. Each
+    supervisor then answers the agent itself, on the ``answers`` pipe all of them share, in one
+    line of its own (``PID ok REPLICA`` or ``PID error CODE WHY``): a slow start holds up no
+    other.
     """
     os.chdir("/")  # pins no folder; each supervisor works in its replica's
+    os.set_inheritable(answers, False)  # the supervisors' replicas never hold it
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors
     # Objects a supervisor's collections need not visit: their pages stay shared with it.
     gc.freeze()
     requests = sys.stdin.buffer
     while header := requests.readline():
         spec = marshal.loads(requests.read(int(header)))
-        if not _fork_supervisor(spec, requests):
+        if not _fork_supervisor(spec, requests, answers):
             return  # the agent is gone
 
 
-def _say(line: bytes) -> None:
+def _say(fd: int, line: bytes) -> None:
     """One line to the agent, in one write: under ``PIPE_BUF``, it never mixes with another
     process's line (it raises BrokenPipeError once the agent is gone)."""
-    os.write(1, line[: _LINE_BYTES - 1] + b"\n")
+    os.write(fd, line[: _LINE_BYTES - 1] + b"\n")
 
 
 def _one_line(text: str) -> bytes:
@@ -479,59 +481,64 @@ def _one_line(text: str) -> bytes:
     return "".join(c if c >= " " else f"\\x{ord(c):02x}" for c in text).encode()
 
 
-def _fork_supervisor(spec: dict[str, Any], requests: Any) -> bool:
+def _fork_supervisor(spec: dict[str, Any], requests: Any, answers: int) -> bool:
     """Forks a supervisor for ``spec`` and lets it go if the agent says so; False once the
     agent is gone."""
     try:
         go_r, go_w = os.pipe2(os.O_CLOEXEC)
     except OSError as err:
-        _say(b"forked 0 0 " + _one_line(f"pipe: {err.strerror}"))
+        _say(1, b"0 0 " + _one_line(f"pipe: {err.strerror}"))
         return True
     try:
         pid = os.fork()
     except OSError as err:
         os.close(go_r)
         os.close(go_w)
-        _say(b"forked 0 0 " + _one_line(f"fork: {err.strerror}"))
+        _say(1, b"0 0 " + _one_line(f"fork: {err.strerror}"))
         return True
     if pid == 0:  # never returns into the spawner's loop
         code = 1
         try:
+            # The spawner's pipes are its own: its death shows in them at once.
+            devnull = os.open(os.devnull, os.O_RDWR)
+            os.dup2(devnull, 0)
+            os.dup2(devnull, 1)
+            os.close(devnull)
             os.close(go_w)
             if os.read(go_r, 1):  # nothing: the agent let it go no further
                 os.close(go_r)
-                _supervise(spec)
+                _supervise(spec, answers)
                 code = 0
         finally:
             os._exit(code)
     os.close(go_r)
     try:
-        _say(b"forked %d %d" % (pid, process_start(pid) or 0))
+        _say(1, b"%d %d" % (pid, process_start(pid) or 0))
         verdict = requests.read(1)
         if verdict == b"g":
-            os.write(go_w, b"g")
+            try:  # noqa: SIM105 (contextlib: more memory in every supervisor)
+                os.write(go_w, b"g")
+            except BrokenPipeError:  # it died meanwhile: the agent's pidfd shows it
+                pass
     finally:
         os.close(go_w)
     return bool(verdict)
 
 
-def _supervise(spec: dict[str, Any]) -> None:
+def _supervise(spec: dict[str, Any], answers: int) -> None:
     """In the forked supervisor: starts the replica, answers, and watches it."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # its replica is its own to wait for
     os.setsid()  # outlives the spawner and the agent
-    devnull = os.open(os.devnull, os.O_RDWR)
-    os.dup2(devnull, 0)  # the spawner's requests stay the spawner's
     try:
         supervisor = Supervisor(spec)
         said = supervisor.start()
     except Exception as err:  # its log cannot be opened, say: the agent hears why at once
         said = f"error 126 the supervisor failed: {err}"
-    _say(b"%d %s" % (os.getpid(), _one_line(said)))
-    os.dup2(devnull, 1)  # the agent reads the spawner's output to its end
-    os.close(devnull)
+    _say(answers, b"%d %s" % (os.getpid(), _one_line(said)))
+    os.close(answers)  # the agent's reader ends once the spawner and all answers are gone
     if said.startswith("ok"):
         supervisor.run()
 
 
 if __name__ == "__main__":
-    serve()
+    serve(int(sys.argv[1]))

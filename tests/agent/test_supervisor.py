@@ -19,6 +19,7 @@ import pytest
 from federation.agent import spawner as spawning
 from federation.agent import supervisor
 from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError
+from federation.agent.task_logs import LOG_FILE
 from federation.agent.task_records import TaskRecords
 
 from .test_process import gone
@@ -262,7 +263,7 @@ async def test_supervisors_are_forked_by_one_spawner_and_work_in_their_replicas_
     assert len(spawners) == 1
     spawner = psutil.Process(spawners.pop())
     assert spawner.ppid() == os.getpid()
-    assert "supervisor.serve()" in " ".join(spawner.cmdline())
+    assert "supervisor.serve(" in " ".join(spawner.cmdline())
     assert [psutil.Process(proc.pid).cwd() for proc in procs] == [str(first), str(second)]
     for proc in procs:
         assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
@@ -286,29 +287,6 @@ async def test_a_spawner_that_died_is_started_again_and_its_supervisors_run_on(
     assert not before.exited
     for proc in (before, after):
         assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
-
-
-async def test_a_start_cancelled_midway_leaves_no_replica(tmp_path: Path) -> None:
-    """Cancelled while the spawner forks its supervisor, the start leaves nothing running:
-    what was forked is killed, and its replica with it."""
-    cancelled = 0
-    for attempt in range(10):
-        folder = tmp_path / str(attempt)
-        folder.mkdir()
-        code = "import os, time; open('pid', 'w').write(str(os.getpid())); time.sleep(60)"
-        starting = asyncio.ensure_future(start(code, folder))
-        await asyncio.sleep(attempt * 0.002)  # cancelled at a different point each time
-        if not starting.cancel():  # too late: it started, and is the caller's to stop
-            assert await asyncio.wait_for((await starting).terminate(grace_s=5), 10)
-            continue
-        with contextlib.suppress(asyncio.CancelledError):
-            await starting
-            raise AssertionError(f"attempt {attempt}: a cancelled start returned a replica")
-        await asyncio.sleep(0.5)  # a replica forked before the kill has written its pid
-        if (folder / "pid").exists() and (pid := (folder / "pid").read_text()):
-            assert await gone(int(pid)), f"attempt {attempt}: replica {pid} runs on"
-        cancelled += 1
-    assert cancelled >= 3, "too few starts were cancelled midway to tell"
 
 
 # An agent that leaves on purpose while a start is under way: ``asyncio.run`` cancels it as
@@ -366,24 +344,6 @@ async def test_a_start_given_up_as_its_agent_leaves_leaves_no_replica(tmp_path: 
     assert given_up >= 2, "too few starts were given up midway to tell"
 
 
-async def test_a_command_name_cannot_speak_for_another_start(tmp_path: Path) -> None:
-    """A command whose name holds newlines and the words of another answer fails alone, with
-    its name shown escaped; the next start is still told its own supervisor."""
-    forged = tmp_path / "x\n1 1\nok 1 "
-    forged.write_bytes(b"\x7fELF not really\n")
-    forged.chmod(0o755)
-    with pytest.raises(ReplicaStartError) as failed:
-        await ReplicaProcess.start(
-            [str(forged)], cwd=tmp_path, env={}, run_dir=tmp_path / "run-forged", grace_s=1
-        )
-    assert "\\x0a1 1\\x0aok 1" in str(failed.value)
-    (tmp_path / "next").mkdir()
-    proc = await start("print('mine'); import time; time.sleep(60)", tmp_path / "next")
-    assert psutil.Process(proc.pid).cwd() == str(tmp_path / "next")
-    assert await first_line(tmp_path / "next" / "run" / "output") == "mine"
-    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
-
-
 async def test_a_frozen_spawner_fails_the_start_in_time_and_is_replaced(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -405,6 +365,133 @@ async def test_a_frozen_spawner_fails_the_start_in_time_and_is_replaced(
     assert psutil.Process(after.pid).ppid() != spawner
     for proc in (first, after):
         assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def the_spawner(tmp_path: Path) -> psutil.Process:
+    """This process's spawner, started by a replica that runs and ends if need be."""
+    for child in psutil.Process().children():
+        if "supervisor.serve(" in " ".join(child.cmdline()):
+            return child
+    (tmp_path / "first").mkdir()
+    proc = await start("pass", tmp_path / "first")
+    await asyncio.wait_for(proc.wait(), 10)
+    return await the_spawner(tmp_path)
+
+
+async def held_start(
+    folder: Path, spawner: psutil.Process, code: str = "import time; time.sleep(60)"
+) -> tuple[asyncio.Task[ReplicaProcess], psutil.Process]:
+    """A start whose supervisor is held before it answers: its log is a FIFO nobody reads, so
+    opening it blocks. The start, and the supervisor."""
+    await asyncio.to_thread((folder / "run").mkdir, parents=True)
+    os.mkfifo(folder / "run" / LOG_FILE)
+    before = {child.pid for child in spawner.children()}
+    starting = asyncio.ensure_future(start(code, folder))
+    deadline = time.monotonic() + 10
+    while not (new := [c for c in spawner.children() if c.pid not in before]):
+        assert time.monotonic() < deadline, "no supervisor was forked"
+        await asyncio.sleep(0.02)
+    return starting, new[0]
+
+
+async def test_a_supervisor_that_dies_before_it_answers_fails_its_start_at_once(
+    tmp_path: Path,
+) -> None:
+    """Killed before it answers (the OOM killer, say), a supervisor fails its start at once
+    with a start error, not after the answer's timeout."""
+    starting, held = await held_start(tmp_path / "a", await the_spawner(tmp_path))
+    held.kill()
+    killed = time.monotonic()
+    with pytest.raises(ReplicaStartError, match="ended without answering"):
+        await asyncio.wait_for(starting, 10)
+    assert time.monotonic() - killed < 5
+
+
+async def test_a_start_given_up_before_its_answer_kills_its_supervisor(tmp_path: Path) -> None:
+    """Cancelled while its supervisor has not answered, the start kills the supervisor."""
+    starting, held = await held_start(tmp_path / "a", await the_spawner(tmp_path))
+    starting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await starting
+    assert await gone(held.pid)
+
+
+async def test_a_start_given_up_while_its_supervisor_is_forked_lets_nothing_run(
+    tmp_path: Path,
+) -> None:
+    """Cancelled while the spawner has not yet forked (stopped here), the start kills the
+    supervisor forked afterwards, before its replica runs; and the spawner goes on."""
+    spawner = await the_spawner(tmp_path)
+    (tmp_path / "a").mkdir()
+    before = {child.pid for child in spawner.children()}
+    spawner.suspend()
+    try:
+        code = "import os; open('pid', 'w').write(str(os.getpid()))"
+        starting = asyncio.ensure_future(start(code, tmp_path / "a"))
+        await asyncio.sleep(0.3)  # the request is written, and waits for the spawner
+        starting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await starting
+    finally:
+        spawner.resume()
+    deadline = time.monotonic() + 10
+    while forked := [c for c in spawner.children() if c.pid not in before and c.is_running()]:
+        assert time.monotonic() < deadline, f"supervisor {forked} runs on"
+        await asyncio.sleep(0.05)
+    assert not (tmp_path / "a" / "pid").exists()
+    (tmp_path / "b").mkdir()
+    proc = await start("print('after')", tmp_path / "b")
+    assert await asyncio.wait_for(proc.wait(), 10) == 0
+    assert psutil.Process(spawner.pid).is_running()
+
+
+async def test_a_spawner_killed_with_a_request_in_hand_is_replaced_and_the_start_goes_on(
+    tmp_path: Path,
+) -> None:
+    """The spawner dies holding a request it never forked for: the start is sent again, once,
+    to a new spawner, and its replica runs once."""
+    spawner = await the_spawner(tmp_path)
+    (tmp_path / "a").mkdir()
+    spawner.suspend()
+    code = "import os; open(f'ran-{os.getpid()}', 'w').close(); import time; time.sleep(60)"
+    starting = asyncio.ensure_future(start(code, tmp_path / "a"))
+    await asyncio.sleep(0.3)
+    spawner.kill()
+    proc = await asyncio.wait_for(starting, 10)
+    assert psutil.Process(proc.pid).ppid() != spawner.pid
+    deadline = time.monotonic() + 10
+    while not list((tmp_path / "a").glob("ran-*")):
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert len(list((tmp_path / "a").glob("ran-*"))) == 1
+    assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+
+
+async def test_a_command_name_cannot_speak_for_another_start(tmp_path: Path) -> None:
+    """A command whose name holds newlines and the words of another start's answer (of a
+    supervisor still starting) fails alone, with its name shown escaped; the other start is
+    still told its own supervisor's answer."""
+    spawner = await the_spawner(tmp_path)
+    starting, held = await held_start(
+        tmp_path / "a", spawner, "print('mine'); import time; time.sleep(60)"
+    )
+    forged = tmp_path / f"x\n{held.pid} ok 1\n"
+    forged.write_bytes(b"\x7fELF not really\n")
+    forged.chmod(0o755)
+    with pytest.raises(ReplicaStartError) as failed:
+        await ReplicaProcess.start(
+            [str(forged)], cwd=tmp_path, env={}, run_dir=tmp_path / "run-forged", grace_s=1
+        )
+    assert f"x\\x0a{held.pid} ok 1\\x0a" in str(failed.value)
+    assert not starting.done()
+    log = os.open(tmp_path / "a" / "run" / LOG_FILE, os.O_RDONLY | os.O_NONBLOCK)  # lets it go
+    try:
+        proc = await asyncio.wait_for(starting, 10)
+        assert proc.pid == held.pid
+        assert await first_line(tmp_path / "a" / "run" / "output") == "mine"
+        assert await asyncio.wait_for(proc.terminate(grace_s=5), 10)
+    finally:
+        os.close(log)
 
 
 def test_the_exit_record_is_json_whatever_the_reason_holds() -> None:
