@@ -10,7 +10,6 @@ from those files.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import json
 import marshal
@@ -29,7 +28,6 @@ from federation.agent.accounts import Account
 from federation.agent.spawner import (
     ANSWER_TIMEOUT_S,
     SPAWNER,
-    Forked,
     SpawnError,
     answer_of,
     pidfd_of,
@@ -157,11 +155,11 @@ class ReplicaProcess:
         spec = _spec(argv, cwd, env, run_dir, account, grace_s, owner)
         forking = SPAWNER.submit(spec)
         try:
-            forked = await asyncio.wrap_future(forking)
+            forked = await asyncio.wrap_future(forking.future)
         except SpawnError as err:
             raise ReplicaStartError(str(err), 126) from None
-        except BaseException:  # given up (the agent is going, say): what was let go is killed
-            forking.add_done_callback(_abandon_forked)  # in the spawner's thread if need be
+        except BaseException:  # given up (the agent is going, say): nothing is let go, and
+            forking.give_up()  # what was meanwhile is stopped, in the spawner's thread
             raise
         try:
             answer = await answer_of(forked)
@@ -276,11 +274,6 @@ def _has_exited(pidfd: int) -> bool:
     poll = select.poll()
     poll.register(pidfd, select.POLLIN)
     return bool(poll.poll(0))
-
-
-def _abandon_forked(forking: concurrent.futures.Future[Forked]) -> None:
-    if not forking.cancelled() and forking.exception() is None:
-        forking.result().abandon()
 
 
 def _spec(

@@ -28,8 +28,10 @@ from federation.agent.supervisor import process_start
 ANSWER_TIMEOUT_S = 30.0
 """How long the spawner may take to fork a supervisor, and a supervisor to start its replica
 and say so."""
-_ANSWER_AFTER_EXIT_S = 1.0
+_ANSWER_AFTER_EXIT_S = 5.0
 """How long an answer may trail its supervisor's exit (the reader thread may be behind)."""
+_STOP_GRACE_S = 2.0
+"""How long a supervisor told to stop a given-up start has before it is killed."""
 _BOOT = (
     "import sys; sys.path.insert(0, sys.argv.pop(1)); import supervisor; "
     "supervisor.serve(int(sys.argv[1]))"
@@ -55,14 +57,22 @@ class Forked:
     """Its answer (``ok PID`` or ``error CODE WHY``); None if it ended without one."""
 
     def abandon(self) -> None:
-        """Its start is given up: the supervisor stops its replica (which has run, if it
-        answered ``ok``: then it kills the replica's whole group and records it), or is
-        killed, and its replica with it (parent-death signal)."""
-        answered = self.answer.done() and not self.answer.cancelled()
-        started = answered and (self.answer.result() or "").startswith("ok ")
+        """Its start is given up: the supervisor is told to kill its replica's whole group
+        (SIGUSR1: one that has not started it yet starts nothing), and is killed if it has
+        not ended ``_STOP_GRACE_S`` later (its replica with it: parent-death signal)."""
         self.answer.cancel()  # no answer is waited for any more
         with contextlib.suppress(ProcessLookupError):
-            signal.pidfd_send_signal(self.pidfd, signal.SIGUSR1 if started else signal.SIGKILL)
+            signal.pidfd_send_signal(self.pidfd, signal.SIGUSR1)
+        overdue = threading.Timer(_STOP_GRACE_S, self._kill)
+        overdue.daemon = True
+        overdue.start()
+
+    def _kill(self) -> None:
+        poll = select.poll()
+        poll.register(self.pidfd, select.POLLIN)
+        if not poll.poll(0):
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         os.close(self.pidfd)
 
 
@@ -96,8 +106,9 @@ class _Unstarted(Exception):
 
 
 class _Channel:
-    """One spawner process: its requests and what it says of its forks are its alone (it is gone once
-    they close); the supervisors' answers come on a pipe they share, read by a thread."""
+    """One spawner process: its requests and what it says of its forks are its alone (it is
+    gone once they close); the supervisors' answers come on a pipe they share, read by a
+    thread."""
 
     def __init__(self) -> None:
         answers_r, answers_w = os.pipe2(os.O_CLOEXEC)
@@ -120,6 +131,14 @@ class _Channel:
             raise
         finally:
             os.close(answers_w)
+        try:
+            self._watch(answers_r)
+        except BaseException:
+            self.stop()
+            os.close(answers_r)
+            raise
+
+    def _watch(self, answers_r: int) -> None:
         assert self.process.stdin is not None
         assert self.process.stdout is not None
         self._requests = self.process.stdin.fileno()
@@ -140,14 +159,16 @@ class _Channel:
     def alive(self) -> bool:
         return not self._gone and self.process.poll() is None
 
-    def spawn(self, spec: bytes) -> Forked:
-        """Has a supervisor forked for ``spec`` and lets it go. Raises _Unstarted if the
-        spawner had ended, SpawnError if it failed otherwise (nothing runs either way)."""
+    def spawn(self, spec: bytes, given_up: threading.Event) -> Forked:
+        """Has a supervisor forked for ``spec`` and lets it go, unless ``given_up`` is set by
+        then. Raises _Unstarted if the spawner had ended, SpawnError if it failed otherwise
+        (nothing runs either way)."""
         deadline = time.monotonic() + ANSWER_TIMEOUT_S
         try:
             self._send(b"%d\n%s" % (len(spec), spec), deadline)
             said = self._line(deadline)
         except BrokenPipeError:
+            self._gone = True
             raise _Unstarted from None
         except TimeoutError:
             self.stop()  # the supervisor it may have forked meanwhile is never let go
@@ -155,33 +176,53 @@ class _Channel:
                 f"the replica spawner did not fork in {ANSWER_TIMEOUT_S:.0f} s"
             ) from None
         try:
-            return self._let_go(said, deadline)
+            return self._let_go(said, deadline, given_up)
         except (_Unstarted, SpawnError):
             raise
         except Exception as err:  # unforeseen: nothing is let go, and the spawner is not reused
             self.stop()
             raise SpawnError(f"the replica spawner failed: {err!r}") from None
 
-    def _let_go(self, said: str, deadline: float) -> Forked:
+    def _let_go(self, said: str, deadline: float, given_up: threading.Event) -> Forked:
         pid_text, ticks_text, why = [*said.split(" ", 2), "", ""][:3]
         pid, start_ticks = int(pid_text), int(ticks_text)
         if pid == 0:
             raise SpawnError(f"cannot fork a supervisor: {why}")
-        pidfd = None
+        pidfd = answer = None
         try:
             pidfd = pidfd_of(pid, start_ticks)
             if pidfd is None:
-                raise SpawnError("the supervisor ended as soon as it was forked")
+                raise (
+                    BrokenPipeError
+                    if self._ended_now()
+                    else SpawnError("the supervisor ended as soon as it was forked")
+                )
+            if given_up.is_set():
+                self._send(b"n", deadline)
+                raise SpawnError("given up")
             answer = self._expect(pid)
             self._send(b"g", deadline)
         except BaseException as err:
             if pidfd is not None:
                 os.close(pidfd)
-            self.stop()  # the supervisor is never let go
+            if answer is not None:
+                answer.cancel()
+            if not isinstance(err, SpawnError):
+                self.stop()  # the supervisor is never let go
             if isinstance(err, BrokenPipeError):
                 raise _Unstarted from None  # it had ended
             raise
         return Forked(pid, start_ticks, pidfd, answer)
+
+    def _ended_now(self) -> bool:
+        """Whether the spawner has ended (its child, never let go, ended with it)."""
+        try:
+            self._line(time.monotonic() + 0.5)
+        except BrokenPipeError:
+            return True
+        except TimeoutError:
+            pass
+        return False
 
     def stop(self) -> None:
         self._gone = True
@@ -258,26 +299,49 @@ class Spawner:
         # still has its supervisor killed).
         self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="spawner")
 
-    def submit(self, spec: bytes) -> concurrent.futures.Future[Forked]:
-        """Forks a supervisor for the launch ``spec`` and lets it go, in the spawner's thread.
-        The future raises SpawnError if none could be."""
-        return self._thread.submit(self._spawn, spec)
+    def submit(self, spec: bytes) -> Forking:
+        """Forks a supervisor for the launch ``spec`` and lets it go, in the spawner's thread."""
+        forking = Forking()
+        forking.future = self._thread.submit(self._spawn, spec, forking.given_up)
+        return forking
 
-    def _spawn(self, spec: bytes) -> Forked:
+    def _spawn(self, spec: bytes, given_up: threading.Event) -> Forked:
         for _ in range(2):  # in the spawner's one thread
+            if given_up.is_set():
+                raise SpawnError("given up")
             if self._channel is None or not self._channel.alive():
                 if self._channel is not None:
                     self._channel.stop()
+                self._channel = None
                 try:
                     self._channel = _Channel()
-                except OSError as err:
-                    self._channel = None
+                except Exception as err:
                     raise SpawnError(f"cannot start the replica spawner: {err}") from None
             try:
-                return self._channel.spawn(spec)
+                return self._channel.spawn(spec, given_up)
             except _Unstarted:
                 continue  # it had ended: start another, once
         raise SpawnError("the replica spawner ended as soon as it started")
+
+
+class Forking:
+    """A fork under way in the spawner's thread: ``future`` gives the supervisor let go, or
+    raises SpawnError."""
+
+    future: concurrent.futures.Future[Forked]
+
+    def __init__(self) -> None:
+        self.given_up = threading.Event()
+
+    def give_up(self) -> None:
+        """Nothing is let go from now; one let go meanwhile is abandoned."""
+        self.given_up.set()
+        self.future.add_done_callback(_abandon_forked)
+
+
+def _abandon_forked(future: concurrent.futures.Future[Forked]) -> None:
+    if not future.cancelled() and future.exception() is None:
+        future.result().abandon()
 
 
 def pidfd_of(pid: int, start_ticks: int) -> int | None:

@@ -261,6 +261,9 @@ class Supervisor:
         program = self._spec["argv"][0]
         if not self._watch_agent(self._spec["agent_pid"], self._spec["agent_start"]):
             return "error 126 the agent is gone"
+        if self._signals:  # told to stop already (its start was given up)
+            os.close(self._output_w)
+            return "error 126 stopped before it started"
         try:
             os.chdir(self._spec["cwd"])
         except OSError as err:
@@ -534,7 +537,10 @@ def _supervise(spec: dict[str, Any], answers: int) -> None:
         said = supervisor.start()
     except Exception as err:  # its log cannot be opened, say: the agent hears why at once
         said = f"error 126 the supervisor failed: {err}"
-    _say(answers, b"%d %s" % (os.getpid(), _one_line(said)))
+    try:  # noqa: SIM105 (contextlib: more memory in every supervisor)
+        _say(answers, b"%d %s" % (os.getpid(), _one_line(said)))
+    except OSError:  # the agent is gone: the watch on it decides what becomes of the replica
+        pass
     os.close(answers)  # the agent's reader ends once the spawner and all answers are gone
     if said.startswith("ok"):
         supervisor.run()

@@ -16,8 +16,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from federation.agent import process, supervisor
 from federation.agent import spawner as spawning
-from federation.agent import supervisor
 from federation.agent.process import TAIL_BYTES, ReplicaProcess, ReplicaStartError
 from federation.agent.task_logs import LOG_FILE
 from federation.agent.task_records import TaskRecords
@@ -391,6 +391,10 @@ async def held_start(
     while not (new := [c for c in spawner.children() if c.pid not in before]):
         assert time.monotonic() < deadline, "no supervisor was forked"
         await asyncio.sleep(0.02)
+    # Let go (the agent holds its pidfd by then): a supervisor leads its session only then.
+    while os.getsid(new[0].pid) != new[0].pid:
+        assert time.monotonic() < deadline, "the supervisor was not let go"
+        await asyncio.sleep(0.02)
     return starting, new[0]
 
 
@@ -403,8 +407,9 @@ async def test_a_supervisor_that_dies_before_it_answers_fails_its_start_at_once(
     held.kill()
     killed = time.monotonic()
     with pytest.raises(ReplicaStartError, match="ended without answering"):
-        await asyncio.wait_for(starting, 10)
-    assert time.monotonic() - killed < 5
+        await asyncio.wait_for(starting, 20)
+    assert time.monotonic() - killed < 15  # not the answer's 30 s
+    assert (await the_spawner(tmp_path)).is_running()
 
 
 async def test_a_start_given_up_before_its_answer_kills_its_supervisor(tmp_path: Path) -> None:
@@ -414,6 +419,8 @@ async def test_a_start_given_up_before_its_answer_kills_its_supervisor(tmp_path:
     with pytest.raises(asyncio.CancelledError):
         await starting
     assert await gone(held.pid)
+    assert spawning.SPAWNER._channel is not None
+    assert spawning.SPAWNER._channel._answers == {}  # its answer is not waited for
 
 
 async def test_a_start_given_up_while_its_supervisor_is_forked_lets_nothing_run(
@@ -443,6 +450,34 @@ async def test_a_start_given_up_while_its_supervisor_is_forked_lets_nothing_run(
     proc = await start("print('after')", tmp_path / "b")
     assert await asyncio.wait_for(proc.wait(), 10) == 0
     assert psutil.Process(spawner.pid).is_running()
+
+
+async def test_a_started_replica_given_up_has_its_whole_group_stopped(tmp_path: Path) -> None:
+    """A start given up after its replica ran (and forked a child): the supervisor kills the
+    replica's whole group and records the stop, not just the replica's leader."""
+    (tmp_path / "a").mkdir()
+    code = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "open('child', 'w').write(str(child.pid)); time.sleep(60)\n"
+    )
+    run = tmp_path / "a" / "run"
+    spec = process._spec(
+        [sys.executable, "-c", code], tmp_path / "a", dict(os.environ), run, None, 5.0, None
+    )
+    forked = await asyncio.wrap_future(spawning.SPAWNER.submit(spec).future)
+    answer = await spawning.answer_of(forked)
+    assert answer is not None
+    assert answer.startswith("ok ")
+    deadline = time.monotonic() + 10
+    while not (tmp_path / "a" / "child").exists() or not (tmp_path / "a" / "child").read_text():
+        assert time.monotonic() < deadline, "the replica did not start its child"
+        await asyncio.sleep(0.05)
+    child = int((tmp_path / "a" / "child").read_text())
+    forked.abandon()
+    assert await gone(child)
+    assert await gone(forked.pid)
+    assert exit_status(tmp_path / "a")["stopped"] is True
 
 
 async def test_a_spawner_killed_with_a_request_in_hand_is_replaced_and_the_start_goes_on(
@@ -483,6 +518,7 @@ async def test_a_command_name_cannot_speak_for_another_start(tmp_path: Path) -> 
             [str(forged)], cwd=tmp_path, env={}, run_dir=tmp_path / "run-forged", grace_s=1
         )
     assert f"x\\x0a{held.pid} ok 1\\x0a" in str(failed.value)
+    await asyncio.sleep(0.5)  # a forged answer, had it been read as one, would be taken by now
     assert not starting.done()
     log = os.open(tmp_path / "a" / "run" / LOG_FILE, os.O_RDONLY | os.O_NONBLOCK)  # lets it go
     try:
