@@ -16,7 +16,6 @@ Blocking: call these through ``asyncio.to_thread``.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ from google.protobuf import json_format
 
 from federation.agent.usage import Slot
 from federation.api.v1 import jobs_pb2
+from federation.durable import write_private_file
 
 log = structlog.get_logger()
 
@@ -86,15 +86,7 @@ def save_record(folder: Path, record: TaskRecord) -> None:
             for slot, ray_id in zip(record.slots, record.ray_nodes, strict=True)
         ],
     }
-    path = folder / RECORD_FILE
-    partial = folder / f".{RECORD_FILE}.partial"
-    partial.unlink(missing_ok=True)
-    fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as file:
-        json.dump(data, file)
-        file.flush()
-        os.fsync(file.fileno())
-    partial.replace(path)
+    write_private_file(folder / RECORD_FILE, json.dumps(data).encode())
 
 
 def read_record(folder: Path) -> TaskRecord | None:
