@@ -69,10 +69,10 @@ class RayAutoscalerProvider:
         self.delays = delays
         self._poll_s = poll_s
         self._ray_node: dict[str, str] = {}
+        """The site's node → the id of the Ray node that is it."""
         self._claimed_at: dict[str, float] = {}
         """When (monotonic) each launched node was claimed: a reading of Ray's nodes taken
         before that may not show it yet."""
-        """The site's node → the id of the Ray node that is it."""
         self._wanted: dict[str, str] = {}
         """The site's nodes launching or running → their type: the autoscaler's request."""
         self._requesting = asyncio.Lock()
