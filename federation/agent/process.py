@@ -14,7 +14,6 @@ import contextlib
 import json
 import marshal
 import os
-import select
 import shutil
 import signal
 import sys
@@ -30,6 +29,7 @@ from federation.agent.spawner import (
     SPAWNER,
     SpawnError,
     answer_of,
+    has_exited,
     pidfd_of,
 )
 from federation.agent.supervisor import TAIL_BYTES as TAIL_BYTES
@@ -185,7 +185,7 @@ class ReplicaProcess:
         (``pid``, started at ``start_ticks``) still runs; else how it ended, from its files.
         A pid now held by another process is never taken for it."""
         pidfd = pidfd_of(pid, start_ticks)
-        if pidfd is not None and (_has_exited(pidfd) or (run_dir / EXIT_FILE).exists()):
+        if pidfd is not None and (has_exited(pidfd) or (run_dir / EXIT_FILE).exists()):
             # It has exited already (a zombie its new parent has not reaped), or it is exiting:
             # the exit file is the last thing it writes, and a fresh start removes it. How the
             # replica ended is known now, for the adopting agent to decide on.
@@ -268,12 +268,6 @@ class ReplicaProcess:
         except Exception:
             log.exception("replica_cleanup_failed", supervisor=self.pid)
         self._done.set_result(self._ended.returncode)
-
-
-def _has_exited(pidfd: int) -> bool:
-    poll = select.poll()
-    poll.register(pidfd, select.POLLIN)
-    return bool(poll.poll(0))
 
 
 def _spec(

@@ -68,9 +68,7 @@ class Forked:
         overdue.start()
 
     def _kill(self) -> None:
-        poll = select.poll()
-        poll.register(self.pidfd, select.POLLIN)
-        if not poll.poll(0):
+        if not has_exited(self.pidfd):
             with contextlib.suppress(ProcessLookupError):
                 signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
         os.close(self.pidfd)
@@ -342,6 +340,13 @@ class Forking:
 def _abandon_forked(future: concurrent.futures.Future[Forked]) -> None:
     if not future.cancelled() and future.exception() is None:
         future.result().abandon()
+
+
+def has_exited(pidfd: int) -> bool:
+    """Whether the process ``pidfd`` holds has exited (its pidfd is readable)."""
+    poll = select.poll()
+    poll.register(pidfd, select.POLLIN)
+    return bool(poll.poll(0))
 
 
 def pidfd_of(pid: int, start_ticks: int) -> int | None:
