@@ -261,15 +261,13 @@ class Supervisor:
         program = self._spec["argv"][0]
         if not self._watch_agent(self._spec["agent_pid"], self._spec["agent_start"]):
             return "error 126 the agent is gone"
-        if self._signals:  # told to stop already (its start was given up)
-            os.close(self._output_w)
-            return "error 126 stopped before it started"
         try:
-            os.chdir(self._spec["cwd"])
-        except OSError as err:
-            os.close(self._output_w)
-            return f"error 126 working directory {self._spec['cwd']}: {err.strerror}"
-        try:
+            if self._signals:  # told to stop already (its start was given up)
+                return "error 126 stopped before it started"
+            try:
+                os.chdir(self._spec["cwd"])
+            except OSError as err:
+                return f"error 126 working directory {self._spec['cwd']}: {err.strerror}"
             self._replica = _start(self._spec, self._output_w)
         except FileNotFoundError as err:
             if err.filename == "exec":
