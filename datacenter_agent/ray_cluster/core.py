@@ -709,17 +709,23 @@ class RayCore:
                 state = jobs_pb2.JOB_STATE_FAILED
                 reason = info.message or f"exit code {task.exit_code}"
             await asyncio.to_thread(remove_named_group, task.reservation_id)
-            if task.data is None and not self._may_be_lost(task, state):
+            suspect = self._may_be_lost(task, state)
+            if task.data is None and not suspect:
                 self._end(task, status, state, reason)
             else:  # Ray's word on its node, its outputs and last checkpoint first, off the poller
-                task.settling = asyncio.create_task(self._settle(task, status, state, reason))
+                settling = self._settle(task, status, state, reason, suspect=suspect)
+                task.settling = asyncio.create_task(settling)
 
     def _may_be_lost(self, task: RayTask, state: int) -> bool:
         launched = self._autoscaler.names().values() if self._autoscaler is not None else ()
         return may_be_lost(task, state, set(launched))
 
-    async def _settle(self, task: RayTask, status: str, state: int, reason: str) -> None:
-        if self._may_be_lost(task, state) and await node_lost(task, self.node_verdict_s):
+    async def _settle(
+        self, task: RayTask, status: str, state: int, reason: str, *, suspect: bool
+    ) -> None:
+        """Ends the task once Ray's word on its node has come, if its failure ``suspect``s a
+        lost node, and its data has settled."""
+        if suspect and await node_lost(task, self.node_verdict_s):
             state, reason = jobs_pb2.JOB_STATE_CANCELLED, task.cancel_reason or reason
         if task.data is not None:
             try:
