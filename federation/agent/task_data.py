@@ -306,21 +306,22 @@ class TaskData:
         record of it there (``of``, where it now lies), or, when it cannot be had, None and
         why the task starts fresh (no failure: its reason says so)."""
         dest = restore_path(task_dir, item)
-        try:
-            if item.error:
-                raise DataError(item.error)
+        why = item.error
+        if not why:
             try:
                 await asyncio.to_thread(
                     download, item.url, dest, item.bytes, item.sha256, folder=item.folder
                 )
                 if account is not None:
                     await asyncio.to_thread(_give, dest.parent.parent, _relative(dest), account)
-            except OSError as err:
-                raise DataError(f"cannot write {dest.name}: {err}") from None
-        except DataError as exc:
+            except DataError as exc:
+                why = str(exc)
+            except OSError as exc:
+                why = f"cannot write {dest.name}: {exc}"
+        if why:
             job_id, task, _ = key
-            log.warning("checkpoint_not_restored", job_id=job_id, task=task, error=str(exc))
-            return None, f"started fresh: checkpoint {item.dataset} not restored: {exc}"
+            log.warning("checkpoint_not_restored", job_id=job_id, task=task, error=why)
+            return None, f"started fresh: checkpoint {item.dataset} not restored: {why}"
         log.info("checkpoint_staged", name=item.dataset, bytes=item.bytes)
         record = jobs_pb2.CheckpointRecord()
         if of is not None:
