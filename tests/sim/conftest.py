@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from federation.sim.fields import InputFileError
+from federation.sim.replay import ReplayResult, replay
+from federation.sim.topology import load_topology
+from federation.sim.trace import load_trace
+
 REGIONS = ("aws:us-east-1", "aws:eu-west-1", "gcp:us-central1-a")
 
 
@@ -15,6 +20,26 @@ def write(folder: Path, name: str, text: str) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def replay_texts(
+    folder: Path, topology: str, trace: str, policies: list[str], seed: int = 0
+) -> ReplayResult:
+    """Replays ``trace`` (CSV text) over ``topology`` (YAML text), written to ``folder``."""
+    return replay(
+        load_topology(write(folder, "t.yaml", topology)),
+        load_trace(write(folder, "trace.csv", trace)),
+        policies,
+        seed=seed,
+    )
+
+
+def refusal(folder: Path, topology: str, old: str, new: str) -> str:
+    """Why ``topology`` (YAML text) with ``old`` put as ``new`` is refused."""
+    assert old in topology
+    with pytest.raises(InputFileError) as refused:
+        load_topology(write(folder, "t.yaml", topology.replace(old, new, 1)))
+    return str(refused.value)
 
 
 @pytest.fixture

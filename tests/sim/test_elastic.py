@@ -21,7 +21,7 @@ from federation.sim.state import SiteState
 from federation.sim.topology import launchable_nodes, load_topology
 from federation.sim.trace import load_trace
 
-from .conftest import write
+from .conftest import refusal, replay_texts, write
 from .test_input_checks import fedctl
 
 CLOUD = """
@@ -97,10 +97,7 @@ TYPE = "sites[1].node_types[0]"
 def test_bad_node_types_are_refused_naming_the_field(
     tmp_path: Path, old: str, new: str, message: str
 ) -> None:
-    assert old in TOPOLOGY
-    with pytest.raises(InputFileError) as refused:
-        load_topology(write(tmp_path, "t.yaml", TOPOLOGY.replace(old, new, 1)))
-    assert message in str(refused.value)
+    assert message in refusal(tmp_path, TOPOLOGY, old, new)
 
 
 @pytest.mark.parametrize("key", ["idle_release_s: 60", "warm_min: 0"])
@@ -134,11 +131,7 @@ PRICE, DELAY_S, RUN_S, IDLE_S = 8.0, 10.0, 100.0, 60.0
 
 
 def _replay(tmp_path: Path, trace: str, policies: list[str], topology: str = TOPOLOGY) -> Result:
-    return replay(
-        load_topology(write(tmp_path, "t.yaml", topology)),
-        load_trace(write(tmp_path, "trace.csv", trace)),
-        policies,
-    )
+    return replay_texts(tmp_path, topology, trace, policies)
 
 
 def test_sites_publish_launchable_nodes_as_an_agent_does(tmp_path: Path) -> None:

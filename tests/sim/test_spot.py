@@ -12,12 +12,11 @@ import pytest
 
 from federation.common import job_state
 from federation.sim.engine import MAX_RECLAIMS
-from federation.sim.fields import InputFileError
 from federation.sim.replay import ReplayResult, replay
 from federation.sim.topology import load_topology
 from federation.sim.trace import load_trace
 
-from .conftest import write
+from .conftest import refusal, replay_texts, write
 from .test_input_checks import fedctl
 
 DELAY_S, RECLAIM_S, SPOT_PRICE, IDLE_S = 10.0, 600.0, 2.0, 60.0
@@ -46,15 +45,14 @@ ONE = (
 )
 
 
+PLAIN = SPOT.replace("        spot: true\n", "").replace("    spot_reclaim_after_s: 600\n", "")
+"""The same site with on-demand nodes only."""
+
+
 def _replay(
     tmp_path: Path, trace: str, topology: str = SPOT, policy: str = "completion-time", seed: int = 0
 ) -> ReplayResult:
-    return replay(
-        load_topology(write(tmp_path, "t.yaml", topology)),
-        load_trace(write(tmp_path, "trace.csv", trace)),
-        [policy],
-        seed=seed,
-    )
+    return replay_texts(tmp_path, topology, trace, [policy], seed)
 
 
 def test_spot_and_the_reclaim_model_are_read(tmp_path: Path) -> None:
@@ -62,8 +60,7 @@ def test_spot_and_the_reclaim_model_are_read(tmp_path: Path) -> None:
     (node_type,) = site.node_types
     assert (node_type.spot, node_type.spot_price_per_hour) == (True, SPOT_PRICE)
     assert (site.spot_reclaim_after_s, site.spot_mean_lifetime_s) == (RECLAIM_S, 0.0)
-    plain = SPOT.replace("        spot: true\n", "").replace("    spot_reclaim_after_s: 600\n", "")
-    (site,) = load_topology(write(tmp_path, "t.yaml", plain)).sites
+    (site,) = load_topology(write(tmp_path, "t.yaml", PLAIN)).sites
     assert (site.node_types[0].spot, site.spot_reclaim_after_s) == (False, 0.0)
 
 
@@ -92,10 +89,7 @@ def test_spot_and_the_reclaim_model_are_read(tmp_path: Path) -> None:
 def test_bad_spot_settings_are_refused_naming_the_field(
     tmp_path: Path, old: str, new: str, message: str
 ) -> None:
-    assert old in SPOT
-    with pytest.raises(InputFileError) as refused:
-        load_topology(write(tmp_path, "t.yaml", SPOT.replace(old, new, 1)))
-    assert message in str(refused.value)
+    assert message in refusal(tmp_path, SPOT, old, new)
 
 
 def test_a_reclaimed_task_restarts_from_its_checkpoint_on_a_relaunched_node(
@@ -192,8 +186,7 @@ def test_every_policy_finishes_every_task_despite_reclaims(tmp_path: Path, polic
 
 
 def test_without_spot_the_report_has_no_spot_figures(tmp_path: Path) -> None:
-    plain = SPOT.replace("        spot: true\n", "").replace("    spot_reclaim_after_s: 600\n", "")
-    figures = _replay(tmp_path, ONE, plain).summary["policies"]["completion-time"]
+    figures = _replay(tmp_path, ONE, PLAIN).summary["policies"]["completion-time"]
     assert not any(key.startswith("spot_") for key in figures)
     assert figures["cost_usd"]["elastic"] == pytest.approx(8.0 * (1010 + IDLE_S) / 3600)
 
