@@ -254,6 +254,16 @@ def checkpointed() -> jobs_pb2.TaskSpec:
     return spec
 
 
+async def checkpoint_reported(reports: Reports, job_id: str, name: str) -> None:
+    """Waits until job ``job_id``'s newest report names checkpoint ``name``."""
+
+    def reported() -> bool:
+        report = last(reports, job_id)
+        return report is not None and report.checkpoint.path.endswith(name)
+
+    await until(reported, f"checkpoint {name} reported", timeout_s=60)
+
+
 async def test_a_stopped_task_restarts_from_its_checkpoint(
     make_core: MakeCore, tmp_path: Path
 ) -> None:
@@ -262,11 +272,7 @@ async def test_a_stopped_task_restarts_from_its_checkpoint(
     core, reports, _ = await make_core()
     await run(core, "j-ckpt", checkpointed())
 
-    def third() -> bool:
-        report = last(reports, "j-ckpt")
-        return report is not None and report.checkpoint.path.endswith("step-3")
-
-    await until(third, "the third checkpoint reported", timeout_s=60)
+    await checkpoint_reported(reports, "j-ckpt", "step-3")
     report = last(reports, "j-ckpt")
     assert report is not None
     assert report.state == jobs_pb2.JOB_STATE_RUNNING
@@ -314,11 +320,7 @@ async def test_a_restarted_agent_watches_an_adopted_tasks_checkpoints_and_keeps_
     spec.outputs.add(name="model", path="model.bin")
     await run(core, "j-adopt", spec)
 
-    def first() -> bool:
-        report = last(reports, "j-adopt")
-        return report is not None and report.checkpoint.path.endswith("step-1")
-
-    await until(first, "the first checkpoint reported", timeout_s=60)
+    await checkpoint_reported(reports, "j-adopt", "step-1")
     before = last(reports, "j-adopt")
     assert before is not None
     record = tmp_path / "work/j-adopt/main/1/task-record.json"
