@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
+import termios
 import time
 from pathlib import Path
 
@@ -378,6 +380,19 @@ async def the_spawner(tmp_path: Path) -> psutil.Process:
     return await the_spawner(tmp_path)
 
 
+async def request_waiting() -> None:
+    """Waits until a request is written to the (stopped) spawner and waits in its pipe."""
+    deadline = time.monotonic() + 10
+    while True:
+        channel = spawning.SPAWNER._channel
+        if channel is not None:
+            waiting = fcntl.ioctl(channel._requests, termios.FIONREAD, b"\0\0\0\0")
+            if int.from_bytes(waiting, sys.byteorder):
+                return
+        assert time.monotonic() < deadline, "no request was written to the spawner"
+        await asyncio.sleep(0.02)
+
+
 async def held_start(
     folder: Path, spawner: psutil.Process, code: str = "import time; time.sleep(60)"
 ) -> tuple[asyncio.Task[ReplicaProcess], psutil.Process]:
@@ -435,7 +450,7 @@ async def test_a_start_given_up_while_its_supervisor_is_forked_lets_nothing_run(
     try:
         code = "import os; open('pid', 'w').write(str(os.getpid()))"
         starting = asyncio.ensure_future(start(code, tmp_path / "a"))
-        await asyncio.sleep(0.3)  # the request is written, and waits for the spawner
+        await request_waiting()
         starting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await starting
@@ -490,7 +505,7 @@ async def test_a_spawner_killed_with_a_request_in_hand_is_replaced_and_the_start
     spawner.suspend()
     code = "import os; open(f'ran-{os.getpid()}', 'w').close(); import time; time.sleep(60)"
     starting = asyncio.ensure_future(start(code, tmp_path / "a"))
-    await asyncio.sleep(0.3)
+    await request_waiting()
     spawner.kill()
     proc = await asyncio.wait_for(starting, 10)
     assert psutil.Process(proc.pid).ppid() != spawner.pid
